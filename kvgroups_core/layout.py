@@ -1,0 +1,249 @@
+"""Per-layer geometry of every format, read generically from shapes and strides.
+
+:func:`layer_layouts` turns a normalized KV cache structure plus one format per layer into one
+:class:`LayerLayout` per layer: the sizes the grouping keys on (kv_size, heads, head size, block
+size, dtype), the padding rule, and the page model of ``docs/DESIGN.md`` (where each plane
+starts, the block stride and the :class:`~kvgroups_core.segments.SegmentRun` s of a token row).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from .descriptors import TensorDesc, describe
+from .dtypes import DType
+from .errors import KVGroupsTypeError, KVGroupsValueError
+from .formats import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
+from .segments import SegmentRun, widest_unit
+
+#: Blocked-scale indexer rows: 128 bytes of fp8 values and a 4-byte scale per token.
+INDEXER_VALUE_BYTES = 128
+INDEXER_SCALE_BYTES = 4
+INDEXER_ROW_BYTES = INDEXER_VALUE_BYTES + INDEXER_SCALE_BYTES
+
+
+@dataclass(frozen=True, eq=False)
+class LayerLayout:
+    """Geometry of one layer in the page model.
+
+    ``planes[kv]`` is ``(tensor, byte_offset)``: the backing tensor holding plane ``kv`` and the
+    byte offset of that plane's block 0 from the tensor's first element.
+    """
+
+    format: EngineKVFormat
+    kv_size: int
+    num_blocks: int
+    block_size: int
+    num_heads: int
+    head_size: int
+    dtype: DType
+    block_stride_elems: int
+    block_stride_bytes: int
+    runs: tuple[SegmentRun, ...]
+    planes: tuple[tuple[TensorDesc, int], ...]
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one token row of one plane in a memory object (``nh * hs * itemsize``)."""
+        return self.num_heads * self.head_size * self.dtype.itemsize
+
+    @property
+    def unit_bytes(self) -> int:
+        """Widest power-of-two vector (<= 16 B) dividing every size, offset and stride."""
+        values: list[int] = [self.block_stride_bytes, self.row_bytes]
+        for run in self.runs:
+            values += [run.nbytes, run.obj_offset, run.obj_step, run.cache_offset,
+                       run.cache_step, run.token_stride]
+        values += [offset for _, offset in self.planes]
+        return widest_unit(values)
+
+    def same_geometry(self, other: "LayerLayout") -> bool:
+        """True when one kernel launch can move both layers (pointers aside)."""
+        return (
+            self.format is other.format
+            and self.num_blocks == other.num_blocks
+            and self.block_stride_bytes == other.block_stride_bytes
+            and self.runs == other.runs
+            and self.dtype == other.dtype
+        )
+
+
+def _axis(axes: tuple[str, ...], name: str) -> int | None:
+    return axes.index(name) if name in axes else None
+
+
+def _check_dense(desc: TensorDesc, fmt: EngineKVFormat, what: str) -> None:
+    """Accept a permutation of a contiguous tensor, with per-block padding on dim 0 when dim 0
+    is the block axis and outermost in memory; reject any other strided layout."""
+    spec = desc.spec
+    dims = [(spec.strides[i], spec.shape[i], i) for i in range(spec.ndim) if spec.shape[i] > 1]
+    dims.sort(key=lambda d: (d[0], d[2]))
+    step = 1
+    for pos, (stride, size, index) in enumerate(dims):
+        outermost = pos == len(dims) - 1
+        padded_ok = outermost and index == 0 and fmt.block_axis_first
+        if stride == step or (padded_ok and stride > step):
+            step = stride * size
+            continue
+        raise KVGroupsValueError(
+            f"{what}: expected a contiguous tensor (or a permutation of one, or blocks padded on "
+            f"dim 0) for {fmt.name}, got shape {spec.shape} with strides {spec.strides}"
+        )
+
+
+def _tensor_layout(
+    fmt: EngineKVFormat, tensors: Sequence[TensorDesc], layer_in_tensor: int, what: str
+) -> LayerLayout:
+    axes = fmt.facts.axes
+    first = tensors[0]
+    for t in tensors:
+        if t.spec.ndim != len(axes):
+            raise KVGroupsValueError(
+                f"{what}: expected a rank-{len(axes)} tensor [{', '.join(axes)}] for "
+                f"{fmt.name}, got shape {t.spec.shape}"
+            )
+        if t.spec.shape != first.spec.shape or t.spec.strides != first.spec.strides:
+            raise KVGroupsValueError(
+                f"{what}: expected K and V tensors of one shape and strides, got "
+                f"{first.spec.shape}/{first.spec.strides} and {t.spec.shape}/{t.spec.strides}"
+            )
+        if t.spec.dtype != first.spec.dtype:
+            raise KVGroupsValueError(
+                f"{what}: expected K and V of one dtype, got {first.dtype} and {t.dtype}"
+            )
+        _check_dense(t, fmt, what)
+    shape, strides = first.spec.shape, first.spec.strides
+    dtype = first.spec.dtype
+    e = dtype.itemsize
+    size = {name: shape[i] for i, name in enumerate(axes)}
+    stride = {name: strides[i] for i, name in enumerate(axes)}
+
+    nb = size["NB"]
+    bs = size["BS"]
+    block_stride_bytes = stride["NB"] * e
+    inner = math.prod(shape[1:])
+    block_stride_elems = strides[0] if fmt.block_axis_first and strides[0] > inner else 0
+
+    if fmt.is_indexer:
+        if dtype.itemsize != 1 or size["BSV_BSS"] != INDEXER_ROW_BYTES:
+            raise KVGroupsValueError(
+                f"{what}: expected a 1-byte dtype [NB, BS, {INDEXER_ROW_BYTES}] for {fmt.name}, "
+                f"got {dtype} {shape}"
+            )
+        nh, hs = 1, INDEXER_ROW_BYTES
+        # Inside a block all BS value rows come first, then all BS scales.
+        runs = (
+            SegmentRun(count=1, nbytes=INDEXER_VALUE_BYTES, obj_offset=0, obj_step=0,
+                       cache_offset=0, cache_step=0, token_stride=INDEXER_VALUE_BYTES),
+            SegmentRun(count=1, nbytes=INDEXER_SCALE_BYTES, obj_offset=INDEXER_VALUE_BYTES,
+                       obj_step=0, cache_offset=bs * INDEXER_VALUE_BYTES, cache_step=0,
+                       token_stride=INDEXER_SCALE_BYTES),
+        )
+    else:
+        head_axis = "CS" if "CS" in size else "HS"
+        hs = size[head_axis]
+        if stride[head_axis] != 1 and hs > 1:
+            raise KVGroupsValueError(
+                f"{what}: expected the {head_axis} axis to be contiguous (stride 1), got "
+                f"strides {strides}"
+            )
+        nh = size.get("NH", 1)
+        head_stride = stride.get("NH", hs)
+        token_stride = stride["BS"] * e
+        if nh == 1 or head_stride == hs:
+            runs = (SegmentRun(count=1, nbytes=nh * hs * e, obj_offset=0, obj_step=0,
+                               cache_offset=0, cache_step=0, token_stride=token_stride),)
+        else:
+            runs = (SegmentRun(count=nh, nbytes=hs * e, obj_offset=0, obj_step=hs * e,
+                               cache_offset=0, cache_step=head_stride * e,
+                               token_stride=token_stride),)
+
+    kv_size = fmt.kv_size
+    planes = []
+    for kv in range(kv_size):
+        tensor = tensors[kv] if len(tensors) == kv_size else tensors[0]
+        offset = layer_in_tensor * stride.get("NL", 0)
+        if len(tensors) == 1:
+            offset += kv * stride.get("TWO", 0)
+        planes.append((tensor, offset * e))
+    return LayerLayout(
+        format=fmt, kv_size=kv_size, num_blocks=nb, block_size=bs, num_heads=nh, head_size=hs,
+        dtype=dtype, block_stride_elems=block_stride_elems,
+        block_stride_bytes=block_stride_bytes, runs=runs, planes=tuple(planes),
+    )
+
+
+def _as_desc(x: Any) -> TensorDesc:
+    return describe(x)
+
+
+def layer_tensors(
+    kv_caches: Any, fmt: EngineKVFormat, layer: int
+) -> tuple[list[TensorDesc], int]:
+    """The backing tensor(s) of ``layer`` and the layer's index inside them (cross-layer)."""
+    structure = fmt.facts.structure
+    if structure == CROSS_LAYER:
+        tensor = kv_caches[0] if isinstance(kv_caches, (list, tuple)) else kv_caches
+        return [_as_desc(tensor)], layer
+    if not isinstance(kv_caches, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"kv_caches: expected a list for {fmt.name}, got {type(kv_caches).__name__}"
+        )
+    if structure == KV_LIST:
+        if len(kv_caches) != 2:
+            raise KVGroupsValueError(
+                f"kv_caches: expected [K list, V list] for {fmt.name}, got {len(kv_caches)} "
+                "entries"
+            )
+        return [_as_desc(kv_caches[0][layer]), _as_desc(kv_caches[1][layer])], 0
+    entry = kv_caches[layer]
+    if structure == LAYER_PAIR_LIST:
+        if not isinstance(entry, (list, tuple)) or len(entry) != 2:
+            raise KVGroupsValueError(
+                f"kv_caches[{layer}]: expected a (K, V) pair for {fmt.name}, got {entry!r}"
+            )
+        return [_as_desc(entry[0]), _as_desc(entry[1])], 0
+    assert structure == LAYER_LIST
+    return [_as_desc(entry)], 0
+
+
+def num_layers_of(kv_caches: Any, fmt: EngineKVFormat) -> int:
+    """Layers in a structure of one format."""
+    structure = fmt.facts.structure
+    if structure == CROSS_LAYER:
+        tensor = kv_caches[0] if isinstance(kv_caches, (list, tuple)) else kv_caches
+        return describe(tensor).spec.shape[fmt.facts.axes.index("NL")]
+    if structure == KV_LIST:
+        return len(kv_caches[0])
+    return len(kv_caches)
+
+
+def layer_layout(kv_caches: Any, fmt: EngineKVFormat, layer: int) -> LayerLayout:
+    """The :class:`LayerLayout` of one layer."""
+    if not isinstance(fmt, EngineKVFormat):
+        raise KVGroupsTypeError(
+            f"engine_kv_formats[{layer}]: expected an EngineKVFormat, got {fmt!r}"
+        )
+    if not fmt.groupable:
+        raise KVGroupsValueError(
+            f"engine_kv_formats[{layer}]: {fmt.name} folds blocks and slots into one axis "
+            "(no NB/BS), so it cannot be grouped; register the tensors viewed as "
+            "[NB, BS, ...] (detect_format does this given a tokens_per_block hint)"
+        )
+    tensors, index = layer_tensors(kv_caches, fmt, layer)
+    if fmt.is_cross_layer:
+        nl = tensors[0].spec.shape[fmt.facts.axes.index("NL")]
+        if not 0 <= index < nl:
+            raise KVGroupsValueError(
+                f"layer: expected an index in [0, {nl}) of the cross-layer tensor, got {index}"
+            )
+    return _tensor_layout(fmt, tensors, index, f"kv_caches layer {layer}")
+
+
+def layer_layouts(
+    kv_caches: Any, engine_kv_formats: Sequence[EngineKVFormat]
+) -> list[LayerLayout]:
+    """One :class:`LayerLayout` per layer of a normalized structure."""
+    return [layer_layout(kv_caches, fmt, i) for i, fmt in enumerate(engine_kv_formats)]
