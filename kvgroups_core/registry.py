@@ -24,8 +24,8 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
-from .errors import BackendNotFound, KVGroupsTypeError
 from .descriptors import TensorDesc, TensorSpec, describe_dlpack
+from .errors import BackendNotFound, KVGroupsTypeError
 
 
 class Backend(abc.ABC):
@@ -61,6 +61,10 @@ class Backend(abc.ABC):
     ) -> list:
         """Allocate one ``[num_chunks, object_nbytes]`` uint8 array per object group, on the
         device of ``like`` (or ``placement``: e.g. ``"pinned"`` for pinned host memory)."""
+
+    def validate(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
+        """Backend-specific checks (devices, memory kinds) run before any byte moves."""
+        return None
 
     def to_host_ids(self, ids: Any) -> Any:
         """Block ids held by this framework as a NumPy-convertible object (may synchronise)."""

@@ -1,0 +1,148 @@
+"""The shared catalogue of real model KV shapes (MODELS.md) for tests, the demo and benchmarks.
+
+Each entry builds a cache structure of :class:`~kvgroups_core.descriptors.TensorSpec` s (no
+data), the per-layer formats and the engine group infos a manager needs. ``layers=`` shrinks a
+model for CI while keeping its pattern (windows, groups, head geometry).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from .descriptors import TensorSpec
+from .formats import EngineKVFormat as F
+
+
+@dataclass(frozen=True)
+class CacheModel:
+    """What a manager is built from: specs, formats per layer, engine group infos."""
+
+    name: str
+    kv_caches: Any
+    formats: tuple[F, ...]
+    engine_group_infos: tuple = ()
+    block_size: int = 16
+    notes: str = ""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A catalogue entry: call :meth:`build` for a :class:`CacheModel`."""
+
+    name: str
+    summary: str
+    layers: int
+    builder: Callable[..., CacheModel] = field(repr=False)
+
+    def build(self, *, num_blocks: int = 256, layers: int | None = None,
+              dtype: str | None = None, fmt: F | None = None) -> CacheModel:
+        return self.builder(num_blocks=num_blocks, layers=layers or self.layers, dtype=dtype,
+                            fmt=fmt, name=self.name)
+
+
+def _kv_spec(fmt: F, nb: int, bs: int, nh: int, hs: int, dtype: str) -> TensorSpec:
+    """One per-layer K/V tensor of a layer-list format."""
+    shapes = {
+        F.NL_X_TWO_NB_BS_NH_HS: (2, nb, bs, nh, hs),
+        F.NL_X_TWO_NB_NH_BS_HS: (2, nb, nh, bs, hs),
+        F.NL_X_NB_TWO_BS_NH_HS: (nb, 2, bs, nh, hs),
+        F.NL_X_NB_TWO_NH_BS_HS: (nb, 2, nh, bs, hs),
+        F.NL_X_NB_BS_NH_TWO_HS: (nb, bs, nh, 2, hs),
+    }
+    return TensorSpec(shapes[fmt], dtype)
+
+
+def _engine_infos(groups: list[tuple[int, list[int], int, int]]) -> tuple:
+    """``(engine_group_id, layers, tokens_per_block, sw)`` rows ordered by first layer."""
+    from .engine_groups import EngineGroupInfo
+
+    rows = sorted(groups, key=lambda g: g[1][0])
+    return tuple(
+        EngineGroupInfo(engine_group_id=g, layer_indices=tuple(ls), tokens_per_block=tpb,
+                        sw_size_tokens=sw)
+        for g, ls, tpb, sw in rows
+    )
+
+
+def _dense(nh: int, hs: int, bs: int = 16, default_dtype: str = "bfloat16"):
+    def build(*, num_blocks, layers, dtype, fmt, name):
+        fmt = fmt or F.NL_X_TWO_NB_BS_NH_HS
+        spec = _kv_spec(fmt, num_blocks, bs, nh, hs, dtype or default_dtype)
+        return CacheModel(name, [spec] * layers, (fmt,) * layers, (), bs)
+    return build
+
+
+def _hybrid(nh: int, hs: int, window: int, period: int, bs: int = 16):
+    """Sliding-window layers with one full-attention layer every ``period`` layers (engine
+    group 0 = full attention, 1 = sliding window, as vLLM's hybrid allocator does)."""
+    def build(*, num_blocks, layers, dtype, fmt, name):
+        fmt = fmt or F.NL_X_TWO_NB_BS_NH_HS
+        spec = _kv_spec(fmt, num_blocks, bs, nh, hs, dtype or "bfloat16")
+        full = [i for i in range(layers) if i % period == period - 1]
+        sliding = [i for i in range(layers) if i % period != period - 1]
+        infos = _engine_infos([(0, full, bs, -1), (1, sliding, bs, window)] if full else
+                              [(1, sliding, bs, window)])
+        return CacheModel(name, [spec] * layers, (fmt,) * layers, infos, bs)
+    return build
+
+
+def _mla(latent: int, bs: int, indexer: bool):
+    """An MLA latent cache per layer; with ``indexer`` a key-only blocked-scale indexer cache
+    per layer beside it, in the same engine group (layers NL..2NL-1)."""
+    def build(*, num_blocks, layers, dtype, fmt, name):
+        mla = TensorSpec((num_blocks, bs, latent), dtype or "bfloat16")
+        caches = [mla] * layers
+        formats = [F.NL_X_NB_BS_HS] * layers
+        infos: tuple = ()
+        if indexer:
+            caches += [TensorSpec((num_blocks, bs, 132), "uint8")] * layers
+            formats += [F.NL_X_NB_BSV_BSS] * layers
+            infos = _engine_infos([(0, list(range(layers)), bs, -1)]) + _engine_infos(
+                [(0, list(range(layers, 2 * layers)), bs, -1)])
+        return CacheModel(name, caches, tuple(formats), infos, bs)
+    return build
+
+
+def _v4_like(*, num_blocks, layers, dtype, fmt, name):
+    """SEMANTICS.md section 3's DeepSeek-V4-like mix: compression 4 and 128, a 64-token-block
+    group and a 4-token-block fp32 group, each its own engine group."""
+    caches = [
+        TensorSpec((num_blocks, 64, 64), "float16"),
+        TensorSpec((num_blocks, 2, 64), "float16"),
+        TensorSpec((num_blocks, 64, 32), "float16"),
+        TensorSpec((num_blocks, 4, 128), "float32"),
+    ]
+    infos = _engine_infos([(0, [0], 256, -1), (0, [1], 256, -1), (1, [2], 64, -1),
+                           (2, [3], 4, -1)])
+    return CacheModel(name, caches, (F.NL_X_NB_BS_HS,) * 4, infos, 64)
+
+
+MODELS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("llama3-8b", "Llama-3-8B: 32 layers, 8 KV heads x 128, bf16, full attention",
+               32, _dense(8, 128)),
+    ModelShape("llama3-70b", "Llama-3-70B: 80 layers, 8 KV heads x 128, bf16", 80, _dense(8, 128)),
+    ModelShape("qwen3-32b", "Qwen3-32B: 64 layers, 8 KV heads x 128, bf16", 64, _dense(8, 128)),
+    ModelShape("small-pages", "1 KV head x 64, block 16, bf16 (small pages)", 32, _dense(1, 64)),
+    ModelShape("deepseek-v3", "DeepSeek-V3/R1 MLA: 61 layers, latent 576, block 64, bf16", 61,
+               _mla(576, 64, indexer=False)),
+    ModelShape("glm5-indexer", "DeepSeek-V3.2/GLM-5: MLA latent 576 + a 132-byte blocked-scale "
+               "indexer cache per layer, one engine group", 61, _mla(576, 64, indexer=True)),
+    ModelShape("gemma3-27b", "Gemma-3-27B: 62 layers, 16 KV heads x 128, bf16, 5 sliding "
+               "(window 1,024) : 1 full", 62, _hybrid(16, 128, 1024, 6)),
+    ModelShape("gpt-oss-120b", "gpt-oss-120b: 36 layers, 8 KV heads x 64, bf16, sliding (128) "
+               "and full alternate", 36, _hybrid(8, 64, 128, 2)),
+    ModelShape("gpt-oss-20b", "gpt-oss-20b: 24 layers, 8 KV heads x 64, bf16, sliding (128) and "
+               "full alternate", 24, _hybrid(8, 64, 128, 2)),
+    ModelShape("deepseek-v4-like", "DeepSeek-V4-like compressed mix (SEMANTICS.md section 3)", 4,
+               _v4_like),
+)}
+
+
+def get_model(name: str) -> ModelShape:
+    from .errors import KVGroupsValueError
+
+    try:
+        return MODELS[name]
+    except KeyError:
+        raise KVGroupsValueError(f"model: expected one of {sorted(MODELS)}, got {name!r}") from None

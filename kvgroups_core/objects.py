@@ -1,0 +1,118 @@
+"""Memory objects: the byte layout of one chunk of one object group (SEMANTICS.md section 6).
+
+One object holds, in the object group's kernel-group order, one region per kernel group shaped
+``[kv_size, nl, slots, nh * hs]`` of that group's dtype, where ``slots`` is
+``manager.get_slots_per_chunk_in_sw(k)``. Token ``t`` of layer ``l`` of plane ``kv`` is row
+``(kv * nl + l) * slots + t`` of its region.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .dtypes import DType
+from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+
+
+@dataclass(frozen=True, kw_only=True)
+class Region:
+    """Where kernel group ``kernel_group_idx`` lives inside its object group's objects."""
+
+    kernel_group_idx: int
+    offset: int
+    shape: tuple[int, int, int, int]  # [kv_size, nl, slots, nh * hs]
+    dtype: DType
+
+    @property
+    def row_bytes(self) -> int:
+        return self.shape[3] * self.dtype.itemsize
+
+    @property
+    def nbytes(self) -> int:
+        kv, nl, slots, _ = self.shape
+        return kv * nl * slots * self.row_bytes
+
+
+def _check_object_group(manager: Any, object_group_idx: int) -> None:
+    n = manager.num_object_groups
+    if not isinstance(object_group_idx, (int, np.integer)) or isinstance(object_group_idx, bool):
+        raise KVGroupsTypeError(
+            f"object_group_idx: expected an int, got {type(object_group_idx).__name__}"
+        )
+    if not 0 <= object_group_idx < n:
+        raise KVGroupsIndexError(
+            f"object_group_idx: expected an index in [0, {n}), got {object_group_idx}"
+        )
+
+
+def object_regions(manager: Any, object_group_idx: int) -> list[Region]:
+    """The regions of one object group's objects, in layout order."""
+    _check_object_group(manager, object_group_idx)
+    regions = []
+    offset = 0
+    for k in manager.object_groups[object_group_idx].kernel_group_indices:
+        group = manager.kernel_groups[k]
+        sd = group.shape_desc
+        region = Region(
+            kernel_group_idx=k,
+            offset=offset,
+            shape=(sd.kv_size, sd.nl, manager.get_slots_per_chunk_in_sw(k), sd.nh * sd.hs),
+            dtype=group.dtype,
+        )
+        regions.append(region)
+        offset += region.nbytes
+    return regions
+
+
+def object_nbytes(manager: Any, object_group_idx: int) -> int:
+    """Bytes of one chunk's object of ``object_group_idx``."""
+    return sum(r.nbytes for r in object_regions(manager, object_group_idx))
+
+
+def region_of(manager: Any, kernel_group_idx: int) -> tuple[int, Region]:
+    """``(object_group_idx, region)`` of a kernel group."""
+    for og_idx, og in enumerate(manager.object_groups):
+        if kernel_group_idx in og.kernel_group_indices:
+            for region in object_regions(manager, og_idx):
+                if region.kernel_group_idx == kernel_group_idx:
+                    return og_idx, region
+    raise KVGroupsIndexError(
+        f"kernel_group_idx: expected an index in [0, {manager.num_kernel_groups}), "
+        f"got {kernel_group_idx}"
+    )
+
+
+def _numpy_dtype(dtype: DType) -> np.dtype:
+    try:
+        return np.dtype(dtype.name)
+    except TypeError:
+        pass
+    try:  # bfloat16 and float8 live in ml_dtypes (a JAX dependency), when installed.
+        import ml_dtypes
+
+        return np.dtype(getattr(ml_dtypes, dtype.name))
+    except (ImportError, AttributeError):
+        return np.dtype(dtype.uint_view_name)
+
+
+def region_view(manager: Any, obj: np.ndarray, kernel_group_idx: int) -> np.ndarray:
+    """View kernel group ``kernel_group_idx``'s region of a NumPy object as
+    ``[kv_size, nl, slots, nh * hs]`` of the group's dtype (zero-copy).
+
+    ``obj`` is one chunk's object (1-D uint8, ``object_nbytes`` long) or a batch
+    ``[num_chunks, object_nbytes]`` (the view then gains a leading chunk axis). bfloat16 and
+    float8 views need ``ml_dtypes``; without it the view has the same-width unsigned type.
+    """
+    og_idx, region = region_of(manager, kernel_group_idx)
+    nbytes = object_nbytes(manager, og_idx)
+    arr = np.asarray(obj)
+    if arr.dtype != np.uint8 or arr.ndim not in (1, 2) or arr.shape[-1] != nbytes:
+        raise KVGroupsValueError(
+            f"obj: expected uint8 [{nbytes}] or [num_chunks, {nbytes}], got {arr.dtype} "
+            f"{arr.shape}"
+        )
+    piece = arr[..., region.offset : region.offset + region.nbytes]
+    return piece.view(_numpy_dtype(region.dtype)).reshape(arr.shape[:-1] + region.shape)

@@ -1,0 +1,324 @@
+"""Build :class:`~kvgroups_core.plan.TransferPlan` s from a manager, caches and block ids.
+
+Everything here works on descriptors: bare TensorSpecs plan exactly like real tensors. All
+validation of user input happens here, before any backend sees the call, so a rejected call
+moves no byte.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from .descriptors import TensorDesc
+from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from .layout import LayerLayout, layer_layout
+from .objects import object_nbytes, object_regions
+from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan
+
+
+def _chunk_windows(manager: Any, k: int) -> int:
+    """The kernel group's window in chunks (-1 = full attention), honouring full-SW mode."""
+    if manager.full_sw_kv:
+        return -1
+    sw = manager.kernel_groups[k].sw_size_tokens
+    if sw == -1:
+        return -1
+    chunk = manager.lmcache_tokens_per_chunk
+    return max(1, -(-sw // chunk))
+
+
+def bind_caches(
+    manager: Any, kv_caches: Any
+) -> tuple[list[list[LayerLayout]], list[TensorDesc], dict[tuple, int]]:
+    """Read the call's tensors into per-group layer layouts and one list of backing tensors.
+
+    The call's tensors must match what the manager was built from (shape, dtype and layout of
+    every grouped layer); tensors shared by several layers or planes become one slot.
+    """
+    formats = manager.engine_kv_formats
+    group_layouts: list[list[LayerLayout]] = []
+    for k, group in enumerate(manager.kernel_groups):
+        sd = group.shape_desc
+        layouts = []
+        for layer in group.layer_indices:
+            lay = layer_layout(kv_caches, formats[layer], layer)
+            got = (lay.kv_size, lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size,
+                   lay.dtype)
+            want = (sd.kv_size, sd.nb, sd.bs, sd.nh, sd.hs, group.dtype)
+            if got != want:
+                raise KVGroupsValueError(
+                    f"kv_caches layer {layer}: expected (kv_size, nb, bs, nh, hs, dtype) = "
+                    f"{want} as the manager was built with, got {got}"
+                )
+            if layouts and not layouts[0].same_geometry(lay):
+                raise KVGroupsValueError(
+                    f"kv_caches layer {layer}: expected the block stride and row layout of layer "
+                    f"{group.layer_indices[0]} (kernel group {k}), got a different layout"
+                )
+            layouts.append(lay)
+        group_layouts.append(layouts)
+
+    slots: list[TensorDesc] = []
+    seen: dict[tuple, int] = {}
+    for layouts in group_layouts:
+        for lay in layouts:
+            for desc, _ in lay.planes:
+                key = _slot_key(desc)
+                if key not in seen:
+                    seen[key] = len(slots)
+                    slots.append(desc)
+    _check_devices(slots)
+    return group_layouts, slots, seen
+
+
+def _slot_key(desc: TensorDesc) -> tuple:
+    return (id(desc.obj) if desc.obj is not None else id(desc), desc.spec, desc.byte_offset)
+
+
+def _check_devices(slots: list[TensorDesc]) -> None:
+    devices = {d.device for d in slots}
+    if len(devices) > 1:
+        raise KVGroupsValueError(
+            f"kv_caches: expected every tensor on one device, got {sorted(devices)}"
+        )
+
+
+def _as_id_array(ids: Any, what: str, to_host: Any) -> np.ndarray:
+    if to_host is not None and not isinstance(ids, (list, tuple, np.ndarray, range)):
+        ids = to_host(ids)
+    try:
+        arr = np.asarray(ids)
+    except Exception as exc:  # noqa: BLE001 - re-raised typed, with the cause attached
+        raise KVGroupsTypeError(f"{what}: expected a 1-D sequence of ints, got {ids!r}") from exc
+    if arr.size == 0:
+        arr = arr.astype(np.int64)
+    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer)):
+        raise KVGroupsTypeError(
+            f"{what}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def normalize_block_ids(manager: Any, block_ids: Any, to_host: Any = None) -> dict[int, np.ndarray]:
+    """Block ids per engine group id, as int64 NumPy arrays.
+
+    Flat ids are allowed only when the manager has one engine group; otherwise a list indexed
+    by engine group id or a mapping engine group id -> ids.
+    """
+    engine_ids = sorted({g.engine_group_idx for g in manager.kernel_groups})
+    if isinstance(block_ids, Mapping):
+        out = {int(g): _as_id_array(v, f"block_ids[{g}]", to_host) for g, v in block_ids.items()}
+    else:
+        if isinstance(block_ids, (list, tuple)) and block_ids and not np.isscalar(block_ids[0]) \
+                and not isinstance(block_ids[0], np.integer):
+            out = {g: _as_id_array(v, f"block_ids[{g}]", to_host) for g, v in enumerate(block_ids)}
+        else:
+            if len(engine_ids) > 1:
+                raise KVGroupsValueError(
+                    f"block_ids: expected one id list per engine group (the manager has engine "
+                    f"groups {engine_ids}), got a flat list"
+                )
+            out = {engine_ids[0] if engine_ids else 0: _as_id_array(block_ids, "block_ids",
+                                                                     to_host)}
+    missing = [g for g in engine_ids if g not in out]
+    if missing:
+        raise KVGroupsValueError(
+            f"block_ids: expected ids for engine groups {engine_ids}, missing {missing}"
+        )
+    return out
+
+
+def _num_chunks(manager: Any, ids: dict[int, np.ndarray]) -> int:
+    chunk = manager.lmcache_tokens_per_chunk
+    found: dict[int, int] = {}
+    for k, group in enumerate(manager.kernel_groups):
+        bpc = manager.calculate_num_blocks(k, chunk)
+        n = len(ids[group.engine_group_idx])
+        if n % bpc:
+            raise KVGroupsValueError(
+                f"block_ids[{group.engine_group_idx}]: expected a multiple of {bpc} ids (whole "
+                f"chunks of {chunk} tokens at {group.tokens_per_block} tokens per block), got {n}"
+            )
+        found[group.engine_group_idx] = n // bpc
+    counts = set(found.values())
+    if len(counts) > 1:
+        raise KVGroupsValueError(
+            f"block_ids: expected every engine group to cover the same number of chunks, got "
+            f"{found} chunks per engine group"
+        )
+    return counts.pop() if counts else 0
+
+
+@dataclass(frozen=True, eq=False)
+class Binding:
+    """A manager bound to one set of cache tensors: everything about a transfer that does not
+    depend on the block ids, computed once. ``templates`` are the per-group transfers with
+    empty ids; ``slots`` the backing tensors in slot order."""
+
+    manager: Any
+    slots: tuple[TensorDesc, ...]
+    templates: tuple[GroupTransfer, ...]
+    object_nbytes: tuple[int, ...]
+
+
+def bind(manager: Any, kv_caches: Any) -> Binding:
+    """Validate ``kv_caches`` against ``manager`` and precompute the per-group geometry."""
+    group_layouts, slots, slot_index = bind_caches(manager, kv_caches)
+    regions = {}
+    object_sizes = []
+    for og_idx in range(manager.num_object_groups):
+        for region in object_regions(manager, og_idx):
+            regions[region.kernel_group_idx] = (og_idx, region)
+        object_sizes.append(object_nbytes(manager, og_idx))
+    chunk = manager.lmcache_tokens_per_chunk
+    empty = np.zeros(0, dtype=np.int64)
+    templates = []
+    for k in range(manager.num_kernel_groups):
+        layouts = group_layouts[k]
+        first = layouts[0]
+        planes = tuple(
+            PlaneRef(tensor_slot=slot_index[_slot_key(lay.planes[kv][0])],
+                     byte_offset=lay.planes[kv][1])
+            for kv in range(first.kv_size)
+            for lay in layouts
+        )
+        og_idx, region = regions[k]
+        templates.append(GroupTransfer(
+            kernel_group_idx=k, object_group_idx=og_idx, region_offset=region.offset,
+            row_bytes=first.row_bytes, block_size=first.block_size, slots=region.shape[2],
+            planes=planes, block_stride_bytes=first.block_stride_bytes,
+            num_blocks=first.num_blocks, runs=first.runs,
+            unit_bytes=min(lay.unit_bytes for lay in layouts), itemsize=first.dtype.itemsize,
+            block_ids=empty, blocks_per_chunk=manager.calculate_num_blocks(k, chunk),
+            kept_per_chunk=manager.calculate_num_blocks(k, manager.get_subchunk_sw_size_tokens(k)),
+            first_item=0, num_chunks=0,
+        ))
+    return Binding(manager, tuple(slots), tuple(templates), tuple(object_sizes))
+
+
+def plan_call(
+    binding: Binding,
+    block_ids: Any,
+    direction: Direction,
+    *,
+    skip_first_n_tokens: int = 0,
+    to_host: Any = None,
+) -> TransferPlan:
+    """Validate the per-call inputs and return the plan (SEMANTICS.md section 7)."""
+    if direction not in ("store", "load"):
+        raise KVGroupsValueError(f"direction: expected 'store' or 'load', got {direction!r}")
+    manager = binding.manager
+    ids = normalize_block_ids(manager, block_ids, to_host)
+    num_chunks = _num_chunks(manager, ids)
+    chunk = manager.lmcache_tokens_per_chunk
+    if isinstance(skip_first_n_tokens, bool) or not isinstance(
+        skip_first_n_tokens, (int, np.integer)
+    ):
+        raise KVGroupsTypeError(
+            f"skip_first_n_tokens: expected an int, got {type(skip_first_n_tokens).__name__}"
+        )
+    if not 0 <= skip_first_n_tokens <= num_chunks * chunk:
+        raise KVGroupsValueError(
+            f"skip_first_n_tokens: expected a value in [0, {num_chunks * chunk}] (the tokens the "
+            f"block ids cover), got {skip_first_n_tokens}"
+        )
+    if direction == "store" and skip_first_n_tokens:
+        raise KVGroupsValueError(
+            f"skip_first_n_tokens: expected 0 for store (store never trims), got "
+            f"{skip_first_n_tokens}"
+        )
+    transfers = []
+    for k, template in enumerate(binding.templates):
+        group = manager.kernel_groups[k]
+        bpc, kept = template.blocks_per_chunk, template.kept_per_chunk
+        first_item = 0
+        if direction == "load":
+            window = _chunk_windows(manager, k)
+            skip_chunks = max(0, num_chunks - window) if window >= 1 else 0
+            s = manager.calculate_num_blocks(k, skip_first_n_tokens)
+            prefix_items = (s // bpc) * kept + max(0, s % bpc - (bpc - kept))
+            first_item = min(max(skip_chunks * kept, prefix_items), num_chunks * kept)
+        transfer = replace(
+            template, block_ids=ids[group.engine_group_idx], first_item=first_item,
+            num_chunks=num_chunks,
+        )
+        _check_ids(transfer, group.engine_group_idx)
+        transfers.append(transfer)
+    return TransferPlan(
+        direction=direction, num_chunks=num_chunks, object_nbytes=binding.object_nbytes,
+        groups=tuple(transfers), tensor_specs=tuple(d.spec for d in binding.slots),
+    )
+
+
+def build_plan(
+    manager: Any,
+    kv_caches: Any,
+    block_ids: Any,
+    direction: Direction,
+    *,
+    skip_first_n_tokens: int = 0,
+    to_host: Any = None,
+) -> tuple[TransferPlan, list[TensorDesc]]:
+    """Validate a call and return its plan plus the backing tensors in slot order."""
+    binding = bind(manager, kv_caches)
+    plan = plan_call(binding, block_ids, direction, skip_first_n_tokens=skip_first_n_tokens,
+                     to_host=to_host)
+    return plan, list(binding.slots)
+
+
+def _check_ids(t: GroupTransfer, engine_group: int) -> None:
+    """Every id the transfer will touch must be a block of the group's tensors."""
+    if t.num_items == 0:
+        return
+    if t.kept_per_chunk == t.blocks_per_chunk:
+        used = t.block_ids[t.first_item:]  # every id from the first moved item on
+    else:
+        _, _, used = t.items()
+    lo, hi = int(used.min()), int(used.max())
+    if lo >= 0 and hi < t.num_blocks:
+        return
+    bad = (used < 0) | (used >= t.num_blocks)
+    if bad.any():
+        first_bad = int(used[np.argmax(bad)])
+        raise KVGroupsIndexError(
+            f"block_ids[{engine_group}]: expected ids in [0, {t.num_blocks}) for kernel group "
+            f"{t.kernel_group_idx}, got {first_bad} ({int(bad.sum())} out of range)"
+        )
+
+
+def check_objects(plan: TransferPlan, objects: Sequence[Any], describe: Any) -> None:
+    """Objects must be one entry per object group: uint8 ``[num_chunks, object_nbytes]``, or a
+    list of ``num_chunks`` 1-D uint8 buffers of ``object_nbytes`` each."""
+    if not isinstance(objects, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"objects: expected a list with one entry per object group, got "
+            f"{type(objects).__name__}"
+        )
+    if len(objects) != len(plan.object_nbytes):
+        raise KVGroupsValueError(
+            f"objects: expected {len(plan.object_nbytes)} entries (one per object group), got "
+            f"{len(objects)}"
+        )
+    for og, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
+        if isinstance(obj, (list, tuple)):
+            if len(obj) != plan.num_chunks:
+                raise KVGroupsValueError(
+                    f"objects[{og}]: expected {plan.num_chunks} per-chunk buffers, got {len(obj)}"
+                )
+            for c, buf in enumerate(obj):
+                _check_buffer(describe(buf), (nbytes,), f"objects[{og}][{c}]")
+        else:
+            _check_buffer(describe(obj), (plan.num_chunks, nbytes), f"objects[{og}]")
+
+
+def _check_buffer(desc: TensorDesc, shape: tuple[int, ...], what: str) -> None:
+    if desc.dtype.name != "uint8" or desc.shape != shape:
+        raise KVGroupsValueError(
+            f"{what}: expected uint8 {list(shape)}, got {desc.dtype.name} {list(desc.shape)}"
+        )
+    if len(shape) == 2 and desc.strides[1] != 1 and shape[1] > 1:
+        raise KVGroupsValueError(f"{what}: expected contiguous rows, got strides {desc.strides}")

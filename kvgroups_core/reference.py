@@ -1,0 +1,112 @@
+"""The NumPy reference backend: the oracle every other backend is tested against.
+
+It executes plans on NumPy arrays with explicit byte index arithmetic straight from the page
+model (``docs/DESIGN.md``), favouring obviousness over speed: every byte's source and
+destination address is computed, bounds-checked against the tensor it belongs to, and copied.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any, Sequence
+
+import numpy as np
+
+from .descriptors import TensorDesc, describe_numpy
+from .errors import KVGroupsTypeError, KVGroupsValueError
+from .plan import GroupTransfer, TransferPlan
+from .registry import Backend
+
+
+def byte_view(desc: TensorDesc, writable: bool) -> np.ndarray:
+    """A 1-D uint8 view over every byte a NumPy-backed tensor addresses."""
+    arr = desc.obj
+    if not isinstance(arr, np.ndarray):
+        raise KVGroupsTypeError(
+            f"tensor: expected a numpy.ndarray for the numpy backend, got {type(arr).__name__}"
+        )
+    if writable and not arr.flags.writeable:
+        raise KVGroupsValueError("tensor: expected a writable array, got a read-only one")
+    extent = desc.spec.extent_elems() * desc.dtype.itemsize
+    if extent == 0:
+        return np.zeros(0, dtype=np.uint8)
+    raw = (ctypes.c_uint8 * extent).from_address(desc.address)
+    view = np.frombuffer(raw, dtype=np.uint8)
+    return view
+
+
+def _object_rows(obj: Any, chunk: int) -> np.ndarray:
+    row = obj[chunk]
+    if not isinstance(row, np.ndarray) or row.dtype != np.uint8:
+        raise KVGroupsTypeError(
+            f"objects: expected uint8 numpy arrays, got {type(row).__name__}"
+        )
+    return row
+
+
+def run_group(t: GroupTransfer, store: bool, caches: Sequence[np.ndarray],
+              objects: Any) -> None:
+    """Move the bytes of one kernel group between ``caches`` (1-D byte views, by slot) and
+    ``objects`` (the object group's ``[num_chunks, nbytes]`` array or per-chunk list)."""
+    chunks, positions, ids = t.items()
+    tokens = np.arange(t.block_size, dtype=np.int64)
+    for chunk in np.unique(chunks):
+        sel = chunks == chunk
+        pos, bid = positions[sel], ids[sel]
+        obj = _object_rows(objects, int(chunk))
+        for p, plane in enumerate(t.planes):
+            cache = caches[plane.tensor_slot]
+            block_start = plane.byte_offset + bid * t.block_stride_bytes
+            row_start = t.region_offset + (p * t.slots + pos[:, None] * t.block_size
+                                           + tokens[None, :]) * t.row_bytes
+            for run in t.runs:
+                piece = np.arange(run.count, dtype=np.int64)
+                u = np.arange(run.nbytes, dtype=np.int64)
+                # [items, tokens, pieces, bytes]
+                cache_idx = (block_start[:, None, None, None] + run.cache_offset
+                             + piece[None, None, :, None] * run.cache_step
+                             + tokens[None, :, None, None] * run.token_stride
+                             + u[None, None, None, :])
+                obj_idx = (row_start[:, :, None, None] + run.obj_offset
+                           + piece[None, None, :, None] * run.obj_step + u[None, None, None, :])
+                _check_bounds(cache_idx, cache.size, "cache")
+                _check_bounds(obj_idx, obj.size, "object")
+                if store:
+                    obj[obj_idx] = cache[cache_idx]
+                else:
+                    cache[cache_idx] = obj[obj_idx]
+
+
+def _check_bounds(idx: np.ndarray, size: int, what: str) -> None:
+    # The planner validated everything; this guards the oracle itself against layout bugs.
+    if idx.size and (idx.min() < 0 or idx.max() >= size):
+        raise KVGroupsValueError(
+            f"{what} bytes: expected indices in [0, {size}), got [{idx.min()}, {idx.max()}]"
+        )
+
+
+class NumpyBackend(Backend):
+    """Executes plans on NumPy arrays (caches and objects on the host)."""
+
+    name = "numpy"
+    array_types = ("numpy.ndarray",)
+
+    def describe(self, x: Any) -> TensorDesc:
+        return describe_numpy(x)
+
+    def allocate_objects(self, plan: TransferPlan, like: TensorDesc,
+                         placement: str | None = None) -> list:
+        if placement not in (None, "cpu", "host"):
+            raise KVGroupsValueError(
+                f"placement: expected None or 'cpu' for the numpy backend, got {placement!r}"
+            )
+        return [np.zeros((plan.num_chunks, n), dtype=np.uint8) for n in plan.object_nbytes]
+
+    def execute(self, plan: TransferPlan, caches: Sequence[TensorDesc],
+                objects: Sequence[Any]) -> tuple[None, list]:
+        store = plan.direction == "store"
+        views = [byte_view(d, writable=not store) for d in caches]
+        for t in plan.groups:
+            if t.num_items:
+                run_group(t, store, views, objects[t.object_group_idx])
+        return None, list(objects)

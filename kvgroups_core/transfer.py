@@ -1,0 +1,153 @@
+"""The public transfer API: ``store`` (engine caches -> memory objects) and ``load`` (objects ->
+caches, in place), SEMANTICS.md sections 6-7 and API.md "Transfers".
+
+The backend is found from the tensors (or named with ``backend=``); the core validates every
+input and builds the plan before the backend moves or donates anything.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+from .descriptors import TensorDesc, TensorSpec
+from .planner import Binding, bind, check_objects, plan_call
+from .registry import Backend, backend_for_tensors
+
+
+def _leaves(structure: Any) -> list[Any]:
+    if isinstance(structure, (list, tuple)):
+        out: list[Any] = []
+        for item in structure:
+            out.extend(_leaves(item))
+        return out
+    return [] if structure is None else [structure]
+
+
+def _replace_leaves(structure: Any, new_by_id: dict[int, Any]) -> Any:
+    if isinstance(structure, (list, tuple)):
+        items = [_replace_leaves(x, new_by_id) for x in structure]
+        return items if isinstance(structure, list) else tuple(items)
+    key = id(structure.obj) if isinstance(structure, TensorDesc) else id(structure)
+    return new_by_id.get(key, structure)
+
+
+class PreparedTransfer:
+    """A manager bound to one set of caches, for repeated transfers with little host work.
+
+    Binding (reading every tensor's layout and checking it against the manager) happens once;
+    each :meth:`store` / :meth:`load` then only validates its block ids and objects. Use it on
+    hot paths (one chunk per call) with runtimes whose caches stay put (torch).
+    """
+
+    def __init__(self, manager: Any, kv_caches: Any, *, backend: str | None = None) -> None:
+        self.manager = manager
+        self.kv_caches = kv_caches
+        self.backend: Backend = backend_for_tensors(_leaves(kv_caches), backend)
+        self.binding: Binding = bind(manager, kv_caches)
+
+    def store(self, block_ids: Any, objects: Any = None) -> list:
+        """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
+        be = self.backend
+        plan = plan_call(self.binding, block_ids, "store", to_host=be.to_host_ids)
+        if objects is None:
+            objects = be.allocate_objects(plan, self.binding.slots[0]) if self.binding.slots \
+                else []
+        else:
+            check_objects(plan, objects, be.describe)
+        be.validate(plan, self.binding.slots, objects)
+        _, out = be.execute(plan, list(self.binding.slots), objects)
+        return out
+
+    def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: int = 0) -> Any:
+        """Scatter objects back into the caches; see :func:`load`."""
+        be = self.backend
+        plan = plan_call(self.binding, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
+                         to_host=be.to_host_ids)
+        check_objects(plan, objects, be.describe)
+        be.validate(plan, self.binding.slots, objects)
+        new_caches, _ = be.execute(plan, list(self.binding.slots), objects)
+        if new_caches is None:
+            return self.kv_caches
+        new_by_id = {id(d.obj): new for d, new in zip(self.binding.slots, new_caches)}
+        self.kv_caches = _replace_leaves(self.kv_caches, new_by_id)
+        self.binding = bind(self.manager, self.kv_caches)
+        return self.kv_caches
+
+
+def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> PreparedTransfer:
+    """Bind ``manager`` to ``kv_caches`` once for repeated :meth:`PreparedTransfer.store` /
+    :meth:`PreparedTransfer.load` calls."""
+    return PreparedTransfer(manager, kv_caches, backend=backend)
+
+
+def _pick(kv_caches: Any, objects: Any, backend: str | None) -> str | None:
+    if backend is not None:
+        return backend
+    return backend_for_tensors(_leaves(kv_caches) + _leaves(objects)).name
+
+
+def store(
+    manager: Any,
+    kv_caches: Any,
+    block_ids: Any,
+    objects: Sequence[Any] | None = None,
+    *,
+    backend: str | None = None,
+) -> list:
+    """Copy the pages of ``block_ids`` from ``kv_caches`` into memory objects.
+
+    Parameters
+    ----------
+    manager : KVLayerGroupsManager
+        The grouping of these caches.
+    kv_caches
+        The engine's structure (tensor / list / list of lists) of framework tensors, matching
+        what ``manager`` was built from.
+    block_ids
+        Flat ids (one engine group only), or one 1-D sequence per engine group (list indexed by
+        engine group id, or a mapping), covering whole chunks.
+    objects : list, optional
+        One ``[num_chunks, object_nbytes]`` uint8 array per object group (or a list of
+        per-chunk buffers) to fill; allocated on the caches' device when omitted.
+    backend : str, optional
+        A registered backend name; by default the caches' framework.
+
+    Returns
+    -------
+    list
+        The objects, one per object group (new arrays in their donated buffers for JAX).
+    """
+    if objects is not None and not isinstance(objects, (list, tuple)):
+        objects = [objects]
+    return PreparedTransfer(manager, kv_caches, backend=_pick(kv_caches, objects, backend)).store(
+        block_ids, objects
+    )
+
+
+def load(
+    manager: Any,
+    objects: Sequence[Any],
+    kv_caches: Any,
+    block_ids: Any,
+    *,
+    skip_first_n_tokens: int = 0,
+    backend: str | None = None,
+) -> Any:
+    """Write memory objects back into the pages of ``block_ids``, in place.
+
+    Skips, per kernel group, the chunks outside its attention window and the first
+    ``skip_first_n_tokens`` tokens (whole blocks, rounded down) already in the engine.
+
+    Returns
+    -------
+    The caches: the same objects for runtimes that write in place (torch, NumPy); new arrays
+    reusing the donated input buffers for JAX (the caches passed in are consumed).
+    """
+    if not isinstance(objects, (list, tuple)):
+        objects = [objects]
+    return PreparedTransfer(manager, kv_caches, backend=_pick(kv_caches, objects, backend)).load(
+        objects, block_ids, skip_first_n_tokens=skip_first_n_tokens
+    )
+
+
+__all__ = ["PreparedTransfer", "load", "prepare", "store", "TensorSpec"]
