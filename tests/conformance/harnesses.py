@@ -1,0 +1,174 @@
+"""One harness per backend: how the conformance suite makes arrays of that runtime, reads them
+back bit-exactly, and calls the public store/load API through it."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvgroups_core as kc
+from kvgroups_core.transfer import load, store
+
+
+def _uint_view(a: np.ndarray) -> np.ndarray:
+    return a.view(f"uint{a.dtype.itemsize * 8}")
+
+
+@dataclass
+class Harness:
+    """Backend-neutral operations the suite needs."""
+
+    id: str
+    backend: str
+    placements: tuple[str | None, ...] = (None,)
+
+    def from_numpy(self, a: np.ndarray) -> Any:
+        return a.copy()
+
+    def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
+        return np.asarray(x)
+
+    def zeros_objects(self, nbytes: tuple[int, ...], num_chunks: int,
+                      placement: str | None) -> list:
+        return [np.zeros((num_chunks, n), np.uint8) for n in nbytes]
+
+    def store(self, manager, caches, ids, objects=None):
+        return store(manager, caches, ids, objects, backend=self.backend)
+
+    def load(self, manager, objects, caches, ids, skip=0):
+        return load(manager, objects, caches, ids, skip_first_n_tokens=skip,
+                    backend=self.backend)
+
+    # Structure helpers -------------------------------------------------------------------
+    def convert(self, structure: Any) -> Any:
+        if isinstance(structure, list):
+            return [self.convert(x) for x in structure]
+        if isinstance(structure, tuple):
+            return tuple(self.convert(x) for x in structure)
+        return self.from_numpy(structure)
+
+    def read(self, structure: Any, like: Any) -> Any:
+        if isinstance(structure, (list, tuple)):
+            return [self.read(x, y) for x, y in zip(structure, like)]
+        return self.to_numpy(structure, like)
+
+
+class TorchHarness(Harness):
+    def __init__(self, device: str) -> None:
+        placements = (None, "pinned") if device == "cuda" else (None,)
+        super().__init__(f"torch-{device}", "torch", placements)
+        self.device = device
+
+    def from_numpy(self, a: np.ndarray) -> Any:
+        import torch
+
+        if a.dtype.kind == "V" or a.dtype.name in ("bfloat16",) or "float8" in a.dtype.name:
+            t = torch.from_numpy(_uint_view(a).copy())
+            t = t.view(getattr(torch, a.dtype.name))
+        else:
+            t = torch.from_numpy(a.copy())
+        return t.to(self.device)
+
+    def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
+        import torch
+
+        cpu = x.detach().to("cpu").contiguous()
+        bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[cpu.element_size()]
+        raw = cpu.view(bits).numpy()
+        return raw.view(like.dtype)
+
+    def zeros_objects(self, nbytes, num_chunks, placement):
+        import torch
+
+        if placement == "pinned":
+            return [torch.zeros((num_chunks, n), dtype=torch.uint8).pin_memory() for n in nbytes]
+        return [torch.zeros((num_chunks, n), dtype=torch.uint8, device=self.device)
+                for n in nbytes]
+
+
+class JaxHarness(Harness):
+    def __init__(self, platform: str) -> None:
+        ident = "jax-interpret" if platform == "cpu" else "jax-gpu"
+        super().__init__(ident, "jax", (None,))
+        self.platform = platform
+
+    def from_numpy(self, a: np.ndarray) -> Any:
+        import jax
+
+        return jax.device_put(a, jax.devices(self.platform)[0])
+
+    def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
+        return np.asarray(x).view(like.dtype) if np.asarray(x).dtype != like.dtype else \
+            np.asarray(x)
+
+    def zeros_objects(self, nbytes, num_chunks, placement):
+        import jax
+        import jax.numpy as jnp
+
+        dev = jax.devices(self.platform)[0]
+        return [jax.device_put(jnp.zeros((num_chunks, n), jnp.uint8), dev) for n in nbytes]
+
+
+def _has(module: str) -> bool:
+    return importlib.util.find_spec(module) is not None
+
+
+def _cuda_available() -> bool:
+    if not _has("torch"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _jax_gpu_available() -> bool:
+    if not _has("jax"):
+        return False
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+def harness_params() -> list:
+    """pytest params for every backend; GPU ones carry the ``gpu`` marker and skip cleanly."""
+    params = [pytest.param(Harness("numpy-ref", "numpy"), id="numpy-ref")]
+
+    def backend_ready(pkg: str) -> bool:
+        return _has(pkg)
+
+    params.append(pytest.param(
+        "torch-cpu", id="torch-cpu",
+        marks=pytest.mark.skipif(not (_has("torch") and backend_ready("kvgroups_torch")),
+                                 reason="torch or kvgroups_torch not installed")))
+    params.append(pytest.param(
+        "torch-cuda", id="torch-cuda",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="no CUDA GPU")]))
+    params.append(pytest.param(
+        "jax-interpret", id="jax-interpret",
+        marks=pytest.mark.skipif(not (_has("jax") and backend_ready("kvgroups_jax")),
+                                 reason="jax or kvgroups_jax not installed")))
+    params.append(pytest.param(
+        "jax-gpu", id="jax-gpu",
+        marks=[pytest.mark.gpu, pytest.mark.skipif(not _jax_gpu_available(), reason="no JAX GPU")]))
+    return params
+
+
+def make_harness(param: Any) -> Harness:
+    if isinstance(param, Harness):
+        return param
+    return {
+        "torch-cpu": lambda: TorchHarness("cpu"),
+        "torch-cuda": lambda: TorchHarness("cuda"),
+        "jax-interpret": lambda: JaxHarness("cpu"),
+        "jax-gpu": lambda: JaxHarness("gpu"),
+    }[param]()
+
+
+__all__ = ["Harness", "harness_params", "make_harness", "kc"]
