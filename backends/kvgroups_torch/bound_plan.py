@@ -1,0 +1,106 @@
+"""A plan bound to its tensors ahead of time: for ``torch.compile`` and CUDA graphs.
+
+:class:`BoundPlan` does all host work once (kernel compile/load, plane pointer tables
+on the device, object bindings, packed launch parameters), so :meth:`BoundPlan.run` is
+one ``cuLaunchKernel`` per kernel group. With block ids given as CUDA tensors it reads them
+on the device, which makes it capturable with ``torch.cuda.graph``: update the id tensors in
+place and replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+
+from . import cuda_path, ops, torch_path
+from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
+
+
+class BoundPlan:
+    """``plan`` bound to ``caches`` and ``objects``.
+
+    Parameters
+    ----------
+    plan : TransferPlan
+        From the core (``direction`` "store" or "load").
+    caches : sequence of torch.Tensor or TensorDesc
+        Backing tensors in ``plan.tensor_specs`` order.
+    objects : sequence of torch.Tensor
+        One ``[num_chunks, object_nbytes]`` uint8 tensor per object group (GPU or pinned).
+    pinned : {"direct", "staged"}
+        How pinned host objects are reached (see :func:`cuda_path.run_plan`).
+    """
+
+    def __init__(self, plan: Any, caches: Sequence[Any], objects: Sequence[Any], *,
+                 pinned: str = DEFAULT_PINNED_MODE) -> None:
+        self.plan = plan
+        self.caches = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
+        self.objects = [tensor_of(o, f"objects[{i}]") for i, o in enumerate(objects)]
+        self.device = cache_device(self.caches)
+        self.pinned = pinned
+        self._bindings: dict[int, cuda_path.ObjectBinding] | None = None
+        if self.device.type == "cuda":
+            index = self.device.index
+            state = cuda_path.device_state(index)  # compiles / loads the kernels now
+            self._bindings = {
+                g: cuda_path.bind_objects(o, index, f"objects[{g}]")
+                for g, o in enumerate(self.objects)
+            }
+            addresses = cuda_path.cache_addresses_of(self.caches)
+            for group in plan.groups:  # pointer tables and packed parameters, now
+                binding = self._bindings[group.object_group_idx]
+                cuda_path.group_launch(group, addresses, state).prepare(plan.direction, binding)
+        self.handle = ops.register(self)
+
+    def _ids(self, block_ids: Any) -> list[torch.Tensor]:
+        if block_ids is None:
+            return []
+        groups = len(self.plan.groups)
+        if isinstance(block_ids, (torch.Tensor, np.ndarray)):
+            block_ids = [block_ids] * groups
+        if len(block_ids) != groups:
+            raise KVGroupsValueError(
+                f"block_ids: expected one array per group ({groups}), got {len(block_ids)}"
+            )
+        out = []
+        for i, ids in enumerate(block_ids):
+            if isinstance(ids, np.ndarray):
+                ids = torch.from_numpy(ids)
+            if not isinstance(ids, torch.Tensor):
+                raise KVGroupsTypeError(
+                    f"block_ids[{i}]: expected a torch.Tensor or ndarray, got {type(ids).__name__}"
+                )
+            out.append(ids)
+        return out
+
+    def run(self, block_ids: Any = None) -> None:
+        """Enqueue the transfer on the current stream (through the custom op).
+
+        Parameters
+        ----------
+        block_ids : torch.Tensor or sequence of torch.Tensor, optional
+            Replaces the plan's ids: one 1-D int32/int64 tensor for every group, or one per
+            group. CUDA tensors are read by the kernel at run time (graph replays see their
+            current content); host ids are copied into the launch parameters (a captured
+            graph then keeps the values of capture time).
+        """
+        op = ops.store_pages if self.plan.direction == "store" else ops.load_pages
+        op(self.handle, self.caches, self.objects, self._ids(block_ids))
+
+    __call__ = run
+
+    def execute(self, caches: Sequence[torch.Tensor], objects: Sequence[torch.Tensor],
+                block_ids: Sequence[torch.Tensor]) -> None:
+        """The ops' implementation: run the plan on these tensors (no custom-op dispatch)."""
+        ids = list(block_ids) if len(block_ids) else None
+        if self.device.type == "cuda":
+            same = len(objects) == len(self.objects) and all(
+                a is b for a, b in zip(objects, self.objects))
+            cuda_path.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
+                               block_ids=ids, bindings=self._bindings if same else None)
+        else:
+            torch_path.run_plan(self.plan, caches, objects, block_ids=ids)

@@ -1,0 +1,404 @@
+"""Run a :class:`~kvgroups_core.plan.TransferPlan` on CUDA tensors with the page-copy kernels.
+
+One launch per :class:`~kvgroups_core.plan.GroupTransfer`. What depends only on the group's
+geometry and the caches' addresses (the plane pointer table on the device, the packed
+``KvgParams`` per vector width, the kernel handle) is built once and cached; a call then only
+writes the block ids, the object addresses and the item range into the packed parameters and
+calls ``cuLaunchKernel`` on PyTorch's current stream. Nothing here synchronises.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from kvgroups_core.errors import (
+    KVGroupsIndexError,
+    KVGroupsTypeError,
+    KVGroupsValueError,
+    UnsupportedConfig,
+)
+from kvgroups_core.segments import widest_unit
+
+from . import params as P
+from .driver import Launcher
+from .geometry import GroupShape, group_shape, items_per_cta
+from .nvrtc import kernel_table
+
+_INT32_MAX = 2**31 - 1
+
+
+class DeviceState:
+    """Per-GPU state: arch, kernels, SM count and the out-of-range block id flag."""
+
+    def __init__(self, index: int) -> None:
+        major, minor = torch.cuda.get_device_capability(index)
+        self.index = index
+        self.arch = f"sm_{major}{minor}"
+        self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
+        # Written by a kernel that meets an out-of-range block id; static address, so graph
+        # replays report through it too.
+        self.err_flag = torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
+        self.kernels = kernel_table(self.arch)
+
+
+_devices: dict[int, DeviceState] = {}
+_devices_lock = threading.Lock()
+
+
+def device_state(index: int) -> DeviceState:
+    state = _devices.get(index)
+    if state is None:
+        with _devices_lock:
+            state = _devices.get(index)
+            if state is None:
+                state = _devices[index] = DeviceState(index)
+    return state
+
+
+def check_device_errors(device: torch.device | int | str | None = None) -> None:
+    """Synchronise with ``device`` and raise if a kernel met an out-of-range block id.
+
+    Kernels check every block id read on the device against the group's ``num_blocks``; a bad
+    id moves nothing for its item and sets a per-device flag. This reads and clears the flag.
+
+    Raises
+    ------
+    KVGroupsIndexError
+        A launch since the last check saw a block id outside ``[0, num_blocks)``.
+    """
+    index = torch.device("cuda", torch.cuda.current_device()) if device is None else device
+    index = torch.device(index).index if not isinstance(index, int) else index
+    if index is None:
+        index = torch.cuda.current_device()
+    state = _devices.get(index)
+    if state is None:
+        return
+    flagged = int(state.err_flag.item())  # synchronises: the point of this call
+    if flagged:
+        state.err_flag.zero_()
+        raise KVGroupsIndexError(
+            f"block_ids: expected every id in [0, num_blocks) on cuda:{index}, got at least "
+            "one outside it (those items were not moved)"
+        )
+
+
+@dataclass
+class ObjectBinding:
+    """Where the chunks of one object group live for one call."""
+
+    mode: int
+    base: int = 0
+    stride: int = 0
+    addresses: tuple[int, ...] = ()
+    table: torch.Tensor | None = None
+    unit: int = 16
+    num_chunks: int = 0
+
+
+def check_object_tensor(t: torch.Tensor, device_index: int, what: str) -> None:
+    """Objects the kernels may touch: uint8, on ``device_index`` or in pinned host memory."""
+    if t.dtype != torch.uint8:
+        raise KVGroupsTypeError(f"{what}: expected a uint8 tensor, got {t.dtype}")
+    if t.is_cuda:
+        if t.device.index != device_index:
+            raise KVGroupsValueError(
+                f"{what}: expected a tensor on cuda:{device_index} or in pinned host memory, "
+                f"got {t.device}"
+            )
+    elif not t.is_pinned():
+        # The kernel addresses host memory directly (UVA): only pinned pages are mapped.
+        raise KVGroupsValueError(
+            f"{what}: expected a tensor on cuda:{device_index} or in pinned host memory, got "
+            "pageable host memory (use pin_memory())"
+        )
+
+
+def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
+    """Object addressing of one object group: a ``[num_chunks, nbytes]`` uint8 tensor, or a
+    sequence of ``num_chunks`` 1-D uint8 tensors anywhere on the device or pinned host."""
+    if isinstance(entry, torch.Tensor):
+        check_object_tensor(entry, device_index, what)
+        if entry.dim() != 2 or (entry.shape[1] > 1 and entry.stride(1) != 1):
+            raise KVGroupsValueError(
+                f"{what}: expected a [num_chunks, nbytes] tensor with contiguous rows, got "
+                f"shape {tuple(entry.shape)} strides {entry.stride()}"
+            )
+        base, stride = entry.data_ptr(), entry.stride(0)
+        return ObjectBinding(P.OBJ_STRIDED, base=base, stride=stride,
+                             unit=widest_unit([base, stride]), num_chunks=entry.shape[0])
+    if not isinstance(entry, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"{what}: expected a torch.Tensor or a list of per-chunk tensors, got "
+            f"{type(entry).__name__}"
+        )
+    addresses = []
+    for c, t in enumerate(entry):
+        if not isinstance(t, torch.Tensor):
+            raise KVGroupsTypeError(f"{what}[{c}]: expected a torch.Tensor, got {type(t).__name__}")
+        check_object_tensor(t, device_index, f"{what}[{c}]")
+        if not t.is_contiguous():
+            raise KVGroupsValueError(f"{what}[{c}]: expected a contiguous buffer, got strides {t.stride()}")
+        addresses.append(t.data_ptr())
+    unit = widest_unit(addresses)
+    if len(addresses) <= P.INLINE_OBJS:
+        return ObjectBinding(P.OBJ_INLINE, addresses=tuple(addresses), unit=unit,
+                             num_chunks=len(addresses))
+    table = _to_device(np.asarray(addresses, dtype=np.int64), device_index)
+    return ObjectBinding(P.OBJ_TABLE, table=table, unit=unit, num_chunks=len(addresses))
+
+
+def _to_device(array: np.ndarray, device_index: int) -> torch.Tensor:
+    """Host -> device copy ordered on the current stream, without blocking the host."""
+    host = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
+    return host.to(f"cuda:{device_index}", non_blocking=True)
+
+
+class GroupLaunch:
+    """Launch state of one group geometry on fixed cache addresses (built once, reused)."""
+
+    def __init__(self, group: Any, plane_addresses: list[int], device: DeviceState) -> None:
+        self.planes = group.planes  # kept so identity-keyed lookups stay valid
+        self.runs = group.runs
+        self.shape: GroupShape = group_shape(group)
+        self.device = device
+        self.num_planes = len(plane_addresses)
+        if not 0 < self.num_planes <= 65535:
+            raise UnsupportedConfig(
+                f"planes: expected 1..65535 planes per kernel group, got {self.num_planes}"
+            )
+        self.plane_table = torch.tensor(plane_addresses, dtype=torch.int64).to(
+            f"cuda:{device.index}"
+        )
+        self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
+        self.lock = threading.Lock()
+        self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}
+
+    def _variant(self, direction: str, vector: int) -> tuple[P.KvgParams, Launcher, int]:
+        found = self._variants.get((direction, vector))
+        if found is None:
+            shape = self.shape
+            p = P.KvgParams()
+            p.plane_table = self.plane_table.data_ptr()
+            p.err_flag = self.device.err_flag.data_ptr()
+            p.block_stride = shape.block_stride
+            p.num_blocks = shape.num_blocks
+            p.region_offset = shape.region_offset
+            p.row_bytes = shape.row_bytes
+            p.plane_obj_stride = shape.plane_obj_stride
+            p.page_obj_stride = shape.page_obj_stride
+            p.num_runs = len(shape.runs)
+            for i, run in enumerate(shape.runs):
+                r = p.runs[i]
+                r.cache_offset, r.cache_step = run.cache_offset, run.cache_step
+                r.token_stride, r.obj_offset, r.obj_step = run.token_stride, run.obj_offset, run.obj_step
+                r.units_per_piece = run.nbytes // vector
+                r.units_per_token = run.count * r.units_per_piece
+                r.page_units = shape.block_size * r.units_per_token
+            name = P.kernel_name(direction, vector, shape.contiguous)
+            function = self.device.kernels.handle(name)
+            found = (p, Launcher(self.device.index, ctypes.addressof(p)), function)
+            self._variants[(direction, vector)] = found
+        return found
+
+    def prepare(self, direction: str, objects: ObjectBinding) -> None:
+        """Build the packed parameters (and load the kernel) a launch with ``objects`` uses."""
+        with self.lock:
+            self._variant(direction, widest_unit([self.base_unit, objects.unit]))
+
+    def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
+               block_ids: Any = None) -> None:
+        """Enqueue the group's copy on ``stream`` (``block_ids`` overrides ``group.block_ids``)."""
+        num_items = group.num_items
+        if num_items <= 0:
+            return
+        needed = group.num_chunks * group.blocks_per_chunk
+        if needed > _INT32_MAX or objects.num_chunks < group.num_chunks:
+            raise KVGroupsValueError(
+                f"objects: expected at least {group.num_chunks} chunks, got {objects.num_chunks}"
+            )
+        vector = widest_unit([self.base_unit, objects.unit])
+        ipc = items_per_cta(self.shape.page_bytes, num_items, self.num_planes * len(self.shape.runs),
+                            self.device.num_sms)
+        grid = (-(-num_items // ipc), self.num_planes, len(self.shape.runs))
+        with self.lock:
+            p, launcher, function = self._variant(direction, vector)
+            ids = group.block_ids if block_ids is None else block_ids
+            keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks,
+                                  self.device.index)
+            p.obj_mode = objects.mode
+            if objects.mode == P.OBJ_STRIDED:
+                p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
+            elif objects.mode == P.OBJ_INLINE:
+                p.inline_objs[: len(objects.addresses)] = objects.addresses
+            else:
+                p.obj_table = objects.table.data_ptr()
+            p.blocks_per_chunk = group.blocks_per_chunk
+            p.kept_per_chunk = group.kept_per_chunk
+            p.first_item = group.first_item
+            p.num_items = num_items
+            p.items_per_cta = ipc
+            launcher.launch(function, grid, P.THREADS, stream)
+        del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
+
+
+def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
+    """Point ``p`` at the block ids: a CUDA tensor is read in place (graph capturable); host
+    ids go inline into the parameters when they fit, else to the device."""
+    if isinstance(ids, torch.Tensor) and ids.is_cuda:
+        if ids.device.index != device_index:
+            raise KVGroupsValueError(
+                f"block_ids: expected a tensor on cuda:{device_index}, got {ids.device}"
+            )
+        if ids.dtype not in (torch.int32, torch.int64):
+            raise KVGroupsTypeError(f"block_ids: expected int32 or int64, got {ids.dtype}")
+        if ids.dim() != 1 or ids.numel() < needed:
+            raise KVGroupsValueError(
+                f"block_ids: expected a 1-D tensor of at least {needed} ids, got shape "
+                f"{tuple(ids.shape)}"
+            )
+        ids = ids.contiguous()
+        p.ids = ids.data_ptr()
+        p.ids_mode = P.IDS_DEVICE32 if ids.dtype == torch.int32 else P.IDS_DEVICE64
+        return ids
+    host = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    if host.ndim != 1 or host.dtype.kind not in "iu":
+        raise KVGroupsTypeError(
+            f"block_ids: expected a 1-D integer array, got {host.dtype} of shape {host.shape}"
+        )
+    if host.shape[0] < needed:
+        raise KVGroupsValueError(f"block_ids: expected at least {needed} ids, got {host.shape[0]}")
+    if needed <= P.INLINE_IDS and num_blocks <= _INT32_MAX:
+        # Out-of-int32 values wrap to some other int32: still range-checked by the kernel.
+        small = np.ascontiguousarray(host[:needed], dtype=np.int32)
+        ctypes.memmove(ctypes.addressof(p.inline_ids), small.ctypes.data, 4 * needed)
+        p.ids_mode = P.IDS_INLINE32
+        return None
+    dev = _to_device(host[:needed].astype(np.int64, copy=False), device_index)
+    p.ids = dev.data_ptr()
+    p.ids_mode = P.IDS_DEVICE64
+    return dev
+
+
+_CACHE_SIZE = 256
+_by_identity: OrderedDict[tuple, tuple[Any, Any, GroupLaunch]] = OrderedDict()
+_by_value: OrderedDict[tuple, GroupLaunch] = OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _remember(cache: OrderedDict, key: tuple, value: Any) -> None:
+    cache[key] = value
+    if len(cache) > _CACHE_SIZE:
+        cache.popitem(last=False)
+
+
+def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceState) -> GroupLaunch:
+    """The cached :class:`GroupLaunch` of ``group`` on these cache addresses.
+
+    Looked up by the identity of the plan's ``planes`` / ``runs`` tuples first (free when the
+    core reuses them across plans), then by value (hashes every plane).
+    """
+    scalars = (group.block_stride_bytes, group.num_blocks, group.row_bytes, group.block_size,
+               group.slots, group.region_offset, group.unit_bytes, device.index)
+    ikey = (id(group.planes), id(group.runs), scalars, cache_addresses)
+    hit = _by_identity.get(ikey)
+    if hit is not None and hit[0] is group.planes and hit[1] is group.runs:
+        return hit[2]
+    vkey = (group.planes, group.runs, scalars, cache_addresses)
+    with _cache_lock:
+        launch = _by_value.get(vkey)
+        if launch is None:
+            plane_addresses = []
+            for i, plane in enumerate(group.planes):
+                if not 0 <= plane.tensor_slot < len(cache_addresses):
+                    raise KVGroupsIndexError(
+                        f"planes[{i}].tensor_slot: expected 0..{len(cache_addresses) - 1}, got "
+                        f"{plane.tensor_slot}"
+                    )
+                plane_addresses.append(cache_addresses[plane.tensor_slot] + plane.byte_offset)
+            launch = GroupLaunch(group, plane_addresses, device)
+            _remember(_by_value, vkey, launch)
+        _remember(_by_identity, ikey, (group.planes, group.runs, launch))
+    return launch
+
+
+def cache_addresses_of(caches: Sequence[Any]) -> tuple[int, ...]:
+    """Address of each backing tensor's first element (TensorDescs or tensors)."""
+    return tuple(
+        c.data_ptr() if isinstance(c, torch.Tensor) else c.data_ptr + c.byte_offset
+        for c in caches
+    )
+
+
+def current_stream(device_index: int) -> int:
+    """Raw handle of PyTorch's current stream on ``device_index``."""
+    return torch.cuda.current_stream(device_index).cuda_stream
+
+
+def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
+             *, pinned: str = "direct", block_ids: Sequence[Any] | None = None,
+             bindings: dict[int, ObjectBinding] | None = None) -> None:
+    """Enqueue every group of ``plan`` on the current stream of ``device_index``.
+
+    Parameters
+    ----------
+    plan : TransferPlan
+        Validated by the core (geometry, ids, object sizes).
+    caches : sequence of TensorDesc or torch.Tensor
+        Backing tensors in ``plan.tensor_specs`` order, on ``cuda:device_index``.
+    objects : sequence
+        One entry per object group: a ``[num_chunks, nbytes]`` uint8 tensor or a list of
+        per-chunk 1-D uint8 tensors, on the device or in pinned host memory.
+    pinned : {"direct", "staged"}
+        How pinned host objects are reached: read/written by the kernel through UVA, or through
+        a device staging buffer and one bulk copy per object.
+    block_ids : sequence, optional
+        One block-id array per group of ``plan`` replacing ``group.block_ids`` (CUDA int32 /
+        int64 tensors are read in place by the kernel: nothing to copy, graph capturable).
+    bindings : dict, optional
+        Object bindings prepared ahead (by :class:`~kvgroups_torch.bound_plan.BoundPlan`),
+        keyed by object group.
+    """
+    if pinned not in ("direct", "staged"):
+        raise KVGroupsValueError(f"pinned: expected 'direct' or 'staged', got {pinned!r}")
+    state = device_state(device_index)
+    stream = current_stream(device_index)
+    addresses = cache_addresses_of(caches)
+    direction = plan.direction
+    bindings = {} if bindings is None or pinned == "staged" else dict(bindings)
+    copies_after: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Bind (and check) every object before the first launch: a rejected call moves nothing.
+    for group in plan.groups:
+        g = group.object_group_idx
+        if g not in bindings:
+            entry = objects[g]
+            if pinned == "staged":
+                entry = _stage(entry, direction, device_index, copies_after)
+            bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
+    for i, group in enumerate(plan.groups):
+        ids = None if block_ids is None else block_ids[i]
+        launch = group_launch(group, addresses, state)
+        launch.launch(direction, group, bindings[group.object_group_idx], stream, ids)
+    for host, staging in copies_after:
+        host.copy_(staging, non_blocking=True)
+
+
+def _stage(entry: Any, direction: str, device_index: int,
+           copies_after: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+    """Device stand-ins for pinned host objects (copied in before a load, out after a store)."""
+    if isinstance(entry, (list, tuple)):
+        return [_stage(t, direction, device_index, copies_after) for t in entry]
+    if not isinstance(entry, torch.Tensor) or entry.is_cuda:
+        return entry
+    staging = torch.empty(entry.shape, dtype=entry.dtype, device=f"cuda:{device_index}")
+    if direction == "load":
+        staging.copy_(entry, non_blocking=True)
+    else:
+        copies_after.append((entry, staging))
+    return staging

@@ -1,0 +1,99 @@
+"""The launch parameters of ``kernels/page_copy.cu``, mirrored with ctypes.
+
+One :class:`KvgParams` is passed by value (``__grid_constant__``) to every page-copy kernel.
+Its layout must match the C struct byte for byte; :func:`layout_defines` hands the sizes and
+offsets to the compiler, whose ``static_assert`` s reject a mismatch at build time.
+"""
+
+from __future__ import annotations
+
+import ctypes
+
+#: Must equal the ``#define`` s of the same names in ``page_copy.cu``.
+MAX_RUNS = 2
+MAX_TILE = 64
+INLINE_IDS = 512
+INLINE_OBJS = 64
+THREADS = 256
+
+#: Vector widths a kernel variant exists for, widest first.
+VECTOR_WIDTHS = (16, 8, 4, 2, 1)
+
+# ids_mode / obj_mode values of KvgParams.
+IDS_INLINE32, IDS_DEVICE32, IDS_DEVICE64 = 0, 1, 2
+OBJ_STRIDED, OBJ_TABLE, OBJ_INLINE = 0, 1, 2
+
+_u64 = ctypes.c_uint64
+_i64 = ctypes.c_int64
+_u32 = ctypes.c_uint32
+_i32 = ctypes.c_int32
+
+
+class KvgRun(ctypes.Structure):
+    """One segment run, offsets and steps in bytes, sizes in vector units."""
+
+    _fields_ = [
+        ("cache_offset", _i64),
+        ("cache_step", _i64),
+        ("token_stride", _i64),
+        ("obj_offset", _i64),
+        ("obj_step", _i64),
+        ("units_per_piece", _u32),
+        ("units_per_token", _u32),
+        ("page_units", _u32),
+        ("pad", _u32),
+    ]
+
+
+class KvgParams(ctypes.Structure):
+    """Everything one launch needs (see the comments of ``page_copy.cu``)."""
+
+    _fields_ = [
+        ("plane_table", _u64),
+        ("obj_base", _u64),
+        ("obj_chunk_stride", _i64),
+        ("obj_table", _u64),
+        ("ids", _u64),
+        ("err_flag", _u64),
+        ("block_stride", _i64),
+        ("num_blocks", _i64),
+        ("region_offset", _i64),
+        ("row_bytes", _i64),
+        ("plane_obj_stride", _i64),
+        ("page_obj_stride", _i64),
+        ("blocks_per_chunk", _i32),
+        ("kept_per_chunk", _i32),
+        ("first_item", _i32),
+        ("num_items", _i32),
+        ("items_per_cta", _i32),
+        ("ids_mode", _i32),
+        ("obj_mode", _i32),
+        ("num_runs", _i32),
+        ("runs", KvgRun * MAX_RUNS),
+        ("inline_objs", _u64 * INLINE_OBJS),
+        ("inline_ids", _i32 * INLINE_IDS),
+    ]
+
+
+def layout_defines() -> tuple[tuple[str, str], ...]:
+    """``-D`` macros that make the kernel source check this layout."""
+    return (
+        ("KVG_PARAMS_BYTES", str(ctypes.sizeof(KvgParams))),
+        ("KVG_RUNS_OFFSET", str(KvgParams.runs.offset)),
+        ("KVG_IDS_OFFSET", str(KvgParams.inline_ids.offset)),
+    )
+
+
+def kernel_name(direction: str, vector: int, contiguous: bool) -> str:
+    """Entry point of one variant, e.g. ``kvg_store_v16_contig``."""
+    return f"kvg_{direction}_v{vector}_{'contig' if contiguous else 'runs'}"
+
+
+def all_kernel_names() -> list[str]:
+    """Every variant the source defines (the CI test compiles them all)."""
+    return [
+        kernel_name(d, v, c)
+        for d in ("store", "load")
+        for v in VECTOR_WIDTHS
+        for c in (True, False)
+    ]
