@@ -1,0 +1,25 @@
+"""kvgroups JAX backend: Pallas page-copy kernels (Triton and Mosaic GPU lowerings), a plain
+XLA fallback, descriptors for JAX arrays and DLPack imports of foreign caches.
+
+The core finds this package through its registry (``"jax"``, for ``jax.Array``); to force a
+lowering, register an instance under another name::
+
+    from kvgroups_core.registry import register_backend
+    register_backend("jax-triton", JaxBackend(lowering="triton"))
+"""
+
+from .backend import JaxBackend
+from .describe import describe_array
+from .executor import LOWERINGS, execute_plan, lower_plan, trace_count
+from .foreign import InPlaceWriteLost, import_dlpack
+
+__all__ = [
+    "JaxBackend",
+    "LOWERINGS",
+    "InPlaceWriteLost",
+    "describe_array",
+    "execute_plan",
+    "import_dlpack",
+    "lower_plan",
+    "trace_count",
+]

@@ -1,0 +1,112 @@
+"""Caches owned by another framework (torch) and imported into JAX through DLPack.
+
+On GPU a donated, aliased kernel writes straight into the imported memory. The CPU client
+instead copies buffers it does not own when they are donated: the load lands in a new buffer
+and the owner never sees it. We detect that by comparing buffer pointers before and after the
+call: the input pointer changed and the input was consumed. Caches imported with
+:func:`import_dlpack` are then written back (only the moved blocks); any other such cache
+raises :class:`InPlaceWriteLost`, which carries the new arrays so nothing is lost silently.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import weakref
+from typing import Any
+
+import jax
+import numpy as np
+
+from kvgroups_core.errors import KVGroupsError
+
+# pointer -> (weak reference to the producer, or the producer itself, nbytes)
+_IMPORTED: dict[int, tuple[Any, int]] = {}
+
+
+class InPlaceWriteLost(KVGroupsError, RuntimeError):
+    """A load into foreign memory landed in a copy that the owner cannot see.
+
+    ``caches`` holds the new JAX arrays (with the loaded bytes) in slot order.
+    """
+
+    def __init__(self, message: str, caches: list | None = None):
+        super().__init__(message)
+        self.caches = caches
+
+
+def import_dlpack(x: Any) -> jax.Array:
+    """Import ``x`` (a torch tensor or any DLPack producer) zero-copy, remembering its owner so
+    a CPU load can write back into it.
+
+    Parameters
+    ----------
+    x : a contiguous tensor exposing ``__dlpack__`` (export fp8 torch tensors as uint8 views).
+
+    Returns
+    -------
+    jax.Array sharing ``x``'s memory.
+    """
+    arr = jax.dlpack.from_dlpack(x)
+    ptr = arr.unsafe_buffer_pointer() if arr.size else 0
+    try:
+        owner: Any = weakref.ref(x)
+    except TypeError:
+        owner = x  # not weak-referenceable: keep it alive while registered
+    _IMPORTED[ptr] = (owner, arr.nbytes)
+    return arr
+
+
+def _owner_alive(ptr: int) -> bool:
+    entry = _IMPORTED.get(ptr)
+    if entry is None:
+        return False
+    owner = entry[0]
+    return owner() is not None if isinstance(owner, weakref.ref) else True
+
+
+def block_extents(plan, slot: int) -> list[tuple[int, int]]:
+    """``(byte_start, byte_stop)`` of every block the load wrote in tensor ``slot``."""
+    spans = []
+    for group in plan.groups:
+        lo = min(r.cache_offset for r in group.runs)
+        hi = max(r.cache_offset + (r.count - 1) * r.cache_step
+                 + (group.block_size - 1) * r.token_stride + r.nbytes for r in group.runs)
+        _, _, block_ids = group.items()
+        for plane in group.planes:
+            if plane.tensor_slot != slot:
+                continue
+            for b in np.asarray(block_ids, dtype=np.int64):
+                start = plane.byte_offset + int(b) * group.block_stride_bytes
+                spans.append((start + lo, start + hi))
+    return spans
+
+
+def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None:
+    """After a load: write back or raise where a cache was copied instead of written in place.
+
+    ``before`` are the input buffer pointers (0 for abstract values, which are skipped).
+    """
+    lost = []
+    for slot, (ptr, x, y) in enumerate(zip(before, inputs, outputs)):
+        if not ptr or not isinstance(y, jax.Array) or isinstance(y, jax.core.Tracer):
+            continue
+        if not x.is_deleted():
+            continue  # donation refused (an external reference): plain JAX semantics
+        new_ptr = y.unsafe_buffer_pointer()
+        if new_ptr == ptr:
+            continue
+        if _owner_alive(ptr) and next(iter(y.devices())).platform == "cpu":
+            y.block_until_ready()
+            for start, stop in block_extents(plan, slot):
+                ctypes.memmove(ptr + start, new_ptr + start, stop - start)
+            continue
+        lost.append(slot)
+    if lost:
+        raise InPlaceWriteLost(
+            f"caches {lost}: expected the load to write the donated buffers in place, got new "
+            "buffers (the runtime copied memory it does not own, e.g. a torch CPU tensor "
+            "imported with jax.dlpack.from_dlpack); import such caches with "
+            "kvgroups_jax.import_dlpack so the write is copied back, or load with the torch "
+            "backend. The loaded arrays are in this error's .caches",
+            caches=list(outputs),
+        )

@@ -1,0 +1,160 @@
+"""Pallas page copy, Triton lowering (GPU) and interpret mode (CPU tests).
+
+One launch moves one kernel group: grid ``(item_bucket, num_planes)``, one program per (item,
+plane). Items past the runtime count are masked, so every request whose item count falls in the
+same power-of-two bucket reuses the compilation. Caches are flat unsigned views, one operand per
+backing array (the plane picks its operand statically under ``pl.when``); the object is
+``[num_chunks, object_elems]``. Triton rules (shared/spec/JAX.md): power-of-two array ops, no
+scalar prefetch (ids are read inside the kernel), static grid, explicit ``compiler_params``.
+
+Reference: :func:`kvgroups_jax.reference.reference_transfer`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltriton
+
+from .geometry import Box, GroupGeometry
+
+
+def _offsets(base, box: Box, strides: tuple[int, ...], start: int):
+    """``base + start + sum_d iota_d * strides[d]`` over ``box.shape`` (int32)."""
+    idx = base + start
+    for d, stride in enumerate(strides):
+        idx = idx + lax.broadcasted_iota(jnp.int32, box.shape, d) * stride
+    return idx
+
+
+def _read(ref, chunk, base, box: Box, cache_side: bool):
+    strides = box.cache_strides if cache_side else box.obj_strides
+    start = box.cache_offset if cache_side else box.obj_offset
+    if box.is_contiguous:
+        window = pl.ds(base + start, box.shape[0])
+        return ref[window] if chunk is None else ref[chunk, window]
+    idx = _offsets(base, box, strides, start)
+    return ref[idx] if chunk is None else ref[chunk, idx]
+
+
+def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
+    strides = box.cache_strides if cache_side else box.obj_strides
+    start = box.cache_offset if cache_side else box.obj_offset
+    if box.is_contiguous:
+        window = pl.ds(base + start, box.shape[0])
+        if chunk is None:
+            ref[window] = value
+        else:
+            ref[chunk, window] = value
+        return
+    idx = _offsets(base, box, strides, start)
+    if chunk is None:
+        ref[idx] = value
+    else:
+        ref[chunk, idx] = value
+
+
+def _copy_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, direction: str):
+    # meta_ref: [2] int32 (first_item, num_items); ids_ref: [ids_bucket] int32 engine block ids
+    # obj_ref: [num_chunks, object_elems]; refs: cache inputs [size_k] per operand, then outputs
+    # (store: the object [num_chunks, object_elems]; load: the caches [size_k]).
+    num_ops = len(geom.operand_slots)
+    cache_in, outs = refs[:num_ops], refs[num_ops:]
+    i = pl.program_id(0)
+    plane_id = pl.program_id(1)
+    kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
+
+    @pl.when(i < meta_ref[1])
+    def _():
+        item = meta_ref[0] + i
+        chunk = item // kept
+        pos = item - chunk * kept
+        block = ids_ref[chunk * bpc + (bpc - kept) + pos]
+        # The core validated the ids; clamping keeps every access inside the arrays anyway.
+        block = jnp.minimum(jnp.maximum(block, 0), geom.num_blocks - 1)
+        obj_row0 = geom.region_offset + pos * (geom.block_size * geom.row)
+        for plane in range(geom.num_planes):
+            op = geom.plane_operands[plane]
+
+            # pl.when traces the branch at once; defaults bind this iteration's values.
+            @pl.when(plane_id == plane)
+            def _(plane=plane, op=op):
+                cache_base = geom.plane_offsets[plane] + block * geom.block_stride
+                obj_base = obj_row0 + plane * geom.slots * geom.row
+                for box in geom.boxes:
+                    if direction == "store":
+                        value = _read(cache_in[op], None, cache_base, box, True)
+                        _write(outs[0], chunk, obj_base, box, False, value)
+                    else:
+                        value = _read(obj_ref, chunk, obj_base, box, False)
+                        _write(outs[op], None, cache_base, box, True, value)
+
+
+def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpret, num_warps):
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    num_ops = len(caches)
+    if direction == "store":
+        out_shape = jax.ShapeDtypeStruct(obj.shape, obj.dtype)
+        out_specs = any_spec
+        aliases = {2: 0}
+    else:
+        out_shape = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
+        out_specs = tuple(any_spec for _ in caches)
+        aliases = {3 + k: k for k in range(num_ops)}
+    return pl.pallas_call(
+        functools.partial(_copy_kernel, geom=geom, direction=direction),
+        out_shape=out_shape,
+        grid=(grid_items, geom.num_planes),
+        in_specs=[any_spec] * (3 + num_ops),
+        out_specs=out_specs,
+        input_output_aliases=aliases,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"kvgroups_{direction}_pages",
+    )(meta, ids, obj, *caches)
+
+
+def copy_group(
+    direction: str,
+    geom: GroupGeometry,
+    grid_items: int,
+    meta: jax.Array,
+    ids: jax.Array,
+    obj: jax.Array,
+    caches: tuple[jax.Array, ...],
+    *,
+    interpret: bool = False,
+    num_warps: int = 4,
+):
+    """Move one kernel group's pages (traceable; the caller jits and donates).
+
+    Parameters
+    ----------
+    direction : "store" or "load".
+    geom : the group's static geometry.
+    grid_items : power-of-two item bucket (the grid's first axis).
+    meta : ``[2]`` int32, ``(first_item, num_items)`` with ``num_items <= grid_items``.
+    ids : ``[ids_bucket]`` int32 engine block ids of the group.
+    obj : ``[num_chunks, object_elems]`` unsigned view of the object group's objects.
+    caches : flat unsigned views ``[size_k]``, one per ``geom.operand_slots`` entry.
+
+    Returns
+    -------
+    store: the new object view (aliasing ``obj``); load: the new cache views (aliasing
+    ``caches``).
+    """
+    if direction not in ("store", "load"):
+        raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
+    if len(caches) != len(geom.operand_slots):
+        raise ValueError(
+            f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}"
+        )
+    out = _pallas_copy(
+        direction, geom, grid_items, meta, ids, obj, tuple(caches),
+        interpret=interpret, num_warps=num_warps,
+    )
+    return out if direction == "store" else tuple(out)

@@ -1,0 +1,84 @@
+"""Plain XLA page copy: the fallback for every platform and the baseline the kernels must beat.
+
+Same operands and results as :func:`kvgroups_jax.pallas_copy.copy_group`. When a block-plane is
+one contiguous span (NHD rows, cross-layer NHD, MLA) it is the engine-natural ``take`` / ``.at[]
+.set`` over ``[rows, span]`` views; otherwise every element is addressed through an index array
+(correct for any layout, slower). Items past the runtime count scatter out of bounds and are
+dropped, so the same bucketing applies.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+
+from .geometry import GroupGeometry
+
+
+def _box_offsets(geom: GroupGeometry) -> tuple[np.ndarray, np.ndarray]:
+    """Element offsets of a whole block-plane: ``(cache_offsets, object_offsets)``."""
+    cache, obj = [], []
+    for box in geom.boxes:
+        grids = np.indices(box.shape, dtype=np.int64)
+        cache.append((box.cache_offset + sum(g * s for g, s in zip(grids, box.cache_strides)))
+                     .ravel())
+        obj.append((box.obj_offset + sum(g * s for g, s in zip(grids, box.obj_strides))).ravel())
+    return np.concatenate(cache).astype(np.int32), np.concatenate(obj).astype(np.int32)
+
+
+def _rows_ok(geom: GroupGeometry, span: int | None, obj_elems: int) -> bool:
+    if span is None:
+        return False
+    values = list(geom.plane_offsets) + [geom.block_stride, geom.region_offset,
+                                        geom.slots * geom.row, obj_elems]
+    values += list(geom.operand_sizes)
+    return all(v % span == 0 for v in values)
+
+
+def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, **_):
+    """Move one kernel group's pages with XLA gathers and scatters (arguments as
+    :func:`kvgroups_jax.pallas_copy.copy_group`)."""
+    kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
+    n_chunks, obj_elems = obj.shape
+    i = jnp.arange(grid_items, dtype=jnp.int32)
+    valid = i < meta[1]
+    item = meta[0] + i
+    chunk = jnp.clip(item // kept, 0, n_chunks - 1)
+    pos = item % kept
+    where = jnp.clip(chunk * bpc + (bpc - kept) + pos, 0, ids.shape[0] - 1)
+    block = jnp.clip(ids[where], 0, geom.num_blocks - 1)
+    caches = list(caches)
+    span = geom.span
+    if _rows_ok(geom, span, obj_elems):
+        obj_rows = obj.reshape(n_chunks * (obj_elems // span), span)
+        for plane in range(geom.num_planes):
+            op = geom.plane_operands[plane]
+            cache_rows = caches[op].reshape(-1, span)
+            crow = (geom.plane_offsets[plane] + block * geom.block_stride) // span
+            orow = (chunk * (obj_elems // span)
+                    + (geom.region_offset + plane * geom.slots * geom.row) // span + pos)
+            if direction == "store":
+                dst = jnp.where(valid, orow, obj_rows.shape[0])
+                obj_rows = obj_rows.at[dst].set(cache_rows[crow], mode="drop")
+            else:
+                dst = jnp.where(valid, crow, cache_rows.shape[0])
+                caches[op] = cache_rows.at[dst].set(obj_rows[orow], mode="drop").reshape(-1)
+        if direction == "store":
+            return obj_rows.reshape(n_chunks, obj_elems)
+        return tuple(caches)
+    off_c, off_o = _box_offsets(geom)
+    for plane in range(geom.num_planes):
+        op = geom.plane_operands[plane]
+        cbase = geom.plane_offsets[plane] + block * geom.block_stride
+        obase = geom.object_base(plane, 0) + pos * (geom.block_size * geom.row)
+        cidx = cbase[:, None] + jnp.asarray(off_c)[None, :]
+        oidx = obase[:, None] + jnp.asarray(off_o)[None, :]
+        rows = chunk[:, None]
+        if direction == "store":
+            rows = jnp.where(valid[:, None], rows, n_chunks)
+            obj = obj.at[rows, oidx].set(caches[op][cidx], mode="drop")
+        else:
+            cidx_dst = jnp.where(valid[:, None], cidx, caches[op].shape[0])
+            caches[op] = caches[op].at[cidx_dst].set(obj[rows, oidx], mode="drop")
+    return obj if direction == "store" else tuple(caches)
+
