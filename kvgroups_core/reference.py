@@ -85,6 +85,13 @@ def _check_bounds(idx: np.ndarray, size: int, what: str) -> None:
         )
 
 
+def _leaf_arrays(objects: Any) -> list:
+    out = []
+    for o in objects:
+        out.extend(o if isinstance(o, (list, tuple)) else [o])
+    return out
+
+
 class NumpyBackend(Backend):
     """Executes plans on NumPy arrays (caches and objects on the host)."""
 
@@ -101,6 +108,28 @@ class NumpyBackend(Backend):
                 f"placement: expected None or 'cpu' for the numpy backend, got {placement!r}"
             )
         return [np.zeros((plan.num_chunks, n), dtype=np.uint8) for n in plan.object_nbytes]
+
+    def from_numpy(self, a: Any, device: str | None = None) -> np.ndarray:
+        if device not in (None, "cpu"):
+            raise KVGroupsValueError(f"device: expected 'cpu' for the numpy backend, got {device!r}")
+        return np.array(a, copy=True)
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        return np.array(x, copy=True)
+
+    def import_foreign(self, x: Any) -> np.ndarray:
+        if isinstance(x, np.ndarray):
+            return x
+        return np.from_dlpack(x)
+
+    def validate(self, plan: TransferPlan, caches: Sequence[TensorDesc],
+                 objects: Sequence[Any]) -> None:
+        writes_objects = plan.direction == "store"
+        targets = _leaf_arrays(objects) if writes_objects else [d.obj for d in caches]
+        for arr in targets:
+            if isinstance(arr, np.ndarray) and not arr.flags.writeable:
+                what = "objects" if writes_objects else "kv_caches"
+                raise KVGroupsValueError(f"{what}: expected writable arrays, got a read-only one")
 
     def execute(self, plan: TransferPlan, caches: Sequence[TensorDesc],
                 objects: Sequence[Any]) -> tuple[None, list]:

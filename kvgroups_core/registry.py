@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
 from .descriptors import TensorDesc, TensorSpec, describe_dlpack
-from .errors import BackendNotFound, KVGroupsTypeError
+from .errors import BackendNotFound, KVGroupsTypeError, UnsupportedConfig
 
 
 class Backend(abc.ABC):
@@ -69,6 +69,30 @@ class Backend(abc.ABC):
     def to_host_ids(self, ids: Any) -> Any:
         """Block ids held by this framework as a NumPy-convertible object (may synchronise)."""
         return ids
+
+    # Array plumbing used by the demo, benchmarks and the conformance suite, so that code in
+    # the core can drive any runtime without importing it.
+    def from_numpy(self, a: Any, device: str | None = None) -> Any:
+        """A new array of this framework holding ``a``'s bytes and dtype, on ``device``
+        (``None``: :meth:`default_device`)."""
+        raise UnsupportedConfig(f"backend {self.name!r}: from_numpy is not implemented")
+
+    def to_numpy(self, x: Any) -> Any:
+        """A host NumPy copy of ``x``, bit-exact (same-width unsigned dtype where NumPy has
+        no equivalent)."""
+        raise UnsupportedConfig(f"backend {self.name!r}: to_numpy is not implemented")
+
+    def import_foreign(self, x: Any) -> Any:
+        """Adopt another runtime's array through DLPack, zero-copy where the runtimes allow."""
+        raise UnsupportedConfig(f"backend {self.name!r}: import_foreign is not implemented")
+
+    def default_device(self) -> str:
+        """Where new arrays go by default (``"cuda"`` when a GPU is usable, else ``"cpu"``)."""
+        return "cpu"
+
+    def synchronize(self, x: Any = None) -> None:
+        """Wait until queued work (on ``x``, or all of it) is done; for timing."""
+        return None
 
 
 @dataclass
