@@ -4,8 +4,15 @@ Imports no framework, ever (NumPy only). Backends for PyTorch and JAX live in th
 packages ``kvgroups_torch`` and ``kvgroups_jax`` and are found from the tensors you pass.
 """
 
+from .attn_window import AttnWindowDesc
 from .descriptors import TensorDesc, TensorSpec, describe
 from .dtypes import DTYPE_MAP, DType
+from .engine_groups import (
+    EngineGroupInfo,
+    expand_engine_block_ids,
+    get_engine_group_indices,
+    slice_block_ids_per_group,
+)
 from .errors import (
     BackendNotFound,
     CompileForbidden,
@@ -17,11 +24,40 @@ from .errors import (
     UnsupportedConfig,
 )
 from .formats import MUST_HAVE_FORMATS, EngineKVFormat
+from .grouping import (
+    EXCLUDED_ENGINE_GROUP,
+    KernelGroupIdentity,
+    KernelGroupInfo,
+    ObjectGroupInfo,
+    PageBufferShapeDesc,
+    group_layers_by_identity,
+)
+from .manager import KVLayerGroupsManager
 from .registry import Backend, get_backend, register_backend, unregister_backend
+from .shape_spec import (
+    format_kvcache_shape_spec,
+    manager_from_shape_spec,
+    parse_kvcache_shape_spec,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "EXCLUDED_ENGINE_GROUP",
+    "AttnWindowDesc",
+    "EngineGroupInfo",
+    "KVLayerGroupsManager",
+    "KernelGroupIdentity",
+    "KernelGroupInfo",
+    "ObjectGroupInfo",
+    "PageBufferShapeDesc",
+    "expand_engine_block_ids",
+    "format_kvcache_shape_spec",
+    "get_engine_group_indices",
+    "group_layers_by_identity",
+    "manager_from_shape_spec",
+    "parse_kvcache_shape_spec",
+    "slice_block_ids_per_group",
     "DTYPE_MAP",
     "MUST_HAVE_FORMATS",
     "Backend",
@@ -42,3 +78,18 @@ __all__ = [
     "register_backend",
     "unregister_backend",
 ]
+
+
+def __getattr__(name: str):
+    # Deprecated LMCache aliases (LayerGroupIdentity, KVLayerGroupInfo) warn on access.
+    from .grouping import DEPRECATED_ALIASES
+
+    if name in DEPRECATED_ALIASES:
+        import warnings
+
+        new_name, obj = DEPRECATED_ALIASES[name]
+        warnings.warn(
+            f"{name} is a deprecated alias of {new_name}", DeprecationWarning, stacklevel=2
+        )
+        return obj
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,390 @@
+"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (SEMANTICS.md 3).
+
+The manager is pure metadata built from descriptors: it owns no buffers and moves no bytes.
+The transfer planner reads it (``kernel_groups``, ``object_groups``, ``layer_layouts``, the
+per-group slot counts) to build a :class:`~kvgroups_core.plan.TransferPlan`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Sequence
+from typing import Any
+
+from .attn_window import AttnWindowDesc
+from .descriptors import describe
+from .engine_groups import (
+    EXCLUDED_ENGINE_GROUP,
+    EngineGroupInfo,
+    as_int,
+    get_engine_group_indices,
+)
+from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from .formats import EngineKVFormat
+from .grouping import (
+    KernelGroupIdentity,
+    KernelGroupInfo,
+    ObjectGroupInfo,
+    PageBufferShapeDesc,
+    group_by_identity,
+    identity_of,
+    normalize_formats,
+)
+from .layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
+
+
+def _describe_tree(x: Any) -> Any:
+    """The same structure with every tensor described once (descriptors pass through)."""
+    if isinstance(x, (list, tuple)):
+        items = [_describe_tree(item) for item in x]
+        return tuple(items) if isinstance(x, tuple) else items
+    return describe(x)
+
+
+def _layouts(
+    kv_caches: Any, formats: Sequence[EngineKVFormat], engine_groups: Sequence[int]
+) -> list[LayerLayout | None]:
+    """One layout per non-excluded layer (``None`` for excluded ones).
+
+    A layout depends only on the format and the tensors' specs (plus the layer's index in a
+    cross-layer tensor), so layers sharing them reuse one computed layout with their own
+    plane tensors swapped in: a 1,024-layer model computes a handful of layouts, not 1,024.
+    """
+    templates: dict[tuple, tuple[LayerLayout, list[int]]] = {}
+    out: list[LayerLayout | None] = []
+    for layer, (fmt, gid) in enumerate(zip(formats, engine_groups)):
+        if gid == EXCLUDED_ENGINE_GROUP:
+            out.append(None)
+            continue
+        if fmt.is_cross_layer or not fmt.groupable:
+            out.append(layer_layout(kv_caches, fmt, layer))
+            continue
+        tensors, index = layer_tensors(kv_caches, fmt, layer)
+        key = (fmt, index, tuple(t.spec for t in tensors))
+        cached = templates.get(key)
+        if cached is None:
+            layout = layer_layout(kv_caches, fmt, layer)
+            # Which of the layer's tensors backs each plane (by identity: the structure was
+            # described once, so layer_layout saw these very descriptors).
+            slots = [
+                next((i for i, t in enumerate(tensors) if t is tensor), -1)
+                for tensor, _ in layout.planes
+            ]
+            if -1 not in slots:
+                templates[key] = (layout, slots)
+        else:
+            template, slots = cached
+            planes = tuple(
+                (tensors[slot], offset) for slot, (_, offset) in zip(slots, template.planes)
+            )
+            layout = dataclasses.replace(template, planes=planes)
+        out.append(layout)
+    return out
+
+
+def _check_layer_count(kv_caches: Any, formats: Sequence[EngineKVFormat]) -> None:
+    for fmt in dict.fromkeys(formats):
+        if not fmt.groupable:
+            continue  # layer_layout raises the clearer error for these
+        have = num_layers_of(kv_caches, fmt)
+        if have != len(formats):
+            raise KVGroupsValueError(
+                f"engine_kv_formats: expected one format per layer of kv_caches ({have} layers "
+                f"as {fmt.name}), got {len(formats)} formats"
+            )
+
+
+class KVLayerGroupsManager:
+    """Partition a model's KV layers into kernel groups and object groups.
+
+    Parameters
+    ----------
+    kv_caches : structure of tensors
+        The engine's KV cache structure of framework tensors, TensorSpecs or TensorDescs
+        (planning needs no data, so bare TensorSpecs are enough).
+    engine_kv_formats : sequence of EngineKVFormat, or one EngineKVFormat
+        One format per layer, or one format repeated for every layer.
+    engine_group_infos : sequence of EngineGroupInfo, optional
+        One info per kernel group, in kernel-group order; layers no info mentions are
+        excluded. Empty: every layer is in engine group 0.
+    lmcache_tokens_per_chunk : int, default 256
+        Logical tokens per cache chunk.
+    separate_object_groups : bool, default True
+        Split kernel groups into one object group per window size (in chunks); False puts
+        every kernel group in one full-attention object group.
+
+    Raises
+    ------
+    KVGroupsValueError
+        In this order: an info names a layer outside the registered range; the number of
+        infos differs from the number of kernel groups; an info's layers differ from its
+        group's; layers of one group differ in geometry (block count, padding); per group,
+        ``tokens_per_block`` is not a multiple of ``slots_per_block``, the chunk is not a
+        multiple of ``tokens_per_block``, or a sub-chunk sliding window is not a multiple of
+        ``tokens_per_block``.
+    """
+
+    def __init__(
+        self,
+        kv_caches: Any,
+        engine_kv_formats: Sequence[EngineKVFormat] | EngineKVFormat,
+        engine_group_infos: Sequence[EngineGroupInfo] = (),
+        lmcache_tokens_per_chunk: int = 256,
+        separate_object_groups: bool = True,
+    ) -> None:
+        chunk = as_int(lmcache_tokens_per_chunk, "lmcache_tokens_per_chunk")
+        if chunk <= 0:
+            raise KVGroupsValueError(
+                f"lmcache_tokens_per_chunk: expected a positive token count, got {chunk}"
+            )
+        infos = tuple(engine_group_infos or ())
+        for i, info in enumerate(infos):
+            if not isinstance(info, EngineGroupInfo):
+                raise KVGroupsTypeError(
+                    f"engine_group_infos[{i}]: expected an EngineGroupInfo, got {info!r}"
+                )
+        self._lmcache_tokens_per_chunk = chunk
+        self._separate_object_groups = bool(separate_object_groups)
+        self._full_sw_kv = False
+        self._kernel_groups: list[KernelGroupInfo] = []
+        self._object_groups: list[ObjectGroupInfo] = []
+        self._identities: list[KernelGroupIdentity] = []
+
+        kv_caches = _describe_tree(kv_caches)
+        formats = normalize_formats(kv_caches, engine_kv_formats)
+        self.engine_kv_formats: tuple[EngineKVFormat, ...] = formats
+        self.layer_layouts: list[LayerLayout | None] = [None] * len(formats)
+        num_layers = len(formats)
+        if num_layers == 0:
+            return
+        _check_layer_count(kv_caches, formats)
+        per_layer = get_engine_group_indices(infos, num_layers) or [0] * num_layers
+        if all(g == EXCLUDED_ENGINE_GROUP for g in per_layer):
+            return
+
+        layouts = _layouts(kv_caches, formats, per_layer)
+        self.layer_layouts = layouts
+        groups = group_by_identity(
+            [None if lay is None else identity_of(lay, g) for lay, g in zip(layouts, per_layer)]
+        )
+        if infos and len(infos) != len(groups):
+            raise KVGroupsValueError(
+                f"Got {len(infos)} engine group infos for {len(groups)} kernel groups; "
+                "expected one engine group info per kernel group"
+            )
+        for k, (_, layers) in enumerate(groups):
+            if infos and sorted(infos[k].layer_indices) != layers:
+                raise KVGroupsValueError(
+                    f"kernel group {k}: engine group info covers layers "
+                    f"{list(infos[k].layer_indices)}, but the kernel group has layers {layers}"
+                )
+        for k, (identity, layers) in enumerate(groups):
+            info = infos[k] if infos else None
+            self._kernel_groups.append(self._build_group(k, identity, layers, layouts, info))
+            self._identities.append(identity)
+        self._object_groups = self._detect_object_groups()
+
+    # --- construction helpers ---------------------------------------------------------
+
+    def _build_group(
+        self,
+        k: int,
+        identity: KernelGroupIdentity,
+        layers: list[int],
+        layouts: list[LayerLayout | None],
+        info: EngineGroupInfo | None,
+    ) -> KernelGroupInfo:
+        # Grouped layers always have a layout (only excluded layers map to None).
+        first: LayerLayout = layouts[layers[0]]  # type: ignore[assignment]
+        for layer in layers[1:]:
+            other: LayerLayout = layouts[layer]  # type: ignore[assignment]
+            if not first.same_geometry(other):
+                raise KVGroupsValueError(
+                    f"kernel group {k}: expected every layer to share layer {layers[0]}'s "
+                    f"geometry (num_blocks {first.num_blocks}, block stride "
+                    f"{first.block_stride_bytes} B), got layer {layer} with num_blocks "
+                    f"{other.num_blocks}, block stride {other.block_stride_bytes} B; put layers "
+                    "with different block pools in different engine groups"
+                )
+        bs = identity.block_size
+        tpb = info.tokens_per_block if info is not None and info.tokens_per_block > 0 else bs
+        sw = info.sw_size_tokens if info is not None else -1
+        self._validate(k, bs, tpb, sw)
+        shape_desc = PageBufferShapeDesc(
+            kv_size=identity.kv_size,
+            nl=len(layers),
+            nb=first.num_blocks,
+            bs=bs,
+            nh=identity.num_heads,
+            hs=identity.head_size,
+            element_size=identity.dtype.itemsize,
+            block_stride_elems=first.block_stride_elems,
+            dtype=identity.dtype,
+        )
+        return KernelGroupInfo(
+            layer_indices=layers,
+            shape_desc=shape_desc,
+            dtype=identity.dtype,
+            engine_kv_format=identity.engine_kv_format,
+            tokens_per_block=tpb,
+            engine_group_idx=identity.engine_group_idx,
+            sw_size_tokens=sw,
+        )
+
+    def _validate(self, k: int, slots_per_block: int, tpb: int, sw: int) -> None:
+        chunk = self._lmcache_tokens_per_chunk
+        if tpb % slots_per_block:
+            raise KVGroupsValueError(
+                f"kernel group {k}: tokens_per_block {tpb} must be a multiple of "
+                f"slots_per_block {slots_per_block}"
+            )
+        if chunk % tpb:
+            raise KVGroupsValueError(
+                f"kernel group {k}: lmcache_tokens_per_chunk {chunk} must be a multiple of "
+                f"tokens_per_block {tpb}"
+            )
+        if 0 < sw < chunk and sw % tpb:
+            raise KVGroupsValueError(
+                f"kernel group {k}: sub-chunk sliding window {sw} tokens must be a multiple "
+                f"of tokens_per_block {tpb}"
+            )
+
+    def _detect_object_groups(self) -> list[ObjectGroupInfo]:
+        if not self._separate_object_groups:
+            return [ObjectGroupInfo(list(range(len(self._kernel_groups))), -1)]
+        chunk = self._lmcache_tokens_per_chunk
+        buckets: dict[int, list[int]] = {}
+        for k, group in enumerate(self._kernel_groups):
+            sw = group.sw_size_tokens
+            window = -1 if sw == -1 else -(-sw // chunk)  # a sub-chunk window is 1 chunk
+            buckets.setdefault(window, []).append(k)
+        # Kernel groups are visited in order, so buckets come out ordered by first group.
+        return [ObjectGroupInfo(ks, window) for window, ks in buckets.items()]
+
+    def _group(self, kernel_group_idx: int) -> KernelGroupInfo:
+        k = as_int(kernel_group_idx, "kernel_group_idx")
+        if not 0 <= k < len(self._kernel_groups):
+            raise KVGroupsIndexError(
+                f"kernel_group_idx: expected 0 <= k < {len(self._kernel_groups)}, got {k}"
+            )
+        return self._kernel_groups[k]
+
+    # --- public API -------------------------------------------------------------------
+
+    @property
+    def kernel_groups(self) -> list[KernelGroupInfo]:
+        """One :class:`KernelGroupInfo` per kernel group, ordered by first layer."""
+        return self._kernel_groups
+
+    @property
+    def num_kernel_groups(self) -> int:
+        """Number of kernel groups (0 for a model with no grouped layers)."""
+        return len(self._kernel_groups)
+
+    @property
+    def kernel_group_identities(self) -> list[KernelGroupIdentity]:
+        """The :class:`KernelGroupIdentity` of each kernel group."""
+        return self._identities
+
+    @property
+    def object_groups(self) -> list[ObjectGroupInfo]:
+        """One :class:`ObjectGroupInfo` per object group."""
+        return self._object_groups
+
+    @property
+    def num_object_groups(self) -> int:
+        """Number of object groups."""
+        return len(self._object_groups)
+
+    @property
+    def num_blocks(self) -> int:
+        """The first kernel group's block count (0 without kernel groups)."""
+        return self._kernel_groups[0].shape_desc.nb if self._kernel_groups else 0
+
+    @property
+    def lmcache_tokens_per_chunk(self) -> int:
+        """Logical tokens per cache chunk."""
+        return self._lmcache_tokens_per_chunk
+
+    @property
+    def separate_object_groups(self) -> bool:
+        """Whether object groups are split by window size."""
+        return self._separate_object_groups
+
+    @property
+    def full_sw_kv(self) -> bool:
+        """True once :meth:`enable_full_sw_kv` was called."""
+        return self._full_sw_kv
+
+    def get_shape_desc(self, kernel_group_idx: int) -> PageBufferShapeDesc:
+        """The :class:`PageBufferShapeDesc` of a kernel group (IndexError out of range)."""
+        return self._group(kernel_group_idx).shape_desc
+
+    def get_subchunk_sw_size_tokens(self, kernel_group_idx: int) -> int:
+        """Tokens of each chunk a kernel group stores: the chunk, unless the group's window
+        is shorter than a chunk (and full-SW mode is off), then the window."""
+        sw = self._group(kernel_group_idx).sw_size_tokens
+        chunk = self._lmcache_tokens_per_chunk
+        if self._full_sw_kv or sw == -1 or sw >= chunk:
+            return chunk
+        return sw
+
+    def get_slots_per_chunk_in_sw(self, kernel_group_idx: int) -> int:
+        """Physical slots (object rows per plane) one chunk of the group stores."""
+        group = self._group(kernel_group_idx)
+        return group.calculate_slots(self.get_subchunk_sw_size_tokens(kernel_group_idx))
+
+    def calculate_num_blocks(self, kernel_group_idx: int, num_tokens: int) -> int:
+        """Block ids of a kernel group covering ``num_tokens`` logical tokens (rounded down)."""
+        group = self._group(kernel_group_idx)
+        return group.calculate_slots(num_tokens) // group.shape_desc.bs
+
+    def enable_full_sw_kv(self) -> None:
+        """Store every block of sliding-window groups, so a chunk is reusable at any
+        position; :meth:`get_attn_desc` then reports full attention for every group."""
+        self._full_sw_kv = True
+
+    def get_attn_desc(self) -> AttnWindowDesc:
+        """Each object group's window in chunks (-1 = full attention), in object-group order."""
+        if self._full_sw_kv:
+            return AttnWindowDesc([-1] * len(self._object_groups))
+        return AttnWindowDesc(
+            [g.sw_size_chunks if g.sw_size_chunks >= 1 else -1 for g in self._object_groups]
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"KVLayerGroupsManager(kernel_groups={self.num_kernel_groups}, "
+            f"object_groups={self.num_object_groups}, "
+            f"chunk={self._lmcache_tokens_per_chunk}, full_sw_kv={self._full_sw_kv})"
+        )
+
+    # --- deprecated LMCache names -----------------------------------------------------
+
+    @property
+    def kv_layer_groups(self) -> list[KernelGroupInfo]:
+        """Deprecated alias of :attr:`kernel_groups` (the same list object)."""
+        warnings.warn(
+            "kv_layer_groups is deprecated; use kernel_groups", DeprecationWarning, stacklevel=2
+        )
+        return self._kernel_groups
+
+    @property
+    def num_groups(self) -> int:
+        """Deprecated alias of :attr:`num_kernel_groups`."""
+        warnings.warn(
+            "num_groups is deprecated; use num_kernel_groups", DeprecationWarning, stacklevel=2
+        )
+        return len(self._kernel_groups)
+
+    def get_slots_per_chunk(self, kernel_group_idx: int) -> int:
+        """Deprecated: slots of a whole chunk, ignoring sliding windows; use
+        :meth:`get_slots_per_chunk_in_sw`."""
+        warnings.warn(
+            "get_slots_per_chunk is deprecated (it ignores sliding windows); use "
+            "get_slots_per_chunk_in_sw",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self._group(kernel_group_idx).calculate_slots(self._lmcache_tokens_per_chunk)
