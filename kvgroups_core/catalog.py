@@ -118,7 +118,26 @@ def _v4_like(*, num_blocks, layers, dtype, fmt, name):
     return CacheModel(name, caches, (F.NL_X_NB_BS_HS,) * 4, infos, 64)
 
 
+def _hybrid_demo(*, num_blocks, layers, dtype, fmt, name):
+    """gpt-oss-style attention (8 KV heads x 64; sliding window 128 and full attention
+    alternate) plus a DeepSeek-style MLA latent group (576) in an engine group of its own.
+    ``layers`` counts the attention layers; a quarter as many MLA layers follow them."""
+    fmt = fmt or F.NL_X_TWO_NB_BS_NH_HS
+    attn = _kv_spec(fmt, num_blocks, 16, 8, 64, dtype or "bfloat16")
+    mla_layers = max(1, layers // 4)
+    mla = TensorSpec((num_blocks, 16, 576), dtype or "bfloat16")
+    caches = [attn] * layers + [mla] * mla_layers
+    formats = (fmt,) * layers + (F.NL_X_NB_BS_HS,) * mla_layers
+    full = [i for i in range(layers) if i % 2 == 1]
+    sliding = [i for i in range(layers) if i % 2 == 0]
+    infos = _engine_infos([(1, sliding, 16, 128), (0, full, 16, -1),
+                           (2, list(range(layers, layers + mla_layers)), 16, -1)])
+    return CacheModel(name, caches, formats, infos, 16)
+
+
 MODELS: dict[str, ModelShape] = {m.name: m for m in (
+    ModelShape("hybrid-demo", "gpt-oss-style sliding (128) / full attention, 8 KV heads x 64, "
+               "plus a DeepSeek-style MLA latent group (576), bf16", 12, _hybrid_demo),
     ModelShape("llama3-8b", "Llama-3-8B: 32 layers, 8 KV heads x 128, bf16, full attention",
                32, _dense(8, 128)),
     ModelShape("llama3-70b", "Llama-3-70B: 80 layers, 8 KV heads x 128, bf16", 80, _dense(8, 128)),

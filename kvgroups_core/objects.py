@@ -85,7 +85,9 @@ def region_of(manager: Any, kernel_group_idx: int) -> tuple[int, Region]:
     )
 
 
-def _numpy_dtype(dtype: DType) -> np.dtype:
+def numpy_dtype(dtype: DType) -> np.dtype:
+    """The NumPy dtype for ``dtype`` (ml_dtypes for bfloat16/float8 when installed, else the
+    same-width unsigned type)."""
     try:
         return np.dtype(dtype.name)
     except TypeError:
@@ -115,4 +117,4 @@ def region_view(manager: Any, obj: np.ndarray, kernel_group_idx: int) -> np.ndar
             f"{arr.shape}"
         )
     piece = arr[..., region.offset : region.offset + region.nbytes]
-    return piece.view(_numpy_dtype(region.dtype)).reshape(arr.shape[:-1] + region.shape)
+    return piece.view(numpy_dtype(region.dtype)).reshape(arr.shape[:-1] + region.shape)

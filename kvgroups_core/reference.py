@@ -12,7 +12,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .descriptors import TensorDesc, describe_numpy
+from .descriptors import TensorDesc, TensorSpec, describe_numpy
+from .dtypes import as_dtype
+from .objects import numpy_dtype
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .plan import GroupTransfer, TransferPlan
 from .registry import Backend
@@ -109,12 +111,28 @@ class NumpyBackend(Backend):
             )
         return [np.zeros((plan.num_chunks, n), dtype=np.uint8) for n in plan.object_nbytes]
 
-    def from_numpy(self, a: Any, device: str | None = None) -> np.ndarray:
+    def from_numpy(self, a: Any, device: str | None = None, dtype: Any = None) -> Any:
+        """A copy of ``a``; reinterpreted as ``dtype`` when given. Without a NumPy dtype for
+        it (bfloat16 and float8 need ml_dtypes) the copy is returned as a TensorDesc of
+        ``dtype`` over the raw bits, which every core API accepts."""
         if device not in (None, "cpu"):
             raise KVGroupsValueError(f"device: expected 'cpu' for the numpy backend, got {device!r}")
-        return np.array(a, copy=True)
+        a = np.array(a, copy=True)
+        if dtype is None:
+            return a
+        dt = as_dtype(dtype)
+        if dt.itemsize != a.dtype.itemsize:
+            raise KVGroupsValueError(
+                f"dtype: expected the {a.dtype.itemsize}-byte width of the array, got {dt.name}")
+        np_dtype = numpy_dtype(dt)
+        if np_dtype.name == dt.name or np_dtype.itemsize == dt.itemsize and np_dtype.kind != "u":
+            return a.view(np_dtype)
+        d = describe_numpy(a)
+        return TensorDesc(TensorSpec(d.shape, dt, d.strides, "cpu"), d.data_ptr, 0, a, "numpy")
 
     def to_numpy(self, x: Any) -> np.ndarray:
+        if isinstance(x, TensorDesc):
+            x = x.obj
         return np.array(x, copy=True)
 
     def import_foreign(self, x: Any) -> np.ndarray:

@@ -72,9 +72,11 @@ class Backend(abc.ABC):
 
     # Array plumbing used by the demo, benchmarks and the conformance suite, so that code in
     # the core can drive any runtime without importing it.
-    def from_numpy(self, a: Any, device: str | None = None) -> Any:
-        """A new array of this framework holding ``a``'s bytes and dtype, on ``device``
-        (``None``: :meth:`default_device`)."""
+    def from_numpy(self, a: Any, device: str | None = None, dtype: Any = None) -> Any:
+        """A new array of this framework holding ``a``'s bytes, on ``device`` (``None``:
+        :meth:`default_device`). With ``dtype`` (a DType or name of the same width as ``a``'s),
+        ``a`` holds raw bits to be reinterpreted as ``dtype`` (how bfloat16 and float8 travel
+        without a NumPy dtype for them)."""
         raise UnsupportedConfig(f"backend {self.name!r}: from_numpy is not implemented")
 
     def to_numpy(self, x: Any) -> Any:
