@@ -182,7 +182,7 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
 
     stored: list[list] = []
     start = time.perf_counter()
-    for i, (lo, hi) in enumerate(batches):
+    for lo, hi in batches:
         stored.append(store(manager, src, batch_ids(ids_a, lo, hi), backend=store_name))
         if len(batches) > 1:
             _progress(hi, num_chunks, "store", out)

@@ -14,8 +14,8 @@ import numpy as np
 
 from .descriptors import TensorDesc, TensorSpec, describe_numpy
 from .dtypes import as_dtype
-from .objects import numpy_dtype
 from .errors import KVGroupsTypeError, KVGroupsValueError
+from .objects import numpy_dtype
 from .plan import GroupTransfer, TransferPlan
 from .registry import Backend
 
