@@ -6,6 +6,7 @@ packages ``kvgroups_torch`` and ``kvgroups_jax`` and are found from the tensors 
 
 from .attn_window import AttnWindowDesc
 from .descriptors import TensorDesc, TensorSpec, describe
+from .detection import detect_format, normalize_and_discover_per_layer_formats
 from .dtypes import DTYPE_MAP, DType
 from .engine_groups import (
     EngineGroupInfo,
@@ -33,16 +34,32 @@ from .grouping import (
     group_layers_by_identity,
 )
 from .manager import KVLayerGroupsManager
+from .objects import Region, object_nbytes, object_regions, region_view
+from .plan import GroupTransfer, PlaneRef, TransferPlan
 from .registry import Backend, get_backend, register_backend, unregister_backend
 from .shape_spec import (
     format_kvcache_shape_spec,
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
 )
+from .transfer import PreparedTransfer, load, prepare, store
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "GroupTransfer",
+    "PlaneRef",
+    "PreparedTransfer",
+    "Region",
+    "TransferPlan",
+    "detect_format",
+    "load",
+    "normalize_and_discover_per_layer_formats",
+    "object_nbytes",
+    "object_regions",
+    "prepare",
+    "region_view",
+    "store",
     "EXCLUDED_ENGINE_GROUP",
     "AttnWindowDesc",
     "EngineGroupInfo",
@@ -92,4 +109,13 @@ def __getattr__(name: str):
             f"{name} is a deprecated alias of {new_name}", DeprecationWarning, stacklevel=2
         )
         return obj
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __getattr__(name: str):
+    # LMCache's old names stay importable, with a DeprecationWarning (see grouping.py).
+    if name in ("LayerGroupIdentity", "KVLayerGroupInfo"):
+        from . import grouping
+
+        return getattr(grouping, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
