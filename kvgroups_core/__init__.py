@@ -111,11 +111,3 @@ def __getattr__(name: str):
         return obj
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-
-def __getattr__(name: str):
-    # LMCache's old names stay importable, with a DeprecationWarning (see grouping.py).
-    if name in ("LayerGroupIdentity", "KVLayerGroupInfo"):
-        from . import grouping
-
-        return getattr(grouping, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
