@@ -131,8 +131,9 @@ def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
                 f"shape {tuple(entry.shape)} strides {entry.stride()}"
             )
         base, stride = entry.data_ptr(), entry.stride(0)
-        return ObjectBinding(P.OBJ_STRIDED, base=base, stride=stride,
-                             unit=widest_unit([base, stride]), num_chunks=entry.shape[0])
+        unit = widest_unit([base, stride] if entry.shape[0] > 1 else [base])
+        return ObjectBinding(P.OBJ_STRIDED, base=base, stride=stride, unit=unit,
+                             num_chunks=entry.shape[0])
     if not isinstance(entry, (list, tuple)):
         raise KVGroupsTypeError(
             f"{what}: expected a torch.Tensor or a list of per-chunk tensors, got "
@@ -173,9 +174,7 @@ class GroupLaunch:
             raise UnsupportedConfig(
                 f"planes: expected 1..65535 planes per kernel group, got {self.num_planes}"
             )
-        self.plane_table = torch.tensor(plane_addresses, dtype=torch.int64).to(
-            f"cuda:{device.index}"
-        )
+        self.plane_table = _to_device(np.asarray(plane_addresses, dtype=np.int64), device.index)
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
         self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}

@@ -1,0 +1,175 @@
+"""The CUDA path's host side (geometry, vector width, packed KvgParams, grids, id and object
+modes) checked without a GPU: ``cuLaunchKernel`` is replaced by a NumPy emulation of
+page_copy.cu that reads the packed parameters and raw addresses exactly as the kernel does."""
+
+import ctypes
+
+import numpy as np
+import pytest
+import torch
+from kvgroups_torch import cuda_path
+from kvgroups_torch import params as P
+from torch_page_cases import LAYOUTS, as_bytes, as_tensor, make_case, oracle
+
+NAMES = P.all_kernel_names()
+
+
+def _read(addr, n):
+    return np.frombuffer(ctypes.string_at(addr, n), dtype=np.uint8)
+
+
+def _write(addr, data):
+    ctypes.memmove(addr, np.ascontiguousarray(data).ctypes.data, data.size)
+
+
+def emulate(p: P.KvgParams, name: str, grid, launches: list):
+    """page_copy.cu, one CTA at a time (threads folded into NumPy slices)."""
+    direction, vec, kind = name.split("_")[1], int(name.split("_")[2][1:]), name.split("_")[3]
+    launches.append((name, tuple(grid), p.items_per_cta))
+    store = direction == "store"
+    for x in range(grid[0]):
+        for plane in range(grid[1]):
+            for z in range(grid[2]):
+                r = p.runs[z]
+                tile0 = x * p.items_per_cta
+                for it in range(min(p.items_per_cta, p.num_items - tile0)):
+                    item = p.first_item + tile0 + it
+                    chunk, pos = divmod(item, p.kept_per_chunk)
+                    where = chunk * p.blocks_per_chunk + p.blocks_per_chunk - p.kept_per_chunk + pos
+                    if p.ids_mode == P.IDS_INLINE32:
+                        bid = p.inline_ids[where]
+                    else:
+                        size, fmt = (4, np.int32) if p.ids_mode == P.IDS_DEVICE32 else (8, np.int64)
+                        bid = int(_read(p.ids + size * where, size).view(fmt)[0])
+                    if not 0 <= bid < p.num_blocks:
+                        _write(p.err_flag, np.array([1], np.int32).view(np.uint8))
+                        continue
+                    base = int(_read(p.plane_table + 8 * plane, 8).view(np.uint64)[0])
+                    if p.obj_mode == P.OBJ_STRIDED:
+                        obj = p.obj_base + chunk * p.obj_chunk_stride
+                    elif p.obj_mode == P.OBJ_TABLE:
+                        obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
+                    else:
+                        obj = p.inline_objs[chunk]
+                    cache_page = base + bid * p.block_stride + r.cache_offset
+                    obj_page = (obj + p.region_offset + plane * p.plane_obj_stride
+                                + pos * p.page_obj_stride + r.obj_offset)
+                    for k in range(r.page_units):
+                        if kind == "contig":
+                            c_off = o_off = k * vec
+                        else:
+                            t, r2 = divmod(k, r.units_per_token)
+                            piece, w = divmod(r2, r.units_per_piece)
+                            c_off = t * r.token_stride + piece * r.cache_step + w * vec
+                            o_off = t * p.row_bytes + piece * r.obj_step + w * vec
+                        c_addr, o_addr = cache_page + c_off, obj_page + o_off
+                        assert c_addr % vec == 0 and o_addr % vec == 0, "misaligned vector"
+                        src, dst = (c_addr, o_addr) if store else (o_addr, c_addr)
+                        _write(dst, _read(src, vec))
+
+
+@pytest.fixture
+def emulated(monkeypatch):
+    launches = []
+
+    class FakeKernels:
+        def handle(self, name):
+            return NAMES.index(name)
+
+    class FakeDevice:
+        index = 0
+        arch = "sm_90"
+        num_sms = 4
+        err_flag = torch.zeros(1, dtype=torch.int32)
+        kernels = FakeKernels()
+
+    class FakeLauncher:
+        def __init__(self, device_index, params_address):
+            self.address = params_address
+
+        def launch(self, function, grid, threads, stream):
+            assert threads == P.THREADS and grid[1] <= 65535
+            emulate(P.KvgParams.from_address(self.address), NAMES[function], grid, launches)
+
+    monkeypatch.setattr(cuda_path, "device_state", lambda index: FakeDevice())
+    monkeypatch.setattr(cuda_path, "Launcher", FakeLauncher)
+    monkeypatch.setattr(cuda_path, "current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_path, "check_object_tensor", lambda t, i, w: None)
+    monkeypatch.setattr(cuda_path, "_to_device", lambda a, i: torch.from_numpy(a.copy()))
+    cuda_path._by_identity.clear()
+    cuda_path._by_value.clear()
+    return launches, FakeDevice
+
+
+def _run(case, offset_elems=0, per_chunk=False, ids=None):
+    caches = [as_tensor(c, case.dtype, "cpu", offset_elems * case.caches[0].itemsize
+                        * (2 if case.dtype in ("float16", "bfloat16") else 1))
+              for c in case.caches]
+    objects = torch.from_numpy(case.objects.copy())
+    entry = [row.clone() for row in objects] if per_chunk else objects
+    cuda_path.run_plan(case.plan, caches, [entry], 0,
+                       block_ids=None if ids is None else [ids])
+    got = np.stack([o.numpy() for o in entry]) if per_chunk else objects.numpy()
+    return [as_bytes(c) for c in caches], got
+
+
+def _check(case, **kw):
+    want_caches, want_objects = oracle(case)
+    got_caches, got_objects = _run(case, **kw)
+    np.testing.assert_array_equal(got_objects, want_objects)
+    for got, want in zip(got_caches, want_caches):
+        np.testing.assert_array_equal(got, want)
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_emulated_kernel_matches_the_page_model(emulated, layout, direction):
+    rng = np.random.default_rng(len(layout) * 3 + len(direction))
+    _check(make_case(layout, "uint8" if layout == "indexer" else "float16", direction, rng,
+                     nb=12, bs=2, hs=8, num_chunks=2, bpc=3, kept=2,
+                     first_item=1 if direction == "load" else 0))
+    launches, _ = emulated
+    name = launches[-1][0]
+    assert ("contig" in name) == (layout in ("nhd", "nhd_padded", "cross_layer", "mla"))
+
+
+def test_vector_width_follows_addresses_and_offsets(emulated):
+    launches, _ = emulated
+    rng = np.random.default_rng(1)
+    _check(make_case("nhd", "float32", "store", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,
+                     kept=2))
+    assert launches[-1][0] == "kvg_store_v16_contig"
+    _check(make_case("hnd", "float16", "load", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,
+                     kept=2, region_pad=6))
+    assert launches[-1][0] == "kvg_load_v2_runs"
+    _check(make_case("indexer", "uint8", "store", rng, nb=8, bs=2, num_chunks=1, bpc=2, kept=2))
+    assert launches[-1][0] == "kvg_store_v4_runs"
+
+
+def test_emulated_per_chunk_objects_inline_and_on_the_device(emulated):
+    rng = np.random.default_rng(2)
+    _check(make_case("hnd", "bfloat16", "store", rng, nb=8, bs=2, hs=8, num_chunks=3, bpc=2,
+                     kept=2), per_chunk=True)
+    _check(make_case("nhd", "bfloat16", "load", rng, nb=300, bs=1, nh=1, hs=8, num_chunks=70,
+                     bpc=2, kept=2), per_chunk=True)
+
+
+def test_emulated_ids_beyond_the_inline_capacity(emulated):
+    rng = np.random.default_rng(4)
+    case = make_case("nhd", "uint8", "store", rng, nb=1200, bs=1, nh=1, hs=16, nl=1,
+                     num_chunks=130, bpc=5, kept=5)
+    _check(case)
+
+
+def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
+    _, device = emulated
+    device.err_flag.zero_()
+    rng = np.random.default_rng(9)
+    case = make_case("hnd", "float16", "load", rng, nb=8, bs=2, hs=8, num_chunks=2, bpc=3,
+                     kept=3)
+    bad = np.array([2, 8, -1, 5, 2**31 + 3, 7], dtype=np.int64)
+    want_caches, _ = oracle(case, ids=bad)
+    got_caches, _ = _run(case, ids=bad)
+    assert int(device.err_flag[0]) == 1
+    for got, want in zip(got_caches, want_caches):
+        np.testing.assert_array_equal(got, want)

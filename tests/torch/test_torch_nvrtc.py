@@ -1,0 +1,80 @@
+"""NVRTC compilation and the cubin cache: no GPU needed (CI compiles every variant)."""
+
+import re
+
+import pytest
+from kvgroups_torch import nvrtc
+from kvgroups_torch import params as P
+
+from kvgroups_core.errors import CompileForbidden, KernelCompileError
+
+pytest.importorskip("cuda.core")
+
+
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_every_kernel_variant_compiles(arch):
+    cubin = nvrtc.compile_cubin(arch)
+    assert cubin[:4] == b"\x7fELF"
+    for name in P.all_kernel_names():
+        assert name.encode() + b"\0" in cubin, name
+
+
+def test_source_constants_match_the_host():
+    src = nvrtc.kernel_source()
+    defines = dict(re.findall(r"#define (KVG_\w+) (\d+)", src))
+    assert int(defines["KVG_MAX_RUNS"]) == P.MAX_RUNS
+    assert int(defines["KVG_MAX_TILE"]) == P.MAX_TILE
+    assert int(defines["KVG_INLINE_IDS"]) == P.INLINE_IDS
+    assert int(defines["KVG_INLINE_OBJS"]) == P.INLINE_OBJS
+    assert int(defines["KVG_THREADS"]) == P.THREADS
+
+
+def test_cache_key_names_version_arch_and_changes_with_the_source(monkeypatch):
+    key = nvrtc.cache_key("sm_90")
+    assert key.startswith(f"page_copy-{nvrtc._package_version}-sm_90-")
+    assert nvrtc.cache_key("sm_80") != key
+    monkeypatch.setattr(nvrtc, "kernel_source", lambda: "// changed\n")
+    assert nvrtc.cache_key("sm_90") != key
+
+
+def test_compiles_once_into_the_cache_then_reads_it(cubin_cache, monkeypatch):
+    first = nvrtc.get_cubin("sm_80")
+    path = cubin_cache / f"{nvrtc.cache_key('sm_80')}.cubin"
+    assert path.read_bytes() == first
+
+    def no_compile(arch):
+        raise AssertionError("compiled although the cache holds the cubin")
+
+    monkeypatch.setattr(nvrtc, "compile_cubin", no_compile)
+    assert nvrtc.get_cubin("sm_80") == first
+    assert not list(cubin_cache.glob("*.tmp"))
+
+
+def test_no_compile_env_forbids_compiling_and_names_the_key(cubin_cache, monkeypatch):
+    monkeypatch.setenv("KVGROUPS_NO_COMPILE", "1")
+    with pytest.raises(CompileForbidden, match=nvrtc.cache_key("sm_90")):
+        nvrtc.get_cubin("sm_90")
+    assert isinstance(CompileForbidden("x"), KernelCompileError)
+
+
+def test_no_compile_env_still_serves_cached_cubins(cubin_cache, monkeypatch):
+    cubin = nvrtc.get_cubin("sm_90")
+    monkeypatch.setenv("KVGROUPS_NO_COMPILE", "1")
+    assert nvrtc.get_cubin("sm_90") == cubin
+
+
+def test_cache_dir_defaults_to_xdg(monkeypatch, tmp_path):
+    monkeypatch.delenv("KVGROUPS_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert nvrtc.cache_dir() == tmp_path / "kvgroups" / "cubin"
+
+
+def test_bad_arch_is_a_typed_error():
+    with pytest.raises(KernelCompileError, match="sm_XY"):
+        nvrtc.cache_key("ampere")
+
+
+def test_compile_errors_are_typed(monkeypatch):
+    monkeypatch.setattr(nvrtc, "kernel_source", lambda: "this is not C++")
+    with pytest.raises(KernelCompileError, match="NVRTC failed"):
+        nvrtc.compile_cubin("sm_90")
