@@ -42,45 +42,60 @@ def _describe_tree(x: Any) -> Any:
     return describe(x)
 
 
-def _layouts(
+def _layouts_and_identities(
     kv_caches: Any, formats: Sequence[EngineKVFormat], engine_groups: Sequence[int]
-) -> list[LayerLayout | None]:
-    """One layout per non-excluded layer (``None`` for excluded ones).
+) -> tuple[list[LayerLayout | None], list[KernelGroupIdentity | None]]:
+    """Each layer's layout and kernel-group identity (``None`` for excluded layers).
 
     A layout depends only on the format and the tensors' specs (plus the layer's index in a
-    cross-layer tensor), so layers sharing them reuse one computed layout with their own
-    plane tensors swapped in: a 1,024-layer model computes a handful of layouts, not 1,024.
+    cross-layer tensor), so layers sharing them reuse one computed layout with their own plane
+    tensors swapped in: a 1,024-layer model lays out a handful of layers, not 1,024.
     """
-    templates: dict[tuple, tuple[LayerLayout, list[int]]] = {}
-    out: list[LayerLayout | None] = []
+    # key -> (the template's fields except planes, [(tensor slot, byte offset)] per plane,
+    # {engine group: identity}); one dict lookup per layer.
+    templates: dict[tuple, tuple[dict[str, Any], list[tuple[int, int]], dict]] = {}
+    flat = {fmt: not fmt.is_cross_layer and fmt.groupable for fmt in set(formats)}
+    layouts: list[LayerLayout | None] = []
+    idents: list[KernelGroupIdentity | None] = []
     for layer, (fmt, gid) in enumerate(zip(formats, engine_groups)):
         if gid == EXCLUDED_ENGINE_GROUP:
-            out.append(None)
+            layouts.append(None)
+            idents.append(None)
             continue
-        if fmt.is_cross_layer or not fmt.groupable:
-            out.append(layer_layout(kv_caches, fmt, layer))
+        if not flat[fmt]:
+            layout = layer_layout(kv_caches, fmt, layer)
+            layouts.append(layout)
+            idents.append(identity_of(layout, gid))
             continue
         tensors, index = layer_tensors(kv_caches, fmt, layer)
-        key = (fmt, index, tuple(t.spec for t in tensors))
+        key = (fmt, index, *[t.spec for t in tensors])
         cached = templates.get(key)
         if cached is None:
             layout = layer_layout(kv_caches, fmt, layer)
             # Which of the layer's tensors backs each plane (by identity: the structure was
             # described once, so layer_layout saw these very descriptors).
             slots = [
-                next((i for i, t in enumerate(tensors) if t is tensor), -1)
-                for tensor, _ in layout.planes
+                (next((i for i, t in enumerate(tensors) if t is tensor), -1), offset)
+                for tensor, offset in layout.planes
             ]
-            if -1 not in slots:
-                templates[key] = (layout, slots)
+            by_group: dict[int, KernelGroupIdentity] = {}
+            if all(slot >= 0 for slot, _ in slots):
+                fields = {
+                    f.name: getattr(layout, f.name)
+                    for f in dataclasses.fields(layout)
+                    if f.name != "planes"
+                }
+                templates[key] = (fields, slots, by_group)
         else:
-            template, slots = cached
-            planes = tuple(
-                (tensors[slot], offset) for slot, (_, offset) in zip(slots, template.planes)
-            )
-            layout = dataclasses.replace(template, planes=planes)
-        out.append(layout)
-    return out
+            fields, slots, by_group = cached
+            planes = tuple([(tensors[slot], offset) for slot, offset in slots])
+            layout = LayerLayout(**fields, planes=planes)
+        identity = by_group.get(gid)
+        if identity is None:
+            identity = by_group[gid] = identity_of(layout, gid)
+        layouts.append(layout)
+        idents.append(identity)
+    return layouts, idents
 
 
 def _check_layer_count(kv_caches: Any, formats: Sequence[EngineKVFormat]) -> None:
@@ -163,11 +178,9 @@ class KVLayerGroupsManager:
         if all(g == EXCLUDED_ENGINE_GROUP for g in per_layer):
             return
 
-        layouts = _layouts(kv_caches, formats, per_layer)
+        layouts, identities = _layouts_and_identities(kv_caches, formats, per_layer)
         self.layer_layouts = layouts
-        groups = group_by_identity(
-            [None if lay is None else identity_of(lay, g) for lay, g in zip(layouts, per_layer)]
-        )
+        groups = group_by_identity(identities)
         if infos and len(infos) != len(groups):
             raise KVGroupsValueError(
                 f"Got {len(infos)} engine group infos for {len(groups)} kernel groups; "
