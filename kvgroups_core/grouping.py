@@ -10,17 +10,19 @@ framework tensors, :class:`~kvgroups_core.descriptors.TensorSpec` s or
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
+from .descriptors import describe
 from .dtypes import DType
 from .engine_groups import EXCLUDED_ENGINE_GROUP
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .formats import EngineKVFormat
-from .layout import LayerLayout, layer_layout, num_layers_of
+from .layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",
@@ -272,6 +274,71 @@ def group_by_identity(
     return list(buckets.items())
 
 
+def describe_tree(x: Any) -> Any:
+    """The same structure with every tensor described once (descriptors pass through, and
+    ``None`` placeholders, which only excluded layers may use, stay ``None``)."""
+    if isinstance(x, (list, tuple)):
+        items = [describe_tree(item) for item in x]
+        return tuple(items) if isinstance(x, tuple) else items
+    return None if x is None else describe(x)
+
+
+def layouts_and_identities(
+    kv_caches: Any, formats: Sequence[EngineKVFormat], engine_groups: Sequence[int]
+) -> tuple[list[LayerLayout | None], list[KernelGroupIdentity | None]]:
+    """Each layer's layout and kernel-group identity (``None`` for excluded layers).
+
+    A layout depends only on the format and the tensors' specs (plus the layer's index in a
+    cross-layer tensor), so layers sharing them reuse one computed layout with their own plane
+    tensors swapped in: a 1,024-layer model lays out a handful of layers, not 1,024.
+    """
+    # key -> (the template's fields except planes, [(tensor slot, byte offset)] per plane,
+    # {engine group: identity}); one dict lookup per layer.
+    templates: dict[tuple, tuple[dict[str, Any], list[tuple[int, int]], dict]] = {}
+    flat = {fmt: not fmt.is_cross_layer and fmt.groupable for fmt in set(formats)}
+    layouts: list[LayerLayout | None] = []
+    idents: list[KernelGroupIdentity | None] = []
+    for layer, (fmt, gid) in enumerate(zip(formats, engine_groups)):
+        if gid == EXCLUDED_ENGINE_GROUP:
+            layouts.append(None)
+            idents.append(None)
+            continue
+        if not flat[fmt]:
+            layout = layer_layout(kv_caches, fmt, layer)
+            layouts.append(layout)
+            idents.append(identity_of(layout, gid))
+            continue
+        tensors, index = layer_tensors(kv_caches, fmt, layer)
+        key = (fmt, index, *[t.spec for t in tensors])
+        cached = templates.get(key)
+        if cached is None:
+            layout = layer_layout(kv_caches, fmt, layer)
+            # Which of the layer's tensors backs each plane (by identity: the structure was
+            # described once, so layer_layout saw these very descriptors).
+            slots = [
+                (next((i for i, t in enumerate(tensors) if t is tensor), -1), offset)
+                for tensor, offset in layout.planes
+            ]
+            by_group: dict[int, KernelGroupIdentity] = {}
+            if all(slot >= 0 for slot, _ in slots):
+                fields = {
+                    f.name: getattr(layout, f.name)
+                    for f in dataclasses.fields(layout)
+                    if f.name != "planes"
+                }
+                templates[key] = (fields, slots, by_group)
+        else:
+            fields, slots, by_group = cached
+            planes = tuple([(tensors[slot], offset) for slot, offset in slots])
+            layout = LayerLayout(**fields, planes=planes)
+        identity = by_group.get(gid)
+        if identity is None:
+            identity = by_group[gid] = identity_of(layout, gid)
+        layouts.append(layout)
+        idents.append(identity)
+    return layouts, idents
+
+
 def group_layers_by_identity(
     kv_caches: Any,
     engine_kv_formats: Sequence[EngineKVFormat] | EngineKVFormat,
@@ -300,14 +367,10 @@ def group_layers_by_identity(
     KVGroupsValueError
         ``per_layer_engine_group_idx`` and ``engine_kv_formats`` differ in length.
     """
+    kv_caches = describe_tree(kv_caches)
     formats = normalize_formats(kv_caches, engine_kv_formats)
     engine_groups = per_layer_engine_groups(len(formats), per_layer_engine_group_idx)
-    identities = [
-        None
-        if gid == EXCLUDED_ENGINE_GROUP
-        else identity_of(layer_layout(kv_caches, fmt, layer), gid)
-        for layer, (fmt, gid) in enumerate(zip(formats, engine_groups))
-    ]
+    _, identities = layouts_and_identities(kv_caches, formats, engine_groups)
     return group_by_identity(identities)
 
 

@@ -7,13 +7,11 @@ per-group slot counts) to build a :class:`~kvgroups_core.plan.TransferPlan`.
 
 from __future__ import annotations
 
-import dataclasses
 import warnings
 from collections.abc import Sequence
 from typing import Any
 
 from .attn_window import AttnWindowDesc
-from .descriptors import describe
 from .engine_groups import (
     EXCLUDED_ENGINE_GROUP,
     EngineGroupInfo,
@@ -27,75 +25,12 @@ from .grouping import (
     KernelGroupInfo,
     ObjectGroupInfo,
     PageBufferShapeDesc,
+    describe_tree,
     group_by_identity,
-    identity_of,
+    layouts_and_identities,
     normalize_formats,
 )
-from .layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
-
-
-def _describe_tree(x: Any) -> Any:
-    """The same structure with every tensor described once (descriptors pass through)."""
-    if isinstance(x, (list, tuple)):
-        items = [_describe_tree(item) for item in x]
-        return tuple(items) if isinstance(x, tuple) else items
-    return describe(x)
-
-
-def _layouts_and_identities(
-    kv_caches: Any, formats: Sequence[EngineKVFormat], engine_groups: Sequence[int]
-) -> tuple[list[LayerLayout | None], list[KernelGroupIdentity | None]]:
-    """Each layer's layout and kernel-group identity (``None`` for excluded layers).
-
-    A layout depends only on the format and the tensors' specs (plus the layer's index in a
-    cross-layer tensor), so layers sharing them reuse one computed layout with their own plane
-    tensors swapped in: a 1,024-layer model lays out a handful of layers, not 1,024.
-    """
-    # key -> (the template's fields except planes, [(tensor slot, byte offset)] per plane,
-    # {engine group: identity}); one dict lookup per layer.
-    templates: dict[tuple, tuple[dict[str, Any], list[tuple[int, int]], dict]] = {}
-    flat = {fmt: not fmt.is_cross_layer and fmt.groupable for fmt in set(formats)}
-    layouts: list[LayerLayout | None] = []
-    idents: list[KernelGroupIdentity | None] = []
-    for layer, (fmt, gid) in enumerate(zip(formats, engine_groups)):
-        if gid == EXCLUDED_ENGINE_GROUP:
-            layouts.append(None)
-            idents.append(None)
-            continue
-        if not flat[fmt]:
-            layout = layer_layout(kv_caches, fmt, layer)
-            layouts.append(layout)
-            idents.append(identity_of(layout, gid))
-            continue
-        tensors, index = layer_tensors(kv_caches, fmt, layer)
-        key = (fmt, index, *[t.spec for t in tensors])
-        cached = templates.get(key)
-        if cached is None:
-            layout = layer_layout(kv_caches, fmt, layer)
-            # Which of the layer's tensors backs each plane (by identity: the structure was
-            # described once, so layer_layout saw these very descriptors).
-            slots = [
-                (next((i for i, t in enumerate(tensors) if t is tensor), -1), offset)
-                for tensor, offset in layout.planes
-            ]
-            by_group: dict[int, KernelGroupIdentity] = {}
-            if all(slot >= 0 for slot, _ in slots):
-                fields = {
-                    f.name: getattr(layout, f.name)
-                    for f in dataclasses.fields(layout)
-                    if f.name != "planes"
-                }
-                templates[key] = (fields, slots, by_group)
-        else:
-            fields, slots, by_group = cached
-            planes = tuple([(tensors[slot], offset) for slot, offset in slots])
-            layout = LayerLayout(**fields, planes=planes)
-        identity = by_group.get(gid)
-        if identity is None:
-            identity = by_group[gid] = identity_of(layout, gid)
-        layouts.append(layout)
-        idents.append(identity)
-    return layouts, idents
+from .layout import LayerLayout, num_layers_of
 
 
 def _check_layer_count(kv_caches: Any, formats: Sequence[EngineKVFormat]) -> None:
@@ -166,7 +101,7 @@ class KVLayerGroupsManager:
         self._object_groups: list[ObjectGroupInfo] = []
         self._identities: list[KernelGroupIdentity] = []
 
-        kv_caches = _describe_tree(kv_caches)
+        kv_caches = describe_tree(kv_caches)
         formats = normalize_formats(kv_caches, engine_kv_formats)
         self.engine_kv_formats: tuple[EngineKVFormat, ...] = formats
         self.layer_layouts: list[LayerLayout | None] = [None] * len(formats)
@@ -178,7 +113,7 @@ class KVLayerGroupsManager:
         if all(g == EXCLUDED_ENGINE_GROUP for g in per_layer):
             return
 
-        layouts, identities = _layouts_and_identities(kv_caches, formats, per_layer)
+        layouts, identities = layouts_and_identities(kv_caches, formats, per_layer)
         self.layer_layouts = layouts
         groups = group_by_identity(identities)
         if infos and len(infos) != len(groups):

@@ -2,6 +2,7 @@ import dataclasses
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import kvgroups_core
@@ -69,6 +70,18 @@ def test_excluded_layers_are_left_out_and_never_read():
     caches = [kv_layer(), TensorSpec((3,), "float16"), kv_layer()]
     groups = group_layers_by_identity(caches, [F.NL_X_TWO_NB_BS_NH_HS] * 3, [0, -1, 0])
     assert [layers for _, layers in groups] == [[0, 2]]
+
+
+def test_excluded_layers_may_be_none_placeholders():
+    groups = group_layers_by_identity([kv_layer(), None, kv_layer()], F.NL_X_TWO_NB_BS_NH_HS,
+                                      [0, -1, 0])
+    assert [layers for _, layers in groups] == [[0, 2]]
+
+
+def test_numpy_arrays_are_grouped_like_their_specs():
+    arrays = [np.zeros((2, 4, 16, 2, 8), np.float16), np.zeros((2, 4, 16, 2, 8), np.float32)]
+    groups = group_layers_by_identity(arrays, F.NL_X_TWO_NB_BS_NH_HS)
+    assert [ident.dtype.name for ident, _ in groups] == ["float16", "float32"]
 
 
 def test_every_layer_excluded_gives_no_groups():
