@@ -31,69 +31,69 @@ def _heads(rows):
 
 
 def build(fmt, nb=NB, nl=NL, bs=BS, nh=NH, hs=HS):
-    """(caches in the format, row(l, kv, b, t) -> the object row bytes), written from the
-    format's definition in FORMATS.md, independently of the layout code."""
+    # (caches in the format, row(layer, kv, b, t) -> the object row bytes), written from the
+    # format's definition in FORMATS.md, independently of the layout code.
     c = Counter()
     per_layer = lambda shape, dt=np.float16: [c.array(shape, dt) for _ in range(nl)]  # noqa: E731
     if fmt is F.NL_X_TWO_NB_BS_NH_HS:
         t = per_layer((2, nb, bs, nh, hs))
-        return t, lambda l, kv, b, s: t[l][kv, b, s].tobytes()
+        return t, lambda ly, kv, b, s: t[ly][kv, b, s].tobytes()
     if fmt is F.NL_X_TWO_NB_NH_BS_HS:
         t = per_layer((2, nb, nh, bs, hs))
-        return t, lambda l, kv, b, s: _heads(t[l][kv, b, h, s] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(t[ly][kv, b, h, s] for h in range(nh))
     if fmt is F.NL_X_NB_TWO_BS_NH_HS:
         t = per_layer((nb, 2, bs, nh, hs))
-        return t, lambda l, kv, b, s: t[l][b, kv, s].tobytes()
+        return t, lambda ly, kv, b, s: t[ly][b, kv, s].tobytes()
     if fmt is F.NL_X_NB_TWO_NH_BS_HS:
         t = per_layer((nb, 2, nh, bs, hs))
-        return t, lambda l, kv, b, s: _heads(t[l][b, kv, h, s] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(t[ly][b, kv, h, s] for h in range(nh))
     if fmt is F.NL_X_NB_BS_HS:
         t = per_layer((nb, bs, hs))
-        return t, lambda l, kv, b, s: t[l][b, s].tobytes()
+        return t, lambda ly, kv, b, s: t[ly][b, s].tobytes()
     if fmt is F.NB_NL_TWO_BS_NH_HS:
         t = c.array((nb, nl, 2, bs, nh, hs))
-        return t, lambda l, kv, b, s: t[b, l, kv, s].tobytes()
+        return t, lambda ly, kv, b, s: t[b, ly, kv, s].tobytes()
     if fmt is F.NB_NL_TWO_NH_BS_HS:
         t = c.array((nb, nl, 2, nh, bs, hs))
-        return t, lambda l, kv, b, s: _heads(t[b, l, kv, h, s] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(t[b, ly, kv, h, s] for h in range(nh))
     if fmt is F.TWO_X_NL_X_NB_BS_NH_HS:
         t = [per_layer((nb, bs, nh, hs)), per_layer((nb, bs, nh, hs))]
-        return t, lambda l, kv, b, s: t[kv][l][b, s].tobytes()
+        return t, lambda ly, kv, b, s: t[kv][ly][b, s].tobytes()
     if fmt is F.NL_X_NB_NH_BS_CS:
         t = per_layer((nb, nh, bs, 2 * hs))
-        return t, lambda l, kv, b, s: _heads(t[l][b, h, s] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(t[ly][b, h, s] for h in range(nh))
     if fmt is F.NL_X_NB_BS_NH_CS:
         t = per_layer((nb, bs, nh, 2 * hs))
-        return t, lambda l, kv, b, s: t[l][b, s].tobytes()
+        return t, lambda ly, kv, b, s: t[ly][b, s].tobytes()
     if fmt is F.NL_X_NB_BSV_BSS:
         t = per_layer((nb, bs, 132), np.uint8)
 
-        def indexer_row(l, kv, b, s):
-            block = t[l][b].reshape(-1)  # all BS value rows, then all BS scales
+        def indexer_row(ly, kv, b, s):
+            block = t[ly][b].reshape(-1)  # all BS value rows, then all BS scales
             return block[s * 128:(s + 1) * 128].tobytes() + block[bs * 128 + 4 * s:][:4].tobytes()
 
         return t, indexer_row
     if fmt is F.NB_NL_NH_BS_CS:
         t = c.array((nb, nl, nh, bs, 2 * hs))
-        return t, lambda l, kv, b, s: _heads(t[b, l, h, s] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(t[b, ly, h, s] for h in range(nh))
     if fmt is F.NB_NL_BS_NH_CS:
         t = c.array((nb, nl, bs, nh, 2 * hs))
-        return t, lambda l, kv, b, s: t[b, l, s].tobytes()
+        return t, lambda ly, kv, b, s: t[b, ly, s].tobytes()
     if fmt is F.NL_X_NB_BS_NH_TWO_HS:
         # tpu-inference: [NP, PS, 2*NH // 2, 2, HD] fp16, heads K0, V0, K1, V1, ...
         raw = per_layer((nb, bs, nh, 2, hs))
         t = [r.reshape(nb, bs, nh, 2, hs) for r in raw]
-        return t, lambda l, kv, b, s: _heads(
-            raw[l][b, s, (2 * h + kv) // 2, (2 * h + kv) % 2] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(
+            raw[ly][b, s, (2 * h + kv) // 2, (2 * h + kv) % 2] for h in range(nh))
     if fmt is F.TWO_X_NL_X_NH_NB_BS_HS:
         t = [per_layer((nh, nb, bs, hs)), per_layer((nh, nb, bs, hs))]
-        return t, lambda l, kv, b, s: _heads(t[kv][l][h, b, s] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(t[kv][ly][h, b, s] for h in range(nh))
     if fmt is F.NL_X_TWO_NB_NH_ONE_BS_HS:
         t = per_layer((2, nb, nh, 1, bs, hs))
-        return t, lambda l, kv, b, s: _heads(t[l][kv, b, h, 0, s] for h in range(nh))
+        return t, lambda ly, kv, b, s: _heads(t[ly][kv, b, h, 0, s] for h in range(nh))
     if fmt is F.NL_X_TWO_X_NB_BS_NH_HS:
         t = [(k, v) for k, v in zip(per_layer((nb, bs, nh, hs)), per_layer((nb, bs, nh, hs)))]
-        return t, lambda l, kv, b, s: t[l][kv][b, s].tobytes()
+        return t, lambda ly, kv, b, s: t[ly][kv][b, s].tobytes()
     raise AssertionError(fmt)
 
 
@@ -101,7 +101,7 @@ GROUPABLE = [f for f in F if f.groupable]
 
 
 def page_model_row(layout, kv, block, token):
-    """The object row of (plane kv, block, token), gathered through the page model."""
+    # The object row of (plane kv, block, token), gathered through the page model.
     tensor, plane_offset = layout.planes[kv]
     start = tensor.address + plane_offset + block * layout.block_stride_bytes
     row = bytearray(layout.row_bytes)
@@ -166,7 +166,7 @@ def test_cross_layer_planes_are_offsets_into_one_tensor():
 
 
 def padded(shape, pad, dtype=np.float16, counter=None):
-    """A blocks-first array of ``shape`` whose blocks are ``pad`` elements apart beyond tight."""
+    # A blocks-first array of `shape` whose blocks lie `pad` elements further apart than tight.
     inner = math.prod(shape[1:])
     base = (counter or Counter()).array((shape[0], inner + pad), dtype)
     return base[:, :inner].reshape(shape)
@@ -190,7 +190,7 @@ def test_padding_on_the_block_axis_sets_block_stride_elems(fmt, shape, dtype):
 def test_padded_blocks_are_addressed_at_the_padded_stride():
     counter = Counter()
     caches = [padded((NB, BS, HS), 12, counter=counter) for _ in range(NL)]
-    check_every_row(caches, F.NL_X_NB_BS_HS, lambda l, kv, b, s: caches[l][b, s].tobytes())
+    check_every_row(caches, F.NL_X_NB_BS_HS, lambda ly, kv, b, s: caches[ly][b, s].tobytes())
 
 
 def test_padding_on_a_dim_0_that_is_not_the_block_axis_is_rejected():
