@@ -52,6 +52,7 @@ __all__ = [
 
 # --- structures --------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class _Layer:
     """One layer of a parsed structure: its tensor(s) (one, or K and V), their names in

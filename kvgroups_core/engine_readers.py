@@ -83,7 +83,7 @@ def parse_hints(hints: Any) -> Hints:
 
 def engine_name(engine: Any) -> str:
     """The canonical engine name (case and ``-``/``_`` insensitive, aliases resolved)."""
-    name = engine.lower().replace("-", "_") if isinstance(engine, str) else engine
+    name = engine.lower().replace("-", "_") if isinstance(engine, str) else None
     name = _ENGINE_ALIASES.get(name, name)
     if name not in ENGINES:
         raise KVGroupsValueError(mismatch("engine", f"one of {list(ENGINES)}", engine))

@@ -166,6 +166,7 @@ def test_a_non_tensor_entry_is_a_type_error_naming_it():
 
 @pytest.mark.parametrize("engine,hints,match", [
     ("vllm2", None, "engine"),
+    (["vllm"], None, "engine"),
     ("vllm", {"kv_layot": "HND"}, "kv_layot"),
     ("vllm", {"kv_layout": "HDN"}, "kv_layout"),
     ("vllm", {"tokens_per_block": 0}, "tokens_per_block"),
