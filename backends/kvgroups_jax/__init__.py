@@ -11,11 +11,12 @@ lowering, register an instance under another name::
 from .backend import JaxBackend
 from .describe import describe_array
 from .executor import LOWERINGS, execute_plan, lower_plan, trace_count
-from .foreign import InPlaceWriteLost, import_dlpack
+from .foreign import InPlaceCopyWarning, InPlaceWriteLost, import_dlpack
 
 __all__ = [
     "JaxBackend",
     "LOWERINGS",
+    "InPlaceCopyWarning",
     "InPlaceWriteLost",
     "describe_array",
     "execute_plan",

@@ -9,12 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvgroups_core.descriptors import TensorDesc
+from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsValueError
 from kvgroups_core.registry import Backend
 
 from .describe import describe_array, memory_kind_of
 from .executor import LOWERINGS, execute_plan
-from .foreign import check_in_place
+from .foreign import check_in_place, import_dlpack
 
 _PINNED = ("pinned", "pinned_host", "cuda_host")
 
@@ -42,9 +43,36 @@ class JaxBackend(Backend):
     def describe(self, x: Any) -> TensorDesc:
         return describe_array(x)
 
+    def validate(self, plan, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
+        devices = {d.device for d in caches if not d.is_abstract}
+        for k, obj in enumerate(objects):
+            for part in (obj if isinstance(obj, (list, tuple)) else [obj]):
+                x = part.obj if isinstance(part, TensorDesc) else part
+                if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                    continue
+                kind = memory_kind_of(x)
+                dev = describe_array(x).device if kind != "pinned_host" else None
+                if dev is not None and devices and dev not in devices:
+                    raise KVGroupsValueError(
+                        f"objects[{k}]: expected an array on {sorted(devices)} (or in "
+                        f"pinned_host memory), got one on {dev}"
+                    )
+
     def execute(self, plan, caches: Sequence[TensorDesc], objects: Sequence[Any]):
         arrays = [c.obj if isinstance(c, TensorDesc) else c for c in caches]
         objs = [o.obj if isinstance(o, TensorDesc) else o for o in objects]
+        # Per-chunk buffers are stacked into one [num_chunks, nbytes] array (a copy of the
+        # objects, never of the caches) and split again for the result.
+        chunked = [isinstance(o, (list, tuple)) for o in objs]
+        objs = [jnp.stack([c.obj if isinstance(c, TensorDesc) else c for c in o]) if ch else o
+                for o, ch in zip(objs, chunked)]
+        new_caches, new_objs = self._execute(plan, arrays, objs)
+        new_objs = [list(n) if ch else n for n, ch in zip(new_objs, chunked)]
+        if plan.direction == "load":
+            new_objs = [orig if ch else n for orig, n, ch in zip(objects, new_objs, chunked)]
+        return new_caches, new_objs
+
+    def _execute(self, plan, arrays: list, objs: list):
         # Objects in pinned host memory are staged through device memory: kernels address
         # device memory only.
         kinds = [memory_kind_of(o) for o in objs]
@@ -81,12 +109,73 @@ class JaxBackend(Backend):
     def to_host_ids(self, ids: Any) -> Any:
         return np.asarray(ids)
 
+    # --- array plumbing for the demo, benchmarks and the conformance suite ---------------
+
+    def from_numpy(self, a: Any, device: str | None = None, dtype: Any = None) -> Any:
+        a = np.ascontiguousarray(a)
+        sharding = _sharding_for(device or self.default_device())
+        # may_alias=False: the CPU client would otherwise alias the NumPy buffer, which it
+        # then copies instead of donating (loads would not be in place).
+        x = jax.device_put(a, sharding, may_alias=False)
+        if dtype is not None:
+            target = jnp.dtype(as_dtype(dtype).name)
+            if target.itemsize != a.dtype.itemsize:
+                raise KVGroupsValueError(
+                    f"dtype: expected a type of {a.dtype.itemsize} bytes like the array's "
+                    f"{a.dtype}, got {target} ({target.itemsize} bytes)"
+                )
+            if target != x.dtype:
+                x = jax.jit(lambda v: jax.lax.bitcast_convert_type(v, target),
+                            out_shardings=sharding)(x)
+        return x
+
+    def to_numpy(self, x: Any) -> Any:
+        out = np.asarray(jax.device_get(x))
+        if out.dtype.kind not in "biuf" or out.dtype.name.startswith(("bfloat", "float8")):
+            out = out.view(f"uint{out.dtype.itemsize * 8}")
+        return out
+
+    def import_foreign(self, x: Any) -> Any:
+        return import_dlpack(x)
+
+    def default_device(self) -> str:
+        return "cuda" if jax.default_backend() == "gpu" else "cpu"
+
+    def synchronize(self, x: Any = None) -> None:
+        if x is None:
+            for d in jax.live_arrays():
+                d.block_until_ready()
+        else:
+            jax.block_until_ready(x)
+
 
 def _pointer(x: Any) -> int:
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.size \
             and len(x.devices()) == 1 and not x.is_deleted():
         return int(x.unsafe_buffer_pointer())
     return 0
+
+
+def _sharding_for(device: str):
+    """A single-device sharding for our device spelling (``"cuda:1"``, ``"pinned"`` ...)."""
+    name, _, index = str(device).partition(":")
+    pinned = name in _PINNED
+    if name in ("cuda", "gpu") or pinned:
+        devs = jax.devices("gpu") if jax.default_backend() == "gpu" else []
+        if not devs:
+            if pinned:
+                devs = jax.devices("cpu")
+            else:
+                raise KVGroupsValueError(f"device: expected 'cpu' (no GPU visible), got "
+                                         f"{device!r}")
+    elif name == "cpu":
+        devs = jax.devices("cpu")
+    else:
+        raise KVGroupsValueError(f"device: expected 'cpu', 'cuda[:N]' or 'pinned', got "
+                                 f"{device!r}")
+    dev = devs[int(index) if index else 0]
+    kind = "pinned_host" if pinned and dev.platform != "cpu" else None
+    return jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
 
 
 def _to_device(x: jax.Array) -> jax.Array:

@@ -4,13 +4,17 @@ On GPU a donated, aliased kernel writes straight into the imported memory. The C
 instead copies buffers it does not own when they are donated: the load lands in a new buffer
 and the owner never sees it. We detect that by comparing buffer pointers before and after the
 call: the input pointer changed and the input was consumed. Caches imported with
-:func:`import_dlpack` are then written back (only the moved blocks); any other such cache
-raises :class:`InPlaceWriteLost`, which carries the new arrays so nothing is lost silently.
+:func:`import_dlpack` are then written back (only the moved blocks). Any other such cache gets
+an :class:`InPlaceCopyWarning`: the CPU client also aliases NumPy arrays given to
+``jax.device_put`` and copies them the same way, where the returned arrays are the result and
+nothing is lost, so pointers alone cannot tell a lost torch write from that; the warning says
+so instead of staying silent. On GPU a copied foreign cache raises :class:`InPlaceWriteLost`.
 """
 
 from __future__ import annotations
 
 import ctypes
+import warnings
 import weakref
 from typing import Any
 
@@ -32,6 +36,11 @@ class InPlaceWriteLost(KVGroupsError, RuntimeError):
     def __init__(self, message: str, caches: list | None = None):
         super().__init__(message)
         self.caches = caches
+
+
+class InPlaceCopyWarning(RuntimeWarning):
+    """A donated cache was copied instead of written in place (CPU client, memory that XLA
+    does not own); the returned arrays hold the result, the original memory does not."""
 
 
 def import_dlpack(x: Any) -> jax.Array:
@@ -86,7 +95,7 @@ def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None
 
     ``before`` are the input buffer pointers (0 for abstract values, which are skipped).
     """
-    lost = []
+    lost, copied = [], []
     for slot, (ptr, x, y) in enumerate(zip(before, inputs, outputs)):
         if not ptr or not isinstance(y, jax.Array) or isinstance(y, jax.core.Tracer):
             continue
@@ -95,18 +104,28 @@ def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None
         new_ptr = y.unsafe_buffer_pointer()
         if new_ptr == ptr:
             continue
-        if _owner_alive(ptr) and next(iter(y.devices())).platform == "cpu":
+        on_cpu = next(iter(y.devices())).platform == "cpu"
+        if _owner_alive(ptr) and on_cpu:
             y.block_until_ready()
             for start, stop in block_extents(plan, slot):
                 ctypes.memmove(ptr + start, new_ptr + start, stop - start)
-            continue
-        lost.append(slot)
+        elif on_cpu:
+            copied.append(slot)
+        else:
+            lost.append(slot)
+    if copied:
+        warnings.warn(
+            f"caches {copied}: the load wrote new buffers, not the donated ones (the CPU client "
+            "copies memory it does not own: NumPy arrays it aliased, or DLPack imports). Use "
+            "the returned caches; to write a torch CPU tensor in place import it with "
+            "kvgroups_jax.import_dlpack",
+            InPlaceCopyWarning,
+            stacklevel=4,
+        )
     if lost:
         raise InPlaceWriteLost(
             f"caches {lost}: expected the load to write the donated buffers in place, got new "
-            "buffers (the runtime copied memory it does not own, e.g. a torch CPU tensor "
-            "imported with jax.dlpack.from_dlpack); import such caches with "
-            "kvgroups_jax.import_dlpack so the write is copied back, or load with the torch "
-            "backend. The loaded arrays are in this error's .caches",
+            "buffers (the runtime copied memory it does not own); load such caches with their "
+            "owner's backend. The loaded arrays are in this error's .caches",
             caches=list(outputs),
         )
