@@ -1,13 +1,18 @@
-"""The same transfers in plain PyTorch: byte views and ``index_select`` / ``index_copy_``.
+"""The same transfers in plain PyTorch: strided views, ``index_select`` and ``index_copy_``.
 
 Used for CPU tensors, and as the baseline the CUDA kernels are measured against. Every
-layout the segment runs describe is handled the same way: for each plane and run, a uint8
+layout the segment runs describe is handled the same way: for each plane and run, an
 ``as_strided`` view over the backing tensor's storage shaped ``[num_blocks, block_size,
-count, nbytes]`` (block stride, token stride, piece step, 1 in bytes; padded blocks
-included), and one over the objects shaped ``[num_chunks, kept, block_size, count, nbytes]``.
-A store gathers whole pages with ``index_select`` on the block axis; a load scatters them
-with ``index_copy_``. No Python loop over blocks: only over planes and runs (and chunks when
-the objects are separate per-chunk buffers).
+count, nbytes]`` (block stride, token stride, piece step, 1; padded blocks included) and one
+over the objects shaped ``[num_chunks, kept, block_size, count, nbytes]``. A store gathers
+whole pages with ``index_select`` on the block axis and writes them to the objects with plain
+strided copies; a load reads the objects the same way and scatters with ``index_copy_``.
+
+The moved items are a suffix of ``(chunk, position)`` pairs, so the object side is at most
+two plain slices (the rest of the first chunk, then whole chunks): no advanced indexing,
+which is slow on the CPU. Views use the widest integer element (up to 8 bytes) dividing
+every offset and stride, for the same reason. No Python loop over blocks: only over planes
+and runs (and chunks when the objects are separate per-chunk buffers).
 """
 
 from __future__ import annotations
@@ -18,59 +23,35 @@ import numpy as np
 import torch
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.segments import widest_unit
+
+_ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 
 
-def byte_storage(t: torch.Tensor) -> tuple[torch.Tensor, int]:
-    """A 1-D uint8 tensor over ``t``'s whole storage, and ``t``'s first byte in it."""
-    storage = t.untyped_storage()
-    flat = torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
-    return flat, t.data_ptr() - storage.data_ptr()
+def byte_offset_in_storage(t: torch.Tensor) -> int:
+    """Bytes from the start of ``t``'s storage to its first element."""
+    return t.data_ptr() - t.untyped_storage().data_ptr()
 
 
-def _items(group: Any, device: torch.device, ids: Any = None
-           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(chunk, pos, block_id)`` int64 tensors of the moved items on ``device``."""
+def storage_view(t: torch.Tensor, unit: int) -> torch.Tensor:
+    """A 1-D tensor of ``unit``-byte integers over ``t``'s whole storage."""
+    return torch.empty(0, dtype=_ELEMENT[unit], device=t.device).set_(t.untyped_storage())
+
+
+def _item_ids(group: Any, ids: Any, device: torch.device) -> torch.Tensor:
+    """Block ids of the moved items, in item order, as an int64 tensor on ``device``."""
     if ids is None:
         ids = group.block_ids
+    start, stop = group.first_item, group.num_chunks * group.kept_per_chunk
+    bpc, kept = group.blocks_per_chunk, group.kept_per_chunk
     if isinstance(ids, torch.Tensor):
-        start = group.first_item
-        i = torch.arange(start, group.num_chunks * group.kept_per_chunk, device=ids.device)
-        chunk = torch.div(i, group.kept_per_chunk, rounding_mode="floor")
-        pos = i - chunk * group.kept_per_chunk
-        where = chunk * group.blocks_per_chunk + (group.blocks_per_chunk - group.kept_per_chunk) + pos
-        block = ids.to(torch.int64).index_select(0, where)
-        return chunk.to(device), pos.to(device), block.to(device)
-    if ids is not group.block_ids:
-        i = np.arange(group.first_item, group.num_chunks * group.kept_per_chunk, dtype=np.int64)
-        chunk, pos = i // group.kept_per_chunk, i % group.kept_per_chunk
-        where = chunk * group.blocks_per_chunk + (group.blocks_per_chunk - group.kept_per_chunk) + pos
-        block = np.asarray(ids, dtype=np.int64)[where]
-    else:
-        chunk, pos, block = group.items()
-    return (torch.from_numpy(chunk).to(device), torch.from_numpy(pos).to(device),
-            torch.from_numpy(np.ascontiguousarray(block, dtype=np.int64)).to(device))
-
-
-def _cache_view(flat: torch.Tensor, start: int, group: Any, run: Any, plane: Any) -> torch.Tensor:
-    # [num_blocks, block_size, count, nbytes] bytes of one run of one plane.
-    return torch.as_strided(
-        flat,
-        (group.num_blocks, group.block_size, run.count, run.nbytes),
-        (group.block_stride_bytes, run.token_stride, run.cache_step, 1),
-        start + plane.byte_offset + run.cache_offset,
-    )
-
-
-def _object_view(flat: torch.Tensor, start: int, chunk_stride: int, num_chunks: int,
-                 group: Any, run: Any, p: int) -> torch.Tensor:
-    # [num_chunks, kept, block_size, count, nbytes] bytes of one run of plane p.
-    row = group.row_bytes
-    return torch.as_strided(
-        flat,
-        (num_chunks, group.kept_per_chunk, group.block_size, run.count, run.nbytes),
-        (chunk_stride, group.block_size * row, row, run.obj_step, 1),
-        start + group.region_offset + p * group.slots * row + run.obj_offset,
-    )
+        i = torch.arange(start, stop, device=ids.device)
+        chunk = torch.div(i, kept, rounding_mode="floor")
+        where = chunk * bpc + (bpc - kept) + (i - chunk * kept)
+        return ids.to(torch.int64).index_select(0, where).to(device)
+    i = np.arange(start, stop, dtype=np.int64)
+    where = (i // kept) * bpc + (bpc - kept) + i % kept
+    return torch.from_numpy(np.asarray(ids, dtype=np.int64)[where]).to(device)
 
 
 def _check_object(t: Any, what: str) -> torch.Tensor:
@@ -81,8 +62,9 @@ def _check_object(t: Any, what: str) -> torch.Tensor:
     return t
 
 
-def _object_parts(entry: Any, num_chunks: int, what: str) -> list[tuple[torch.Tensor, int, int, int, int]]:
-    """``(flat, start, chunk_stride, first_chunk, chunks)`` spans covering the chunks."""
+def _object_buffers(entry: Any, num_chunks: int, what: str) -> list[tuple[torch.Tensor, int]]:
+    """``(buffer, chunk_stride)`` per chunk range: one entry for a 2-D tensor, one per chunk
+    (stride 0) for separate buffers."""
     if isinstance(entry, torch.Tensor):
         t = _check_object(entry, what)
         if t.dim() != 2 or t.shape[0] < num_chunks or (t.shape[1] > 1 and t.stride(1) != 1):
@@ -90,20 +72,51 @@ def _object_parts(entry: Any, num_chunks: int, what: str) -> list[tuple[torch.Te
                 f"{what}: expected a [>= {num_chunks}, nbytes] tensor with contiguous rows, got "
                 f"shape {tuple(t.shape)} strides {t.stride()}"
             )
-        flat, start = byte_storage(t)
-        return [(flat, start, t.stride(0), 0, num_chunks)]
+        return [(t, t.stride(0))]
     if not isinstance(entry, (list, tuple)) or len(entry) < num_chunks:
-        raise KVGroupsValueError(f"{what}: expected a tensor or a list of {num_chunks} per-chunk tensors")
-    parts = []
-    for c in range(num_chunks):
-        flat, start = byte_storage(_check_object(entry[c], f"{what}[{c}]"))
-        parts.append((flat, start, 0, c, 1))
-    return parts
+        raise KVGroupsValueError(
+            f"{what}: expected a tensor or a list of {num_chunks} per-chunk tensors"
+        )
+    return [(_check_object(entry[c], f"{what}[{c}]"), 0) for c in range(num_chunks)]
+
+
+def _unit(group: Any, caches: Sequence[torch.Tensor], buffers: list) -> int:
+    values = [group.block_stride_bytes, group.row_bytes, group.region_offset,
+              group.slots * group.row_bytes]
+    for run in group.runs:
+        values += [run.nbytes, run.obj_offset, run.obj_step, run.cache_offset, run.cache_step,
+                   run.token_stride]
+    for plane in group.planes:
+        values += [plane.byte_offset, byte_offset_in_storage(caches[plane.tensor_slot])]
+    for buf, stride in buffers:
+        values += [byte_offset_in_storage(buf), stride]
+    return widest_unit(values, limit=8)
+
+
+def _spans(group: Any, num_buffers: int) -> list[tuple[int, int, int, int, int]]:
+    """``(buffer, first_chunk, chunks, first_pos, first_item)``: the moved items as plain
+    slices of the object view; item ``first_item`` (counted from the group's first moved
+    item) is position ``first_pos`` of chunk ``first_chunk``."""
+    kept, n = group.kept_per_chunk, group.num_chunks
+    c0, j0 = divmod(group.first_item, kept)
+    spans = []
+    done = 0
+    if j0:  # the rest of a partly skipped chunk
+        spans.append((c0 if num_buffers > 1 else 0, c0, 1, j0, done))
+        done += kept - j0
+        c0 += 1
+    if c0 < n:
+        if num_buffers > 1:
+            for c in range(c0, n):
+                spans.append((c, c, 1, 0, done + (c - c0) * kept))
+        else:
+            spans.append((0, c0, n - c0, 0, done))
+    return spans
 
 
 def run_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any],
              block_ids: Sequence[Any] | None = None) -> None:
-    """Execute ``plan`` with torch indexing ops (in place on ``caches`` or ``objects``).
+    """Execute ``plan`` with torch ops (in place on ``caches`` or ``objects``).
 
     Parameters
     ----------
@@ -117,31 +130,49 @@ def run_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any],
         One block-id array per group of ``plan`` replacing ``group.block_ids``.
     """
     store = plan.direction == "store"
-    storages = [byte_storage(t) for t in caches]
     for i, group in enumerate(plan.groups):
         if group.num_items <= 0:
             continue
+        og = group.object_group_idx
+        buffers = _object_buffers(objects[og], group.num_chunks, f"objects[{og}]")
+        e = _unit(group, caches, buffers)
         device = caches[group.planes[0].tensor_slot].device
-        chunk, pos, block = _items(group, device, None if block_ids is None else block_ids[i])
-        parts = _object_parts(objects[group.object_group_idx], group.num_chunks,
-                              f"objects[{group.object_group_idx}]")
-        spans = []
-        for oflat, ostart, ostride, first_chunk, n in parts:
-            if len(parts) == 1:
-                spans.append((oflat, ostart, ostride, n, chunk, pos, block))
-            else:  # separate per-chunk buffers: this buffer's items only
-                mask = chunk == first_chunk
-                spans.append((oflat, ostart, ostride, n, chunk[mask] - first_chunk, pos[mask],
-                              block[mask]))
+        ids = _item_ids(group, None if block_ids is None else block_ids[i], device)
+        spans = _spans(group, len(buffers))
+        obj_flats = [(storage_view(buf, e), byte_offset_in_storage(buf) // e, stride // e)
+                     for buf, stride in buffers]
+        flats = {}
+        bs, row, kept = group.block_size, group.row_bytes // e, group.kept_per_chunk
         for p, plane in enumerate(group.planes):
-            flat, start = storages[plane.tensor_slot]
+            slot = plane.tensor_slot
+            if slot not in flats:
+                flats[slot] = storage_view(caches[slot], e)
+            start = (byte_offset_in_storage(caches[slot]) + plane.byte_offset) // e
             for run in group.runs:
-                cache = _cache_view(flat, start, group, run, plane)
-                for oflat, ostart, ostride, n, c_idx, p_idx, b_idx in spans:
-                    if b_idx.numel() == 0:
-                        continue
-                    obj = _object_view(oflat, ostart, ostride, n, group, run, p)
+                piece = run.nbytes // e
+                # [num_blocks, block_size, count, piece]
+                cache = torch.as_strided(
+                    flats[slot], (group.num_blocks, bs, run.count, piece),
+                    (group.block_stride_bytes // e, run.token_stride // e, run.cache_step // e, 1),
+                    start + run.cache_offset // e)
+                pages = cache.index_select(0, ids) if store else None
+                if not store:
+                    pages = torch.empty((ids.numel(), bs, run.count, piece),
+                                        dtype=cache.dtype, device=cache.device)
+                for b, c0, nc, j0, k0 in spans:
+                    oflat, ostart, ostride = obj_flats[b]
+                    first = 0 if len(buffers) > 1 else c0
+                    # [chunks, kept - j0, block_size, count, piece] of plane p, run `run`
+                    obj = torch.as_strided(
+                        oflat, (nc, kept - j0, bs, run.count, piece),
+                        (ostride, bs * row, row, run.obj_step // e, 1),
+                        ostart + first * ostride + (group.region_offset + p * group.slots
+                                                    * group.row_bytes + run.obj_offset) // e
+                        + j0 * bs * row)
+                    part = pages[k0:k0 + nc * (kept - j0)].view(obj.shape)
                     if store:
-                        obj[c_idx, p_idx] = cache.index_select(0, b_idx)
+                        obj.copy_(part)
                     else:
-                        cache.index_copy_(0, b_idx, obj[c_idx, p_idx])
+                        part.copy_(obj)
+                if not store:
+                    cache.index_copy_(0, ids, pages)
