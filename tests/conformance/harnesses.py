@@ -160,6 +160,24 @@ def harness_params() -> list:
     return params
 
 
+def pair_params() -> list:
+    """Every ordered pair of distinct backends (same-platform pairs: CPU with CPU, GPU with
+    GPU), as pytest params with the marks of both."""
+    singles = harness_params()
+    cpu = [p for p in singles if not any(getattr(m, "name", "") == "gpu" for m in p.marks)]
+    gpu = [p for p in singles if p not in cpu] + [singles[0]]
+    out = []
+    for group in (cpu, gpu):
+        for a in group:
+            for b in group:
+                if a is b or (group is gpu and a is singles[0] and b is singles[0]):
+                    continue
+                marks = list(a.marks) + [m for m in b.marks if m not in a.marks]
+                out.append(pytest.param((a.values[0], b.values[0]), marks=marks,
+                                        id=f"{a.id}->{b.id}"))
+    return out
+
+
 def make_harness(param: Any) -> Harness:
     if isinstance(param, Harness):
         return param
@@ -171,4 +189,4 @@ def make_harness(param: Any) -> Harness:
     }[param]()
 
 
-__all__ = ["Harness", "harness_params", "make_harness", "kc"]
+__all__ = ["Harness", "harness_params", "make_harness", "pair_params", "kc"]
