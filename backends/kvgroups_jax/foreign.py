@@ -23,7 +23,8 @@ import numpy as np
 
 from kvgroups_core.errors import KVGroupsError
 
-# pointer -> (weak reference to the producer, or the producer itself, nbytes)
+# JAX buffer pointer -> (weak reference to the producer or the producer itself, the
+# producer's own pointer: equal unless the import had to copy, e.g. misaligned memory)
 _IMPORTED: dict[int, tuple[Any, int]] = {}
 
 
@@ -55,13 +56,16 @@ def import_dlpack(x: Any) -> jax.Array:
     -------
     jax.Array sharing ``x``'s memory.
     """
+    from kvgroups_core.descriptors import describe_dlpack
+
+    owner_ptr = describe_dlpack(x).address
     arr = jax.dlpack.from_dlpack(x)
     ptr = arr.unsafe_buffer_pointer() if arr.size else 0
     try:
         owner: Any = weakref.ref(x)
     except TypeError:
         owner = x  # not weak-referenceable: keep it alive while registered
-    _IMPORTED[ptr] = (owner, arr.nbytes)
+    _IMPORTED[ptr] = (owner, owner_ptr)
     return arr
 
 
@@ -99,17 +103,24 @@ def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None
     for slot, (ptr, x, y) in enumerate(zip(before, inputs, outputs)):
         if not ptr or not isinstance(y, jax.Array) or isinstance(y, jax.core.Tracer):
             continue
-        if not x.is_deleted():
-            continue  # donation refused (an external reference): plain JAX semantics
         new_ptr = y.unsafe_buffer_pointer()
-        if new_ptr == ptr:
-            continue
         on_cpu = next(iter(y.devices())).platform == "cpu"
-        if _owner_alive(ptr) and on_cpu:
+        if _owner_alive(ptr):
+            owner_ptr = _IMPORTED[ptr][1]
+            if new_ptr == owner_ptr:
+                continue
+            if not on_cpu:
+                lost.append(slot)
+                continue
             y.block_until_ready()
             for start, stop in block_extents(plan, slot):
-                ctypes.memmove(ptr + start, new_ptr + start, stop - start)
-        elif on_cpu:
+                ctypes.memmove(owner_ptr + start, new_ptr + start, stop - start)
+            continue
+        if not x.is_deleted():
+            continue  # donation refused (an external reference): plain JAX semantics
+        if new_ptr == ptr:
+            continue
+        if on_cpu:
             copied.append(slot)
         else:
             lost.append(slot)

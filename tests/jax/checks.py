@@ -5,10 +5,9 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-from layouts import make_plan
-
 from kvgroups_jax.executor import execute_plan
 from kvgroups_jax.reference import reference_transfer
+from layouts import make_plan
 
 
 def as_bytes(x) -> np.ndarray:

@@ -1,0 +1,54 @@
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import run_and_check
+from layouts import LAYOUTS, make_group, make_plan
+
+pytestmark = pytest.mark.gpu
+
+MOSAIC_LAYOUTS = ("nhd", "flashinfer_nhd", "cross_layer")
+
+
+def _nbytes(g):
+    return g.num_planes * g.slots * g.row_bytes
+
+
+@pytest.mark.parametrize("lowering", ["triton", "mosaic", "auto"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn", "float32"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_gpu_store_and_load_are_bit_exact_and_in_place(layout, dtype, lowering):
+    if lowering == "mosaic" and layout not in MOSAIC_LAYOUTS:
+        pytest.skip("Mosaic path covers contiguous layouts (others: UnsupportedConfig)")
+    gpu = jax.devices("gpu")[0]
+    for direction in ("store", "load"):
+        arrays, g = make_group(layout, dtype, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4,
+                               first_item=2 if direction == "load" else 0)
+        caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
+            direction, [g], arrays, [_nbytes(g)], lowering=lowering, device=gpu)
+        if direction == "load":
+            assert [c.unsafe_buffer_pointer() for c in new_c] == ptrs
+            assert all(c.is_deleted() for c in caches)
+        else:
+            assert [o.unsafe_buffer_pointer() for o in new_o] == optrs
+
+
+def test_gpu_load_into_torch_cuda_caches_writes_torch_memory():
+    torch = pytest.importorskip("torch")
+    if not torch.cuda.is_available():
+        pytest.skip("torch has no CUDA")
+    from kvgroups_jax import JaxBackend, import_dlpack
+
+    arrays, g = make_group("nhd", "float32", nb=64, bs=16, nh=8, hs=128, num_chunks=2, bpc=4)
+    owners = [torch.from_numpy(a.copy()).cuda() for a in arrays]
+    torch.cuda.synchronize()
+    caches = [import_dlpack(t) for t in owners]
+    plan = make_plan("load", [g], arrays, [_nbytes(g)])
+    obj = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, _nbytes(g)), np.uint8),
+                      device=jax.devices("gpu")[0])
+    new_c, _ = JaxBackend().execute(plan, caches, [obj])
+    assert [c.unsafe_buffer_pointer() for c in new_c] == [t.data_ptr() for t in owners]
+    jax.block_until_ready(new_c)
+    for t, c in zip(owners, new_c):
+        np.testing.assert_array_equal(t.cpu().numpy().view(np.uint8),
+                                      np.asarray(c).view(np.uint8))

@@ -1,0 +1,75 @@
+import importlib.util
+from unittest import mock
+
+import jax
+import jax.numpy as jnp
+import pytest
+from kvgroups_jax import executor
+from layouts import LAYOUTS, make_group, make_plan
+
+from kvgroups_core.errors import UnsupportedConfig
+
+needs_absl = pytest.mark.skipif(
+    importlib.util.find_spec("absl") is None,
+    reason="Mosaic GPU lowering imports absl: pip install absl-py",
+)
+
+MOSAIC_LAYOUTS = ("nhd", "flashinfer_nhd", "cross_layer")
+
+
+def _lower(layout, direction, lowering, dtype="bfloat16"):
+    # A Llama-like page (16 tokens x 8 heads x 128) so boxes hit the real 4096 / TMA limits.
+    arrays, g = make_group(layout, dtype, nb=32, bs=16, nh=8, hs=128, num_chunks=2, bpc=4,
+                           first_item=1 if direction == "load" else 0)
+    nbytes = g.num_planes * g.slots * g.row_bytes
+    plan = make_plan(direction, [g], arrays, [nbytes])
+    caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    objects = [jax.ShapeDtypeStruct((2, nbytes), jnp.uint8)]
+    # An abstract H200: compute capability 9.0, no GPU needed.
+    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+        return executor.lower_plan(plan, lowering, caches, objects).as_text()
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_triton_lowering_accepts_every_layout(layout, direction):
+    text = _lower(layout, direction, "triton")
+    assert "__gpu$xla.gpu.triton" in text
+    assert f"kvgroups_{direction}_pages" in text
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("layout", MOSAIC_LAYOUTS)
+@needs_absl
+def test_mosaic_lowering_accepts_contiguous_layouts(layout, direction):
+    assert "mosaic_gpu" in _lower(layout, direction, "mosaic")
+
+
+@pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - set(MOSAIC_LAYOUTS)))
+@needs_absl
+def test_mosaic_refuses_strided_layouts_with_unsupported_config(layout):
+    with pytest.raises(UnsupportedConfig, match="contiguous span"):
+        _lower(layout, "store", "mosaic")
+
+
+@needs_absl
+def test_fp8_and_fp32_lower_for_both_gpu_paths():
+    for dtype in ("float8_e4m3fn", "float32"):
+        assert "triton" in _lower("interleaved", "load", "triton", dtype)
+        assert "mosaic_gpu" in _lower("nhd", "store", "mosaic", dtype)
+
+
+def test_a_non_power_of_two_box_is_rejected_by_the_triton_lowering():
+    from kvgroups_jax import geometry
+
+    # Forcing 3-element boxes must trip Triton's power-of-two check at lowering time.
+    real = geometry.pow2_parts
+    with mock.patch.object(geometry, "pow2_parts", lambda n, cap: [(0, n)]), \
+            pytest.raises(Exception, match="power of 2|power-of-two|power of two"):
+        arrays, g = make_group("nhd", "bfloat16", nh=3, hs=1, nb=8, bs=1, num_chunks=1,
+                               bpc=1)
+        plan = make_plan("store", [g], arrays, [g.num_planes * g.slots * g.row_bytes])
+        caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+        objs = [jax.ShapeDtypeStruct((1, g.num_planes * g.slots * g.row_bytes), jnp.uint8)]
+        executor.lower_plan(plan, "triton", caches, objs)
+    assert geometry.pow2_parts is real
