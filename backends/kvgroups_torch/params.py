@@ -1,8 +1,8 @@
 """The launch parameters of ``kernels/page_copy.cu``, mirrored with ctypes.
 
 One :class:`KvgParams` is passed by value (``__grid_constant__``) to every page-copy kernel.
-Its layout must match the C struct byte for byte; :func:`layout_defines` hands the sizes and
-offsets to the compiler, whose ``static_assert`` s reject a mismatch at build time.
+Its layout must match the C struct byte for byte; :func:`layout_defines` hands the sizes to
+the compiler, whose ``static_assert`` s reject a mismatch at build time.
 """
 
 from __future__ import annotations
@@ -79,8 +79,7 @@ def layout_defines() -> tuple[tuple[str, str], ...]:
     """``-D`` macros that make the kernel source check this layout."""
     return (
         ("KVG_PARAMS_BYTES", str(ctypes.sizeof(KvgParams))),
-        ("KVG_RUNS_OFFSET", str(KvgParams.runs.offset)),
-        ("KVG_IDS_OFFSET", str(KvgParams.inline_ids.offset)),
+        ("KVG_RUN_BYTES", str(ctypes.sizeof(KvgRun))),
     )
 
 
