@@ -28,7 +28,15 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
-from kvgroups_torch import BoundPlan, TorchBackend, describe_tensor, torch_path  # noqa: E402
+from kvgroups_torch import (  # noqa: E402
+    BoundPlan,
+    TorchBackend,
+    cuda_path,
+    describe_tensor,
+    geometry,
+    nvrtc,
+    torch_path,
+)
 
 from kvgroups_core.catalog import MODELS  # noqa: E402
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
@@ -119,6 +127,9 @@ def bench_shape(args, shape: str, backend: TorchBackend, staged: TorchBackend, e
               "frac_of_d2d": d2d["ms"] / r["ms"], "baseline_ms": base["ms"],
               "speedup_vs_index_ops": base["ms"] / r["ms"]})
 
+    if args.sweep:
+        sweep(args, s, kernel, d2d["ms"], common, emit)
+
     # Correctness spot check against the plain torch path.
     ref = [torch.zeros_like(o) for o in s.objects[0]]
     torch_path.run_plan(s.plans["store"][0], s.caches, ref)
@@ -146,6 +157,32 @@ def bench_shape(args, shape: str, backend: TorchBackend, staged: TorchBackend, e
                       "GBps": nbytes / r["ms"] / 1e6,
                       "frac_of_pinned_copy": ceil[direction]["ms"] / r["ms"]})
     torch.cuda.empty_cache()
+
+
+def sweep(args, s, kernel, d2d_ms, common, emit) -> None:
+    """Kernel tuning knobs: loads in flight, L2 sector prefetch, streaming stores, CTA size."""
+    defaults = (dict(nvrtc.TUNING), geometry.TARGET_CTA_BYTES)
+    try:
+        for unroll in (4, 8):
+            for load_hint in (0, 1):
+                for store_hint in (0, 1):
+                    nvrtc.TUNING.clear()
+                    nvrtc.TUNING.update(KVG_UNROLL=unroll, KVG_LOAD_HINT=load_hint,
+                                        KVG_STORE_HINT=store_hint)
+                    for target in (16384, 32768, 65536, 131072):
+                        geometry.TARGET_CTA_BYTES = target
+                        cuda_path.reset_caches()
+                        config = {"unroll": unroll, "load_hint": load_hint,
+                                  "store_hint": store_hint, "cta_bytes": target}
+                        for direction in ("store", "load"):
+                            r = cuda_ms(kernel(direction), 10, 2)
+                            emit({**common, "name": f"sweep_{direction}", **config, **r,
+                                  "frac_of_d2d": d2d_ms / r["ms"]})
+    finally:
+        nvrtc.TUNING.clear()
+        nvrtc.TUNING.update(defaults[0])
+        geometry.TARGET_CTA_BYTES = defaults[1]
+        cuda_path.reset_caches()
 
 
 def host_cost(args, emit) -> None:
@@ -206,6 +243,7 @@ def main(argv=None) -> None:
     p.add_argument("--rotate", type=int, default=2)
     p.add_argument("--host-calls", type=int, default=2000)
     p.add_argument("--no-pinned", dest="pinned", action="store_false")
+    p.add_argument("--sweep", action="store_true", help="also sweep the kernel tuning knobs")
     p.add_argument("--out", type=Path, default=None, help="JSON lines file (appended)")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
@@ -228,8 +266,20 @@ def main(argv=None) -> None:
     for shape in args.shapes.split(","):
         bench_shape(args, shape, backend, staged, emit)
     host_cost(args, emit)
+    best = {}
+    for r in rows:
+        if r["name"].startswith("sweep_"):
+            key = (r["shape"], r["name"])
+            if key not in best or r["ms"] < best[key]["ms"]:
+                best[key] = r
+    for (shape, name), r in sorted(best.items()):
+        print(f"best {name} {shape}: unroll={r['unroll']} load_hint={r['load_hint']} "
+              f"store_hint={r['store_hint']} cta_bytes={r['cta_bytes']} "
+              f"frac_of_d2d={r['frac_of_d2d']:.3f}")
     print("\nsummary")
     for r in rows[1:]:
+        if r["name"].startswith("sweep_"):
+            continue
         keys = [k for k in ("shape", "ms", "GBps_rw", "GBps", "frac_of_d2d",
                             "speedup_vs_index_ops", "frac_of_pinned_copy", "us_median", "ok")
                 if k in r]

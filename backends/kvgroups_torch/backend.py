@@ -4,19 +4,24 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Sequence
 
+import numpy as np
 import torch
 
 from kvgroups_core.descriptors import TensorDesc
+from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 from kvgroups_core.registry import Backend
 
 from . import cuda_path, torch_path
-from .describe import describe_tensor
+from .describe import describe_tensor, torch_dtype
 from .objects import allocate_objects
+
+_NUMPY_NATIVE = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
+                 "uint16", "uint32", "uint64", "bool")
 
 #: How pinned host objects are reached by default; chosen by measurement (see
 #: ``benchmarks/results/torch_*``): "direct" (kernel through UVA) or "staged".
-DEFAULT_PINNED_MODE = "direct"
+DEFAULT_PINNED_MODE = "staged"
 
 
 def tensor_of(x: Any, what: str) -> torch.Tensor:
@@ -91,6 +96,46 @@ class TorchBackend(Backend):
     def allocate_objects(self, plan: Any, like: TensorDesc, placement: str | None = None) -> list:
         device = tensor_of(like, "like").device
         return allocate_objects(plan.object_nbytes, plan.num_chunks, device, placement)
+
+    # Array plumbing the core's demo, benchmarks and conformance suite use.
+    def from_numpy(self, a: Any, device: str | None = None, dtype: Any = None) -> torch.Tensor:
+        """A new tensor holding ``a``'s bytes on ``device``; with ``dtype``, ``a`` holds raw
+        bits of that dtype (bfloat16 / float8 travel as same-width unsigned integers)."""
+        arr = np.ascontiguousarray(a)
+        if dtype is not None:
+            target = torch_dtype(as_dtype(dtype))
+            bits = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[arr.dtype.itemsize]
+            t = torch.from_numpy(arr.view(bits).copy()).view(target)
+        elif arr.dtype.kind == "V" or arr.dtype.name not in _NUMPY_NATIVE:
+            t = torch.from_numpy(arr.view(f"u{arr.dtype.itemsize}").copy())
+        else:
+            t = torch.from_numpy(arr.copy())
+        return t.to(device or self.default_device())
+
+    def to_numpy(self, x: Any) -> np.ndarray:
+        """A bit-exact host copy (bfloat16 / float8 as same-width unsigned integers)."""
+        t = tensor_of(x, "x").detach().to("cpu").contiguous()
+        if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.float32,
+                                                         torch.float64):
+            bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
+            return t.view(bits).numpy().view(f"u{t.element_size()}")
+        return t.numpy()
+
+    def import_foreign(self, x: Any) -> torch.Tensor:
+        """Adopt another runtime's array through DLPack (zero-copy)."""
+        return torch.from_dlpack(x)
+
+    def default_device(self) -> str:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def synchronize(self, x: Any = None) -> None:
+        if not torch.cuda.is_available():
+            return
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                torch.cuda.synchronize(x.device)
+            return
+        torch.cuda.synchronize()
 
     def to_host_ids(self, ids: Any) -> Any:
         if isinstance(ids, torch.Tensor):

@@ -62,6 +62,15 @@ def device_state(index: int) -> DeviceState:
     return state
 
 
+def reset_caches() -> None:
+    """Forget loaded kernels and cached launch state (after changing ``nvrtc.TUNING`` or
+    ``geometry.TARGET_CTA_BYTES``; benchmarks use this)."""
+    with _devices_lock, _cache_lock:
+        _devices.clear()
+        _by_identity.clear()
+        _by_value.clear()
+
+
 def check_device_errors(device: torch.device | int | str | None = None) -> None:
     """Synchronise with ``device`` and raise if a kernel met an out-of-range block id.
 
@@ -107,7 +116,7 @@ def check_object_tensor(t: torch.Tensor, device_index: int, what: str) -> None:
     if t.dtype != torch.uint8:
         raise KVGroupsTypeError(f"{what}: expected a uint8 tensor, got {t.dtype}")
     if t.is_cuda:
-        if t.device.index != device_index:
+        if t.get_device() != device_index:
             raise KVGroupsValueError(
                 f"{what}: expected a tensor on cuda:{device_index} or in pinned host memory, "
                 f"got {t.device}"
@@ -178,6 +187,8 @@ class GroupLaunch:
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
         self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}
+        self._vectors: dict[int, int] = {}  # object alignment -> vector width
+        self._ipc: dict[int, int] = {}  # num_items -> items per CTA
 
     def _variant(self, direction: str, vector: int) -> tuple[P.KvgParams, Launcher, int]:
         found = self._variants.get((direction, vector))
@@ -202,6 +213,8 @@ class GroupLaunch:
                 r.page_units = shape.block_size * r.units_per_token
             name = P.kernel_name(direction, vector, shape.contiguous)
             function = self.device.kernels.handle(name)
+            # A NumPy window on the inline ids: one casting copy per call, no allocation.
+            p.inline_view = np.ctypeslib.as_array(p.inline_ids)
             found = (p, Launcher(self.device.index, ctypes.addressof(p)), function)
             self._variants[(direction, vector)] = found
         return found
@@ -222,9 +235,14 @@ class GroupLaunch:
             raise KVGroupsValueError(
                 f"objects: expected at least {group.num_chunks} chunks, got {objects.num_chunks}"
             )
-        vector = widest_unit([self.base_unit, objects.unit])
-        ipc = items_per_cta(self.shape.page_bytes, num_items, self.num_planes * len(self.shape.runs),
-                            self.device.num_sms)
+        vector = self._vectors.get(objects.unit)
+        if vector is None:
+            vector = self._vectors[objects.unit] = widest_unit([self.base_unit, objects.unit])
+        ipc = self._ipc.get(num_items)
+        if ipc is None:
+            ipc = self._ipc[num_items] = items_per_cta(
+                self.shape.page_bytes, num_items, self.num_planes * len(self.shape.runs),
+                self.device.num_sms)
         grid = (-(-num_items // ipc), self.num_planes, len(self.shape.runs))
         with self.lock:
             p, launcher, function = self._variant(direction, vector)
@@ -251,7 +269,7 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
     """Point ``p`` at the block ids: a CUDA tensor is read in place (graph capturable); host
     ids go inline into the parameters when they fit, else to the device."""
     if isinstance(ids, torch.Tensor) and ids.is_cuda:
-        if ids.device.index != device_index:
+        if ids.get_device() != device_index:
             raise KVGroupsValueError(
                 f"block_ids: expected a tensor on cuda:{device_index}, got {ids.device}"
             )
@@ -275,8 +293,7 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
         raise KVGroupsValueError(f"block_ids: expected at least {needed} ids, got {host.shape[0]}")
     if needed <= P.INLINE_IDS and num_blocks <= _INT32_MAX:
         # Out-of-int32 values wrap to some other int32: still range-checked by the kernel.
-        small = np.ascontiguousarray(host[:needed], dtype=np.int32)
-        ctypes.memmove(ctypes.addressof(p.inline_ids), small.ctypes.data, 4 * needed)
+        p.inline_view[:needed] = host[:needed].astype(np.int32, copy=False)
         p.ids_mode = P.IDS_INLINE32
         return None
     dev = _to_device(host[:needed].astype(np.int64, copy=False), device_index)
@@ -329,14 +346,18 @@ def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceSta
 
 def cache_addresses_of(caches: Sequence[Any]) -> tuple[int, ...]:
     """Address of each backing tensor's first element (TensorDescs or tensors)."""
-    return tuple(
-        c.data_ptr() if isinstance(c, torch.Tensor) else c.data_ptr + c.byte_offset
-        for c in caches
-    )
+    if caches and isinstance(caches[0], torch.Tensor):
+        return tuple([c.data_ptr() for c in caches])
+    return tuple([c.data_ptr + c.byte_offset for c in caches])
+
+
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
 def current_stream(device_index: int) -> int:
     """Raw handle of PyTorch's current stream on ``device_index``."""
+    if _raw_stream is not None:  # a plain int, without building a Stream object
+        return _raw_stream(device_index)
     return torch.cuda.current_stream(device_index).cuda_stream
 
 
@@ -378,7 +399,8 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
         if g not in bindings:
             entry = objects[g]
             if pinned == "staged":
-                entry = _stage(entry, direction, device_index, copies_after)
+                spans = _region_spans(plan, g)
+                entry = _stage(entry, direction, device_index, spans, copies_after)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
     for i, group in enumerate(plan.groups):
         ids = None if block_ids is None else block_ids[i]
@@ -388,16 +410,33 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
         host.copy_(staging, non_blocking=True)
 
 
-def _stage(entry: Any, direction: str, device_index: int,
+def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
+    """Byte ranges ``[start, stop)`` of each chunk's object that the plan's groups touch,
+    merged: a staged store copies back only these (other bytes stay untouched)."""
+    spans = sorted((g.region_offset, g.region_offset + g.region_nbytes)
+                   for g in plan.groups if g.object_group_idx == object_group)
+    merged: list[tuple[int, int]] = []
+    for start, stop in spans:
+        if merged and start <= merged[-1][1]:
+            merged[-1] = (merged[-1][0], max(stop, merged[-1][1]))
+        else:
+            merged.append((start, stop))
+    return merged
+
+
+def _stage(entry: Any, direction: str, device_index: int, spans: list[tuple[int, int]],
            copies_after: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
-    """Device stand-ins for pinned host objects (copied in before a load, out after a store)."""
+    """Device stand-ins for pinned host objects: the touched regions are copied in before a
+    load and out after a store (one bulk, strided copy per region)."""
     if isinstance(entry, (list, tuple)):
-        return [_stage(t, direction, device_index, copies_after) for t in entry]
+        return [_stage(t, direction, device_index, spans, copies_after) for t in entry]
     if not isinstance(entry, torch.Tensor) or entry.is_cuda:
         return entry
     staging = torch.empty(entry.shape, dtype=entry.dtype, device=f"cuda:{device_index}")
-    if direction == "load":
-        staging.copy_(entry, non_blocking=True)
-    else:
-        copies_after.append((entry, staging))
+    for start, stop in spans:
+        host_part, dev_part = entry[..., start:stop], staging[..., start:stop]
+        if direction == "load":
+            dev_part.copy_(host_part, non_blocking=True)
+        else:
+            copies_after.append((host_part, dev_part))
     return staging

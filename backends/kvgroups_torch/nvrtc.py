@@ -68,9 +68,18 @@ def _check_arch(arch: str) -> str:
     return arch
 
 
+#: Overrides of the kernel's tuning macros (``KVG_UNROLL``, ``KVG_LOAD_HINT``,
+#: ``KVG_STORE_HINT``); empty means the source's defaults. Benchmarks sweep these.
+TUNING: dict[str, int] = {}
+
+
+def _defines() -> list[tuple[str, str]]:
+    return list(layout_defines()) + [(k, str(v)) for k, v in sorted(TUNING.items())]
+
+
 def option_words(arch: str) -> tuple[str, ...]:
     """The compile options, spelled as NVRTC flags (they enter the cache key)."""
-    defines = tuple(f"-D{name}={value}" for name, value in layout_defines())
+    defines = tuple(f"-D{name}={value}" for name, value in _defines())
     return (f"-arch={_check_arch(arch)}", f"-std={_STD}", *defines)
 
 
@@ -91,7 +100,7 @@ def compile_cubin(arch: str) -> bytes:
         name=_PROGRAM_NAME,
         arch=_check_arch(arch),
         std=_STD,
-        define_macro=list(layout_defines()),
+        define_macro=_defines(),
     )
     log = io.StringIO()
     try:
@@ -175,16 +184,17 @@ class KernelTable:
         return found
 
 
-_tables: dict[str, KernelTable] = {}
+_tables: dict[tuple, KernelTable] = {}
 _tables_lock = threading.Lock()
 
 
 def kernel_table(arch: str) -> KernelTable:
     """The process-wide :class:`KernelTable` of ``arch`` (compiled / loaded once)."""
-    table = _tables.get(arch)
+    key = (arch, tuple(sorted(TUNING.items())))
+    table = _tables.get(key)
     if table is None:
         with _tables_lock:
-            table = _tables.get(arch)
+            table = _tables.get(key)
             if table is None:
-                table = _tables[arch] = KernelTable(arch)
+                table = _tables[key] = KernelTable(arch)
     return table

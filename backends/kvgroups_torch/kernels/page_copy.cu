@@ -37,7 +37,16 @@ typedef unsigned int kvg_u32;
 #define KVG_INLINE_IDS 512
 #define KVG_INLINE_OBJS 64
 #define KVG_THREADS 256
-#define KVG_UNROLL 4
+// Tuning knobs (the host may override them with -D; they are part of the cubin cache key).
+#ifndef KVG_UNROLL
+#define KVG_UNROLL 4        // 16-byte loads in flight per thread before the first store
+#endif
+#ifndef KVG_LOAD_HINT
+#define KVG_LOAD_HINT 0     // 1: ld.global.L2::256B (ask L2 to fetch whole 256-byte sectors)
+#endif
+#ifndef KVG_STORE_HINT
+#define KVG_STORE_HINT 0    // 1: st.global.cs (streaming: written once, never re-read here)
+#endif
 
 struct KvgRun {
     kvg_i64 cache_offset;
@@ -92,6 +101,29 @@ template <> struct KvgVec<8> { typedef kvg_u64 T; };
 template <> struct KvgVec<4> { typedef kvg_u32 T; };
 template <> struct KvgVec<2> { typedef unsigned short T; };
 template <> struct KvgVec<1> { typedef unsigned char T; };
+
+template <int V>
+__device__ __forceinline__ typename KvgVec<V>::T kvg_ld(kvg_u64 a) {
+    return *reinterpret_cast<const typename KvgVec<V>::T*>(a);
+}
+template <int V>
+__device__ __forceinline__ void kvg_st(kvg_u64 a, typename KvgVec<V>::T v) {
+    *reinterpret_cast<typename KvgVec<V>::T*>(a) = v;
+}
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && KVG_LOAD_HINT == 1
+template <>
+__device__ __forceinline__ kvg_v16 kvg_ld<16>(kvg_u64 a) {
+    kvg_v16 v;
+    asm volatile("ld.global.L2::256B.v2.u64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
+    return v;
+}
+#endif
+#if KVG_STORE_HINT == 1
+template <>
+__device__ __forceinline__ void kvg_st<16>(kvg_u64 a, kvg_v16 v) {
+    asm volatile("st.global.cs.v2.u64 [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
+}
+#endif
 
 __device__ __forceinline__ kvg_i64 kvg_load_id(const KvgParams& p, kvg_i64 where) {
     if (p.ids_mode == 0) return p.inline_ids[where];
@@ -170,13 +202,13 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
                     const kvg_u64 o_addr = s_obj[it] + (kvg_u64)o_off;
                     const kvg_u64 src = STORE ? c_addr : o_addr;
                     dst[s] = STORE ? o_addr : c_addr;
-                    v[s] = *reinterpret_cast<const T*>(src);
+                    v[s] = kvg_ld<V>(src);
                 }
             }
         }
 #pragma unroll
         for (int s = 0; s < KVG_UNROLL; ++s) {
-            if (dst[s] != 0) *reinterpret_cast<T*>(dst[s]) = v[s];
+            if (dst[s] != 0) kvg_st<V>(dst[s], v[s]);
         }
     }
 }
