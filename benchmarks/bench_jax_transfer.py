@@ -62,8 +62,8 @@ def timed(fn, iters, warmup):
 
 def copy_ceiling(nbytes, iters, warmup):
     """Median seconds and bytes read + written per second of a plain device copy."""
-    x = jnp.zeros((nbytes // 2,), jnp.uint16)
-    add = jax.jit(lambda v: v + jnp.uint16(1))  # one read and one write of every byte
+    x = jnp.zeros((nbytes // 4,), jnp.uint32)
+    add = jax.jit(lambda v: v + jnp.uint32(1))  # one read and one write of every byte
     t = timed(lambda: add(x), iters, warmup)
     return t, 2 * nbytes / t
 
@@ -82,6 +82,8 @@ def main(argv=None):
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--rotate", type=int, default=2, help="object buffers and id sets rotated")
     p.add_argument("--out", default=None, help="also append the JSON lines to this file")
+    p.add_argument("--dump-hlo", default=None,
+                   help="write the optimized HLO of each path's store program to PATH.<path>")
     args = p.parse_args(argv)
     out = open(args.out, "a") if args.out else None
 
@@ -127,6 +129,19 @@ def main(argv=None):
         return fn
 
     results = {}
+    if args.dump_hlo:
+        from kvgroups_jax import executor
+
+        for path in args.paths.split(","):
+            try:
+                prog, metas, idss = executor.build_program(plans["store"][0], path,
+                                                           dev.platform)
+                text = executor._store_jit.lower(prog, tuple(caches), (objects[0],), metas,
+                                                 idss).compile().as_text()
+            except Exception as exc:  # diagnostics only: keep benchmarking
+                text = f"{type(exc).__name__}: {exc}"
+            with open(f"{args.dump_hlo}.{path}", "w") as f:
+                f.write(text)
     for path in args.paths.split(","):
         for direction in ("store", "load"):
             try:

@@ -107,6 +107,14 @@ def _tma_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, directio
 def _pallas_tma_copy(direction, geom, grid_items, meta, ids, obj, caches):
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
+    try:
+        # jax 0.11 no longer registers the Mosaic GPU pallas_call lowering on import of
+        # plgpu; without it pallas_call falls back to asserting on the Triton rule.
+        from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+    except ImportError as exc:
+        raise UnsupportedConfig(f"lowering: Mosaic GPU is not available in this jax ({exc})") \
+            from exc
+
     rows, copies = mosaic_pieces(geom)
     gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
     num_ops = len(caches)

@@ -52,7 +52,7 @@ def test_a_new_item_count_inside_the_bucket_does_not_recompile():
 
 
 def test_describe_concrete_and_abstract_arrays():
-    x = jnp.zeros((2, 3), jnp.bfloat16)
+    x = jax.device_put(jnp.zeros((2, 3), jnp.bfloat16), jax.devices("cpu")[0])
     d = describe_array(x)
     assert d.spec.shape == (2, 3) and d.spec.dtype.name == "bfloat16" and d.data_ptr != 0
     assert d.spec.device == "cpu" and d.framework == "jax"
