@@ -1,0 +1,208 @@
+"""Case matrices for ``kvgroups bench``: which shapes, chunk counts and placements are measured.
+
+A :class:`Matrix` is an ordered list of :class:`Point` s (a cache shape, a chunk count, where the
+objects live) plus the manager-construction sweep. The engine (:mod:`kvgroups_core.bench`)
+measures the points in order, keeping one set of caches per shape, so each shape's points sit
+together and the most important points come first (a time budget then cuts the least useful).
+
+Presets:
+
+``tiny``
+    CPU-sized: two small shapes, a page-size point and a layer-count point; seconds in total.
+``headline``
+    The acceptance case: Llama-3-8B-like (32 layers, 8 KV heads x 128, block 16, bf16, NHD),
+    64 chunks of 256 tokens on random blocks, objects in device and in pinned host memory.
+``full``
+    The headline, then chunks 1..512, page sizes 1 KiB..128 KiB (heads, head size and block
+    size varied), 8..128 layers, pinned objects for a few chunk counts, MLA and hybrid models,
+    and manager construction versus layers up to 1,024.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from .catalog import CacheModel, get_model
+from .errors import KVGroupsValueError
+from .shape_spec import _group_tensor, parse_kvcache_shape_spec
+
+
+@dataclass(frozen=True)
+class Shape:
+    """A cache geometry: a catalogue model with a layer count, or a shape spec string.
+
+    ``label`` names it in the records; for a spec, its NB is a minimum (the engine raises it
+    to what the chunk counts need).
+    """
+
+    label: str
+    model: str | None = None
+    layers: int | None = None
+    spec: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.model is None) == (self.spec is None):
+            raise KVGroupsValueError(
+                f"shape {self.label!r}: expected exactly one of model= and spec=, got "
+                f"model={self.model!r}, spec={self.spec!r}"
+            )
+
+    @property
+    def key(self) -> tuple:
+        return (self.label, self.model, self.layers, self.spec)
+
+    def build(self, num_blocks: int) -> CacheModel:
+        """The cache model with at least ``num_blocks`` blocks per cache."""
+        if self.model is not None:
+            return get_model(self.model).build(num_blocks=num_blocks, layers=self.layers)
+        groups = parse_kvcache_shape_spec(self.spec)
+        parts = []
+        for g in groups:
+            sd = g.shape_desc
+            parts.append(f"({sd.kv_size},{max(sd.nb, num_blocks)},{sd.bs},{sd.nh},{sd.hs}):"
+                         f"{g.dtype.name}:{sd.nl}")
+        caches: list = []
+        formats: list = []
+        for i, g in enumerate(parse_kvcache_shape_spec(";".join(parts))):
+            fmt, tensor = _group_tensor(g, i)  # the layout manager_from_shape_spec uses
+            caches += [tensor] * g.shape_desc.nl
+            formats += [fmt] * g.shape_desc.nl
+        return CacheModel(self.label, caches, tuple(formats), ())
+
+
+@dataclass(frozen=True)
+class Point:
+    """One measured configuration: shape x chunk count x object placement. ``sweeps`` says
+    which plots it belongs to (``"chunks"``, ``"page"``, ``"layers"``, ``"models"``)."""
+
+    shape: Shape
+    chunks: int
+    placement: str
+    sweeps: tuple[str, ...] = ()
+    headline: bool = False
+
+
+@dataclass(frozen=True)
+class Matrix:
+    """An ordered case list plus timing settings (overridable from the command line)."""
+
+    name: str
+    points: tuple[Point, ...]
+    manager_models: tuple[str, ...] = ()
+    manager_layers: tuple[int, ...] = ()
+    chunk_tokens: int = 256
+    repeats: int = 7
+    warmup: int = 2
+    target_s: float = 0.005   # time per repeat: calls are batched up to this
+    max_calls: int = 256
+    min_blocks: int = 1024    # cache pool floor, so random pages are spread past the L2 cache
+    verify_bytes: int = 2 << 30
+    notes: dict = field(default_factory=dict)
+
+    def shapes(self) -> list[tuple[Shape, list[Point]]]:
+        """Points grouped by shape, in first-appearance order (duplicates merged)."""
+        groups: dict[tuple, tuple[Shape, dict[tuple, Point]]] = {}
+        for p in self.points:
+            shape, points = groups.setdefault(p.shape.key, (p.shape, {}))
+            old = points.get((p.chunks, p.placement))
+            if old is not None:
+                sweeps = old.sweeps + tuple(s for s in p.sweeps if s not in old.sweeps)
+                p = Point(shape, p.chunks, p.placement, sweeps, old.headline or p.headline)
+            points[(p.chunks, p.placement)] = p
+        return [(shape, list(points.values())) for shape, points in groups.values()]
+
+
+LLAMA = Shape("llama3-8b", model="llama3-8b", layers=32)
+HEADLINE_CHUNKS = 64
+
+#: Page sizes (bytes per block per plane, bf16) from 1 KiB to 128 KiB: (label, bs, nh, hs).
+PAGE_SHAPES = (
+    ("page-1KiB", 16, 1, 32), ("page-2KiB", 16, 1, 64), ("page-4KiB", 16, 2, 64),
+    ("page-8KiB", 16, 4, 64), ("page-16KiB", 16, 8, 64), ("page-32KiB", 16, 8, 128),
+    ("page-64KiB", 32, 8, 128), ("page-128KiB", 64, 8, 128),
+)
+
+
+def _page_shape(label: str, bs: int, nh: int, hs: int, layers: int = 32) -> Shape:
+    return Shape(label, spec=f"(2,16,{bs},{nh},{hs}):bfloat16:{layers}")
+
+
+def tiny() -> Matrix:
+    small = Shape("small-pages", model="small-pages", layers=2)
+    return Matrix(
+        "tiny",
+        (
+            Point(small, 2, "device", ("chunks",), headline=True),
+            Point(small, 1, "device", ("chunks",)),
+            Point(small, 1, "pinned", ("chunks",)),
+            Point(_page_shape("page-4KiB", 16, 2, 64, layers=2), 1, "device", ("page",)),
+            Point(Shape("small-pages", model="small-pages", layers=4), 1, "device",
+                  ("layers",)),
+        ),
+        manager_models=("small-pages",), manager_layers=(4, 16),
+        repeats=3, warmup=1, target_s=0.0, max_calls=1, min_blocks=0, verify_bytes=64 << 20,
+    )
+
+
+def headline() -> Matrix:
+    return Matrix("headline", (
+        Point(LLAMA, HEADLINE_CHUNKS, "device", ("chunks", "page", "layers"), headline=True),
+        Point(LLAMA, HEADLINE_CHUNKS, "pinned", ("chunks",), headline=True),
+    ))
+
+
+def full() -> Matrix:
+    points = list(headline().points)
+    # Coarse chunk counts first, so a time budget still leaves the sweep's shape.
+    for c in (1, 8, 512, 2, 4, 16, 32, 128, 256):
+        points.append(Point(LLAMA, c, "device", ("chunks",)))
+    for c in (1, 8):
+        points.append(Point(LLAMA, c, "pinned", ("chunks",)))
+    for label, bs, nh, hs in PAGE_SHAPES:
+        if label != "page-32KiB":  # the headline shape is that point
+            points.append(Point(_page_shape(label, bs, nh, hs), HEADLINE_CHUNKS, "device",
+                                ("page",)))
+    for layers in (8, 16, 64, 128):
+        points.append(Point(Shape("llama3-8b", model="llama3-8b", layers=layers),
+                            HEADLINE_CHUNKS, "device", ("layers",)))
+    for model in ("deepseek-v3", "gpt-oss-120b", "gemma3-27b"):
+        points.append(Point(Shape(model, model=model), 16, "device", ("models",)))
+    return Matrix("full", tuple(points), manager_models=("llama3-8b", "gemma3-27b"),
+                  manager_layers=(8, 32, 128, 512, 1024))
+
+
+PRESETS = {"tiny": tiny, "headline": headline, "full": full}
+
+
+def preset(name: str) -> Matrix:
+    try:
+        return PRESETS[name]()
+    except KeyError:
+        raise KVGroupsValueError(f"matrix: expected one of {sorted(PRESETS)}, got {name!r}") \
+            from None
+
+
+def custom(base: Matrix, *, models: list[str] | None, specs: list[str] | None,
+           layers: list[int] | None, chunks: list[int] | None,
+           placements: list[str] | None) -> Matrix:
+    """``base``'s settings with its points replaced by models x layers (plus specs) x chunks x
+    placements; ``None`` keeps the headline's value for that axis."""
+    shapes = [Shape(m, model=m, layers=n)
+              for m in (models or ([] if specs else ["llama3-8b"]))
+              for n in (layers or [None])]
+    shapes += [Shape(s, spec=s) for s in specs or []]
+    for s in shapes:
+        if s.model is not None:
+            get_model(s.model)  # typed error for an unknown name, before any work
+        else:
+            parse_kvcache_shape_spec(s.spec)
+    for c in chunks or []:
+        if c < 1:
+            raise KVGroupsValueError(f"chunks: expected counts >= 1, got {c}")
+    points = tuple(
+        Point(s, c, p, (), headline=(i == 0 and j == 0))
+        for i, s in enumerate(shapes) for j, c in enumerate(chunks or [HEADLINE_CHUNKS])
+        for p in placements or ["device", "pinned"]
+    )
+    return replace(base, name=f"{base.name}+custom", points=points, manager_models=(),
+                   manager_layers=())

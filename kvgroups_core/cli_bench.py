@@ -1,0 +1,175 @@
+"""``kvgroups bench``: transfer bandwidth of every path against measured ceilings and baselines.
+
+Runs a case matrix (``--matrix tiny | headline | full``, or shapes given with ``--models`` /
+``--spec``) on the selected runtimes and prints one JSON record per line (also appended to
+``--out``): ``ceiling`` records (device copy, pinned host copies), one ``transfer`` record per
+(backend, path, direction, placement, shape, chunks) with the median time, GB/s (bytes read +
+written), the fraction of the ceiling and the speedup over the runtime's plain baseline, then
+``manager`` records and ``summary`` records for the headline case (torch vs JAX kernels). A path
+that fails is an ``error`` record; the run goes on.
+
+Backends: ``numpy``, ``torch``, ``jax`` (GPU when present), ``torch-cpu``, ``jax-cpu``,
+``torch-cuda``, ``jax-cuda``; ``auto`` = numpy plus every installed runtime. Paths: torch
+``cuda``, ``cuda-staged``, ``index`` (index_select / index_copy_); JAX ``pallas-triton``,
+``pallas-mosaic``, ``xla``, ``interpret``; NumPy ``reference``, ``take``.
+
+``--summarize FILE...`` only reads records (e.g. of separate torch and JAX runs) and prints
+the summary records.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, TextIO
+
+from . import bench_matrix
+from .bench import BenchRun, summarize
+from .cli_plan import _int_list
+
+
+def _list(text: str) -> list[str]:
+    return [v.strip() for v in text.split(",") if v.strip()]
+
+
+def auto_backends() -> list[str]:
+    """NumPy plus each runtime whose framework and backend package are importable."""
+    out = ["numpy"]
+    for name in ("torch", "jax"):
+        if importlib.util.find_spec(name) and importlib.util.find_spec(f"kvgroups_{name}"):
+            out.append(name)
+    return out
+
+
+def build_matrix(args: argparse.Namespace) -> bench_matrix.Matrix:
+    matrix = bench_matrix.preset(args.matrix)
+    if args.models or args.spec or args.layers or args.chunks:
+        matrix = bench_matrix.custom(matrix, models=args.models, specs=args.spec,
+                                     layers=args.layers, chunks=args.chunks,
+                                     placements=args.placements)
+    changes: dict[str, Any] = {}
+    for name in ("repeats", "warmup", "max_calls", "chunk_tokens"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.target_ms is not None:
+        changes["target_s"] = args.target_ms / 1e3
+    if args.verify_mb is not None:
+        changes["verify_bytes"] = int(args.verify_mb * (1 << 20))
+    if args.manager_layers is not None:
+        changes["manager_layers"] = tuple(args.manager_layers)
+        changes["manager_models"] = matrix.manager_models or ("llama3-8b",)
+    return replace(matrix, **changes)
+
+
+def read_records(paths: list[Path]) -> list[dict]:
+    records = []
+    for path in paths:
+        for line in path.read_text().splitlines():
+            if line.strip():
+                records.append(json.loads(line))
+    return records
+
+
+def format_summary(record: dict) -> str:
+    """One summary record as a few readable lines."""
+    lines = [f"{record['shape']} L{record['layers']} x{record['chunks']} chunks, "
+             f"{record['placement']} objects, {record['direction']} ({record['device']}):"]
+    for p in record["paths"]:
+        frac = p["frac_of_ceiling"]
+        speed = p["speedup_vs_baseline"]
+        lines.append(f"  {p['backend']:>5} {p['path']:<14} {p['gbps']:9.1f} GB/s"
+                     + (f"  {frac:5.2f} of {p['ceiling']}" if frac else "")
+                     + (f"  {speed:5.2f}x baseline" if speed else "")
+                     + ("" if p["verified"] is None else f"  verified={p['verified']}"))
+    for pair in record["torch_vs_jax"]:
+        lines.append(f"  jax {pair['jax']} / torch {pair['torch']} = {pair['ratio']:.3f}"
+                     f" (within 10%: {pair['within_10pct']})")
+    return "\n".join(lines)
+
+
+def run(args: argparse.Namespace) -> int:
+    out: TextIO | None = None
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        out = open(args.out, "a")
+
+    def emit(record: dict) -> None:
+        line = json.dumps(record)
+        print(line, flush=True)
+        if out is not None:
+            out.write(line + "\n")
+            out.flush()
+
+    def log(text: str) -> None:
+        if not args.quiet:
+            print(text, file=sys.stderr, flush=True)
+
+    try:
+        if args.summarize:
+            records = summarize(read_records(args.summarize))
+            for record in records:
+                emit(record)
+        else:
+            backends = auto_backends() if args.backends == ["auto"] else args.backends
+            runner = BenchRun(build_matrix(args), emit, paths=args.paths,
+                              directions=args.directions, placements=args.placements,
+                              budget_s=args.budget_s, seed=args.seed, log=log)
+            records = runner.run(backends)
+    finally:
+        if out is not None:
+            out.close()
+    for r in records:
+        if r["record"] == "summary":
+            log(format_summary(r))
+    errors = [r for r in records if r["record"] == "error"]
+    if errors:
+        log(f"{len(errors)} error record(s): " + "; ".join(
+            f"{r.get('backend')} {r.get('path', r.get('stage'))}: {r['error_type']}"
+            for r in errors[:8]))
+    bad = [r for r in records if r.get("verified") is False]
+    return 1 if bad else 0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``kvgroups bench`` (shared with ``benchmarks/bench_transfer.py``)."""
+    a = parser.add_argument
+    a("--matrix", default="headline", choices=sorted(bench_matrix.PRESETS),
+      help="case preset (default headline)")
+    a("--backends", type=_list, default=["auto"],
+      help="comma-separated: numpy, torch, jax, torch-cpu, jax-cpu, ... (default auto)")
+    a("--paths", type=_list, default=None, help="paths to run (default: each runtime's own)")
+    a("--directions", type=_list, default=["store", "load"])
+    a("--placements", type=_list, default=None, help="device, pinned (default: the matrix's)")
+    a("--models", type=_list, default=None, help="catalogue models (replaces the matrix shapes)")
+    a("--spec", action="append", default=None,
+      help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;..." (repeatable; NB is a minimum)')
+    a("--layers", type=_int_list, default=None, help="layer counts for --models")
+    a("--chunks", type=_int_list, default=None, help="chunk counts (default 64)")
+    a("--chunk-tokens", type=int, default=None, help="tokens per chunk (default 256)")
+    a("--repeats", type=int, default=None, help="timed repeats per case (median taken)")
+    a("--warmup", type=int, default=None, help="untimed calls first")
+    a("--target-ms", type=float, default=None, help="batch calls so a repeat lasts this long")
+    a("--max-calls", type=int, default=None, help="most back-to-back calls per repeat")
+    a("--verify-mb", type=float, default=None, help="check bytes against the baseline up to "
+      "this payload size")
+    a("--manager-layers", type=_int_list, default=None, help="manager construction sweep")
+    a("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
+    a("--seed", type=int, default=0)
+    a("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    a("--summarize", type=Path, nargs="+", default=None, metavar="FILE",
+      help="only summarize the records of these JSON-lines files")
+    a("--quiet", action="store_true", help="no progress lines on stderr")
+
+
+def add_parser(subparsers: Any) -> argparse.ArgumentParser:
+    """Register ``kvgroups bench``."""
+    parser = subparsers.add_parser(
+        "bench", help="transfer bandwidth against the hardware ceiling and plain baselines",
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    parser.set_defaults(func=run)
+    return parser
