@@ -153,11 +153,14 @@ def headline() -> Matrix:
 
 def full() -> Matrix:
     points = list(headline().points)
-    # Coarse chunk counts first, so a time budget still leaves the sweep's shape.
-    for c in (1, 8, 512, 2, 4, 16, 32, 128, 256):
+    # The largest transfers last: a time budget cuts them first, and a failure that breaks
+    # the device context (an out-of-bounds kernel) spoils nothing after it.
+    for c in (1, 2, 4, 8, 16, 32):
         points.append(Point(LLAMA, c, "device", ("chunks",)))
     for c in (1, 8):
         points.append(Point(LLAMA, c, "pinned", ("chunks",)))
+    for c in (128, 256, 512):
+        points.append(Point(LLAMA, c, "device", ("chunks",)))
     for label, bs, nh, hs in PAGE_SHAPES:
         if label != "page-32KiB":  # the headline shape is that point
             points.append(Point(_page_shape(label, bs, nh, hs), HEADLINE_CHUNKS, "device",
@@ -169,6 +172,24 @@ def full() -> Matrix:
         points.append(Point(Shape(model, model=model), 16, "device", ("models",)))
     return Matrix("full", tuple(points), manager_models=("llama3-8b", "gemma3-27b"),
                   manager_layers=(8, 32, 128, 512, 1024))
+
+
+SWEEPS = ("headline", "chunks", "page", "layers", "models", "manager")
+
+
+def select(matrix: Matrix, sweeps: list[str]) -> Matrix:
+    """Only the points of ``sweeps`` (see :data:`SWEEPS`): a headline point runs only when
+    ``"headline"`` is named (so separate processes never measure it twice); ``"manager"``
+    keeps the manager-construction sweep."""
+    unknown = [s for s in sweeps if s not in SWEEPS]
+    if unknown:
+        raise KVGroupsValueError(f"sweeps: expected names from {SWEEPS}, got {unknown}")
+    points = tuple(p for p in matrix.points
+                   if (("headline" in sweeps) if p.headline else set(p.sweeps) & set(sweeps)))
+    keep = "manager" in sweeps
+    return replace(matrix, points=points,
+                   manager_models=matrix.manager_models if keep else (),
+                   manager_layers=matrix.manager_layers if keep else ())
 
 
 PRESETS = {"tiny": tiny, "headline": headline, "full": full}

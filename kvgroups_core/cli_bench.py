@@ -51,6 +51,8 @@ def build_matrix(args: argparse.Namespace) -> bench_matrix.Matrix:
         matrix = bench_matrix.custom(matrix, models=args.models, specs=args.spec,
                                      layers=args.layers, chunks=args.chunks,
                                      placements=args.placements)
+    if args.sweeps is not None:
+        matrix = bench_matrix.select(matrix, args.sweeps)
     changes: dict[str, Any] = {}
     for name in ("repeats", "warmup", "max_calls", "chunk_tokens"):
         if getattr(args, name) is not None:
@@ -144,6 +146,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--paths", type=_list, default=None, help="paths to run (default: each runtime's own)")
     a("--directions", type=_list, default=["store", "load"])
     a("--placements", type=_list, default=None, help="device, pinned (default: the matrix's)")
+    a("--sweeps", type=_list, default=None,
+      help=f"only these parts of the matrix: {', '.join(bench_matrix.SWEEPS)}")
     a("--models", type=_list, default=None, help="catalogue models (replaces the matrix shapes)")
     a("--spec", action="append", default=None,
       help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;..." (repeatable; NB is a minimum)')
