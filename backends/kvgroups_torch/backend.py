@@ -122,8 +122,13 @@ class TorchBackend(Backend):
         return t.numpy()
 
     def import_foreign(self, x: Any) -> torch.Tensor:
-        """Adopt another runtime's array through DLPack (zero-copy)."""
-        return torch.from_dlpack(x)
+        """Adopt another runtime's array through DLPack (zero-copy), except that host arrays
+        are copied into pinned memory when CUDA is usable: the kernels only reach pinned
+        host memory."""
+        t = torch.from_dlpack(x)
+        if t.device.type == "cpu" and torch.cuda.is_available() and not t.is_pinned():
+            t = t.pin_memory()
+        return t
 
     def default_device(self) -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"

@@ -427,14 +427,21 @@ def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
 def _stage(entry: Any, direction: str, device_index: int, spans: list[tuple[int, int]],
            copies_after: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """Device stand-ins for pinned host objects: the touched regions are copied in before a
-    load and out after a store (one bulk, strided copy per region)."""
+    load and out after a store, each copy one contiguous pinned range (asynchronous, and
+    capturable in a CUDA graph)."""
     if isinstance(entry, (list, tuple)):
         return [_stage(t, direction, device_index, spans, copies_after) for t in entry]
     if not isinstance(entry, torch.Tensor) or entry.is_cuda:
         return entry
+    check_object_tensor(entry, device_index, "objects")  # pinned, uint8: before any copy
     staging = torch.empty(entry.shape, dtype=entry.dtype, device=f"cuda:{device_index}")
-    for start, stop in spans:
-        host_part, dev_part = entry[..., start:stop], staging[..., start:stop]
+    row = entry.shape[-1]
+    if entry.is_contiguous() and spans == [(0, row)]:
+        pairs = [(entry, staging)]  # whole objects: one bulk copy
+    else:  # one copy per chunk and region: a strided host copy would go through pageable memory
+        rows = [(entry, staging)] if entry.dim() == 1 else list(zip(entry, staging))
+        pairs = [(h[a:b], d[a:b]) for h, d in rows for a, b in spans]
+    for host_part, dev_part in pairs:
         if direction == "load":
             dev_part.copy_(host_part, non_blocking=True)
         else:
