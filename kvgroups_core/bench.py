@@ -192,6 +192,8 @@ class BenchRun:
                 self.run_shape(kit, shape, points)
             self.run_managers(kit)
         self.run_managers(None)
+        from .bench_report import summarize
+
         for record in summarize(self.records):
             self.emit(record)
         return self.records
@@ -396,44 +398,3 @@ class BenchRun:
                            "us_per_layer": med * 1e6 / layers,
                            "kernel_groups": manager.num_kernel_groups,
                            "object_groups": manager.num_object_groups})
-
-
-def _kernels(rows: list[dict], backend: str) -> list[dict]:
-    """A runtime's kernel paths, or its default path where it has no kernel (CPU)."""
-    own = [r for r in rows if r["backend"] == backend]
-    return [r for r in own if r["path_kind"] == "kernel"] or \
-        [r for r in own if r.get("default_path")]
-
-
-def summarize(records: Sequence[dict]) -> list[dict]:
-    """Summary records for the headline points: every path's bandwidth and fraction of its
-    ceiling, and JAX's kernels as a ratio of torch's (``ratio`` = JAX GB/s / torch GB/s; on CPU
-    the default paths stand in for kernels). The last record of each path wins."""
-    latest: dict[tuple, dict] = {}
-    for r in records:
-        if r.get("record") == "transfer" and r.get("headline"):
-            dev = "cuda" if r["device"] in ("cuda", "gpu") else r["device"]
-            latest[(r["shape"], r["layers"], r["chunks"], r["placement"], r["direction"], dev,
-                    r["backend"], r["path"])] = r
-    out = []
-    for key in sorted({k[:6] for k in latest}, key=str):
-        rows = [r for k, r in latest.items() if k[:6] == key]
-        shape, layers, chunks, placement, direction, device = key
-        torch_k, jax_k = _kernels(rows, "torch"), _kernels(rows, "jax")
-        pairs = [{"torch": t["path"], "jax": j["path"], "ratio": j["gbps"] / t["gbps"],
-                  "within_10pct": abs(j["gbps"] / t["gbps"] - 1) <= 0.10}
-                 for t in torch_k for j in jax_k]
-        best = None
-        if pairs:
-            bt, bj = max(r["gbps"] for r in torch_k), max(r["gbps"] for r in jax_k)
-            best = {"ratio": bj / bt, "within_10pct": abs(bj / bt - 1) <= 0.10}
-        out.append({
-            "record": "summary", "shape": shape, "layers": layers, "chunks": chunks,
-            "placement": placement, "direction": direction, "device": device,
-            "paths": [{k: r.get(k) for k in ("backend", "path", "path_kind", "gbps", "link_gbps",
-                                             "ceiling", "ceiling_gbps", "frac_of_ceiling",
-                                             "speedup_vs_baseline", "verified")}
-                      for r in sorted(rows, key=lambda r: (r["backend"], r["path"]))],
-            "torch_vs_jax": pairs, "torch_vs_jax_best": best,
-        })
-    return out

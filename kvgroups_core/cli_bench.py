@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from . import bench_matrix
-from .bench import BenchRun, summarize
+from .bench import BenchRun
+from .bench_report import format_summary, summarize
 from .cli_plan import _int_list
 
 
@@ -74,23 +75,6 @@ def read_records(paths: list[Path]) -> list[dict]:
             if line.strip():
                 records.append(json.loads(line))
     return records
-
-
-def format_summary(record: dict) -> str:
-    """One summary record as a few readable lines."""
-    lines = [f"{record['shape']} L{record['layers']} x{record['chunks']} chunks, "
-             f"{record['placement']} objects, {record['direction']} ({record['device']}):"]
-    for p in record["paths"]:
-        frac = p["frac_of_ceiling"]
-        speed = p["speedup_vs_baseline"]
-        lines.append(f"  {p['backend']:>5} {p['path']:<14} {p['gbps']:9.1f} GB/s"
-                     + (f"  {frac:5.2f} of {p['ceiling']}" if frac else "")
-                     + (f"  {speed:5.2f}x baseline" if speed else "")
-                     + ("" if p["verified"] is None else f"  verified={p['verified']}"))
-    for pair in record["torch_vs_jax"]:
-        lines.append(f"  jax {pair['jax']} / torch {pair['torch']} = {pair['ratio']:.3f}"
-                     f" (within 10%: {pair['within_10pct']})")
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int:
