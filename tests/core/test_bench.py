@@ -1,0 +1,276 @@
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvgroups_core import bench, bench_matrix
+from kvgroups_core.bench_kit_numpy import NumpyKit, run_take
+from kvgroups_core.bench_report import summarize
+from kvgroups_core.catalog import MODELS
+from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.planner import bind, plan_call
+from kvgroups_core.reference import NumpyBackend
+
+ROOT = Path(__file__).resolve().parents[2]
+TRANSFER_FIELDS = (
+    "shape", "layers", "spec", "page_bytes", "backend", "device", "path", "path_kind",
+    "direction", "placement", "chunks", "bytes", "bytes_rw", "bytes_per_chunk", "median_s",
+    "min_s", "max_s", "repeats", "calls_per_repeat", "host_s", "gbps", "link_gbps", "ceiling",
+    "ceiling_gbps", "frac_of_ceiling", "baseline_path", "baseline_gbps", "speedup_vs_baseline",
+    "verified", "headline", "sweeps", "rotate",
+)
+
+
+def installed(name):
+    return importlib.util.find_spec(name) is not None and \
+        importlib.util.find_spec(f"kvgroups_{name}") is not None
+
+
+def expected_backends():
+    return ["numpy"] + [n for n in ("torch", "jax") if installed(n)]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench") / "tiny.jsonl"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]),
+        JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    # Force CPU devices: CI has no GPU, and a developer's GPU must not change the records.
+    backends = ",".join(b if b == "numpy" else f"{b}-cpu" for b in expected_backends())
+    result = subprocess.run(
+        [sys.executable, "-m", "kvgroups_core.cli", "bench", "--matrix", "tiny", "--backends",
+         backends, "--out", str(out)],
+        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    stdout_records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
+    return result, out, stdout_records
+
+
+def test_tiny_matrix_runs_and_writes_the_same_records_to_stdout_and_out(tiny_run):
+    result, out, stdout_records = tiny_run
+    assert result.returncode == 0, result.stderr[-3000:]
+    file_records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert file_records == stdout_records
+    errors = [r for r in file_records if r["record"] in ("error", "skipped")]
+    assert errors == []
+    assert {r["backend"] for r in file_records if r["record"] == "meta"} == \
+        set(expected_backends())
+    assert "summary" not in result.stderr or "GB/s" in result.stderr
+
+
+def test_tiny_transfer_records_have_every_field_and_consistent_numbers(tiny_run):
+    records = tiny_run[2]
+    transfers = [r for r in records if r["record"] == "transfer"]
+    ceilings = {(r["backend"], r["ceiling"], r["bytes"]) for r in records
+                if r["record"] == "ceiling"}
+    assert transfers
+    for r in transfers:
+        missing = [f for f in TRANSFER_FIELDS if f not in r]
+        assert not missing, (missing, r)
+        assert r["device"] == "cpu" and r["placement"] == "device"
+        assert r["median_s"] > 0 and r["min_s"] <= r["median_s"] <= r["max_s"]
+        assert r["gbps"] == pytest.approx(2 * r["bytes"] / r["median_s"] / 1e9)
+        assert r["bytes_rw"] == 2 * r["bytes"]
+        assert r["bytes"] == r["chunks"] * r["bytes_per_chunk"]  # full attention: all moved
+        assert r["frac_of_ceiling"] > 0 and r["speedup_vs_baseline"] > 0
+        assert (r["backend"], "device_copy", r["bytes"]) in ceilings
+        assert r["verified"] is not False
+        if r["path"] == r["baseline_path"]:
+            assert r["speedup_vs_baseline"] == pytest.approx(1.0)
+    got = {(r["backend"], r["path"], r["direction"]) for r in transfers if r["headline"]}
+    want = {("numpy", p, d) for p in ("take", "reference") for d in ("store", "load")}
+    if installed("torch"):
+        want |= {("torch", "index", d) for d in ("store", "load")}
+    if installed("jax"):
+        want |= {("jax", "xla", d) for d in ("store", "load")}
+    assert got == want
+    # Non-baseline paths are checked byte for byte against the baseline.
+    assert all(r["verified"] is True for r in transfers if r["path"] == "reference")
+    page_sizes = {r["page_bytes"] for r in transfers if "page" in r["sweeps"]}
+    assert page_sizes == {4096}
+    assert {r["layers"] for r in transfers if "layers" in r["sweeps"]} == {4}
+
+
+def test_tiny_manager_and_summary_records(tiny_run):
+    records = tiny_run[2]
+    managers = [r for r in records if r["record"] == "manager"]
+    assert {(r["backend"], r["layers"]) for r in managers} == {
+        (b, n) for b in expected_backends() + ["spec"] for n in (4, 16)}
+    assert all(r["median_s"] > 0 and r["kernel_groups"] == 1 for r in managers)
+    summaries = [r for r in records if r["record"] == "summary"]
+    assert sorted(r["direction"] for r in summaries) == ["load", "store"]
+    for s in summaries:
+        assert (s["shape"], s["layers"], s["chunks"]) == ("small-pages", 2, 2)
+        assert s["best_ceiling_gbps"] > 0
+        assert all(0 < p["frac_of_best_ceiling"] for p in s["paths"])
+        if installed("torch") and installed("jax"):
+            (pair,) = s["torch_vs_jax"]
+            assert (pair["torch"], pair["jax"]) == ("index", "xla") and pair["ratio"] > 0
+
+
+def test_summarize_command_reads_records_back(tiny_run, capsys):
+    from kvgroups_core import cli
+
+    assert cli.main(["bench", "--summarize", str(tiny_run[1]), "--quiet"]) == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
+    assert [r["record"] for r in lines] == ["summary", "summary"]
+
+
+def test_plot_draws_a_png_from_the_tiny_records(tiny_run, tmp_path):
+    pytest.importorskip("matplotlib")
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import plot_transfer
+    finally:
+        sys.path.pop(0)
+    png = tmp_path / "tiny.png"
+    assert plot_transfer.main([str(tiny_run[1]), "--out", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_engine_imports_no_framework():
+    script = (
+        "import sys\n"
+        "from kvgroups_core import bench, bench_kit_numpy, bench_matrix, bench_report, cli_bench\n"
+        "records = bench.BenchRun(bench_matrix.tiny(), lambda r: None).run(['numpy'])\n"
+        "assert any(r['record'] == 'transfer' for r in records)\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')))\n")
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            cwd=ROOT)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "[]"
+
+
+class FlakyKit(NumpyKit):
+    """NumPy kit with a path that raises and one that writes wrong bytes."""
+
+    def paths(self):
+        return ("take", "reference", "broken", "wrong")
+
+    default_paths = paths
+
+    def check(self, path, placement):
+        return None if path in self.paths() else "unknown"
+
+    def run(self, path, plan, wl, r):
+        if path == "broken":
+            raise RuntimeError("kernel exploded")
+        super().run("take", plan, wl, r)
+        if path == "wrong" and plan.direction == "store":
+            wl.objects[r][0][0, :8] ^= 0xFF
+
+
+def test_a_failing_path_is_an_error_record_and_a_wrong_one_is_unverified(monkeypatch):
+    monkeypatch.setattr(bench, "load_kit", lambda item: FlakyKit())
+    matrix = bench_matrix.select(bench_matrix.tiny(), ["headline"])
+    records = bench.BenchRun(matrix, lambda r: None, directions=["store"]).run(["flaky"])
+    by_path = {r.get("path"): r for r in records if r["record"] in ("transfer", "error")}
+    assert by_path["broken"]["record"] == "error"
+    assert by_path["broken"]["error_type"] == "RuntimeError"
+    assert "kernel exploded" in by_path["broken"]["error"]
+    assert by_path["wrong"]["verified"] is False
+    assert by_path["reference"]["verified"] is True
+
+
+def test_a_missing_runtime_is_an_error_record_and_the_run_goes_on():
+    records = bench.BenchRun(bench_matrix.tiny(), lambda r: None).run(["nosuchruntime", "numpy"])
+    assert records[0]["record"] == "error" and records[0]["stage"] == "load kit"
+    assert any(r["record"] == "transfer" and r["backend"] == "numpy" for r in records)
+
+
+def test_take_baseline_matches_the_reference_with_windows_and_skips():
+    model = MODELS["gpt-oss-20b"].build(num_blocks=64, layers=4)
+    kit = NumpyKit()
+    caches = kit.make_caches(model.kv_caches, seed=3)
+    manager = KVLayerGroupsManager(caches, list(model.formats), model.engine_group_infos)
+    binding = bind(manager, caches)
+    rng = np.random.default_rng(0)
+    ids = {g: rng.permutation(64)[:48] for g in (0, 1)}
+    store = plan_call(binding, ids, "store")
+    want = [np.zeros((3, n), np.uint8) for n in binding.object_nbytes]
+    got = [np.zeros((3, n), np.uint8) for n in binding.object_nbytes]
+    NumpyBackend().execute(store, list(binding.slots), want)
+    run_take(store, list(binding.slots), got)
+    assert all(np.array_equal(a, b) for a, b in zip(got, want))
+    load = plan_call(binding, ids, "load", skip_first_n_tokens=300)
+    assert any(g.first_item for g in load.groups)
+
+    def bits():  # bytes, not values: random bf16 bits include NaNs
+        return [s.obj.view(np.uint8).copy() for s in binding.slots]
+
+    before = bits()
+    run_take(load, list(binding.slots), [w[::-1].copy() for w in want])
+    after_take = bits()
+    for s, b in zip(binding.slots, before):
+        s.obj.view(np.uint8)[...] = b
+    NumpyBackend().execute(load, list(binding.slots), [w[::-1].copy() for w in want])
+    after_ref = bits()
+    assert all(np.array_equal(a, b) for a, b in zip(after_take, after_ref))
+    assert not all(np.array_equal(a, b) for a, b in zip(after_take, before))
+
+
+def test_helpers_rotation_calls_and_moved_bytes():
+    assert bench.rotation(1 << 30, 50 << 20) == 1
+    assert bench.rotation(16 << 20, 50 << 20) == 5
+    assert bench.rotation(1, 50 << 20) == 8
+    assert bench.calls_for(1e-3, 5e-3, 256) == 5
+    assert bench.calls_for(1e-6, 5e-3, 256) == 256
+    assert bench.calls_for(1e-3, 0.0, 256) == 1
+    model = MODELS["llama3-8b"].build(num_blocks=64, layers=32)
+    manager = KVLayerGroupsManager(model.kv_caches, list(model.formats))
+    plan = plan_call(bind(manager, model.kv_caches), np.arange(64), "store")
+    assert bench.moved_bytes(plan) == 4 * 2 * 32 * 256 * 8 * 128 * 2  # 4 chunks of 32 MiB
+
+
+def test_matrices_headline_full_selection_and_custom():
+    full = bench_matrix.full()
+    shapes = dict((s.label, pts) for s, pts in full.shapes() if s.layers in (32, None))
+    chunk_points = sorted(p.chunks for p in shapes["llama3-8b"] if p.placement == "device")
+    assert chunk_points == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
+    pages = sorted(pts[0].shape.build(16).kv_caches[0].shape[2:] for label, pts in shapes.items()
+                   if label.startswith("page-"))
+    assert len(pages) == 7
+    assert full.manager_layers[-1] == 1024
+    head = [p for p in full.points if p.headline]
+    assert {(p.shape.label, p.shape.layers, p.chunks) for p in head} == {("llama3-8b", 32, 64)}
+    assert {p.placement for p in head} == {"device", "pinned"}
+    chunks_only = bench_matrix.select(full, ["chunks"])
+    assert not any(p.headline for p in chunks_only.points) and not chunks_only.manager_layers
+    with pytest.raises(KVGroupsValueError, match="sweeps"):
+        bench_matrix.select(full, ["nope"])
+    custom = bench_matrix.custom(full, models=["small-pages"], specs=["(2,8,16,2,64):float16:3"],
+                                 layers=[2], chunks=[1, 4], placements=["device"])
+    assert [(p.shape.label, p.chunks) for p in custom.points] == [
+        ("small-pages", 1), ("small-pages", 4), ("(2,8,16,2,64):float16:3", 1),
+        ("(2,8,16,2,64):float16:3", 4)]
+    assert custom.points[2].shape.build(100).kv_caches[0].shape == (2, 100, 16, 2, 64)
+    with pytest.raises(KVGroupsValueError, match="model"):
+        bench_matrix.custom(full, models=["llama9"], specs=None, layers=None, chunks=None,
+                            placements=None)
+    with pytest.raises(KVGroupsValueError, match="exactly one"):
+        bench_matrix.Shape("x")
+
+
+def test_summary_ratio_and_ten_percent_flag():
+    def rec(backend, path, kind, gbps):
+        return {"record": "transfer", "headline": True, "shape": "llama3-8b", "layers": 32,
+                "chunks": 64, "placement": "device", "direction": "store", "device": "cuda",
+                "backend": backend, "path": path, "path_kind": kind, "gbps": gbps,
+                "ceiling_gbps": 4000.0 if backend == "torch" else 3600.0}
+    (s,) = summarize([rec("torch", "cuda", "kernel", 3600.0), rec("torch", "index", "baseline",
+                                                                   900.0),
+                      rec("jax", "pallas-triton", "kernel", 3400.0),
+                      rec("jax", "pallas-mosaic", "kernel", 3000.0),
+                      rec("jax", "xla", "baseline", 800.0)])
+    ratios = {p["jax"]: (round(p["ratio"], 3), p["within_10pct"]) for p in s["torch_vs_jax"]}
+    assert ratios == {"pallas-triton": (0.944, True), "pallas-mosaic": (0.833, False)}
+    assert s["torch_vs_jax_best"]["within_10pct"] is True
+    assert s["best_ceiling_gbps"] == 4000.0
+    cuda = next(p for p in s["paths"] if p["path"] == "cuda")
+    assert cuda["frac_of_best_ceiling"] == pytest.approx(0.9)
