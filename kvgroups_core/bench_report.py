@@ -73,3 +73,25 @@ def format_summary(record: dict) -> str:
         lines.append(f"  jax {pair['jax']} / torch {pair['torch']} = {pair['ratio']:.3f}"
                      f" (within 10%: {pair['within_10pct']})")
     return "\n".join(lines)
+
+
+def markdown_table(summaries: Sequence[dict]) -> str:
+    """The summary records as a Markdown table (the README's results table)."""
+    lines = ["| objects | direction | runtime | path | GB/s | of own ceiling | of best ceiling "
+             "| vs baseline |", "|---|---|---|---|---:|---:|---:|---:|"]
+    ratios = []
+    for s in summaries:
+        for p in s["paths"]:
+            cells = [s["placement"], s["direction"], p["backend"], p["path"],
+                     f"{p['gbps']:,.0f}" if p["gbps"] >= 100 else f"{p['gbps']:.2f}"]
+            for key, fmt in (("frac_of_ceiling", "{:.2f}"), ("frac_of_best_ceiling", "{:.2f}"),
+                             ("speedup_vs_baseline", "{:.2f}x")):
+                cells.append(fmt.format(p[key]) if p.get(key) is not None else "-")
+            lines.append("| " + " | ".join(cells) + " |")
+        ratios += [f"{s['direction']} ({s['placement']}): JAX {q['jax']} / torch {q['torch']} "
+                   f"= {q['ratio']:.2f}" for q in s["torch_vs_jax"]]
+    if summaries:
+        s = summaries[0]
+        lines.insert(0, f"{s['shape']}, {s['layers']} layers, {s['chunks']} chunks of 256 tokens "
+                        f"({s['device']}); GB/s = bytes read + written per second\n")
+    return "\n".join(lines + ([""] + [f"- {r}" for r in ratios] if ratios else []))

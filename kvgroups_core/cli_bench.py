@@ -29,7 +29,7 @@ from typing import Any, TextIO
 
 from . import bench_matrix
 from .bench import BenchRun
-from .bench_report import format_summary, summarize
+from .bench_report import format_summary, markdown_table, summarize
 from .cli_plan import _int_list
 
 
@@ -97,8 +97,11 @@ def run(args: argparse.Namespace) -> int:
     try:
         if args.summarize:
             records = summarize(read_records(args.summarize))
-            for record in records:
-                emit(record)
+            if args.markdown:
+                print(markdown_table(records))
+            else:
+                for record in records:
+                    emit(record)
         else:
             backends = auto_backends() if args.backends == ["auto"] else args.backends
             runner = BenchRun(build_matrix(args), emit, paths=args.paths,
@@ -150,6 +153,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--out", type=Path, default=None, help="also append the JSON lines to this file")
     a("--summarize", type=Path, nargs="+", default=None, metavar="FILE",
       help="only summarize the records of these JSON-lines files")
+    a("--markdown", action="store_true", help="with --summarize: print a Markdown table")
     a("--quiet", action="store_true", help="no progress lines on stderr")
 
 

@@ -1,0 +1,107 @@
+#!/usr/bin/env bash
+# The transfer benchmark on the lent GPU machine, in about six minutes: the full matrix of
+# `kvgroups bench` (headline Llama-3-8B-like case, chunks 1..512, page sizes 1-128 KiB, 8-128
+# layers, pinned host objects, MLA / hybrid models, manager construction up to 1,024 layers)
+# for torch and JAX, then the summary (torch vs JAX ratio), a Markdown table and the PNG plot.
+#
+# Run from the repository root (python3 with torch and jax installed; the packages need not be
+# installed). Carry .whl/ along: .whl/*.whl (cuda-core, when the machine's is older than 1.0)
+# and .whl/plot/*.whl (matplotlib, when missing) are installed into /tmp when needed.
+#
+#   bash benchmarks/run_h200.sh            # writes under $OUT and benchmarks/results/
+#
+# Each runtime runs in its own processes (a kernel fault that breaks one CUDA context spoils
+# nothing else), under a hard timeout; a process that fails is recorded as an error record in
+# the JSON and the run goes on.
+set -u
+OUT=${OUT:-/tmp/kvg_bench}
+RESULTS=${KVG_BENCH_RESULTS:-benchmarks/results}
+MATRIX=${KVG_BENCH_MATRIX:-full}    # "tiny": a CPU smoke test of this script
+TOTAL_S=${KVG_BENCH_TOTAL_S:-380}   # the whole script's wall-clock allowance
+mkdir -p "$OUT" "$RESULTS"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/backends:${PYTHONPATH:-}"
+export KVGROUPS_CACHE_DIR=${KVGROUPS_CACHE_DIR:-/tmp/kvg_cubins}
+export XLA_PYTHON_CLIENT_PREALLOCATE=false      # JAX shares the GPU with nothing, but must
+export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # not pin 75% of it up front
+JSON="$OUT/transfer_h200.jsonl"
+rm -f "$JSON"
+
+{
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,clocks.max.mem \
+    --format=csv 2>&1
+  python3 - <<'PY'
+import platform, sys
+print("python", sys.version.split()[0], platform.machine())
+for name in ("numpy", "torch", "jax", "jaxlib", "cuda.core", "matplotlib"):
+    try:
+        m = __import__(name, fromlist=["x"])
+        print(name, getattr(m, "__version__", "?"))
+    except Exception as exc:
+        print(name, "not importable:", type(exc).__name__, exc)
+PY
+} > "$OUT/versions.log" 2>&1
+cat "$OUT/versions.log"
+if ! python3 -c "import cuda.core as c, sys; sys.exit(int(c.__version__.split('.')[0]) < 1)" \
+    2>/dev/null && ls .whl/*.whl >/dev/null 2>&1; then
+  echo "installing carried cuda-core wheels into /tmp/site"
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  export PYTHONPATH="/tmp/site:$PYTHONPATH"
+fi
+
+# step NAME LIMIT_S ARGS...: one `kvgroups bench` process appending to $JSON.
+step() {
+  local name=$1 limit=$2 left status
+  shift 2
+  left=$((TOTAL_S - SECONDS))
+  (( limit > left )) && limit=$left
+  if (( limit < 15 )); then
+    echo "{\"record\": \"skipped\", \"stage\": \"process $name\", \"reason\": \"script time allowance\"}" >> "$JSON"
+    echo "[$SECONDS s] $name: skipped (script time allowance)"
+    return
+  fi
+  echo "[$SECONDS s] $name (limit ${limit}s): $*"
+  # The engine's own budget stops starting new cases a little before the hard limit.
+  timeout -k 5 "$limit" python3 -m kvgroups_core.cli bench --out "$JSON" \
+    --budget-s $((limit * 80 / 100 - 8)) "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
+  status=$?
+  tail -n 4 "$OUT/$name.log"
+  if (( status != 0 && status != 1 )); then   # 1: a verification failed (already recorded)
+    echo "{\"record\": \"error\", \"stage\": \"process $name\", \"error_type\": \"ExitStatus\", \"error\": \"exit status $status (124: timeout)\", \"args\": \"$*\"}" >> "$JSON"
+  fi
+}
+
+MAIN=headline,page,layers,models,manager
+step torch-main   70 --backends torch --matrix $MATRIX --sweeps $MAIN
+step torch-chunks 60 --backends torch --matrix $MATRIX --sweeps chunks
+step jax-main    125 --backends jax --matrix $MATRIX --sweeps $MAIN
+step jax-chunks   85 --backends jax --matrix $MATRIX --sweeps chunks
+# The NumPy reference and plain-NumPy baseline on the host, one Llama-3-8B-like chunk.
+step numpy        25 --backends numpy --matrix tiny --models llama3-8b --layers 32 --chunks 1 \
+  --placements device
+
+echo "[$SECONDS s] manager construction (CPU, bench_manager.py)"
+timeout -k 5 30 python3 benchmarks/bench_manager.py --repeats 11 \
+  --out "$OUT/manager_h200.jsonl" > "$OUT/bench_manager.log" 2>&1 || true
+
+echo "[$SECONDS s] summary"
+python3 -m kvgroups_core.cli bench --summarize "$JSON" --out "$OUT/summary_h200.jsonl" \
+  > /dev/null 2> "$OUT/summary_h200.txt"
+python3 -m kvgroups_core.cli bench --summarize "$JSON" --markdown --quiet \
+  > "$OUT/summary_h200.md" 2>/dev/null
+cat "$OUT/summary_h200.txt"
+
+if ! python3 -c "import matplotlib" 2>/dev/null && ls .whl/plot/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/plotsite \
+    .whl/plot/*.whl > /dev/null 2>&1
+fi
+PYTHONPATH="$PYTHONPATH:/tmp/plotsite" timeout 60 python3 benchmarks/plot_transfer.py "$JSON" \
+  --out "$OUT/transfer_h200.png" > "$OUT/plot.log" 2>&1 \
+  || echo "plot failed (see plot.log); draw it later: python benchmarks/plot_transfer.py $JSON"
+
+for f in transfer_h200.jsonl summary_h200.jsonl summary_h200.md transfer_h200.png \
+    manager_h200.jsonl; do
+  [[ -f "$OUT/$f" ]] && cp "$OUT/$f" "$RESULTS/$f"
+done
+echo "[$SECONDS s] done: $(grep -c '"record": "transfer"' "$JSON") transfer records, " \
+  "$(grep -c '"record": "error"' "$JSON") error records; files in $OUT"
+grep '"record": "error"' "$JSON" | cut -c1-300 | head -20
