@@ -96,7 +96,7 @@ class Matrix:
     target_s: float = 0.005   # time per repeat: calls are batched up to this
     max_calls: int = 256
     min_blocks: int = 1024    # cache pool floor, so random pages are spread past the L2 cache
-    verify_bytes: int = 2 << 30
+    verify_bytes: int = 256 << 20  # headline points are always checked
     notes: dict = field(default_factory=dict)
 
     def shapes(self) -> list[tuple[Shape, list[Point]]]:

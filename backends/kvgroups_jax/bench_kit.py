@@ -158,7 +158,7 @@ class JaxKit:
         """``device_copy``, ``pinned_h2d`` or ``pinned_d2h`` of ``nbytes``, one buffer per
         rotation."""
         shape = (nbytes // 4096, 4096) if nbytes % 4096 == 0 else (1, nbytes)
-        src = [self._fill(shape, i, 0) for i in range(rotate)]
+        src = [self._fill(shape, None, i) for i in range(rotate)]
         held: list = [None]
         if name == "device_copy":
             if nbytes % 4096 == 0:  # 32-bit elements: the vector width XLA copies with
