@@ -158,7 +158,22 @@ def _error(exc: BaseException) -> dict:
 
 
 class BenchRun:
-    """One run of a matrix over several kits; records go to ``emit`` as they are made."""
+    """One run of a matrix over several kits; records go to ``emit`` as they are made.
+
+    Parameters
+    ----------
+    matrix : Matrix
+        The points, in run order (:mod:`kvgroups_core.bench_matrix`).
+    emit : callable
+        Called with each record (a JSON-ready dict) as soon as it exists.
+    paths : sequence of str, optional
+        Paths to report (default: each kit's ``default_paths()``); the baseline always runs.
+    directions : sequence of {"store", "load"}
+    placements : sequence of {"device", "pinned"}, optional
+        Restrict the matrix's placements.
+    budget_s : float, optional
+        After this many seconds, cases not yet started become ``skipped`` records.
+    """
 
     def __init__(self, matrix: Matrix, emit: Callable[[dict], None], *,
                  paths: Sequence[str] | None = None, directions: Sequence[str] = ("store", "load"),

@@ -9,9 +9,9 @@ written), the fraction of the ceiling and the speedup over the runtime's plain b
 that fails is an ``error`` record; the run goes on.
 
 Backends: ``numpy``, ``torch``, ``jax`` (GPU when present), ``torch-cpu``, ``jax-cpu``,
-``torch-cuda``, ``jax-cuda``; ``auto`` = numpy plus every installed runtime. Paths: torch
-``cuda``, ``cuda-staged``, ``index`` (index_select / index_copy_); JAX ``pallas-triton``,
-``pallas-mosaic``, ``xla``, ``interpret``; NumPy ``reference``, ``take``.
+``torch-cuda``, ``jax-cuda``; ``auto`` = every installed runtime (plus numpy for ``tiny``).
+Paths: torch ``cuda``, ``cuda-staged``, ``index`` (index_select / index_copy_); JAX
+``pallas-triton``, ``pallas-mosaic``, ``xla``, ``interpret``; NumPy ``reference``, ``take``.
 
 ``--summarize FILE...`` only reads records (e.g. of separate torch and JAX runs) and prints
 the summary records.
@@ -37,9 +37,10 @@ def _list(text: str) -> list[str]:
     return [v.strip() for v in text.split(",") if v.strip()]
 
 
-def auto_backends() -> list[str]:
-    """NumPy plus each runtime whose framework and backend package are importable."""
-    out = ["numpy"]
+def auto_backends(matrix: str) -> list[str]:
+    """Each runtime whose framework and backend package are importable, plus NumPy for the
+    tiny matrix (its oracle addresses every byte on its own: seconds per GB)."""
+    out = ["numpy"] if matrix == "tiny" else []
     for name in ("torch", "jax"):
         if importlib.util.find_spec(name) and importlib.util.find_spec(f"kvgroups_{name}"):
             out.append(name)
@@ -103,7 +104,8 @@ def run(args: argparse.Namespace) -> int:
                 for record in records:
                     emit(record)
         else:
-            backends = auto_backends() if args.backends == ["auto"] else args.backends
+            backends = auto_backends(args.matrix) if args.backends == ["auto"] \
+                else args.backends
             runner = BenchRun(build_matrix(args), emit, paths=args.paths,
                               directions=args.directions, placements=args.placements,
                               budget_s=args.budget_s, seed=args.seed, log=log)
@@ -129,7 +131,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--matrix", default="headline", choices=sorted(bench_matrix.PRESETS),
       help="case preset (default headline)")
     a("--backends", type=_list, default=["auto"],
-      help="comma-separated: numpy, torch, jax, torch-cpu, jax-cpu, ... (default auto)")
+      help="comma-separated: numpy, torch, jax, torch-cpu, jax-cpu, ... (default auto: the "
+      "installed runtimes, plus numpy for the tiny matrix)")
     a("--paths", type=_list, default=None, help="paths to run (default: each runtime's own)")
     a("--directions", type=_list, default=["store", "load"])
     a("--placements", type=_list, default=None, help="device, pinned (default: the matrix's)")
