@@ -1,10 +1,11 @@
 """Bench kit for JAX (``kvgroups bench --backends jax``), driven by :mod:`kvgroups_core.bench`.
 
-Paths (each a :class:`~kvgroups_jax.JaxBackend` with its lowering forced): ``pallas-triton``,
-``pallas-mosaic`` (GPU kernels), ``xla`` (the plain baseline: ``take`` / ``.at[].set``),
-``interpret`` (Pallas interpret mode; only when named). Loads donate the caches and stores the
-objects, so every call's results replace the workload's arrays. Objects in pinned host memory
-(``memory_kind="pinned_host"``) are staged through device memory by the backend.
+Paths (lowerings of :func:`kvgroups_jax.execute_plan`): ``pallas-triton``, ``pallas-mosaic``
+(GPU kernels), ``xla`` (the plain baseline: ``take`` / ``.at[].set``), ``interpret`` (Pallas
+interpret mode; only when named). Loads donate the caches and stores the objects, so every
+call's results replace the workload's arrays. Objects in pinned host memory
+(``memory_kind="pinned_host"``) go through :class:`~kvgroups_jax.JaxBackend` with the lowering
+forced, which stages them through device memory.
 
 Timed with the wall clock around batches of back-to-back calls, then ``block_until_ready`` on
 every array of the workload (dispatch runs ahead of the device). Ceilings: ``device_copy``
@@ -28,6 +29,7 @@ from kvgroups_core.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_
 from kvgroups_core.errors import UnsupportedConfig
 
 from .backend import JaxBackend
+from .executor import execute_plan
 
 LOWERING = {"xla": "xla", "pallas-triton": "triton", "pallas-mosaic": "mosaic",
             "interpret": "interpret"}
@@ -128,7 +130,14 @@ class JaxKit:
         wl.extra["placement"] = placement
 
     def run(self, path: str, plan: Any, wl: Workload, r: int) -> Any:
-        caches, objects = self._backends[path].execute(plan, wl.slots, wl.objects[r])
+        if wl.extra.get("placement") == "pinned":  # the backend stages pinned objects
+            caches, objects = self._backends[path].execute(plan, wl.slots, wl.objects[r])
+        else:  # the executor itself, as the torch kit calls TorchBackend.execute
+            if "arrays" not in wl.extra:
+                wl.slots = [getattr(x, "obj", x) for x in wl.slots]  # TensorDescs -> arrays
+                wl.extra["arrays"] = True
+            caches, objects = execute_plan(plan, wl.slots, wl.objects[r],
+                                           lowering=LOWERING[path])
         if plan.direction == "load":
             wl.slots = list(caches)  # donated: the old arrays are gone
             return caches
