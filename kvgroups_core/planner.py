@@ -8,7 +8,7 @@ moves no byte.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Sequence
 
 import numpy as np
@@ -103,13 +103,19 @@ def _as_id_array(ids: Any, what: str, to_host: Any) -> np.ndarray:
     return arr.astype(np.int64, copy=False)
 
 
-def normalize_block_ids(manager: Any, block_ids: Any, to_host: Any = None) -> dict[int, np.ndarray]:
+def normalize_block_ids(manager: Any, block_ids: Any, to_host: Any = None,
+                        group_engine_ids: tuple[int, ...] | None = None) -> dict[int, np.ndarray]:
     """Block ids per engine group id, as int64 NumPy arrays.
 
     Flat ids are allowed only when the manager has one engine group; otherwise a list indexed
     by engine group id or a mapping engine group id -> ids.
     """
-    engine_ids = sorted({g.engine_group_idx for g in manager.kernel_groups})
+    if group_engine_ids is None:
+        group_engine_ids = tuple(g.engine_group_idx for g in manager.kernel_groups)
+    engine_ids = sorted(set(group_engine_ids))
+    if isinstance(block_ids, np.ndarray) and block_ids.ndim == 1 and len(engine_ids) == 1 \
+            and block_ids.dtype.kind in "iu":
+        return {engine_ids[0]: block_ids.astype(np.int64, copy=False)}
     if isinstance(block_ids, Mapping):
         out = {int(g): _as_id_array(v, f"block_ids[{g}]", to_host) for g, v in block_ids.items()}
     else:
@@ -132,18 +138,19 @@ def normalize_block_ids(manager: Any, block_ids: Any, to_host: Any = None) -> di
     return out
 
 
-def _num_chunks(manager: Any, ids: dict[int, np.ndarray]) -> int:
-    chunk = manager.lmcache_tokens_per_chunk
+def _num_chunks(binding: "Binding", ids: dict[int, np.ndarray]) -> int:
+    chunk = binding.manager.lmcache_tokens_per_chunk
     found: dict[int, int] = {}
-    for k, group in enumerate(manager.kernel_groups):
-        bpc = manager.calculate_num_blocks(k, chunk)
-        n = len(ids[group.engine_group_idx])
+    for template, engine_group in zip(binding.templates, binding.engine_groups):
+        bpc = template.blocks_per_chunk
+        n = len(ids[engine_group])
         if n % bpc:
+            tpb = binding.manager.kernel_groups[template.kernel_group_idx].tokens_per_block
             raise KVGroupsValueError(
-                f"block_ids[{group.engine_group_idx}]: expected a multiple of {bpc} ids (whole "
-                f"chunks of {chunk} tokens at {group.tokens_per_block} tokens per block), got {n}"
+                f"block_ids[{engine_group}]: expected a multiple of {bpc} ids (whole chunks of "
+                f"{chunk} tokens at {tpb} tokens per block), got {n}"
             )
-        found[group.engine_group_idx] = n // bpc
+        found[engine_group] = n // bpc
     counts = set(found.values())
     if len(counts) > 1:
         raise KVGroupsValueError(
@@ -163,6 +170,8 @@ class Binding:
     slots: tuple[TensorDesc, ...]
     templates: tuple[GroupTransfer, ...]
     object_nbytes: tuple[int, ...]
+    tensor_specs: tuple = ()
+    engine_groups: tuple[int, ...] = ()
 
 
 def bind(manager: Any, kv_caches: Any) -> Binding:
@@ -197,7 +206,19 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
             kept_per_chunk=manager.calculate_num_blocks(k, manager.get_subchunk_sw_size_tokens(k)),
             first_item=0, num_chunks=0,
         ))
-    return Binding(manager, tuple(slots), tuple(templates), tuple(object_sizes))
+    return Binding(manager, tuple(slots), tuple(templates), tuple(object_sizes),
+                   tuple(d.spec for d in slots),
+                   tuple(g.engine_group_idx for g in manager.kernel_groups))
+
+
+def _with_call(template: GroupTransfer, ids: np.ndarray, first_item: int,
+               num_chunks: int) -> GroupTransfer:
+    # dataclasses.replace re-runs __init__ over 17 fields; this is the hot path of a one-chunk
+    # store, so copy the frozen template's fields directly.
+    new = object.__new__(GroupTransfer)
+    new.__dict__.update(template.__dict__)
+    new.__dict__.update(block_ids=ids, first_item=first_item, num_chunks=num_chunks)
+    return new
 
 
 def plan_call(
@@ -212,8 +233,8 @@ def plan_call(
     if direction not in ("store", "load"):
         raise KVGroupsValueError(f"direction: expected 'store' or 'load', got {direction!r}")
     manager = binding.manager
-    ids = normalize_block_ids(manager, block_ids, to_host)
-    num_chunks = _num_chunks(manager, ids)
+    ids = normalize_block_ids(manager, block_ids, to_host, binding.engine_groups)
+    num_chunks = _num_chunks(binding, ids)
     chunk = manager.lmcache_tokens_per_chunk
     if isinstance(skip_first_n_tokens, bool) or not isinstance(
         skip_first_n_tokens, (int, np.integer)
@@ -233,7 +254,6 @@ def plan_call(
         )
     transfers = []
     for k, template in enumerate(binding.templates):
-        group = manager.kernel_groups[k]
         bpc, kept = template.blocks_per_chunk, template.kept_per_chunk
         first_item = 0
         if direction == "load":
@@ -242,15 +262,12 @@ def plan_call(
             s = manager.calculate_num_blocks(k, skip_first_n_tokens)
             prefix_items = (s // bpc) * kept + max(0, s % bpc - (bpc - kept))
             first_item = min(max(skip_chunks * kept, prefix_items), num_chunks * kept)
-        transfer = replace(
-            template, block_ids=ids[group.engine_group_idx], first_item=first_item,
-            num_chunks=num_chunks,
-        )
-        _check_ids(transfer, group.engine_group_idx)
+        transfer = _with_call(template, ids[binding.engine_groups[k]], first_item, num_chunks)
+        _check_ids(transfer, binding.engine_groups[k])
         transfers.append(transfer)
     return TransferPlan(
         direction=direction, num_chunks=num_chunks, object_nbytes=binding.object_nbytes,
-        groups=tuple(transfers), tensor_specs=tuple(d.spec for d in binding.slots),
+        groups=tuple(transfers), tensor_specs=binding.tensor_specs,
     )
 
 
@@ -290,9 +307,12 @@ def _check_ids(t: GroupTransfer, engine_group: int) -> None:
         )
 
 
-def check_objects(plan: TransferPlan, objects: Sequence[Any], describe: Any) -> None:
-    """Objects must be one entry per object group: uint8 ``[num_chunks, object_nbytes]``, or a
-    list of ``num_chunks`` 1-D uint8 buffers of ``object_nbytes`` each."""
+def check_objects(plan: TransferPlan, objects: Sequence[Any], shape_of: Any) -> None:
+    """Objects must be one entry per object group: uint8 ``[num_chunks, object_nbytes]`` with
+    contiguous rows, or a list of ``num_chunks`` 1-D uint8 buffers of ``object_nbytes`` each.
+
+    ``shape_of(x) -> (dtype name, shape, strides)`` reads an array (``Backend.shape_of``).
+    """
     if not isinstance(objects, (list, tuple)):
         raise KVGroupsTypeError(
             f"objects: expected a list with one entry per object group, got "
@@ -310,15 +330,16 @@ def check_objects(plan: TransferPlan, objects: Sequence[Any], describe: Any) -> 
                     f"objects[{og}]: expected {plan.num_chunks} per-chunk buffers, got {len(obj)}"
                 )
             for c, buf in enumerate(obj):
-                _check_buffer(describe(buf), (nbytes,), f"objects[{og}][{c}]")
+                _check_buffer(shape_of(buf), (nbytes,), f"objects[{og}][{c}]")
         else:
-            _check_buffer(describe(obj), (plan.num_chunks, nbytes), f"objects[{og}]")
+            _check_buffer(shape_of(obj), (plan.num_chunks, nbytes), f"objects[{og}]")
 
 
-def _check_buffer(desc: TensorDesc, shape: tuple[int, ...], what: str) -> None:
-    if desc.dtype.name != "uint8" or desc.shape != shape:
+def _check_buffer(found: tuple, shape: tuple[int, ...], what: str) -> None:
+    dtype, got_shape, strides = found
+    if dtype != "uint8" or tuple(got_shape) != shape:
         raise KVGroupsValueError(
-            f"{what}: expected uint8 {list(shape)}, got {desc.dtype.name} {list(desc.shape)}"
+            f"{what}: expected uint8 {list(shape)}, got {dtype} {list(got_shape)}"
         )
-    if len(shape) == 2 and desc.strides[1] != 1 and shape[1] > 1:
-        raise KVGroupsValueError(f"{what}: expected contiguous rows, got strides {desc.strides}")
+    if strides[-1] != 1 and shape[-1] > 1:
+        raise KVGroupsValueError(f"{what}: expected contiguous rows, got strides {tuple(strides)}")

@@ -140,7 +140,7 @@ class NumpyBackend(Backend):
             return x
         return np.from_dlpack(x)
 
-    def validate(self, plan: TransferPlan, caches: Sequence[TensorDesc],
+    def validate_objects(self, plan: TransferPlan, caches: Sequence[TensorDesc],
                  objects: Sequence[Any]) -> None:
         writes_objects = plan.direction == "store"
         targets = _leaf_arrays(objects) if writes_objects else [d.obj for d in caches]

@@ -63,8 +63,24 @@ class Backend(abc.ABC):
         device of ``like`` (or ``placement``: e.g. ``"pinned"`` for pinned host memory)."""
 
     def validate(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
-        """Backend-specific checks (devices, memory kinds) run before any byte moves."""
+        """Backend-specific checks run before any byte moves: both halves below."""
+        self.validate_caches(caches)
+        self.validate_objects(plan, caches, objects)
+
+    def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
+        """Checks of the bound caches alone (devices, memory kinds); run once per binding."""
         return None
+
+    def validate_objects(self, plan: Any, caches: Sequence[TensorDesc],
+                         objects: Sequence[Any]) -> None:
+        """Checks of one call's objects against the (already validated) caches."""
+        return None
+
+    def shape_of(self, x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        """``(dtype name, shape, element strides)`` of an array: the cheap subset of
+        :meth:`describe` that per-call object checks need (backends override it for speed)."""
+        spec = self.describe(x).spec
+        return spec.dtype.name, spec.shape, spec.strides
 
     def to_host_ids(self, ids: Any) -> Any:
         """Block ids held by this framework as a NumPy-convertible object (may synchronise)."""

@@ -43,7 +43,8 @@ class PreparedTransfer:
         self.manager = manager
         self.kv_caches = kv_caches
         self.backend: Backend = backend_for_tensors(_leaves(kv_caches), backend)
-        self.binding: Binding = bind(manager, kv_caches)
+        self.binding: Binding
+        self._rebind()
 
     def store(self, block_ids: Any, objects: Any = None) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
@@ -53,9 +54,9 @@ class PreparedTransfer:
             objects = be.allocate_objects(plan, self.binding.slots[0]) if self.binding.slots \
                 else []
         else:
-            check_objects(plan, objects, be.describe)
-        be.validate(plan, self.binding.slots, objects)
-        _, out = be.execute(plan, list(self.binding.slots), objects)
+            check_objects(plan, objects, be.shape_of)
+        be.validate_objects(plan, self.binding.slots, objects)
+        _, out = be.execute(plan, self._slots, objects)
         return out
 
     def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: int = 0) -> Any:
@@ -63,15 +64,20 @@ class PreparedTransfer:
         be = self.backend
         plan = plan_call(self.binding, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
                          to_host=be.to_host_ids)
-        check_objects(plan, objects, be.describe)
-        be.validate(plan, self.binding.slots, objects)
-        new_caches, _ = be.execute(plan, list(self.binding.slots), objects)
+        check_objects(plan, objects, be.shape_of)
+        be.validate_objects(plan, self.binding.slots, objects)
+        new_caches, _ = be.execute(plan, self._slots, objects)
         if new_caches is None:
             return self.kv_caches
         new_by_id = {id(d.obj): new for d, new in zip(self.binding.slots, new_caches)}
         self.kv_caches = _replace_leaves(self.kv_caches, new_by_id)
-        self.binding = bind(self.manager, self.kv_caches)
+        self._rebind()
         return self.kv_caches
+
+    def _rebind(self) -> None:
+        self.binding = bind(self.manager, self.kv_caches)
+        self.backend.validate_caches(self.binding.slots)
+        self._slots = list(self.binding.slots)
 
 
 def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> PreparedTransfer:

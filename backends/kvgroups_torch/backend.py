@@ -13,7 +13,7 @@ from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, Unsuppor
 from kvgroups_core.registry import Backend
 
 from . import cuda_path, torch_path
-from .describe import describe_tensor, torch_dtype
+from .describe import describe_tensor, dtype_of, torch_dtype
 from .objects import allocate_objects
 
 _NUMPY_NATIVE = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
@@ -60,6 +60,10 @@ class TorchBackend(Backend):
     def describe(self, x: Any) -> TensorDesc:
         return describe_tensor(x)
 
+    def shape_of(self, x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        t = tensor_of(x, "tensor")
+        return dtype_of(t).name, tuple(t.shape), t.stride()
+
     def execute(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
                 ) -> tuple[list | None, list]:
         """Move the bytes of ``plan``; caches (load) or objects (store) are written in place."""
@@ -73,15 +77,20 @@ class TorchBackend(Backend):
             raise UnsupportedConfig(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(objects)
 
-    def validate(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
-        """Devices and memory kinds, before any byte moves: GPU caches take objects on the
-        same GPU or in pinned host memory; CPU caches take CPU objects."""
+    def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
+        """Every backing tensor is a torch tensor on one device."""
         device = cache_device(caches)
         for i, c in enumerate(caches):
             if tensor_of(c, f"caches[{i}]").device != device:
                 raise KVGroupsValueError(
                     f"caches[{i}]: expected a tensor on {device}, got {tensor_of(c, '').device}"
                 )
+
+    def validate_objects(self, plan: Any, caches: Sequence[TensorDesc],
+                         objects: Sequence[Any]) -> None:
+        """Memory kinds, before any byte moves: GPU caches take objects on the same GPU or in
+        pinned host memory; CPU caches take CPU objects."""
+        device = tensor_of(caches[0], "caches[0]").device
         for g, entry in enumerate(objects):
             for c, t in enumerate(entry if isinstance(entry, (list, tuple)) else [entry]):
                 what = f"objects[{g}][{c}]" if isinstance(entry, (list, tuple)) else f"objects[{g}]"
