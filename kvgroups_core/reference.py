@@ -17,7 +17,7 @@ from .dtypes import as_dtype
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .objects import numpy_dtype
 from .plan import GroupTransfer, TransferPlan
-from .registry import Backend
+from .registry import Backend, backend_for_object
 
 
 def byte_view(desc: TensorDesc, writable: bool) -> np.ndarray:
@@ -136,9 +136,19 @@ class NumpyBackend(Backend):
         return np.array(x, copy=True)
 
     def import_foreign(self, x: Any) -> np.ndarray:
+        """Host arrays are adopted zero-copy through DLPack; device arrays are copied to the
+        host by their own backend (NumPy cannot address device memory)."""
         if isinstance(x, np.ndarray):
             return x
-        return np.from_dlpack(x)
+        device_type, _ = x.__dlpack_device__()
+        if int(device_type) == 1:  # kDLCPU
+            return np.from_dlpack(x)
+        owner = backend_for_object(x)
+        if owner is None:
+            raise KVGroupsTypeError(
+                f"x: expected a host array or one of a registered backend, got "
+                f"{type(x).__name__} on DLPack device type {device_type}")
+        return np.asarray(owner.to_numpy(x))
 
     def validate_objects(self, plan: TransferPlan, caches: Sequence[TensorDesc],
                  objects: Sequence[Any]) -> None:
