@@ -211,6 +211,7 @@ class GroupLaunch:
                 r.units_per_piece = run.nbytes // vector
                 r.units_per_token = run.count * r.units_per_piece
                 r.page_units = shape.block_size * r.units_per_token
+                r.shifts = P.pow2_shifts(r.page_units, r.units_per_token, r.units_per_piece)
             name = P.kernel_name(direction, vector, shape.contiguous)
             function = self.device.kernels.handle(name)
             # A NumPy window on the inline ids: one casting copy per call, no allocation.

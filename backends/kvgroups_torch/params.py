@@ -41,8 +41,17 @@ class KvgRun(ctypes.Structure):
         ("units_per_piece", _u32),
         ("units_per_token", _u32),
         ("page_units", _u32),
-        ("pad", _u32),
+        ("shifts", _u32),
     ]
+
+
+def pow2_shifts(page_units: int, units_per_token: int, units_per_piece: int) -> int:
+    """``KvgRun.shifts``: log2 of each size in its byte, 0xFF where it is not a power of two."""
+    out = 0
+    for i, n in enumerate((page_units, units_per_token, units_per_piece)):
+        shift = n.bit_length() - 1 if n > 0 and n & (n - 1) == 0 else 0xFF
+        out |= shift << (8 * i)
+    return out
 
 
 class KvgParams(ctypes.Structure):

@@ -59,7 +59,10 @@ struct KvgRun {
     kvg_u32 units_per_piece;  // nbytes / V
     kvg_u32 units_per_token;  // count * units_per_piece
     kvg_u32 page_units;       // block_size * units_per_token
-    kvg_u32 pad;
+    // log2 of page_units (bits 0-7), units_per_token (8-15), units_per_piece (16-23); 0xFF
+    // where the size is not a power of two. Real pages almost always are, and a shift instead
+    // of a 32-bit division per 16-byte vector keeps the copy loop memory-bound.
+    kvg_u32 shifts;
 };
 
 struct KvgParams {
@@ -174,6 +177,9 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
     if (n_tile <= 0) return;
 
     const kvg_u32 page_units = run.page_units;
+    const kvg_u32 page_shift = run.shifts & 0xFFu;
+    const kvg_u32 token_shift = (run.shifts >> 8) & 0xFFu;
+    const kvg_u32 piece_shift = (run.shifts >> 16) & 0xFFu;
     const kvg_u32 total = (kvg_u32)n_tile * page_units;
     for (kvg_u32 k0 = threadIdx.x; k0 < total; k0 += KVG_THREADS * KVG_UNROLL) {
         // Issue every load of the unrolled step before the first store: bytes in flight.
@@ -184,7 +190,7 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
             const kvg_u32 k = k0 + s * KVG_THREADS;
             dst[s] = 0;
             if (k < total) {
-                const kvg_u32 it = k / page_units;
+                const kvg_u32 it = page_shift != 0xFFu ? k >> page_shift : k / page_units;
                 const kvg_u32 r = k - it * page_units;
                 const kvg_u64 cache_page = s_cache[it];
                 if (cache_page != 0) {
@@ -193,9 +199,11 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
                         c_off = (kvg_i64)r * V;
                         o_off = c_off;
                     } else {
-                        const kvg_u32 t = r / run.units_per_token;
+                        const kvg_u32 t = token_shift != 0xFFu ? r >> token_shift
+                                                               : r / run.units_per_token;
                         const kvg_u32 r2 = r - t * run.units_per_token;
-                        const kvg_u32 piece = r2 / run.units_per_piece;
+                        const kvg_u32 piece = piece_shift != 0xFFu ? r2 >> piece_shift
+                                                                   : r2 / run.units_per_piece;
                         const kvg_u32 w = r2 - piece * run.units_per_piece;
                         c_off = t * run.token_stride + piece * run.cache_step + (kvg_i64)w * V;
                         o_off = t * p.row_bytes + piece * run.obj_step + (kvg_i64)w * V;
