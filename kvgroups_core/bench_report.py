@@ -76,22 +76,27 @@ def format_summary(record: dict) -> str:
 
 
 def markdown_table(summaries: Sequence[dict]) -> str:
-    """The summary records as a Markdown table (the README's results table)."""
-    lines = ["| objects | direction | runtime | path | GB/s | of own ceiling | of best ceiling "
-             "| vs baseline |", "|---|---|---|---|---:|---:|---:|---:|"]
-    ratios = []
+    """The summary records as Markdown tables, one per headline case (the README's table)."""
+    groups: dict[tuple, list[dict]] = {}
     for s in summaries:
-        for p in s["paths"]:
-            cells = [s["placement"], s["direction"], p["backend"], p["path"],
-                     f"{p['gbps']:,.0f}" if p["gbps"] >= 100 else f"{p['gbps']:.2f}"]
-            for key, fmt in (("frac_of_ceiling", "{:.2f}"), ("frac_of_best_ceiling", "{:.2f}"),
-                             ("speedup_vs_baseline", "{:.2f}x")):
-                cells.append(fmt.format(p[key]) if p.get(key) is not None else "-")
-            lines.append("| " + " | ".join(cells) + " |")
-        ratios += [f"{s['direction']} ({s['placement']}): JAX {q['jax']} / torch {q['torch']} "
-                   f"= {q['ratio']:.2f}" for q in s["torch_vs_jax"]]
-    if summaries:
-        s = summaries[0]
-        lines.insert(0, f"{s['shape']}, {s['layers']} layers, {s['chunks']} chunks of 256 tokens "
-                        f"({s['device']}); GB/s = bytes read + written per second\n")
-    return "\n".join(lines + ([""] + [f"- {r}" for r in ratios] if ratios else []))
+        groups.setdefault((s["shape"], s["layers"], s["chunks"], s["device"]), []).append(s)
+    parts = []
+    for (shape, layers, chunks, device), group in groups.items():
+        lines = [f"{shape}, {layers} layers, {chunks} chunks of 256 tokens ({device}); GB/s = "
+                 "bytes read + written per second", "",
+                 "| objects | direction | runtime | path | GB/s | of own ceiling "
+                 "| of best ceiling | vs baseline |", "|---|---|---|---|---:|---:|---:|---:|"]
+        ratios = []
+        for s in group:
+            for p in s["paths"]:
+                cells = [s["placement"], s["direction"], p["backend"], p["path"],
+                         f"{p['gbps']:,.0f}" if p["gbps"] >= 100 else f"{p['gbps']:.2f}"]
+                for key, fmt in (("frac_of_ceiling", "{:.2f}"), ("frac_of_best_ceiling",
+                                                                 "{:.2f}"),
+                                 ("speedup_vs_baseline", "{:.2f}x")):
+                    cells.append(fmt.format(p[key]) if p.get(key) is not None else "-")
+                lines.append("| " + " | ".join(cells) + " |")
+            ratios += [f"- {s['direction']} ({s['placement']}): JAX {q['jax']} / torch "
+                       f"{q['torch']} = {q['ratio']:.2f}" for q in s["torch_vs_jax"]]
+        parts.append("\n".join(lines + ([""] + ratios if ratios else [])))
+    return "\n\n".join(parts)
