@@ -65,10 +65,8 @@ class JaxKit:
             raise UnsupportedConfig(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
         self.sharding = jax.sharding.SingleDeviceSharding(self.dev)
         self._fill = jax.jit(_pattern, static_argnums=(0, 1), out_shardings=self.sharding)
-        cc = str(getattr(self.dev, "compute_capability", "0.0"))
-        hopper = self.device == "cuda" and int(cc.split(".")[0]) >= 9
-        self.default_path = ("pallas-mosaic" if hopper else "pallas-triton") \
-            if self.device == "cuda" else "xla"
+        # What JaxBackend(lowering="auto") runs for the usual layouts.
+        self.default_path = "pallas-triton" if self.device == "cuda" else "xla"
         self._backends = {p: JaxBackend(lowering=lo) for p, lo in LOWERING.items()}
 
     def info(self) -> dict:
