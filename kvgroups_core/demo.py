@@ -121,11 +121,10 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
     defaults = default_backends()
     store_name, load_name = store_backend or defaults[0], load_backend or defaults[1]
     if spec is not None:
-        from .shape_spec import manager_from_shape_spec, parse_kvcache_shape_spec
+        from .shape_spec import caches_from_shape_spec
 
-        probe = manager_from_shape_spec(parse_kvcache_shape_spec(spec))
-        cache_model = CacheModel("spec", probe.kv_caches_spec, probe.engine_kv_formats,
-                                 probe.engine_group_infos)
+        caches, formats, infos = caches_from_shape_spec(spec)
+        cache_model = CacheModel("spec", caches, tuple(formats), tuple(infos))
     else:
         entry = get_model(model)
         chunk_blocks = 256 // 16

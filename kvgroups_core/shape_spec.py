@@ -183,6 +183,42 @@ def _per_group(values: Sequence[int] | None, n: int, what: str, default: int) ->
     return values
 
 
+def caches_from_shape_spec(
+    spec: str | Sequence[KernelGroupInfo],
+    *,
+    sw_size_tokens: Sequence[int] | None = None,
+    tokens_per_block: Sequence[int] | None = None,
+) -> tuple[list[TensorSpec], list[EngineKVFormat], list[EngineGroupInfo]]:
+    """The TensorSpecs, per-layer formats and engine group infos :func:`manager_from_shape_spec`
+    builds its manager from (see there for the layouts and parameters)."""
+    groups = parse_kvcache_shape_spec(spec) if isinstance(spec, str) else list(spec)
+    if not groups:
+        raise KVGroupsValueError("spec: expected at least one group, got none")
+    caches: list[TensorSpec] = []
+    formats: list[EngineKVFormat] = []
+    for i, group in enumerate(groups):
+        fmt, tensor = _group_tensor(group, i)
+        caches += [tensor] * group.shape_desc.nl
+        formats += [fmt] * group.shape_desc.nl
+    infos: list[EngineGroupInfo] = []
+    if sw_size_tokens is not None or tokens_per_block is not None:
+        windows = _per_group(sw_size_tokens, len(groups), "sw_size_tokens", -1)
+        tpbs = _per_group(tokens_per_block, len(groups), "tokens_per_block", 0)
+        start = 0
+        for i, group in enumerate(groups):
+            nl = group.shape_desc.nl
+            infos.append(
+                EngineGroupInfo(
+                    engine_group_id=i,
+                    layer_indices=tuple(range(start, start + nl)),
+                    tokens_per_block=tpbs[i],
+                    sw_size_tokens=windows[i],
+                )
+            )
+            start += nl
+    return caches, formats, infos
+
+
 def manager_from_shape_spec(
     spec: str | Sequence[KernelGroupInfo],
     *,
@@ -209,31 +245,8 @@ def manager_from_shape_spec(
         becomes its own engine group, so groups of equal geometry stay apart; otherwise every
         layer is in engine group 0 and groups of equal geometry merge.
     """
-    groups = parse_kvcache_shape_spec(spec) if isinstance(spec, str) else list(spec)
-    if not groups:
-        raise KVGroupsValueError("spec: expected at least one group, got none")
-    caches: list[TensorSpec] = []
-    formats: list[EngineKVFormat] = []
-    for i, group in enumerate(groups):
-        fmt, tensor = _group_tensor(group, i)
-        caches += [tensor] * group.shape_desc.nl
-        formats += [fmt] * group.shape_desc.nl
-    infos: list[EngineGroupInfo] = []
-    if sw_size_tokens is not None or tokens_per_block is not None:
-        windows = _per_group(sw_size_tokens, len(groups), "sw_size_tokens", -1)
-        tpbs = _per_group(tokens_per_block, len(groups), "tokens_per_block", 0)
-        start = 0
-        for i, group in enumerate(groups):
-            nl = group.shape_desc.nl
-            infos.append(
-                EngineGroupInfo(
-                    engine_group_id=i,
-                    layer_indices=tuple(range(start, start + nl)),
-                    tokens_per_block=tpbs[i],
-                    sw_size_tokens=windows[i],
-                )
-            )
-            start += nl
+    caches, formats, infos = caches_from_shape_spec(
+        spec, sw_size_tokens=sw_size_tokens, tokens_per_block=tokens_per_block)
     return KVLayerGroupsManager(
         caches,
         formats,

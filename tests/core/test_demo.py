@@ -35,3 +35,10 @@ def test_demo_rejects_a_request_larger_than_the_cache():
     with pytest.raises(ValueError, match="num_chunks"):
         run_demo(store_backend="numpy", load_backend="numpy", layers=2, num_chunks=8,
                  num_blocks=64, out=io.StringIO())
+
+
+def test_demo_runs_a_shape_spec():
+    out = io.StringIO()
+    rc = run_demo(spec="(2,128,16,2,64):float16:3;(1,128,16,1,576):bfloat16:2",
+                  store_backend="numpy", load_backend="numpy", num_chunks=2, out=out)
+    assert rc == 0, out.getvalue()
