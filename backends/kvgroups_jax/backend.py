@@ -25,8 +25,7 @@ class JaxBackend(Backend):
 
     Parameters
     ----------
-    lowering : "auto" (Mosaic GPU on Hopper+ where the layout allows, else Triton, else XLA;
-        XLA on CPU), or one of "triton", "mosaic", "xla", "interpret" to force a path
+    lowering : "auto" (Triton on CUDA GPUs, XLA beyond int32 indexing and on CPU), or one of "triton", "mosaic", "xla", "interpret" to force a path
         (register such an instance under its own name: there is no global switch).
     num_warps : warps per Triton program.
     """

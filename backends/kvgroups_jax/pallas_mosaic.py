@@ -7,6 +7,11 @@ viewed as ``[rows, 256]`` and a span as ``[span / 256, 256]`` boxes of at most 2
 offset must then be a whole number of 256-element rows. Other layouts raise
 :class:`~kvgroups_core.errors.UnsupportedConfig` and go to the Triton lowering.
 
+Status: lowers for an abstract H200 on jax 0.10.2 (CI test), but on the H200 with jax 0.11.2
+``pallas_call`` finds no GPU lowering rule for ``plgpu.CompilerParams`` (AssertionError in
+``pallas_call.gpu_lowering``), so ``"auto"`` uses Triton and this path is opt-in until it is
+ported to ``plgpu.kernel``.
+
 Reference: :func:`kvgroups_jax.reference.reference_transfer`.
 """
 

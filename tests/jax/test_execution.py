@@ -110,7 +110,8 @@ def test_torch_cpu_cache_imported_with_import_dlpack_sees_the_load():
     from kvgroups_jax import import_dlpack
 
     arrays, g = make_group("nhd", "float32")
-    owners = [torch.from_numpy(a.copy()) for a in arrays]
+    # torch's allocator aligns to 64 bytes, so the import is zero-copy (no import-time copy)
+    owners = [torch.empty(a.shape, dtype=torch.float32).copy_(torch.from_numpy(a)) for a in arrays]
     caches = [import_dlpack(t) for t in owners]
     plan = make_plan("load", [g], arrays, [_nbytes(g)])
     obj = np.random.default_rng(1).integers(0, 256, (g.num_chunks, _nbytes(g)), np.uint8)
@@ -124,7 +125,8 @@ def test_plain_dlpack_import_on_cpu_warns_instead_of_losing_the_write_silently()
     from kvgroups_jax import InPlaceCopyWarning
 
     arrays, g = make_group("nhd", "float32")
-    owners = [torch.from_numpy(a.copy()) for a in arrays]
+    # torch's allocator aligns to 64 bytes, so the import is zero-copy (no import-time copy)
+    owners = [torch.empty(a.shape, dtype=torch.float32).copy_(torch.from_numpy(a)) for a in arrays]
     caches = [jax.dlpack.from_dlpack(t) for t in owners]
     plan = make_plan("load", [g], arrays, [_nbytes(g)])
     obj = jnp.zeros((g.num_chunks, _nbytes(g)), jnp.uint8)
