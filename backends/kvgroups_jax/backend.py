@@ -42,7 +42,9 @@ class JaxBackend(Backend):
     def describe(self, x: Any) -> TensorDesc:
         return describe_array(x)
 
-    def validate(self, plan, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
+    def validate_objects(self, plan, caches: Sequence[TensorDesc],
+                         objects: Sequence[Any]) -> None:
+        """Objects live on the caches' device or in pinned_host memory."""
         devices = {d.device for d in caches if not d.is_abstract}
         for k, obj in enumerate(objects):
             for part in (obj if isinstance(obj, (list, tuple)) else [obj]):

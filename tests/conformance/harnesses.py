@@ -91,15 +91,30 @@ class TorchHarness(Harness):
 
 
 class JaxHarness(Harness):
+    """JAX on CPU runs the Pallas kernels in interpret mode (a backend registered as
+    "jax-interpret"); on a GPU the default backend picks the GPU lowering."""
+
     def __init__(self, platform: str) -> None:
         ident = "jax-interpret" if platform == "cpu" else "jax-gpu"
-        super().__init__(ident, "jax", (None,))
+        backend = "jax"
+        if platform == "cpu":
+            from kvgroups_core import registry
+
+            if "jax-interpret" not in registry.registered_backends():
+                from kvgroups_jax import JaxBackend
+
+                registry.register_backend("jax-interpret",
+                                          lambda: JaxBackend(lowering="interpret"))
+            backend = "jax-interpret"
+        super().__init__(ident, backend, (None,))
         self.platform = platform
 
     def from_numpy(self, a: np.ndarray) -> Any:
         import jax
 
-        return jax.device_put(a, jax.devices(self.platform)[0])
+        # may_alias=False: an aliased NumPy buffer is memory XLA does not own, so a donated
+        # load would have to copy it.
+        return jax.device_put(a, jax.devices(self.platform)[0], may_alias=False)
 
     def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
         return np.asarray(x).view(like.dtype) if np.asarray(x).dtype != like.dtype else \
