@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from typing import Any, ClassVar, Sequence
 
 import jax
@@ -118,6 +120,9 @@ class JaxBackend(Backend):
         # may_alias=False: the CPU client would otherwise alias the NumPy buffer, which it
         # then copies instead of donating (loads would not be in place).
         x = jax.device_put(a, sharding, may_alias=False)
+        # A buffer that came from the host can still be one the CPU client will not donate;
+        # an XLA-computed copy is XLA's own, so later loads into it stay in place.
+        x = _owned_copy(sharding)(x)
         if dtype is not None:
             target = jnp.dtype(as_dtype(dtype).name)
             if target.itemsize != a.dtype.itemsize:
@@ -148,6 +153,11 @@ class JaxBackend(Backend):
                 d.block_until_ready()
         else:
             jax.block_until_ready(x)
+
+
+@functools.lru_cache(maxsize=None)
+def _owned_copy(sharding: Any) -> Any:
+    return jax.jit(lambda v: jnp.copy(v), out_shardings=sharding)
 
 
 def _pointer(x: Any) -> int:

@@ -110,11 +110,10 @@ class JaxHarness(Harness):
         self.platform = platform
 
     def from_numpy(self, a: np.ndarray) -> Any:
-        import jax
+        from kvgroups_core import get_backend
 
-        # may_alias=False: an aliased NumPy buffer is memory XLA does not own, so a donated
-        # load would have to copy it.
-        return jax.device_put(a, jax.devices(self.platform)[0], may_alias=False)
+        # The backend's own conversion makes buffers XLA owns, so donated loads stay in place.
+        return get_backend("jax").from_numpy(a, "cpu" if self.platform == "cpu" else "cuda")
 
     def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
         return np.asarray(x).view(like.dtype) if np.asarray(x).dtype != like.dtype else \
