@@ -141,7 +141,12 @@ class JaxBackend(Backend):
         return out
 
     def import_foreign(self, x: Any) -> Any:
-        return import_dlpack(x)
+        """Adopt another runtime's array through DLPack (zero-copy), except that host memory
+        is copied to the GPU when JAX computes on one: its kernels address device memory."""
+        arr = import_dlpack(x)
+        if self.default_device() == "cuda" and next(iter(arr.devices())).platform == "cpu":
+            arr = jax.device_put(arr, _sharding_for("cuda"))
+        return arr
 
     def default_device(self) -> str:
         return "cuda" if jax.default_backend() == "gpu" else "cpu"
