@@ -61,8 +61,11 @@ class JaxBackend(Backend):
                     )
 
     def execute(self, plan, caches: Sequence[TensorDesc], objects: Sequence[Any]):
-        arrays = [c.obj if isinstance(c, TensorDesc) else c for c in caches]
-        objs = [o.obj if isinstance(o, TensorDesc) else o for o in objects]
+        # Another runtime's tensors (torch, NumPy ...) are adopted through DLPack, zero-copy;
+        # a CPU load into them is written back (see foreign.check_in_place).
+        arrays = [_adopt(c.obj if isinstance(c, TensorDesc) else c) for c in caches]
+        objs = [[_adopt(p) for p in o] if isinstance(o, (list, tuple)) else
+                _adopt(o.obj if isinstance(o, TensorDesc) else o) for o in objects]
         # Per-chunk buffers are stacked into one [num_chunks, nbytes] array (a copy of the
         # objects, never of the caches) and split again for the result.
         chunked = [isinstance(o, (list, tuple)) for o in objs]
@@ -157,6 +160,12 @@ class JaxBackend(Backend):
                 d.block_until_ready()
         else:
             jax.block_until_ready(x)
+
+
+def _adopt(x: Any) -> Any:
+    if isinstance(x, jax.Array) or not hasattr(x, "__dlpack__"):
+        return x
+    return import_dlpack(x)
 
 
 @functools.lru_cache(maxsize=None)

@@ -25,11 +25,27 @@ DEFAULT_PINNED_MODE = "staged"
 
 
 def tensor_of(x: Any, what: str) -> torch.Tensor:
-    """The torch tensor behind a TensorDesc (or the tensor itself)."""
+    """The torch tensor behind a TensorDesc (or the tensor itself). Another runtime's array
+    (JAX, NumPy, CuPy ...) is adopted through DLPack, zero-copy: the torch backend then moves
+    the pages of that runtime's memory in place."""
     t = x.obj if isinstance(x, TensorDesc) else x
-    if not isinstance(t, torch.Tensor):
-        raise KVGroupsTypeError(f"{what}: expected a torch.Tensor, got {type(t).__name__}")
-    return t
+    if isinstance(t, torch.Tensor):
+        return t
+    if hasattr(t, "__dlpack__"):
+        return torch.from_dlpack(t)
+    raise KVGroupsTypeError(
+        f"{what}: expected a torch.Tensor or a DLPack producer, got {type(t).__name__}")
+
+
+def _adopt_objects(objects: Sequence[Any]) -> list:
+    """Objects as torch tensors (foreign ones adopted zero-copy through DLPack)."""
+    out = []
+    for g, entry in enumerate(objects):
+        if isinstance(entry, (list, tuple)):
+            out.append([tensor_of(t, f"objects[{g}][{c}]") for c, t in enumerate(entry)])
+        else:
+            out.append(tensor_of(entry, f"objects[{g}]"))
+    return out
 
 
 def cache_device(caches: Sequence[Any]) -> torch.device:
@@ -68,6 +84,8 @@ class TorchBackend(Backend):
                 ) -> tuple[list | None, list]:
         """Move the bytes of ``plan``; caches (load) or objects (store) are written in place."""
         device = cache_device(caches)
+        given = objects
+        objects = _adopt_objects(objects)
         if device.type == "cuda":
             cuda_path.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
         elif device.type == "cpu":
@@ -75,7 +93,7 @@ class TorchBackend(Backend):
             torch_path.run_plan(plan, tensors, objects)
         else:
             raise UnsupportedConfig(f"caches: expected CPU or CUDA tensors, got {device}")
-        return None, list(objects)
+        return None, list(given)
 
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
         """Every backing tensor is a torch tensor on one device."""

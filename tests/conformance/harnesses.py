@@ -66,12 +66,16 @@ class TorchHarness(Harness):
     def from_numpy(self, a: np.ndarray) -> Any:
         import torch
 
-        if a.dtype.kind == "V" or a.dtype.name in ("bfloat16",) or "float8" in a.dtype.name:
-            t = torch.from_numpy(_uint_view(a).copy())
-            t = t.view(getattr(torch, a.dtype.name))
-        else:
-            t = torch.from_numpy(a.copy())
-        return t.to(self.device)
+        # Torch allocates (as an engine would), then the bits are copied in.
+        bits = torch.from_numpy(np.ascontiguousarray(_uint_view(a)).view(
+            {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]))
+        dtype = getattr(torch, a.dtype.name) if a.dtype.kind in "Vf" or a.dtype.name in (
+            "bfloat16",) or "float8" in a.dtype.name else bits.dtype
+        if a.dtype.kind in "iub":
+            dtype = torch.from_numpy(a[:0].copy()).dtype
+        out = torch.empty(a.shape, dtype=dtype, device=self.device)
+        out.view(bits.dtype).copy_(bits)
+        return out
 
     def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
         import torch
