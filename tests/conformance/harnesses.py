@@ -98,10 +98,12 @@ class JaxHarness(Harness):
     """JAX on CPU runs the Pallas kernels in interpret mode (a backend registered as
     "jax-interpret"); on a GPU the default backend picks the GPU lowering."""
 
-    def __init__(self, platform: str) -> None:
+    def __init__(self, platform: str, lowering: str | None = None) -> None:
         ident = "jax-interpret" if platform == "cpu" else "jax-gpu"
         backend = "jax"
-        if platform == "cpu":
+        if lowering == "xla":  # the default backend on a CPU: plain XLA gather / scatter
+            ident = "jax-xla"
+        elif platform == "cpu":
             from kvgroups_core import registry
 
             if "jax-interpret" not in registry.registered_backends():
@@ -173,6 +175,10 @@ def harness_params() -> list:
         marks=pytest.mark.skipif(not (_has("jax") and backend_ready("kvgroups_jax")),
                                  reason="jax or kvgroups_jax not installed")))
     params.append(pytest.param(
+        "jax-xla", id="jax-xla",
+        marks=pytest.mark.skipif(not (_has("jax") and backend_ready("kvgroups_jax")),
+                                 reason="jax or kvgroups_jax not installed")))
+    params.append(pytest.param(
         "jax-gpu", id="jax-gpu",
         marks=[pytest.mark.gpu, pytest.mark.skipif(not _jax_gpu_available(), reason="no JAX GPU")]))
     return params
@@ -203,6 +209,7 @@ def make_harness(param: Any) -> Harness:
         "torch-cpu": lambda: TorchHarness("cpu"),
         "torch-cuda": lambda: TorchHarness("cuda"),
         "jax-interpret": lambda: JaxHarness("cpu"),
+        "jax-xla": lambda: JaxHarness("cpu", lowering="xla"),
         "jax-gpu": lambda: JaxHarness("gpu"),
     }[param]()
 
