@@ -98,16 +98,9 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Deprecated LMCache aliases (LayerGroupIdentity, KVLayerGroupInfo) warn on access.
-    from .grouping import DEPRECATED_ALIASES
+    # Deprecated LMCache aliases (LayerGroupIdentity, KVLayerGroupInfo): grouping.py warns.
+    from . import grouping
 
-    if name in DEPRECATED_ALIASES:
-        import warnings
-
-        new_name, obj = DEPRECATED_ALIASES[name]
-        warnings.warn(
-            f"{name} is a deprecated alias of {new_name}", DeprecationWarning, stacklevel=2
-        )
-        return obj
+    if name in grouping.DEPRECATED_ALIASES:
+        return getattr(grouping, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
