@@ -8,7 +8,7 @@ moves no byte.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
@@ -164,7 +164,12 @@ def _num_chunks(binding: "Binding", ids: dict[int, np.ndarray]) -> int:
 class Binding:
     """A manager bound to one set of cache tensors: everything about a transfer that does not
     depend on the block ids, computed once. ``templates`` are the per-group transfers with
-    empty ids; ``slots`` the backing tensors in slot order."""
+    empty ids; ``slots`` the backing tensors in slot order.
+
+    ``flat_group`` is the engine group id when there is only one (flat ids allowed), else
+    None; ``uniform_bpc`` the blocks per chunk every group shares (0 if they differ).
+    ``skeletons`` caches the id-independent part of plans (see :func:`plan_call`).
+    """
 
     manager: Any
     slots: tuple[TensorDesc, ...]
@@ -172,6 +177,9 @@ class Binding:
     object_nbytes: tuple[int, ...]
     tensor_specs: tuple = ()
     engine_groups: tuple[int, ...] = ()
+    flat_group: int | None = None
+    uniform_bpc: int = 0
+    skeletons: dict = field(default_factory=dict, repr=False)
 
 
 def bind(manager: Any, kv_caches: Any) -> Binding:
@@ -206,19 +214,86 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
             kept_per_chunk=manager.calculate_num_blocks(k, manager.get_subchunk_sw_size_tokens(k)),
             first_item=0, num_chunks=0,
         ))
+    engine_groups = tuple(g.engine_group_idx for g in manager.kernel_groups)
+    distinct = set(engine_groups)
+    bpcs = {t.blocks_per_chunk for t in templates}
     return Binding(manager, tuple(slots), tuple(templates), tuple(object_sizes),
-                   tuple(d.spec for d in slots),
-                   tuple(g.engine_group_idx for g in manager.kernel_groups))
+                   tuple(d.spec for d in slots), engine_groups,
+                   flat_group=next(iter(distinct)) if len(distinct) == 1 else None,
+                   uniform_bpc=bpcs.pop() if len(bpcs) == 1 and len(distinct) == 1 else 0)
 
 
-def _with_call(template: GroupTransfer, ids: np.ndarray, first_item: int,
-               num_chunks: int) -> GroupTransfer:
-    # dataclasses.replace re-runs __init__ over 17 fields; this is the hot path of a one-chunk
-    # store, so copy the frozen template's fields directly.
-    new = object.__new__(GroupTransfer)
-    new.__dict__.update(template.__dict__)
-    new.__dict__.update(block_ids=ids, first_item=first_item, num_chunks=num_chunks)
-    return new
+@dataclass(frozen=True, eq=False)
+class _Skeleton:
+    """The id-independent part of one plan shape ``(direction, num_chunks, skip)``: per group
+    the template's fields with the item range filled in, the id ranges to check, and the
+    plan's own fields. Built once per shape; a call then only adds its ids."""
+
+    groups: tuple[tuple[dict, int], ...]  # (GroupTransfer fields but block_ids, engine group)
+    checks: tuple[tuple[int, int, Any, int], ...]  # (group index, engine group, used, nb)
+    plan: dict
+
+
+_MAX_SKELETONS = 256
+_SMALL_IDS = 32
+
+
+def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: int) -> _Skeleton:
+    manager = binding.manager
+    groups = []
+    checks = []
+    seen = set()
+    for k, template in enumerate(binding.templates):
+        bpc, kept = template.blocks_per_chunk, template.kept_per_chunk
+        first_item = 0
+        if direction == "load":
+            window = _chunk_windows(manager, k)
+            skip_chunks = max(0, num_chunks - window) if window >= 1 else 0
+            s = manager.calculate_num_blocks(k, skip)
+            prefix_items = (s // bpc) * kept + max(0, s % bpc - (bpc - kept))
+            first_item = min(max(skip_chunks * kept, prefix_items), num_chunks * kept)
+        fields = dict(template.__dict__, first_item=first_item, num_chunks=num_chunks)
+        del fields["block_ids"]
+        engine_group = binding.engine_groups[k]
+        groups.append((fields, engine_group))
+        if num_chunks * kept - first_item <= 0:
+            continue  # moves nothing: its ids are not read
+        if kept == bpc:
+            used: Any = slice(first_item, num_chunks * bpc)  # item i is id i
+            key: Any = (first_item, num_chunks * bpc)
+        else:
+            i = np.arange(first_item, num_chunks * kept, dtype=np.int64)
+            used = (i // kept) * bpc + (bpc - kept) + i % kept
+            key = used.tobytes()
+        # Groups reading the same ids against the same bound need one check (the first).
+        if (engine_group, key, template.num_blocks) not in seen:
+            seen.add((engine_group, key, template.num_blocks))
+            checks.append((k, engine_group, used, template.num_blocks))
+    plan = dict(direction=direction, num_chunks=num_chunks, object_nbytes=binding.object_nbytes,
+                tensor_specs=binding.tensor_specs)
+    if len(binding.skeletons) >= _MAX_SKELETONS:
+        binding.skeletons.clear()
+    sk = binding.skeletons[(direction, num_chunks, skip)] = _Skeleton(
+        tuple(groups), tuple(checks), plan)
+    return sk
+
+
+def _out_of_range(used: np.ndarray, num_blocks: int) -> bool:
+    """Whether any int64 id is outside ``[0, num_blocks)``: one pass, since as uint64 a
+    negative id is at least 2**63. Small arrays are cheaper through Python ints."""
+    u = used.view(np.uint64)
+    if len(u) <= _SMALL_IDS:
+        return max(u.tolist()) >= num_blocks
+    return int(u.max()) >= num_blocks
+
+
+def _flat_ids(binding: Binding, block_ids: Any) -> np.ndarray | None:
+    """The common case, an integer ndarray of flat ids for a one-engine-group manager, as int64;
+    None for anything else (then :func:`normalize_block_ids` validates it)."""
+    if binding.flat_group is None or type(block_ids) is not np.ndarray or block_ids.ndim != 1 \
+            or block_ids.dtype.kind not in "iu":
+        return None
+    return block_ids.astype(np.int64, copy=False)
 
 
 def plan_call(
@@ -229,46 +304,66 @@ def plan_call(
     skip_first_n_tokens: int = 0,
     to_host: Any = None,
 ) -> TransferPlan:
-    """Validate the per-call inputs and return the plan (SEMANTICS.md section 7)."""
-    if direction not in ("store", "load"):
+    """Validate the per-call inputs and return the plan (SEMANTICS.md section 7).
+
+    This is the per-call host path of a prepared transfer, so the work that depends only on
+    ``(direction, num_chunks, skip_first_n_tokens)`` is cached on the binding, and plan
+    objects are filled from those cached fields instead of going through ``__init__``.
+    """
+    if direction != "store" and direction != "load":
         raise KVGroupsValueError(f"direction: expected 'store' or 'load', got {direction!r}")
-    manager = binding.manager
-    ids = normalize_block_ids(manager, block_ids, to_host, binding.engine_groups)
-    num_chunks = _num_chunks(binding, ids)
-    chunk = manager.lmcache_tokens_per_chunk
-    if isinstance(skip_first_n_tokens, bool) or not isinstance(
-        skip_first_n_tokens, (int, np.integer)
-    ):
-        raise KVGroupsTypeError(
-            f"skip_first_n_tokens: expected an int, got {type(skip_first_n_tokens).__name__}"
-        )
-    if not 0 <= skip_first_n_tokens <= num_chunks * chunk:
-        raise KVGroupsValueError(
-            f"skip_first_n_tokens: expected a value in [0, {num_chunks * chunk}] (the tokens the "
-            f"block ids cover), got {skip_first_n_tokens}"
-        )
-    if direction == "store" and skip_first_n_tokens:
-        raise KVGroupsValueError(
-            f"skip_first_n_tokens: expected 0 for store (store never trims), got "
-            f"{skip_first_n_tokens}"
-        )
+    flat = _flat_ids(binding, block_ids)
+    bpc = binding.uniform_bpc
+    if flat is not None and bpc and len(flat) % bpc == 0:
+        ids = {binding.flat_group: flat}
+        num_chunks = len(flat) // bpc
+    else:
+        if flat is not None:
+            ids = {binding.flat_group: flat}
+        else:
+            ids = normalize_block_ids(binding.manager, block_ids, to_host, binding.engine_groups)
+        num_chunks = _num_chunks(binding, ids)
+    skip = skip_first_n_tokens
+    if type(skip) is not int:
+        if isinstance(skip, bool) or not isinstance(skip, (int, np.integer)):
+            raise KVGroupsTypeError(
+                f"skip_first_n_tokens: expected an int, got {type(skip).__name__}"
+            )
+        skip = int(skip)
+    if skip:
+        covered = num_chunks * binding.manager.lmcache_tokens_per_chunk
+        if not 0 <= skip <= covered:
+            raise KVGroupsValueError(
+                f"skip_first_n_tokens: expected a value in [0, {covered}] (the tokens the "
+                f"block ids cover), got {skip}"
+            )
+        if direction == "store":
+            raise KVGroupsValueError(
+                f"skip_first_n_tokens: expected 0 for store (store never trims), got {skip}"
+            )
+    sk = binding.skeletons.get((direction, num_chunks, skip))
+    if sk is None:
+        sk = _skeleton(binding, direction, num_chunks, skip)
+    for k, engine_group, used, num_blocks in sk.checks:
+        if _out_of_range(ids[engine_group][used], num_blocks):
+            fields, _ = sk.groups[k]
+            _check_ids(_transfer(fields, ids[engine_group]), engine_group)  # raises, with detail
     transfers = []
-    for k, template in enumerate(binding.templates):
-        bpc, kept = template.blocks_per_chunk, template.kept_per_chunk
-        first_item = 0
-        if direction == "load":
-            window = _chunk_windows(manager, k)
-            skip_chunks = max(0, num_chunks - window) if window >= 1 else 0
-            s = manager.calculate_num_blocks(k, skip_first_n_tokens)
-            prefix_items = (s // bpc) * kept + max(0, s % bpc - (bpc - kept))
-            first_item = min(max(skip_chunks * kept, prefix_items), num_chunks * kept)
-        transfer = _with_call(template, ids[binding.engine_groups[k]], first_item, num_chunks)
-        _check_ids(transfer, binding.engine_groups[k])
-        transfers.append(transfer)
-    return TransferPlan(
-        direction=direction, num_chunks=num_chunks, object_nbytes=binding.object_nbytes,
-        groups=tuple(transfers), tensor_specs=binding.tensor_specs,
-    )
+    for fields, engine_group in sk.groups:
+        transfers.append(_transfer(fields, ids[engine_group]))
+    # Frozen dataclasses: fill the instance dict directly (``__init__`` would run
+    # ``object.__setattr__`` per field, a sizeable share of a one-chunk call).
+    plan = object.__new__(TransferPlan)
+    plan.__dict__.update(sk.plan)
+    plan.__dict__["groups"] = tuple(transfers)
+    return plan
+
+
+def _transfer(fields: dict, ids: np.ndarray) -> GroupTransfer:
+    new = object.__new__(GroupTransfer)
+    new.__dict__.update(fields)
+    new.__dict__["block_ids"] = ids
+    return new
 
 
 def build_plan(
