@@ -26,6 +26,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from .descriptors import TensorDesc, TensorSpec, describe_dlpack
 from .errors import BackendNotFound, KVGroupsTypeError, UnsupportedConfig
+from .planner import check_objects
 
 
 class Backend(abc.ABC):
@@ -61,6 +62,14 @@ class Backend(abc.ABC):
     ) -> list:
         """Allocate one ``[num_chunks, object_nbytes]`` uint8 array per object group, on the
         device of ``like`` (or ``placement``: e.g. ``"pinned"`` for pinned host memory)."""
+
+    def bind_caches(self, caches: Sequence[TensorDesc]) -> "BoundCaches":
+        """Validate the backing tensors of one binding (slot order) and return what runs the
+        per-call work on them (:class:`BoundCaches`). Backends whose calls repeat host work
+        that depends only on the caches (devices, addresses, launch state) return a subclass
+        that keeps it."""
+        self.validate_caches(caches)
+        return BoundCaches(self, caches)
 
     def validate(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
         """Backend-specific checks run before any byte moves: both halves below."""
@@ -111,6 +120,33 @@ class Backend(abc.ABC):
     def synchronize(self, x: Any = None) -> None:
         """Wait until queued work (on ``x``, or all of it) is done; for timing."""
         return None
+
+
+class BoundCaches:
+    """A backend's hold on one validated set of backing tensors, made by
+    :meth:`Backend.bind_caches` for the repeated calls of a prepared transfer.
+
+    :meth:`run` is the whole per-call contract: check the objects, then move the bytes, and
+    raise before moving any byte if the objects are bad. This default runs the backend's
+    generic methods; subclasses may do the same work faster but must reject the same input
+    with the same errors.
+    """
+
+    def __init__(self, backend: Backend, caches: Sequence[TensorDesc]) -> None:
+        self.backend = backend
+        self.caches = list(caches)
+
+    def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
+        """Validate ``objects`` for ``plan`` and execute it (see :meth:`Backend.execute`)."""
+        check_objects(plan, objects, self.backend.shape_of)
+        self.backend.validate_objects(plan, self.caches, objects)
+        return self.backend.execute(plan, self.caches, objects)
+
+    def allocate_objects(self, plan: Any) -> list:
+        """New objects for ``plan`` next to the caches (none when nothing is bound)."""
+        if not self.caches:
+            return []
+        return self.backend.allocate_objects(plan, self.caches[0])
 
 
 @dataclass

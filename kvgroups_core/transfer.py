@@ -10,8 +10,8 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from .descriptors import TensorDesc, TensorSpec
-from .planner import Binding, bind, check_objects, plan_call
-from .registry import Backend, backend_for_tensors
+from .planner import Binding, bind, plan_call
+from .registry import Backend, BoundCaches, backend_for_tensors
 
 
 def _leaves(structure: Any) -> list[Any]:
@@ -34,39 +34,33 @@ def _replace_leaves(structure: Any, new_by_id: dict[int, Any]) -> Any:
 class PreparedTransfer:
     """A manager bound to one set of caches, for repeated transfers with little host work.
 
-    Binding (reading every tensor's layout and checking it against the manager) happens once;
-    each :meth:`store` / :meth:`load` then only validates its block ids and objects. Use it on
-    hot paths (one chunk per call) with runtimes whose caches stay put (torch).
+    Binding (reading every tensor's layout and checking it against the manager, and the
+    backend's own per-cache work) happens once; each :meth:`store` / :meth:`load` then only
+    validates its block ids and objects. Use it on hot paths (one chunk per call) with
+    runtimes whose caches stay put (torch).
     """
 
     def __init__(self, manager: Any, kv_caches: Any, *, backend: str | None = None) -> None:
         self.manager = manager
         self.kv_caches = kv_caches
         self.backend: Backend = backend_for_tensors(_leaves(kv_caches), backend)
+        self._to_host = self.backend.to_host_ids  # one bound method, not one per call
         self.binding: Binding
+        self._bound: BoundCaches
         self._rebind()
 
     def store(self, block_ids: Any, objects: Any = None) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
-        be = self.backend
-        plan = plan_call(self.binding, block_ids, "store", to_host=be.to_host_ids)
+        plan = plan_call(self.binding, block_ids, "store", to_host=self._to_host)
         if objects is None:
-            objects = be.allocate_objects(plan, self.binding.slots[0]) if self.binding.slots \
-                else []
-        else:
-            check_objects(plan, objects, be.shape_of)
-        be.validate_objects(plan, self.binding.slots, objects)
-        _, out = be.execute(plan, self._slots, objects)
-        return out
+            objects = self._bound.allocate_objects(plan)
+        return self._bound.run(plan, objects)[1]
 
     def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: int = 0) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
-        be = self.backend
         plan = plan_call(self.binding, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
-                         to_host=be.to_host_ids)
-        check_objects(plan, objects, be.shape_of)
-        be.validate_objects(plan, self.binding.slots, objects)
-        new_caches, _ = be.execute(plan, self._slots, objects)
+                         to_host=self._to_host)
+        new_caches, _ = self._bound.run(plan, objects)
         if new_caches is None:
             return self.kv_caches
         new_by_id = {id(d.obj): new for d, new in zip(self.binding.slots, new_caches)}
@@ -76,8 +70,7 @@ class PreparedTransfer:
 
     def _rebind(self) -> None:
         self.binding = bind(self.manager, self.kv_caches)
-        self.backend.validate_caches(self.binding.slots)
-        self._slots = list(self.binding.slots)
+        self._bound = self.backend.bind_caches(self.binding.slots)
 
 
 def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> PreparedTransfer:
