@@ -1,7 +1,7 @@
 """Pallas page copy, Triton lowering (GPU) and interpret mode (CPU tests).
 
 One launch moves one kernel group: grid ``(item_bucket, num_planes)``, one program per (item,
-plane). Items past the runtime count are masked, so every request whose item count falls in the
+plane) by default (:data:`TUNING` groups planes per program or swaps the axes). Items past the runtime count are masked, so every request whose item count falls in the
 same power-of-two bucket reuses the compilation. Caches are flat unsigned views, one operand per
 backing array (the plane picks its operand statically under ``pl.when``); the object is
 ``[num_chunks, object_elems]``. Triton rules (shared/spec/JAX.md): power-of-two array ops, no
@@ -58,14 +58,24 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
         ref[chunk, idx] = value
 
 
-def _copy_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, direction: str):
+#: Kernel-shape knobs, read while tracing (so a change needs ``jax.clear_caches()``); the
+#: defaults are the fastest measured on the H200 (benchmarks/sweep_jax_kernel.py).
+#: ``read_first``: load every box of a program before the first store, so the loads are in
+#: flight together instead of one load-store round trip per box.
+#: ``planes_per_program``: planes one program moves (fewer, larger programs).
+#: ``items_major``: grid ``(items, planes)``; False gives ``(planes, items)``.
+TUNING = {"read_first": True, "planes_per_program": 1, "items_major": True}
+
+
+def _copy_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, direction: str,
+                 read_first: bool, per_program: int, items_axis: int):
     # meta_ref: [2] int32 (first_item, num_items); ids_ref: [ids_bucket] int32 engine block ids
     # obj_ref: [num_chunks, object_elems]; refs: cache inputs [size_k] per operand, then outputs
     # (store: the object [num_chunks, object_elems]; load: the caches [size_k]).
     num_ops = len(geom.operand_slots)
     cache_in, outs = refs[:num_ops], refs[num_ops:]
-    i = pl.program_id(0)
-    plane_id = pl.program_id(1)
+    i = pl.program_id(items_axis)
+    plane_group = pl.program_id(1 - items_axis)
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
 
     @pl.when(i < meta_ref[1])
@@ -77,21 +87,33 @@ def _copy_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, directi
         # The core validated the ids; clamping keeps every access inside the arrays anyway.
         block = jnp.minimum(jnp.maximum(block, 0), geom.num_blocks - 1)
         obj_row0 = geom.region_offset + pos * (geom.block_size * geom.row)
-        for plane in range(geom.num_planes):
-            op = geom.plane_operands[plane]
+        for g0 in range(0, geom.num_planes, per_program):
+            planes = range(g0, min(g0 + per_program, geom.num_planes))
 
             # pl.when traces the branch at once; defaults bind this iteration's values.
-            @pl.when(plane_id == plane)
-            def _(plane=plane, op=op):
-                cache_base = geom.plane_offsets[plane] + block * geom.block_stride
-                obj_base = obj_row0 + plane * geom.slots * geom.row
-                for box in geom.boxes:
+            @pl.when(plane_group == g0 // per_program)
+            def _(planes=planes):
+                moves = []
+                for plane in planes:
+                    op = geom.plane_operands[plane]
+                    cache_base = geom.plane_offsets[plane] + block * geom.block_stride
+                    obj_base = obj_row0 + plane * geom.slots * geom.row
+                    moves += [(op, cache_base, obj_base, box) for box in geom.boxes]
+                pending = []
+                for op, cache_base, obj_base, box in moves:
                     if direction == "store":
                         value = _read(cache_in[op], None, cache_base, box, True)
-                        _write(outs[0], chunk, obj_base, box, False, value)
+                        pending.append((lambda v, o=obj_base, b=box:
+                                        _write(outs[0], chunk, o, b, False, v), value))
                     else:
                         value = _read(obj_ref, chunk, obj_base, box, False)
-                        _write(outs[op], None, cache_base, box, True, value)
+                        pending.append((lambda v, op=op, c=cache_base, b=box:
+                                        _write(outs[op], None, c, b, True, v), value))
+                    if not read_first:
+                        write, value = pending.pop()
+                        write(value)
+                for write, value in pending:
+                    write(value)
 
 
 def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpret, num_warps):
@@ -105,10 +127,17 @@ def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpr
         out_shape = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
         out_specs = tuple(any_spec for _ in caches)
         aliases = {3 + k: k for k in range(num_ops)}
+    per_program = max(1, int(TUNING["planes_per_program"]))
+    plane_groups = -(-geom.num_planes // per_program)
+    items_major = bool(TUNING["items_major"])
+    grid = (grid_items, plane_groups) if items_major else (plane_groups, grid_items)
+    kernel = functools.partial(_copy_kernel, geom=geom, direction=direction,
+                               read_first=bool(TUNING["read_first"]), per_program=per_program,
+                               items_axis=0 if items_major else 1)
     return pl.pallas_call(
-        functools.partial(_copy_kernel, geom=geom, direction=direction),
+        kernel,
         out_shape=out_shape,
-        grid=(grid_items, geom.num_planes),
+        grid=grid,
         in_specs=[any_spec] * (3 + num_ops),
         out_specs=out_specs,
         input_output_aliases=aliases,
