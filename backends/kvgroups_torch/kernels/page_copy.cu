@@ -49,6 +49,12 @@ typedef unsigned int kvg_u32;
 #ifndef KVG_STORE_HINT
 #define KVG_STORE_HINT 0    // 1: st.global.cs (streaming: written once, never re-read here)
 #endif
+#ifndef KVG_LOAD_NC
+#define KVG_LOAD_NC 0       // 1: ld.global.nc.L1::no_allocate (read-only path, no L1 fill)
+#endif
+#ifndef KVG_MIN_BLOCKS
+#define KVG_MIN_BLOCKS 1    // __launch_bounds__ minimum resident CTAs per SM (caps registers)
+#endif
 
 struct KvgRun {
     kvg_i64 cache_offset;
@@ -115,11 +121,21 @@ template <int V>
 __device__ __forceinline__ void kvg_st(kvg_u64 a, typename KvgVec<V>::T v) {
     *reinterpret_cast<typename KvgVec<V>::T*>(a) = v;
 }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && KVG_LOAD_HINT == 1
+// The source of a copy is never written during the launch, so the read-only (non-coherent)
+// path may serve it (KVG_LOAD_NC), without allocating in L1 (every byte is read once).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && (KVG_LOAD_HINT == 1 || KVG_LOAD_NC == 1)
 template <>
 __device__ __forceinline__ kvg_v16 kvg_ld<16>(kvg_u64 a) {
     kvg_v16 v;
+#if KVG_LOAD_NC == 1 && KVG_LOAD_HINT == 1
+    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(v.a), "=l"(v.b) : "l"(a));
+#elif KVG_LOAD_NC == 1
+    asm volatile("ld.global.nc.L1::no_allocate.v2.u64 {%0, %1}, [%2];"
+                 : "=l"(v.a), "=l"(v.b) : "l"(a));
+#else
     asm volatile("ld.global.L2::256B.v2.u64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
+#endif
     return v;
 }
 #endif
@@ -226,7 +242,7 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
 // One extern "C" entry point per variant, so the host finds them by plain name:
 // kvg_{store,load}_v{16,8,4,2,1}_{contig,runs}.
 #define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
-    extern "C" __global__ void __launch_bounds__(KVG_THREADS)                          \
+    extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
     kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {                   \
         kvg_page_copy<STORE, V, CONTIG>(p);                                            \
     }
