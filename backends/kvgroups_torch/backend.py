@@ -10,7 +10,7 @@ import torch
 from kvgroups_core.descriptors import TensorDesc
 from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
-from kvgroups_core.registry import Backend
+from kvgroups_core.registry import Backend, BoundCaches
 
 from . import cuda_path, torch_path
 from .describe import describe_tensor, dtype_of, torch_dtype
@@ -95,6 +95,10 @@ class TorchBackend(Backend):
             raise UnsupportedConfig(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(given)
 
+    def bind_caches(self, caches: Sequence[TensorDesc]) -> BoundCaches:
+        self.validate_caches(caches)
+        return TorchBoundCaches(self, caches)
+
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
         """Every backing tensor is a torch tensor on one device."""
         device = cache_device(caches)
@@ -173,3 +177,25 @@ class TorchBackend(Backend):
         if isinstance(ids, torch.Tensor):
             return ids.detach().cpu().numpy()  # synchronises for device ids
         return ids
+
+
+class TorchBoundCaches(BoundCaches):
+    """The prepared path of :class:`TorchBackend`: for CUDA caches, calls whose objects are
+    plain ``[num_chunks, nbytes]`` uint8 tensors on the caches' GPU (the hot case) go through
+    :class:`cuda_path.DeviceCaches`, which keeps the per-cache launch state; every other call
+    takes the generic checks and :meth:`TorchBackend.execute`."""
+
+    def __init__(self, backend: TorchBackend, caches: Sequence[TensorDesc]) -> None:
+        super().__init__(backend, caches)
+        device = cache_device(self.caches)
+        self.device_caches = (cuda_path.DeviceCaches(self.caches, device.index)
+                              if device.type == "cuda" else None)
+
+    def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
+        fast = self.device_caches
+        if fast is not None:
+            bindings = fast.bind_device_objects(plan, objects)
+            if bindings is not None:
+                fast.run(plan, bindings)
+                return None, list(objects)
+        return super().run(plan, objects)

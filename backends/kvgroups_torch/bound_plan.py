@@ -43,17 +43,19 @@ class BoundPlan:
         self.device = cache_device(self.caches)
         self.pinned = pinned
         self._bindings: dict[int, cuda_path.ObjectBinding] | None = None
+        self._device_caches: cuda_path.DeviceCaches | None = None
         if self.device.type == "cuda":
             index = self.device.index
-            state = cuda_path.device_state(index)  # compiles / loads the kernels now
+            self._device_caches = cuda_path.DeviceCaches(self.caches, index)  # loads kernels
             self._bindings = {
                 g: cuda_path.bind_objects(o, index, f"objects[{g}]")
                 for g, o in enumerate(self.objects)
             }
-            addresses = cuda_path.cache_addresses_of(self.caches)
             for group in plan.groups:  # pointer tables and packed parameters, now
                 binding = self._bindings[group.object_group_idx]
-                cuda_path.group_launch(group, addresses, state).prepare(plan.direction, binding)
+                self._device_caches.launch_for(group).prepare(plan.direction, binding)
+            # Staged pinned objects need their copies every call: only run_plan does those.
+            self._direct = pinned == "direct" or all(o.is_cuda for o in self.objects)
         self.handle = ops.register(self)
 
     def _ids(self, block_ids: Any) -> list[torch.Tensor]:
@@ -103,6 +105,10 @@ class BoundPlan:
         """The ops' implementation: run the plan on these tensors (no custom-op dispatch)."""
         ids = list(block_ids) if len(block_ids) else None
         if self.device.type == "cuda":
+            if caches is self.caches and objects is self.objects and self._direct:
+                # Eager :meth:`run`: everything but the ids was bound at construction.
+                self._device_caches.run(self.plan, self._bindings, ids)
+                return
             same = len(objects) == len(self.objects) and all(
                 a is b for a, b in zip(objects, self.objects))
             cuda_path.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,

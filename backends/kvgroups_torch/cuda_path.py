@@ -188,7 +188,7 @@ class GroupLaunch:
         self.lock = threading.Lock()
         self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
-        self._ipc: dict[int, int] = {}  # num_items -> items per CTA
+        self._ipc: dict[int, tuple[int, tuple[int, int, int]]] = {}  # num_items -> (ipc, grid)
 
     def _variant(self, direction: str, vector: int) -> tuple[P.KvgParams, Launcher, int]:
         found = self._variants.get((direction, vector))
@@ -228,38 +228,41 @@ class GroupLaunch:
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None) -> None:
         """Enqueue the group's copy on ``stream`` (``block_ids`` overrides ``group.block_ids``)."""
-        num_items = group.num_items
+        num_chunks, kept, first_item = group.num_chunks, group.kept_per_chunk, group.first_item
+        num_items = num_chunks * kept - first_item
         if num_items <= 0:
             return
-        needed = group.num_chunks * group.blocks_per_chunk
-        if needed > _INT32_MAX or objects.num_chunks < group.num_chunks:
+        needed = num_chunks * group.blocks_per_chunk
+        if needed > _INT32_MAX or objects.num_chunks < num_chunks:
             raise KVGroupsValueError(
-                f"objects: expected at least {group.num_chunks} chunks, got {objects.num_chunks}"
+                f"objects: expected at least {num_chunks} chunks, got {objects.num_chunks}"
             )
         vector = self._vectors.get(objects.unit)
         if vector is None:
             vector = self._vectors[objects.unit] = widest_unit([self.base_unit, objects.unit])
-        ipc = self._ipc.get(num_items)
-        if ipc is None:
-            ipc = self._ipc[num_items] = items_per_cta(
-                self.shape.page_bytes, num_items, self.num_planes * len(self.shape.runs),
-                self.device.num_sms)
-        grid = (-(-num_items // ipc), self.num_planes, len(self.shape.runs))
+        sizing = self._ipc.get(num_items)
+        if sizing is None:
+            ipc = items_per_cta(self.shape.page_bytes, num_items,
+                                self.num_planes * len(self.shape.runs), self.device.num_sms)
+            sizing = self._ipc[num_items] = (
+                ipc, (-(-num_items // ipc), self.num_planes, len(self.shape.runs)))
+        ipc, grid = sizing
+        ids = group.block_ids if block_ids is None else block_ids
         with self.lock:
-            p, launcher, function = self._variant(direction, vector)
-            ids = group.block_ids if block_ids is None else block_ids
-            keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks,
-                                  self.device.index)
-            p.obj_mode = objects.mode
-            if objects.mode == P.OBJ_STRIDED:
+            found = self._variants.get((direction, vector))
+            p, launcher, function = found if found is not None else self._variant(direction,
+                                                                                  vector)
+            keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
+            p.obj_mode = mode = objects.mode
+            if mode == P.OBJ_STRIDED:
                 p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
-            elif objects.mode == P.OBJ_INLINE:
+            elif mode == P.OBJ_INLINE:
                 p.inline_objs[: len(objects.addresses)] = objects.addresses
             else:
                 p.obj_table = objects.table.data_ptr()
             p.blocks_per_chunk = group.blocks_per_chunk
-            p.kept_per_chunk = group.kept_per_chunk
-            p.first_item = group.first_item
+            p.kept_per_chunk = kept
+            p.first_item = first_item
             p.num_items = num_items
             p.items_per_cta = ipc
             launcher.launch(function, grid, P.THREADS, stream)
@@ -269,6 +272,13 @@ class GroupLaunch:
 def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
     """Point ``p`` at the block ids: a CUDA tensor is read in place (graph capturable); host
     ids go inline into the parameters when they fit, else to the device."""
+    if type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu" \
+            and needed <= P.INLINE_IDS and needed <= ids.shape[0] and num_blocks <= _INT32_MAX:
+        # Host ids that fit inline, the common case: one casting copy into the parameters
+        # (out-of-int32 values wrap and are still range-checked by the kernel).
+        p.inline_view[:needed] = ids[:needed]
+        p.ids_mode = P.IDS_INLINE32
+        return None
     if isinstance(ids, torch.Tensor) and ids.is_cuda:
         if ids.get_device() != device_index:
             raise KVGroupsValueError(
@@ -352,6 +362,77 @@ def cache_addresses_of(caches: Sequence[Any]) -> tuple[int, ...]:
     return tuple([c.data_ptr + c.byte_offset for c in caches])
 
 
+class DeviceCaches:
+    """Launch state of one bound set of CUDA caches, for the repeated calls of a prepared
+    transfer (``kvgroups_core.transfer.PreparedTransfer``).
+
+    :func:`run_plan` redoes per call what depends only on the caches: their addresses, the
+    device state, the :class:`GroupLaunch` lookups (hashing every cache address). Here those
+    are kept from bind time; a call checks its objects with a few tensor attribute reads (the
+    derived :class:`ObjectBinding` is memoised by value, never by tensor identity, so a freed
+    and reused buffer is simply re-checked) and launches.
+    """
+
+    _MAX_OBJECTS = 64
+
+    def __init__(self, caches: Sequence[Any], device_index: int) -> None:
+        self.index = device_index
+        self.device = torch.device("cuda", device_index)
+        self.state = device_state(device_index)
+        self.addresses = cache_addresses_of(caches)
+        self._launches: dict[int, tuple[Any, Any, GroupLaunch]] = {}
+        self._objects: dict[tuple[int, int, int], ObjectBinding] = {}
+
+    def bind_device_objects(self, plan: Any, objects: Any) -> list[ObjectBinding] | None:
+        """One binding per object group when every object is a uint8 ``[num_chunks, nbytes]``
+        tensor with contiguous rows on this GPU: the checks of the core's ``check_objects``
+        and :meth:`TorchBackend.validate_objects` for that case. None for anything else
+        (pinned host, per-chunk buffers, a wrong shape ...): the caller then runs the generic
+        checks, which raise the precise errors, and the generic path."""
+        sizes = plan.object_nbytes
+        if type(objects) not in (list, tuple) or len(objects) != len(sizes):
+            return None
+        rows, device, memo = plan.num_chunks, self.device, self._objects
+        out = []
+        for t, nbytes in zip(objects, sizes):
+            if type(t) is not torch.Tensor or t.dtype is not torch.uint8 or t.device != device \
+                    or t.shape != (rows, nbytes):
+                return None
+            stride = t.stride()
+            if stride[1] != 1 and nbytes > 1:
+                return None
+            key = (t.data_ptr(), stride[0], rows)
+            binding = memo.get(key)
+            if binding is None:
+                unit = widest_unit(key[:2] if rows > 1 else key[:1])
+                binding = ObjectBinding(P.OBJ_STRIDED, base=key[0], stride=key[1], unit=unit,
+                                        num_chunks=rows)
+                if len(memo) >= self._MAX_OBJECTS:
+                    memo.clear()
+                memo[key] = binding
+            out.append(binding)
+        return out
+
+    def launch_for(self, group: Any) -> GroupLaunch:
+        """The group's :class:`GroupLaunch`, looked up by the identity of its ``planes`` and
+        ``runs`` (shared by every plan of one binding)."""
+        hit = self._launches.get(id(group.planes))
+        if hit is None or hit[0] is not group.planes or hit[1] is not group.runs:
+            hit = (group.planes, group.runs, group_launch(group, self.addresses, self.state))
+            self._launches[id(group.planes)] = hit
+        return hit[2]
+
+    def run(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None = None) -> None:
+        """Enqueue every group of ``plan`` with objects already bound (``bindings[g]`` for
+        object group ``g``); ``block_ids`` as for :func:`run_plan`."""
+        launches = [self.launch_for(group) for group in plan.groups]  # may raise: none ran
+        stream = current_stream(self.index)
+        direction = plan.direction
+        for i, group in enumerate(plan.groups):
+            launches[i].launch(direction, group, bindings[group.object_group_idx], stream,
+                               None if block_ids is None else block_ids[i])
+
+
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
 
 
@@ -399,7 +480,7 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
         g = group.object_group_idx
         if g not in bindings:
             entry = objects[g]
-            if pinned == "staged":
+            if pinned == "staged" and not (isinstance(entry, torch.Tensor) and entry.is_cuda):
                 spans = _region_spans(plan, g)
                 entry = _stage(entry, direction, device_index, spans, copies_after)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")

@@ -173,3 +173,151 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
     assert int(device.err_flag[0]) == 1
     for got, want in zip(got_caches, want_caches):
         np.testing.assert_array_equal(got, want)
+
+
+# The prepared path (kvgroups_core.transfer.prepare) through cuda_path.DeviceCaches, with CPU
+# tensors standing in for the GPU's: its object checks, bindings and launches are the ones a
+# CUDA call runs, and the emulated kernel moves the bytes.
+
+
+def _model_caches(name, rng, layers=2, num_blocks=12):
+    from kvgroups_core.catalog import MODELS
+
+    model = MODELS[name].build(num_blocks=num_blocks, layers=layers, dtype="float16")
+    caches = []
+    for spec in model.kv_caches:
+        nbytes = int(np.prod(spec.shape)) * spec.dtype.itemsize
+        raw = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
+        caches.append(raw.view(torch.float16).view(spec.shape))
+    return model, caches
+
+
+def _emulated_prepare(manager, caches):
+    """A prepared torch transfer whose per-call path is the CUDA one, on CPU tensors."""
+    from kvgroups_core.transfer import prepare
+
+    prepared = prepare(manager, caches, backend="torch")
+    fast = cuda_path.DeviceCaches(prepared._bound.caches, 0)
+    fast.device = torch.device("cpu")  # "objects on the caches' GPU" = CPU tensors here
+    prepared._bound.device_caches = fast
+    return prepared
+
+
+def _pair(name, seed, chunk=64):
+    from kvgroups_core.manager import KVLayerGroupsManager
+
+    model, caches = _model_caches(name, np.random.default_rng(seed))
+    manager = KVLayerGroupsManager(caches, list(model.formats),
+                                   list(model.engine_group_infos) or None,
+                                   lmcache_tokens_per_chunk=chunk)
+    twin = [c.clone() for c in caches]
+    from kvgroups_core.transfer import prepare
+
+    return manager, _emulated_prepare(manager, caches), prepare(manager, twin, backend="torch")
+
+
+def _ids_for(manager, rng, num_chunks, num_blocks=12):
+    by_group = {}
+    for k, g in enumerate(manager.kernel_groups):
+        n = num_chunks * manager.calculate_num_blocks(k, manager.lmcache_tokens_per_chunk)
+        by_group.setdefault(g.engine_group_idx, rng.permutation(num_blocks)[:n])
+    return by_group if len(by_group) > 1 else next(iter(by_group.values()))
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
+def test_prepared_calls_through_device_caches_match_the_cpu_path(emulated, name):
+    launches, _ = emulated
+    manager, fast, ref = _pair(name, 11)
+    rng = np.random.default_rng(12)
+    for step in range(3):  # repeated calls: new ids, new and reused object buffers
+        num_chunks = 1 + step % 2
+        ids = _ids_for(manager, rng, num_chunks)
+        before = len(launches)
+        got = fast.store(ids, [torch.zeros((num_chunks, n), dtype=torch.uint8)
+                               for n in fast.binding.object_nbytes])
+        assert len(launches) > before  # the device path ran, not the CPU fallback
+        want = ref.store(ids)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+        objects = [torch.from_numpy(rng.integers(0, 256, tuple(o.shape), dtype=np.uint8))
+                   for o in got]
+        skip = 16 * step
+        fast.load(objects, ids, skip_first_n_tokens=skip)
+        ref.load([o.clone() for o in objects], ids, skip_first_n_tokens=skip)
+        for a, b in zip(fast.kv_caches, ref.kv_caches):
+            np.testing.assert_array_equal(as_bytes(a), as_bytes(b))
+
+
+def test_prepared_fast_path_rejects_bad_input_before_any_launch(emulated):
+    from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+
+    launches, _ = emulated
+    manager, fast, _ = _pair("llama3-8b", 13)
+    nbytes = fast.binding.object_nbytes[0]
+    ids = np.arange(4)
+    good = torch.zeros((1, nbytes), dtype=torch.uint8)
+    fast.store(ids, [good])  # binds (and memoises) this buffer
+    snapshot = [as_bytes(c).copy() for c in fast.kv_caches]
+    before = len(launches)
+    bad_calls = [
+        (KVGroupsValueError, "objects\\[0\\]: expected uint8 \\[1,",
+         lambda: fast.load([torch.zeros((1, nbytes + 2), dtype=torch.uint8)], ids)),
+        (KVGroupsValueError, "objects\\[0\\]: expected uint8",
+         lambda: fast.load([torch.zeros((1, nbytes // 2), dtype=torch.int16)], ids)),
+        (KVGroupsValueError, "contiguous rows",
+         lambda: fast.load([torch.zeros((1, 2 * nbytes), dtype=torch.uint8)[:, ::2]], ids)),
+        (KVGroupsValueError, "objects: expected 1 entries",
+         lambda: fast.load([good, good], ids)),
+        (KVGroupsTypeError, "objects: expected a list",
+         lambda: fast.load(good, ids)),
+        (KVGroupsIndexError, "expected ids in \\[0, 12\\)",
+         lambda: fast.load([good], np.array([0, 1, 12, 3]))),
+        (KVGroupsIndexError, "got -1",
+         lambda: fast.load([good], np.array([0, 1, -1, 3]))),
+        (KVGroupsValueError, "multiple of 4",
+         lambda: fast.load([good], np.arange(5))),
+        (KVGroupsTypeError, "block_ids: expected a 1-D sequence of ints",
+         lambda: fast.load([good], np.arange(4.0))),
+        (KVGroupsValueError, "skip_first_n_tokens",
+         lambda: fast.load([good], ids, skip_first_n_tokens=65)),
+    ]
+    for error, text, call in bad_calls:
+        with pytest.raises(error, match=text):
+            call()
+    # The memoised buffer, changed in place under the same tensor object, is checked again.
+    good.set_(torch.zeros((2, nbytes), dtype=torch.uint8))
+    with pytest.raises(KVGroupsValueError, match="objects\\[0\\]: expected uint8 \\[1,"):
+        fast.load([good], ids)
+    assert len(launches) == before
+    for got, want in zip(fast.kv_caches, snapshot):
+        np.testing.assert_array_equal(as_bytes(got), want)
+
+
+def test_prepared_fast_path_follows_a_buffer_to_its_new_address(emulated):
+    manager, fast, ref = _pair("llama3-8b", 14)
+    nbytes = fast.binding.object_nbytes[0]
+    ids = np.array([3, 1, 4, 0])
+    out = torch.zeros((1, nbytes), dtype=torch.uint8)
+    fast.store(ids, [out])
+    out.set_(torch.zeros((1, nbytes), dtype=torch.uint8))  # same object, new storage
+    fast.store(ids, [out])
+    np.testing.assert_array_equal(out.numpy(), ref.store(ids)[0].numpy())
+
+
+def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
+    from kvgroups_torch import BoundPlan, bound_plan
+
+    launches, _ = emulated
+    monkeypatch.setattr(bound_plan, "cache_device", lambda caches: torch.device("cuda", 0))
+    rng = np.random.default_rng(15)
+    case = make_case("hnd", "float16", "store", rng, nb=8, bs=2, hs=8, num_chunks=2, bpc=2,
+                     kept=2)
+    caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
+    objects = torch.from_numpy(case.objects.copy())
+    bound = BoundPlan(case.plan, caches, [objects], pinned="direct")
+    for _ in range(2):
+        ids = rng.permutation(8)[:4]
+        before = len(launches)
+        bound.run(torch.from_numpy(ids))
+        assert len(launches) == before + 1
+        np.testing.assert_array_equal(objects.numpy(), oracle(case, ids=ids)[1])
