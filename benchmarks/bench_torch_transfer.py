@@ -198,6 +198,26 @@ def sweep(args, s, kernel, d2d_ms, common, emit) -> None:
         cuda_path.reset_caches()
 
 
+def _host_us(emit, name: str, fn, calls: int, sync=None) -> None:
+    """Median host microseconds of ``fn()``; ``sync`` (CUDA) keeps the launch queue short."""
+    for _ in range(50):
+        fn()
+    if sync:
+        sync()
+    times = []
+    for i in range(calls):
+        t0 = time.perf_counter_ns()
+        fn()
+        times.append((time.perf_counter_ns() - t0) / 1e3)
+        if sync and i % 64 == 63:
+            sync()
+    if sync:
+        sync()
+    emit({"name": f"host_cost_{name}", "us_median": statistics.median(times),
+          "us_p10": float(np.percentile(times, 10)), "us_p90": float(np.percentile(times, 90)),
+          "calls": calls, "layers": 32, "chunks": 1})
+
+
 def host_cost(args, emit) -> None:
     """Host time of one store call moving one chunk of a 32-layer model (median of calls)."""
     model = MODELS["llama3-8b"].build(num_blocks=1024, layers=32)
@@ -217,20 +237,7 @@ def host_cost(args, emit) -> None:
     prepared = prepare(manager, caches, backend="torch")
 
     def measure(name, fn, calls):
-        for _ in range(50):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for i in range(calls):
-            t0 = time.perf_counter_ns()
-            fn()
-            times.append((time.perf_counter_ns() - t0) / 1e3)
-            if i % 64 == 63:
-                torch.cuda.synchronize()  # keep the launch queue short
-        torch.cuda.synchronize()
-        emit({"name": f"host_cost_{name}", "us_median": statistics.median(times),
-              "us_p10": float(np.percentile(times, 10)), "us_p90": float(np.percentile(times, 90)),
-              "calls": calls, "layers": 32, "chunks": 1})
+        _host_us(emit, name, fn, calls, torch.cuda.synchronize)
 
     calls = args.host_calls
     measure("backend_execute", lambda: backend.execute(plan, slots, objects), calls)
@@ -240,9 +247,66 @@ def host_cost(args, emit) -> None:
     measure("core_plan_and_execute",
             lambda: backend.execute(plan_call(binding, ids, "store"), slots, objects), calls)
     measure("core_prepared_store", lambda: prepared.store(ids, objects), calls)
+    measure("core_prepared_load", lambda: prepared.load(objects, ids), calls)
     measure("core_store", lambda: store(manager, caches, ids, objects, backend="torch"),
             max(50, calls // 10))
     measure("describe_one_tensor", lambda: describe_tensor(caches[0]), calls)
+
+
+def host_cost_cpu(args, emit) -> None:
+    """``--host-only-cpu``: the prepared path's host work without a GPU, to track it anywhere.
+
+    CPU tensors play the GPU's, the prepared transfer runs its CUDA path
+    (``cuda_path.DeviceCaches``: object checks, bindings, packed parameters), and only the
+    driver side is stubbed: ``cuLaunchKernel``, the device state, the current stream and
+    host-to-device copies. So a row here is a GPU row minus the launch itself (a few
+    microseconds of ctypes and driver time on the H200 host).
+    """
+    class Kernels:
+        def handle(self, name):
+            return 0
+
+    class Device:
+        index, arch, num_sms = 0, "sm_90", 132
+        err_flag = torch.zeros(1, dtype=torch.int32)
+        kernels = Kernels()
+
+    class Launcher:
+        def __init__(self, device_index, params_address):
+            pass
+
+        def launch(self, function, grid, threads, stream):
+            pass
+
+    device = Device()
+    cuda_path.device_state = lambda index: device
+    cuda_path.Launcher = Launcher
+    cuda_path.current_stream = lambda index: 0
+    cuda_path._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+
+    model = MODELS["llama3-8b"].build(num_blocks=1024, layers=32)
+    # Never touched (no launch runs): empty tensors cost no memory until written.
+    caches = [torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.name))
+              for spec in model.kv_caches]
+    manager = KVLayerGroupsManager(caches, list(model.formats), lmcache_tokens_per_chunk=256)
+    prepared = prepare(manager, caches, backend="torch")
+    fast = cuda_path.DeviceCaches(prepared._bound.caches, 0)
+    fast.device = torch.device("cpu")  # "objects on the caches' GPU" are CPU tensors here
+    prepared._bound.device_caches = fast
+    binding = prepared.binding
+    ids = np.random.default_rng(2).permutation(1024)[:manager.calculate_num_blocks(0, 256)]
+    objects = [torch.empty((1, n), dtype=torch.uint8) for n in binding.object_nbytes]
+    plan = plan_call(binding, ids, "store")
+    assert prepared.store(ids, objects) is not None and fast._launches, "not the CUDA path"
+
+    calls = args.host_calls
+    for name, fn in (
+        ("cpu_stub_core_plan_call", lambda: plan_call(binding, ids, "store")),
+        ("cpu_stub_bound_caches_run", lambda: prepared._bound.run(plan, objects)),
+        ("cpu_stub_core_prepared_store", lambda: prepared.store(ids, objects)),
+        ("cpu_stub_core_prepared_load", lambda: prepared.load(objects, ids)),
+    ):
+        _host_us(emit, name, fn, calls)
 
 
 def main(argv=None) -> None:
@@ -265,7 +329,21 @@ def main(argv=None) -> None:
     p.add_argument("--sweep-cta", default="16384,32768,65536,131072")
     p.add_argument("--no-host-cost", dest="host_cost", action="store_false")
     p.add_argument("--out", type=Path, default=None, help="JSON lines file (appended)")
+    p.add_argument("--host-only-cpu", action="store_true",
+                   help="only the host cost of the prepared path, launches stubbed (no GPU)")
     args = p.parse_args(argv)
+    if args.host_only_cpu:
+        sink = open(args.out, "a") if args.out else None
+
+        def emit_line(row):
+            print(json.dumps(row), flush=True)
+            if sink:
+                sink.write(json.dumps(row) + "\n")
+
+        emit_line({"name": "meta", "device": "cpu (launches stubbed)",
+                   "torch": torch.__version__, "argv": sys.argv[1:]})
+        host_cost_cpu(args, emit_line)
+        return
     if not torch.cuda.is_available():
         sys.exit("bench_torch_transfer: needs a CUDA GPU")
     meta = {"name": "meta", "device": torch.cuda.get_device_name(), "torch": torch.__version__,
