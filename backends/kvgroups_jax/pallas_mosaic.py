@@ -3,24 +3,41 @@
 Handles the layouts whose block-plane is one contiguous span on both sides (NHD rows, NHD
 cross-layer tensors, MLA and CS rows): each program copies one (item, plane) span global ->
 shared -> global with TMA. A TMA box moves at most 256 elements per dimension, so caches are
-viewed as ``[rows, 256]`` and a span as ``[span / 256, 256]`` boxes of at most 256 rows; every
-offset must then be a whole number of 256-element rows. Other layouts raise
+viewed as ``[rows, 256]`` and a span as ``[span / 256, 256]``, cut into pieces of at most 256
+rows; every offset must then be a whole number of 256-element rows. Other layouts raise
 :class:`~kvgroups_core.errors.UnsupportedConfig` and go to the Triton lowering.
 
-Status: lowers for an abstract H200 on jax 0.10.2 (CI test), but on the H200 with jax 0.11.2
-``pallas_call`` finds no GPU lowering rule for ``plgpu.CompilerParams`` (AssertionError in
-``pallas_call.gpu_lowering``), so ``"auto"`` uses Triton and this path is opt-in until it is
-ported to ``plgpu.kernel``.
+The kernel is an ``mpmd_map`` over a ``plgpu.Mesh`` (``pl.kernel(body, mesh=plgpu.Mesh(...))``,
+the machinery under ``plgpu.kernel``), lowered by Mosaic GPU on jax 0.10.2 and 0.11.x alike;
+``pl.pallas_call`` lost its Mosaic GPU lowering in 0.11. ``plgpu.kernel`` itself is not used:
+on 0.10.2 it wraps the call in ``custom_vmap``, which drops the positions of Ref write effects
+("JaxprInputEffect ... does not have a corresponding jaxpr input"); 0.11 fixed that. Shared
+memory and barriers are scoped inside the body with ``pl.run_scoped``, as ``plgpu.kernel`` does.
+
+There is no ``input_output_aliases``: the operand the kernel writes (the object on store, the
+caches on load) is passed as a ``jax.new_ref`` and read back with ``ref[...]``; the
+``mpmd_map`` discharge rule aliases such a Ref's output to its input, so with the executor's
+donation the result lives in the input buffer (no copy of a cache or an object). Read-only
+operands are passed as plain arrays: jax 0.10.2 aliases every Ref operand, written or not, and
+aliasing a non-donated input makes XLA copy it.
+
+A span that fits 64 KiB of shared memory is one TMA load and one TMA store. A longer one is
+cut into pieces that alternate between two buffers, each with its own barrier: the load of
+piece ``k + 1`` is issued before waiting for piece ``k`` and storing it, so up to two loads and
+the previous store are in flight.
+
+GPU status: pending H200 run (jax 0.11.2). Lowering for an abstract H200 is checked in CI on
+jax 0.10.2 (``tests/jax/test_lowering.py``, Mosaic GPU custom call with aliased operands), and
+the kernel runs bit-exact in the Mosaic GPU interpreter (``tests/jax/test_mosaic_interpret.py``).
 
 Reference: :func:`kvgroups_jax.reference.reference_transfer`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from kvgroups_core.errors import UnsupportedConfig
@@ -29,8 +46,14 @@ from .geometry import GroupGeometry
 
 #: TMA moves at most 256 elements per box dimension.
 TMA_DIM = 256
-#: Shared memory used per program; Hopper has 227 KiB per block, we leave room for occupancy.
+#: Shared memory used per program (all buffers together); Hopper has 227 KiB per block, we
+#: leave room for several programs per SM.
 MAX_SMEM_BYTES = 64 * 1024
+#: Shared-memory buffers per program when a span takes more than one piece.
+NUM_BUFFERS = 2
+
+_ITEM_AXIS = "item"
+_PLANE_AXIS = "plane"
 
 
 def mosaic_pieces(geom: GroupGeometry) -> tuple[int, int]:
@@ -52,29 +75,53 @@ def mosaic_pieces(geom: GroupGeometry) -> tuple[int, int]:
                 f"{name}: expected a multiple of {TMA_DIM} elements for TMA rows, got {value}"
             )
     rows = span // TMA_DIM
-    cap = max(1, min(TMA_DIM, MAX_SMEM_BYTES // (TMA_DIM * geom.unit)))
-    per_copy = 1 << (min(rows, cap).bit_length() - 1)
-    while rows % per_copy:
-        per_copy //= 2
+    row_bytes = TMA_DIM * geom.unit
+    # A span that fits the whole budget is one copy through one buffer; a longer one is cut
+    # into pieces that each fit one of NUM_BUFFERS buffers.
+    whole = _power_of_two_piece(rows, MAX_SMEM_BYTES // row_bytes)
+    if whole == rows:
+        return rows, 1
+    per_copy = _power_of_two_piece(rows, MAX_SMEM_BYTES // (NUM_BUFFERS * row_bytes))
     return per_copy, rows // per_copy
 
 
-def _tma_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, direction: str,
-                rows: int, copies: int):
-    # meta_ref: [2] int32; ids_ref: [ids_bucket] int32 (GMEM, read as scalars)
-    # obj_ref: [num_chunks, object_elems / 256, 256]; caches [size_k / 256, 256]
-    # refs: cache inputs, outputs, then scratch smem [rows, 256] and one TMA barrier.
+def _power_of_two_piece(rows: int, cap_rows: int) -> int:
+    """The largest power of two dividing ``rows``, at most ``cap_rows`` and TMA_DIM (>= 1)."""
+    cap = max(1, min(TMA_DIM, cap_rows, rows))
+    piece = 1 << (cap.bit_length() - 1)
+    while rows % piece:
+        piece //= 2
+    return piece
+
+
+def _plane_row(geom: GroupGeometry, plane_id, planes: list[int]):
+    """First cache row (of TMA_DIM elements) of plane ``plane_id`` among ``planes``: a chain
+    of scalar selects, since a Mosaic GPU kernel may not close over an array constant."""
+    row = geom.plane_offsets[planes[0]] // TMA_DIM
+    for p in planes[1:]:
+        row = jnp.where(plane_id == p, geom.plane_offsets[p] // TMA_DIM, row)
+    return row
+
+
+def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, rows: int,
+              copies: int):
+    # Operands (all in GMEM): meta [2] int32 (first_item, num_items); ids [ids_bucket] int32;
+    # store: the caches [size_k / 256, 256] then the object Ref [chunks, elems / 256, 256];
+    # load: the object, then the cache Refs. Scratch: smem [buffers, rows, 256] and as many
+    # TMA barriers.
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_ops = len(geom.operand_slots)
-    n_out = 1 if direction == "store" else num_ops
-    cache_in = refs[:num_ops]
-    outs = refs[num_ops:num_ops + n_out]
-    smem, barrier = refs[num_ops + n_out:]
-    i = pl.program_id(0)
-    plane_id = pl.program_id(1)
+    if direction == "store":
+        caches, (obj,) = refs[:num_ops], refs[num_ops:num_ops + 1]
+    else:
+        (obj,), caches = refs[:1], refs[1:1 + num_ops]
+    smem, barriers = refs[-2:]
+    i = lax.axis_index(_ITEM_AXIS)
+    plane_id = lax.axis_index(_PLANE_AXIS)
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     span_rows = geom.span // TMA_DIM
+    nbuf = smem.shape[0]
 
     @pl.when(i < meta_ref[1])
     def _():
@@ -82,76 +129,127 @@ def _tma_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, directio
         chunk = item // kept
         pos = item - chunk * kept
         block = ids_ref[chunk * bpc + (bpc - kept) + pos]
+        # The core validated the ids; clamping keeps every TMA box inside the arrays anyway.
         block = jnp.minimum(jnp.maximum(block, 0), geom.num_blocks - 1)
-        for plane in range(geom.num_planes):
-            op = geom.plane_operands[plane]
+        # Every offset is a whole number of TMA rows (checked by mosaic_pieces).
+        orow = (geom.region_offset // TMA_DIM + plane_id * (geom.slots * geom.row // TMA_DIM)
+                + pos * span_rows)
+        for op in range(num_ops):
+            planes = [p for p, o in enumerate(geom.plane_operands) if o == op]
 
             # pl.when traces the branch at once; defaults bind this iteration's values.
-            @pl.when(plane_id == plane)
-            def _(plane=plane, op=op):
-                crow = (geom.plane_offsets[plane] + block * geom.block_stride) // TMA_DIM
-                orow = (geom.region_offset + plane * geom.slots * geom.row) // TMA_DIM
-                orow = orow + pos * span_rows
-                for k in range(copies):
+            @pl.when(_in_planes(plane_id, planes, geom.num_planes))
+            def _(op=op, planes=planes):
+                crow = _plane_row(geom, plane_id, planes) + block * (geom.block_stride // TMA_DIM)
+
+                def windows(k):
                     c_win = pl.ds(crow + k * rows, rows)
                     o_win = pl.ds(orow + k * rows, rows)
                     if direction == "store":
-                        src = cache_in[op].at[c_win]
-                        dst = outs[0].at[chunk, o_win]
-                    else:
-                        src = obj_ref.at[chunk, o_win]
-                        dst = outs[op].at[c_win]
-                    plgpu.copy_gmem_to_smem(src, smem, barrier)
-                    plgpu.barrier_wait(barrier)
-                    plgpu.copy_smem_to_gmem(smem, dst)
-                    # The next copy reuses smem: wait until TMA has read it.
-                    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-        plgpu.wait_smem_to_gmem(0)
+                        return caches[op].at[c_win], obj.at[chunk, o_win]
+                    return obj.at[chunk, o_win], caches[op].at[c_win]
+
+                def load(k):
+                    plgpu.copy_gmem_to_smem(windows(k)[0], smem.at[k % nbuf],
+                                            barriers.at[k % nbuf])
+
+                load(0)
+                for k in range(copies):
+                    if k + 1 < copies:
+                        if k + 1 >= nbuf:
+                            # Buffer (k + 1) % nbuf was last read by the store of piece
+                            # k + 1 - nbuf; nbuf - 2 stores were issued after it. Wait
+                            # until TMA has read it.
+                            plgpu.wait_smem_to_gmem(nbuf - 2, wait_read_only=True)
+                        load(k + 1)
+                    plgpu.barrier_wait(barriers.at[k % nbuf])
+                    plgpu.copy_smem_to_gmem(smem.at[k % nbuf], windows(k)[1])
+                plgpu.wait_smem_to_gmem(0)
 
 
-def _pallas_tma_copy(direction, geom, grid_items, meta, ids, obj, caches):
-    from jax.experimental.pallas import mosaic_gpu as plgpu
+def _in_planes(plane_id, planes: list[int], num_planes: int):
+    """Whether ``plane_id`` is one of ``planes`` (always true when they are all the planes)."""
+    if len(planes) == num_planes:
+        return True
+    cond = plane_id == planes[0]
+    for p in planes[1:]:
+        cond = jnp.logical_or(cond, plane_id == p)
+    return cond
 
+
+def _gpu_interpret_params(interpret):
+    """``None`` (compile for the GPU) or the Mosaic GPU interpreter's parameters."""
+    if not interpret:
+        return None
+    if interpret is not True:
+        return interpret
+    try:  # public from jax 0.11
+        from jax.experimental.pallas.mosaic_gpu import InterpretGPUParams
+    except ImportError:  # jax 0.10
+        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+
+
+def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=None):
+    """Run the kernel on ``[rows, 256]`` views; returns the written operand(s)."""
     try:
-        # jax 0.11 no longer registers the Mosaic GPU pallas_call lowering on import of
-        # plgpu; without it pallas_call falls back to asserting on the Triton rule.
-        from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
-    except ImportError as exc:
+        from jax.experimental.pallas import mosaic_gpu as plgpu
+    except ImportError as exc:  # jaxlib without the Mosaic GPU extension
         raise UnsupportedConfig(f"lowering: Mosaic GPU is not available in this jax ({exc})") \
             from exc
 
     rows, copies = mosaic_pieces(geom)
-    gmem = pl.BlockSpec(memory_space=plgpu.GMEM)
-    num_ops = len(caches)
+    nbuf = min(NUM_BUFFERS, copies)
+    name = f"kvgroups_{direction}_pages_tma"
+    scratch = (plgpu.SMEM((nbuf, rows, TMA_DIM), obj.dtype),
+               plgpu.Barrier(num_arrivals=1, num_barriers=nbuf))
+
+    def body(*operands):
+        # Shared memory and barriers are scoped inside the body, as plgpu.kernel does: the
+        # Mosaic GPU mpmd_map lowering takes no scratch operands.
+        pl.run_scoped(
+            lambda smem, barriers: _tma_body(*operands, smem, barriers, geom=geom,
+                                             direction=direction, rows=rows, copies=copies),
+            *scratch,
+        )
+
+    # Mosaic GPU launches the grid reversed (the last axis is CUDA's x, up to 2**31 - 1
+    # blocks; y is limited to 65535): items go last.
+    mesh = plgpu.Mesh(grid=(geom.num_planes, grid_items), grid_names=(_PLANE_AXIS, _ITEM_AXIS),
+                      kernel_name=name)
+    kernel = pl.kernel(body, out_type=(), mesh=mesh, compiler_params=plgpu.CompilerParams(),
+                       interpret=interpret, name=name)
     if direction == "store":
-        out_shape = jax.ShapeDtypeStruct(obj.shape, obj.dtype)
-        out_specs = gmem
-        aliases = {2: 0}
-    else:
-        out_shape = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
-        out_specs = tuple(gmem for _ in caches)
-        aliases = {3 + k: k for k in range(num_ops)}
-    return pl.pallas_call(
-        functools.partial(_tma_kernel, geom=geom, direction=direction, rows=rows, copies=copies),
-        out_shape=out_shape,
-        grid=(grid_items, geom.num_planes),
-        in_specs=[gmem] * (3 + num_ops),
-        out_specs=out_specs,
-        scratch_shapes=[plgpu.SMEM((rows, TMA_DIM), obj.dtype), plgpu.Barrier(num_arrivals=1)],
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(),
-        name=f"kvgroups_{direction}_pages_tma",
-    )(meta, ids, obj, *caches)
+        obj_ref = jax.new_ref(obj, memory_space=plgpu.GMEM)
+        kernel(meta, ids, *caches, obj_ref)
+        return obj_ref[...]
+    cache_refs = [jax.new_ref(c, memory_space=plgpu.GMEM) for c in caches]
+    kernel(meta, ids, obj, *cache_refs)
+    return tuple(r[...] for r in cache_refs)
 
 
-def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, **_):
+def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, *,
+               interpret=False, **_):
     """Move one kernel group's pages with TMA (arguments and results as
-    :func:`kvgroups_jax.pallas_copy.copy_group`; views are reshaped to 256-wide rows here)."""
+    :func:`kvgroups_jax.pallas_copy.copy_group`; views are reshaped to 256-wide rows here).
+
+    Traceable; the caller jits and donates the written operands (caches on load, objects on
+    store), which the results then reuse. ``interpret`` (``True`` or an ``InterpretGPUParams``)
+    runs the kernel in the Mosaic GPU interpreter instead (CPU tests; it does not check TMA
+    limits, lowering for an abstract H200 does).
+    """
+    if direction not in ("store", "load"):
+        raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
+    if len(caches) != len(geom.operand_slots):
+        raise ValueError(
+            f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}"
+        )
     mosaic_pieces(geom)  # raises UnsupportedConfig before tracing anything
     n_chunks, elems = obj.shape
     obj3 = obj.reshape(n_chunks, elems // TMA_DIM, TMA_DIM)
     caches2 = tuple(c.reshape(-1, TMA_DIM) for c in caches)
-    out = _pallas_tma_copy(direction, geom, grid_items, meta, ids, obj3, caches2)
+    out = _tma_copy(direction, geom, grid_items, meta, ids, obj3, caches2,
+                    interpret=_gpu_interpret_params(interpret))
     if direction == "store":
         return out.reshape(n_chunks, elems)
     return tuple(c.reshape(-1) for c in out)

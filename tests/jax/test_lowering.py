@@ -38,11 +38,23 @@ def test_triton_lowering_accepts_every_layout(layout, direction):
     assert f"kvgroups_{direction}_pages" in text
 
 
+def _assert_mosaic_in_place(text, direction, layout):
+    # One Mosaic GPU custom call (not Triton) per group, aliasing what it writes.
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert calls and all("@mosaic_gpu" in c for c in calls), calls
+    assert "triton" not in text
+    assert all("output_operand_aliases = [#stablehlo.output_operand_alias" in c for c in calls)
+    # The donated arguments (caches on load, the object on store) alias the results.
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    n_caches = 1 if layout == "cross_layer" else 2
+    assert main.count("tf.aliasing_output") == (n_caches if direction == "load" else 1)
+
+
 @pytest.mark.parametrize("direction", ["store", "load"])
 @pytest.mark.parametrize("layout", MOSAIC_LAYOUTS)
 @needs_absl
 def test_mosaic_lowering_accepts_contiguous_layouts(layout, direction):
-    assert "mosaic_gpu" in _lower(layout, direction, "mosaic")
+    _assert_mosaic_in_place(_lower(layout, direction, "mosaic"), direction, layout)
 
 
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - set(MOSAIC_LAYOUTS)))
@@ -56,7 +68,7 @@ def test_mosaic_refuses_strided_layouts_with_unsupported_config(layout):
 def test_fp8_and_fp32_lower_for_both_gpu_paths():
     for dtype in ("float8_e4m3fn", "float32"):
         assert "triton" in _lower("interleaved", "load", "triton", dtype)
-        assert "mosaic_gpu" in _lower("nhd", "store", "mosaic", dtype)
+        _assert_mosaic_in_place(_lower("nhd", "store", "mosaic", dtype), "store", "nhd")
 
 
 def test_a_non_power_of_two_box_is_rejected_by_the_triton_lowering():
@@ -73,3 +85,32 @@ def test_a_non_power_of_two_box_is_rejected_by_the_triton_lowering():
         objs = [jax.ShapeDtypeStruct((1, g.num_planes * g.slots * g.row_bytes), jnp.uint8)]
         executor.lower_plan(plan, "triton", caches, objs)
     assert geometry.pow2_parts is real
+
+
+@needs_absl
+def test_an_oversized_tma_box_is_rejected_by_the_mosaic_lowering():
+    from kvgroups_jax import pallas_mosaic
+
+    # 512-row spans copied as one box must trip Mosaic GPU's 256-per-dimension TMA check when
+    # lowering for an abstract H200: lower_plan reaches the Mosaic GPU front end on a CPU.
+    arrays, g = make_group("nhd", "uint8", nh=2, hs=256, nb=8, bs=256, num_chunks=1, bpc=2)
+    nbytes = g.num_planes * g.slots * g.row_bytes
+    plan = make_plan("store", [g], arrays, [nbytes])
+    caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    objs = [jax.ShapeDtypeStruct((1, nbytes), jnp.uint8)]
+    real = pallas_mosaic.mosaic_pieces
+
+    def one_box(geom):
+        rows, copies = real(geom)
+        return rows * copies, 1
+
+    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+        # The real pieces ([128, 256] boxes) lower.
+        assert pallas_mosaic.mosaic_pieces(executor.build_program(plan, "mosaic", "gpu")[0]
+                                           .geoms[0]) == (128, 4)
+        executor.lower_plan(plan, "mosaic", caches, objs)
+        jax.clear_caches()  # trace anew with the patched pieces
+        with mock.patch.object(pallas_mosaic, "mosaic_pieces", one_box), \
+                pytest.raises(Exception, match="<=256 elements"):
+            executor.lower_plan(plan, "mosaic", caches, objs)
+    jax.clear_caches()  # drop the bad trace
