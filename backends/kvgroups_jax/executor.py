@@ -6,11 +6,19 @@ arrays, so a new request whose page count stays inside its power-of-two bucket r
 compiled program (:func:`trace_count` counts compilations). ``load`` donates the caches and every
 kernel aliases its outputs to them: the new caches live in the old buffers. ``store`` donates the
 objects the same way.
+
+Host cost: a call repeats the same plan shape over and over (a prepared binding gives every plan
+the same ``planes`` / ``runs`` / ``tensor_specs`` objects), so the static program is looked up by
+a cheap key of those identities plus a few ints and built once (:func:`_program_for`); the
+program hashes in O(1) and one plan shape always yields the same program object, so JAX's
+static-argument check is an identity test. The per-call ``(first_item, num_items)`` arrays live
+on the device, cached by value. What is left per call is the ids array and JAX's dispatch.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import operator
+from dataclasses import dataclass, field
 
 import jax
 import jax.numpy as jnp
@@ -32,9 +40,15 @@ def trace_count() -> int:
     return _TRACES["count"]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class _Program:
-    """The jit key: everything static about one plan execution."""
+    """The jit key: everything static about one plan execution.
+
+    ``id_slots[g]`` picks group ``g``'s ids among the call's id arrays (groups of one engine
+    group share one array: one host-to-device copy). JAX hashes and compares the static
+    argument on every call; nested frozen dataclasses would re-hash every box each time, so the
+    hash is computed once and equality tries identity first.
+    """
 
     direction: str
     geoms: tuple[GroupGeometry, ...]
@@ -42,6 +56,25 @@ class _Program:
     object_groups: tuple[int, ...]
     grid_items: tuple[int, ...]
     num_warps: int
+    id_slots: tuple[int, ...] = ()
+    _hash: int = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_hash", hash(self._key()))
+
+    def _key(self) -> tuple:
+        return (self.direction, self.geoms, self.lowerings, self.object_groups, self.grid_items,
+                self.num_warps, self.id_slots)
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        if not isinstance(other, _Program) or self._hash != other._hash:
+            return False
+        return self._key() == other._key()
 
 
 def _copy_fn(lowering: str):
@@ -64,8 +97,9 @@ def _run(program: _Program, caches, objects, metas, idss):
         unit = geom.unit
         views = tuple(flat_view(caches[s], unit) for s in geom.operand_slots)
         obj = object_view(objects[og], unit)
+        ids = idss[program.id_slots[g]] if program.id_slots else idss[g]
         out = _copy_fn(lowering)(
-            program.direction, geom, program.grid_items[g], metas[g], idss[g], obj, views,
+            program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
             interpret=lowering == "interpret", num_warps=program.num_warps,
         )
         if program.direction == "store":
@@ -142,17 +176,33 @@ def _check_mosaic(geom: GroupGeometry) -> None:
     mosaic_pieces(geom)
 
 
+_INT32 = np.iinfo(np.int32)
+_SMALL = 64  # ids up to this many are range-checked through Python ints (cheaper than NumPy)
+
+
 def _padded_ids(block_ids) -> jax.Array | np.ndarray:
     if isinstance(block_ids, jax.Array) and not isinstance(block_ids, np.ndarray):
         n = block_ids.shape[0]
         ids = block_ids.astype(jnp.int32)
         return jnp.pad(ids, (0, bucket(n) - n))
-    ids = np.asarray(block_ids, dtype=np.int64)
-    if ids.size and (ids.min() < np.iinfo(np.int32).min or ids.max() > np.iinfo(np.int32).max):
-        raise KVGroupsValueError(f"block_ids: expected int32 values, got range "
-                                 f"[{ids.min()}, {ids.max()}]")
-    out = np.zeros(bucket(ids.size), np.int32)
-    out[: ids.size] = ids
+    ids = np.asarray(block_ids)
+    n = ids.size
+    if ids.dtype != np.int32:
+        ids = ids.astype(np.int64, copy=False)
+        if n:
+            if n <= _SMALL:
+                values = ids.tolist()
+                lo, hi = min(values), max(values)
+            else:
+                lo, hi = int(ids.min()), int(ids.max())
+            if lo < _INT32.min or hi > _INT32.max:
+                raise KVGroupsValueError(f"block_ids: expected int32 values, got range "
+                                         f"[{lo}, {hi}]")
+    size = bucket(n)
+    if size == n:
+        return ids.astype(np.int32)  # always a copy: the caller may reuse its id array
+    out = np.zeros(size, np.int32)
+    out[:n] = ids
     return out
 
 
@@ -170,11 +220,117 @@ def _check_objects(plan, objects) -> None:
             )
         shape = tuple(getattr(obj, "shape", ()))
         if (len(shape) != 2 or shape[1] != nbytes or shape[0] < plan.num_chunks
-                or jnp.dtype(obj.dtype) != jnp.uint8):
+                or obj.dtype != np.uint8):
             raise KVGroupsValueError(
                 f"objects[{k}]: expected uint8 [>= {plan.num_chunks}, {nbytes}], got "
                 f"{getattr(obj, 'dtype', type(obj).__name__)} {list(shape)}"
             )
+
+
+def _home(arrays) -> tuple[str, object]:
+    """``(platform, placement)`` from the first concrete array (the default backend for traced
+    values). ``placement`` is where the per-call arrays go: that array's device when it is
+    committed to one, ``"default"`` for an uncommitted array (JAX may move such arguments, so
+    ours stay uncommitted too), None under tracing (NumPy constants)."""
+    for x in arrays:
+        if isinstance(x, jax.core.Tracer) or not hasattr(x, "devices"):
+            continue
+        devices = x.devices()
+        device = next(iter(devices))
+        if len(devices) != 1:
+            return device.platform, None
+        return device.platform, (device if getattr(x, "_committed", True) else "default")
+    return jax.default_backend(), None
+
+
+# --- the per-plan-shape cache ---------------------------------------------------------------
+
+#: Every GroupTransfer field the geometry and program read, besides planes, runs and the ids.
+_GROUP_STATIC = operator.attrgetter(
+    "object_group_idx", "region_offset", "row_bytes", "block_size", "slots",
+    "block_stride_bytes", "num_blocks", "itemsize", "unit_bytes", "blocks_per_chunk",
+    "kept_per_chunk",
+)
+_MAX_PROGRAMS = 512
+# key -> (program, the objects whose id() is in the key: held so no id is reused while cached)
+_PROGRAMS: dict[tuple, tuple[_Program, tuple]] = {}
+_MAX_METAS = 4096
+_METAS: dict[tuple, jax.Array] = {}
+
+
+def _program_for(plan, lowering: str, platform: str, num_warps: int) -> _Program:
+    """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
+
+    The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
+    (hashing those by value costs more than the rest of a call) and the cache entry holds the
+    objects themselves, so an id in a live key always names the same object. Plans from one
+    binding share those objects; hand-built plans just miss and build (then JAX's jit cache
+    still finds the value-equal program: no new compilation).
+    """
+    key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
+           plan.object_nbytes]
+    seen: dict[int, int] = {}
+    for g in plan.groups:
+        if type(g.planes) is not tuple or type(g.runs) is not tuple:
+            return _build_static(plan, lowering, platform, num_warps)  # mutable: no caching
+        slot = seen.setdefault(id(g.block_ids), len(seen))
+        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot))
+    key = tuple(key)
+    hit = _PROGRAMS.get(key)
+    if hit is not None:
+        return hit[0]
+    program = _build_static(plan, lowering, platform, num_warps)
+    if len(_PROGRAMS) >= _MAX_PROGRAMS:
+        _PROGRAMS.clear()
+    keep = (plan.tensor_specs,) + tuple((g.planes, g.runs) for g in plan.groups)
+    _PROGRAMS[key] = (program, keep)
+    return program
+
+
+def _build_static(plan, lowering: str, platform: str, num_warps: int) -> _Program:
+    geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
+    seen: dict[int, int] = {}
+    for group in plan.groups:
+        geom = group_geometry(group, plan.tensor_specs, plan.object_nbytes[group.object_group_idx])
+        geoms.append(geom)
+        lowerings.append(resolve_lowering(lowering, geom, platform))
+        ogs.append(group.object_group_idx)
+        grids.append(bucket(group.num_items))
+        id_slots.append(seen.setdefault(id(group.block_ids), len(seen)))
+    return _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
+                    num_warps, tuple(id_slots))
+
+
+def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
+    """``[first_item, num_items]`` int32: NumPy without a placement, else a cached device array
+    (a handful of values recur: no host-to-device copy per call)."""
+    num_items = max(num_items, 0)
+    if placement is None:
+        return np.array([first_item, num_items], np.int32)
+    key = (first_item, num_items, placement)
+    meta = _METAS.get(key)
+    if meta is None:
+        if len(_METAS) >= _MAX_METAS:
+            _METAS.clear()
+        host = np.array([first_item, num_items], np.int32)
+        meta = jax.device_put(host, None if placement == "default" else placement)
+        _METAS[key] = meta
+    return meta
+
+
+def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
+    """The call's dynamic arguments: one meta per group, one padded id array per distinct ids
+    object (in first-use order, as :func:`_build_static` numbers them)."""
+    metas = []
+    idss = []
+    seen: set[int] = set()
+    for g in plan.groups:
+        metas.append(_meta(g.first_item, g.num_items, placement))
+        ids = g.block_ids
+        if id(ids) not in seen:
+            seen.add(id(ids))
+            idss.append(_padded_ids(ids))
+    return tuple(metas), tuple(idss)
 
 
 def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int = 4):
@@ -194,36 +350,30 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     the objects passed in; ``store`` returns the caches passed in and new objects (donated the
     same way).
     """
-    if plan.direction not in ("store", "load"):
+    direction = plan.direction
+    if direction != "store" and direction != "load":
         raise KVGroupsValueError(f"plan.direction: expected 'store' or 'load', got "
-                                 f"{plan.direction!r}")
+                                 f"{direction!r}")
     if len(caches) != len(plan.tensor_specs):
         raise KVGroupsValueError(
             f"caches: expected {len(plan.tensor_specs)} arrays (plan.tensor_specs), got "
             f"{len(caches)}"
         )
     _check_objects(plan, objects)
-    platform = platform_of(list(caches) + list(objects))
-    program, metas, idss = build_program(plan, lowering, platform, num_warps=num_warps)
-    fn = _store_jit if plan.direction == "store" else _load_jit
-    out = fn(program, tuple(caches), tuple(objects), metas, idss)
-    return (out, tuple(objects)) if plan.direction == "load" else (tuple(caches), out)
+    caches = tuple(caches)
+    objects = tuple(objects)
+    platform, placement = _home(caches + objects)
+    program = _program_for(plan, lowering, platform, num_warps)
+    metas, idss = _runtime_args(plan, placement)
+    if direction == "store":
+        return caches, _store_jit(program, caches, objects, metas, idss)
+    return _load_jit(program, caches, objects, metas, idss), objects
 
 
 def build_program(plan, lowering: str, platform: str, *, num_warps: int = 4):
-    """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays."""
-    geoms, lowerings, ogs, grids, metas, idss = [], [], [], [], [], []
-    for group in plan.groups:
-        geom = group_geometry(group, plan.tensor_specs, plan.object_nbytes[group.object_group_idx])
-        geoms.append(geom)
-        lowerings.append(resolve_lowering(lowering, geom, platform))
-        ogs.append(group.object_group_idx)
-        grids.append(bucket(group.num_items))
-        metas.append(np.array([group.first_item, max(group.num_items, 0)], np.int32))
-        idss.append(_padded_ids(group.block_ids))
-    program = _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
-                       num_warps)
-    return program, tuple(metas), tuple(idss)
+    """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
+    ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
+    return (_program_for(plan, lowering, platform, num_warps),) + _runtime_args(plan, None)
 
 
 def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
