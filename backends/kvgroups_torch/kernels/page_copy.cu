@@ -38,13 +38,15 @@ typedef unsigned int kvg_u32;
 #define KVG_INLINE_OBJS 64
 #define KVG_THREADS 256
 // Tuning knobs (the host may override them with -D; they are part of the cubin cache key).
-// Defaults from the sweep in benchmarks/results/torch_transfer_h200_sweep.jsonl (H200): the
-// L2 sector hint took 32 KiB NHD pages from 0.78 to 0.88 of the device copy rate.
+// Defaults from the H200 sweeps of benchmarks/bench_torch_transfer.py --sweep, timed over
+// batches of back-to-back calls (torch_sweep_h200.jsonl): 4 loads in flight per thread beat
+// 8; the L2 256-byte prefetch hint, the read-only load path and a forced 8 CTAs per SM (which
+// spills) measured equal or slower, so they stay off.
 #ifndef KVG_UNROLL
 #define KVG_UNROLL 4        // 16-byte loads in flight per thread before the first store
 #endif
 #ifndef KVG_LOAD_HINT
-#define KVG_LOAD_HINT 1     // 1: ld.global.L2::256B (ask L2 to fetch whole 256-byte sectors)
+#define KVG_LOAD_HINT 0     // 1: ld.global.L2::256B (ask L2 to fetch whole 256-byte sectors)
 #endif
 #ifndef KVG_STORE_HINT
 #define KVG_STORE_HINT 0    // 1: st.global.cs (streaming: written once, never re-read here)
