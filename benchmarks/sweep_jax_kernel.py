@@ -29,7 +29,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
-from kvgroups_jax import pallas_copy  # noqa: E402
+from kvgroups_jax import pallas_copy, pallas_mosaic  # noqa: E402
 from kvgroups_jax.geometry import bucket, group_geometry  # noqa: E402
 from kvgroups_jax.views import flat_view, object_unview, object_view, unflat_view  # noqa: E402
 
@@ -70,19 +70,20 @@ def variants(spec: str) -> list[dict]:
     return out
 
 
-def programs(geom, unit: int, grid_items: int, slots, warps: int, interpret: bool):
+def programs(geom, unit: int, grid_items: int, slots, warps: int, interpret: bool,
+             lowering: str):
+    copy = pallas_mosaic.copy_group if lowering == "mosaic" else pallas_copy.copy_group
+
     def store(caches, obj, meta, ids):
         views = tuple(flat_view(caches[s], unit) for s in slots)
-        out = pallas_copy.copy_group("store", geom, grid_items, meta, ids,
-                                     object_view(obj, unit), views, num_warps=warps,
-                                     interpret=interpret)
+        out = copy("store", geom, grid_items, meta, ids, object_view(obj, unit), views,
+                   num_warps=warps, interpret=interpret)
         return object_unview(out, unit)
 
     def load(caches, obj, meta, ids):
         views = tuple(flat_view(caches[s], unit) for s in slots)
-        out = pallas_copy.copy_group("load", geom, grid_items, meta, ids,
-                                     object_view(obj, unit), views, num_warps=warps,
-                                     interpret=interpret)
+        out = copy("load", geom, grid_items, meta, ids, object_view(obj, unit), views,
+                   num_warps=warps, interpret=interpret)
         return tuple(unflat_view(v, caches[s].shape, caches[s].dtype, unit)
                      for s, v in zip(slots, out))
 
@@ -152,13 +153,13 @@ def run_shape(name: str, args, emit) -> None:
                                   planes_per_program=v["per_program"],
                                   items_major=bool(v["items_major"]))
         jax.clear_caches()
-        rec = {**common, "record": "variant", **v}
+        rec = {**common, "record": "variant", "lowering": args.lowering, **v}
         try:
             geom = group_geometry(group, plans["store"].tensor_specs, nbytes,
                                   max_elems=v["box"])
             slots = geom.operand_slots
             store_j, load_j = programs(geom, geom.unit, bucket(group.num_items), slots,
-                                       v["warps"], args.interpret)
+                                       v["warps"], args.interpret, args.lowering)
             state = {"caches": tuple(caches),
                      "obj": jnp.zeros((args.chunks, nbytes), jnp.uint8)}
             got = measure_variant(state, store_j, load_j, meta, dev_ids, args, rec,
@@ -187,6 +188,8 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--variants", default="box=2048,4096,8192;warps=4,8;read_first=0,1",
                    help="';'-separated axes: box, warps, read_first, per_program, items_major")
+    p.add_argument("--lowering", default="triton", choices=("triton", "mosaic"),
+                   help="mosaic: the TMA kernel (its variants only differ in the box knob)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke)")
     p.add_argument("--out", default="-")
     args = p.parse_args(argv)
