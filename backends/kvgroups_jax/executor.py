@@ -156,13 +156,38 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
         return requested
     if not gpu:
         return "xla"
-    # Triton first: it covers every layout and measured fastest; the Mosaic GPU pallas_call
-    # did not lower on jax 0.11.2 (see the module docs of pallas_mosaic), so it is opt-in.
+    # Hopper and newer on jax >= 0.11 (where the Triton lowering is deprecated and warns on
+    # every call): Mosaic GPU for spans of >= 16 KiB, where it matched Triton on the H200; small
+    # pages stay on Triton (Mosaic: 0.33 of the copy rate at 2 KiB against Triton's 0.5 - 0.9,
+    # benchmarks/results/jax_kernel_sweep_h200.jsonl). Triton covers every other layout.
+    if _prefers_mosaic(geom):
+        return "mosaic"
     try:
         check_kernel_limits(geom)
         return "triton"
     except UnsupportedConfig:
         return "xla"
+
+
+#: Smallest block-plane span (bytes) the automatic choice hands to Mosaic GPU.
+MOSAIC_MIN_SPAN_BYTES = 16384
+
+
+def _jax_version() -> tuple[int, int]:
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _prefers_mosaic(geom: GroupGeometry) -> bool:
+    if _jax_version() < (0, 11) or geom.span is None:
+        return False
+    if geom.span * geom.unit < MOSAIC_MIN_SPAN_BYTES:
+        return False
+    try:
+        _check_mosaic(geom)
+    except UnsupportedConfig:
+        return False
+    return True
 
 
 def _check_mosaic(geom: GroupGeometry) -> None:
@@ -333,7 +358,7 @@ def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
     return tuple(metas), tuple(idss)
 
 
-def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int = 4):
+def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None):
     """Run ``plan`` on JAX arrays.
 
     Parameters
@@ -370,14 +395,14 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     return _load_jit(program, caches, objects, metas, idss), objects
 
 
-def build_program(plan, lowering: str, platform: str, *, num_warps: int = 4):
+def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
     return (_program_for(plan, lowering, platform, num_warps),) + _runtime_args(plan, None)
 
 
 def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
-               num_warps: int = 4):
+               num_warps: int | None = None):
     """Lower ``plan`` for ``platform`` without running it (no GPU needed).
 
     ``caches`` and ``objects`` may be ``jax.ShapeDtypeStruct`` s. Lowering runs the Triton or

@@ -16,9 +16,10 @@ from dataclasses import dataclass
 
 from kvgroups_core.errors import UnsupportedConfig
 
-#: Largest box (elements) one kernel op moves: 4096 was the fastest page piece on the H200
-#: (docs: shared/spec/JAX.md) and keeps one op at <= 32 registers per thread with 4 warps.
-MAX_BOX_ELEMS = 4096
+#: Largest box (elements) one kernel op moves. On the H200 boxes of 4096 (4 warps), 8192 and
+#: 16384 (8 warps) copied a 32 KiB page equally fast (benchmarks/results/
+#: jax_kernel_sweep_h200.jsonl); the largest compiles ~5x faster (fewer ops per program).
+MAX_BOX_ELEMS = 16384
 
 #: The kernels index with int32: arrays of more elements go to the XLA path.
 MAX_INDEX = 2**31 - 1

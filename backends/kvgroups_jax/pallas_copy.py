@@ -13,6 +13,7 @@ Reference: :func:`kvgroups_jax.reference.reference_transfer`.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -116,6 +117,13 @@ def _copy_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, directi
                     write(value)
 
 
+def default_warps(geom: GroupGeometry) -> int:
+    """Warps per program: 8 once a box holds 16 KiB (so each thread keeps <= 8 16-byte
+    vectors of it in flight), else 4."""
+    largest = max((math.prod(box.shape) for box in geom.boxes), default=0)
+    return 8 if largest * geom.unit >= 16384 else 4
+
+
 def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpret, num_warps):
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     num_ops = len(caches)
@@ -157,7 +165,7 @@ def copy_group(
     caches: tuple[jax.Array, ...],
     *,
     interpret: bool = False,
-    num_warps: int = 4,
+    num_warps: int | None = None,
 ):
     """Move one kernel group's pages (traceable; the caller jits and donates).
 
@@ -166,6 +174,7 @@ def copy_group(
     direction : "store" or "load".
     geom : the group's static geometry.
     grid_items : power-of-two item bucket (the grid's first axis).
+    num_warps : warps per program; None picks :func:`default_warps`.
     meta : ``[2]`` int32, ``(first_item, num_items)`` with ``num_items <= grid_items``.
     ids : ``[ids_bucket]`` int32 engine block ids of the group.
     obj : ``[num_chunks, object_elems]`` unsigned view of the object group's objects.
@@ -184,6 +193,6 @@ def copy_group(
         )
     out = _pallas_copy(
         direction, geom, grid_items, meta, ids, obj, tuple(caches),
-        interpret=interpret, num_warps=num_warps,
+        interpret=interpret, num_warps=num_warps or default_warps(geom),
     )
     return out if direction == "store" else tuple(out)

@@ -114,3 +114,33 @@ def test_an_oversized_tma_box_is_rejected_by_the_mosaic_lowering():
                 pytest.raises(Exception, match="<=256 elements"):
             executor.lower_plan(plan, "mosaic", caches, objs)
     jax.clear_caches()  # drop the bad trace
+
+
+def _geom(layout, nh, hs):
+    from kvgroups_jax.geometry import group_geometry
+
+    arrays, g = make_group(layout, "bfloat16", nb=32, bs=16, nh=nh, hs=hs, num_chunks=1, bpc=2)
+    return group_geometry(g, [a for a in make_plan("store", [g], arrays, [1]).tensor_specs],
+                          g.num_planes * g.slots * g.row_bytes)
+
+
+@pytest.mark.parametrize(("version", "cc", "layout", "nh", "hs", "expected"), [
+    ((0, 11), (9, 0), "nhd", 8, 128, "mosaic"),        # 32 KiB contiguous pages on Hopper
+    ((0, 11), (9, 0), "nhd", 1, 64, "triton"),         # 2 KiB pages: Triton was faster
+    ((0, 11), (9, 0), "hnd", 8, 128, "triton"),        # strided pages: Mosaic cannot
+    ((0, 11), (8, 0), "nhd", 8, 128, "triton"),        # Ampere: no TMA
+    ((0, 10), (9, 0), "nhd", 8, 128, "triton"),        # Triton not yet deprecated
+])
+def test_auto_lowering_choice(version, cc, layout, nh, hs, expected):
+    geom = _geom(layout, nh, hs)
+    with mock.patch.object(executor, "_compute_capability", return_value=cc), \
+            mock.patch.object(executor, "_jax_version", return_value=version):
+        assert executor.resolve_lowering("auto", geom, "gpu") == expected
+        assert executor.resolve_lowering("auto", geom, "cpu") == "xla"
+
+
+def test_triton_warps_follow_the_box_size():
+    from kvgroups_jax.pallas_copy import default_warps
+
+    assert default_warps(_geom("nhd", 8, 128)) == 8   # one 32 KiB box per page
+    assert default_warps(_geom("nhd", 1, 64)) == 4    # 2 KiB pages
