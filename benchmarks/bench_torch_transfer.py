@@ -361,7 +361,7 @@ def main(argv=None) -> None:
 
     emit(meta)
     backend, staged = TorchBackend("direct"), TorchBackend("staged")
-    for shape in args.shapes.split(","):
+    for shape in filter(None, args.shapes.split(",")):  # --shapes "": host cost only
         bench_shape(args, shape, backend, staged, emit)
     if args.host_cost:
         host_cost(args, emit)

@@ -17,7 +17,7 @@ set -u
 OUT=${OUT:-/tmp/kvg_bench}
 RESULTS=${KVG_BENCH_RESULTS:-benchmarks/results}
 MATRIX=${KVG_BENCH_MATRIX:-full}    # "tiny": a CPU smoke test of this script
-TOTAL_S=${KVG_BENCH_TOTAL_S:-380}   # the whole script's wall-clock allowance
+TOTAL_S=${KVG_BENCH_TOTAL_S:-500}   # the whole script's wall-clock allowance
 mkdir -p "$OUT" "$RESULTS"
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/backends:${PYTHONPATH:-}"
 export KVGROUPS_CACHE_DIR=${KVGROUPS_CACHE_DIR:-/tmp/kvg_cubins}
@@ -71,13 +71,23 @@ step() {
 }
 
 MAIN=headline,page,layers,models,manager
-step torch-main   70 --backends torch --matrix $MATRIX --sweeps $MAIN
-step torch-chunks 60 --backends torch --matrix $MATRIX --sweeps chunks
-step jax-main    125 --backends jax --matrix $MATRIX --sweeps $MAIN
-step jax-chunks   85 --backends jax --matrix $MATRIX --sweeps chunks
+step torch-main   85 --backends torch --matrix $MATRIX --sweeps $MAIN
+step torch-chunks 55 --backends torch --matrix $MATRIX --sweeps chunks
+step jax-main    170 --backends jax --matrix $MATRIX --sweeps $MAIN
+step jax-chunks  100 --backends jax --matrix $MATRIX --sweeps chunks
 # The NumPy reference and plain-NumPy baseline on the host, one Llama-3-8B-like chunk.
 step numpy        25 --backends numpy --matrix tiny --models llama3-8b --layers 32 --chunks 1 \
   --placements device
+
+if [[ "$MATRIX" == full ]]; then
+  echo "[$SECONDS s] host cost per call (torch and JAX, one chunk of a 32-layer model)"
+  timeout -k 5 30 python3 benchmarks/bench_torch_transfer.py --shapes "" --host-calls 1000 \
+    --out "$OUT/host_cost_h200.jsonl" > "$OUT/host_cost_torch.log" 2>&1
+  timeout -k 5 45 python3 benchmarks/bench_jax_host.py --chunks 1 --calls 200 \
+    --out "$OUT/host_cost_h200.jsonl" \
+    > "$OUT/host_cost_jax.log" 2>&1
+  grep -h "us_median" "$OUT/host_cost_h200.jsonl" | cut -c1-160
+fi
 
 echo "[$SECONDS s] manager construction (CPU, bench_manager.py)"
 timeout -k 5 30 python3 benchmarks/bench_manager.py --repeats 11 \
@@ -99,7 +109,7 @@ PYTHONPATH="$PYTHONPATH:/tmp/plotsite" timeout 60 python3 benchmarks/plot_transf
   || echo "plot failed (see plot.log); draw it later: python benchmarks/plot_transfer.py $JSON"
 
 for f in transfer_h200.jsonl summary_h200.jsonl summary_h200.md transfer_h200.png \
-    manager_h200.jsonl; do
+    manager_h200.jsonl host_cost_h200.jsonl; do
   [[ -f "$OUT/$f" ]] && cp "$OUT/$f" "$RESULTS/$f"
 done
 echo "[$SECONDS s] done: $(grep -c '"record": "transfer"' "$JSON") transfer records, " \
