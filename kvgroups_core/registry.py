@@ -142,6 +142,13 @@ class BoundCaches:
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
 
+    def adopt_results(self, new_caches: Sequence[Any]) -> bool:
+        """After :meth:`run` returned new arrays for the bound caches (runtimes that do not
+        write in place, like JAX): take them as the bound caches and return True when they
+        match the old ones slot for slot (shape, dtype, device), so the caller's binding stays
+        valid; False (this default) makes the caller bind them from scratch."""
+        return False
+
     def allocate_objects(self, plan: Any) -> list:
         """New objects for ``plan`` next to the caches (none when nothing is bound)."""
         if not self.caches:

@@ -7,6 +7,7 @@ input and builds the plan before the backend moves or donates anything.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Sequence
 
 from .descriptors import TensorDesc, TensorSpec
@@ -25,7 +26,9 @@ def _leaves(structure: Any) -> list[Any]:
 
 def _replace_leaves(structure: Any, new_by_id: dict[int, Any]) -> Any:
     if isinstance(structure, (list, tuple)):
-        items = [_replace_leaves(x, new_by_id) for x in structure]
+        # Plain leaves inline: this runs after every JAX load, over every layer's tensor.
+        items = [_replace_leaves(x, new_by_id) if isinstance(x, (list, tuple, TensorDesc))
+                 else new_by_id.get(id(x), x) for x in structure]
         return items if isinstance(structure, list) else tuple(items)
     key = id(structure.obj) if isinstance(structure, TensorDesc) else id(structure)
     return new_by_id.get(key, structure)
@@ -36,8 +39,9 @@ class PreparedTransfer:
 
     Binding (reading every tensor's layout and checking it against the manager, and the
     backend's own per-cache work) happens once; each :meth:`store` / :meth:`load` then only
-    validates its block ids and objects. Use it on hot paths (one chunk per call) with
-    runtimes whose caches stay put (torch).
+    validates its block ids and objects. Use it on hot paths (one chunk per call). Runtimes
+    whose loads return new cache arrays (JAX) stay bound too: the backend adopts the results
+    (:meth:`BoundCaches.adopt_results`) and :attr:`binding` describes them when read.
     """
 
     def __init__(self, manager: Any, kv_caches: Any, *, backend: str | None = None) -> None:
@@ -45,32 +49,51 @@ class PreparedTransfer:
         self.kv_caches = kv_caches
         self.backend: Backend = backend_for_tensors(_leaves(kv_caches), backend)
         self._to_host = self.backend.to_host_ids  # one bound method, not one per call
-        self.binding: Binding
+        self._plans: Binding  # the binding without its descriptors: all planning reads
+        self._described: Binding | None  # the binding of the current caches, made when read
         self._bound: BoundCaches
+        self._objs: list  # the bound tensors in slot order (what kv_caches holds now)
         self._rebind()
+
+    @property
+    def binding(self) -> Binding:
+        """The binding of the current caches (after a JAX load: described when read)."""
+        if self._described is None:
+            slots = tuple(self.backend.describe(x) for x in self._objs)
+            self._described = replace(self._plans, slots=slots)
+        return self._described
 
     def store(self, block_ids: Any, objects: Any = None) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
-        plan = plan_call(self.binding, block_ids, "store", to_host=self._to_host)
+        plan = plan_call(self._plans, block_ids, "store", to_host=self._to_host)
         if objects is None:
             objects = self._bound.allocate_objects(plan)
         return self._bound.run(plan, objects)[1]
 
     def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: int = 0) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
-        plan = plan_call(self.binding, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
+        plan = plan_call(self._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
                          to_host=self._to_host)
         new_caches, _ = self._bound.run(plan, objects)
         if new_caches is None:
             return self.kv_caches
-        new_by_id = {id(d.obj): new for d, new in zip(self.binding.slots, new_caches)}
+        new_by_id = {id(x): new for x, new in zip(self._objs, new_caches)}
         self.kv_caches = _replace_leaves(self.kv_caches, new_by_id)
-        self._rebind()
+        if self._bound.adopt_results(new_caches):
+            # Same layouts slot for slot: the plans stay valid; the descriptors (which would
+            # keep the replaced arrays alive) are dropped and remade only if read.
+            self._objs = list(new_caches)
+            self._described = None
+        else:
+            self._rebind()
         return self.kv_caches
 
     def _rebind(self) -> None:
-        self.binding = bind(self.manager, self.kv_caches)
-        self._bound = self.backend.bind_caches(self.binding.slots)
+        binding = bind(self.manager, self.kv_caches)
+        self._plans = replace(binding, slots=())  # shares the plan-shape caches
+        self._described = binding
+        self._objs = [d.obj for d in binding.slots]
+        self._bound = self.backend.bind_caches(binding.slots)
 
 
 def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> PreparedTransfer:
