@@ -77,8 +77,11 @@ class PreparedTransfer:
         new_caches, _ = self._bound.run(plan, objects)
         if new_caches is None:
             return self.kv_caches
-        new_by_id = {id(x): new for x, new in zip(self._objs, new_caches)}
-        self.kv_caches = _replace_leaves(self.kv_caches, new_by_id)
+        if self._positions is not None:
+            self.kv_caches = [new_caches[i] for i in self._positions]
+        else:
+            new_by_id = {id(x): new for x, new in zip(self._objs, new_caches)}
+            self.kv_caches = _replace_leaves(self.kv_caches, new_by_id)
         if self._bound.adopt_results(new_caches):
             # Same layouts slot for slot: the plans stay valid; the descriptors (which would
             # keep the replaced arrays alive) are dropped and remade only if read.
@@ -94,6 +97,14 @@ class PreparedTransfer:
         self._described = binding
         self._objs = [d.obj for d in binding.slots]
         self._bound = self.backend.bind_caches(binding.slots)
+        # A flat list of bound tensors (one per layer, the usual engine structure): the slot
+        # of each entry, so a load's results are put in place by index.
+        self._positions: list[int] | None = None
+        if type(self.kv_caches) is list:
+            slot_of = {id(x): k for k, x in enumerate(self._objs)}
+            positions = [slot_of.get(id(x), -1) for x in self.kv_caches]
+            if -1 not in positions and len(slot_of) == len(self._objs):
+                self._positions = positions
 
 
 def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> PreparedTransfer:

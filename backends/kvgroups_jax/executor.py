@@ -201,7 +201,7 @@ def _check_mosaic(geom: GroupGeometry) -> None:
     mosaic_pieces(geom)
 
 
-_INT32 = np.iinfo(np.int32)
+_INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
 _SMALL = 64  # ids up to this many are range-checked through Python ints (cheaper than NumPy)
 
 
@@ -220,7 +220,7 @@ def _padded_ids(block_ids) -> jax.Array | np.ndarray:
                 lo, hi = min(values), max(values)
             else:
                 lo, hi = int(ids.min()), int(ids.max())
-            if lo < _INT32.min or hi > _INT32.max:
+            if lo < _INT32_MIN or hi > _INT32_MAX:
                 raise KVGroupsValueError(f"block_ids: expected int32 values, got range "
                                          f"[{lo}, {hi}]")
     size = bucket(n)
