@@ -145,7 +145,7 @@ def bench_chunks(args, chunks: int, model, kit: JaxKit, backend_name: str, emit)
 
         # The arguments execute_plan passes (device-resident metas), built once.
         platform, placement = executor._home(state["caches"])
-        program = executor._program_for(plan, args.lowering, platform, 4)
+        program = executor.build_program(plan, args.lowering, platform)[0]  # its defaults
         metas, idss = executor._runtime_args(plan, placement)
         fn = executor._store_jit if direction == "store" else executor._load_jit
 
