@@ -9,10 +9,7 @@ import pytest
 if importlib.util.find_spec("kvgroups_torch") is None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "backends"))
 
-torch = pytest.importorskip("torch")
-
-HAS_CUDA = torch.cuda.is_available()
-needs_cuda = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")]
+pytest.importorskip("torch")
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 import numpy as np
 import pytest
 import torch
-from conftest import HAS_CUDA
+from cuda_marks import HAS_CUDA
 from kvgroups_torch import BoundPlan, TorchBackend, allocate_objects, describe_tensor
 from torch_page_cases import as_bytes, as_tensor, make_case, oracle
 

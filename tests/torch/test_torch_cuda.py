@@ -7,7 +7,7 @@ import threading
 import numpy as np
 import pytest
 import torch
-from conftest import needs_cuda
+from cuda_marks import needs_cuda
 from kvgroups_torch import BoundPlan, check_device_errors, cuda_path
 from torch_page_cases import as_bytes, as_tensor, make_case, oracle
 

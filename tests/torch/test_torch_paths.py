@@ -3,7 +3,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from conftest import needs_cuda
+from cuda_marks import needs_cuda
 from kvgroups_torch import cuda_path, torch_path
 from torch_page_cases import (
     ITEMSIZE,
