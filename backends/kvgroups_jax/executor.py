@@ -292,6 +292,8 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int) -> _Program
     binding share those objects; hand-built plans just miss and build (then JAX's jit cache
     still finds the value-equal program: no new compilation).
     """
+    if type(plan.tensor_specs) is not tuple:
+        return _build_static(plan, lowering, platform, num_warps)  # mutable: no caching
     key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
            plan.object_nbytes]
     seen: dict[int, int] = {}
