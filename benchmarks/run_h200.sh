@@ -11,13 +11,20 @@
 #   bash benchmarks/run_h200.sh            # writes under $OUT and benchmarks/results/
 #
 # The whole matrix takes longer than one 10-minute device call (a JAX shape costs ~30 s of
-# compiles). Split it over calls by runtime; a later part appends to the committed JSON:
+# compiles). Two ways to fit it:
 #
-#   KVG_BENCH_RUNTIMES=torch bash benchmarks/run_h200.sh
-#   KVG_BENCH_RUNTIMES="jax numpy" KVG_BENCH_APPEND=1 KVG_BENCH_STEP_SCALE=2 \
-#     bash benchmarks/run_h200.sh
+# - KVG_BENCH_GPUS=2 (a two-GPU machine): two lanes run side by side, one process per GPU:
+#   GPU 0 runs torch, then JAX's chunk sweep; GPU 1 runs JAX's other sweeps. Pinned-host
+#   points move over PCIe, which the two GPUs may share, so JAX's pinned points run after
+#   both lanes, alone (torch's run in lane 0 while lane 1 does device-only JAX work).
+# - KVG_BENCH_APPEND=1: start from the committed transfer_h200.jsonl and measure only what it
+#   lacks (`kvgroups bench --resume`), so running the script again finishes a cut matrix:
 #
-# (KVG_BENCH_STEP_SCALE multiplies every step's time limit; the total allowance still caps it.)
+#   KVG_BENCH_GPUS=2 KVG_BENCH_TOTAL_S=570 bash benchmarks/run_h200.sh
+#   KVG_BENCH_APPEND=1 bash benchmarks/run_h200.sh     # the points the first call left
+#
+# KVG_BENCH_RUNTIMES ("torch jax numpy") picks the runtimes; KVG_BENCH_STEP_SCALE multiplies
+# every step's time limit (the total allowance still caps it).
 #
 # Each runtime runs in its own processes (a kernel fault that breaks one CUDA context spoils
 # nothing else), under a hard timeout; a process that fails is recorded as an error record in
@@ -33,10 +40,16 @@ export KVGROUPS_CACHE_DIR=${KVGROUPS_CACHE_DIR:-/tmp/kvg_cubins}
 export XLA_PYTHON_CLIENT_PREALLOCATE=false      # JAX shares the GPU with nothing, but must
 export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True   # not pin 75% of it up front
 RUNTIMES=${KVG_BENCH_RUNTIMES:-torch jax numpy}
+GPUS=${KVG_BENCH_GPUS:-1}
 JSON="$OUT/transfer_h200.jsonl"
-rm -f "$JSON"
+rm -f "$JSON" "$OUT"/lane*.jsonl
+RESUME=()
 if [[ "${KVG_BENCH_APPEND:-0}" == 1 && -f "$RESULTS/transfer_h200.jsonl" ]]; then
-  cp "$RESULTS/transfer_h200.jsonl" "$JSON"   # the earlier parts of a split run
+  # The earlier parts of a split run, less their "cut by the time limit" records: this run
+  # measures those points or records its own cut.
+  grep -v -E '"reason": "(time budget|script time allowance)"' \
+    "$RESULTS/transfer_h200.jsonl" > "$JSON"
+  RESUME=(--resume "$RESULTS/transfer_h200.jsonl")
 fi
 wants() { [[ " $RUNTIMES " == *" $1 "* ]]; }
 
@@ -62,36 +75,66 @@ if ! python3 -c "import cuda.core as c, sys; sys.exit(int(c.__version__.split('.
   export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
 
-# step NAME LIMIT_S ARGS...: one `kvgroups bench` process appending to $JSON.
+# step NAME LIMIT_S ARGS...: one `kvgroups bench` process appending to ${LANE_JSON:-$JSON}.
 step() {
   local name=$1 limit=$(( $2 * ${KVG_BENCH_STEP_SCALE:-1} )) left status
   shift 2
   left=$((TOTAL_S - SECONDS))
   (( limit > left )) && limit=$left
   if (( limit < 15 )); then
-    echo "{\"record\": \"skipped\", \"stage\": \"process $name\", \"reason\": \"script time allowance\"}" >> "$JSON"
+    echo "{\"record\": \"skipped\", \"stage\": \"process $name\", \"reason\": \"script time allowance\"}" >> "${LANE_JSON:-$JSON}"
     echo "[$SECONDS s] $name: skipped (script time allowance)"
     return
   fi
   echo "[$SECONDS s] $name (limit ${limit}s): $*"
   # The engine's own budget stops starting new cases a little before the hard limit.
-  timeout -k 5 "$limit" python3 -m kvgroups_core.cli bench --out "$JSON" \
-    --budget-s $((limit * 80 / 100 - 8)) "$@" > "$OUT/$name.out" 2> "$OUT/$name.log"
+  timeout -k 5 "$limit" python3 -m kvgroups_core.cli bench --out "${LANE_JSON:-$JSON}" \
+    --budget-s $((limit * 80 / 100 - 8)) ${RESUME[@]+"${RESUME[@]}"} "$@" \
+    > "$OUT/$name.out" 2> "$OUT/$name.log"
   status=$?
   tail -n 4 "$OUT/$name.log"
   if (( status != 0 && status != 1 )); then   # 1: a verification failed (already recorded)
-    echo "{\"record\": \"error\", \"stage\": \"process $name\", \"error_type\": \"ExitStatus\", \"error\": \"exit status $status (124: timeout)\", \"args\": \"$*\"}" >> "$JSON"
+    echo "{\"record\": \"error\", \"stage\": \"process $name\", \"error_type\": \"ExitStatus\", \"error\": \"exit status $status (124: timeout)\", \"args\": \"$*\"}" >> "${LANE_JSON:-$JSON}"
   fi
 }
 
 MAIN=headline,page,layers,models,manager
-if wants torch; then
+torch_steps() {
   step torch-main   85 --backends torch --matrix $MATRIX --sweeps $MAIN
   step torch-chunks 55 --backends torch --matrix $MATRIX --sweeps chunks
-fi
-if wants jax; then
-  step jax-main    170 --backends jax --matrix $MATRIX --sweeps $MAIN
-  step jax-chunks  100 --backends jax --matrix $MATRIX --sweeps chunks
+}
+if (( GPUS >= 2 )); then
+  # Two lanes, one GPU each, their records in separate files (merged below).
+  (
+    export CUDA_VISIBLE_DEVICES=0 LANE_JSON="$OUT/lane0.jsonl"
+    if wants torch; then
+      step torch-main   150 --backends torch --matrix $MATRIX --sweeps $MAIN
+      step torch-chunks  90 --backends torch --matrix $MATRIX --sweeps chunks
+    fi
+    if wants jax; then
+      step jax-chunks 200 --backends jax --matrix $MATRIX --sweeps chunks --placements device
+    fi
+  ) > "$OUT/lane0.txt" 2>&1 &
+  (
+    export CUDA_VISIBLE_DEVICES=1 LANE_JSON="$OUT/lane1.jsonl"
+    if wants jax; then
+      step jax-main 440 --backends jax --matrix $MATRIX --sweeps $MAIN --placements device
+    fi
+  ) > "$OUT/lane1.txt" 2>&1 &
+  wait
+  cat "$OUT/lane0.txt" "$OUT/lane1.txt"
+  cat "$OUT"/lane*.jsonl >> "$JSON" 2>/dev/null
+  export CUDA_VISIBLE_DEVICES=0
+  if wants jax; then   # alone on the machine: pinned copies share the host's links
+    step jax-pinned 90 --backends jax --matrix $MATRIX --sweeps headline,chunks \
+      --placements pinned
+  fi
+else
+  if wants torch; then torch_steps; fi
+  if wants jax; then
+    step jax-main    170 --backends jax --matrix $MATRIX --sweeps $MAIN
+    step jax-chunks  100 --backends jax --matrix $MATRIX --sweeps chunks
+  fi
 fi
 if wants numpy; then
   # The NumPy reference and plain-NumPy baseline on the host, one Llama-3-8B-like chunk.
@@ -99,7 +142,7 @@ if wants numpy; then
     --placements device
 fi
 
-if [[ "$MATRIX" == full ]]; then
+if [[ "$MATRIX" == full ]] && (( TOTAL_S - SECONDS >= 100 )); then
   echo "[$SECONDS s] host cost per call (torch and JAX, one chunk of a 32-layer model)"
   timeout -k 5 30 python3 benchmarks/bench_torch_transfer.py --shapes "" --host-calls 1000 \
     --out "$OUT/host_cost_h200.jsonl" > "$OUT/host_cost_torch.log" 2>&1
@@ -109,9 +152,11 @@ if [[ "$MATRIX" == full ]]; then
   grep -h "us_median" "$OUT/host_cost_h200.jsonl" | cut -c1-160
 fi
 
-echo "[$SECONDS s] manager construction (CPU, bench_manager.py)"
-timeout -k 5 30 python3 benchmarks/bench_manager.py --repeats 11 \
-  --out "$OUT/manager_h200.jsonl" > "$OUT/bench_manager.log" 2>&1 || true
+if (( TOTAL_S - SECONDS >= 45 )); then
+  echo "[$SECONDS s] manager construction (CPU, bench_manager.py)"
+  timeout -k 5 30 python3 benchmarks/bench_manager.py --repeats 11 \
+    --out "$OUT/manager_h200.jsonl" > "$OUT/bench_manager.log" 2>&1 || true
+fi
 
 echo "[$SECONDS s] summary"
 python3 -m kvgroups_core.cli bench --summarize "$JSON" --out "$OUT/summary_h200.jsonl" \

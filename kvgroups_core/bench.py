@@ -37,7 +37,7 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -62,6 +62,7 @@ class Timing:
     seconds: tuple[float, ...]
     calls: int
     host_s: float | None = None  # host time per call (dispatch), not waiting for the device
+    first_s: float | None = None  # the first warm-up call, waited for: compiles and first touch
 
     @property
     def median(self) -> float:
@@ -99,12 +100,13 @@ def wall_timer(fn: Callable[[int], Any], sync: Callable[[], None], *, repeats: i
                target_s: float, max_calls: int) -> Timing:
     """Wall-clock per-call time of batches of back-to-back ``fn(i)`` calls, ``sync()`` waiting
     for the device once per batch (the host runs ahead, so dispatch hides behind the work)."""
-    i, estimate = 0, 0.0
+    i, estimate, first = 0, 0.0, None
     for _ in range(max(1, warmup)):
         t0 = time.perf_counter()
         fn(i)
         sync()
         estimate, i = time.perf_counter() - t0, i + 1
+        first = estimate if first is None else first
     calls = calls_for(estimate, target_s, max_calls)
     secs, host = [], []
     for _ in range(repeats):
@@ -117,7 +119,7 @@ def wall_timer(fn: Callable[[int], Any], sync: Callable[[], None], *, repeats: i
         sync()
         secs.append((time.perf_counter() - t0) / calls)
         host.append((t1 - t0) / calls)
-    return Timing(tuple(secs), calls, statistics.median(host))
+    return Timing(tuple(secs), calls, statistics.median(host), first)
 
 
 def load_kit(item: str) -> Any:
@@ -151,6 +153,12 @@ def shape_info(shape: Shape, manager: KVLayerGroupsManager) -> dict:
             "page_bytes": sd.bs * sd.nh * sd.hs * g.dtype.itemsize}
 
 
+def _done_key(record: dict, layers: int | None) -> tuple:
+    return (record.get("backend"), record.get("device"), record.get("shape"), layers,
+            record.get("chunks"), record.get("placement"), record.get("path"),
+            record.get("direction"))
+
+
 def _error(exc: BaseException) -> dict:
     tb = traceback.extract_tb(exc.__traceback__)[-3:]
     return {"error_type": type(exc).__name__, "error": str(exc)[:600],
@@ -173,18 +181,29 @@ class BenchRun:
         Restrict the matrix's placements.
     budget_s : float, optional
         After this many seconds, cases not yet started become ``skipped`` records.
+    done : iterable of dict, optional
+        Records of an earlier run (``--resume``): a path and direction of a point that already
+        has a ``transfer`` record there is not measured again, and a point with nothing left
+        is not built at all; likewise ``manager`` records. A matrix cut by a time limit is
+        finished this way.
     """
 
     def __init__(self, matrix: Matrix, emit: Callable[[dict], None], *,
                  paths: Sequence[str] | None = None, directions: Sequence[str] = ("store", "load"),
                  placements: Sequence[str] | None = None, budget_s: float | None = None,
-                 seed: int = 0, log: Callable[[str], None] | None = None) -> None:
+                 seed: int = 0, log: Callable[[str], None] | None = None,
+                 done: Iterable[dict] = ()) -> None:
         self.matrix, self._emit, self.paths = matrix, emit, paths
         self.directions, self.placements = tuple(directions), placements
         self.deadline = time.monotonic() + budget_s if budget_s else None
         self.seed, self.log = seed, log or (lambda s: None)
         self.records: list[dict] = []
         self._ceilings: dict[tuple, float | None] = {}
+        done = list(done)
+        self._done = {_done_key(r, layers) for r in done if r.get("record") == "transfer"
+                      for layers in (r.get("layers"), None)}
+        self._done_managers = {(r.get("backend"), r.get("device"), r.get("model"),
+                                r.get("layers")) for r in done if r.get("record") == "manager"}
 
     def emit(self, record: dict) -> None:
         self.records.append(record)
@@ -214,9 +233,25 @@ class BenchRun:
         return self.records
 
     # --- transfers -------------------------------------------------------------------------
+    def selected_paths(self, kit: Any) -> list[str]:
+        return list(self.paths) if self.paths else list(kit.default_paths())
+
+    def is_done(self, kit: Any, shape: Shape, chunks: int, placement: str, path: str,
+                direction: str) -> bool:
+        """Whether an earlier run (``done``) already measured this path of this point."""
+        return (kit.backend, kit.device, shape.label, shape.layers, chunks, placement, path,
+                direction) in self._done
+
+    def left_to_do(self, kit: Any, shape: Shape, point: Point) -> list[str]:
+        """The selected paths that can run here and still miss a direction."""
+        return [p for p in self.selected_paths(kit) if kit.check(p, point.placement) is None
+                and not all(self.is_done(kit, shape, point.chunks, point.placement, p, d)
+                            for d in self.directions)]
+
     def run_shape(self, kit: Any, shape: Shape, points: list[Point]) -> None:
         points = [p for p in points if p.placement in kit.placements()
-                  and (self.placements is None or p.placement in self.placements)]
+                  and (self.placements is None or p.placement in self.placements)
+                  and self.left_to_do(kit, shape, p)]
         if not points:
             return
         where = {"backend": kit.backend, "device": kit.device, "shape": shape.label,
@@ -250,7 +285,7 @@ class BenchRun:
         del caches
         for point in points:
             try:
-                self.run_point(kit, wl, manager, binding, info, point)
+                self.run_point(kit, wl, manager, binding, info, point, shape)
             except Exception as exc:  # noqa: BLE001
                 self.emit({"record": "error", **where, "chunks": point.chunks,
                            "placement": point.placement, "stage": "point", **_error(exc)})
@@ -270,7 +305,7 @@ class BenchRun:
         return out
 
     def run_point(self, kit: Any, wl: Workload, manager: Any, binding: Any, info: dict,
-                  point: Point) -> None:
+                  point: Point, shape: Shape) -> None:
         m = self.matrix
         rng = np.random.default_rng(self.seed + point.chunks)
         chunk_bytes = sum(binding.object_nbytes)
@@ -291,12 +326,15 @@ class BenchRun:
                   "matrix": m.name, **info, "chunks": point.chunks, "chunk_tokens":
                   m.chunk_tokens, "bytes_per_chunk": chunk_bytes, "placement": point.placement,
                   "headline": point.headline, "sweeps": list(point.sweeps), "rotate": rotate}
-        selected = list(self.paths) if self.paths else list(kit.default_paths())
+        selected = self.selected_paths(kit)
         order = [kit.baseline] + [p for p in selected if p != kit.baseline]
         for d in self.directions:
             nbytes = moved_bytes(plans[d][0])
             base_s = reference = None
             for path in order:
+                done = self.is_done(kit, shape, point.chunks, point.placement, path, d)
+                if done and path != kit.baseline:
+                    continue  # measured by the run being resumed (the baseline still runs)
                 rec = {**common, "direction": d, "path": path, "path_kind": kit.path_kind(path),
                        "default_path": path == kit.default_path, "bytes": nbytes,
                        "bytes_rw": 2 * nbytes, "baseline_path": kit.baseline}
@@ -319,7 +357,7 @@ class BenchRun:
                     continue
                 if path == kit.baseline:
                     base_s = t.median
-                if path not in selected:
+                if path not in selected or done:
                     continue
                 self.emit(self.transfer_record(rec, t, ceilings[d], base_s, verified))
 
@@ -329,6 +367,7 @@ class BenchRun:
         name, ceil_t = ceiling if ceiling else (None, None)
         out = {**rec, "median_s": s, "min_s": min(t.seconds), "max_s": max(t.seconds),
                "repeats": len(t.seconds), "calls_per_repeat": t.calls, "host_s": t.host_s,
+               "first_call_s": t.first_s,
                "host_bound": t.host_s is not None and t.host_s >= 0.9 * s,
                "gbps": 2 * nbytes / s / 1e9, "link_gbps": nbytes / s / 1e9, "ceiling": name,
                "ceiling_gbps": 2 * nbytes / ceil_t / 1e9 if ceil_t else None,
@@ -392,6 +431,8 @@ class BenchRun:
             for layers in self.matrix.manager_layers:
                 where = {"record": "manager", "backend": kit.backend if kit else "spec",
                          "device": kit.device if kit else None, "model": model, "layers": layers}
+                if (where["backend"], where["device"], model, layers) in self._done_managers:
+                    continue
                 if self.over_budget():
                     self.emit({**where, "record": "skipped", "reason": "time budget"})
                     continue

@@ -106,9 +106,10 @@ def run(args: argparse.Namespace) -> int:
         else:
             backends = auto_backends(args.matrix) if args.backends == ["auto"] \
                 else args.backends
+            done = read_records(args.resume) if args.resume else ()
             runner = BenchRun(build_matrix(args), emit, paths=args.paths,
                               directions=args.directions, placements=args.placements,
-                              budget_s=args.budget_s, seed=args.seed, log=log)
+                              budget_s=args.budget_s, seed=args.seed, log=log, done=done)
             records = runner.run(backends)
     finally:
         if out is not None:
@@ -153,6 +154,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a("--manager-layers", type=_int_list, default=None, help="manager construction sweep")
     a("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
     a("--seed", type=int, default=0)
+    a("--resume", type=Path, nargs="+", default=None, metavar="FILE",
+      help="skip every path and direction of a point that these JSON-lines files already "
+      "hold a transfer record for (finish a run a time limit cut)")
     a("--out", type=Path, default=None, help="also append the JSON lines to this file")
     a("--summarize", type=Path, nargs="+", default=None, metavar="FILE",
       help="only summarize the records of these JSON-lines files")

@@ -176,13 +176,14 @@ class TorchKit:
         if not self.cuda:
             return wall_timer(fn, lambda: None, repeats=repeats, warmup=warmup,
                               target_s=target_s, max_calls=max_calls)
-        i, estimate = 0, 0.0
+        i, estimate, first = 0, 0.0, None
         for _ in range(max(1, warmup)):
             self.sync()
             t0 = time.perf_counter()
             fn(i)
             self.sync()
             estimate, i = time.perf_counter() - t0, i + 1
+            first = estimate if first is None else first
         calls = calls_for(estimate, target_s, max_calls)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         secs, host = [], []
@@ -197,7 +198,7 @@ class TorchKit:
             end.record()
             end.synchronize()
             secs.append(start.elapsed_time(end) / 1e3 / calls)
-        return Timing(tuple(secs), calls, statistics.median(host))
+        return Timing(tuple(secs), calls, statistics.median(host), first)
 
     def ceiling(self, name: str, nbytes: int, rotate: int, **timing: Any) -> Timing:
         """The copy that bounds a transfer of ``nbytes``: ``device_copy``, ``pinned_h2d``,

@@ -23,7 +23,7 @@ TRANSFER_FIELDS = (
     "direction", "placement", "chunks", "bytes", "bytes_rw", "bytes_per_chunk", "median_s",
     "min_s", "max_s", "repeats", "calls_per_repeat", "host_s", "gbps", "link_gbps", "ceiling",
     "ceiling_gbps", "frac_of_ceiling", "baseline_path", "baseline_gbps", "speedup_vs_baseline",
-    "verified", "headline", "sweeps", "rotate",
+    "verified", "headline", "sweeps", "rotate", "first_call_s",
 )
 
 
@@ -182,6 +182,44 @@ def test_a_missing_runtime_is_an_error_record_and_the_run_goes_on():
     records = bench.BenchRun(bench_matrix.tiny(), lambda r: None).run(["nosuchruntime", "numpy"])
     assert records[0]["record"] == "error" and records[0]["stage"] == "load kit"
     assert any(r["record"] == "transfer" and r["backend"] == "numpy" for r in records)
+
+
+def _transfer_keys(records):
+    return sorted((r["shape"], r["layers"], r["chunks"], r["placement"], r["path"],
+                   r["direction"]) for r in records if r["record"] == "transfer")
+
+
+def test_resume_measures_only_what_the_earlier_records_lack():
+    matrix = bench_matrix.tiny()
+    first = bench.BenchRun(matrix, lambda r: None).run(["numpy"])
+    everything = _transfer_keys(first)
+    assert len(everything) >= 8
+    assert all(r["first_call_s"] > 0 for r in first if r["record"] == "transfer")
+
+    assert [r for r in first if r["record"] == "manager"]
+    again = bench.BenchRun(matrix, lambda r: None, done=first).run(["numpy"])
+    assert _transfer_keys(again) == []
+    assert not [r for r in again if r["record"] in ("ceiling", "error", "skipped", "manager")]
+
+    # Drop one path of one direction and one whole point: exactly those run again.
+    lost_path = next(r for r in first if r["record"] == "transfer" and r["path"] == "take"
+                     and r["direction"] == "load")
+    lost_point = [r for r in first if r["record"] == "transfer" and r["shape"] == "page-4KiB"]
+    assert lost_point
+    kept = [r for r in first if r is not lost_path and r not in lost_point]
+    third = bench.BenchRun(matrix, lambda r: None, done=kept).run(["numpy"])
+    assert _transfer_keys(third) == _transfer_keys([lost_path] + lost_point)
+
+
+def test_resume_tells_layer_counts_of_one_model_apart():
+    small = bench_matrix.Shape("small-pages", model="small-pages", layers=2)
+    matrix = bench_matrix.Matrix("m", (bench_matrix.Point(small, 1, "device"),), repeats=1,
+                                 warmup=1, target_s=0.0, max_calls=1, min_blocks=0)
+    done = bench.BenchRun(matrix, lambda r: None).run(["numpy"])
+    bigger = bench_matrix.replace(matrix, points=(bench_matrix.Point(
+        bench_matrix.Shape("small-pages", model="small-pages", layers=4), 1, "device"),))
+    records = bench.BenchRun(bigger, lambda r: None, done=done).run(["numpy"])
+    assert {r["layers"] for r in records if r["record"] == "transfer"} == {4}
 
 
 def test_take_baseline_matches_the_reference_with_windows_and_skips():
