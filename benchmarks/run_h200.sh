@@ -23,6 +23,8 @@
 #   KVG_BENCH_GPUS=2 KVG_BENCH_TOTAL_S=570 bash benchmarks/run_h200.sh
 #   KVG_BENCH_APPEND=1 bash benchmarks/run_h200.sh     # the points the first call left
 #
+# KVG_BENCH_LANE0_FIRST: a command lane 0 runs on GPU 0 before its steps (e.g. the GPU test
+# suite, so it runs beside lane 1's work instead of before it).
 # KVG_BENCH_RUNTIMES ("torch jax numpy") picks the runtimes; KVG_BENCH_STEP_SCALE multiplies
 # every step's time limit (the total allowance still caps it).
 #
@@ -107,6 +109,11 @@ if (( GPUS >= 2 )); then
   # Two lanes, one GPU each, their records in separate files (merged below).
   (
     export CUDA_VISIBLE_DEVICES=0 LANE_JSON="$OUT/lane0.jsonl"
+    if [[ -n "${KVG_BENCH_LANE0_FIRST:-}" ]]; then
+      echo "[$SECONDS s] lane 0 first: $KVG_BENCH_LANE0_FIRST"
+      bash -c "$KVG_BENCH_LANE0_FIRST"
+      echo "[$SECONDS s] lane 0 first: exit $?"
+    fi
     if wants torch; then
       step torch-main   150 --backends torch --matrix $MATRIX --sweeps $MAIN
       step torch-chunks  90 --backends torch --matrix $MATRIX --sweeps chunks

@@ -433,7 +433,7 @@ class BenchRun:
                          "device": kit.device if kit else None, "model": model, "layers": layers}
                 if (where["backend"], where["device"], model, layers) in self._done_managers:
                     continue
-                if self.over_budget():
+                if kit is not None and self.over_budget():  # bare specs: milliseconds
                     self.emit({**where, "record": "skipped", "reason": "time budget"})
                     continue
                 try:

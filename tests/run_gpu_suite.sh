@@ -1,15 +1,22 @@
 #!/usr/bin/env bash
 # Everything the GPU must show except the benchmark, in one call of the lent-GPU tool (about
-# 7 minutes on the H200):
-#   1. every GPU-marked test: the conformance suite on torch-cuda and jax-gpu (both Pallas
-#      lowerings), every GPU backend pair, and the torch / JAX GPU unit tests (graph capture,
-#      torch.compile, device-side id checks, donation, in-place loads into torch memory);
-#   2. compute-sanitizer memcheck over the whole torch-cuda conformance run (bad input
-#      included; pairs with the other runtimes too);
-#   3. compute-sanitizer memcheck over the jax-gpu conformance run (Pallas Triton and Mosaic GPU
-#      kernels; XLA allocates every buffer on its own so an overrun cannot hide in a pool).
-# The benchmark is benchmarks/run_h200.sh, a call of its own. Logs go to $WORK; a tarball of
-# them lands in $OUT. Exit status: the number of failed steps.
+# 5 minutes on the H200):
+#   gpu_tests         every GPU-marked test: the conformance suite on torch-cuda and jax-gpu
+#                     (both Pallas lowerings), every GPU backend pair, and the torch / JAX GPU
+#                     unit tests (graph capture, torch.compile, device-side id checks,
+#                     donation, in-place loads into torch memory);
+#   sanitizer_torch   compute-sanitizer memcheck over the whole torch-cuda conformance run
+#                     (bad input included; pairs with the other runtimes too);
+#   sanitizer_jax     memcheck over the jax-gpu conformance run (XLA allocates every buffer on
+#                     its own so an overrun cannot hide in a pool);
+#   sanitizer_mosaic  memcheck over the Mosaic GPU tests of tests/jax/test_gpu.py (the small
+#                     conformance shapes never reach that kernel);
+#   mosaic_smoke      tests/jax/mosaic_smoke.py: bit-exact and in place per layout, then its
+#                     bandwidth beside Triton (JSON lines in mosaic_smoke.jsonl).
+# KVG_GPU_STEPS picks steps (default: all, in that order); KVG_GPU_TEST_PATHS narrows
+# gpu_tests (default "tests/conformance tests/torch tests/jax"). The benchmark is
+# benchmarks/run_h200.sh, a call of its own. Logs go to $WORK; a tarball of them lands in
+# $OUT. Exit status: the number of failed steps.
 set -u
 OUT=${OUT:-/tmp/kvg_gpu_out}
 WORK=/tmp/kvg_gpu_work
@@ -37,12 +44,21 @@ python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__ve
   >> "$WORK/versions.log" 2>&1
 cat "$WORK/versions.log"
 
-step gpu_tests 150 $PYTEST -m gpu tests/conformance tests/torch tests/jax
-step sanitizer_torch 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic mosaic_smoke}
+TEST_PATHS=${KVG_GPU_TEST_PATHS:-tests/conformance tests/torch tests/jax}
+wants() { [[ " $STEPS " == *" $1 "* ]]; }
+wants gpu_tests && step gpu_tests 150 $PYTEST -m gpu $TEST_PATHS
+wants sanitizer_torch && step sanitizer_torch 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   $SANITIZE $PYTEST tests/conformance -k "torch-cuda"
-step sanitizer_jax 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+wants sanitizer_jax && step sanitizer_jax 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   $SANITIZE $PYTEST tests/conformance -k "jax-gpu"
-grep -h "ERROR SUMMARY" "$WORK"/sanitizer_*.log
+wants sanitizer_mosaic && step sanitizer_mosaic 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+  $SANITIZE $PYTEST -m gpu tests/jax/test_gpu.py -k "mosaic or auto"
+if wants mosaic_smoke; then
+  step mosaic_smoke 120 python3 tests/jax/mosaic_smoke.py
+  grep '^{' "$WORK/mosaic_smoke.log" > "$WORK/mosaic_smoke.jsonl"
+fi
+grep -h "ERROR SUMMARY" "$WORK"/sanitizer_*.log 2>/dev/null
 tar -czf "$OUT/gpu_logs.tar.gz" -C "$WORK" .
 echo "failed steps: $FAILED"
 exit "$FAILED"
