@@ -1,4 +1,5 @@
-"""Summaries of ``kvgroups bench`` records: the headline case per placement and direction.
+"""Summaries of ``kvgroups bench`` records: the headline case per placement and direction,
+and Markdown tables of the sweeps.
 
 :func:`summarize` works on records of one run or of several (separate torch and JAX processes
 writing one file), so the torch-versus-JAX ratio can be taken across processes.
@@ -99,4 +100,76 @@ def markdown_table(summaries: Sequence[dict]) -> str:
             ratios += [f"- {s['direction']} ({s['placement']}): JAX {q['jax']} / torch "
                        f"{q['torch']} = {q['ratio']:.2f}" for q in s["torch_vs_jax"]]
         parts.append("\n".join(lines + ([""] + ratios if ratios else [])))
+    return "\n\n".join(parts)
+
+
+#: Sweep tables: (title, the record field that varies, how a row is labelled).
+SWEEP_TABLES = {
+    "chunks": ("chunks moved (Llama-3-8B-like, 32 layers)", "chunks"),
+    "page": ("page size (bytes per block per plane; 32 layers, 64 chunks)", "page_bytes"),
+    "layers": ("layers (Llama-3-8B-like, 64 chunks)", "layers"),
+    "models": ("catalogue models (16 chunks)", "shape"),
+}
+#: Columns of a sweep table, in order: (backend, path); absent ones are left out.
+SWEEP_COLUMNS = (("torch", "cuda"), ("jax", "pallas-mosaic"), ("jax", "pallas-triton"),
+                 ("torch", "index"), ("jax", "xla"))
+
+
+def _row_label(sweep: str, r: dict) -> str:
+    if sweep == "page":
+        kib = r["page_bytes"] / 1024
+        return f"{kib:g} KiB"
+    if sweep == "models":
+        return f"{r['shape']} ({r['layers']} layers, {r['kernel_groups']} kernel groups)"
+    return f"{r[SWEEP_TABLES[sweep][1]]:,}"
+
+
+def _on(record: dict, device: str) -> bool:
+    return ("cuda" if record.get("device") == "gpu" else record.get("device")) == device
+
+
+def sweep_tables(records: Sequence[dict], sweeps: Sequence[str], device: str = "cuda") -> str:
+    """Markdown tables of the device-object sweeps on ``device``: a row per sweep value, a
+    column per (runtime, path) and direction, each cell ``GB/s (fraction of the best
+    ceiling)``, the best ceiling being the fastest device copy of the same byte count that any
+    runtime measured."""
+    ceilings: dict[int, float] = {}
+    for r in records:
+        if r.get("record") == "ceiling" and r.get("ceiling") == "device_copy" and _on(r, device):
+            ceilings[r["bytes"]] = max(ceilings.get(r["bytes"], 0.0), r["gbps"])
+    parts = []
+    for sweep in sweeps:
+        title, field = SWEEP_TABLES[sweep]
+        latest: dict[tuple, dict] = {}
+        for r in records:
+            if (r.get("record") == "transfer" and sweep in (r.get("sweeps") or ())
+                    and r.get("placement") == "device" and _on(r, device)):
+                latest[(r[field], r["shape"], r["backend"], r["path"], r["direction"])] = r
+        if not latest:
+            continue
+        present = {k[2:4] for k in latest}
+        order = [c for c in SWEEP_COLUMNS if c in present] + sorted(present - set(SWEEP_COLUMNS))
+        columns = [(b, p, d) for b, p in order for d in ("store", "load")
+                   if any(k[2:] == (b, p, d) for k in latest)]
+        header = ["| " + sweep + " | " + " | ".join(f"{b} {p} {d}" for b, p, d in columns)
+                  + " | device copy |", "|---|" + "---:|" * (len(columns) + 1)]
+        rows = []
+        for value, shape in sorted({k[:2] for k in latest}, key=lambda k: (str(type(k[0])), k)):
+            cells, found = [], []
+            for b, p, d in columns:
+                r = latest.get((value, shape, b, p, d))
+                if r is None:
+                    cells.append("-")
+                    continue
+                found.append(r)
+                best = ceilings.get(r["bytes"])
+                cells.append(f"{r['gbps']:,.0f}" + (f" ({r['gbps'] / best:.2f})" if best else ""))
+            stores = [r for r in found if r["direction"] == "store"] or found
+            copy = ceilings.get(stores[0]["bytes"])
+            rows.append(f"| {_row_label(sweep, found[0])} | " + " | ".join(cells)
+                        + (f" | {copy:,.0f} |" if copy else " | - |"))
+        parts.append("\n".join([f"Device objects vs {title}; GB/s (bytes read + written), in "
+                                "brackets the fraction of the best device copy of the same "
+                                "bytes (the last column, for the store's bytes; a load "
+                                "behind a sliding window moves fewer)", ""] + header + rows))
     return "\n\n".join(parts)

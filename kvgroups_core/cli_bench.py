@@ -14,7 +14,8 @@ Paths: torch ``cuda``, ``cuda-staged``, ``index`` (index_select / index_copy_); 
 ``pallas-triton``, ``pallas-mosaic``, ``xla``, ``interpret``; NumPy ``reference``, ``take``.
 
 ``--summarize FILE...`` only reads records (e.g. of separate torch and JAX runs) and prints
-the summary records.
+the summary records; with ``--markdown`` the headline tables, with ``--markdown --sweeps
+chunks,page,layers,models`` a table per sweep (device objects).
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from typing import Any, TextIO
 
 from . import bench_matrix
 from .bench import BenchRun
-from .bench_report import format_summary, markdown_table, summarize
+from .bench_report import SWEEP_TABLES, format_summary, markdown_table, summarize, sweep_tables
 from .cli_plan import _int_list
 
 
@@ -97,8 +98,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         if args.summarize:
-            records = summarize(read_records(args.summarize))
-            if args.markdown:
+            raw = read_records(args.summarize)
+            records = summarize(raw)
+            if args.markdown and args.sweeps:
+                print(sweep_tables(raw, [s for s in args.sweeps if s in SWEEP_TABLES]))
+            elif args.markdown:
                 print(markdown_table(records))
             else:
                 for record in records:

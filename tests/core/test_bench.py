@@ -122,6 +122,28 @@ def test_summarize_command_reads_records_back(tiny_run, capsys):
     assert [r["record"] for r in lines] == ["summary", "summary"]
 
 
+def test_sweep_tables_have_a_row_per_value_and_a_column_per_path(tiny_run):
+    from kvgroups_core.bench_report import sweep_tables
+
+    records = tiny_run[2]
+    blocks = sweep_tables(records, ["page", "layers"], device="cpu").split("\n\n")
+    tables = {b.split("|")[1].strip(): b.splitlines() for b in blocks if b.startswith("|")}
+    assert set(tables) == {"page", "layers"}
+    assert any(line.startswith("| 4 KiB |") for line in tables["page"])
+    columns = [c.strip() for c in tables["layers"][0].split("|")[1:-1]]
+    (row,) = [line for line in tables["layers"] if line.startswith("| 4 |")]
+    cells = [c.strip() for c in row.split("|")[1:-1]]
+    assert len(cells) == len(columns)
+    for path in ("take", "reference"):
+        for direction in ("store", "load"):
+            rec = next(r for r in records if r["record"] == "transfer" and r["layers"] == 4
+                       and r["backend"] == "numpy" and r["path"] == path
+                       and r["direction"] == direction)
+            cell = cells[columns.index(f"numpy {path} {direction}")]
+            assert cell.split(" (")[0] == f"{rec['gbps']:,.0f}"
+    assert sweep_tables(records, ["chunks"], device="cuda") == ""
+
+
 def test_plot_draws_a_png_from_the_tiny_records(tiny_run, tmp_path):
     pytest.importorskip("matplotlib")
     sys.path.insert(0, str(ROOT / "benchmarks"))
