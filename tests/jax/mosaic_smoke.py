@@ -195,6 +195,9 @@ def main(argv) -> int:
         # 64-token pages (128 KiB per plane): several pieces through both shared buffers.
         ("big_page_nhd_bf16", "nhd", "bfloat16", dict(nl=2, nb=32, bs=64, nh=8, hs=128,
                                                       num_chunks=2, bpc=4)),
+        # DeepSeek's MLA page (64 tokens x 576): 144 rows in three 48-row pieces.
+        ("mla_like_bf16", "nhd", "bfloat16", dict(nl=3, nb=32, bs=64, nh=1, hs=576,
+                                                  num_chunks=2, bpc=4)),
         # Sliding window: only the last block of each chunk is kept.
         ("window_nhd_bf16", "nhd", "bfloat16", dict(nl=2, nb=64, bs=16, nh=8, hs=128,
                                                     num_chunks=3, bpc=4, kept=1)),

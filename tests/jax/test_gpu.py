@@ -33,6 +33,23 @@ def test_gpu_store_and_load_are_bit_exact_and_in_place(layout, dtype, lowering):
             assert [o.unsafe_buffer_pointer() for o in new_o] == optrs
 
 
+@pytest.mark.parametrize("lowering", ["mosaic", "auto", "triton"])
+def test_gpu_mla_like_pages_in_three_pieces_are_bit_exact(lowering):
+    # DeepSeek's MLA page: 64 tokens x 576 bf16 = 144 rows of 256, more than one shared
+    # buffer holds, so Mosaic moves it in three 48-row pieces (not a power of two).
+    from kvgroups_jax import executor, pallas_mosaic
+
+    gpu = jax.devices("gpu")[0]
+    for direction in ("store", "load"):
+        arrays, g = make_group("nhd", "bfloat16", nl=3, nb=32, bs=64, nh=1, hs=576,
+                               num_chunks=2, bpc=4, first_item=1 if direction == "load" else 0)
+        if lowering == "mosaic":
+            plan = make_plan(direction, [g], arrays, [_nbytes(g)])
+            program = executor.build_program(plan, "mosaic", "gpu")[0]
+            assert pallas_mosaic.mosaic_pieces(program.geoms[0]) == (48, 3)
+        run_and_check(direction, [g], arrays, [_nbytes(g)], lowering=lowering, device=gpu)
+
+
 def test_gpu_load_into_torch_cuda_caches_writes_torch_memory():
     torch = pytest.importorskip("torch")
     if not torch.cuda.is_available():

@@ -74,12 +74,17 @@ def test_interpreted_tma_copy_is_bit_exact(layout, direction):
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
-@pytest.mark.parametrize("bs, budget, pieces", [(8, 2048, (2, 4)), (12, 4096, (4, 3))])
-def test_spans_cut_into_pieces_use_both_buffers(bs, budget, pieces, direction):
+@pytest.mark.parametrize("bs, nh, hs, budget, pieces", [
+    (8, 2, 128, 2048, (2, 4)),
+    (12, 2, 128, 4096, (4, 3)),
+    (12, 2, 128, 3072, (3, 4)),   # a piece of 3 rows: any divisor, not only powers of two
+    (4, 1, 576, 4096, (3, 3)),    # MLA-like 576-wide rows: 9 rows of 256 in three pieces
+])
+def test_spans_cut_into_pieces_use_both_buffers(bs, nh, hs, budget, pieces, direction):
     # A small shared-memory budget forces several pieces per span through two buffers (an odd
     # count too, so the last piece lands in the first buffer).
     with mock.patch.object(pallas_mosaic, "MAX_SMEM_BYTES", budget):
-        arrays, g = make_group("nhd", "bfloat16", nb=8, bs=bs, nh=2, hs=128, num_chunks=2,
+        arrays, g = make_group("nhd", "bfloat16", nb=8, bs=bs, nh=nh, hs=hs, num_chunks=2,
                                bpc=2, first_item=1 if direction == "load" else 0)
         assert run_interpreted(direction, g, arrays) == pieces
 
