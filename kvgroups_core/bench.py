@@ -242,16 +242,16 @@ class BenchRun:
         return (kit.backend, kit.device, shape.label, shape.layers, chunks, placement, path,
                 direction) in self._done
 
-    def left_to_do(self, kit: Any, shape: Shape, point: Point) -> list[str]:
+    def left_to_do(self, kit: Any, point: Point) -> list[str]:
         """The selected paths that can run here and still miss a direction."""
         return [p for p in self.selected_paths(kit) if kit.check(p, point.placement) is None
-                and not all(self.is_done(kit, shape, point.chunks, point.placement, p, d)
+                and not all(self.is_done(kit, point.shape, point.chunks, point.placement, p, d)
                             for d in self.directions)]
 
     def run_shape(self, kit: Any, shape: Shape, points: list[Point]) -> None:
         points = [p for p in points if p.placement in kit.placements()
                   and (self.placements is None or p.placement in self.placements)
-                  and self.left_to_do(kit, shape, p)]
+                  and self.left_to_do(kit, p)]
         if not points:
             return
         where = {"backend": kit.backend, "device": kit.device, "shape": shape.label,
@@ -285,7 +285,7 @@ class BenchRun:
         del caches
         for point in points:
             try:
-                self.run_point(kit, wl, manager, binding, info, point, shape)
+                self.run_point(kit, wl, manager, binding, info, point)
             except Exception as exc:  # noqa: BLE001
                 self.emit({"record": "error", **where, "chunks": point.chunks,
                            "placement": point.placement, "stage": "point", **_error(exc)})
@@ -305,7 +305,7 @@ class BenchRun:
         return out
 
     def run_point(self, kit: Any, wl: Workload, manager: Any, binding: Any, info: dict,
-                  point: Point, shape: Shape) -> None:
+                  point: Point) -> None:
         m = self.matrix
         rng = np.random.default_rng(self.seed + point.chunks)
         chunk_bytes = sum(binding.object_nbytes)
@@ -332,7 +332,7 @@ class BenchRun:
             nbytes = moved_bytes(plans[d][0])
             base_s = reference = None
             for path in order:
-                done = self.is_done(kit, shape, point.chunks, point.placement, path, d)
+                done = self.is_done(kit, point.shape, point.chunks, point.placement, path, d)
                 if done and path != kit.baseline:
                     continue  # measured by the run being resumed (the baseline still runs)
                 rec = {**common, "direction": d, "path": path, "path_kind": kit.path_kind(path),

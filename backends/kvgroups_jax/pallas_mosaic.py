@@ -6,8 +6,8 @@ shared -> global with the TMA unit's bulk copies (``cp.async.bulk``, no tensor m
 :func:`_bulk_load_options`). Caches are viewed as ``[rows, 256]`` and a span as
 ``[span / 256, 256]``, cut into pieces of at most 256 rows (a TMA box's limit, kept so a
 tensor-map copy stays legal too); every offset must then be a whole number of 256-element
-rows. Other layouts raise
-:class:`~kvgroups_core.errors.UnsupportedConfig` and go to the Triton lowering.
+rows. Other layouts raise :class:`~kvgroups_core.errors.UnsupportedConfig` and go to the Triton
+lowering.
 
 The kernel is an ``mpmd_map`` over a ``plgpu.Mesh`` (``pl.kernel(body, mesh=plgpu.Mesh(...))``,
 the machinery under ``plgpu.kernel``), lowered by Mosaic GPU on jax 0.10.2 and 0.11.x alike;
@@ -197,7 +197,6 @@ def _bulk_load_options() -> dict:
     if mode is None or "oob_mode" not in params:
         return {}
     return {"oob_mode": mode.UNDEFINED}
-
 
 
 def _in_planes(plane_id, planes: list[int], num_planes: int):
