@@ -10,8 +10,8 @@
 #
 #   bash benchmarks/run_h200.sh            # writes under $OUT and benchmarks/results/
 #
-# The whole matrix takes longer than one 10-minute device call (a JAX shape costs ~30 s of
-# compiles). Two ways to fit it:
+# On one GPU the whole matrix takes longer than one 10-minute device call (a JAX shape costs
+# 10-30 s of compiles: three paths x two directions). Two ways to fit it:
 #
 # - KVG_BENCH_GPUS=2 (a two-GPU machine): two lanes run side by side, one process per GPU:
 #   GPU 0 runs torch, then JAX's chunk sweep; GPU 1 runs JAX's other sweeps. Pinned-host
@@ -101,9 +101,9 @@ step() {
 }
 
 MAIN=headline,page,layers,models,manager
-torch_steps() {
-  step torch-main   85 --backends torch --matrix $MATRIX --sweeps $MAIN
-  step torch-chunks 55 --backends torch --matrix $MATRIX --sweeps chunks
+torch_steps() {  # torch_steps MAIN_LIMIT_S CHUNKS_LIMIT_S
+  step torch-main   "$1" --backends torch --matrix $MATRIX --sweeps $MAIN
+  step torch-chunks "$2" --backends torch --matrix $MATRIX --sweeps chunks
 }
 if (( GPUS >= 2 )); then
   # Two lanes, one GPU each, their records in separate files (merged below).
@@ -114,10 +114,7 @@ if (( GPUS >= 2 )); then
       bash -c "$KVG_BENCH_LANE0_FIRST"
       echo "[$SECONDS s] lane 0 first: exit $?"
     fi
-    if wants torch; then
-      step torch-main   150 --backends torch --matrix $MATRIX --sweeps $MAIN
-      step torch-chunks  90 --backends torch --matrix $MATRIX --sweeps chunks
-    fi
+    if wants torch; then torch_steps 150 90; fi
     if wants jax; then
       step jax-chunks 200 --backends jax --matrix $MATRIX --sweeps chunks --placements device
     fi
@@ -137,7 +134,7 @@ if (( GPUS >= 2 )); then
       --placements pinned
   fi
 else
-  if wants torch; then torch_steps; fi
+  if wants torch; then torch_steps 85 55; fi
   if wants jax; then
     step jax-main    170 --backends jax --matrix $MATRIX --sweeps $MAIN
     step jax-chunks  100 --backends jax --matrix $MATRIX --sweeps chunks
