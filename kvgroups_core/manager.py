@@ -1,4 +1,4 @@
-"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (SEMANTICS.md 3).
+"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (docs/SEMANTICS.md section 3).
 
 The manager is pure metadata built from descriptors: it owns no buffers and moves no bytes.
 The transfer planner reads it (``kernel_groups``, ``object_groups``, ``layer_layouts``, the

@@ -304,7 +304,7 @@ def plan_call(
     skip_first_n_tokens: int = 0,
     to_host: Any = None,
 ) -> TransferPlan:
-    """Validate the per-call inputs and return the plan (SEMANTICS.md section 7).
+    """Validate the per-call inputs and return the plan (docs/SEMANTICS.md section 7).
 
     This is the per-call host path of a prepared transfer, so the work that depends only on
     ``(direction, num_chunks, skip_first_n_tokens)`` is cached on the binding, and plan

@@ -1,5 +1,5 @@
 """The public transfer API: ``store`` (engine caches -> memory objects) and ``load`` (objects ->
-caches, in place), SEMANTICS.md sections 6-7 and API.md "Transfers".
+caches, in place), docs/SEMANTICS.md sections 6-7 and docs/API.md "Transfers".
 
 The backend is found from the tensors (or named with ``backend=``); the core validates every
 input and builds the plan before the backend moves or donates anything.

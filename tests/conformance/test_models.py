@@ -8,7 +8,7 @@ from kvgroups_tools.catalog import MODELS
 
 from .cases import DTYPES, random_bits
 
-# Real model shapes (MODELS.md), shrunk in layers and blocks; every pattern kept: GQA, MLA,
+# Real model shapes (kvgroups_tools/catalog.py), shrunk in layers and blocks; every pattern kept: GQA, MLA,
 # the blocked-scale indexer beside MLA, sliding/full hybrids, the compressed DeepSeek-V4 mix.
 SHRUNK = {"llama3-8b": 3, "deepseek-v3": 2, "glm5-indexer": 2, "gemma3-27b": 7,
           "gpt-oss-20b": 4, "deepseek-v4-like": None, "hybrid-demo": 4}
