@@ -232,6 +232,23 @@ def test_layer_wise_calls_on_a_hybrid_sliding_window_model(skip):
     check_layer_wise(manager, caches, ids, rng, skip=skip)
 
 
+def test_layer_wise_calls_on_a_compressed_mix_and_on_mla_with_an_indexer():
+    rng = np.random.default_rng(21)
+    specs, formats, infos = compressed_specs()
+    caches = _spec_arrays(specs, rng)
+    manager = KVLayerGroupsManager(caches, formats, infos)
+    check_layer_wise(manager, caches, request_ids(manager, rng, chunks=2), rng, skip=300)
+    mla = [kc.TensorSpec((20, 16, 40), "float16")] * 2 + [kc.TensorSpec((20, 16, 132),
+                                                                       "uint8")] * 2
+    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16),
+             EngineGroupInfo(engine_group_id=0, layer_indices=(2, 3), tokens_per_block=16)]
+    caches = _spec_arrays(mla, rng)
+    manager = KVLayerGroupsManager(caches, [F.NL_X_NB_BS_HS] * 2 + [F.NL_X_NB_BSV_BSS] * 2,
+                                   infos, lmcache_tokens_per_chunk=32)
+    assert manager.num_kernel_groups == 2 and manager.num_object_groups == 1
+    check_layer_wise(manager, caches, request_ids(manager, rng, chunks=3), rng, skip=40)
+
+
 def test_a_layer_subset_plan_keeps_only_its_planes_with_their_object_planes():
     rng = np.random.default_rng(1)
     manager, caches = hybrid_model(rng)
