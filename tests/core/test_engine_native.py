@@ -386,6 +386,21 @@ def test_device_skip_formula_runs_on_torch_tensors():
         assert got.tolist() == want
 
 
+def test_device_skip_formula_runs_traced_under_jax_jit():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    manager, caches = skip_managers()["compressed"]
+    binding = bind(manager, caches)
+    ids = request_ids(manager, np.random.default_rng(17), 2)
+    device = plan_call(binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)),
+                       ids_spec=dev_spec)
+    for g in device.groups:
+        f = jax.jit(lambda s, g=g: first_item_for_skip(g, s, jnp.maximum, jnp.minimum))
+        for skip in range(0, 2 * 256 + 1, 7):
+            assert int(f(jnp.int32(skip))) == first_item_for_skip(g, skip)
+
+
 def test_a_device_skip_loads_what_the_host_skip_loads_and_store_refuses_it():
     rng = np.random.default_rng(8)
     manager, caches = hybrid_model(rng)
