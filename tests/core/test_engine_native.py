@@ -685,6 +685,16 @@ def test_abstract_descriptors():
     assert not kc.describe(np.zeros((0, 3), np.float16)).is_abstract  # empty, not abstract
     marked = kc.TensorDesc(spec, 1234, 0, object(), "x", abstract=True)
     assert marked.is_abstract and marked.view(spec).is_abstract
+    concrete = kc.TensorDesc(spec, 0, 0, object(), "x", abstract=False)  # e.g. sharded
+    assert not concrete.is_abstract and not concrete.view(spec).is_abstract
+    assert kc.TensorDesc(spec, 0, 0, object(), "x").is_abstract  # no pointer: inferred
+
+
+def test_device_ids_spec_hook_and_helper():
+    assert NumpyBackend().device_ids_spec(np.arange(3)) is None  # the default: host
+    assert registry.dtype_and_shape(np.zeros((2, 3), np.int32)) == ("int32", (2, 3))
+    torch = pytest.importorskip("torch")
+    assert registry.dtype_and_shape(torch.zeros(4, dtype=torch.int64)) == ("int64", (4,))
 
 
 def test_jax_tracers_are_the_jax_backends_arrays():
