@@ -720,3 +720,54 @@ def test_specs_plan_with_device_ids_without_pointers():
     plan = plan_call(binding, ids, "load", ids_spec=dev_spec,
                      skip_first_n_tokens=Dev(np.int32(5)))
     assert plan.device_ids and plan.num_chunks == 1
+
+
+def _framework_ids(backend, values, dtype):
+    """``values`` as the backend's own id array (host ids of that framework)."""
+    if backend == "torch":
+        import torch
+        return torch.tensor(np.asarray(values, dtype=dtype))
+    if backend == "jax":
+        import jax.numpy as jnp
+        return jnp.asarray(np.asarray(values, dtype=dtype))
+    return np.asarray(values, dtype=dtype)
+
+
+FRAMEWORK_BAD_IDS = [
+    ([1, 0, 1, 0, 1, 0, 1, 0], bool, kc.KVGroupsTypeError, "bool"),
+    ([0, 1, 2, 3, 4, 5, 6, NB], np.int64, kc.KVGroupsIndexError, str(NB)),
+    ([0, 1, 2, 3, 4, 5, 6, -1], np.int32, kc.KVGroupsIndexError, "-1"),
+    ([0, 1, 2, 3, 4, 5, 6, 7.0], np.float32, kc.KVGroupsTypeError, "float32"),
+]
+
+
+@pytest.mark.parametrize("backend", _zero_chunk_backends())
+@pytest.mark.parametrize("values,dtype,error,text", FRAMEWORK_BAD_IDS)
+def test_bad_framework_ids_are_refused_on_every_cpu_backend(backend, values, dtype, error,
+                                                            text):
+    manager, caches_np, objects_np = _one_group_setup()
+    be = kc.get_backend(backend)
+    caches = [be.from_numpy(c) for c in caches_np]
+    objects = [be.from_numpy(o) for o in objects_np]
+    ids = _framework_ids(backend, values, dtype)
+    for call in (lambda: kc.store(manager, caches, ids, objects),
+                 lambda: kc.load(manager, objects, caches, ids),
+                 lambda: kc.store(manager, caches, {0: ids}, objects),
+                 lambda: kc.load(manager, objects, caches, [ids])):
+        with pytest.raises(error, match="block_ids") as info:
+            call()
+        assert text in str(info.value), str(info.value)
+    for c, want in zip(caches, caches_np):
+        np.testing.assert_array_equal(be.to_numpy(c).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(be.to_numpy(objects[0]), objects_np[0])
+
+
+def test_torch_uint64_ids_that_would_wrap_report_the_value():
+    torch = pytest.importorskip("torch")
+    manager, caches_np, objects_np = _one_group_setup()
+    caches = [torch.from_numpy(c.copy()) for c in caches_np]
+    ids = torch.tensor(np.array([0, 1, 2, 3, 4, 5, 6, 2**64 - 2], dtype=np.uint64))
+    with pytest.raises(kc.KVGroupsIndexError, match="18446744073709551614"):
+        kc.store(manager, caches, ids)
+    for c, want in zip(caches, caches_np):
+        np.testing.assert_array_equal(c.numpy().view(np.uint8), want.view(np.uint8))
