@@ -200,7 +200,7 @@ class _Skeleton:
     plan: dict
 
 
-_MAX_SKELETONS = 256
+_MAX_SKELETONS = 4096  # layer-wise engines: layers x directions x chunk counts
 _SMALL_IDS = 32
 DEVICE_SKIP = "device"  # the skeleton key of a device / traced skip
 

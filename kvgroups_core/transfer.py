@@ -11,6 +11,7 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from .descriptors import TensorDesc, TensorSpec
+from .objects import check_objects
 from .planner import Binding, bind, plan_call
 from .registry import Backend, BoundCaches, backend_for_tensors
 
@@ -74,13 +75,25 @@ class PreparedTransfer:
                          ids_spec=self._ids_spec, layers=layers)
         if objects is None:
             objects = self._bound.allocate_objects(plan)
+        if plan.num_chunks == 0:
+            return self._nothing_to_move(plan, objects)
         return self._bound.run(plan, objects)[1]
+
+    def _nothing_to_move(self, plan: Any, objects: Any) -> list:
+        """Zero chunks: the objects are checked like any others (``[0, nbytes]``) and no
+        backend runs, so every backend behaves the same (nothing moved, nothing donated)."""
+        check_objects(plan, objects, self.backend.shape_of)
+        self.backend.validate_objects(plan, self._bound.caches, objects)
+        return list(objects)
 
     def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: Any = 0,
              layers: Any = None) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
         plan = plan_call(self._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
                          to_host=self._to_host, ids_spec=self._ids_spec, layers=layers)
+        if plan.num_chunks == 0:
+            self._nothing_to_move(plan, objects)
+            return self.kv_caches
         new_caches, _ = self._bound.run(plan, objects)
         if new_caches is None:
             return self.kv_caches
