@@ -12,8 +12,8 @@ from dataclasses import replace
 from typing import Any, Sequence
 
 from .descriptors import TensorDesc, TensorSpec
-from .planner import Binding, bind, plan_call
 from .errors import KVGroupsError
+from .planner import Binding, bind, plan_call
 from .registry import Backend, BoundCaches, backend_for_tensors
 from .validate import CacheGuard, check_call_memory
 

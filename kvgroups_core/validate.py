@@ -345,7 +345,7 @@ def check_call_memory(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> N
     if not ranges:
         return
     ranges.sort()
-    for (s0, e0, w0), (s1, e1, w1) in zip(ranges, ranges[1:]):
+    for (_, e0, w0), (s1, _, w1) in zip(ranges, ranges[1:]):
         if s1 < e0:
             raise KVGroupsValueError(f"{w1}: expected memory of its own, got bytes of {w0}")
     caches = guard.cache_ranges()
