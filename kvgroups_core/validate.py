@@ -96,15 +96,17 @@ def _numpy_memory(x: np.ndarray) -> Memory:
     return Memory(start, end - start, bool(x.flags.writeable))
 
 
-def memory_of(backend: Any, x: Any) -> Memory | None:
+def memory_of(backend: Any, x: Any, what: str = "tensor") -> Memory | None:
     """:class:`Memory` of ``x`` (a TensorDesc's array, or an array), None when the framework
-    reports none (arrays that cannot alias, abstract values)."""
+    reports none (arrays that cannot alias, abstract values). A backend's ``memory_of(x,
+    what)`` also refuses arrays no transfer may use (torch meta or autograd tensors, deleted
+    JAX arrays) with a typed error naming ``what``."""
     if isinstance(x, TensorDesc):
         x = x.obj
     if isinstance(x, np.ndarray):
         return _numpy_memory(x)
     reader = getattr(backend, "memory_of", None)
-    return None if reader is None else reader(x)
+    return None if reader is None else reader(x, what)
 
 
 def _key_function(backend: Any) -> Callable[[Any], Any]:
@@ -178,7 +180,7 @@ class CacheGuard:
         if self._memory is None:
             ranges = []
             for x in self._concrete:
-                mem = memory_of(self.backend, x)
+                mem = memory_of(self.backend, x, "kv_caches")
                 if mem is not None and mem.extent:
                     ranges.append((mem.address, mem.address + mem.extent))
             self._memory = _merge(ranges)
@@ -188,7 +190,7 @@ class CacheGuard:
         if self._writable is None:
             ok = True
             for x in self._concrete:
-                mem = memory_of(self.backend, x)
+                mem = memory_of(self.backend, x, "kv_caches")
                 if mem is not None and mem.extent and not (
                         mem.writable and (not mem.host or host_range_writable(mem))):
                     ok = False
@@ -333,7 +335,7 @@ def check_call_memory(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> N
         if other is not None:
             raise KVGroupsValueError(f"{what}: expected its own buffer, got the array of {other}")
         seen[id(arr)] = what
-        mem = memory_of(backend, arr)
+        mem = memory_of(backend, arr, what)
         if mem is None or not mem.extent:
             continue
         _check_rows(backend, arr, what)

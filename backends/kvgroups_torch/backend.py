@@ -11,6 +11,7 @@ from kvgroups_core.descriptors import TensorDesc
 from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 from kvgroups_core.registry import Backend, BoundCaches
+from kvgroups_core.validate import Memory
 
 from . import cuda_path, torch_path
 from .describe import describe_tensor, dtype_of, torch_dtype
@@ -99,8 +100,29 @@ class TorchBackend(Backend):
         self.validate_caches(caches)
         return TorchBoundCaches(self, caches)
 
+    def buffer_key(self, x: Any) -> Any:
+        """What a prepared transfer compares per call to notice a resized or reallocated
+        cache (``resize_``, ``set_``, ``as_strided_``)."""
+        if isinstance(x, torch.Tensor):
+            return x.data_ptr(), x.shape, x.stride()
+        return None
+
+    def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
+        """Where a tensor's bytes are (``kvgroups_core.validate``); tensors a transfer cannot
+        use (meta, autograd) are refused here, before any byte moves."""
+        if not isinstance(x, torch.Tensor):
+            return None
+        _check_usable(x, what)
+        if x.numel() == 0:
+            return Memory(x.data_ptr(), 0, True, x.device.type == "cpu")
+        extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
+        return Memory(x.data_ptr(), extent * x.element_size(), True, x.device.type == "cpu")
+
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
-        """Every backing tensor is a torch tensor on one device."""
+        """Every backing tensor is a torch tensor on one device, with memory and no autograd."""
+        for i, c in enumerate(caches):
+            if isinstance(c.obj, torch.Tensor):
+                _check_usable(c.obj, f"kv_caches (bound tensor {i})")
         device = cache_device(caches)
         for i, c in enumerate(caches):
             if tensor_of(c, f"caches[{i}]").device != device:
@@ -177,6 +199,16 @@ class TorchBackend(Backend):
         if isinstance(ids, torch.Tensor):
             return ids.detach().cpu().numpy()  # synchronises for device ids
         return ids
+
+
+def _check_usable(t: torch.Tensor, what: str) -> None:
+    if t.device.type == "meta":
+        raise KVGroupsValueError(f"{what}: expected a tensor with memory, got a meta tensor")
+    if t.requires_grad:
+        raise KVGroupsValueError(
+            f"{what}: expected a tensor outside autograd (requires_grad=False), got one that "
+            "requires grad; pass tensor.detach()"
+        )
 
 
 class TorchBoundCaches(BoundCaches):
