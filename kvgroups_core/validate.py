@@ -171,8 +171,11 @@ class CacheGuard:
         for n, x in enumerate(self._concrete):
             now = key(x)
             if now != keys[n]:
-                return (f"the bound tensor of slot {self._slot_index[n]} was resized or "
-                        f"reallocated ({_describe_key(keys[n])} -> {_describe_key(now)})")
+                slot = self._slot_index[n]
+                if now is True:  # buffer_key of runtimes whose arrays are only ever deleted
+                    return f"the bound array of slot {slot} was deleted or donated"
+                return (f"the bound tensor of slot {slot} was resized or reallocated "
+                        f"({_describe_key(keys[n])} -> {_describe_key(now)})")
         return None
 
     # Memory facts of the caches, read once per binding on first need.
