@@ -79,13 +79,24 @@ class PreparedTransfer:
                 objects = self._bound.allocate_objects(plan)
             else:
                 check_call_memory(self._guard, plan, objects)
-            return self._bound.run(plan, objects)[1]
+            return self._run(plan, objects)[1]
 
     def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: int = 0) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
         with self._lock:
             self._check_current()
             return self._load(objects, block_ids, skip_first_n_tokens)
+
+    def _run(self, plan: Any, objects: Any) -> tuple:
+        try:
+            return self._bound.run(plan, objects)
+        except RuntimeError as exc:
+            if isinstance(exc, KVGroupsError):
+                raise
+            # A runtime refusing a bound array at dispatch (JAX: deleted or donated, which
+            # is not checked per call): the typed error instead, nothing has moved.
+            self._guard.raise_if_unusable()
+            raise
 
     def _check_current(self) -> None:
         """Bind again when the caches changed since the last call (a replaced entry, a
@@ -98,7 +109,7 @@ class PreparedTransfer:
         plan = plan_call(self._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
                          to_host=self._to_host)
         check_call_memory(self._guard, plan, objects)
-        new_caches, _ = self._bound.run(plan, objects)
+        new_caches, _ = self._run(plan, objects)
         if new_caches is None:
             return self.kv_caches
         if self._positions is not None:
@@ -111,7 +122,7 @@ class PreparedTransfer:
             # keep the replaced arrays alive) are dropped and remade only if read.
             self._objs = list(new_caches)
             self._described = None
-            self._guard.reset(self.kv_caches, self._objs)
+            self._guard.adopt(self.kv_caches, self._objs)
         else:
             self._rebind()
         return self.kv_caches

@@ -19,8 +19,7 @@ from __future__ import annotations
 import bisect
 import operator
 import sys
-from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
@@ -30,15 +29,19 @@ from .formats import EngineKVFormat
 from .layout import num_layers_of
 
 
-@dataclass(frozen=True)
-class Memory:
+class Memory(NamedTuple):
     """Where an array's bytes are: ``[address, address + extent)``; ``writable`` False when
-    they are read-only; ``host`` True for CPU memory (where read-only mappings exist)."""
+    they are read-only; ``host`` True for CPU memory (where read-only mappings exist);
+    ``row_stride`` the bytes between rows of a 2-D array (None otherwise), ``row_bytes`` the
+    bytes of one row, ``rows`` the row count."""
 
     address: int
     extent: int
     writable: bool
     host: bool = True
+    rows: int = 1
+    row_stride: int | None = None
+    row_bytes: int = 0
 
 
 # --- binding -----------------------------------------------------------------------------
@@ -93,6 +96,9 @@ def _first_change(structure: Any, snap: Any, path: str = "kv_caches") -> str | N
 def _numpy_memory(x: np.ndarray) -> Memory:
     start, end = np.lib.array_utils.byte_bounds(x) if hasattr(np.lib, "array_utils") \
         else np.byte_bounds(x)
+    if x.ndim == 2:
+        return Memory(start, end - start, bool(x.flags.writeable), True, x.shape[0],
+                      x.strides[0], x.shape[1] * x.itemsize)
     return Memory(start, end - start, bool(x.flags.writeable))
 
 
@@ -109,19 +115,18 @@ def memory_of(backend: Any, x: Any, what: str = "tensor") -> Memory | None:
     return None if reader is None else reader(x, what)
 
 
-def _key_function(backend: Any) -> Callable[[Any], Any]:
-    """A cheap per-call fingerprint of a bound cache: the backend's ``buffer_key`` when it has
-    one (pointer, shape, strides), for NumPy the same read here."""
-    key = getattr(backend, "buffer_key", None)
-    if key is not None:
-        return key
+def _keys_function(backend: Any) -> Callable[[list], Any] | None:
+    """A cheap per-call fingerprint of the bound caches: the backend's ``buffer_keys(arrays)``
+    (torch: pointer and shape of each), for NumPy the same read here; None when the runtime
+    needs none (JAX arrays never change in place: replacement is noticed by identity)."""
+    if hasattr(backend, "buffer_keys"):
+        return backend.buffer_keys
 
-    def default(x: Any) -> Any:
-        if isinstance(x, np.ndarray):
-            return x.__array_interface__["data"][0], x.shape, x.strides
-        return None  # unknown runtime: replacement is still noticed by identity
+    def numpy_keys(xs: list) -> Any:
+        return [(x.__array_interface__["data"][0], x.shape) if isinstance(x, np.ndarray)
+                else None for x in xs]
 
-    return default
+    return numpy_keys
 
 
 class CacheGuard:
@@ -134,7 +139,7 @@ class CacheGuard:
     """
 
     def __init__(self, backend: Any, kv_caches: Any, slots: Sequence[TensorDesc]) -> None:
-        self._key = _key_function(backend)
+        self._keys_of = _keys_function(backend)
         self.backend = backend
         self.reset(kv_caches, [d.obj for d in slots], slots)
 
@@ -149,12 +154,26 @@ class CacheGuard:
                         if d.obj is not None and not d.is_abstract]
         else:
             concrete = list(enumerate(objs))
-        key = self._key
         self._concrete = [x for _, x in concrete]
         self._slot_index = [i for i, _ in concrete]
-        self._keys = [key(x) for x in self._concrete]
+        keys_of = self._keys_of
+        self._keys = keys_of(self._concrete) if keys_of is not None else None
         self._memory: list[tuple[int, int]] | None = None  # cache byte ranges, sorted
         self._writable: bool | None = None
+
+    def adopt(self, kv_caches: Any, objs: Sequence[Any]) -> None:
+        """After a load returned new arrays for the bound ones (JAX), slot for slot: the cheap
+        form of :meth:`reset` (same structure, same layouts)."""
+        if self._flat and type(kv_caches) is list:
+            self._snap = list(kv_caches)
+        else:
+            self._flat = False
+            self._snap = _snapshot(kv_caches)
+        self._concrete = list(objs)
+        self._slot_index = list(range(len(self._concrete)))
+        if self._keys is not None:
+            self._keys = self._keys_of(self._concrete)
+        self._memory = None
 
     def changed(self, kv_caches: Any) -> str | None:
         if self._flat:
@@ -166,17 +185,21 @@ class CacheGuard:
             found = _first_change(kv_caches, self._snap)
             if found:
                 return found
-        key = self._key
         keys = self._keys
-        for n, x in enumerate(self._concrete):
-            now = key(x)
-            if now != keys[n]:
-                slot = self._slot_index[n]
-                if now is True:  # buffer_key of runtimes whose arrays are only ever deleted
-                    return f"the bound array of slot {slot} was deleted or donated"
-                return (f"the bound tensor of slot {slot} was resized or reallocated "
-                        f"({_describe_key(keys[n])} -> {_describe_key(now)})")
+        if keys is None:
+            return None
+        now = self._keys_of(self._concrete)
+        if now != keys:
+            n = next(i for i, (a, b) in enumerate(zip(keys, now)) if a != b)
+            return (f"the bound tensor of slot {self._slot_index[n]} was resized or "
+                    f"reallocated ({_describe_key(keys[n])} -> {_describe_key(now[n])})")
         return None
+
+    def raise_if_unusable(self) -> None:
+        """Raise the backend's typed error for a bound array no call may use any more (a
+        deleted or donated JAX array): how a runtime's own dispatch error is explained."""
+        for n, x in enumerate(self._concrete):
+            memory_of(self.backend, x, f"kv_caches (bound array {self._slot_index[n]})")
 
     # Memory facts of the caches, read once per binding on first need.
     def cache_ranges(self) -> list[tuple[int, int]]:
@@ -205,6 +228,8 @@ class CacheGuard:
 def _describe_key(key: Any) -> str:
     if isinstance(key, tuple) and len(key) >= 2:
         return f"address {key[0]:#x}, shape {tuple(key[1])}"
+    if isinstance(key, int):
+        return f"address {key:#x}"
     return repr(key)
 
 
@@ -291,14 +316,19 @@ def _is_backend_array(backend: Any, x: Any) -> bool:
     return hit
 
 
-def _leaves(objects: Sequence[Any]) -> list[tuple[str, Any]]:
+def _leaves(objects: Sequence[Any]) -> list[tuple[Any, int, int]]:
+    """``(array, object group, chunk or -1)`` of every object buffer."""
     out = []
     for g, entry in enumerate(objects):
         if isinstance(entry, (list, tuple)):
-            out.extend((f"objects[{g}][{c}]", x) for c, x in enumerate(entry))
+            out.extend((x, g, c) for c, x in enumerate(entry))
         else:
-            out.append((f"objects[{g}]", entry))
+            out.append((entry, g, -1))
     return out
+
+
+def _name(g: int, c: int) -> str:
+    return f"objects[{g}]" if c < 0 else f"objects[{g}][{c}]"
 
 
 def check_object_types(backend: Any, objects: Any) -> None:
@@ -310,11 +340,11 @@ def check_object_types(backend: Any, objects: Any) -> None:
         )
     if not backend.array_types:
         return  # a backend that names no array type judges its objects itself
-    for what, x in _leaves(objects):
+    for x, g, c in _leaves(objects):
         arr = x.obj if isinstance(x, TensorDesc) else x
         if isinstance(x, TensorSpec) or arr is None or not _is_backend_array(backend, arr):
             raise KVGroupsTypeError(
-                f"{what}: expected a uint8 array of the {backend.name!r} backend "
+                f"{_name(g, c)}: expected a uint8 array of the {backend.name!r} backend "
                 f"({', '.join(backend.array_types)}), got {type(arr).__name__}"
             )
 
@@ -330,46 +360,43 @@ def check_call_memory(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> N
             "kv_caches: expected writable memory for a load, got read-only memory"
         )
     leaves = _leaves(objects)
-    seen: dict[int, str] = {}
-    ranges: list[tuple[int, int, str]] = []
-    for what, x in leaves:
+    if len(leaves) > 1 and len({id(x) for x, _, _ in leaves}) < len(leaves):
+        seen: dict[int, str] = {}
+        for x, g, c in leaves:
+            if id(x) in seen:
+                raise KVGroupsValueError(
+                    f"{_name(g, c)}: expected its own buffer, got the array of {seen[id(x)]}"
+                )
+            seen[id(x)] = _name(g, c)
+    ranges: list[tuple[int, int, int, int]] = []
+    for x, g, c in leaves:
         arr = x.obj if isinstance(x, TensorDesc) else x
-        other = seen.get(id(arr))
-        if other is not None:
-            raise KVGroupsValueError(f"{what}: expected its own buffer, got the array of {other}")
-        seen[id(arr)] = what
-        mem = memory_of(backend, arr, what)
+        mem = memory_of(backend, arr, _name(g, c))
         if mem is None or not mem.extent:
             continue
-        _check_rows(backend, arr, what)
+        if mem.row_stride is not None and mem.rows > 1 and not mem.row_stride >= mem.row_bytes:
+            raise KVGroupsValueError(
+                f"{_name(g, c)}: expected rows of their own (row stride >= {mem.row_bytes} "
+                f"bytes), got a row stride of {mem.row_stride} bytes"
+            )
         if store and not (mem.writable and (not mem.host or host_range_writable(mem))):
             raise KVGroupsValueError(
-                f"{what}: expected writable memory to store into, got read-only memory"
+                f"{_name(g, c)}: expected writable memory to store into, got read-only memory"
             )
-        ranges.append((mem.address, mem.address + mem.extent, what))
+        ranges.append((mem.address, mem.address + mem.extent, g, c))
     if not ranges:
         return
-    ranges.sort()
-    for (_, e0, w0), (s1, _, w1) in zip(ranges, ranges[1:]):
-        if s1 < e0:
-            raise KVGroupsValueError(f"{w1}: expected memory of its own, got bytes of {w0}")
+    if len(ranges) > 1:
+        ranges.sort()
+        for (_, e0, g0, c0), (s1, _, g1, c1) in zip(ranges, ranges[1:]):
+            if s1 < e0:
+                raise KVGroupsValueError(
+                    f"{_name(g1, c1)}: expected memory of its own, got bytes of {_name(g0, c0)}"
+                )
     caches = guard.cache_ranges()
-    for start, end, what in ranges:
+    for start, end, g, c in ranges:
         if _overlaps(caches, start, end):
             raise KVGroupsValueError(
-                f"{what}: expected memory apart from the caches, got bytes of a cache tensor"
+                f"{_name(g, c)}: expected memory apart from the caches, got bytes of a cache "
+                "tensor"
             )
-
-
-def _check_rows(backend: Any, arr: Any, what: str) -> None:
-    """A ``[num_chunks, nbytes]`` object's rows must not overlap (stride-0 or short row
-    strides would make two chunks share bytes)."""
-    _, shape, strides = backend.shape_of(arr)
-    if len(shape) == 2 and shape[0] > 1 and shape[1] > 0 and not strides[0] >= shape[1]:
-        raise KVGroupsValueError(
-            f"{what}: expected rows of their own (row stride >= {shape[1]} bytes), got "
-            f"strides {tuple(strides)}"
-        )
-    if any(s < 0 for s in strides):
-        raise KVGroupsValueError(f"{what}: expected non-negative strides, got {tuple(strides)}")
-

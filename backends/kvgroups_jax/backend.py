@@ -67,10 +67,9 @@ class JaxBackend(Backend):
         self.validate_caches(caches)
         return _BoundJax(self, caches)
 
-    def buffer_key(self, x: Any) -> Any:
-        """A prepared transfer's per-call check of a bound cache: JAX arrays never change
-        shape or place, but may be deleted or donated by another call."""
-        return x.is_deleted() if _concrete(x) else None
+    #: No per-call fingerprint of bound caches (``kvgroups_core.validate.CacheGuard``): a JAX
+    #: array never changes in place, and a deleted one fails at dispatch, before anything runs.
+    buffer_keys = None
 
     def memory_of(self, x: Any, what: str = "array") -> Memory | None:
         """XLA's buffers never alias one another, so there is no range to check

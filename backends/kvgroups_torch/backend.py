@@ -100,23 +100,30 @@ class TorchBackend(Backend):
         self.validate_caches(caches)
         return TorchBoundCaches(self, caches)
 
-    def buffer_key(self, x: Any) -> Any:
-        """What a prepared transfer compares per call to notice a resized or reallocated
-        cache (``resize_``, ``set_``, ``as_strided_``)."""
-        if isinstance(x, torch.Tensor):
-            return x.data_ptr(), x.shape, x.stride()
-        return None
+    def buffer_keys(self, xs: list) -> list:
+        """What a prepared transfer compares per call to notice a reallocated cache
+        (``resize_`` past its storage, ``set_``, ``.data =``): each bound tensor's address.
+        The address alone is what memory safety needs (a storage never shrinks under the same
+        address) and costs a fifth of address plus shape (torch builds a ``Size`` per read)."""
+        ptr = _DATA_PTR
+        return [ptr(x) if isinstance(x, torch.Tensor) else None for x in xs]
 
     def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
         """Where a tensor's bytes are (``kvgroups_core.validate``); tensors a transfer cannot
         use (meta, autograd) are refused here, before any byte moves."""
         if not isinstance(x, torch.Tensor):
             return None
-        _check_usable(x, what)
-        if x.numel() == 0:
-            return Memory(x.data_ptr(), 0, True, x.device.type == "cpu")
-        extent = 1 + sum((n - 1) * s for n, s in zip(x.shape, x.stride()))
-        return Memory(x.data_ptr(), extent * x.element_size(), True, x.device.type == "cpu")
+        if x.requires_grad or x.is_meta:
+            _check_usable(x, what)
+        shape, strides, e = x.shape, x.stride(), x.element_size()
+        host = not x.is_cuda
+        if 0 in shape:
+            return Memory(x.data_ptr(), 0, True, host)
+        extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * e
+        if len(shape) == 2:
+            return Memory(x.data_ptr(), extent, True, host, shape[0], strides[0] * e,
+                          shape[1] * e)
+        return Memory(x.data_ptr(), extent, True, host)
 
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
         """Every backing tensor is a torch tensor on one device, with memory and no autograd."""
@@ -199,6 +206,9 @@ class TorchBackend(Backend):
         if isinstance(ids, torch.Tensor):
             return ids.detach().cpu().numpy()  # synchronises for device ids
         return ids
+
+
+_DATA_PTR = torch.Tensor.data_ptr
 
 
 def _check_usable(t: torch.Tensor, what: str) -> None:
