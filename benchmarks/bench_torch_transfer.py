@@ -1,6 +1,6 @@
 """Throughput and host cost of the torch backend's store / load, next to measured ceilings.
 
-Shapes come from the shared catalogue (``kvgroups_core.catalog``): Llama-3-8B-like (32 layers,
+Shapes come from the shared catalogue (``kvgroups_tools.catalog``): Llama-3-8B-like (32 layers,
 8 KV heads x 128, block 16, bf16, NHD) and small pages (1 KV head x 64). Per shape: 64 chunks
 of 256 tokens to random blocks, store and load, objects in GPU memory and in pinned host
 memory (direct UVA access and staging + one bulk copy), against
@@ -39,10 +39,10 @@ from kvgroups_torch import (  # noqa: E402
     torch_path,
 )
 
-from kvgroups_core.catalog import MODELS  # noqa: E402
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
 from kvgroups_core.planner import bind, plan_call  # noqa: E402
 from kvgroups_core.transfer import prepare, store  # noqa: E402
+from kvgroups_tools.catalog import MODELS  # noqa: E402
 
 
 def cuda_ms(fn, iters: int, warmup: int, batch_s: float = 0.005) -> dict:
@@ -90,7 +90,7 @@ class Setup:
         self.manager = KVLayerGroupsManager(self.caches, list(model.formats),
                                             lmcache_tokens_per_chunk=256)
         self.binding = bind(self.manager, self.caches)
-        self.slots = list(self.binding.slots)
+        self.slots = list(self.binding.tensors)
         bpc = self.manager.calculate_num_blocks(0, 256)
         rng = np.random.default_rng(1)
         self.ids = [rng.permutation(num_blocks)[: chunks * bpc] for _ in range(rotate)]
@@ -224,7 +224,7 @@ def host_cost(args, emit) -> None:
     caches = random_caches(model, "cuda")
     manager = KVLayerGroupsManager(caches, list(model.formats), lmcache_tokens_per_chunk=256)
     binding = bind(manager, caches)
-    slots = list(binding.slots)
+    slots = list(binding.tensors)
     backend = TorchBackend()
     bpc = manager.calculate_num_blocks(0, 256)
     rng = np.random.default_rng(2)

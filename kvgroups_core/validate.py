@@ -298,14 +298,20 @@ def host_range_writable(mem: Memory) -> bool:
 _FRAMEWORK_OF: dict[tuple[int, type], bool] = {}
 
 
+def _resolve_class(qualified: str) -> type | None:
+    """The class named ``qualified`` when its module is already imported (never imports)."""
+    module_name, _, cls_name = qualified.rpartition(".")
+    module = sys.modules.get(module_name)
+    cls = getattr(module, cls_name, None) if module is not None else None
+    return cls if isinstance(cls, type) else None
+
+
 def _is_backend_array(backend: Any, x: Any) -> bool:
     """Whether ``x`` is an array type ``backend`` handles (its ``array_types``)."""
     t = type(x)
     key = (id(backend), t)
     hit = _FRAMEWORK_OF.get(key)
     if hit is None:
-        from .registry import _resolve_class  # registry imports the planner, which imports us
-
         hit = False
         for qualified in backend.array_types:
             cls = _resolve_class(qualified)

@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgroups_core import bench, bench_matrix
-from kvgroups_core.bench_kit_numpy import NumpyKit, run_take
-from kvgroups_core.bench_report import summarize
-from kvgroups_core.catalog import MODELS
 from kvgroups_core.errors import KVGroupsValueError
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.planner import bind, plan_call
 from kvgroups_core.reference import NumpyBackend
+from kvgroups_tools import bench, bench_matrix
+from kvgroups_tools.bench_kits.numpy_kit import NumpyKit, run_take
+from kvgroups_tools.bench_report import summarize
+from kvgroups_tools.catalog import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSFER_FIELDS = (
@@ -45,7 +45,7 @@ def tiny_run(tmp_path_factory):
     # Force CPU devices: CI has no GPU, and a developer's GPU must not change the records.
     backends = ",".join(b if b == "numpy" else f"{b}-cpu" for b in expected_backends())
     result = subprocess.run(
-        [sys.executable, "-m", "kvgroups_core.cli", "bench", "--matrix", "tiny", "--backends",
+        [sys.executable, "-m", "kvgroups_tools.cli", "bench", "--matrix", "tiny", "--backends",
          backends, "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     stdout_records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
@@ -115,7 +115,7 @@ def test_tiny_manager_and_summary_records(tiny_run):
 
 
 def test_summarize_command_reads_records_back(tiny_run, capsys):
-    from kvgroups_core import cli
+    from kvgroups_tools import cli
 
     assert cli.main(["bench", "--summarize", str(tiny_run[1]), "--quiet"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
@@ -123,7 +123,7 @@ def test_summarize_command_reads_records_back(tiny_run, capsys):
 
 
 def test_sweep_tables_have_a_row_per_value_and_a_column_per_path(tiny_run):
-    from kvgroups_core.bench_report import sweep_tables
+    from kvgroups_tools.bench_report import sweep_tables
 
     records = tiny_run[2]
     blocks = sweep_tables(records, ["page", "layers"], device="cpu").split("\n\n")
@@ -159,7 +159,8 @@ def test_plot_draws_a_png_from_the_tiny_records(tiny_run, tmp_path):
 def test_the_engine_imports_no_framework():
     script = (
         "import sys\n"
-        "from kvgroups_core import bench, bench_kit_numpy, bench_matrix, bench_report, cli_bench\n"
+        "from kvgroups_tools import bench, bench_matrix, bench_report, cli_bench\n"
+        "from kvgroups_tools.bench_kits import numpy_kit\n"
         "records = bench.BenchRun(bench_matrix.tiny(), lambda r: None).run(['numpy'])\n"
         "assert any(r['record'] == 'transfer' for r in records)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')))\n")
@@ -255,21 +256,21 @@ def test_take_baseline_matches_the_reference_with_windows_and_skips():
     store = plan_call(binding, ids, "store")
     want = [np.zeros((3, n), np.uint8) for n in binding.object_nbytes]
     got = [np.zeros((3, n), np.uint8) for n in binding.object_nbytes]
-    NumpyBackend().execute(store, list(binding.slots), want)
-    run_take(store, list(binding.slots), got)
+    NumpyBackend().execute(store, list(binding.tensors), want)
+    run_take(store, list(binding.tensors), got)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     load = plan_call(binding, ids, "load", skip_first_n_tokens=300)
     assert any(g.first_item for g in load.groups)
 
     def bits():  # bytes, not values: random bf16 bits include NaNs
-        return [s.obj.view(np.uint8).copy() for s in binding.slots]
+        return [s.obj.view(np.uint8).copy() for s in binding.tensors]
 
     before = bits()
-    run_take(load, list(binding.slots), [w[::-1].copy() for w in want])
+    run_take(load, list(binding.tensors), [w[::-1].copy() for w in want])
     after_take = bits()
-    for s, b in zip(binding.slots, before):
+    for s, b in zip(binding.tensors, before):
         s.obj.view(np.uint8)[...] = b
-    NumpyBackend().execute(load, list(binding.slots), [w[::-1].copy() for w in want])
+    NumpyBackend().execute(load, list(binding.tensors), [w[::-1].copy() for w in want])
     after_ref = bits()
     assert all(np.array_equal(a, b) for a, b in zip(after_take, after_ref))
     assert not all(np.array_equal(a, b) for a, b in zip(after_take, before))
