@@ -115,6 +115,8 @@ class TorchBackend(Backend):
             return None
         if x.requires_grad or x.is_meta:
             _check_usable(x, what)
+        if type(x) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(x):
+            return None  # torch.compile's fakes: no memory to judge (planning only)
         shape, strides, e = x.shape, x.stride(), x.element_size()
         host = not x.is_cuda
         if 0 in shape:
