@@ -287,8 +287,10 @@ def test_random_inputs_are_moved_exactly_or_refused_untouched(name):
 
 
 def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
-    return len(a) == len(b) and all(
-        x.shape == y.shape and np.array_equal(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b))
+    """Same bytes in the same order (a per-chunk list and its stacked array compare equal)."""
+    flat = [np.concatenate([x.reshape(-1) for x in xs]) if xs else np.zeros(0, np.uint8)
+            for xs in (a, b)]
+    return np.array_equal(flat[0], flat[1])
 
 
 def test_read_only_mappings_are_refused_without_a_crash():
