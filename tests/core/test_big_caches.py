@@ -110,3 +110,80 @@ def test_xla_index_range_check_refuses_past_int32():
     huge = SimpleNamespace(span=1, unit=1, operand_sizes=(2**31,))
     with pytest.raises(NotImplementedError, match="XLA path"):
         xla_copy.check_index_range(huge, 1, 16, rows=True)
+
+
+def _cuda() -> bool:
+    if not importlib.util.find_spec("torch"):
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _jax_gpu() -> bool:
+    if not importlib.util.find_spec("jax"):
+        return False
+    import jax
+
+    try:
+        return bool(jax.devices("gpu"))
+    except RuntimeError:
+        return False
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _cuda(), reason="no CUDA GPU")
+def test_torch_cuda_moves_blocks_past_2_31_elements():
+    """The CUDA kernel's cache addressing is 64-bit (base + id * block_stride in int64)."""
+    import torch
+
+    pytest.importorskip("kvgroups_torch")
+    cache = torch.zeros((NB, BS, HS), dtype=torch.uint8, device="cuda")
+    cache[HIGH] = torch.from_numpy(_page(HIGH).reshape(BS, HS)).cuda()
+    cache[LOW] = torch.from_numpy(_page(LOW).reshape(BS, HS)).cuda()
+    manager = _manager(cache)
+    objects = kc.store(manager, [cache], np.array([HIGH, LOW]))
+    got = objects[0].cpu().numpy().reshape(2, PAGE)
+    np.testing.assert_array_equal(got[0], _page(HIGH))
+    np.testing.assert_array_equal(got[1], _page(LOW))
+    kc.load(manager, objects, [cache], np.array([LOW, HIGH]))
+    np.testing.assert_array_equal(cache[LOW].cpu().numpy().ravel(), _page(HIGH))
+    np.testing.assert_array_equal(cache[HIGH].cpu().numpy().ravel(), _page(LOW))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not _jax_gpu(), reason="no JAX GPU")
+@pytest.mark.parametrize("lowering", ["auto", "xla", "triton"])
+def test_jax_gpu_moves_blocks_past_2_31_elements_or_refuses(lowering):
+    """``auto`` leaves the Pallas kernels (int32 indexing) for XLA's row path past 2**31
+    units; an explicit Triton request is refused before anything is donated."""
+    import jax
+    import jax.numpy as jnp
+
+    from kvgroups_core import registry
+
+    name = f"jax-{lowering}-big"
+    if name not in registry.registered_backends():
+        from kvgroups_jax import JaxBackend
+
+        registry.register_backend(name, lambda: JaxBackend(lowering=lowering))
+    high, low = jnp.asarray(_page(HIGH).reshape(BS, HS)), jnp.asarray(_page(LOW).reshape(BS, HS))
+
+    @jax.jit
+    def build():
+        return jnp.zeros((NB, BS, HS), jnp.uint8).at[HIGH].set(high).at[LOW].set(low)
+
+    arr = build()
+    manager = _manager(arr)
+    if lowering == "triton":
+        with pytest.raises(kc.UnsupportedConfig, match="int32"):
+            kc.store(manager, [arr], np.array([HIGH, LOW]), backend=name)
+        assert not arr.is_deleted()
+        return
+    objects = kc.store(manager, [arr], np.array([HIGH, LOW]), backend=name)
+    got = np.asarray(objects[0]).reshape(2, PAGE)
+    np.testing.assert_array_equal(got[0], _page(HIGH))
+    np.testing.assert_array_equal(got[1], _page(LOW))
+    (arr,) = kc.load(manager, objects, [arr], np.array([LOW, HIGH]), backend=name)
+    np.testing.assert_array_equal(np.asarray(arr[LOW]).ravel(), _page(HIGH))
+    np.testing.assert_array_equal(np.asarray(arr[HIGH]).ravel(), _page(LOW))
