@@ -7,6 +7,7 @@ per-group slot counts) to build a :class:`~kvgroups_core.plan.TransferPlan`.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -63,6 +64,10 @@ class KVLayerGroupsManager:
     separate_object_groups : bool, default True
         Split kernel groups into one object group per window size (in chunks); False puts
         every kernel group in one full-attention object group.
+    full_sw_kv : bool, default False (keyword only)
+        Full-SW mode: store every block of sliding-window groups (see
+        :meth:`with_full_sw_kv`). Chosen here because a manager never changes once it has
+        been used for a transfer: plans and prepared transfers rely on its layout.
 
     Raises
     ------
@@ -82,6 +87,8 @@ class KVLayerGroupsManager:
         engine_group_infos: Sequence[EngineGroupInfo] = (),
         lmcache_tokens_per_chunk: int = 256,
         separate_object_groups: bool = True,
+        *,
+        full_sw_kv: bool = False,
     ) -> None:
         chunk = as_int(lmcache_tokens_per_chunk, "lmcache_tokens_per_chunk")
         if chunk <= 0:
@@ -96,7 +103,14 @@ class KVLayerGroupsManager:
                 )
         self._lmcache_tokens_per_chunk = chunk
         self._separate_object_groups = bool(separate_object_groups)
-        self._full_sw_kv = False
+        if not isinstance(full_sw_kv, bool):
+            raise KVGroupsTypeError(
+                f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}"
+            )
+        self._full_sw_kv = full_sw_kv
+        # Set when a transfer first binds this manager (kvgroups_core.validate); from then on
+        # nothing about its layout may change (enable_full_sw_kv refuses).
+        self._in_use = False
         self._kernel_groups: list[KernelGroupInfo] = []
         self._object_groups: list[ObjectGroupInfo] = []
         self._identities: list[KernelGroupIdentity] = []
@@ -288,9 +302,34 @@ class KVLayerGroupsManager:
         group = self._group(kernel_group_idx)
         return group.calculate_slots(num_tokens) // group.shape_desc.bs
 
+    def with_full_sw_kv(self, enabled: bool = True) -> "KVLayerGroupsManager":
+        """A new manager of the same grouping in (or out of) full-SW mode: every block of
+        sliding-window groups is stored, so a chunk is reusable at any position, and
+        :meth:`get_attn_desc` reports full attention for every group. ``self`` is unchanged
+        (transfers prepared with it keep its layout)."""
+        if not isinstance(enabled, bool):
+            raise KVGroupsTypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+        new = copy.copy(self)  # the group lists are never mutated, so sharing them is safe
+        new._full_sw_kv = enabled
+        new._in_use = False
+        return new
+
     def enable_full_sw_kv(self) -> None:
-        """Store every block of sliding-window groups, so a chunk is reusable at any
-        position; :meth:`get_attn_desc` then reports full attention for every group."""
+        """LMCache's name for switching to full-SW mode in place (see :meth:`with_full_sw_kv`).
+
+        Allowed only before the manager is first used for a transfer (LMCache calls it right
+        after construction): a plan or prepared transfer made before would otherwise move
+        objects of the old size. Afterwards it raises; use ``with_full_sw_kv()`` or
+        ``KVLayerGroupsManager(..., full_sw_kv=True)`` instead.
+        """
+        if self._full_sw_kv:
+            return
+        if self._in_use:
+            raise KVGroupsValueError(
+                "enable_full_sw_kv: expected a manager not yet used for a transfer, got one "
+                "already bound to caches (its object sizes are in use); call "
+                "manager.with_full_sw_kv() for a new manager instead"
+            )
         self._full_sw_kv = True
 
     def get_attn_desc(self) -> AttnWindowDesc:

@@ -20,6 +20,7 @@ from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from .layout import LayerLayout, layer_layout
 from .objects import object_nbytes, object_regions
 from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan, skip_first_item
+from .validate import check_bind_inputs
 
 
 def _chunk_windows(manager: Any, k: int) -> int:
@@ -143,6 +144,7 @@ class Binding:
 
 def bind(manager: Any, kv_caches: Any) -> Binding:
     """Validate ``kv_caches`` against ``manager`` and precompute the per-group geometry."""
+    check_bind_inputs(manager, kv_caches)
     group_layouts, tensors, tensor_index = bind_caches(manager, kv_caches)
     regions = {}
     object_sizes = []
