@@ -1,0 +1,193 @@
+"""Convert memory objects between a TP group's ranks and the whole model (canonical objects).
+
+``merge_shards`` assembles the objects a TP=1 store of the whole cache gives from the objects
+of every rank of a TP group; ``split_canonical`` cuts canonical objects into the objects one
+rank's ``load`` takes. Both work for either object layout (:mod:`.tensor_parallel`).
+
+The arrays are the caller's (NumPy, torch, JAX, on the host or a device) and never leave their
+framework: the conversion is written with what every one of them has, ``x[:, a:b]`` slicing,
+the ``.reshape(shape)`` and ``.swapaxes(a, b)`` methods and the array namespace's ``concat``.
+The namespace comes from the array (``__array_namespace__``: NumPy >= 2, JAX) or, for torch
+(which has none), from the module already loaded in ``sys.modules`` that defines its type, so
+the core imports no framework. Each region is moved by one slice-reshape per head set and one
+``concat``, over every chunk at once: no Python loop over chunks.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .errors import KVGroupsTypeError, KVGroupsValueError
+from .objects import object_nbytes, object_regions
+from .tensor_parallel import TP_NATIVE, check_managers
+
+
+def _namespace(x: Any) -> Any:
+    get = getattr(x, "__array_namespace__", None)
+    if get is not None:
+        return get()
+    module = sys.modules.get(type(x).__module__.partition(".")[0])
+    if module is None or not hasattr(module, "concat"):
+        raise KVGroupsTypeError(
+            f"objects: expected NumPy, torch or JAX arrays (or any array with "
+            f"__array_namespace__), got {type(x).__name__}"
+        )
+    return module
+
+
+def _concat(parts: list, axis: int) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    return _namespace(parts[0]).concat(parts, axis=axis)
+
+
+def _join(pieces: list, fresh: list[bool]) -> Any:
+    """The pieces side by side in each chunk's row, as a new array (a lone piece that is
+    still a view of the input is copied, so results never alias the caller's objects)."""
+    if len(pieces) == 1 and not fresh[0]:
+        return _namespace(pieces[0]).asarray(pieces[0], copy=True)
+    return _concat(pieces, axis=1)
+
+
+def _check_object(x: Any, nbytes: int, what: str) -> int:
+    """``x`` must be uint8 ``[num_chunks, nbytes]``; returns num_chunks."""
+    dtype = str(getattr(x, "dtype", None)).rpartition(".")[2]
+    shape = tuple(getattr(x, "shape", ()))
+    if dtype != "uint8" or len(shape) != 2 or shape[1] != nbytes:
+        raise KVGroupsValueError(
+            f"{what}: expected uint8 [num_chunks, {nbytes}], got {dtype} {list(shape)}"
+        )
+    return int(shape[0])
+
+
+def _check_list(objects: Any, count: int, what: str) -> list:
+    if not isinstance(objects, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"{what}: expected a list with one object array per object group, got "
+            f"{type(objects).__name__}"
+        )
+    if len(objects) != count:
+        raise KVGroupsValueError(
+            f"{what}: expected {count} entries (one per object group), got {len(objects)}"
+        )
+    return list(objects)
+
+
+def _region_rows(region: Any) -> tuple[int, int]:
+    """``(rows, row_bytes)`` of a region seen as byte rows."""
+    kv, nl, slots, _ = region.shape
+    return kv * nl * slots, region.row_bytes
+
+
+def merge_shards(managers: Any, objects_per_rank: Any) -> list:
+    """The canonical objects (a TP=1 store of the whole cache) from every rank's objects.
+
+    Parameters
+    ----------
+    managers : list of KVLayerGroupsManager
+        One per rank of the TP group, in rank order (``managers[r].tp_rank == r``), with equal
+        fingerprints.
+    objects_per_rank : list
+        ``objects_per_rank[r]`` is what rank ``r``'s store returned: one uint8
+        ``[num_chunks, object_nbytes]`` array per object group. With the TP-native layout
+        every rank may pass the same shared buffers (each rank's part is read from its own).
+
+    Returns
+    -------
+    list
+        One uint8 ``[num_chunks, canonical_nbytes]`` array per object group, of the inputs'
+        framework and device, new arrays (never views of the inputs). Replicated groups take
+        their owner rank's copy.
+    """
+    managers = check_managers(managers)
+    ref = managers[0]
+    size = ref.tp_size
+    per_rank = _check_list(objects_per_rank, size, "objects_per_rank")
+    per_rank = [_check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
+                for r, objs in enumerate(per_rank)]
+    chunk_counts = []
+    for og in range(ref.num_object_groups):  # every input checked before anything is built
+        counts = {_check_object(per_rank[r][og], object_nbytes(m, og),
+                                f"objects_per_rank[{r}][{og}]") for r, m in enumerate(managers)}
+        if len(counts) > 1:
+            raise KVGroupsValueError(
+                f"objects_per_rank[*][{og}]: expected one chunk count for every rank, got "
+                f"{sorted(counts)}"
+            )
+        chunk_counts.append(counts.pop())
+    out = []
+    for og, chunks in enumerate(chunk_counts):
+        regions = [object_regions(m, og) for m in managers]
+        pieces, fresh = [], []
+        for i, region in enumerate(regions[0]):
+            shard = ref.tp_shard(region.kernel_group_idx)
+            rows, row_bytes = _region_rows(region)
+            parts = []
+            for part in range(shard.num_parts):
+                r = shard.owner_of_part(part)
+                src = regions[r][i]
+                piece = per_rank[r][og][:, src.offset:src.offset + src.nbytes]
+                parts.append(piece.reshape((chunks, rows, 1, row_bytes)))
+            merged = _concat(parts, axis=2)  # rank parts side by side in each token row
+            pieces.append(merged.reshape((chunks, rows * row_bytes * shard.num_parts)))
+            fresh.append(len(parts) > 1)
+        out.append(_join(pieces, fresh))
+    return out
+
+
+def canonical_nbytes(manager: Any, object_group_idx: int) -> int:
+    """Bytes of one chunk's canonical (whole-model) object of ``object_group_idx``."""
+    return sum(r.nbytes * manager.tp_shard(r.kernel_group_idx).num_parts
+               for r in object_regions(manager, object_group_idx))
+
+
+def split_canonical(manager: Any, objects: Any) -> list:
+    """This rank's objects, which ``load(manager, ...)`` takes, from canonical objects.
+
+    Parameters
+    ----------
+    manager : KVLayerGroupsManager
+        The rank's manager (``tp_rank``, ``tp_size``, ``object_layout``).
+    objects : list
+        Canonical objects, one uint8 ``[num_chunks, canonical_nbytes]`` array per object group
+        (what a TP=1 store, or :func:`merge_shards`, gives).
+
+    Returns
+    -------
+    list
+        Canonical layout: the rank's own objects (its heads of every region). TP-native
+        layout: the whole TP-native object, the same for every rank of the group (each rank's
+        load reads its own byte ranges), so one conversion serves the whole group.
+    """
+    objects = _check_list(objects, manager.num_object_groups, "objects")
+    native = manager.object_layout == TP_NATIVE
+    chunk_counts = [_check_object(objects[og], canonical_nbytes(manager, og), f"objects[{og}]")
+                    for og in range(manager.num_object_groups)]
+    out = []
+    for og, chunks in enumerate(chunk_counts):
+        full = objects[og]
+        pieces, fresh = [], []
+        offset = 0
+        for region in object_regions(manager, og):
+            shard = manager.tp_shard(region.kernel_group_idx)
+            rows, row_bytes = _region_rows(region)
+            parts = shard.num_parts
+            nbytes = region.nbytes * parts
+            whole = full[:, offset:offset + nbytes].reshape((chunks, rows, parts * row_bytes))
+            offset += nbytes
+            if native and parts > 1:
+                # [chunks, rows, parts, row] -> [chunks, parts, rows, row]: heads outermost.
+                piece = whole.reshape((chunks, rows, parts, row_bytes)).swapaxes(1, 2)
+                pieces.append(piece.reshape((chunks, nbytes)))
+                fresh.append(rows > 1)  # a real transposition: reshape had to copy
+                continue
+            if native or parts == 1:
+                pieces.append(whole.reshape((chunks, nbytes)))
+            else:
+                start = shard.part * row_bytes
+                piece = whole[:, :, start:start + row_bytes]
+                pieces.append(piece.reshape((chunks, rows * row_bytes)))
+            fresh.append(False)  # reshape may or may not have copied: copy to be sure
+        out.append(_join(pieces, fresh))
+    return out
