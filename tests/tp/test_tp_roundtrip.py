@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from tp_models import (
     MODELS,
+    assert_same_bytes,
     block_ids,
     leaves,
     make_model_caches,
@@ -14,6 +15,8 @@ from tp_models import (
     reference_load,
     reference_store,
     shard_caches,
+    to_backend,
+    to_numpy,
 )
 
 from kvgroups_core import load, merge_shards, split_canonical, store
@@ -22,24 +25,6 @@ torch = pytest.importorskip("torch")
 
 BACKENDS = ["numpy", "torch"]
 NUM_CHUNKS = 3
-
-
-def to_backend(structure, backend):
-    if isinstance(structure, list):
-        return [to_backend(x, backend) for x in structure]
-    return torch.from_numpy(structure.copy()) if backend == "torch" else structure.copy()
-
-
-def to_numpy(x):
-    return x.numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
-
-
-def assert_same_bytes(got_list, want_list):
-    assert len(got_list) == len(want_list)
-    for got, want in zip(got_list, want_list):
-        got = to_numpy(got)
-        assert got.dtype == want.dtype and got.shape == want.shape
-        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
 
 
 def rank_objects(model, full, ids, tp, backend, **kw):

@@ -150,6 +150,29 @@ def copy_structure(structure):
     return structure.copy()
 
 
+def to_backend(structure, backend: str):
+    """A copy of a NumPy structure as ``backend``'s arrays ("numpy" or "torch", CPU)."""
+    if isinstance(structure, list):
+        return [to_backend(x, backend) for x in structure]
+    if backend == "torch":
+        import torch
+
+        return torch.from_numpy(structure.copy())
+    return structure.copy()
+
+
+def to_numpy(x) -> np.ndarray:
+    return x.numpy() if type(x).__module__.startswith("torch") else np.asarray(x)
+
+
+def assert_same_bytes(got_list, want_list) -> None:
+    assert len(got_list) == len(want_list)
+    for got, want in zip(got_list, want_list):
+        got = to_numpy(got)
+        assert got.dtype == want.dtype and got.shape == want.shape
+        assert np.array_equal(got.view(np.uint8), want.view(np.uint8))
+
+
 def leaves(structure) -> list:
     if isinstance(structure, (list, tuple)):
         return [y for x in structure for y in leaves(x)]
