@@ -116,8 +116,9 @@ def engine_group_infos(model: Model) -> list[EngineGroupInfo]:
 
 def manager(model: Model, caches, rank: int = 0, size: int = 1, **kw) -> KVLayerGroupsManager:
     formats = model.structure_format or model.formats
+    chunk = kw.pop("lmcache_tokens_per_chunk", model.chunk)
     return KVLayerGroupsManager(caches, formats, engine_group_infos(model),
-                                lmcache_tokens_per_chunk=model.chunk, tp_rank=rank,
+                                lmcache_tokens_per_chunk=chunk, tp_rank=rank,
                                 tp_size=size, total_num_kv_heads=model.total_heads, **kw)
 
 
