@@ -93,6 +93,11 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
         ``[num_chunks, object_nbytes]`` array per object group. With the TP-native layout
         every rank may pass the same shared buffers (each rank's part is read from its own).
 
+    One manager of ``tp_size > 1`` (canonical layout) with ``[objects]``: each object group's
+    array holds every rank's objects side by side, ``[num_chunks, tp_size * object_nbytes]``,
+    rank ``r`` in columns ``[r * n, (r + 1) * n)`` (a JAX store under ``shard_map`` whose
+    objects are sharded on axis 1 over the TP mesh axis).
+
     Returns
     -------
     list
@@ -100,12 +105,17 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
         framework and device, new arrays (never views of the inputs). Replicated groups take
         their owner rank's copy.
     """
-    managers = check_managers(managers)
-    ref = managers[0]
-    size = ref.tp_size
-    per_rank = _check_list(objects_per_rank, size, "objects_per_rank")
-    per_rank = [_check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
-                for r, objs in enumerate(per_rank)]
+    if isinstance(managers, (list, tuple)) and len(managers) == 1 \
+            and getattr(managers[0], "tp_size", 1) > 1:
+        ref = managers[0]
+        per_rank = _sharded_columns(ref, objects_per_rank)
+        managers = [ref] * ref.tp_size  # canonical layout: every rank's regions are alike
+    else:
+        managers = check_managers(managers)
+        ref = managers[0]
+        per_rank = _check_list(objects_per_rank, ref.tp_size, "objects_per_rank")
+        per_rank = [_check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
+                    for r, objs in enumerate(per_rank)]
     chunk_counts = []
     for og in range(ref.num_object_groups):  # every input checked before anything is built
         counts = {_check_object(per_rank[r][og], object_nbytes(m, og),
@@ -134,6 +144,29 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
             fresh.append(len(parts) > 1)
         out.append(_join(pieces, fresh))
     return out
+
+
+def _sharded_columns(manager: Any, objects_per_rank: Any) -> list:
+    """Per-rank views of objects holding every rank's objects side by side: rank ``r``'s
+    ``[num_chunks, n]`` object is columns ``[r * n, (r + 1) * n)`` of one
+    ``[num_chunks, tp_size * n]`` array (the global array of per-shard objects sharded on
+    axis 1, as ``shard_map(..., out_specs=P(None, axis))`` returns them)."""
+    if manager.object_layout == TP_NATIVE:
+        raise KVGroupsValueError(
+            "managers: expected one manager per rank for TP-native objects (or one manager "
+            "of the canonical layout for side-by-side shard objects), got one TP-native manager"
+        )
+    objs = _check_list(objects_per_rank, 1, "objects_per_rank")[0]
+    objs = _check_list(objs, manager.num_object_groups, "objects_per_rank[0]")
+    size = manager.tp_size
+    per_rank: list[list] = [[] for _ in range(size)]
+    for og, obj in enumerate(objs):
+        n = object_nbytes(manager, og)
+        _check_object(obj, size * n, f"objects_per_rank[0][{og}] (the {size} shards' objects "
+                                     "side by side)")
+        for r in range(size):
+            per_rank[r].append(obj[:, r * n:(r + 1) * n])
+    return per_rank
 
 
 def canonical_nbytes(manager: Any, object_group_idx: int) -> int:

@@ -85,3 +85,27 @@ def test_jax_backend_stores_shards_that_merge_and_loads_splits(store_tp, load_tp
         out = load(mine, split_canonical(mine, merged), caches, ids, backend="jax")
         assert_same_bytes([np.asarray(x) for x in leaves(out)],
                           leaves(shard_caches(model, want, r, load_tp)))
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_one_manager_merges_shard_objects_laid_side_by_side(tp):
+    model, full, ids, managers, objects = rank_setup("hybrid-full-sw-gqa2", tp)
+    side_by_side = [jnp.concatenate([jnp.asarray(objects[r][og]) for r in range(tp)], axis=1)
+                    for og in range(managers[0].num_object_groups)]
+    for m in (managers[0], managers[tp - 1]):  # the rank of the manager does not matter
+        merged = merge_shards([m], [side_by_side])
+        assert_same_bytes(merged, reference_store(model, full, ids))
+    merged = jax.jit(lambda objs: merge_shards([managers[0]], [objs]))(side_by_side)
+    assert_same_bytes(merged, reference_store(model, full, ids))
+
+
+def test_side_by_side_objects_of_the_wrong_width_are_rejected():
+    _, _, _, managers, objects = rank_setup("mha-nhd", 2)
+    from kvgroups_core import KVGroupsValueError
+
+    with pytest.raises(KVGroupsValueError, match="side by side"):
+        merge_shards([managers[0]], [[jnp.asarray(objects[0][0])]])
+    native = manager(MODELS["mha-nhd"], shard_caches(MODELS["mha-nhd"], make_model_caches(
+        MODELS["mha-nhd"], np.random.default_rng(0)), 0, 2), 0, 2, object_layout="tp_native")
+    with pytest.raises(KVGroupsValueError, match="one manager per rank"):
+        merge_shards([native], [objects[0]])

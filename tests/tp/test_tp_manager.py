@@ -155,7 +155,9 @@ def test_merge_and_split_reject_bad_input_before_building_anything():
     ms = [manager(model, shards[r], r, 2) for r in range(2)]
     objs = [store(ms[r], shards[r], ids, backend="numpy") for r in range(2)]
     with pytest.raises(KVGroupsValueError, match="expected 2 managers"):
-        merge_shards(ms[:1], objs[:1])
+        merge_shards(ms + ms[:1], objs + objs[:1])
+    with pytest.raises(KVGroupsValueError, match="2 shards' objects side by side"):
+        merge_shards(ms[:1], objs[:1])  # one manager: objects of every shard, side by side
     with pytest.raises(KVGroupsValueError, match=r"managers\[0\].tp_rank: expected 0, got 1"):
         merge_shards(ms[::-1], objs)
     other = manager(MODELS["hybrid-full-sw-gqa2"], shards[1], 1, 2, object_layout="tp_native")
