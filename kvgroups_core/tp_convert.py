@@ -42,6 +42,20 @@ def _concat(parts: list, axis: int) -> Any:
     return _namespace(parts[0]).concat(parts, axis=axis)
 
 
+def _whole(x: Any) -> Any:
+    """A concrete JAX array spread over a mesh, replicated over that mesh; anything else as it
+    is. A merge interleaves every shard's bytes in each token row, so it needs them all, and
+    JAX refuses eager slices across a sharded axis; under ``jit`` slicing works as it is."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "mesh") or len(sharding.device_set) <= 1:
+        return x
+    jax = sys.modules["jax"]  # loaded: x is one of its arrays
+    if isinstance(x, jax.core.Tracer):
+        return x
+    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh,
+                                                        jax.sharding.PartitionSpec()))
+
+
 def _join(pieces: list, fresh: list[bool]) -> Any:
     """The pieces side by side in each chunk's row, as a new array (a lone piece that is
     still a view of the input is copied, so results never alias the caller's objects)."""
@@ -93,10 +107,15 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
         ``[num_chunks, object_nbytes]`` array per object group. With the TP-native layout
         every rank may pass the same shared buffers (each rank's part is read from its own).
 
-    One manager of ``tp_size > 1`` (canonical layout) with ``[objects]``: each object group's
-    array holds every rank's objects side by side, ``[num_chunks, tp_size * object_nbytes]``,
-    rank ``r`` in columns ``[r * n, (r + 1) * n)`` (a JAX store under ``shard_map`` whose
-    objects are sharded on axis 1 over the TP mesh axis).
+    One manager and ``[objects]`` whose arrays hold every shard's objects side by side
+    (shard ``r`` in columns ``[r * n, (r + 1) * n)``) is also accepted:
+
+    - a rank's manager (``tp_size > 1``, canonical layout) with ``[num_chunks, tp_size * n]``
+      arrays, ``n`` its own ``object_nbytes``;
+    - the manager of caches sharded over a JAX mesh (built from the global arrays, so
+      ``tp_size == 1``) with the objects its store returns: a global array sharded on the byte
+      axis, each of the ``s`` shards the object of ``1 / s`` of every group's heads (the
+      sharding says ``s``; an unsharded array is a TP=1 store and merges to itself).
 
     Returns
     -------
@@ -105,18 +124,49 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
         framework and device, new arrays (never views of the inputs). Replicated groups take
         their owner rank's copy.
     """
-    if isinstance(managers, (list, tuple)) and len(managers) == 1 \
-            and getattr(managers[0], "tp_size", 1) > 1:
+    if isinstance(managers, (list, tuple)) and len(managers) == 1:
         ref = managers[0]
-        per_rank = _sharded_columns(ref, objects_per_rank)
-        managers = [ref] * ref.tp_size  # canonical layout: every rank's regions are alike
-    else:
-        managers = check_managers(managers)
-        ref = managers[0]
-        per_rank = _check_list(objects_per_rank, ref.tp_size, "objects_per_rank")
-        per_rank = [_check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
-                    for r, objs in enumerate(per_rank)]
-    chunk_counts = []
+        objs = _check_list(objects_per_rank, 1, "objects_per_rank")[0]
+        objs = _check_list(objs, ref.num_object_groups, "objects_per_rank[0]")
+        if ref.tp_size > 1:
+            return _merge(*_side_by_side_rank(ref, objs))
+        shards = {_byte_axis_shards(x) for x in objs}
+        if shards != {1}:
+            return _merge(*_side_by_side_mesh(ref, objs, shards))
+    managers = check_managers(managers)
+    return _merge(*_from_ranks(managers, objects_per_rank))
+
+
+# A merge plan: per object group, its chunk count and per region (rows, part row bytes, parts),
+# each part an (array, byte offset) whose next rows * row bytes bytes of every chunk's row are
+# one head set's region, in head order.
+_Plan = list
+
+
+def _merge(chunk_counts: list[int], plans: _Plan) -> list:
+    out = []
+    whole: dict[int, Any] = {}  # one replica of each sharded input, however many parts read it
+    for chunks, regions in zip(chunk_counts, plans):
+        pieces, fresh = [], []
+        for rows, row_bytes, parts in regions:
+            for x, _ in parts:
+                if id(x) not in whole:
+                    whole[id(x)] = _whole(x)
+            views = [whole[id(x)][:, o:o + rows * row_bytes].reshape((chunks, rows, 1, row_bytes))
+                     for x, o in parts]
+            merged = _concat(views, axis=2)  # head sets side by side in each token row
+            pieces.append(merged.reshape((chunks, rows * row_bytes * len(parts))))
+            fresh.append(len(parts) > 1)
+        out.append(_join(pieces, fresh))
+    return out
+
+
+def _from_ranks(managers: list, objects_per_rank: Any) -> tuple[list[int], _Plan]:
+    ref = managers[0]
+    per_rank = _check_list(objects_per_rank, ref.tp_size, "objects_per_rank")
+    per_rank = [_check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
+                for r, objs in enumerate(per_rank)]
+    chunk_counts, plans = [], []
     for og in range(ref.num_object_groups):  # every input checked before anything is built
         counts = {_check_object(per_rank[r][og], object_nbytes(m, og),
                                 f"objects_per_rank[{r}][{og}]") for r, m in enumerate(managers)}
@@ -126,47 +176,74 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
                 f"{sorted(counts)}"
             )
         chunk_counts.append(counts.pop())
-    out = []
-    for og, chunks in enumerate(chunk_counts):
         regions = [object_regions(m, og) for m in managers]
-        pieces, fresh = [], []
+        plan = []
         for i, region in enumerate(regions[0]):
             shard = ref.tp_shard(region.kernel_group_idx)
-            rows, row_bytes = _region_rows(region)
-            parts = []
-            for part in range(shard.num_parts):
-                r = shard.owner_of_part(part)
-                src = regions[r][i]
-                piece = per_rank[r][og][:, src.offset:src.offset + src.nbytes]
-                parts.append(piece.reshape((chunks, rows, 1, row_bytes)))
-            merged = _concat(parts, axis=2)  # rank parts side by side in each token row
-            pieces.append(merged.reshape((chunks, rows * row_bytes * shard.num_parts)))
-            fresh.append(len(parts) > 1)
-        out.append(_join(pieces, fresh))
-    return out
+            owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
+            plan.append(_region_rows(region) + (
+                [(per_rank[r][og], regions[r][i].offset) for r in owners],))
+        plans.append(plan)
+    return chunk_counts, plans
 
 
-def _sharded_columns(manager: Any, objects_per_rank: Any) -> list:
-    """Per-rank views of objects holding every rank's objects side by side: rank ``r``'s
-    ``[num_chunks, n]`` object is columns ``[r * n, (r + 1) * n)`` of one
-    ``[num_chunks, tp_size * n]`` array (the global array of per-shard objects sharded on
-    axis 1, as ``shard_map(..., out_specs=P(None, axis))`` returns them)."""
+def _side_by_side_rank(manager: Any, objs: list) -> tuple[list[int], _Plan]:
+    """Every rank's objects side by side, described by one rank's manager."""
     if manager.object_layout == TP_NATIVE:
         raise KVGroupsValueError(
             "managers: expected one manager per rank for TP-native objects (or one manager "
             "of the canonical layout for side-by-side shard objects), got one TP-native manager"
         )
-    objs = _check_list(objects_per_rank, 1, "objects_per_rank")[0]
-    objs = _check_list(objs, manager.num_object_groups, "objects_per_rank[0]")
     size = manager.tp_size
-    per_rank: list[list] = [[] for _ in range(size)]
+    chunk_counts, plans = [], []
     for og, obj in enumerate(objs):
         n = object_nbytes(manager, og)
-        _check_object(obj, size * n, f"objects_per_rank[0][{og}] (the {size} shards' objects "
-                                     "side by side)")
-        for r in range(size):
-            per_rank[r].append(obj[:, r * n:(r + 1) * n])
-    return per_rank
+        chunk_counts.append(_check_object(
+            obj, size * n, f"objects_per_rank[0][{og}] (the {size} shards' objects side by side)"))
+        plan = []
+        for region in object_regions(manager, og):
+            shard = manager.tp_shard(region.kernel_group_idx)
+            owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
+            plan.append(_region_rows(region) + ([(obj, r * n + region.offset) for r in owners],))
+        plans.append(plan)
+    return chunk_counts, plans
+
+
+def _byte_axis_shards(x: Any) -> int:
+    """How many shards split a (JAX) array's axis 1; 1 for unsharded arrays and other types."""
+    shard_shape = getattr(getattr(x, "sharding", None), "shard_shape", None)
+    shape = tuple(getattr(x, "shape", ()))
+    if shard_shape is None or len(shape) != 2 or shape[1] == 0:
+        return 1
+    return shape[1] // shard_shape(shape)[1]
+
+
+def _side_by_side_mesh(manager: Any, objs: list, shards: set[int]) -> tuple[list[int], _Plan]:
+    """Per-shard objects of a mesh-sharded store, described by the global manager."""
+    if len(shards) > 1:
+        raise KVGroupsValueError(
+            f"objects_per_rank[0]: expected every object group's array split into one number "
+            f"of shards on its byte axis, got {sorted(shards)}"
+        )
+    s = shards.pop()
+    chunk_counts, plans = [], []
+    for og, obj in enumerate(objs):
+        n = object_nbytes(manager, og)
+        chunk_counts.append(_check_object(obj, n, f"objects_per_rank[0][{og}]"))
+        plan = []
+        for region in object_regions(manager, og):
+            rows, row_bytes = _region_rows(region)
+            heads = region.shape[3] // manager.kernel_groups[region.kernel_group_idx].shape_desc.hs
+            if heads % s:
+                raise KVGroupsValueError(
+                    f"objects_per_rank[0][{og}]: expected kernel group "
+                    f"{region.kernel_group_idx}'s {heads} KV heads split evenly over the "
+                    f"{s} shards of the byte axis, got a remainder of {heads % s}"
+                )
+            plan.append((rows, row_bytes // s,
+                         [(obj, r * (n // s) + region.offset // s) for r in range(s)]))
+        plans.append(plan)
+    return chunk_counts, plans
 
 
 def canonical_nbytes(manager: Any, object_group_idx: int) -> int:

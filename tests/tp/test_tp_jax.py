@@ -109,3 +109,64 @@ def test_side_by_side_objects_of_the_wrong_width_are_rejected():
         MODELS["mha-nhd"], np.random.default_rng(0)), 0, 2), 0, 2, object_layout="tp_native")
     with pytest.raises(KVGroupsValueError, match="one manager per rank"):
         merge_shards([native], [objects[0]])
+
+
+def _mesh(shards):
+    if len(jax.devices("cpu")) < shards:
+        pytest.skip(f"needs {shards} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_"
+                    "count=8 before JAX starts; tests/tp/conftest.py sets it)")
+    return jax.make_mesh((shards,), ("model",), devices=jax.devices("cpu")[:shards])
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_global_manager_merges_objects_sharded_over_a_mesh(shards):
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    mesh = _mesh(shards)
+    model, full, ids, managers, objects = rank_setup("jax-interleaved", shards)
+    whole = manager(model, full)  # built from the global shapes: tp_size 1
+    on_mesh = [jax.device_put(np.concatenate([objects[r][og] for r in range(shards)], axis=1),
+                              NamedSharding(mesh, P(None, "model")))
+               for og in range(whole.num_object_groups)]
+    assert_same_bytes(merge_shards([whole], [on_mesh]), reference_store(model, full, ids))
+    # The same bytes on one device are a TP=1 store: they merge to themselves.
+    plain = [np.asarray(x) for x in on_mesh]
+    assert_same_bytes(merge_shards([whole], [[jnp.asarray(x) for x in plain]]), plain)
+
+
+def test_mesh_sharded_objects_of_groups_that_do_not_split_are_rejected():
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from kvgroups_core import KVGroupsValueError
+
+    mesh = _mesh(4)
+    model = MODELS["hybrid-full-sw-gqa2"]  # its 2-head layer cannot split 4 ways
+    full = make_model_caches(model, np.random.default_rng(0))
+    whole = manager(model, full)
+    objs = store(whole, full, block_ids(model, 1, np.random.default_rng(0)), backend="numpy")
+    with pytest.raises(KVGroupsValueError, match="2 KV heads split evenly over the 4 shards"):
+        merge_shards([whole], [[jax.device_put(o, NamedSharding(mesh, P(None, "model")))
+                                for o in objs]])
+
+
+def test_sharded_jax_store_merges_to_the_tp1_objects():
+    sharded = pytest.importorskip("kvgroups_jax.sharded",
+                                  reason="the mesh-sharded JAX store (issue 13) is not here")
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    assert sharded is not None
+    mesh = _mesh(4)
+    model = MODELS["jax-interleaved"]  # [NB, BS, NH, TWO, HS]: heads on axis 2
+    rng = np.random.default_rng(4)
+    full = make_model_caches(model, rng)
+    ids = block_ids(model, 2, rng)
+    backend = get_backend("jax")
+    spec = NamedSharding(mesh, P(None, None, "model", None, None))
+    caches = [jax.device_put(backend.from_numpy(x, "cpu"), spec) for x in full]
+    whole = manager(model, caches)
+    objs = store(whole, caches, ids)
+    merged = merge_shards([whole], [objs])
+    assert_same_bytes(merged, reference_store(model, full, ids))
