@@ -33,7 +33,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .engine_groups import as_int
@@ -180,8 +180,6 @@ def full_region_nbytes(manager: Any, kernel_group_idx: int, rank_nbytes: int) ->
 
 def tp_native_regions(manager: Any, regions: list) -> list:
     """Re-place a rank's canonical regions at their parts of the TP-native object."""
-    from dataclasses import replace
-
     out = []
     offset = 0
     for region in regions:
@@ -194,24 +192,6 @@ def tp_native_regions(manager: Any, regions: list) -> list:
 def tp_native_nbytes(manager: Any, regions: list) -> int:
     """Bytes of a TP-native object (the size of a canonical one)."""
     return sum(r.nbytes * manager.tp_shard(r.kernel_group_idx).num_parts for r in regions)
-
-
-def rank_byte_ranges(manager: Any, object_group_idx: int) -> list[tuple[int, int]]:
-    """``(offset, nbytes)`` per region: the bytes of one chunk's TP-native object that this
-    rank's store writes and its load reads (its own part of each region).
-
-    Slice a shared ``[num_chunks, object_nbytes]`` buffer with them (``buf[:, o:o + n]``) to
-    see this rank's share; the ranges of the ranks of a TP group tile the object, replicas of
-    a replicated group sharing theirs.
-    """
-    from .objects import object_regions
-
-    if manager.object_layout != TP_NATIVE:
-        raise KVGroupsValueError(
-            f"manager.object_layout: expected {TP_NATIVE!r} for TP-native byte ranges, got "
-            f"{manager.object_layout!r}"
-        )
-    return [(r.offset, r.nbytes) for r in object_regions(manager, object_group_idx)]
 
 
 # --- fingerprint ------------------------------------------------------------------------

@@ -301,3 +301,19 @@ def split_canonical(manager: Any, objects: Any) -> list:
             fresh.append(False)  # reshape may or may not have copied: copy to be sure
         out.append(_join(pieces, fresh))
     return out
+
+
+def rank_byte_ranges(manager: Any, object_group_idx: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` per region: the bytes of one chunk's TP-native object that this
+    rank's store writes and its load reads (its own part of each region).
+
+    Slice a shared ``[num_chunks, object_nbytes]`` buffer with them (``buf[:, o:o + n]``) to
+    see this rank's share; the ranges of the ranks of a TP group tile the object, replicas of
+    a replicated group sharing theirs.
+    """
+    if manager.object_layout != TP_NATIVE:
+        raise KVGroupsValueError(
+            f"manager.object_layout: expected {TP_NATIVE!r} for TP-native byte ranges, got "
+            f"{manager.object_layout!r}"
+        )
+    return [(r.offset, r.nbytes) for r in object_regions(manager, object_group_idx)]
