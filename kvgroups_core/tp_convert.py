@@ -18,6 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from .engine_groups import as_int
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .objects import object_nbytes, object_regions
 from .tensor_parallel import TP_NATIVE, check_managers
@@ -252,7 +253,7 @@ def canonical_nbytes(manager: Any, object_group_idx: int) -> int:
                for r in object_regions(manager, object_group_idx))
 
 
-def split_canonical(manager: Any, objects: Any) -> list:
+def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
     """This rank's objects, which ``load(manager, ...)`` takes, from canonical objects.
 
     Parameters
@@ -262,6 +263,12 @@ def split_canonical(manager: Any, objects: Any) -> list:
     objects : list
         Canonical objects, one uint8 ``[num_chunks, canonical_nbytes]`` array per object group
         (what a TP=1 store, or :func:`merge_shards`, gives).
+    shards : int, keyword-only, default 1
+        With the manager of caches sharded over a JAX mesh (built from the global arrays,
+        ``tp_size == 1``): the shards the heads are split over. The result then holds every
+        shard's objects side by side, shard ``r`` in columns ``[r * n / s, (r + 1) * n / s)``;
+        ``jax.device_put(x, NamedSharding(mesh, P(None, heads_axis)))`` makes it the objects
+        a load of those caches takes (the inverse of :func:`merge_shards` for them).
 
     Returns
     -------
@@ -271,6 +278,8 @@ def split_canonical(manager: Any, objects: Any) -> list:
         load reads its own byte ranges), so one conversion serves the whole group.
     """
     objects = _check_list(objects, manager.num_object_groups, "objects")
+    if shards != 1:
+        return _split_side_by_side(manager, objects, shards)
     native = manager.object_layout == TP_NATIVE
     chunk_counts = [_check_object(objects[og], canonical_nbytes(manager, og), f"objects[{og}]")
                     for og in range(manager.num_object_groups)]
@@ -300,6 +309,41 @@ def split_canonical(manager: Any, objects: Any) -> list:
                 pieces.append(piece.reshape((chunks, rows * row_bytes)))
             fresh.append(False)  # reshape may or may not have copied: copy to be sure
         out.append(_join(pieces, fresh))
+    return out
+
+
+def _split_side_by_side(manager: Any, objects: list, shards: Any) -> list:
+    s = as_int(shards, "shards")
+    if s < 1 or manager.tp_size != 1 or manager.object_layout == TP_NATIVE:
+        raise KVGroupsValueError(
+            f"shards: expected >= 1 with a manager of the global caches (tp_size 1, canonical "
+            f"layout), got shards={s} with tp_size {manager.tp_size}, layout "
+            f"{manager.object_layout!r}"
+        )
+    regions_per_og = [object_regions(manager, og) for og in range(manager.num_object_groups)]
+    chunk_counts = []
+    for og, regions in enumerate(regions_per_og):  # every input checked before anything moves
+        chunk_counts.append(_check_object(objects[og], object_nbytes(manager, og),
+                                          f"objects[{og}]"))
+        for region in regions:
+            heads = region.shape[3] // manager.kernel_groups[region.kernel_group_idx].shape_desc.hs
+            if heads % s:
+                raise KVGroupsValueError(
+                    f"shards: expected kernel group {region.kernel_group_idx}'s {heads} KV "
+                    f"heads to split evenly over {s} shards, got a remainder of {heads % s}"
+                )
+    out = []
+    for og, (chunks, regions) in enumerate(zip(chunk_counts, regions_per_og)):
+        pieces = []
+        for region in regions:
+            rows, row_bytes = _region_rows(region)
+            whole = objects[og][:, region.offset:region.offset + region.nbytes]
+            # [chunks, rows, s, row / s] -> [chunks, s, rows * row / s]: shard-major.
+            piece = whole.reshape((chunks, rows, s, row_bytes // s)).swapaxes(1, 2)
+            pieces.append(piece.reshape((chunks, s, rows * row_bytes // s)))
+        joined = _concat(pieces, axis=2)
+        n = object_nbytes(manager, og)
+        out.append(_join([joined.reshape((chunks, n))], [len(pieces) > 1]))
     return out
 
 

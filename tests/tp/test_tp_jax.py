@@ -170,3 +170,57 @@ def test_sharded_jax_store_merges_to_the_tp1_objects():
     objs = store(whole, caches, ids)
     merged = merge_shards([whole], [objs])
     assert_same_bytes(merged, reference_store(model, full, ids))
+
+
+@pytest.mark.parametrize("shards", [2, 4])
+def test_split_for_a_mesh_lays_every_shards_objects_side_by_side(shards):
+    model, full, ids, managers, objects = rank_setup("jax-interleaved", shards)
+    whole = manager(model, full)
+    canonical = reference_store(model, full, ids)
+    side = split_canonical(whole, [jnp.asarray(c) for c in canonical], shards=shards)
+    want = [np.concatenate([objects[r][og] for r in range(shards)], axis=1)
+            for og in range(whole.num_object_groups)]
+    assert_same_bytes(side, want)
+    assert_same_bytes(split_canonical(whole, canonical, shards=shards), want)  # NumPy too
+
+
+def test_split_for_a_mesh_rejects_rank_managers_and_uneven_heads():
+    from kvgroups_core import KVGroupsValueError
+
+    model, full, ids, managers, objects = rank_setup("hybrid-full-sw-gqa2", 2)
+    canonical = reference_store(model, full, ids)
+    with pytest.raises(KVGroupsValueError, match="tp_size 1"):
+        split_canonical(managers[0], canonical, shards=2)
+    with pytest.raises(KVGroupsValueError, match="2 KV heads to split evenly over 4 shards"):
+        split_canonical(manager(model, full), canonical, shards=4)
+
+
+def test_mesh_store_merge_split_and_load_at_another_mesh_size():
+    pytest.importorskip("kvgroups_jax.sharded",
+                        reason="the mesh-sharded JAX store (issue 13) is not here")
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    model = MODELS["jax-interleaved"]
+    rng = np.random.default_rng(9)
+    full = make_model_caches(model, rng)
+    before = make_model_caches(model, rng)
+    ids = block_ids(model, 2, rng)
+    backend = get_backend("jax")
+
+    def on_mesh(arrays, shards):
+        mesh = _mesh(shards)
+        spec = NamedSharding(mesh, P(None, None, "model", None, None))
+        return mesh, [jax.device_put(backend.from_numpy(x, "cpu"), spec) for x in arrays]
+
+    _, caches4 = on_mesh(full, 4)
+    whole4 = manager(model, caches4)
+    canonical = merge_shards([whole4], [store(whole4, caches4, ids)])
+    assert_same_bytes(canonical, reference_store(model, full, ids))
+    mesh2, caches2 = on_mesh(before, 2)
+    whole2 = manager(model, caches2)
+    objs = [jax.device_put(x, NamedSharding(mesh2, P(None, "model")))
+            for x in split_canonical(whole2, canonical, shards=2)]
+    out = load(whole2, objs, caches2, ids)
+    want = reference_load(model, [np.asarray(c) for c in canonical], before, ids)
+    assert_same_bytes([np.asarray(x) for x in out], want)
