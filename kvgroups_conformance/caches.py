@@ -1,4 +1,4 @@
-"""Cache builders and an independent model of SEMANTICS.md section 6.
+"""Cache builders and an independent model of SEMANTICS.md section 6 (the kit's oracle).
 
 Nothing here uses the page model (SegmentRuns, byte offsets): token rows are read with plain
 NumPy indexing of each format's logical axes, so the suite checks the core's layout maths

@@ -1,0 +1,107 @@
+import numpy as np
+import pytest
+
+from kvgroups_conformance.caches import expected_object, make_caches, token_rows
+from kvgroups_core.engine_groups import EngineGroupInfo
+from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.objects import object_nbytes
+
+CHUNK, BS, NB, CHUNKS = 256, 32, 40, 4
+BPC = CHUNK // BS
+
+
+def _setup(harness, separate, window=64, full_sw=False):
+    rng = np.random.default_rng(3)
+    geometry = dict(nl=2, nb=NB, bs=BS, nh=1, hs=8, dtype="float16")
+    src_np, formats = make_caches(F.NL_X_TWO_NB_BS_NH_HS, rng=rng, **geometry)
+    dst_np, _ = make_caches(F.NL_X_TWO_NB_BS_NH_HS, rng=rng, zero=True, **geometry)
+    infos = (EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+             EngineGroupInfo(engine_group_id=1, layer_indices=(1,), sw_size_tokens=window))
+    manager = KVLayerGroupsManager(src_np, formats, infos, lmcache_tokens_per_chunk=CHUNK,
+                                   separate_object_groups=separate)
+    if full_sw:
+        manager.enable_full_sw_kv()
+    ids = {0: rng.permutation(NB)[:CHUNKS * BPC], 1: rng.permutation(NB)[:CHUNKS * BPC]}
+    return manager, formats, src_np, dst_np, ids
+
+
+def _written(harness, manager, formats, src_np, dst_np, ids, skip=0):
+    src, dst = harness.convert(src_np), harness.convert(dst_np)
+    objects = harness.store(manager, src, [ids[0], ids[1]])
+    dst = harness.load(manager, objects, dst, [ids[0], ids[1]], skip=skip)
+    after = harness.read(dst, dst_np)
+    written = {}
+    for layer in (0, 1):
+        written[layer] = [i for i, b in enumerate(ids[layer])
+                          if token_rows(after, formats[layer], layer, 0, int(b)).any()]
+        for i in written[layer]:
+            b = int(ids[layer][i])
+            for kv in (0, 1):
+                np.testing.assert_array_equal(token_rows(after, formats[layer], layer, kv, b),
+                                              token_rows(src_np, formats[layer], layer, kv, b))
+    return written, objects
+
+
+def test_mixed_object_group_load_skips_chunks_outside_the_window(harness):
+    manager, formats, src_np, dst_np, ids = _setup(harness, separate=False)
+    assert manager.num_object_groups == 1
+    written, objects = _written(harness, manager, formats, src_np, dst_np, ids)
+    assert written[0] == list(range(32))  # full attention: all 4 chunks
+    assert written[1] == [30, 31]  # window of 64 tokens: the last 2 blocks of chunk 3
+
+
+def test_prefix_skip_writes_the_partial_block_and_later_chunks(harness):
+    manager, formats, src_np, dst_np, ids = _setup(harness, separate=False)
+    written, _ = _written(harness, manager, formats, src_np, dst_np, ids, skip=736)
+    assert written[0] == [23] + list(range(24, 32))  # last block (index 7) of chunk 2, chunk 3
+    assert written[1] == [30, 31]
+
+
+def test_store_writes_every_chunk_of_every_group(harness):
+    manager, formats, src_np, dst_np, ids = _setup(harness, separate=False)
+    src = harness.convert(src_np)
+    objects = harness.store(manager, src, [ids[0], ids[1]])
+    got = harness.to_numpy(objects[0], np.zeros(0, np.uint8))
+    assert got.shape == (CHUNKS, object_nbytes(manager, 0))
+    for c in range(CHUNKS):
+        want = expected_object(manager, src_np, 0, {g: ids[g][c * BPC:(c + 1) * BPC]
+                                                    for g in (0, 1)})
+        np.testing.assert_array_equal(got[c], want)
+
+
+def test_full_sw_mode_turns_window_skips_off(harness):
+    manager, formats, src_np, dst_np, ids = _setup(harness, separate=False, full_sw=True)
+    written, _ = _written(harness, manager, formats, src_np, dst_np, ids)
+    assert written[0] == list(range(32))
+    assert written[1] == list(range(32))
+
+
+def test_separated_window_object_group_loads_only_the_last_chunk(harness):
+    manager, formats, src_np, dst_np, ids = _setup(harness, separate=True, window=CHUNK)
+    assert [og.sw_size_chunks for og in manager.object_groups] == [-1, 1]
+    written, _ = _written(harness, manager, formats, src_np, dst_np, ids)
+    assert written[0] == list(range(32))
+    assert written[1] == list(range(24, 32))
+
+
+def test_sub_chunk_window_keeps_the_last_blocks_of_each_chunk(harness):
+    rng = np.random.default_rng(5)
+    src_np, formats = make_caches(F.NL_X_TWO_NB_BS_NH_HS, nl=1, nb=20, bs=32, nh=1, hs=8,
+                                  dtype="float16", rng=rng)
+    infos = (EngineGroupInfo(engine_group_id=0, layer_indices=(0,), sw_size_tokens=64),)
+    manager = KVLayerGroupsManager(src_np, formats, infos, lmcache_tokens_per_chunk=128)
+    objects = harness.store(manager, harness.convert(src_np), list(range(11, 19)))
+    got = harness.to_numpy(objects[0], np.zeros(0, np.uint8))
+    assert got.shape[0] == 2
+    for chunk, kept in ((0, (13, 14)), (1, (17, 18))):
+        want = np.concatenate([token_rows(src_np, formats[0], 0, kv, b).reshape(-1)
+                               for kv in (0, 1) for b in kept])
+        np.testing.assert_array_equal(got[chunk], want)
+
+
+@pytest.mark.parametrize("skip", [0, 31, 32, 255, 256, 300, 1024])
+def test_prefix_skip_never_writes_skipped_whole_blocks(harness, skip):
+    manager, formats, src_np, dst_np, ids = _setup(harness, separate=False)
+    written, _ = _written(harness, manager, formats, src_np, dst_np, ids, skip=skip)
+    assert written[0] == list(range(skip // BS, 32))
