@@ -1,12 +1,18 @@
+"""Round trips for every must-have format and dtype; canonical object bytes; padded blocks."""
+
 import numpy as np
 import pytest
 
 from kvgroups_conformance.caches import TRANSFER_FORMATS, all_blocks, expected_object, make_caches
+from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
+from kvgroups_conformance.report import Mismatch, raise_if_any
+from kvgroups_core.errors import UnsupportedConfig
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.objects import object_nbytes
 
 GEOMETRY = dict(nl=3, nb=24, bs=4, nh=2, hs=16)
 CHUNK = 8  # tokens: 2 blocks of 4 per chunk
+ROUND_TRIP_DTYPES = ["float16", "bfloat16", "float32", "float8_e4m3fn"]
 
 
 def _ids(rng, nb, n):
@@ -36,25 +42,32 @@ def _round_trip(harness, fmt, dtype, placement, rng, pad=0, geometry=GEOMETRY):
     return manager, formats, src_np, dst_np, src_after, dst_after, ids_a, ids_b, objects
 
 
+def _declared_unsupported(harness, fmt, dtype):
+    # STYLE point 5: a configuration the backend cannot run must be refused with a
+    # NotImplementedError subclass, never skipped and never moved wrongly.
+    rng = np.random.default_rng(0)
+    src_np, formats = make_caches(fmt, dtype=dtype, rng=rng, **GEOMETRY)
+    manager = KVLayerGroupsManager(src_np, formats, lmcache_tokens_per_chunk=CHUNK)
+    with pytest.raises(UnsupportedConfig):
+        harness.store(manager, harness.convert(src_np), np.arange(CHUNK // GEOMETRY["bs"]))
+
+
 @pytest.mark.parametrize("fmt", TRANSFER_FORMATS, ids=lambda f: f.name)
-@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float8_e4m3fn"])
+@pytest.mark.parametrize("dtype", ROUND_TRIP_DTYPES)
 def test_round_trip_moves_blocks_and_leaves_others_untouched(harness, fmt, dtype):
+    if not harness.supports(fmt, dtype):
+        return _declared_unsupported(harness, fmt, dtype)
     rng = np.random.default_rng(hash((fmt.name, dtype)) % 2**32)
     for placement in harness.placements:
         (manager, formats, src_np, dst_np, src_after, dst_after,
          ids_a, ids_b, _) = _round_trip(harness, fmt, dtype, placement, rng)
         src_blocks = all_blocks(src_np, formats)
-        dst_blocks = all_blocks(dst_after, formats)
         moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
-        for (layer, kv, b), rows in dst_blocks.items():
-            if b in moved:
-                np.testing.assert_array_equal(rows, src_blocks[(layer, kv, moved[b])],
-                                              err_msg=f"layer {layer} kv {kv} block {b}")
-            else:
-                assert not rows.any(), f"untouched block {b} of layer {layer} kv {kv} changed"
+        want = moved_blocks(src_blocks, all_blocks(dst_np, formats), moved)
+        check_blocks(dst_after, formats, want, what=f"store + load (placement {placement})",
+                     source=src_blocks, expected_source=moved)
         # The source is only read.
-        for key, rows in all_blocks(src_after, formats).items():
-            np.testing.assert_array_equal(rows, src_blocks[key])
+        check_blocks(src_after, formats, src_blocks, what="store changed its source caches")
 
 
 @pytest.mark.parametrize("fmt", [f for f in TRANSFER_FORMATS if f.block_axis_first],
@@ -66,20 +79,29 @@ def test_padded_blocks_round_trip_and_keep_padding(harness, fmt):
     assert manager.kernel_groups[0].shape_desc.block_stride_elems > 0
     src_blocks = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
-    for (layer, kv, b), rows in all_blocks(dst_after, formats).items():
-        want = src_blocks[(layer, kv, moved[b])] if b in moved else np.zeros_like(rows)
-        np.testing.assert_array_equal(rows, want)
+    want = moved_blocks(src_blocks, all_blocks(dst_np, formats), moved)
+    check_blocks(dst_after, formats, want, what="store + load of padded blocks",
+                 source=src_blocks, expected_source=moved)
     # The padding between blocks still holds its sentinel.
     arrays = dst_after if isinstance(dst_after, list) else [dst_after]
-    for arr in arrays:
+    mismatches = []
+    for layer, arr in enumerate(arrays):
         arr = arr[0] if isinstance(arr, list) else arr
         raw = np.lib.stride_tricks.as_strided(
             arr.view(np.uint8) if arr.dtype.itemsize == 1 else arr,
             shape=(arr.shape[0], arr.strides[0] // arr.dtype.itemsize),
             strides=(arr.strides[0], arr.dtype.itemsize))
         inner = int(np.prod(arr.shape[1:]))
-        pad = raw[:, inner:].view(np.uint8)
-        assert (pad == 0xA5).all()
+        pad = np.ascontiguousarray(raw[:, inner:]).view(np.uint8)
+        wrong = np.argwhere(pad != 0xA5)
+        if len(wrong):
+            block, byte = (int(v) for v in wrong[0])
+            mismatches.append(Mismatch(
+                what="padding between blocks was overwritten", format=fmt.name,
+                dtype="float16", layer=layer, plane=0, plane_name="padding", block=block,
+                byte=byte, token=-1, expected=0xA5, actual=int(pad[block, byte]),
+                differing_blocks=len({int(b) for b, _ in wrong})))
+    raise_if_any(mismatches)
 
 
 @pytest.mark.parametrize("fmt", TRANSFER_FORMATS, ids=lambda f: f.name)
@@ -90,6 +112,7 @@ def test_stored_objects_equal_the_canonical_layout(harness, fmt):
     bpc = CHUNK // GEOMETRY["bs"]
     for og in range(manager.num_object_groups):
         got = harness.to_numpy(objects[og], np.zeros(0, np.uint8))
-        for c in range(got.shape[0]):
-            want = expected_object(manager, src_np, og, {0: ids_a[c * bpc:(c + 1) * bpc]})
-            np.testing.assert_array_equal(got[c], want, err_msg=f"chunk {c}")
+        want = np.stack([expected_object(manager, src_np, og, {0: ids_a[c * bpc:(c + 1) * bpc]})
+                         for c in range(got.shape[0])])
+        check_objects(got, want, manager, og, what="store: object bytes", ids={0: ids_a},
+                      source_caches=src_np, formats=formats)

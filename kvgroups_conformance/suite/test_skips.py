@@ -1,7 +1,8 @@
 import numpy as np
 import pytest
 
-from kvgroups_conformance.caches import expected_object, make_caches, token_rows
+from kvgroups_conformance.caches import all_blocks, expected_object, make_caches, token_rows
+from kvgroups_conformance.compare import check_blocks, check_objects
 from kvgroups_core.engine_groups import EngineGroupInfo
 from kvgroups_core.formats import EngineKVFormat as F
 from kvgroups_core.manager import KVLayerGroupsManager
@@ -26,36 +27,38 @@ def _setup(harness, separate, window=64, full_sw=False):
     return manager, formats, src_np, dst_np, ids
 
 
-def _written(harness, manager, formats, src_np, dst_np, ids, skip=0):
+def _load_and_check(harness, manager, formats, src_np, dst_np, ids, expect, skip=0):
+    """Store every chunk, load it back with ``skip`` and check the destination: for each
+    layer, exactly the blocks at positions ``expect[layer]`` of its id list were written."""
     src, dst = harness.convert(src_np), harness.convert(dst_np)
     objects = harness.store(manager, src, [ids[0], ids[1]])
     dst = harness.load(manager, objects, dst, [ids[0], ids[1]], skip=skip)
-    after = harness.read(dst, dst_np)
-    written = {}
-    for layer in (0, 1):
-        written[layer] = [i for i, b in enumerate(ids[layer])
-                          if token_rows(after, formats[layer], layer, 0, int(b)).any()]
-        for i in written[layer]:
+    source = all_blocks(src_np, formats)
+    want = dict(all_blocks(dst_np, formats))
+    for layer, positions in expect.items():
+        for i in positions:
             b = int(ids[layer][i])
             for kv in (0, 1):
-                np.testing.assert_array_equal(token_rows(after, formats[layer], layer, kv, b),
-                                              token_rows(src_np, formats[layer], layer, kv, b))
-    return written, objects
+                want[(layer, kv, b)] = source[(layer, kv, b)]
+    check_blocks(harness.read(dst, dst_np), formats, want,
+                 what=f"load with skip_first_n_tokens={skip}", source=source,
+                 expected_source={int(b): int(b) for layer in expect for b in ids[layer]})
+    return objects
 
 
 def test_mixed_object_group_load_skips_chunks_outside_the_window(harness):
     manager, formats, src_np, dst_np, ids = _setup(harness, separate=False)
     assert manager.num_object_groups == 1
-    written, objects = _written(harness, manager, formats, src_np, dst_np, ids)
-    assert written[0] == list(range(32))  # full attention: all 4 chunks
-    assert written[1] == [30, 31]  # window of 64 tokens: the last 2 blocks of chunk 3
+    # Full attention: all 4 chunks; a window of 64 tokens: the last 2 blocks of chunk 3.
+    _load_and_check(harness, manager, formats, src_np, dst_np, ids,
+                    {0: range(32), 1: [30, 31]})
 
 
 def test_prefix_skip_writes_the_partial_block_and_later_chunks(harness):
     manager, formats, src_np, dst_np, ids = _setup(harness, separate=False)
-    written, _ = _written(harness, manager, formats, src_np, dst_np, ids, skip=736)
-    assert written[0] == [23] + list(range(24, 32))  # last block (index 7) of chunk 2, chunk 3
-    assert written[1] == [30, 31]
+    # The last block (index 7) of chunk 2, then chunk 3.
+    _load_and_check(harness, manager, formats, src_np, dst_np, ids,
+                    {0: [23] + list(range(24, 32)), 1: [30, 31]}, skip=736)
 
 
 def test_store_writes_every_chunk_of_every_group(harness):
@@ -64,25 +67,24 @@ def test_store_writes_every_chunk_of_every_group(harness):
     objects = harness.store(manager, src, [ids[0], ids[1]])
     got = harness.to_numpy(objects[0], np.zeros(0, np.uint8))
     assert got.shape == (CHUNKS, object_nbytes(manager, 0))
-    for c in range(CHUNKS):
-        want = expected_object(manager, src_np, 0, {g: ids[g][c * BPC:(c + 1) * BPC]
-                                                    for g in (0, 1)})
-        np.testing.assert_array_equal(got[c], want)
+    want = np.stack([expected_object(manager, src_np, 0, {g: ids[g][c * BPC:(c + 1) * BPC]
+                                                          for g in (0, 1)})
+                     for c in range(CHUNKS)])
+    check_objects(got, want, manager, 0, what="store: object bytes", ids=ids,
+                  source_caches=src_np, formats=formats)
 
 
 def test_full_sw_mode_turns_window_skips_off(harness):
     manager, formats, src_np, dst_np, ids = _setup(harness, separate=False, full_sw=True)
-    written, _ = _written(harness, manager, formats, src_np, dst_np, ids)
-    assert written[0] == list(range(32))
-    assert written[1] == list(range(32))
+    _load_and_check(harness, manager, formats, src_np, dst_np, ids,
+                    {0: range(32), 1: range(32)})
 
 
 def test_separated_window_object_group_loads_only_the_last_chunk(harness):
     manager, formats, src_np, dst_np, ids = _setup(harness, separate=True, window=CHUNK)
     assert [og.sw_size_chunks for og in manager.object_groups] == [-1, 1]
-    written, _ = _written(harness, manager, formats, src_np, dst_np, ids)
-    assert written[0] == list(range(32))
-    assert written[1] == list(range(24, 32))
+    _load_and_check(harness, manager, formats, src_np, dst_np, ids,
+                    {0: range(32), 1: range(24, 32)})
 
 
 def test_sub_chunk_window_keeps_the_last_blocks_of_each_chunk(harness):
@@ -94,14 +96,15 @@ def test_sub_chunk_window_keeps_the_last_blocks_of_each_chunk(harness):
     objects = harness.store(manager, harness.convert(src_np), list(range(11, 19)))
     got = harness.to_numpy(objects[0], np.zeros(0, np.uint8))
     assert got.shape[0] == 2
-    for chunk, kept in ((0, (13, 14)), (1, (17, 18))):
-        want = np.concatenate([token_rows(src_np, formats[0], 0, kv, b).reshape(-1)
-                               for kv in (0, 1) for b in kept])
-        np.testing.assert_array_equal(got[chunk], want)
+    want = np.stack([np.concatenate([token_rows(src_np, formats[0], 0, kv, b).reshape(-1)
+                                     for kv in (0, 1) for b in kept])
+                     for kept in ((13, 14), (17, 18))])
+    check_objects(got, want, manager, 0, what="store of a sub-chunk window: object bytes",
+                  ids={0: np.arange(11, 19)}, source_caches=src_np, formats=formats)
 
 
 @pytest.mark.parametrize("skip", [0, 31, 32, 255, 256, 300, 1024])
 def test_prefix_skip_never_writes_skipped_whole_blocks(harness, skip):
     manager, formats, src_np, dst_np, ids = _setup(harness, separate=False)
-    written, _ = _written(harness, manager, formats, src_np, dst_np, ids, skip=skip)
-    assert written[0] == list(range(skip // BS, 32))
+    _load_and_check(harness, manager, formats, src_np, dst_np, ids,
+                    {0: range(skip // BS, 32), 1: [30, 31] if skip < 960 else []}, skip=skip)
