@@ -1,12 +1,18 @@
+"""Pairs of backends: the same objects whoever stores them, loadable by the other; the same
+grouping from any backend's arrays."""
+
 import numpy as np
 import pytest
 
 from kvgroups_conformance.caches import TRANSFER_FORMATS, all_blocks, make_caches
+from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
+from kvgroups_core.descriptors import describe
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.objects import object_nbytes
 
 GEOMETRY = dict(nl=2, nb=16, bs=4, nh=2, hs=16)
 CHUNK = 8
+UINT8 = np.zeros(0, np.uint8)
 
 
 def _summary(manager):
@@ -33,15 +39,31 @@ def test_store_with_one_backend_load_with_the_other(harness_pair, fmt):
     ids_b = rng.permutation(GEOMETRY["nb"])[:6]
     objects_a = a.store(manager_a, src_a, ids_a)
     objects_b = b.store(manager_b, src_b, ids_a)
-    for oa, ob in zip(objects_a, objects_b):  # byte-identical whichever backend wrote them
-        np.testing.assert_array_equal(a.to_numpy(oa, np.zeros(0, np.uint8)),
-                                      b.to_numpy(ob, np.zeros(0, np.uint8)))
+    for og, (oa, ob) in enumerate(zip(objects_a, objects_b)):  # identical whoever wrote them
+        check_objects(b.to_numpy(ob, UINT8), a.to_numpy(oa, UINT8), manager_b, og,
+                      what=f"objects stored by {b.id} (expected: those stored by {a.id})",
+                      ids=ids_a, source_caches=src_np, formats=formats)
 
     handed = [b.adopt(o) for o in objects_a]
     dst = b.load(manager_b, handed, b.convert(dst_np), ids_b)
-    after = all_blocks(b.read(dst, dst_np), formats)
     before = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
-    for (layer, kv, blk), rows in after.items():
-        want = before[(layer, kv, moved[blk])] if blk in moved else np.zeros_like(rows)
-        np.testing.assert_array_equal(rows, want, err_msg=f"layer {layer} kv {kv} block {blk}")
+    want = moved_blocks(before, all_blocks(dst_np, formats), moved)
+    check_blocks(b.read(dst, dst_np), formats, want,
+                 what=f"{b.id} loading objects stored by {a.id}", source=before,
+                 expected_source=moved)
+
+
+@pytest.mark.parametrize("fmt", TRANSFER_FORMATS, ids=lambda f: f.name)
+def test_grouping_is_the_same_from_backend_arrays_numpy_and_bare_specs(harness, fmt):
+    src_np, formats = make_caches(fmt, dtype="bfloat16", rng=np.random.default_rng(1),
+                                  **GEOMETRY)
+
+    def specs(structure):
+        if isinstance(structure, (list, tuple)):
+            return type(structure)(specs(x) for x in structure)
+        return describe(structure).spec
+
+    summaries = [_summary(KVLayerGroupsManager(c, formats, lmcache_tokens_per_chunk=CHUNK))
+                 for c in (harness.convert(src_np), src_np, specs(src_np))]
+    assert summaries[0] == summaries[1] == summaries[2]

@@ -1,7 +1,10 @@
+"""The model catalogue (MODELS.md), shrunk: every real KV pattern against the NumPy oracle."""
+
 import numpy as np
 import pytest
 
-from kvgroups_conformance.caches import DTYPES, random_bits
+from kvgroups_conformance.caches import DTYPES, all_blocks, random_bits
+from kvgroups_conformance.compare import check_blocks, check_objects
 from kvgroups_core.catalog import MODELS
 from kvgroups_core.descriptors import TensorSpec
 from kvgroups_core.manager import KVLayerGroupsManager
@@ -49,9 +52,13 @@ def test_catalogue_models_match_the_numpy_oracle(harness, name):
 
     src = harness.convert(src_np)
     objects = harness.store(manager, src, ids_a)
-    for got, want in zip(objects, want_objects):
-        np.testing.assert_array_equal(harness.to_numpy(got, want), want)
+    for og, (got, want) in enumerate(zip(objects, want_objects)):
+        check_objects(harness.to_numpy(got, want), want, manager, og,
+                      what=f"{name}: store (expected: the NumPy oracle's objects)", ids=ids_a,
+                      source_caches=src_np, formats=model.formats)
     dst = harness.convert(_arrays(model.kv_caches, rng, zero=True))
     dst = harness.load(manager, objects, dst, ids_b, skip=100)
-    for got, want in zip(harness.read(dst, want_caches), want_caches):
-        np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
+    check_blocks(harness.read(dst, want_caches), model.formats,
+                 all_blocks(want_caches, model.formats),
+                 what=f"{name}: load with skip_first_n_tokens=100 (expected: the NumPy oracle's "
+                      f"caches)", source=all_blocks(src_np, model.formats))

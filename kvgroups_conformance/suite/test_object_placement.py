@@ -1,6 +1,9 @@
+"""Objects as separate per-chunk buffers; an object region read back as its dtype."""
+
 import numpy as np
 
 from kvgroups_conformance.caches import all_blocks, expected_object, make_caches
+from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
 from kvgroups_core.formats import EngineKVFormat as F
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.objects import object_nbytes, region_view
@@ -21,17 +24,16 @@ def test_objects_may_be_separate_per_chunk_buffers(harness):
     ids_a, ids_b = rng.permutation(NB)[:12], rng.permutation(NB)[:12]
     out = harness.store(manager, harness.convert(src_np), ids_a, [chunks])
     per_chunk = out[0]
-    for c in range(3):
-        got = harness.to_numpy(per_chunk[c], np.zeros(0, np.uint8))
-        np.testing.assert_array_equal(got, expected_object(manager, src_np, 0,
-                                                           {0: ids_a[c * 4:(c + 1) * 4]}))
+    got = [harness.to_numpy(per_chunk[c], np.zeros(0, np.uint8)) for c in range(3)]
+    want = [expected_object(manager, src_np, 0, {0: ids_a[c * 4:(c + 1) * 4]}) for c in range(3)]
+    check_objects(got, want, manager, 0, what="store into per-chunk buffers: object bytes",
+                  ids={0: ids_a}, source_caches=src_np, formats=formats)
     dst = harness.load(manager, [per_chunk], harness.convert(dst_np), ids_b)
-    after = all_blocks(harness.read(dst, dst_np), formats)
     before = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
-    for (layer, kv, b), rows in after.items():
-        want = before[(layer, kv, moved[b])] if b in moved else np.zeros_like(rows)
-        np.testing.assert_array_equal(rows, want)
+    check_blocks(harness.read(dst, dst_np), formats,
+                 moved_blocks(before, all_blocks(dst_np, formats), moved),
+                 what="load from per-chunk buffers", source=before, expected_source=moved)
 
 
 def test_region_view_reads_the_object_as_its_dtype(harness):

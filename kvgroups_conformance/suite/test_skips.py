@@ -1,3 +1,5 @@
+"""Window and prefix skips: which blocks a load writes, and what a store keeps per chunk."""
+
 import numpy as np
 import pytest
 
