@@ -5,10 +5,10 @@ import pytest
 
 from kvgroups_conformance.caches import DTYPES, all_blocks, random_bits
 from kvgroups_conformance.compare import check_blocks, check_objects
-from kvgroups_core.catalog import MODELS
 from kvgroups_core.descriptors import TensorSpec
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import load, store
+from kvgroups_tools.catalog import MODELS
 
 # Real model shapes (MODELS.md), shrunk in layers and blocks; every pattern kept: GQA, MLA,
 # the blocked-scale indexer beside MLA, sliding/full hybrids, the compressed DeepSeek-V4 mix.
