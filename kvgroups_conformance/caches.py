@@ -56,6 +56,19 @@ def random_bits(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generato
     return view
 
 
+def copy_keeping_strides(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` with ``a``'s strides: the bytes between its elements (padding between
+    blocks) are copied too. Harnesses use it to keep padded caches padded."""
+    if a.flags.c_contiguous or a.size == 0:
+        return a.copy()
+    if any(s < 0 for s in a.strides):
+        raise ValueError(f"a: expected non-negative strides, got {a.strides}")
+    extent = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) // a.itemsize + 1
+    flat = np.lib.stride_tricks.as_strided(a, shape=(extent,), strides=(a.itemsize,)).copy()
+    return np.lib.stride_tricks.as_strided(flat, shape=a.shape, strides=a.strides,
+                                           writeable=True)
+
+
 def make_caches(fmt: F, *, nl: int, nb: int, bs: int, nh: int, hs: int, dtype: str,
                 rng: np.random.Generator, pad: int = 0, zero: bool = False):
     """Caches of ``fmt`` as NumPy arrays: ``(structure, formats_per_layer)``."""

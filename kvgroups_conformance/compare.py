@@ -40,7 +40,7 @@ def _source_hint(rows: np.ndarray, layer: int, kv: int, expected_block: int | No
         return ""
     matches = [b for (lay, k, b), r in source.items()
                if lay == layer and k == kv and np.array_equal(r, rows)]
-    if not matches:
+    if not matches or expected_block in matches:
         return ""
     named = ", ".join(str(b) for b in matches[:4])
     if expected_block is None:
@@ -71,6 +71,12 @@ def block_mismatches(got: Any, formats: Any, want: Blocks, *, what: str,
     origin = (expected_source or {}).get(block)
     if wanted.any() or origin is not None:
         hint = _source_hint(rows, layer, kv, origin, source)
+        elsewhere = [b for (lay, k, b), r in got_blocks.items()
+                     if lay == layer and k == kv and b != block and np.array_equal(r, wanted)]
+        if elsewhere and wanted.any():
+            hint += ("; " if hint else "") + (
+                f"its expected bytes were written to block {elsewhere[0]} instead (an error "
+                f"in block addressing)")
     else:
         hint = "the block should have stayed untouched (all zeros) but was written"
         if source is not None:

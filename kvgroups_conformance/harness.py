@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from kvgroups_conformance.caches import copy_keeping_strides
 from kvgroups_core import get_backend
 from kvgroups_core.transfer import load, store
 
@@ -57,6 +58,9 @@ class Harness:
     id: str
     backend: str
     placements: tuple[str | None, ...] = (None,)
+    #: True when from_numpy keeps a padded array's strides and to_numpy returns the padding
+    #: too: the padded-block case then also checks that no padding byte changed.
+    keeps_padding: bool = False
 
     # The three operations a backend author may override -----------------------------------
     def from_numpy(self, a: np.ndarray) -> Any:
@@ -112,9 +116,23 @@ class Harness:
         return self.to_numpy(structure, like)
 
 
+class ReferenceHarness(Harness):
+    """The NumPy reference backend, with padded caches kept padded."""
+
+    def __init__(self) -> None:
+        super().__init__("numpy-ref", "numpy", keeps_padding=True)
+
+    def from_numpy(self, a: np.ndarray) -> np.ndarray:
+        return copy_keeping_strides(a)
+
+    def to_numpy(self, x: np.ndarray, like: np.ndarray) -> np.ndarray:
+        out = copy_keeping_strides(x)
+        return out.view(like.dtype) if out.dtype != like.dtype else out
+
+
 def reference_harness() -> Harness:
     """The NumPy reference backend: the other side of every cross-backend pair."""
-    return Harness("numpy-ref", "numpy")
+    return ReferenceHarness()
 
 
 def _load_object(spec: str) -> Any:

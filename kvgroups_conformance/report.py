@@ -100,5 +100,6 @@ def format_case(row: dict[str, Any]) -> list[str]:
     for m in row.get("mismatches", ()):
         lines.append("    " + Mismatch(**m).describe())
     if "error" in row:
-        lines.append(f"    raised {row['error'].splitlines()[0][:400]}")
+        text = [line.strip() for line in row["error"].splitlines() if line.strip()]
+        lines.append(f"    raised {' | '.join(text[:4])[:600]}")
     return lines

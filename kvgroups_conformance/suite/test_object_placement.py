@@ -50,5 +50,7 @@ def test_region_view_reads_the_object_as_its_dtype(harness):
         for layer in range(3):
             for j, b in enumerate(ids):
                 rows = src_np[layer][kv, b].reshape(BS, 16)
-                np.testing.assert_array_equal(view[kv, layer, j * BS:(j + 1) * BS].view(np.uint32),
-                                              rows.view(np.uint32))
+                np.testing.assert_array_equal(
+                    view[kv, layer, j * BS:(j + 1) * BS].view(np.uint32), rows.view(np.uint32),
+                    err_msg=f"region view of object chunk 0: format {formats[0].name}, dtype "
+                            f"float32, layer {layer}, plane {kv}, block {b} (position {j})")

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvgroups_conformance import Harness
+from kvgroups_conformance import Harness, reference_harness
 
 
 def _uint_view(a: np.ndarray) -> np.ndarray:
@@ -118,7 +118,7 @@ def _jax_gpu_available() -> bool:
 
 def harness_params() -> list:
     """pytest params for every backend; GPU ones carry the ``gpu`` marker and skip cleanly."""
-    params = [pytest.param(Harness("numpy-ref", "numpy"), id="numpy-ref")]
+    params = [pytest.param(reference_harness(), id="numpy-ref")]
 
     def backend_ready(pkg: str) -> bool:
         return _has(pkg)
