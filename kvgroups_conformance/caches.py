@@ -133,7 +133,7 @@ def token_rows(caches, fmt: F, layer: int, kv: int, block: int) -> np.ndarray:
     order = [rest.index("BS")] + ([rest.index("NH")] if "NH" in rest else []) + [rest.index(head)]
     sub = np.ascontiguousarray(np.transpose(sub, order))
     bs = sub.shape[0]
-    return sub.reshape(bs, -1).view(np.uint8).reshape(bs, -1)
+    return sub.reshape(bs, -1).view(np.uint8).reshape(bs, -1).copy()  # never a view of the cache
 
 
 def expected_object(manager, caches, og: int, chunk_ids: dict[int, np.ndarray]) -> np.ndarray:
