@@ -1,0 +1,74 @@
+"""Serve a tiny model with vLLM (CPU build) and report what each prompt gave.
+
+    python tests/vllm/run_engine.py --model gemma3 --connector --out result.json
+
+Prompts run one at a time, in order (a prompt's saves land before the next one's lookup):
+``first`` (700 tokens), ``repeat`` (the same), ``shared`` (first 600 tokens of ``first`` then
+300 others: a 512-token common prefix in whole chunks), ``unrelated`` (700 other tokens).
+Writes ``{"outputs": {name: [token ids]}, "cached": {name: num_cached_tokens}}``.
+vLLM spawns its engine process, hence the ``__main__`` guard.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from tiny_models import build  # noqa: E402
+
+
+def prompts() -> dict[str, list[int]]:
+    import random
+
+    rng = random.Random(1234)
+    first = [rng.randrange(1, 1000) for _ in range(700)]
+    tail = [rng.randrange(1, 1000) for _ in range(300)]
+    unrelated = [rng.randrange(1, 1000) for _ in range(700)]
+    return {"first": first, "repeat": list(first), "shared": first[:600] + tail,
+            "unrelated": unrelated}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--connector", action="store_true")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvgroups-tiny"))
+    ap.add_argument("--max-tokens", type=int, default=8)
+    args = ap.parse_args()
+    model_dir = build(args.model, os.path.join(args.model_dir, args.model))
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kw = {}
+    if args.connector:
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups_torch.vllm",
+            kv_role="kv_both", kv_connector_extra_config={"capacity_chunks": 64})
+    t0 = time.time()
+    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
+              enable_prefix_caching=False, max_model_len=2048, kv_cache_memory_bytes=64 << 20,
+              gpu_memory_utilization=0.3, seed=0, **kw)
+    started = time.time() - t0
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, detokenize=False)
+    result = {"outputs": {}, "cached": {}, "start_s": started}
+    for name, ids in prompts().items():
+        (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
+        result["outputs"][name] = list(out.outputs[0].token_ids)
+        result["cached"][name] = int(out.num_cached_tokens or 0)
+    result["total_s"] = time.time() - t0
+    with open(args.out, "w") as f:
+        json.dump(result, f)
+    print(json.dumps(result["cached"]), flush=True)
+
+
+if __name__ == "__main__":
+    main()
