@@ -1,6 +1,6 @@
 """Serve a tiny model with vLLM (CPU build) and report what each prompt gave.
 
-    python tests/vllm/run_engine.py --model gemma3 --connector --out result.json
+    python tests/vllm/run_engine.py --model gemma3 --connector kvgroups --out result.json
 
 Prompts run one at a time, in order (a prompt's saves land before the next one's lookup):
 ``first`` (700 tokens), ``repeat`` (the same), ``shared`` (first 600 tokens of ``first`` then
@@ -37,7 +37,8 @@ def prompts() -> dict[str, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--connector", action="store_true")
+    ap.add_argument("--connector", choices=("none", "kvgroups", "corrupt"), default="none",
+                    help="corrupt: the test-only subclass that scrambles what it loads")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvgroups-tiny"))
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -49,10 +50,12 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if args.connector:
+    if args.connector != "none":
+        name, module = (("KVGroupsConnector", "kvgroups_torch.vllm") if args.connector == "kvgroups"
+                        else ("CorruptingConnector", "corrupt_connector"))
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KVGroupsConnector", kv_connector_module_path="kvgroups_torch.vllm",
-            kv_role="kv_both", kv_connector_extra_config={"capacity_chunks": 64})
+            kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
+            kv_connector_extra_config={"capacity_chunks": 64})
     t0 = time.time()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
               enable_prefix_caching=False, max_model_len=2048, kv_cache_memory_bytes=64 << 20,

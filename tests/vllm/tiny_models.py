@@ -27,10 +27,10 @@ def build(kind: str, out_dir: str) -> str:
         model = tf.Gemma3ForCausalLM(tf.Gemma3TextConfig(
             **common, num_hidden_layers=6, num_key_value_heads=2, head_dim=64,
             sliding_window=128, layer_types=layer_types * 2))
-    elif kind == "deepseek":  # MLA: one latent of kv_lora_rank + rope dims per token
+    elif kind == "deepseek":  # MLA: one 576-wide latent per token (the only size the CPU MLA kernels take)
         model = tf.DeepseekV3ForCausalLM(tf.DeepseekV3Config(
             **common, num_hidden_layers=2, num_key_value_heads=4, q_lora_rank=None,
-            kv_lora_rank=64, qk_rope_head_dim=32, qk_nope_head_dim=32, v_head_dim=32,
+            kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
             first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128))
     else:
