@@ -37,8 +37,10 @@ def prompts() -> dict[str, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--connector", choices=("none", "kvgroups", "corrupt"), default="none",
-                    help="corrupt: the test-only subclass that scrambles what it loads")
+    ap.add_argument("--connector", choices=("none", "kvgroups", "corrupt", "example"),
+                    default="none", help="corrupt: the test-only subclass that scrambles what "
+                    "it loads; example: vLLM's own ExampleConnector (disk), for comparison")
+    ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvgroups-tiny"))
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -50,12 +52,16 @@ def main() -> None:
     from vllm.inputs import TokensPrompt
 
     kw = {}
-    if args.connector != "none":
+    if args.connector == "example":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="ExampleConnector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
+    elif args.connector != "none":
         name, module = (("KVGroupsConnector", "kvgroups_torch.vllm") if args.connector == "kvgroups"
                         else ("CorruptingConnector", "corrupt_connector"))
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
-            kv_connector_extra_config={"capacity_chunks": 64})
+            kv_connector_extra_config={"capacity_chunks": 64, "chunk_size": args.chunk})
     t0 = time.time()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
               enable_prefix_caching=False, max_model_len=2048, kv_cache_memory_bytes=64 << 20,
