@@ -65,7 +65,7 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
               enable_prefix_caching=False, max_model_len=2048, kv_cache_memory_bytes=64 << 20,
-              gpu_memory_utilization=0.3, seed=0, **kw)
+              gpu_memory_utilization=0.1, seed=0, **kw)
     started = time.time() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, detokenize=False)
     result = {"outputs": {}, "cached": {}, "start_s": started}
