@@ -31,7 +31,6 @@ How a step runs:
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -43,10 +42,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from kvgroups_core import object_nbytes, prepare
+from kvgroups_core import object_nbytes
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 
 from .adapter import VllmKVLayout, from_kv_cache_config
+from .host_store import HostChunkStore
 from .prefix_index import ChunkIndex, chunk_hashes, consecutive_runs
 
 if TYPE_CHECKING:
@@ -94,12 +94,6 @@ def _salt(request: Any) -> bytes:
     return "\0".join(parts).encode()
 
 
-def _supports_layer_subsets() -> bool:
-    from kvgroups_core.transfer import PreparedTransfer
-
-    return "layers" in inspect.signature(PreparedTransfer.store).parameters
-
-
 def _capacity_chunks(extra: dict, bytes_per_chunk: int) -> int:
     if "capacity_chunks" in extra:
         return int(extra["capacity_chunks"])
@@ -135,9 +129,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._loads_to_send: dict[str, tuple[int, int, list[int]]] = {}
         # worker side
         self._layout: VllmKVLayout | None = None
-        self._prepared: Any = None
-        self._pools: list[torch.Tensor] = []
-        self._layerwise = _supports_layer_subsets()
+        self._store: HostChunkStore | None = None
         self.stats = {"loaded_chunks": 0, "saved_chunks": 0, "load_calls": 0, "store_calls": 0}
 
     @property
@@ -286,38 +278,28 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = from_kv_cache_config(self._kv_cache_config, kv_caches, chunk_size=self._chunk)
-        manager = layout.manager
-        sizes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
+        sizes = [object_nbytes(layout.manager, g) for g in range(layout.manager.num_object_groups)]
         if sizes != self._object_bytes:
             raise KVGroupsValueError(
                 f"register_kv_caches: the registered tensors give object sizes {sizes}, the "
                 f"config gives {self._object_bytes}"
             )
-        device = layout.kv_caches[0].device if layout.kv_caches else torch.device("cpu")
-        pinned = device.type == "cuda"
-        self._pools = [torch.empty((self._capacity, n), dtype=torch.uint8, pin_memory=pinned)
-                       for n in sizes]
         self._layout = layout
-        self._prepared = prepare(manager, layout.kv_caches) if layout.kv_caches else None
+        self._store = HostChunkStore(layout.manager, layout.kv_caches, self._capacity)
 
-    def _rows(self, slots: list[int]) -> list[torch.Tensor]:
-        """Each object group's rows for ``slots``: a view when they are consecutive, else a
-        gathered copy (loads only; saves always go to consecutive runs)."""
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
-            return [pool[first:first + len(slots)] for pool in self._pools]
-        if any(p.is_pinned() for p in self._pools):
-            torch.cuda.current_stream().synchronize()  # earlier stores into these rows
-        index = torch.tensor(slots, dtype=torch.long)
-        return [pool.index_select(0, index) for pool in self._pools]
+    @property
+    def _pools(self) -> list[torch.Tensor]:
+        return self._store.pools if self._store is not None else []
+
+    def _metadata(self) -> KVGroupsConnectorMetadata | None:
+        if self._store is None or self._store.prepared is None or not self.has_connector_metadata():
+            return None
+        return self._get_connector_metadata()
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
-        if self._prepared is None or not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        for item in getattr(meta, "loads", ()):
-            self._prepared.load(self._rows(item.slots), item.block_ids,
-                                skip_first_n_tokens=item.skip_tokens)
+        meta = self._metadata()
+        for item in meta.loads if meta is not None else ():
+            self._store.load(item.block_ids, item.slots, item.skip_tokens)
             self.stats["loaded_chunks"] += len(item.slots)
             self.stats["load_calls"] += 1
 
@@ -326,22 +308,21 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
-        if not self._layerwise or self._prepared is None or not self.has_connector_metadata():
+        meta = self._metadata()
+        if meta is None or not meta.saves or not self._store.layerwise:
             return
-        layout = self._layout
-        if layer_name in layout.excluded_layers:
-            return
-        layer = layout.index_of(layer_name)
-        for item in getattr(self._get_connector_metadata(), "saves", ()):
-            self._prepared.store(item.block_ids, self._rows(item.slots), layers=[layer])
+        if layer_name in self._layout.excluded_layers:
+            return  # its KV is another layer's (sharing) or not needed across chunks
+        layer = self._layout.index_of(layer_name)
+        for item in meta.saves:
+            self._store.save_layer(item.block_ids, item.slots, layer)
             self.stats["store_calls"] += 1
 
     def wait_for_save(self) -> None:
-        if self._prepared is None or not self.has_connector_metadata():
-            return
-        for item in getattr(self._get_connector_metadata(), "saves", ()):
-            if not self._layerwise:
-                self._prepared.store(item.block_ids, self._rows(item.slots))
+        meta = self._metadata()
+        for item in meta.saves if meta is not None else ():
+            if not self._store.layerwise:
+                self._store.save(item.block_ids, item.slots)
                 self.stats["store_calls"] += 1
             self.stats["saved_chunks"] += len(item.slots)
 
