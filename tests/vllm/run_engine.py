@@ -23,11 +23,11 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from tiny_models import build  # noqa: E402
 
 
-def prompts() -> dict[str, list[int]]:
+def prompts(length: int = 700) -> dict[str, list[int]]:
     import random
 
     rng = random.Random(1234)
-    first = [rng.randrange(1, 1000) for _ in range(700)]
+    first = [rng.randrange(1, 1000) for _ in range(length)]
     tail = [rng.randrange(1, 1000) for _ in range(300)]
     unrelated = [rng.randrange(1, 1000) for _ in range(700)]
     return {"first": first, "repeat": list(first), "shared": first[:600] + tail,
@@ -37,10 +37,11 @@ def prompts() -> dict[str, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--connector", choices=("none", "kvgroups", "corrupt", "example"),
+    ap.add_argument("--connector", choices=("none", "kvgroups", "corrupt", "example", "split512"),
                     default="none", help="corrupt: the test-only subclass that scrambles what "
                     "it loads; example: vLLM's own ExampleConnector (disk), for comparison")
     ap.add_argument("--chunk", type=int, default=256)
+    ap.add_argument("--prompt-len", type=int, default=700)
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvgroups-tiny"))
     ap.add_argument("--max-tokens", type=int, default=8)
@@ -56,6 +57,12 @@ def main() -> None:
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="ExampleConnector", kv_role="kv_both",
             kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp()})
+    elif args.connector == "split512":
+        kw["kv_transfer_config"] = KVTransferConfig(
+            kv_connector="FixedSplitExampleConnector",
+            kv_connector_module_path="fixed_split_connector", kv_role="kv_both",
+            kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp(),
+                                       "load_tokens": 512})
     elif args.connector != "none":
         name, module = (("KVGroupsConnector", "kvgroups_torch.vllm") if args.connector == "kvgroups"
                         else ("CorruptingConnector", "corrupt_connector"))
@@ -69,7 +76,7 @@ def main() -> None:
     started = time.time() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, detokenize=False)
     result = {"outputs": {}, "cached": {}, "start_s": started}
-    for name, ids in prompts().items():
+    for name, ids in prompts(args.prompt_len).items():
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         result["outputs"][name] = list(out.outputs[0].token_ids)
         result["cached"][name] = int(out.num_cached_tokens or 0)
