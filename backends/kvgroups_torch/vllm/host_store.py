@@ -44,7 +44,25 @@ class HostChunkStore:
         self.pools = [torch.empty((capacity, n), dtype=torch.uint8, pin_memory=self.pinned)
                       for n in self.object_bytes]
         self.prepared = prepare(manager, kv_caches) if kv_caches else None
-        self.layerwise = supports_layer_subsets()
+        self.layerwise = (supports_layer_subsets() and self.prepared is not None
+                          and self._layer_saves_match())
+
+    def _layer_saves_match(self) -> bool:
+        """Saving layer by layer must give the whole-model save's bytes: checked once, on one
+        chunk of block 0 (a read of the caches only), so a backend that does not place layer
+        subsets by their object plane yet falls back to whole-model saves."""
+        ids = {g.engine_group_idx: [0] * (self.manager.lmcache_tokens_per_chunk
+                                          // g.tokens_per_block)
+               for g in self.manager.kernel_groups}
+        try:
+            whole = self.prepared.store(ids)
+            parts = [torch.zeros_like(o) for o in whole]
+            for layer in range(len(self.kv_caches)):
+                if any(layer in g.layer_indices for g in self.manager.kernel_groups):
+                    self.prepared.store(ids, parts, layers=[layer])
+        except Exception:  # noqa: BLE001 - any failure means: do not use layer subsets
+            return False
+        return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(whole, parts))
 
     def rows(self, slots: list[int]) -> list[torch.Tensor]:
         """Each object group's rows for ``slots``: a view when they are consecutive, else a
