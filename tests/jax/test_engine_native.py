@@ -1,0 +1,122 @@
+"""The executor as JAX engines call it: a store that creates its objects, ids traced inside
+jax.jit, out-of-range traced ids dropped in the kernels and reported through checkify.
+Bytes are compared with the NumPy oracle (kvgroups_core.reference)."""
+
+from dataclasses import replace
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from checks import as_bytes, reference_transfer
+from jax.experimental import checkify
+from kvgroups_jax.executor import execute_plan
+from layouts import make_group, make_plan
+
+LOWERINGS = ["interpret", "xla"]
+
+
+def _nbytes(g):
+    return g.num_planes * g.slots * g.row_bytes
+
+
+def _expected(direction, group, arrays, obj):
+    exp_c = [a.copy().view(np.uint8).reshape(-1) for a in arrays]
+    exp_o = obj.copy().reshape(-1)
+    reference_transfer(direction, group, exp_c, exp_o, _nbytes(group))
+    return exp_c, exp_o
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+@pytest.mark.parametrize("layout", ["nhd", "interleaved", "heads_outer"])
+def test_store_without_objects_returns_the_reference_bytes(lowering, layout):
+    arrays, g = make_group(layout, "bfloat16", nb=8, num_chunks=2, bpc=2)
+    plan = make_plan("store", [g], arrays, [_nbytes(g)])
+    _, exp_o = _expected("store", g, arrays, np.zeros((2, _nbytes(g)), np.uint8))
+    _, objs = execute_plan(plan, [jnp.asarray(a) for a in arrays], [None], lowering=lowering)
+    assert objs[0].shape == (2, _nbytes(g)) and objs[0].dtype == jnp.uint8
+    np.testing.assert_array_equal(as_bytes(objs[0]), exp_o)
+
+
+def _traced_load(lowering, g, arrays, obj, ids):
+    plan = make_plan("load", [g], arrays, [_nbytes(g)])
+
+    def step(caches, obj, ids):
+        traced = replace(plan, groups=(replace(plan.groups[0], block_ids=ids),))
+        return execute_plan(traced, caches, [obj], lowering=lowering)[0]
+
+    return step
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_traced_ids_under_jit_match_the_eager_call(lowering):
+    arrays, g = make_group("hnd", "bfloat16", nb=16, num_chunks=2, bpc=2)
+    obj = np.random.default_rng(3).integers(0, 256, (2, _nbytes(g)), np.uint8)
+    ids = np.array([5, 1, 9, 12])
+    g = replace(g, block_ids=ids)
+    exp_c, _ = _expected("load", g, arrays, obj)
+    step = jax.jit(_traced_load(lowering, g, arrays, obj, ids))
+    out = step([jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(ids, jnp.int32))
+    for c, e in zip(out, exp_c):
+        np.testing.assert_array_equal(as_bytes(c), e)
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_out_of_range_traced_ids_move_nothing_and_checkify_names_them(lowering):
+    arrays, g = make_group("nhd", "float16", nb=8, num_chunks=2, bpc=2)
+    obj = np.random.default_rng(4).integers(0, 256, (2, _nbytes(g)), np.uint8)
+    good = np.array([2, 3, 6, 7])
+    bad = np.array([2, 3, 6, 42])  # item 3 names a block the caches do not have
+    # Expected: every item but the bad one moved; block 7 (which a clamp would hit) untouched.
+    ref = [a.copy().view(np.uint8).reshape(-1) for a in arrays]
+    full_c, _ = _expected("load", replace(g, block_ids=good), arrays, obj)
+    e = arrays[0].dtype.itemsize
+    block_bytes = 4 * 2 * 8 * e  # bs * nh * hs
+    step = checkify.checkify(jax.jit(_traced_load(lowering, g, arrays, obj, bad)))
+    err, out = step([jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(bad,
+                                                                                  jnp.int32))
+    with pytest.raises(checkify.JaxRuntimeError, match=r"block_ids: expected ids in \[0, 8\).*"
+                                                       r"got 42"):
+        err.throw()
+    for slot, (c, before, moved) in enumerate(zip(out, ref, full_c)):
+        got = as_bytes(c)
+        for kv in range(2):
+            plane = kv * 8 * block_bytes
+            for blk in range(8):
+                lo = plane + blk * block_bytes
+                want = moved if blk in (2, 3, 6) else before
+                np.testing.assert_array_equal(got[lo:lo + block_bytes],
+                                              want[lo:lo + block_bytes],
+                                              err_msg=f"slot {slot} plane {kv} block {blk}")
+    err, _ = step([jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(good,
+                                                                                jnp.int32))
+    assert err.get() is None
+
+
+@pytest.mark.parametrize("lowering", LOWERINGS)
+def test_out_of_range_traced_ids_on_store_leave_given_objects_untouched(lowering):
+    arrays, g = make_group("nhd", "float16", nb=8, num_chunks=2, bpc=2)
+    plan = make_plan("store", [g], arrays, [_nbytes(g)])
+    obj = np.random.default_rng(5).integers(0, 256, (2, _nbytes(g)), np.uint8)
+
+    def step(caches, obj, ids):
+        traced = replace(plan, groups=(replace(plan.groups[0], block_ids=ids),))
+        return execute_plan(traced, caches, [obj], lowering=lowering)[1][0]
+
+    good = np.array([1, 0, 5, 4])
+    _, exp_o = _expected("store", replace(g, block_ids=good), arrays, obj)
+    err, out = checkify.checkify(jax.jit(step))([jnp.asarray(a) for a in arrays],
+                                                jnp.asarray(obj),
+                                                jnp.asarray([1, -3, 5, 4], jnp.int32))
+    assert "got -3" in str(err.get())
+    got = as_bytes(out).reshape(2, -1)
+    want = exp_o.reshape(2, -1)
+    row = g.row_bytes
+    # Chunk 0, position 1 (the bad id) keeps the given bytes in every plane; the rest moved.
+    for plane in range(g.num_planes):
+        for pos in range(2):
+            for chunk in range(2):
+                lo = (plane * g.slots + pos * g.block_size) * row
+                sl = slice(lo, lo + g.block_size * row)
+                expect = obj[chunk, sl] if (chunk, pos) == (0, 1) else want[chunk, sl]
+                np.testing.assert_array_equal(got[chunk, sl], expect)
