@@ -18,12 +18,15 @@ import numpy as np
 
 from kvgroups_core.descriptors import TensorDesc
 from kvgroups_core.dtypes import as_dtype
-from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.planner import check_objects
 from kvgroups_core.registry import Backend, BoundCaches
 
 from .describe import describe_array, memory_kind_of
 from .executor import LOWERINGS, execute_plan
 from .foreign import _IMPORTED, check_in_place, import_dlpack
+from .sharded import check_objects as check_shard_objects
+from .sharded import local_binding, localize, run_sharded, shard_layout
 
 _PINNED = ("pinned", "pinned_host", "cuda_host")
 _UINT8 = np.dtype(np.uint8)
@@ -40,8 +43,10 @@ class JaxBackend(Backend):
     """
 
     name: ClassVar[str] = "jax"
-    # Tracers (inside jax.jit, shard_map, vmap) are not jax.Array subclasses: named apart.
-    array_types: ClassVar[tuple[str, ...]] = ("jax.Array", "jax.core.Tracer")
+    # Tracers (inside jax.jit, shard_map, vmap) are not jax.Array subclasses: named apart;
+    # ShapeDtypeStructs describe abstractly (a manager built from shapes alone).
+    array_types: ClassVar[tuple[str, ...]] = ("jax.Array", "jax.core.Tracer",
+                                              "jax.ShapeDtypeStruct")
 
     def __init__(self, lowering: str = "auto", num_warps: int | None = None):
         if lowering not in LOWERINGS:
@@ -93,6 +98,11 @@ class JaxBackend(Backend):
         objs = [[_adopt(p) for p in o] if isinstance(o, (list, tuple)) else
                 None if type(o) is NewObject else
                 o if _concrete(o) else _as_array(o) for o in objects]
+        if shard_layout([a for a in arrays if isinstance(a, jax.Array)]) is not None:
+            raise UnsupportedConfig(
+                "kv_caches: sharded caches are moved per shard through prepare(), store() or "
+                "load() (which pass the manager); got a direct backend call"
+            )
         # Per-chunk buffers are stacked into one [num_chunks, nbytes] array (a copy of the
         # objects, never of the caches) and split again for the result.
         chunked = [isinstance(o, (list, tuple)) for o in objs]
@@ -227,6 +237,14 @@ class _BoundJax(BoundCaches):
         self._arrays = [c.obj if isinstance(c, TensorDesc) else c for c in caches]
         self._sharding = _plain_sharding(self._arrays)
         self._owned = False  # the arrays are outputs of our own load
+        # Caches sharded over a mesh: refused here (before anything is donated) unless every
+        # shard can move its own pages; the shard binding needs the manager (bind_source).
+        self._shards = shard_layout(self._arrays) if self._sharding is None else None
+        self._shard_binding = None
+
+    def bind_source(self, manager, kv_caches) -> None:
+        if self._shards is not None:
+            self._shard_binding = local_binding(manager, kv_caches, self._arrays, self._shards)
 
     @property
     def caches(self) -> list:
@@ -239,10 +257,25 @@ class _BoundJax(BoundCaches):
         self._descs = list(value)
 
     def run(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
+        if self._shards is not None:
+            return self._run_sharded(plan, objects)
         if self._sharding is not None and self._plain_objects(plan, objects):
             objs = [None if type(o) is NewObject else o for o in objects]
             return self.backend._execute_plain(plan, self._arrays, objs, check=not self._owned)
         return super().run(plan, objects)
+
+    def _run_sharded(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
+        if self._shard_binding is None:
+            raise UnsupportedConfig(
+                "kv_caches: sharded caches are moved per shard through prepare(), store() or "
+                "load() (which pass the manager); got a direct backend call"
+            )
+        check_objects(plan, objects, self.backend.shape_of)
+        objs = [None if type(o) is NewObject else o for o in objects]
+        check_shard_objects(self._shards, objs, plan)
+        local = localize(plan, self._shard_binding)
+        return run_sharded(self._shards, local, self._arrays, objs,
+                           lowering=self.backend.lowering, num_warps=self.backend.num_warps)
 
     def _plain_objects(self, plan, objects: Sequence[Any]) -> bool:
         nbytes = plan.object_nbytes
@@ -260,6 +293,10 @@ class _BoundJax(BoundCaches):
         return True
 
     def adopt_results(self, new_caches: Sequence[Any]) -> bool:
+        if self._shards is not None:  # same global shapes and shardings: the binding holds
+            self._arrays = list(new_caches)
+            self._descs = None
+            return True
         if self._sharding is None:
             return False  # foreign or unusual caches: let the core bind the results afresh
         self._arrays = list(new_caches)
