@@ -70,10 +70,6 @@ class LayerLayout:
         )
 
 
-def _axis(axes: tuple[str, ...], name: str) -> int | None:
-    return axes.index(name) if name in axes else None
-
-
 def _check_dense(desc: TensorDesc, fmt: EngineKVFormat, what: str) -> None:
     """Accept a permutation of a contiguous tensor, with per-block padding on dim 0 when dim 0
     is the block axis and outermost in memory; reject any other strided layout."""
