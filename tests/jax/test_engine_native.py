@@ -120,3 +120,87 @@ def test_out_of_range_traced_ids_on_store_leave_given_objects_untouched(lowering
                 sl = slice(lo, lo + g.block_size * row)
                 expect = obj[chunk, sl] if (chunk, pos) == (0, 1) else want[chunk, sl]
                 np.testing.assert_array_equal(got[chunk, sl], expect)
+
+
+# --- the public calls inside jax.jit (planning from abstract values) -------------------------
+
+NB, BS, NH, HS, TOKENS = 16, 4, 2, 8, 8
+
+
+@pytest.fixture(params=LOWERINGS)
+def backend_name(request):
+    from kvgroups_jax import JaxBackend
+
+    from kvgroups_core.registry import register_backend, unregister_backend
+
+    name = f"jax-cpu-{request.param}"
+    register_backend(name, JaxBackend(lowering=request.param), replace=True)
+    yield name
+    unregister_backend(name)
+
+
+def _engine(seed=0, layers=2):
+    from kvgroups_core import KVLayerGroupsManager, detect_format
+
+    rng = np.random.default_rng(seed)
+    host = [rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16) for _ in range(layers)]
+    caches = [jnp.asarray(h).view(jnp.bfloat16) for h in host]
+    fmt, normalized = detect_format(caches, engine="tpu_inference")
+    return host, caches, KVLayerGroupsManager(normalized, fmt, lmcache_tokens_per_chunk=TOKENS)
+
+
+def test_public_store_and_load_under_jit_with_traced_ids_and_skip(backend_name):
+    from kvgroups_core import load, store
+
+    host, caches, manager = _engine()
+    traces = []
+
+    @jax.jit
+    def step(caches, load_ids, store_ids, skip):
+        traces.append(1)
+        objs = store(manager, caches, store_ids, backend=backend_name)
+        return objs, load(manager, objs, caches, load_ids, skip_first_n_tokens=skip,
+                          backend=backend_name)
+
+    for src, dst, skip in [([1, 5, 9, 13], [0, 2, 4, 6], 4), ([7, 3, 15, 11], [8, 10, 12, 14], 0),
+                           ([2, 4, 6, 8], [1, 3, 5, 7], 9)]:
+        objs, new = step(caches, jnp.asarray(dst, jnp.int32), jnp.asarray(src, jnp.int32),
+                         jnp.int32(skip))
+        ref = store(manager, host, np.array(src), backend="numpy")
+        np.testing.assert_array_equal(np.asarray(objs[0]), ref[0])
+        want = load(manager, ref, [h.copy() for h in host], np.array(dst),
+                    skip_first_n_tokens=skip, backend="numpy")
+        for n, w in zip(new, want):
+            np.testing.assert_array_equal(np.asarray(n).view(np.uint16), w)
+    assert len(traces) == 1  # new ids and skips of the same size: one trace
+
+
+def test_prepared_calls_and_the_manager_work_on_tracers(backend_name):
+    from kvgroups_core import KVLayerGroupsManager, detect_format, prepare
+
+    host, caches, _ = _engine(1)
+
+    @jax.jit
+    def step(caches, ids):
+        fmt, normalized = detect_format(caches, engine="tpu_inference")
+        manager = KVLayerGroupsManager(normalized, fmt, lmcache_tokens_per_chunk=TOKENS)
+        prepared = prepare(manager, caches, backend=backend_name)
+        objs = prepared.store(ids)
+        return prepared.load(objs, ids[::-1])
+
+    ids = np.array([3, 12, 6, 1])
+    new = step(caches, jnp.asarray(ids, jnp.int32))
+    for n, h in zip(new, host):
+        a = np.asarray(n).view(np.uint16)
+        np.testing.assert_array_equal(a[ids[::-1]], h[ids])
+
+
+def test_out_of_range_traced_ids_through_the_public_store_are_reported(backend_name):
+    from kvgroups_core import store
+
+    host, caches, manager = _engine(2)
+    step = checkify.checkify(jax.jit(lambda c, i: store(manager, c, i, backend=backend_name)))
+    err, _ = step(caches, jnp.asarray([1, 99, 2, 3], jnp.int32))
+    assert "block_ids" in str(err.get()) and "got 99" in str(err.get())
+    err, _ = step(caches, jnp.asarray([1, 9, 2, 3], jnp.int32))
+    assert err.get() is None
