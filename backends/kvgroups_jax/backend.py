@@ -98,7 +98,7 @@ class JaxBackend(Backend):
         objs = [[_adopt(p) for p in o] if isinstance(o, (list, tuple)) else
                 None if type(o) is NewObject else
                 o if _concrete(o) else _as_array(o) for o in objects]
-        if shard_layout([a for a in arrays if isinstance(a, jax.Array)]) is not None:
+        if shard_layout(arrays) is not None:
             raise UnsupportedConfig(
                 "kv_caches: sharded caches are moved per shard through prepare(), store() or "
                 "load() (which pass the manager); got a direct backend call"

@@ -49,16 +49,35 @@ class ShardLayout:
         return NamedSharding(self.mesh, self.object_spec)
 
 
-def _describe_sharding(x) -> str:
-    return f"{type(x.sharding).__name__} {getattr(x.sharding, 'spec', x.sharding)}"
+def _describe_sharding(sharding) -> str:
+    return f"{type(sharding).__name__} {getattr(sharding, 'spec', sharding)}"
+
+
+def sharding_of(x) -> Any:
+    """The sharding that spreads ``x`` over several devices, or None (one device, or a value
+    already local: inside ``shard_map``, or under ``jax.jit`` without explicit mesh axes)."""
+    if isinstance(x, jax.core.Tracer):
+        try:
+            sharding = jax.typeof(x).sharding
+        except Exception:  # noqa: BLE001 - no abstract sharding in this JAX: a local value
+            return None
+        spec = getattr(sharding, "spec", None)
+        if spec is None or all(e is None for e in spec):
+            return None  # replicated or manual (inside shard_map): the program is per device
+        return sharding
+    if not isinstance(x, jax.Array):
+        return None
+    sharding = x.sharding
+    return sharding if len(sharding.device_set) > 1 else None
 
 
 def shard_layout(arrays) -> ShardLayout | None:
-    """The :class:`ShardLayout` of concrete caches spread over several devices; None when they
-    live on one device (the plain path). Raises UnsupportedConfig for shardings no
+    """The :class:`ShardLayout` of caches spread over several devices (concrete arrays, or
+    tracers of explicitly sharded values under ``jax.jit``); None when the program runs on one
+    device's values (the plain path). Raises UnsupportedConfig for shardings no
     collective-free transfer can serve."""
-    multi = [x for x in arrays if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-             and len(x.sharding.device_set) > 1]
+    shardings = [sharding_of(x) for x in arrays]
+    multi = [s for s in shardings if s is not None]
     if not multi:
         return None
     if len(multi) != len(arrays):
@@ -67,19 +86,18 @@ def shard_layout(arrays) -> ShardLayout | None:
             f"sharded ({_describe_sharding(multi[0])})"
         )
     mesh, specs, entries = None, [], set()
-    for k, x in enumerate(arrays):
-        sharding = x.sharding
+    for k, (x, sharding) in enumerate(zip(arrays, shardings)):
         if not isinstance(sharding, NamedSharding):
             raise UnsupportedConfig(
                 f"kv_caches[{k}]: expected a NamedSharding over a mesh (heads split), got "
-                f"{_describe_sharding(x)}"
+                f"{_describe_sharding(sharding)}"
             )
         if mesh is None:
             mesh = sharding.mesh
         elif sharding.mesh != mesh:
             raise UnsupportedConfig(
-                f"kv_caches[{k}]: expected the mesh of kv_caches[0] ({mesh.shape}), got "
-                f"{sharding.mesh.shape}"
+                f"kv_caches[{k}]: expected the mesh of kv_caches[0] ({dict(mesh.shape)}), got "
+                f"{dict(sharding.mesh.shape)}"
             )
         spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
         split = [e for e in spec if e is not None]
@@ -101,14 +119,14 @@ def shard_layout(arrays) -> ShardLayout | None:
     return ShardLayout(mesh, tuple(specs), entry, shards)
 
 
-def _local_tree(tree: Any, arrays_by_id: dict[int, Any]) -> Any:
+def _local_tree(tree: Any, shardings: dict[int, Any]) -> Any:
     """``tree`` with every sharded array replaced by the TensorSpec of one shard."""
     if isinstance(tree, (list, tuple)):
-        items = [_local_tree(t, arrays_by_id) for t in tree]
+        items = [_local_tree(t, shardings) for t in tree]
         return items if isinstance(tree, list) else tuple(items)
     x = getattr(tree, "obj", tree)
-    if id(x) in arrays_by_id:
-        shape = x.sharding.shard_shape(x.shape)
+    if id(x) in shardings:
+        shape = shardings[id(x)].shard_shape(tuple(x.shape))
         return TensorSpec(tuple(shape), as_dtype(x.dtype))
     return tree
 
@@ -121,7 +139,7 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
     from kvgroups_core.manager import KVLayerGroupsManager
     from kvgroups_core.planner import bind
 
-    local = _local_tree(kv_caches, {id(x): x for x in arrays})
+    local = _local_tree(kv_caches, {id(x): sharding_of(x) for x in arrays})
     infos = [EngineGroupInfo(engine_group_id=g.engine_group_idx,
                              layer_indices=list(g.layer_indices),
                              tokens_per_block=g.tokens_per_block,
@@ -176,8 +194,15 @@ def check_objects(layout: ShardLayout, objects, plan) -> None:
     for k, obj in enumerate(objects):
         if obj is None:
             continue
-        sharding = getattr(obj, "sharding", None)
-        if sharding is None or not sharding.is_equivalent_to(want, 2):
+        if isinstance(obj, jax.core.Tracer):  # under jax.jit: the abstract sharding
+            sharding = sharding_of(obj)
+            spec = tuple(getattr(sharding, "spec", ())) + (None, None)
+            ok = sharding is not None and sharding.mesh == layout.mesh and \
+                spec[:2] == (None, layout.heads_axes)
+        else:
+            sharding = getattr(obj, "sharding", None)
+            ok = sharding is not None and sharding.is_equivalent_to(want, 2)
+        if not ok:
             raise UnsupportedConfig(
                 f"objects[{k}]: expected uint8 [{plan.num_chunks}, {plan.object_nbytes[k]}] "
                 f"sharded as {want.spec} over the caches' mesh (the store's own objects), got "
@@ -191,7 +216,7 @@ def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *,
     plain path): ``(new caches or None, objects)``."""
     from . import executor
 
-    platform = next(iter(layout.mesh.devices.flat)).platform
+    platform = _platform(layout.mesh)
     fresh = executor._fresh_shapes(local_plan, objects)
     program = executor._program_for(local_plan, lowering, platform, num_warps, fresh)
     metas, idss = executor._runtime_args(local_plan, None)
@@ -201,6 +226,13 @@ def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *,
     if local_plan.direction == "store":
         return None, list(fn(tuple(arrays), given, metas, idss))
     return list(fn(tuple(arrays), given, metas, idss)), list(objects)
+
+
+def _platform(mesh) -> str:
+    """The mesh's platform; an abstract mesh (under jax.jit) names none: the default one."""
+    if isinstance(mesh, jax.sharding.Mesh):
+        return next(iter(mesh.devices.flat)).platform
+    return jax.default_backend()
 
 
 @functools.lru_cache(maxsize=64)

@@ -165,3 +165,30 @@ def test_shard_map_with_a_per_shard_manager_uses_the_same_calls():
                                       _shard_reference(host, 4, ids, r))
     a = np.asarray(new[0]).view(np.uint16)
     np.testing.assert_array_equal(a[[0, 3, 7, 4]], host[0].view(np.uint16)[ids])
+
+
+def test_explicitly_sharded_caches_inside_jit_move_per_shard_without_collectives():
+    mesh = _mesh()  # jax.make_mesh: Explicit axes, so the tracers carry their sharding
+    sharding = NamedSharding(mesh, P(None, None, "model", None, None))
+    host = _host(7)
+    caches = [jax.device_put(h, sharding) for h in host]
+    manager = _manager(caches)  # the global manager, as for eager calls
+    ids = np.array([1, 5, 2, 6])
+
+    def step(caches):
+        objs = store(manager, caches, ids)
+        return objs, load(manager, objs, caches, np.array([0, 3, 7, 4]))
+
+    jitted = jax.jit(step, donate_argnums=(0,))
+    text = jitted.lower(caches).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in text]
+    objs, new = jitted(caches)
+    assert objs[0].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+    nbytes = objs[0].shape[1] // 4
+    got = np.asarray(objs[0])
+    for r in range(4):
+        np.testing.assert_array_equal(got[:, r * nbytes:(r + 1) * nbytes],
+                                      _shard_reference(host, 4, ids, r))
+    assert all(n.sharding == sharding for n in new)
+    a = np.asarray(new[0]).view(np.uint16)
+    np.testing.assert_array_equal(a[[0, 3, 7, 4]], host[0].view(np.uint16)[ids])
