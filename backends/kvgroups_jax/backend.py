@@ -173,6 +173,14 @@ class JaxBackend(Backend):
     def to_host_ids(self, ids: Any) -> Any:
         return np.asarray(ids)
 
+    def device_ids_spec(self, x: Any) -> tuple[str, tuple[int, ...]] | None:
+        """Traced ids (and a traced skip) stay where they are: planned from their dtype and
+        shape, range-checked in the program (the kernels drop bad ids; checkify reports them).
+        Concrete arrays are read to the host and checked eagerly, as before."""
+        if isinstance(x, jax.core.Tracer):
+            return str(x.dtype), tuple(int(s) for s in x.shape)
+        return None
+
     # --- array plumbing for the demo, benchmarks and the conformance suite ---------------
 
     def from_numpy(self, a: Any, device: str | None = None, dtype: Any = None) -> Any:
