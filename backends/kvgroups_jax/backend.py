@@ -19,7 +19,7 @@ import numpy as np
 from kvgroups_core.descriptors import TensorDesc
 from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
-from kvgroups_core.planner import check_objects
+from kvgroups_core.objects import check_objects
 from kvgroups_core.registry import Backend, BoundCaches
 
 from .describe import describe_array, memory_kind_of

@@ -8,6 +8,7 @@ from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import pytest
 from checks import as_bytes, reference_transfer
@@ -106,7 +107,8 @@ def test_gpu_public_calls_inside_a_jitted_step_with_traced_ids(backend_name):
     for src, dst in [([1, 5, 9, 13], [0, 2, 4, 6]), ([7, 3, 30, 21], [8, 10, 12, 14])]:
         objs, new = step(caches, _gpu(np.array(dst, np.int32)), _gpu(np.array(src, np.int32)),
                          _gpu(np.int32(16)))
-        ref = store(manager, [h.view(np.uint16) for h in host], np.array(src), backend="numpy")
+        ref = store(manager, [h.view(ml_dtypes.bfloat16) for h in host], np.array(src),
+                    backend="numpy")
         np.testing.assert_array_equal(np.asarray(objs[0]), ref[0])
         a = np.asarray(new[0]).view(np.uint16)
         # 16 tokens = one block skipped: dst[0] keeps its bytes, the rest were loaded.
@@ -125,5 +127,5 @@ def test_gpu_vmap_over_caches(backend_name):
     ids = np.array([1, 5, 2, 6])
     out = jax.vmap(lambda c: store(manager, [c], ids, backend=backend_name)[0])(batch)
     for b in range(3):
-        ref = store(manager, [hosts[b]], ids, backend="numpy")[0]
+        ref = store(manager, [hosts[b].view(ml_dtypes.bfloat16)], ids, backend="numpy")[0]
         np.testing.assert_array_equal(np.asarray(out[b]), ref)
