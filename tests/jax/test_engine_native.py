@@ -206,3 +206,95 @@ def test_out_of_range_traced_ids_through_the_public_store_are_reported(backend_n
     assert "block_ids" in str(err.get()) and "got 99" in str(err.get())
     err, _ = step(caches, jnp.asarray([1, 9, 2, 3], jnp.int32))
     assert err.get() is None
+
+
+def _hybrid(seed=0, nb=40):
+    from kvgroups_core import KVLayerGroupsManager
+    from kvgroups_tools.catalog import MODELS
+
+    model = MODELS["hybrid-demo"].build(num_blocks=nb, layers=4, dtype="float16")
+    rng = np.random.default_rng(seed)
+    host = [rng.integers(0, 2**16, s.shape, dtype=np.uint16).view(np.float16)
+            for s in model.kv_caches]
+    manager = KVLayerGroupsManager(host, list(model.formats), model.engine_group_infos,
+                                   lmcache_tokens_per_chunk=256)
+    return host, manager
+
+
+def _group_ids(manager, rng, chunks=2, nb=40):
+    out = {}
+    for k, g in enumerate(manager.kernel_groups):
+        out.setdefault(g.engine_group_idx, rng.permutation(nb)[:chunks * manager.calculate_num_blocks(
+            k, 256)])
+    return out
+
+
+def test_per_engine_group_traced_ids_and_device_window_skips_match_numpy(backend_name):
+    from kvgroups_core import load, store
+
+    host, manager = _hybrid()
+    assert len({g.engine_group_idx for g in manager.kernel_groups}) > 1
+    rng = np.random.default_rng(1)
+    traces = []
+
+    @jax.jit
+    def step(caches, src, dst, skip):
+        traces.append(1)
+        objs = store(manager, caches, src, backend=backend_name)
+        return objs, load(manager, objs, caches, dst, skip_first_n_tokens=skip,
+                          backend=backend_name)
+
+    for skip in (0, 300):  # 300 tokens: the first chunk and part of the second skipped
+        src, dst = _group_ids(manager, rng), _group_ids(manager, rng)
+        objs, new = step([jnp.asarray(h) for h in host],
+                         {g: jnp.asarray(v, jnp.int32) for g, v in src.items()},
+                         {g: jnp.asarray(v, jnp.int32) for g, v in dst.items()},
+                         jnp.int32(skip))
+        ref = store(manager, host, src, backend="numpy")
+        for o, r in zip(objs, ref):
+            np.testing.assert_array_equal(np.asarray(o), r)
+        want = load(manager, ref, [h.copy() for h in host], dst, skip_first_n_tokens=skip,
+                    backend="numpy")
+        for n, w in zip(new, want):
+            np.testing.assert_array_equal(np.asarray(n).view(np.uint16), w.view(np.uint16))
+    assert len(traces) == 1
+
+
+def test_layer_subset_store_without_objects_leaves_other_regions_zero(backend_name):
+    from kvgroups_core import store
+
+    host, caches, manager = _engine(4, layers=3)
+    ids = np.array([3, 7, 1, 12])
+    got = jax.jit(lambda c, i: store(manager, c, i, layers=[1], backend=backend_name))(
+        caches, jnp.asarray(ids, jnp.int32))
+    want = store(manager, host, ids, layers=[1], backend="numpy")
+    np.testing.assert_array_equal(np.asarray(got[0]), want[0])
+    assert np.asarray(got[0]).any() and (np.asarray(got[0]) == 0).any()
+
+
+def test_vmap_over_caches_stores_and_loads_each(backend_name):
+    from kvgroups_core import load, store
+
+    hosts, _, manager = _engine(5, layers=1)
+    batch = np.stack([_engine(s, layers=1)[0][0] for s in range(3)])
+    ids = np.array([1, 5, 2, 6])
+    objs = jax.vmap(lambda c: store(manager, [c], ids, backend=backend_name)[0])(
+        jnp.asarray(batch))
+    for b in range(3):
+        np.testing.assert_array_equal(np.asarray(objs[b]),
+                                      store(manager, [batch[b]], ids, backend="numpy")[0])
+    new = jax.vmap(lambda o, c: load(manager, [o], [c], np.array([0, 3, 7, 4]),
+                                     backend=backend_name)[0])(objs, jnp.zeros_like(batch))
+    a = np.asarray(new).view(np.uint16)
+    np.testing.assert_array_equal(a[:, [0, 3, 7, 4]], batch.view(np.uint16)[:, ids])
+
+
+def test_eager_out_of_range_jax_ids_raise_before_anything_is_donated():
+    from kvgroups_core import load, store
+    from kvgroups_core.errors import KVGroupsIndexError
+
+    host, caches, manager = _engine(6)
+    objs = store(manager, caches, np.array([1, 2, 3, 4]))
+    with pytest.raises(KVGroupsIndexError, match=r"block_ids.*\[0, 16\).*got 16"):
+        load(manager, objs, caches, jnp.asarray([1, 2, 3, 16], jnp.int32))
+    assert not any(c.is_deleted() for c in caches) and not objs[0].is_deleted()
