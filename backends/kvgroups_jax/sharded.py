@@ -137,6 +137,7 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
     from the whole only in its head count (a split block, layer or head-size axis)."""
     from kvgroups_core.engine_groups import EngineGroupInfo
     from kvgroups_core.manager import KVLayerGroupsManager
+    from kvgroups_core.objects import object_nbytes
     from kvgroups_core.planner import bind
 
     local = _local_tree(kv_caches, {id(x): sharding_of(x) for x in arrays})
@@ -167,7 +168,15 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
                 f"{(a.kv_size, a.nl, a.nb, a.bs, a.nh, a.hs)}; only a heads axis is split "
                 "without communication"
             )
-    return bind(shard_manager, local)
+    binding = bind(shard_manager, local)
+    for og, n in enumerate(binding.object_nbytes):
+        whole = object_nbytes(manager, og)
+        if n * layout.shards != whole:  # the global object is the shards' objects side by side
+            raise UnsupportedConfig(
+                f"{what}: expected object group {og}'s {whole} bytes to split in "
+                f"{layout.shards} shards' objects, got {n} bytes per shard"
+            )
+    return binding
 
 
 def localize(plan, binding) -> Any:
