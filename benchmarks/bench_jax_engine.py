@@ -1,7 +1,8 @@
 """JAX transfers as a JAX serving engine makes them, through the public calls only.
 
 A tpu-inference-like cache (one ``[num_pages, page_size, 2*heads // 2, 2, head_dim]`` bf16 array
-per layer, K/V interleaved) and, per chunk count (default 1, 4, 16, 64):
+per layer, K/V interleaved; ``--layout vllm_nhd`` for vLLM's ``[2, NB, BS, NH, HS]``) and, per
+chunk count (default 1, 4, 16, 64):
 
 - ``call="jit"``: an engine-like jitted step with the caches donated: ``load`` a request's
   chunks, a small computation over the cache (one page per layer read, one written), ``store``
@@ -47,6 +48,9 @@ def parse_args(argv=None):
     p.add_argument("--tiny", action="store_true", help="a few-KiB model (CPU, CI)")
     for key, value in FULL.items():
         p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
+    p.add_argument("--layout", choices=("tpu_inference", "vllm_nhd"), default="tpu_inference",
+                   help="tpu-inference packed pages (K/V interleaved on heads) or vLLM's "
+                        "[2, NB, BS, NH, HS] per layer (contiguous K and V pages)")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--target-ms", type=float, default=25.0, help="time per timed batch")
     p.add_argument("--calls", default="jit,store,prepared")
@@ -62,7 +66,10 @@ def parse_args(argv=None):
 
 
 def make_caches(args, seed):
-    shape = (args.pages, args.page_size, args.heads, 2, args.head_dim)
+    if args.layout == "tpu_inference":
+        shape = (args.pages, args.page_size, args.heads, 2, args.head_dim)
+    else:
+        shape = (2, args.pages, args.page_size, args.heads, args.head_dim)
     make = jax.jit(lambda k: jax.lax.bitcast_convert_type(
         jax.random.bits(k, shape, jnp.uint16), jnp.bfloat16))
     return [make(jax.random.PRNGKey(seed * 1000 + i)) for i in range(args.layers)]
@@ -107,7 +114,8 @@ class Bench:
     def __init__(self, args):
         self.args = args
         self.caches = make_caches(args, 0)
-        fmt, normalized = detect_format(self.caches, engine="tpu_inference")
+        engine = "tpu_inference" if args.layout == "tpu_inference" else "vllm"
+        fmt, normalized = detect_format(self.caches, engine=engine)
         self.manager = KVLayerGroupsManager(normalized, fmt,
                                             lmcache_tokens_per_chunk=args.tokens)
         self.bpc = args.tokens // args.page_size
@@ -124,6 +132,7 @@ class Bench:
 
     def emit(self, **record):
         record.update(runtime="jax", placement="device", page_bytes=self.page_bytes,
+                      layout=self.args.layout,
                       backend=jax.default_backend(), jax=jax.__version__)
         print(json.dumps(record), flush=True)
         self.out.append(record)
@@ -143,11 +152,15 @@ class Bench:
         sets = self.ids(chunks)
         traces = {"n": 0}
 
+        n = a.page_size * a.heads * a.head_dim  # one page-plane's elements
+
         def compute(caches):
-            # A small computation over the cache: one page of every layer read, one written.
-            total = sum(c[0].astype(jnp.float32).sum() for c in caches)
-            return [caches[0].at[1].set((caches[0][1] + total).astype(caches[0].dtype))] + \
-                list(caches[1:])
+            # A small computation over the cache: one page-plane of every layer read, one
+            # written (flat views: the same work for either layout).
+            total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
+            flat = caches[0].reshape(-1)
+            flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
+            return [flat.reshape(caches[0].shape)] + list(caches[1:])
 
         def with_transfer(caches, objs, load_ids, store_ids):
             traces["n"] += 1
