@@ -192,3 +192,50 @@ def test_explicitly_sharded_caches_inside_jit_move_per_shard_without_collectives
     assert all(n.sharding == sharding for n in new)
     a = np.asarray(new[0]).view(np.uint16)
     np.testing.assert_array_equal(a[[0, 3, 7, 4]], host[0].view(np.uint16)[ids])
+
+
+def test_traced_ids_per_shard_drop_bad_ids_and_checkify_reports_them():
+    from jax.experimental import checkify
+
+    # Auto axes: checkify's error of a shard_map is then a plain array (jax 0.10 cannot read
+    # an explicitly sharded one back).
+    mesh = jax.make_mesh((4,), ("model",), devices=jax.devices()[:4],
+                         axis_types=(jax.sharding.AxisType.Auto,))
+    spec = P(None, None, "model", None, None)
+    host = _host(8)
+    caches = [jax.device_put(h, NamedSharding(mesh, spec)) for h in host]
+    manager = _manager([jax.ShapeDtypeStruct((NB, BS, NH // 4, 2, HS), jnp.bfloat16)] * NL)
+
+    def step(caches, ids):
+        return store(manager, caches, ids)
+
+    mapped = jax.shard_map(step, mesh=mesh, in_specs=(spec, P()), out_specs=P(None, "model"))
+    err, objs = jax.jit(checkify.checkify(mapped))(caches, jnp.asarray([1, 5, 2, 6], jnp.int32))
+    assert err.get() is None
+    nbytes = objs[0].shape[1] // 4
+    for r in range(4):
+        np.testing.assert_array_equal(np.asarray(objs[0])[:, r * nbytes:(r + 1) * nbytes],
+                                      _shard_reference(host, 4, np.array([1, 5, 2, 6]), r))
+    err, _ = jax.jit(checkify.checkify(mapped))(caches, jnp.asarray([1, 5, 2, 60], jnp.int32))
+    assert "got 60" in str(err.get())
+
+
+def test_explicitly_sharded_jit_with_traced_ids_and_skip():
+    mesh = _mesh()
+    sharding = NamedSharding(mesh, P(None, None, "model", None, None))
+    host = _host(9)
+    caches = [jax.device_put(h, sharding) for h in host]
+    manager = _manager(caches)
+
+    @jax.jit
+    def step(caches, src, dst, skip):
+        objs = store(manager, caches, src)
+        return load(manager, objs, caches, dst, skip_first_n_tokens=skip)
+
+    src, dst = np.array([1, 5, 2, 6]), np.array([0, 3, 7, 4])
+    new = step(caches, jnp.asarray(src, jnp.int32), jnp.asarray(dst, jnp.int32), jnp.int32(4))
+    a = np.asarray(new[0]).view(np.uint16)
+    h = host[0].view(np.uint16)
+    np.testing.assert_array_equal(a[dst[1:]], h[src[1:]])  # block 0 skipped (4 tokens)
+    np.testing.assert_array_equal(a[dst[0]], h[dst[0]])
+    assert new[0].sharding == sharding
