@@ -250,7 +250,10 @@ _SMALL = 64  # ids up to this many are range-checked through Python ints (cheape
 def _padded_ids(block_ids) -> jax.Array | np.ndarray:
     if isinstance(block_ids, jax.Array) and not isinstance(block_ids, np.ndarray):
         n = block_ids.shape[0]
-        ids = block_ids.astype(jnp.int32)
+        ids = block_ids
+        if ids.dtype.itemsize > 4:  # int64 ids (x64 mode): no wrap-around into a valid block
+            ids = jnp.where((ids < 0) | (ids > _INT32_MAX), -1, ids)
+        ids = ids.astype(jnp.int32)
         return jnp.pad(ids, (0, bucket(n) - n))
     ids = np.asarray(block_ids)
     n = ids.size

@@ -298,3 +298,21 @@ def test_eager_out_of_range_jax_ids_raise_before_anything_is_donated():
     with pytest.raises(KVGroupsIndexError, match=r"block_ids.*\[0, 16\).*got 16"):
         load(manager, objs, caches, jnp.asarray([1, 2, 3, 16], jnp.int32))
     assert not any(c.is_deleted() for c in caches) and not objs[0].is_deleted()
+
+
+def test_int64_traced_ids_past_int32_are_dropped_not_wrapped():
+    arrays, g = make_group("nhd", "float16", nb=8, num_chunks=2, bpc=2)
+    obj = np.random.default_rng(4).integers(0, 256, (2, _nbytes(g)), np.uint8)
+    exp_c, _ = _expected("load", replace(g, block_ids=np.array([2, 3, 6, 7])), arrays, obj)
+    with jax.enable_x64(True):
+        ids = jnp.asarray([2, 3, 6, 2**32 + 1], jnp.int64)  # would wrap to block 1
+        out = jax.jit(_traced_load("xla", g, arrays, obj, ids))(
+            [jnp.asarray(a) for a in arrays], jnp.asarray(obj), ids)
+    block_bytes = 4 * 2 * 8 * 2
+    for c, before, moved in zip(out, arrays, exp_c):
+        got, before = as_bytes(c), before.view(np.uint8).reshape(-1)
+        for kv in range(2):
+            for blk in range(8):
+                lo = (kv * 8 + blk) * block_bytes
+                want = moved if blk in (2, 3, 6) else before
+                np.testing.assert_array_equal(got[lo:lo + block_bytes], want[lo:lo + block_bytes])
