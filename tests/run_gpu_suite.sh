@@ -11,6 +11,9 @@
 #                     its own so an overrun cannot hide in a pool);
 #   sanitizer_mosaic  memcheck over the Mosaic GPU tests of tests/jax/test_gpu.py (the small
 #                     conformance shapes never reach that kernel);
+#   sanitizer_jax_jit memcheck over tests/jax/test_gpu_engine.py: both Pallas lowerings inside
+#                     jax.jit with traced ids, out-of-range ids dropped in the kernels,
+#                     stores that create their objects, vmap;
 #   mosaic_smoke      tests/jax/mosaic_smoke.py: bit-exact and in place per layout, then its
 #                     bandwidth beside Triton (JSON lines in mosaic_smoke.jsonl).
 # KVG_GPU_STEPS picks steps (default: all, in that order); KVG_GPU_TEST_PATHS narrows
@@ -44,7 +47,7 @@ python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__ve
   >> "$WORK/versions.log" 2>&1
 cat "$WORK/versions.log"
 
-STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic mosaic_smoke}
+STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic sanitizer_jax_jit mosaic_smoke}
 TEST_PATHS=${KVG_GPU_TEST_PATHS:-tests/conformance tests/torch tests/jax}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 wants gpu_tests && step gpu_tests 150 $PYTEST -m gpu $TEST_PATHS
@@ -54,6 +57,8 @@ wants sanitizer_jax && step sanitizer_jax 150 env XLA_PYTHON_CLIENT_ALLOCATOR=pl
   $SANITIZE $PYTEST tests/conformance -k "jax-gpu"
 wants sanitizer_mosaic && step sanitizer_mosaic 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   $SANITIZE $PYTEST -m gpu tests/jax/test_gpu.py -k "mosaic or auto"
+wants sanitizer_jax_jit && step sanitizer_jax_jit 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+  $SANITIZE $PYTEST -m gpu tests/jax/test_gpu_engine.py
 if wants mosaic_smoke; then
   step mosaic_smoke 120 python3 tests/jax/mosaic_smoke.py
   grep '^{' "$WORK/mosaic_smoke.log" > "$WORK/mosaic_smoke.jsonl"
