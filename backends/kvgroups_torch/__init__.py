@@ -10,7 +10,7 @@ Moves paged KV-cache blocks between engine caches and memory objects for the cor
   and the touched regions move in one bulk copy each; ``TorchBackend(pinned="direct")`` has
   the kernel read and write pinned memory through UVA instead (no extra device memory).
 - CPU tensors: plain torch byte views with ``index_select`` / ``index_copy_``
-  (:mod:`kvgroups_torch.torch_path`).
+  (:mod:`kvgroups_torch.cpu_path`).
 
 Normal use goes through the core: ``kvgroups_core.store(...)`` / ``load(...)`` find this
 backend from the tensors (registry name ``"torch"``).

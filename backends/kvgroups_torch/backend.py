@@ -12,7 +12,7 @@ from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 from kvgroups_core.registry import Backend, BoundCaches
 
-from . import cuda_path, torch_path
+from . import cpu_path, cuda_path
 from .describe import describe_tensor, dtype_of, torch_dtype
 from .objects import allocate_objects
 
@@ -90,7 +90,7 @@ class TorchBackend(Backend):
             cuda_path.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
         elif device.type == "cpu":
             tensors = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
-            torch_path.run_plan(plan, tensors, objects)
+            cpu_path.run_plan(plan, tensors, objects)
         else:
             raise UnsupportedConfig(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(given)

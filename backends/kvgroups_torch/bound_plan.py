@@ -16,7 +16,7 @@ import torch
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
-from . import cuda_path, ops, torch_path
+from . import cpu_path, cuda_path, ops
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
 
 
@@ -114,4 +114,4 @@ class BoundPlan:
             cuda_path.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
                                block_ids=ids, bindings=self._bindings if same else None)
         else:
-            torch_path.run_plan(self.plan, caches, objects, block_ids=ids)
+            cpu_path.run_plan(self.plan, caches, objects, block_ids=ids)
