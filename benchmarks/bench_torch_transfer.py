@@ -268,7 +268,7 @@ def host_cost_cpu(args, emit) -> None:
 
     class Device:
         index, arch, num_sms = 0, "sm_90", 132
-        err_flag = torch.zeros(1, dtype=torch.int32)
+        err_record = torch.zeros(8, dtype=torch.int64)
         kernels = Kernels()
 
     class Launcher:
