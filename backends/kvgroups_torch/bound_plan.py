@@ -101,7 +101,7 @@ class BoundPlan:
     __call__ = run
 
     def execute(self, caches: Sequence[torch.Tensor], objects: Sequence[torch.Tensor],
-                block_ids: Sequence[torch.Tensor]) -> None:
+                block_ids: Sequence[torch.Tensor], skip: Any = None) -> None:
         """The ops' implementation: run the plan on these tensors (no custom-op dispatch)."""
         ids = list(block_ids) if len(block_ids) else None
         if self.device.type == "cuda":

@@ -606,9 +606,18 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
 
 def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
     """Byte ranges ``[start, stop)`` of each chunk's object that the plan's groups touch,
-    merged: a staged store copies back only these (other bytes stay untouched)."""
-    spans = sorted((g.region_offset, g.region_offset + g.region_nbytes)
-                   for g in plan.groups if g.object_group_idx == object_group)
+    merged: a staged store copies back only these (other bytes stay untouched). Each plane
+    owns ``slots * row_bytes`` bytes at its object plane, so a layer-subset plan copies back
+    only its layers' rows."""
+    spans = []
+    for g in plan.groups:
+        if g.object_group_idx != object_group:
+            continue
+        rows = g.slots * g.row_bytes
+        for p, plane in enumerate(g.planes):
+            start = g.region_offset + object_plane(plane, p) * rows
+            spans.append((start, start + rows))
+    spans.sort()
     merged: list[tuple[int, int]] = []
     for start, stop in spans:
         if merged and start <= merged[-1][1]:
