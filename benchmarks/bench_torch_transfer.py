@@ -1,6 +1,6 @@
 """Throughput and host cost of the torch backend's store / load, next to measured ceilings.
 
-Shapes come from the shared catalogue (``kvgroups_core.catalog``): Llama-3-8B-like (32 layers,
+Shapes come from the shared catalogue (``kvgroups_tools.catalog``): Llama-3-8B-like (32 layers,
 8 KV heads x 128, block 16, bf16, NHD) and small pages (1 KV head x 64). Per shape: 64 chunks
 of 256 tokens to random blocks, store and load, objects in GPU memory and in pinned host
 memory (direct UVA access and staging + one bulk copy), against
@@ -39,10 +39,10 @@ from kvgroups_torch import (  # noqa: E402
     nvrtc,
 )
 
-from kvgroups_core.catalog import MODELS  # noqa: E402
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
 from kvgroups_core.planner import bind, plan_call  # noqa: E402
 from kvgroups_core.transfer import prepare, store  # noqa: E402
+from kvgroups_tools.catalog import MODELS  # noqa: E402
 
 
 def cuda_ms(fn, iters: int, warmup: int, batch_s: float = 0.005) -> dict:

@@ -17,7 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
-from kvgroups_core import cli_bench  # noqa: E402
+from kvgroups_tools import cli_bench  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -90,7 +90,7 @@ step() {
   fi
   echo "[$SECONDS s] $name (limit ${limit}s): $*"
   # The engine's own budget stops starting new cases a little before the hard limit.
-  timeout -k 5 "$limit" python3 -m kvgroups_core.cli bench --out "${LANE_JSON:-$JSON}" \
+  timeout -k 5 "$limit" python3 -m kvgroups_tools.cli bench --out "${LANE_JSON:-$JSON}" \
     --budget-s $((limit * 80 / 100 - 8)) ${RESUME[@]+"${RESUME[@]}"} "$@" \
     > "$OUT/$name.out" 2> "$OUT/$name.log"
   status=$?
@@ -163,9 +163,9 @@ if (( TOTAL_S - SECONDS >= 45 )); then
 fi
 
 echo "[$SECONDS s] summary"
-python3 -m kvgroups_core.cli bench --summarize "$JSON" --out "$OUT/summary_h200.jsonl" \
+python3 -m kvgroups_tools.cli bench --summarize "$JSON" --out "$OUT/summary_h200.jsonl" \
   > /dev/null 2> "$OUT/summary_h200.txt"
-python3 -m kvgroups_core.cli bench --summarize "$JSON" --markdown --quiet \
+python3 -m kvgroups_tools.cli bench --summarize "$JSON" --markdown --quiet \
   > "$OUT/summary_h200.md" 2>/dev/null
 cat "$OUT/summary_h200.txt"
 

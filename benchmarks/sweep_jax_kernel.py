@@ -33,9 +33,9 @@ from kvgroups_jax import pallas_copy, pallas_mosaic  # noqa: E402
 from kvgroups_jax.geometry import bucket, group_geometry  # noqa: E402
 from kvgroups_jax.views import flat_view, object_unview, object_view, unflat_view  # noqa: E402
 
-from kvgroups_core.catalog import MODELS  # noqa: E402
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
 from kvgroups_core.planner import bind, plan_call  # noqa: E402
+from kvgroups_tools.catalog import MODELS  # noqa: E402
 
 
 def batch_seconds(step, sync, batches: int, calls: int) -> list[float]:

@@ -1,10 +1,10 @@
 import numpy as np
 import pytest
 
-from kvgroups_core.catalog import MODELS
 from kvgroups_core.descriptors import TensorSpec
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import load, store
+from kvgroups_tools.catalog import MODELS
 
 from .cases import DTYPES, random_bits
 

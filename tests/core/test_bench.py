@@ -8,14 +8,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvgroups_core import bench, bench_matrix
-from kvgroups_core.bench_kit_numpy import NumpyKit, run_take
-from kvgroups_core.bench_report import summarize
-from kvgroups_core.catalog import MODELS
 from kvgroups_core.errors import KVGroupsValueError
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.planner import bind, plan_call
 from kvgroups_core.reference import NumpyBackend
+from kvgroups_tools import bench, bench_matrix
+from kvgroups_tools.bench_kits.numpy_kit import NumpyKit, run_take
+from kvgroups_tools.bench_report import summarize
+from kvgroups_tools.catalog import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSFER_FIELDS = (
@@ -45,7 +45,7 @@ def tiny_run(tmp_path_factory):
     # Force CPU devices: CI has no GPU, and a developer's GPU must not change the records.
     backends = ",".join(b if b == "numpy" else f"{b}-cpu" for b in expected_backends())
     result = subprocess.run(
-        [sys.executable, "-m", "kvgroups_core.cli", "bench", "--matrix", "tiny", "--backends",
+        [sys.executable, "-m", "kvgroups_tools.cli", "bench", "--matrix", "tiny", "--backends",
          backends, "--out", str(out)],
         capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
     stdout_records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
@@ -115,7 +115,7 @@ def test_tiny_manager_and_summary_records(tiny_run):
 
 
 def test_summarize_command_reads_records_back(tiny_run, capsys):
-    from kvgroups_core import cli
+    from kvgroups_tools import cli
 
     assert cli.main(["bench", "--summarize", str(tiny_run[1]), "--quiet"]) == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.splitlines()]
@@ -123,7 +123,7 @@ def test_summarize_command_reads_records_back(tiny_run, capsys):
 
 
 def test_sweep_tables_have_a_row_per_value_and_a_column_per_path(tiny_run):
-    from kvgroups_core.bench_report import sweep_tables
+    from kvgroups_tools.bench_report import sweep_tables
 
     records = tiny_run[2]
     blocks = sweep_tables(records, ["page", "layers"], device="cpu").split("\n\n")
@@ -159,7 +159,8 @@ def test_plot_draws_a_png_from_the_tiny_records(tiny_run, tmp_path):
 def test_the_engine_imports_no_framework():
     script = (
         "import sys\n"
-        "from kvgroups_core import bench, bench_kit_numpy, bench_matrix, bench_report, cli_bench\n"
+        "from kvgroups_tools import bench, bench_matrix, bench_report, cli_bench\n"
+        "from kvgroups_tools.bench_kits import numpy_kit\n"
         "records = bench.BenchRun(bench_matrix.tiny(), lambda r: None).run(['numpy'])\n"
         "assert any(r['record'] == 'transfer' for r in records)\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')))\n")

@@ -5,8 +5,9 @@ import sys
 
 import pytest
 
-from kvgroups_core import cli, manager_from_shape_spec
-from kvgroups_core.cli_plan import layer_ranges, object_nbytes, plan_summary, region_nbytes
+from kvgroups_core import manager_from_shape_spec
+from kvgroups_tools import cli
+from kvgroups_tools.cli_plan import layer_ranges, object_nbytes, plan_summary, region_nbytes
 
 SPEC = "(2,1024,16,8,128):bfloat16:30;(1,1024,64,1,576):bfloat16:2"
 
@@ -127,7 +128,7 @@ def test_layer_ranges(layers, text):
 
 def test_module_entry_point_runs_in_a_subprocess():
     result = subprocess.run(
-        [sys.executable, "-m", "kvgroups_core.cli", "plan", "--spec", SPEC, "--json"],
+        [sys.executable, "-m", "kvgroups_tools.cli", "plan", "--spec", SPEC, "--json"],
         capture_output=True, text=True, check=True,
     )
     assert json.loads(result.stdout)["bytes_per_chunk"] == 32_047_104

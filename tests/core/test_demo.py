@@ -2,8 +2,8 @@ import io
 
 import pytest
 
-from kvgroups_core.cli import main
-from kvgroups_core.demo import run_demo
+from kvgroups_tools.cli import main
+from kvgroups_tools.demo import run_demo
 
 
 def test_demo_round_trip_on_numpy_verifies_every_byte():

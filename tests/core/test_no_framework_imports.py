@@ -16,7 +16,7 @@ SCRIPT = textwrap.dedent("""
         EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager, TensorSpec,
         manager_from_shape_spec,
     )
-    from kvgroups_core.cli_plan import plan_summary
+    from kvgroups_tools.cli_plan import plan_summary
 
     caches = [TensorSpec((2, 64, 16, 8, 128), "bfloat16")] * 6
     infos = [EngineGroupInfo(engine_group_id=1, layer_indices=(0, 1, 2, 3, 4),

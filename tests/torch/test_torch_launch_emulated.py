@@ -214,7 +214,7 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
 
 
 def _model_caches(name, rng, layers=2, num_blocks=12):
-    from kvgroups_core.catalog import MODELS
+    from kvgroups_tools.catalog import MODELS
 
     model = MODELS[name].build(num_blocks=num_blocks, layers=layers, dtype="float16")
     caches = []

@@ -1,6 +1,6 @@
 """The ``kvgroups`` command line: a registry of subcommands.
 
-Each subcommand lives in its own module ``kvgroups_core/cli_<name>.py`` exposing
+Each subcommand lives in its own module ``kvgroups_tools/cli_<name>.py`` exposing
 ``add_parser(subparsers)``, which adds its parser and sets ``func`` (called with the parsed
 arguments, returning an exit status). Modules that are not installed are simply not offered;
 a module that exists but fails to import raises, so breakage is never hidden.
@@ -14,9 +14,9 @@ import importlib.util
 import sys
 from collections.abc import Sequence
 
-from .errors import KVGroupsError
+from kvgroups_core.errors import KVGroupsError
 
-#: Subcommands in help order; each is ``kvgroups_core.cli_<name>``.
+#: Subcommands in help order; each is ``kvgroups_tools.cli_<name>``.
 SUBCOMMANDS: tuple[str, ...] = ("plan", "demo", "bench")
 
 

@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .descriptors import TensorSpec
-from .formats import EngineKVFormat as F
+from kvgroups_core.descriptors import TensorSpec
+from kvgroups_core.formats import EngineKVFormat as F
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _kv_spec(fmt: F, nb: int, bs: int, nh: int, hs: int, dtype: str) -> TensorSp
 
 def _engine_infos(groups: list[tuple[int, list[int], int, int]]) -> tuple:
     """``(engine_group_id, layers, tokens_per_block, sw)`` rows ordered by first layer."""
-    from .engine_groups import EngineGroupInfo
+    from kvgroups_core.engine_groups import EngineGroupInfo
 
     rows = sorted(groups, key=lambda g: g[1][0])
     return tuple(
@@ -159,7 +159,7 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
 
 
 def get_model(name: str) -> ModelShape:
-    from .errors import KVGroupsValueError
+    from kvgroups_core.errors import KVGroupsValueError
 
     try:
         return MODELS[name]

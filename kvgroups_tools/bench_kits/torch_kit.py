@@ -1,5 +1,5 @@
 """Bench kit for PyTorch (``kvgroups bench --backends torch``), driven by
-:mod:`kvgroups_core.bench`.
+:mod:`kvgroups_tools.bench`.
 
 Paths:
 
@@ -30,13 +30,12 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
+from kvgroups_torch import cpu_path
+from kvgroups_torch.backend import TorchBackend, tensor_of
+from kvgroups_torch.describe import torch_dtype
 
-from kvgroups_core.bench import SCRATCH_FILL, Timing, Workload, calls_for, map_specs, wall_timer
 from kvgroups_core.errors import UnsupportedConfig
-
-from . import cpu_path
-from .backend import TorchBackend, tensor_of
-from .describe import torch_dtype
+from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, calls_for, map_specs, wall_timer
 
 _SLICE = 1 << 30  # random fills in slices: one RNG call stays below 2**31 elements
 

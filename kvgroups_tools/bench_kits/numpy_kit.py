@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from .bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
-from .errors import UnsupportedConfig
-from .reference import NumpyBackend, byte_view
+from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.reference import NumpyBackend, byte_view
+from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 
 
 def run_take(plan: Any, slots: list, objects: list) -> None:
@@ -56,7 +56,7 @@ def run_take(plan: Any, slots: list, objects: list) -> None:
 
 
 class NumpyKit:
-    """The NumPy runtime for the benchmark engine (see :mod:`kvgroups_core.bench`)."""
+    """The NumPy runtime for the benchmark engine (see :mod:`kvgroups_tools.bench`)."""
 
     backend = "numpy"
     device = "cpu"

@@ -17,13 +17,14 @@ from typing import Any, Callable
 
 import numpy as np
 
+from kvgroups_core.descriptors import TensorSpec
+from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.objects import object_nbytes
+from kvgroups_core.registry import Backend, get_backend
+from kvgroups_core.transfer import load, store
+
 from .catalog import CacheModel, get_model
-from .descriptors import TensorSpec
-from .errors import KVGroupsValueError
-from .manager import KVLayerGroupsManager
-from .objects import object_nbytes
-from .registry import Backend, get_backend
-from .transfer import load, store
 
 
 @dataclass
@@ -121,7 +122,7 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
     defaults = default_backends()
     store_name, load_name = store_backend or defaults[0], load_backend or defaults[1]
     if spec is not None:
-        from .shape_spec import caches_from_shape_spec
+        from kvgroups_core.shape_spec import caches_from_shape_spec
 
         caches, formats, infos = caches_from_shape_spec(spec)
         cache_model = CacheModel("spec", caches, tuple(formats), tuple(infos))

@@ -1,7 +1,7 @@
 """Case matrices for ``kvgroups bench``: which shapes, chunk counts and placements are measured.
 
 A :class:`Matrix` is an ordered list of :class:`Point` s (a cache shape, a chunk count, where the
-objects live) plus the manager-construction sweep. The engine (:mod:`kvgroups_core.bench`)
+objects live) plus the manager-construction sweep. The engine (:mod:`kvgroups_tools.bench`)
 measures the points in order, keeping one set of caches per shape, so each shape's points sit
 together and the most important points come first (a time budget then cuts the least useful).
 
@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.shape_spec import _group_tensor, parse_kvcache_shape_spec
+
 from .catalog import CacheModel, get_model
-from .errors import KVGroupsValueError
-from .shape_spec import _group_tensor, parse_kvcache_shape_spec
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Transfer benchmarks: the bandwidth of every page-copy path next to measured ceilings.
 
 The engine is framework-free. It builds managers and plans (plain core data) for the points
-of a :class:`~kvgroups_core.bench_matrix.Matrix` and drives each runtime through a *bench
-kit*: a small module per backend (``kvgroups_core.bench_kit_numpy``,
-``kvgroups_torch.bench_kit``, ``kvgroups_jax.bench_kit``), imported by name only when asked
+of a :class:`~kvgroups_tools.bench_matrix.Matrix` and drives each runtime through a *bench
+kit*: a small module per backend (``kvgroups_tools.bench_kits.numpy_kit``, ``torch_kit``,
+``jax_kit``), imported by name only when asked
 for, that makes caches and objects, runs a path, times it the runtime's way (CUDA events,
 ``block_until_ready``) and measures the ceilings.
 
@@ -41,14 +41,16 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from .bench_matrix import Matrix, Point, Shape
-from .descriptors import TensorSpec
-from .manager import KVLayerGroupsManager
-from .planner import bind, plan_call
-from .shape_spec import format_kvcache_shape_spec
+from kvgroups_core.descriptors import TensorSpec
+from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.planner import bind, plan_call
+from kvgroups_core.shape_spec import format_kvcache_shape_spec
 
-KIT_MODULES = {"numpy": "kvgroups_core.bench_kit_numpy", "torch": "kvgroups_torch.bench_kit",
-               "jax": "kvgroups_jax.bench_kit"}
+from .bench_matrix import Matrix, Point, Shape
+
+KIT_MODULES = {"numpy": "kvgroups_tools.bench_kits.numpy_kit",
+               "torch": "kvgroups_tools.bench_kits.torch_kit",
+               "jax": "kvgroups_tools.bench_kits.jax_kit"}
 #: Ceiling compared with each placement and direction.
 CEILINGS = {("device", "store"): "device_copy", ("device", "load"): "device_copy",
             ("pinned", "store"): "pinned_d2h", ("pinned", "load"): "pinned_h2d"}
@@ -125,7 +127,7 @@ def wall_timer(fn: Callable[[int], Any], sync: Callable[[], None], *, repeats: i
 def load_kit(item: str) -> Any:
     """The kit for ``"name[-device]"`` (``"torch"``, ``"torch-cpu"``, ``"jax-cuda"``)."""
     name, _, device = item.partition("-")
-    module = importlib.import_module(KIT_MODULES.get(name, f"kvgroups_{name}.bench_kit"))
+    module = importlib.import_module(KIT_MODULES.get(name, f"kvgroups_tools.bench_kits.{name}_kit"))
     return module.make_kit(device or None)
 
 
@@ -171,7 +173,7 @@ class BenchRun:
     Parameters
     ----------
     matrix : Matrix
-        The points, in run order (:mod:`kvgroups_core.bench_matrix`).
+        The points, in run order (:mod:`kvgroups_tools.bench_matrix`).
     emit : callable
         Called with each record (a JSON-ready dict) as soon as it exists.
     paths : sequence of str, optional

@@ -1,4 +1,4 @@
-"""Bench kit for JAX (``kvgroups bench --backends jax``), driven by :mod:`kvgroups_core.bench`.
+"""Bench kit for JAX (``kvgroups bench --backends jax``), driven by :mod:`kvgroups_tools.bench`.
 
 Paths (lowerings of :func:`kvgroups_jax.execute_plan`): ``pallas-triton``, ``pallas-mosaic``
 (GPU kernels), ``xla`` (the plain baseline: ``take`` / ``.at[].set``), ``interpret`` (Pallas
@@ -24,12 +24,11 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kvgroups_jax.backend import JaxBackend
+from kvgroups_jax.executor import execute_plan
 
-from kvgroups_core.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 from kvgroups_core.errors import UnsupportedConfig
-
-from .backend import JaxBackend
-from .executor import execute_plan
+from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 
 LOWERING = {"xla": "xla", "pallas-triton": "triton", "pallas-mosaic": "mosaic",
             "interpret": "interpret"}
