@@ -178,13 +178,17 @@ class TorchBackend(Backend):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def synchronize(self, x: Any = None) -> None:
+        """Wait for queued work, then raise what the kernels recorded about device-side ids
+        (:func:`cuda_path.check_errors`: a synchronising call checks them anyway)."""
         if not torch.cuda.is_available():
             return
         if isinstance(x, torch.Tensor):
             if x.is_cuda:
                 torch.cuda.synchronize(x.device)
+                cuda_path.check_errors(x.device)
             return
         torch.cuda.synchronize()
+        cuda_path.check_errors()
 
     def to_host_ids(self, ids: Any) -> Any:
         if isinstance(ids, torch.Tensor):

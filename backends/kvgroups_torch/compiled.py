@@ -30,7 +30,6 @@ import torch.utils._pytree as pytree
 from kvgroups_core import transfer
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
 from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.plan import first_item_for_skip
 
 from . import ops
 
@@ -158,6 +157,8 @@ def host_plan(plan: Any) -> Any:
                 raise KVGroupsValueError(
                     f"skip_first_n_tokens: expected a value in [0, {covered}] (the tokens the "
                     f"block ids cover), got {skip}")
+            from kvgroups_core.plan import first_item_for_skip
+
             first = int(first_item_for_skip(g, skip))
         g = replace(g, block_ids=ids, first_item=first)
         if g.num_items > 0:
@@ -229,6 +230,9 @@ def install() -> None:
             skip_first_n_tokens=skip_first_n_tokens, backend=backend, layers=layers,
             max_ctas=max_ctas))
         return kv_caches
+
+    if not hasattr(transfer, "prepared_store"):
+        return
 
     @substitute(transfer.prepared_store, skip_signature_check=True)
     def _prepared_store(prepared, block_ids, objects=None, *, layers=None, max_ctas=None):

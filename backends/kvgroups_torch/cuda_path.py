@@ -97,6 +97,17 @@ def check_device_errors(device: torch.device | int | str | None = None) -> None:
     raise_recorded(state.err_record, f"cuda:{index}")
 
 
+def check_errors(device: torch.device | int | str | None = None) -> None:
+    """The documented check of device-side ids: synchronise with ``device`` (default: every
+    GPU a transfer ran on), then raise the first bad id or skip the kernels met since the
+    last check (see :func:`check_device_errors`)."""
+    if device is not None:
+        check_device_errors(device)
+        return
+    for index in sorted(_devices):
+        check_device_errors(index)
+
+
 def raise_recorded(record: torch.Tensor, where: str) -> None:
     """Read (synchronising), clear and raise the error ``record`` holds, if any."""
     words = record.tolist()  # the one synchronisation: the point of a check
