@@ -146,16 +146,16 @@ def bench_prepared(s: Setup, timer: Timer, chunk_counts, emit) -> None:
         objs = s.objects(chunks)
         for kind in ("host", "device"):
             ids = s.ids(chunks, kind)
-            t = timer.ms(lambda i: s.prep.store(ids[i % len(ids)], objs[i % 2]))
+            t = timer.ms(lambda i, ids=ids, objs=objs: s.prep.store(ids[i % len(ids)], objs[i % 2]))
             emit(record(s, "prepared", kind, "store", chunks, t, ceiling))
-            t = timer.ms(lambda i: s.prep.load(objs[i % 2], ids[i % len(ids)]))
+            t = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(objs[i % 2], ids[i % len(ids)]))
             emit(record(s, "prepared", kind, "load", chunks, t, ceiling))
         if chunks in (1, 16):
             ids = s.ids(chunks, "device")
-            t = timer.ms(lambda i: kc.store(s.manager, s.caches, ids[i % len(ids)],
+            t = timer.ms(lambda i, ids=ids, objs=objs: kc.store(s.manager, s.caches, ids[i % len(ids)],
                                             objs[i % 2]))
             emit(record(s, "store", "device", "store", chunks, t, ceiling))
-            t = timer.ms(lambda i: kc.load(s.manager, objs[i % 2], s.caches, ids[i % len(ids)]))
+            t = timer.ms(lambda i, ids=ids, objs=objs: kc.load(s.manager, objs[i % 2], s.caches, ids[i % len(ids)]))
             emit(record(s, "load", "device", "load", chunks, t, ceiling))
 
 
@@ -189,7 +189,7 @@ def bench_layerwise(s: Setup, timer: Timer, chunks: int, emit) -> None:
     objs = s.objects(chunks)
     for kind in ("device", "host"):
         ids = s.ids(chunks, kind)
-        whole = timer.ms(lambda i: s.prep.store(ids[i % len(ids)], objs[i % 2]))
+        whole = timer.ms(lambda i, ids=ids, objs=objs: s.prep.store(ids[i % len(ids)], objs[i % 2]))
         emit(record(s, "prepared", kind, "store", chunks, whole, ceiling))
 
         def per_layer(i, ids=ids):
@@ -204,7 +204,7 @@ def bench_layerwise(s: Setup, timer: Timer, chunks: int, emit) -> None:
             for layer in range(s.layers):
                 s.prep.load(objs[i % 2], ids[i % len(ids)], layers=[layer])
 
-        whole_load = timer.ms(lambda i: s.prep.load(objs[i % 2], ids[i % len(ids)]))
+        whole_load = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(objs[i % 2], ids[i % len(ids)]))
         t = timer.ms(per_layer_load)
         emit(record(s, "layerwise", kind, "load", chunks, t, ceiling, calls_per_step=s.layers,
                      frac_of_whole=whole_load["median"] / t["median"]))
@@ -223,7 +223,7 @@ def bench_compile(s: Setup, timer: Timer, chunk_counts, backend: str, emit) -> N
         compiled(s.prep, ids[0], objs[0])
         timer.sync()
         first_s = time.perf_counter() - t0
-        t = timer.ms(lambda i: compiled(s.prep, ids[i % len(ids)], objs[i % 2]))
+        t = timer.ms(lambda i, ids=ids, objs=objs: compiled(s.prep, ids[i % len(ids)], objs[i % 2]))
         emit(record(s, "compile", "device", "store", chunks, t, ceiling, compiler=backend,
                     first_call_s=first_s))
 
@@ -238,11 +238,11 @@ def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> No
     side = torch.cuda.Stream()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cap in (max_ctas, None):
-        alone = timer.ms(lambda i: s.prep.store(ids[i % len(ids)], objs[i % 2], max_ctas=cap))
+        alone = timer.ms(lambda i, cap=cap: s.prep.store(ids[i % len(ids)], objs[i % 2],
+                                                          max_ctas=cap))
         # Side by side: each timed step is one GEMM on the main stream and, on the side
         # stream, as many stores as fit in it (both streams joined at the end of the step).
         per_gemm = max(1, int(gemm_alone["median"] / alone["median"]))
-        store_done = []
 
         def both(i, cap=cap, per_gemm=per_gemm):
             side.wait_stream(torch.cuda.current_stream())
@@ -253,7 +253,6 @@ def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> No
             torch.cuda.current_stream().wait_stream(side)
 
         step = timer.ms(both)
-        store_done.append(step)
         emit(record(s, "sm_cap", "device", "store", chunks, alone, ceiling,
                     max_ctas=cap, sms=sms, gemm_alone_ms=gemm_alone["median"],
                     step_ms=step["median"], stores_per_gemm=per_gemm,
