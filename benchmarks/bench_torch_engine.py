@@ -152,10 +152,11 @@ def bench_prepared(s: Setup, timer: Timer, chunk_counts, emit) -> None:
             emit(record(s, "prepared", kind, "load", chunks, t, ceiling))
         if chunks in (1, 16):
             ids = s.ids(chunks, "device")
-            t = timer.ms(lambda i, ids=ids, objs=objs: kc.store(s.manager, s.caches, ids[i % len(ids)],
-                                            objs[i % 2]))
+            t = timer.ms(lambda i, ids=ids, objs=objs: kc.store(
+                s.manager, s.caches, ids[i % len(ids)], objs[i % 2]))
             emit(record(s, "store", "device", "store", chunks, t, ceiling))
-            t = timer.ms(lambda i, ids=ids, objs=objs: kc.load(s.manager, objs[i % 2], s.caches, ids[i % len(ids)]))
+            t = timer.ms(lambda i, ids=ids, objs=objs: kc.load(
+                s.manager, objs[i % 2], s.caches, ids[i % len(ids)]))
             emit(record(s, "load", "device", "load", chunks, t, ceiling))
 
 
@@ -204,7 +205,8 @@ def bench_layerwise(s: Setup, timer: Timer, chunks: int, emit) -> None:
             for layer in range(s.layers):
                 s.prep.load(objs[i % 2], ids[i % len(ids)], layers=[layer])
 
-        whole_load = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(objs[i % 2], ids[i % len(ids)]))
+        whole_load = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(
+            objs[i % 2], ids[i % len(ids)]))
         t = timer.ms(per_layer_load)
         emit(record(s, "layerwise", kind, "load", chunks, t, ceiling, calls_per_step=s.layers,
                      frac_of_whole=whole_load["median"] / t["median"]))
