@@ -354,3 +354,123 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
         bound.run(torch.from_numpy(ids))
         assert len(launches) == before + 1
         np.testing.assert_array_equal(objects.numpy(), oracle(case, ids=ids)[1])
+
+
+# Device-side ids, skips, layer subsets and the CTA cap through the public prepared calls,
+# on CPU tensors standing in for CUDA ones: TorchBackend keeps them where they are (as it
+# does CUDA tensors), the emulated kernel reads them by address, and the error record is
+# the emulated device's.
+
+
+@pytest.fixture
+def device_ids(emulated, monkeypatch):
+    from kvgroups_torch.backend import TorchBackend
+
+    monkeypatch.setattr(cuda_path, "_on_device", lambda t, index: True)
+
+    def spec(self, x):
+        if isinstance(x, torch.Tensor):
+            return str(x.dtype).rpartition(".")[2], tuple(x.shape)
+        return None
+
+    monkeypatch.setattr(TorchBackend, "device_ids_spec", spec)
+    return emulated
+
+
+def test_emulated_device_ids_drop_bad_items_and_record_the_first_bad_value(device_ids):
+    from engine_cases import cache_bytes, object_bytes, random_objects, reference_with_drops
+
+    from kvgroups_core.errors import KVGroupsIndexError
+
+    launches, device = device_ids
+    device.err_record.zero_()
+    manager, fast, _ = _pair("llama3-8b", 21)
+    bad = np.random.default_rng(22).permutation(12)[:8]
+    bad[[3, 6]] = [12, -5]
+    for direction in ("store", "load"):
+        objects = random_objects(manager, 2, seed=23)
+        want_caches, want_objects, met = reference_with_drops(manager, fast.kv_caches, objects,
+                                                              bad, direction)
+        ids = torch.from_numpy(bad.astype(np.int32))
+        before = len(launches)
+        if direction == "store":
+            fast.store(ids, objects)
+        else:
+            fast.load(objects, ids)
+        assert len(launches) == before + 1 and met == {12, -5}
+        for got, want in zip(object_bytes(objects), want_objects):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(cache_bytes(fast.kv_caches), want_caches):
+            np.testing.assert_array_equal(got, want)
+        rec = device.err_record.tolist()
+        assert rec[0] == 1 and rec[1] == 12 and rec[4] == 12 and rec[5] == 2
+        with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in "
+                                                     r"\[0, 12\).*got 12"):
+            cuda_path.raise_recorded(device.err_record, "cuda:0")
+        assert device.err_record.tolist() == [0] * P.ERR_WORDS  # cleared by the check
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
+def test_emulated_device_skip_matches_the_host_skip(device_ids, name):
+    from engine_cases import cache_bytes, random_objects
+
+    manager, fast, ref = _pair(name, 24)
+    rng = np.random.default_rng(25)
+    ids = _ids_for(manager, rng, 2)
+    dev_ids = {g: torch.from_numpy(v) for g, v in ids.items()} if isinstance(ids, dict) \
+        else torch.from_numpy(ids)
+    skip = torch.zeros((), dtype=torch.int64)
+    for tokens in (0, 16, 48, 64, 80, 128):
+        objects = random_objects(manager, 2, seed=tokens)
+        skip.fill_(tokens)  # the same tensor each call, as a graph replay reads it
+        fast.load(objects, dev_ids, skip_first_n_tokens=skip)
+        ref.load([o.clone() for o in objects], ids, skip_first_n_tokens=tokens)
+        for a, b in zip(cache_bytes(fast.kv_caches), cache_bytes(ref.kv_caches)):
+            np.testing.assert_array_equal(a, b, err_msg=f"skip {tokens}")
+
+
+def test_emulated_device_skip_out_of_range_is_clamped_and_recorded(device_ids):
+    from engine_cases import cache_bytes, random_objects
+
+    from kvgroups_core.errors import KVGroupsValueError
+
+    _, device = device_ids
+    device.err_record.zero_()
+    manager, fast, ref = _pair("llama3-8b", 26)
+    ids = np.arange(8)
+    objects = random_objects(manager, 2, seed=27)
+    fast.load(objects, torch.from_numpy(ids), skip_first_n_tokens=torch.tensor(-7))
+    ref.load([o.clone() for o in objects], ids, skip_first_n_tokens=0)  # clamped to 0
+    for a, b in zip(cache_bytes(fast.kv_caches), cache_bytes(ref.kv_caches)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(KVGroupsValueError, match=r"skip_first_n_tokens.*\[0, 128\].*got -7"):
+        cuda_path.raise_recorded(device.err_record, "cuda:0")
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
+def test_emulated_layer_subset_is_one_launch_per_kernel_group_at_its_object_rows(emulated,
+                                                                                  name):
+    launches, _ = emulated
+    manager, fast, ref = _pair(name, 28)
+    ids = _ids_for(manager, np.random.default_rng(29), 2)
+    for layer in range(2):
+        groups = [k for k, g in enumerate(manager.kernel_groups) if layer in g.layer_indices]
+        objects = [torch.from_numpy(np.random.default_rng(layer).integers(
+            0, 256, (2, n), dtype=np.uint8)) for n in fast.binding.object_nbytes]
+        want = ref.store(ids, [o.clone() for o in objects], layers=[layer])
+        before = len(launches)
+        fast.store(ids, objects, layers=[layer])
+        assert len(launches) - before == len(groups)
+        for a, b in zip(objects, want):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_emulated_cta_cap_loops_over_the_work_with_the_same_bytes(emulated):
+    launches, _ = emulated
+    manager, fast, ref = _pair("llama3-8b", 30)
+    ids = _ids_for(manager, np.random.default_rng(31), 2)
+    objects = [torch.zeros((2, n), dtype=torch.uint8) for n in fast.binding.object_nbytes]
+    fast.store(ids, objects, max_ctas=3)
+    assert launches[-1][1][0] == 3  # the grid: 3 CTAs for every work unit of the launch
+    for a, b in zip(objects, ref.store(ids)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())
