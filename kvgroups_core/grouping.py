@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .descriptors import describe
 from .dtypes import DType
 from .engine_groups import EXCLUDED_ENGINE_GROUP
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .formats import EngineKVFormat
 from .layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
+from .registry import describe
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",

@@ -12,10 +12,11 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .descriptors import TensorDesc, describe
+from .descriptors import TensorDesc
 from .dtypes import DType
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .formats import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
+from .registry import describe
 from .segments import SegmentRun, widest_unit
 
 #: Blocked-scale indexer rows: 128 bytes of fp8 values and a 4-byte scale per token.

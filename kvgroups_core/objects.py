@@ -9,7 +9,7 @@ One object holds, in the object group's kernel-group order, one region per kerne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -118,3 +118,42 @@ def region_view(manager: Any, obj: np.ndarray, kernel_group_idx: int) -> np.ndar
         )
     piece = arr[..., region.offset : region.offset + region.nbytes]
     return piece.view(numpy_dtype(region.dtype)).reshape(arr.shape[:-1] + region.shape)
+
+
+def check_objects(plan: Any, objects: Sequence[Any], shape_of: Any) -> None:
+    """Objects must be one entry per object group: uint8 ``[num_chunks, object_nbytes]`` with
+    contiguous rows, or a list of ``num_chunks`` 1-D uint8 buffers of ``object_nbytes`` each
+    (``plan`` gives ``num_chunks`` and ``object_nbytes``; zero chunks: ``[0, nbytes]``).
+
+    ``shape_of(x) -> (dtype name, shape, strides)`` reads an array (``Backend.shape_of``).
+    """
+    if not isinstance(objects, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"objects: expected a list with one entry per object group, got "
+            f"{type(objects).__name__}"
+        )
+    if len(objects) != len(plan.object_nbytes):
+        raise KVGroupsValueError(
+            f"objects: expected {len(plan.object_nbytes)} entries (one per object group), got "
+            f"{len(objects)}"
+        )
+    for og, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
+        if isinstance(obj, (list, tuple)):
+            if len(obj) != plan.num_chunks:
+                raise KVGroupsValueError(
+                    f"objects[{og}]: expected {plan.num_chunks} per-chunk buffers, got {len(obj)}"
+                )
+            for c, buf in enumerate(obj):
+                _check_buffer(shape_of(buf), (nbytes,), f"objects[{og}][{c}]")
+        else:
+            _check_buffer(shape_of(obj), (plan.num_chunks, nbytes), f"objects[{og}]")
+
+
+def _check_buffer(found: tuple, shape: tuple[int, ...], what: str) -> None:
+    dtype, got_shape, strides = found
+    if dtype != "uint8" or tuple(got_shape) != shape:
+        raise KVGroupsValueError(
+            f"{what}: expected uint8 {list(shape)}, got {dtype} {list(got_shape)}"
+        )
+    if strides[-1] != 1 and shape[-1] > 1 and 0 not in shape:  # an empty buffer has no rows
+        raise KVGroupsValueError(f"{what}: expected contiguous rows, got strides {tuple(strides)}")

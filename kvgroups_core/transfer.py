@@ -44,11 +44,16 @@ class PreparedTransfer:
     (:meth:`BoundCaches.adopt_results`) and :attr:`binding` describes them when read.
     """
 
-    def __init__(self, manager: Any, kv_caches: Any, *, backend: str | None = None) -> None:
+    def __init__(self, manager: Any, kv_caches: Any, *, backend: "str | Backend | None" = None
+                 ) -> None:
         self.manager = manager
         self.kv_caches = kv_caches
-        self.backend: Backend = backend_for_tensors(_leaves(kv_caches), backend)
+        self.backend: Backend = backend if isinstance(backend, Backend) else \
+            backend_for_tensors(_leaves(kv_caches), backend)
         self._to_host = self.backend.to_host_ids  # one bound method, not one per call
+        # Backends without device ids (the default hook) skip the per-call probe.
+        self._ids_spec = None if type(self.backend).device_ids_spec is Backend.device_ids_spec \
+            else self.backend.device_ids_spec
         self._plans: Binding  # the binding without its descriptors: all planning reads
         self._described: Binding | None  # the binding of the current caches, made when read
         self._bound: BoundCaches
@@ -59,21 +64,23 @@ class PreparedTransfer:
     def binding(self) -> Binding:
         """The binding of the current caches (after a JAX load: described when read)."""
         if self._described is None:
-            slots = tuple(self.backend.describe(x) for x in self._objs)
-            self._described = replace(self._plans, slots=slots)
+            tensors = tuple(self.backend.describe(x) for x in self._objs)
+            self._described = replace(self._plans, tensors=tensors)
         return self._described
 
-    def store(self, block_ids: Any, objects: Any = None) -> list:
+    def store(self, block_ids: Any, objects: Any = None, *, layers: Any = None) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
-        plan = plan_call(self._plans, block_ids, "store", to_host=self._to_host)
+        plan = plan_call(self._plans, block_ids, "store", to_host=self._to_host,
+                         ids_spec=self._ids_spec, layers=layers)
         if objects is None:
             objects = self._bound.allocate_objects(plan)
         return self._bound.run(plan, objects)[1]
 
-    def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: int = 0) -> Any:
+    def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: Any = 0,
+             layers: Any = None) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
         plan = plan_call(self._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
-                         to_host=self._to_host)
+                         to_host=self._to_host, ids_spec=self._ids_spec, layers=layers)
         new_caches, _ = self._bound.run(plan, objects)
         if new_caches is None:
             return self.kv_caches
@@ -93,10 +100,10 @@ class PreparedTransfer:
 
     def _rebind(self) -> None:
         binding = bind(self.manager, self.kv_caches)
-        self._plans = replace(binding, slots=())  # shares the plan-shape caches
+        self._plans = replace(binding, tensors=())  # shares the plan-shape caches
         self._described = binding
-        self._objs = [d.obj for d in binding.slots]
-        self._bound = self.backend.bind_caches(binding.slots)
+        self._objs = [d.obj for d in binding.tensors]
+        self._bound = self.backend.bind_caches(binding.tensors)
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None
@@ -109,14 +116,16 @@ class PreparedTransfer:
 
 def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> PreparedTransfer:
     """Bind ``manager`` to ``kv_caches`` once for repeated :meth:`PreparedTransfer.store` /
-    :meth:`PreparedTransfer.load` calls."""
+    :meth:`PreparedTransfer.load` calls (each takes ``layers=`` too)."""
     return PreparedTransfer(manager, kv_caches, backend=backend)
 
 
-def _pick(kv_caches: Any, objects: Any, backend: str | None) -> str | None:
-    if backend is not None:
-        return backend
-    return backend_for_tensors(_leaves(kv_caches) + _leaves(objects)).name
+def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
+              ) -> PreparedTransfer:
+    """The binding of a one-shot call: the backend is found once (from the caches and the
+    objects, so two frameworks are refused) and the caches are bound once."""
+    found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)
+    return PreparedTransfer(manager, kv_caches, backend=found)
 
 
 def store(
@@ -126,6 +135,7 @@ def store(
     objects: Sequence[Any] | None = None,
     *,
     backend: str | None = None,
+    layers: Sequence[int] | None = None,
 ) -> list:
     """Copy the pages of ``block_ids`` from ``kv_caches`` into memory objects.
 
@@ -144,6 +154,9 @@ def store(
         per-chunk buffers) to fill; allocated on the caches' device when omitted.
     backend : str, optional
         A registered backend name; by default the caches' framework.
+    layers : sequence of int, optional
+        Move only these layers' planes (indices of the manager's grouped layers), into their
+        regions of full-size objects; every other byte of the objects stays as it was.
 
     Returns
     -------
@@ -152,9 +165,8 @@ def store(
     """
     if objects is not None and not isinstance(objects, (list, tuple)):
         objects = [objects]
-    return PreparedTransfer(manager, kv_caches, backend=_pick(kv_caches, objects, backend)).store(
-        block_ids, objects
-    )
+    return _one_shot(manager, kv_caches, objects, backend).store(block_ids, objects,
+                                                                 layers=layers)
 
 
 def load(
@@ -163,13 +175,16 @@ def load(
     kv_caches: Any,
     block_ids: Any,
     *,
-    skip_first_n_tokens: int = 0,
+    skip_first_n_tokens: Any = 0,
     backend: str | None = None,
+    layers: Sequence[int] | None = None,
 ) -> Any:
     """Write memory objects back into the pages of ``block_ids``, in place.
 
     Skips, per kernel group, the chunks outside its attention window and the first
-    ``skip_first_n_tokens`` tokens (whole blocks, rounded down) already in the engine.
+    ``skip_first_n_tokens`` tokens (whole blocks, rounded down) already in the engine (a host
+    int, or a device / traced integer scalar applied on the device). ``layers`` restricts
+    the load to those layers' planes, read from their regions of the full objects.
 
     Returns
     -------
@@ -178,9 +193,8 @@ def load(
     """
     if not isinstance(objects, (list, tuple)):
         objects = [objects]
-    return PreparedTransfer(manager, kv_caches, backend=_pick(kv_caches, objects, backend)).load(
-        objects, block_ids, skip_first_n_tokens=skip_first_n_tokens
-    )
+    return _one_shot(manager, kv_caches, objects, backend).load(
+        objects, block_ids, skip_first_n_tokens=skip_first_n_tokens, layers=layers)
 
 
 __all__ = ["PreparedTransfer", "load", "prepare", "store", "TensorSpec"]

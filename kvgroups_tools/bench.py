@@ -283,7 +283,7 @@ class BenchRun:
         except Exception as exc:  # noqa: BLE001 - reported; the other shapes still run
             self.emit({"record": "error", **where, "stage": "build caches", **_error(exc)})
             return
-        wl = Workload(slots=list(binding.slots))
+        wl = Workload(slots=list(binding.tensors))
         del caches
         for point in points:
             try:

@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 
 from kvgroups_core import get_backend
-from kvgroups_core.descriptors import describe
+from kvgroups_core import describe
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.objects import object_nbytes
 

@@ -256,21 +256,21 @@ def test_take_baseline_matches_the_reference_with_windows_and_skips():
     store = plan_call(binding, ids, "store")
     want = [np.zeros((3, n), np.uint8) for n in binding.object_nbytes]
     got = [np.zeros((3, n), np.uint8) for n in binding.object_nbytes]
-    NumpyBackend().execute(store, list(binding.slots), want)
-    run_take(store, list(binding.slots), got)
+    NumpyBackend().execute(store, list(binding.tensors), want)
+    run_take(store, list(binding.tensors), got)
     assert all(np.array_equal(a, b) for a, b in zip(got, want))
     load = plan_call(binding, ids, "load", skip_first_n_tokens=300)
     assert any(g.first_item for g in load.groups)
 
     def bits():  # bytes, not values: random bf16 bits include NaNs
-        return [s.obj.view(np.uint8).copy() for s in binding.slots]
+        return [s.obj.view(np.uint8).copy() for s in binding.tensors]
 
     before = bits()
-    run_take(load, list(binding.slots), [w[::-1].copy() for w in want])
+    run_take(load, list(binding.tensors), [w[::-1].copy() for w in want])
     after_take = bits()
-    for s, b in zip(binding.slots, before):
+    for s, b in zip(binding.tensors, before):
         s.obj.view(np.uint8)[...] = b
-    NumpyBackend().execute(load, list(binding.slots), [w[::-1].copy() for w in want])
+    NumpyBackend().execute(load, list(binding.tensors), [w[::-1].copy() for w in want])
     after_ref = bits()
     assert all(np.array_equal(a, b) for a, b in zip(after_take, after_ref))
     assert not all(np.array_equal(a, b) for a, b in zip(after_take, before))
