@@ -231,9 +231,6 @@ def install() -> None:
             max_ctas=max_ctas))
         return kv_caches
 
-    if not hasattr(transfer, "prepared_store"):
-        return
-
     @substitute(transfer.prepared_store, skip_signature_check=True)
     def _prepared_store(prepared, block_ids, objects=None, *, layers=None, max_ctas=None):
         out = store_nt(prepared.manager, prepared.kv_caches, block_ids, _options(
