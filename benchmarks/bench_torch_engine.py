@@ -9,13 +9,14 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
 - ``graph``: a prepared one-chunk store captured in a CUDA graph, replayed with new ids
   written in place between replays;
 - ``layerwise``: 32 calls with ``layers=[l]`` of a 16-chunk store (the whole model moved
-  layer by layer) against the whole-model call (``frac_of_whole``);
+  layer by layer) against the whole-model call (``frac_of_whole``), eager and (device ids)
+  captured in one CUDA graph as an engine's captured forward pass runs them;
 - ``compile``: a ``torch.compile(fullgraph=True)`` engine step calling the prepared store;
 - ``sm_cap``: a store capped with ``max_ctas`` (16 of the GPU's SMs by default) running beside
   a bf16 GEMM on another stream: the store's GB/s and the GEMM's slowdown, capped and not.
 
 CUDA timed with events over batches of back-to-back calls (medians); ``--tiny`` runs a small
-model on the CPU with wall-clock timing (the CI smoke test; no graph, no SM cap). One JSON
+model (small pages, 2 layers) on the CPU with wall-clock timing (the CI smoke test; no graph, no SM cap). One JSON
 object per line to ``--out`` and stdout; fields ``call, ids, runtime, path, direction,
 placement, chunks, page_bytes, gbps, frac_of_ceiling, median`` (ms per call) plus extras.
 """
@@ -86,9 +87,10 @@ class Timer:
 class Setup:
     def __init__(self, args) -> None:
         self.device = "cpu" if args.tiny else "cuda"
-        layers, num_blocks = (4, 64) if args.tiny else (args.layers, args.num_blocks)
-        model = MODELS["llama3-8b"].build(num_blocks=num_blocks, layers=layers,
-                                          dtype="float16" if args.tiny else "bfloat16")
+        layers, num_blocks = (2, 64) if args.tiny else (args.layers, args.num_blocks)
+        name = "small-pages" if args.tiny else "llama3-8b"
+        model = MODELS[name].build(num_blocks=num_blocks, layers=layers,
+                                   dtype="float16" if args.tiny else "bfloat16")
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.caches = []
         for spec in model.kv_caches:
@@ -205,11 +207,33 @@ def bench_layerwise(s: Setup, timer: Timer, chunks: int, emit) -> None:
             for layer in range(s.layers):
                 s.prep.load(objs[i % 2], ids[i % len(ids)], layers=[layer])
 
+        if kind == "device" and s.device == "cuda":
+            bench_layerwise_graph(s, timer, chunks, ids[0], objs[0], whole, ceiling, emit)
+
         whole_load = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(
             objs[i % 2], ids[i % len(ids)]))
         t = timer.ms(per_layer_load)
         emit(record(s, "layerwise", kind, "load", chunks, t, ceiling, calls_per_step=s.layers,
                      frac_of_whole=whole_load["median"] / t["median"]))
+
+
+def bench_layerwise_graph(s: Setup, timer: Timer, chunks: int, ids, objs, whole: dict,
+                          ceiling: float, emit) -> None:
+    """The 32 layer-wise stores as an engine runs them inside its captured forward pass:
+    one CUDA graph holding every call (no host work per call on replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for layer in range(s.layers):
+            s.prep.store(ids, objs, layers=[layer])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(s.layers):
+            s.prep.store(ids, objs, layers=[layer])
+    t = timer.ms(lambda i: graph.replay())
+    emit(record(s, "layerwise", "device", "store", chunks, t, ceiling, calls_per_step=s.layers,
+                frac_of_whole=whole["median"] / t["median"], graph=True))
 
 
 def bench_compile(s: Setup, timer: Timer, chunk_counts, backend: str, emit) -> None:
@@ -279,7 +303,7 @@ def main(argv=None) -> None:
                    choices=["prepared", "graph", "layerwise", "compile", "sm_cap"])
     args = p.parse_args(argv)
     if args.tiny:
-        args.chunks, args.iters, args.warmup, args.batch_s = [1, 2], 3, 1, 0.002
+        args.chunks, args.iters, args.warmup, args.batch_s = [1, 2], 2, 1, 0.001
         args.compiler = "aot_eager"
     elif not torch.cuda.is_available():
         p.error("no CUDA GPU: use --tiny for the CPU smoke run")

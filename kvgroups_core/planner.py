@@ -315,6 +315,9 @@ def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
     """``layers=`` as a sorted tuple of distinct grouped layer indices (None: all)."""
     if layers is None:
         return None
+    if type(layers) is list and len(layers) == 1 and type(layers[0]) is int \
+            and layers[0] in binding.layer_planes:
+        return (layers[0],)  # the layer-wise hot path: one known layer per call
     if isinstance(layers, (str, bytes, Mapping)) or not hasattr(layers, "__iter__"):
         raise KVGroupsTypeError(
             f"layers: expected a sequence of layer indices, got {type(layers).__name__}")

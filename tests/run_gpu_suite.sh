@@ -12,7 +12,13 @@
 #   sanitizer_mosaic  memcheck over the Mosaic GPU tests of tests/jax/test_gpu.py (the small
 #                     conformance shapes never reach that kernel);
 #   mosaic_smoke      tests/jax/mosaic_smoke.py: bit-exact and in place per layout, then its
-#                     bandwidth beside Triton (JSON lines in mosaic_smoke.jsonl).
+#                     bandwidth beside Triton (JSON lines in mosaic_smoke.jsonl);
+#   memcheck_torch_engine   memcheck over tests/torch/test_torch_engine_gpu.py (device ids,
+#                     bad ids, device skips, layer-wise, CTA cap, streams, compile; the graph
+#                     tests need the caching allocator, so they run in racecheck only);
+#   racecheck_torch_engine  racecheck (shared-memory hazards) over the same file, graphs too;
+#   bench_torch_engine      benchmarks/bench_torch_engine.py (JSON lines in
+#                     bench_torch_engine.jsonl, also copied to $OUT).
 # KVG_GPU_STEPS picks steps (default: all, in that order); KVG_GPU_TEST_PATHS narrows
 # gpu_tests (default "tests/conformance tests/torch tests/jax"). The benchmark is
 # benchmarks/run_h200.sh, a call of its own. Logs go to $WORK; a tarball of them lands in
@@ -44,7 +50,8 @@ python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__ve
   >> "$WORK/versions.log" 2>&1
 cat "$WORK/versions.log"
 
-STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic mosaic_smoke}
+STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic mosaic_smoke \
+  memcheck_torch_engine racecheck_torch_engine bench_torch_engine}
 TEST_PATHS=${KVG_GPU_TEST_PATHS:-tests/conformance tests/torch tests/jax}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 wants gpu_tests && step gpu_tests 150 $PYTEST -m gpu $TEST_PATHS
@@ -54,11 +61,22 @@ wants sanitizer_jax && step sanitizer_jax 150 env XLA_PYTHON_CLIENT_ALLOCATOR=pl
   $SANITIZE $PYTEST tests/conformance -k "jax-gpu"
 wants sanitizer_mosaic && step sanitizer_mosaic 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   $SANITIZE $PYTEST -m gpu tests/jax/test_gpu.py -k "mosaic or auto"
+ENGINE_TESTS=tests/torch/test_torch_engine_gpu.py
+wants memcheck_torch_engine && step memcheck_torch_engine 240 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
+  $SANITIZE $PYTEST -m gpu $ENGINE_TESTS -k "not graph"
+wants racecheck_torch_engine && step racecheck_torch_engine 240 compute-sanitizer --tool racecheck \
+  --report-api-errors no --error-exitcode 9 $PYTEST -m gpu $ENGINE_TESTS -k "not compiled"
+if wants bench_torch_engine; then
+  step bench_torch_engine 300 python3 benchmarks/bench_torch_engine.py \
+    --out "$WORK/bench_torch_engine.jsonl"
+  cp "$WORK/bench_torch_engine.jsonl" "$OUT/" 2>/dev/null
+fi
 if wants mosaic_smoke; then
   step mosaic_smoke 120 python3 tests/jax/mosaic_smoke.py
   grep '^{' "$WORK/mosaic_smoke.log" > "$WORK/mosaic_smoke.jsonl"
 fi
-grep -h "ERROR SUMMARY" "$WORK"/sanitizer_*.log 2>/dev/null
+grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$WORK"/sanitizer_*.log "$WORK"/*check_torch_engine.log \
+  2>/dev/null
 tar -czf "$OUT/gpu_logs.tar.gz" -C "$WORK" .
 echo "failed steps: $FAILED"
 exit "$FAILED"

@@ -205,6 +205,10 @@ class GroupLaunch:
     def __init__(self, group: Any, plane_addresses: list[int], device: DeviceState) -> None:
         self.planes = group.planes  # kept so identity-keyed lookups stay valid
         self.kernel_group = group.kernel_group_idx
+        # Fixed per kernel group (hence per launch state): packed once per variant.
+        self.engine_group = getattr(group, "engine_group_idx", 0)
+        self.blocks_per_chunk = group.blocks_per_chunk
+        self.kept_per_chunk = group.kept_per_chunk
         self.runs = group.runs
         self.shape: GroupShape = group_shape(group)
         self.device = device
@@ -233,7 +237,10 @@ class GroupLaunch:
             p.plane_table = self.plane_table.data_ptr()
             p.err_record = self.device.err_record.data_ptr()
             p.err_kernel_group = self.kernel_group
+            p.err_engine_group = self.engine_group
             p.num_planes = self.num_planes
+            p.blocks_per_chunk = self.blocks_per_chunk
+            p.kept_per_chunk = self.kept_per_chunk
             p.block_stride = shape.block_stride
             p.num_blocks = shape.num_blocks
             p.region_offset = shape.region_offset
@@ -263,13 +270,13 @@ class GroupLaunch:
 
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
-               max_ctas: int | None = None, engine_group: int = 0) -> None:
+               max_ctas: int | None = None) -> None:
         """Enqueue the group's copy on ``stream``.
 
         ``block_ids`` overrides ``group.block_ids``; ``skip`` is a load's device-side
         ``skip_first_n_tokens`` (then ``group.first_item`` is only the static lower bound);
-        ``max_ctas`` caps the CTAs of the launch (they loop over the work); ``engine_group``
-        is what an out-of-range id is reported against.
+        ``max_ctas`` caps the CTAs of the launch (they loop over the work). An out-of-range
+        id is reported against the group's ``engine_group_idx``.
         """
         num_chunks, kept, first_item = group.num_chunks, group.kept_per_chunk, group.first_item
         num_items = num_chunks * kept - first_item
@@ -305,15 +312,13 @@ class GroupLaunch:
                 p.inline_objs[: len(objects.addresses)] = objects.addresses
             else:
                 p.obj_table = objects.table.data_ptr()
-            p.blocks_per_chunk = group.blocks_per_chunk
-            p.kept_per_chunk = kept
             p.first_item = first_item
             p.num_items = num_items
             p.items_per_cta = ipc
             p.num_tiles = tiles
-            p.err_engine_group = engine_group
             if skip is None:
-                p.skip_mode = P.SKIP_NONE
+                if p.skip_mode:
+                    p.skip_mode = P.SKIP_NONE
             else:
                 p.skip_mode, p.skip = skip.mode, skip.address
                 p.skip_mul, p.skip_div, p.skip_max = skip.mul, skip.div, skip.limit
@@ -374,6 +379,13 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
         p.inline_view[:needed] = ids[:needed]
         p.ids_mode = P.IDS_INLINE32
         return None
+    if type(ids) is torch.Tensor and ids.is_cuda and ids.dtype in _ID_DTYPES \
+            and ids.get_device() == device_index and ids.is_contiguous() \
+            and ids.numel() >= needed:
+        # Device ids read in place (the common case, checks ordered cheapest first).
+        p.ids = ids.data_ptr()
+        p.ids_mode = P.IDS_DEVICE32 if ids.dtype is torch.int32 else P.IDS_DEVICE64
+        return ids
     if isinstance(ids, torch.Tensor) and (ids.is_cuda or _on_device(ids, device_index)):
         if not _on_device(ids, device_index):
             raise KVGroupsValueError(
@@ -408,7 +420,8 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
     return dev
 
 
-_CACHE_SIZE = 256
+_ID_DTYPES = (torch.int32, torch.int64)
+_CACHE_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
 _by_identity: OrderedDict[tuple, tuple[Any, Any, GroupLaunch]] = OrderedDict()
 _by_value: OrderedDict[tuple, GroupLaunch] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -528,7 +541,7 @@ class DeviceCaches:
             launches[i].launch(direction, group, bindings[group.object_group_idx], stream,
                                None if block_ids is None else block_ids[i],
                                skip=None if skip is None else group_skip(skip, group),
-                               max_ctas=max_ctas, engine_group=engine_group_of(group))
+                               max_ctas=max_ctas)
 
 
 def plan_options(plan: Any, device_index: int) -> tuple[DeviceSkip | None, int | None]:
@@ -546,11 +559,6 @@ def group_skip(skip: DeviceSkip, group: Any) -> DeviceSkip:
     tpb = getattr(group, "tokens_per_block", 0) or group.block_size
     covered = group.num_chunks * group.blocks_per_chunk * tpb
     return DeviceSkip(skip.tensor, skip.mode, skip.address, 1, tpb, covered)
-
-
-def engine_group_of(group: Any) -> int:
-    """The engine group whose ids a group transfer reads (named when an id is bad)."""
-    return getattr(group, "engine_group_idx", 0)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -610,7 +618,7 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
         ids = None if block_ids is None else block_ids[i]
         launches[i].launch(direction, group, bindings[group.object_group_idx], stream, ids,
                            skip=None if skip is None else group_skip(skip, group),
-                           max_ctas=max_ctas, engine_group=engine_group_of(group))
+                           max_ctas=max_ctas)
     for host, staging in copies_after:
         host.copy_(staging, non_blocking=True)
 
