@@ -162,3 +162,29 @@ def test_compile_plans_at_trace_time_without_reading_data():
         desc = describe_tensor(fake)
     assert desc.is_abstract and desc.shape == (2, 48, 16, 8, 128)
     assert desc.strides == tuple(fake.stride()) and desc.data_ptr == 0
+
+
+def test_cpu_tensor_ids_keep_host_semantics_in_eager_calls():
+    manager, caches = model_caches("llama3-8b", seed=14)
+    objects = random_objects(manager, 2, seed=15)
+    before_objects, before_caches = object_bytes(objects), cache_bytes(caches)
+    bad = torch.tensor([0, 1, 2, 3, 4, -1, 6, 7], dtype=torch.int32)
+    with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\].*got -1"):
+        kc.store(manager, caches, bad, objects)
+    with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\].*got -1"):
+        kc.prepare(manager, caches).load(objects, bad)
+    for got, want in zip(object_bytes(objects), before_objects):
+        np.testing.assert_array_equal(got, want)
+    for got, want in zip(cache_bytes(caches), before_caches):
+        np.testing.assert_array_equal(got, want)
+    good = bad.clone()
+    good[5] = 5
+    got = kc.store(manager, caches, good, objects)
+    for a, b in zip(object_bytes(got), reference_store(manager, caches, good.numpy())):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_check_errors_without_a_gpu_is_a_no_op():
+    import kvgroups_torch
+
+    assert kvgroups_torch.check_errors() is None
