@@ -482,6 +482,7 @@ class DeviceCaches:
     """
 
     _MAX_OBJECTS = 64
+    _MAX_LAUNCHES = 4096
 
     def __init__(self, caches: Sequence[Any], device_index: int) -> None:
         self.index = device_index
@@ -527,6 +528,8 @@ class DeviceCaches:
         hit = self._launches.get(id(group.planes))
         if hit is None or hit[0] is not group.planes or hit[1] is not group.runs:
             hit = (group.planes, group.runs, group_launch(group, self.addresses, self.state))
+            if len(self._launches) >= self._MAX_LAUNCHES:
+                self._launches.clear()  # plans of many shapes (layer subsets, skips) came by
             self._launches[id(group.planes)] = hit
         return hit[2]
 
