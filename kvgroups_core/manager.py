@@ -411,6 +411,15 @@ class KVLayerGroupsManager:
         group (``across_degrees=True``: equal for every TP degree of the model)."""
         return _fingerprint(self, across_degrees=across_degrees)
 
+    # Equal only to itself, hashed by identity: a manager is a long-lived, effectively
+    # immutable description, so it can key caches and be a compile-time constant (torch's
+    # ``torch.compile`` guards such a constant with ``==``; it needs both spelled out).
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
+
     def __repr__(self) -> str:
         return (
             f"KVLayerGroupsManager(kernel_groups={self.num_kernel_groups}, "
