@@ -94,6 +94,12 @@ class PreparedTransfer:
         self.backend.validate_objects(plan, self._bound.caches, objects)
         return list(objects)
 
+    def _empty_objects(self, plan: Any) -> list:
+        """``[0, nbytes]`` objects of the caches' framework for a zero-chunk store (a backend's
+        prepared allocation may hand out placeholders that only its programs fill)."""
+        caches = self._bound.caches
+        return self.backend.allocate_objects(plan, caches[0]) if caches else []
+
     def _run(self, plan: Any, objects: Any) -> tuple:
         try:
             return self._bound.run(plan, objects)
@@ -149,6 +155,8 @@ def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = No
         plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
                          ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
         if objects is None:
+            if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
+                return prepared._empty_objects(plan)
             objects = prepared._bound.allocate_objects(plan)
         else:
             check_call_memory(prepared._guard, plan, objects)

@@ -23,6 +23,9 @@ README = (ROOT / "README.md").read_text()
 NOT_RUN = {
     "pip install": "installs into the environment: .ci/run runs the README's two install lines",
     "python -m pytest": "the test suite itself (.ci/run)",
+    "python -m venv": "makes an environment for the vLLM tests (.ci/run's vLLM step does)",
+    ". /tmp/vllm-venv/bin/activate": "enters that environment",
+    "pip uninstall": "changes the environment: .ci/run's vLLM step does it",
     "kvgroups bench --backends torch,jax": "the headline on a GPU",
     "kvgroups bench --backends torch --models": "pinned host objects need CUDA",
     "kvgroups bench --spec": "the cuda path needs a GPU",
