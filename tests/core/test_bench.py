@@ -452,3 +452,13 @@ def test_the_jax_device_copy_ceiling_writes_into_its_donated_buffer():
         out = step(out, x)
         assert out.unsafe_buffer_pointer() == where  # no fresh output per call
     assert bool((out == x + 1).all())
+
+
+def test_auto_with_no_runtime_installed_is_an_error_not_an_empty_run(monkeypatch, capsys):
+    from kvgroups_tools import cli, cli_bench
+
+    monkeypatch.setattr(cli_bench, "auto_backends", lambda matrix: [])
+    assert cli.main(["bench", "--matrix", "headline", "--quiet"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.startswith("kvgroups bench: error: backends: ")
