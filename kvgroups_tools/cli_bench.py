@@ -118,6 +118,11 @@ def run(args: argparse.Namespace) -> int:
     # Inputs first: a bad name or an unreadable file is refused before anything is written.
     raw = read_records(args.summarize) if args.summarize else None
     backends = auto_backends(args.matrix) if args.backends == ["auto"] else args.backends
+    if not args.summarize and args.backends == ["auto"] and not backends:
+        raise KVGroupsValueError(
+            f"backends: expected an installed runtime for 'auto' on the {args.matrix!r} "
+            "matrix (torch or jax with its kvgroups backend), got none; name one, e.g. "
+            "--backends numpy")
     if args.backends != ["auto"]:
         check_backends(backends)
     done = read_records(args.resume, "resume") if args.resume else ()

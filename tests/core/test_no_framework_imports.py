@@ -107,3 +107,19 @@ def test_the_ruff_ban_would_catch_a_framework_import(tmp_path):
     )
     assert result.returncode != 0
     assert "TID251" in result.stdout
+
+
+@pytest.mark.parametrize("path, banned", [
+    ("kvgroups_tools/cli_probe.py", True), ("kvgroups_tools/bench_probe.py", True),
+    ("kvgroups_tools/bench_kits/torch_kit.py", False),
+    ("kvgroups_tools/bench_kits/jax_kit.py", False),
+])
+def test_the_tooling_is_framework_free_except_its_kits(path, banned):
+    ruff = shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    result = subprocess.run(
+        [ruff, "check", "--select", "TID251", "--config", str(ROOT / "pyproject.toml"),
+         "--stdin-filename", str(ROOT / path), "-"],
+        input="import torch\nimport jax\n", capture_output=True, text=True, cwd=ROOT)
+    assert (result.returncode != 0) == banned, result.stdout
