@@ -771,3 +771,15 @@ def test_torch_uint64_ids_that_would_wrap_report_the_value():
         kc.store(manager, caches, ids)
     for c, want in zip(caches, caches_np):
         np.testing.assert_array_equal(c.numpy().view(np.uint8), want.view(np.uint8))
+
+
+def test_id_lists_at_engine_group_ids_without_kernel_groups_must_be_empty():
+    from kvgroups_core.block_ids import normalize_block_ids
+
+    found = normalize_block_ids((0, 2), [[1, 2], [], np.array([3, 4])])
+    assert sorted(found.ids) == [0, 2] and not found.device
+    assert [found.ids[g].tolist() for g in (0, 2)] == [[1, 2], [3, 4]]
+    with pytest.raises(kc.KVGroupsValueError, match=r"block_ids\[1\]: expected no ids"):
+        normalize_block_ids((0, 2), [[1, 2], [5], [3, 4]])
+    with pytest.raises(kc.KVGroupsValueError, match="unknown engine groups"):
+        normalize_block_ids((0, 2), {0: [1], 1: [], 2: [3]})
