@@ -1,4 +1,4 @@
-"""KV cache shape specs: ``"(kv,NB,BS,NH,HS):dtype:layers;..."`` (SEMANTICS.md section 5).
+"""KV cache shape specs: ``"(kv,NB,BS,NH,HS):dtype:layers;..."`` (docs/SEMANTICS.md section 5).
 
 A shape spec writes a model's kernel groups on one line, for CLIs and benchmarks::
 
