@@ -362,6 +362,8 @@ def check_call_memory(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> N
     if not isinstance(objects, (list, tuple)) or len(objects) != len(plan.object_nbytes):
         return  # the count is check_objects' to report, in its words
     check_object_types(backend, objects)
+    if len(objects) != len(plan.object_nbytes):
+        return  # the object check that follows names the expected count
     store = plan.direction == "store"
     if not store and not guard.caches_writable():
         raise KVGroupsValueError(

@@ -129,7 +129,9 @@ class TorchBackend(Backend):
         if type(x) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(x):
             return None  # torch.compile's fakes: no memory to judge (planning only)
         shape, strides, e = x.shape, x.stride(), x.element_size()
-        host = not x.is_cuda
+        # Pageable host memory may be a read-only mapping (checked against the page tables,
+        # not cheap); pinned memory is CUDA's own allocation, writable, and on the hot path.
+        host = not x.is_cuda and not x.is_pinned()
         if 0 in shape:
             return Memory(x.data_ptr(), 0, True, host)
         extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * e

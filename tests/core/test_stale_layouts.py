@@ -90,6 +90,13 @@ def _backend_arrays(kind: str):
         pytest.importorskip("kvgroups_torch")
         return (lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16),
                 lambda t: t.view(torch.int16).numpy().view(np.float16))
+    if kind == "torch-cuda":
+        torch = pytest.importorskip("torch")
+        pytest.importorskip("kvgroups_torch")
+        if not torch.cuda.is_available():
+            pytest.skip("no CUDA GPU")
+        return (lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16).cuda(),
+                lambda t: t.cpu().view(torch.int16).numpy().view(np.float16))
     pytest.importorskip("kvgroups_jax")
     backend = kc.get_backend("jax")
     return (lambda a: backend.from_numpy(a)), (lambda x: np.asarray(x))
@@ -186,7 +193,8 @@ def test_jax_deleted_bound_cache_is_a_typed_error():
 
 # --- threads ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["numpy", "torch", "jax"])
+@pytest.mark.parametrize("kind", ["numpy", "torch", "jax",
+                                  pytest.param("torch-cuda", marks=pytest.mark.gpu)])
 def test_four_threads_on_one_prepared_transfer_lose_no_block(kind):
     to_backend, to_numpy = _backend_arrays(kind)
     src_np = _caches(4)
