@@ -11,6 +11,9 @@
 #                     its own so an overrun cannot hide in a pool);
 #   sanitizer_mosaic  memcheck over the Mosaic GPU tests of tests/jax/test_gpu.py (the small
 #                     conformance shapes never reach that kernel);
+#   sanitizer_jax_jit memcheck over tests/jax/test_gpu_engine.py: both Pallas lowerings inside
+#                     jax.jit with traced ids, out-of-range ids dropped in the kernels,
+#                     stores that create their objects, vmap;
 #   mosaic_smoke      tests/jax/mosaic_smoke.py: bit-exact and in place per layout, then its
 #                     bandwidth beside Triton (JSON lines in mosaic_smoke.jsonl);
 #   memcheck_torch_engine   memcheck over tests/torch/test_torch_engine_gpu.py (device ids,
@@ -53,8 +56,8 @@ python3 -c "import jax, torch; print('jax', jax.__version__, 'torch', torch.__ve
   >> "$WORK/versions.log" 2>&1
 cat "$WORK/versions.log"
 
-STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic mosaic_smoke \
-  memcheck_torch_engine racecheck_torch_engine bench_torch_engine}
+STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic sanitizer_jax_jit \
+  mosaic_smoke memcheck_torch_engine racecheck_torch_engine bench_torch_engine}
 TEST_PATHS=${KVG_GPU_TEST_PATHS:-tests/conformance tests/torch tests/jax}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 wants gpu_tests && step gpu_tests 150 $PYTEST -m gpu $TEST_PATHS
@@ -64,6 +67,8 @@ wants sanitizer_jax && step sanitizer_jax 150 env XLA_PYTHON_CLIENT_ALLOCATOR=pl
   $SANITIZE $PYTEST tests/conformance -k "jax-gpu"
 wants sanitizer_mosaic && step sanitizer_mosaic 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   $SANITIZE $PYTEST -m gpu tests/jax/test_gpu.py -k "mosaic or auto"
+wants sanitizer_jax_jit && step sanitizer_jax_jit 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
+  $SANITIZE $PYTEST -m gpu tests/jax/test_gpu_engine.py
 ENGINE_TESTS=tests/torch/test_torch_engine_gpu.py
 wants memcheck_torch_engine && step memcheck_torch_engine 180 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   $SANITIZE $PYTEST -m gpu $ENGINE_TESTS -k "not graph and not compiled"

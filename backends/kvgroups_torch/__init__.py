@@ -54,6 +54,7 @@ from .bound_plan import BoundPlan
 from .compiled import install as _install_compile_support
 from .cuda_path import check_device_errors, check_errors
 from .describe import describe_tensor, dtype_of, torch_dtype
+from .distributed import check_same_grouping as check_same_grouping
 from .driver import KernelLaunchError
 from .nvrtc import cache_dir, cache_key, compile_cubin, get_cubin
 from .objects import allocate_objects
