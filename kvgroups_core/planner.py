@@ -293,6 +293,21 @@ def _flat_ids(binding: Binding, block_ids: Any) -> np.ndarray | None:
     return block_ids.astype(np.int64, copy=False)
 
 
+def _flat_device_ids(binding: Binding, block_ids: Any, ids_spec: IdsSpec | None) -> int | None:
+    """The engine's hot case on the device, flat int32/int64 device ids of whole chunks for a
+    one-engine-group manager: their chunk count; None for anything else (then
+    :func:`normalize_block_ids` validates it and raises the precise error)."""
+    bpc = binding.uniform_bpc
+    if ids_spec is None or not bpc or binding.flat_group is None \
+            or isinstance(block_ids, (list, tuple, range, np.ndarray, Mapping)):
+        return None
+    spec = ids_spec(block_ids)
+    if spec is None or spec[0] not in ("int32", "int64") or len(spec[1]) != 1 \
+            or spec[1][0] % bpc:
+        return None
+    return spec[1][0] // bpc
+
+
 def _skip_arg(skip: Any, ids_spec: IdsSpec | None) -> tuple[Any, bool]:
     """``(skip, on_device)``: a host skip as a Python int, or a device / traced scalar as is."""
     if isinstance(skip, (bool, np.bool_)) or "bool" in str(getattr(skip, "dtype", "")):
@@ -373,6 +388,8 @@ def plan_call(
     if flat is not None and bpc and len(flat) % bpc == 0:
         ids = {binding.flat_group: flat}
         num_chunks = len(flat) // bpc
+    elif (device := _flat_device_ids(binding, block_ids, ids_spec)) is not None:
+        ids, num_chunks, on_device = {binding.flat_group: block_ids}, device, True
     else:
         found = normalize_block_ids(binding.distinct_engine_groups, block_ids, to_host, ids_spec)
         ids, on_device = found.ids, found.device

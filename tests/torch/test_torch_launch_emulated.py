@@ -300,7 +300,7 @@ def test_prepared_fast_path_rejects_bad_input_before_any_launch(emulated):
         (KVGroupsValueError, "contiguous rows",
          lambda: fast.load([torch.zeros((1, 2 * nbytes), dtype=torch.uint8)[:, ::2]], ids)),
         (KVGroupsValueError, "objects: expected 1 entries",
-         lambda: fast.load([good, good], ids)),
+         lambda: fast.load([good, good.clone()], ids)),
         (KVGroupsTypeError, "objects: expected a list",
          lambda: fast.load(good, ids)),
         (KVGroupsIndexError, "expected ids in \\[0, 12\\)",
