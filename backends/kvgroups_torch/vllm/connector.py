@@ -176,6 +176,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0 or pending is None:
             return
         hit, computed = pending
+        # vLLM may take fewer tokens than offered: load the chunks covering what it took
+        # (tokens of a partly taken chunk are recomputed over identical values).
+        hit = min(hit, -(-(computed + num_external_tokens) // self._chunk))
         slots = self._index.lookup(self._hashes(request)[:hit])
         if any(s is None for s in slots):  # cannot happen: nothing evicts between the calls
             raise KVGroupsValueError(f"request {request.request_id}: hit chunks were evicted")
