@@ -30,11 +30,16 @@ import json
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
-from kvgroups_torch.vllm.host_store import HostChunkStore
 
-from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "backends")]  # runs from a checkout, no install
+
+from kvgroups_torch.vllm.host_store import HostChunkStore  # noqa: E402
+
+from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager  # noqa: E402
 
 CHUNK = 256
 
@@ -75,7 +80,8 @@ def ceiling_us(nbytes: int, direction: str, device: str, measure, reps: int) -> 
     dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device == "cuda")
     src, dst = (dev, host) if direction == "store" else (host, dev)
-    dst.copy_(src)  # warm-up: first touch of fresh pages
+    for _ in range(3):  # warm-up: first touch of fresh pages, thread pools
+        dst.copy_(src)
     return measure(lambda: dst.copy_(src, non_blocking=True), reps)
 
 
@@ -89,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.tiny:
         device, layers, chunks, bs, heads, head, reps = "cpu", 4, [1, 2], 16, 2, 64, 3
+        torch.set_num_threads(1)  # small CPU copies: thread hand-offs would dominate
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: use --tiny for the CPU run", file=sys.stderr)

@@ -31,6 +31,7 @@ How a step runs:
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -130,6 +131,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         # worker side
         self._layout: VllmKVLayout | None = None
         self._store: HostChunkStore | None = None
+        self._save_stream: Any = None  # CUDA: layer-wise saves overlap the forward
         self.stats = {"loaded_chunks": 0, "saved_chunks": 0, "load_calls": 0, "store_calls": 0}
 
     @property
@@ -174,6 +176,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0 or pending is None:
             return
         hit, computed = pending
+        # vLLM may take fewer tokens than offered: load the chunks covering what it took
+        # (tokens of a partly taken chunk are recomputed over identical values).
+        hit = min(hit, -(-(computed + num_external_tokens) // self._chunk))
         slots = self._index.lookup(self._hashes(request)[:hit])
         if any(s is None for s in slots):  # cannot happen: nothing evicts between the calls
             raise KVGroupsValueError(f"request {request.request_id}: hit chunks were evicted")
@@ -286,6 +291,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._layout = layout
         self._store = HostChunkStore(layout.manager, layout.kv_caches, self._capacity)
+        on_cuda = bool(layout.kv_caches) and layout.kv_caches[0].device.type == "cuda"
+        if on_cuda and self._store.layerwise:
+            self._save_stream = torch.cuda.Stream(device=layout.kv_caches[0].device)
 
     @property
     def _pools(self) -> list[torch.Tensor]:
@@ -314,9 +322,22 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if layer_name in self._layout.excluded_layers:
             return  # its KV is another layer's (sharing) or not needed across chunks
         layer = self._layout.index_of(layer_name)
-        for item in meta.saves:
-            self._store.save_layer(item.block_ids, item.slots, layer)
-            self.stats["store_calls"] += 1
+        with self._on_save_stream():
+            for item in meta.saves:
+                self._store.save_layer(item.block_ids, item.slots, layer)
+                self.stats["store_calls"] += 1
+
+    @contextmanager
+    def _on_save_stream(self):
+        """CUDA: queue a layer's save on a side stream once the forward has written that
+        layer (the side stream waits for the forward's stream), so it overlaps the next
+        layers instead of delaying them. CPU: run in place."""
+        if self._save_stream is None:
+            yield
+            return
+        self._save_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self._save_stream):
+            yield
 
     def wait_for_save(self) -> None:
         meta = self._metadata()
@@ -325,6 +346,10 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
                 self._store.save(item.block_ids, item.slots)
                 self.stats["store_calls"] += 1
             self.stats["saved_chunks"] += len(item.slots)
+        if self._save_stream is not None:
+            # Later work on the forward's stream (next step's writes into these blocks, loads
+            # from these slots) runs after the saves; the host does not wait.
+            torch.cuda.current_stream().wait_stream(self._save_stream)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None

@@ -1,0 +1,65 @@
+"""The connector's scheduler-side index: chained chunk hashes, LRU slots, protected loads."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from kvgroups_torch.vllm.prefix_index import ChunkIndex, chunk_hashes, consecutive_runs
+
+from kvgroups_core import AttnWindowDesc
+
+
+def test_hashes_cover_whole_chunks_and_chain_the_prefix():
+    a = chunk_hashes(list(range(600)), 256)
+    assert len(a) == 2  # the 88-token tail is no chunk
+    b = chunk_hashes(list(range(256)) + [9] * 256, 256)
+    assert a[0] == b[0] and a[1] != b[1]
+    c = chunk_hashes([1] + list(range(1, 512)), 256)
+    assert c[0] != a[0] and c[1] != a[1]  # chunk 1 alike, but its prefix differs
+    assert chunk_hashes(list(range(512)), 256, b"salt") != chunk_hashes(list(range(512)), 256)
+
+
+def test_lookup_has_no_side_effect_and_lru_evicts_the_oldest_unprotected():
+    idx = ChunkIndex(3)
+    hs = [bytes([i]) * 16 for i in range(5)]
+    for h, s in zip(hs[:3], idx.allocate(3)):
+        idx.insert(h, s)
+    assert idx.lookup(hs[:3]) == [0, 1, 2]
+    idx.lookup([hs[0]])  # no recency change
+    idx.touch([0])  # chunk 0 used: chunk 1 is now the oldest
+    (s,) = idx.allocate(1, protected={1})  # chunk 1 protected (a load reads it): evict chunk 2
+    assert s == 2 and hs[2] not in idx and hs[1] in idx
+    idx.insert(hs[3], s)
+    assert idx.allocate(1, protected={0, 1, 2}) == []  # nothing evictable: the save is dropped
+    assert idx.evictions == 1
+
+
+def test_allocation_evicts_oldest_first_and_takes_consecutive_slots_where_it_can():
+    idx = ChunkIndex(6)
+    h = [bytes([i]) * 16 for i in range(7)]
+    assert idx.allocate(2) == [0, 1] and idx.allocate(3) == [2, 3, 4]
+    for i in range(5):
+        idx.insert(h[i], i)
+    assert idx.allocate(2) == [0, 5]  # one free slot: the oldest chunk (0) makes room
+    idx.insert(h[5], 0)
+    idx.insert(h[6], 5)
+    idx.touch([1, 2])  # oldest first now: slots 3, 4, 0, 5, 1, 2
+    assert idx.allocate(2) == [3, 4] and idx.evictions == 3
+    assert h[3] not in idx and h[4] not in idx and h[1] in idx and h[5] in idx
+    assert consecutive_runs([4, 5, 6, 1, 2]) == [(0, 4, 3), (3, 1, 2)]
+
+
+def test_presence_feeds_the_window_rule():
+    idx = ChunkIndex(4)
+    hs = [bytes([i]) * 16 for i in range(3)]
+    for h, s in zip(hs, idx.allocate(3)):
+        idx.insert(h, s)
+    present = idx.present(hs + [b"x" * 16], 2)
+    assert present.shape == (4, 2) and present[:3].all() and not present[3].any()
+    assert AttnWindowDesc([-1, 1]).hit_chunks(present) == 3
+    assert AttnWindowDesc([-1, 1]).hit_chunks(np.zeros((2, 2), bool)) == 0
+
+
+def test_bad_capacity_is_a_typed_error():
+    with pytest.raises(ValueError, match="capacity_chunks"):
+        ChunkIndex(0)
