@@ -50,8 +50,8 @@ def _whole(x: Any) -> Any:
     sharding = getattr(x, "sharding", None)
     if sharding is None or not hasattr(sharding, "mesh") or len(sharding.device_set) <= 1:
         return x
-    jax = sys.modules["jax"]  # loaded: x is one of its arrays
-    if isinstance(x, jax.core.Tracer):
+    jax = sys.modules.get("jax")  # loaded when x is one of its arrays
+    if jax is None or isinstance(x, jax.core.Tracer):
         return x
     return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh,
                                                         jax.sharding.PartitionSpec()))
@@ -145,6 +145,12 @@ _Plan = list
 
 
 def _merge(chunk_counts: list[int], plans: _Plan) -> list:
+    kinds = {type(x).__module__.partition(".")[0] for regions in plans
+             for _, _, parts in regions for x, _ in parts}
+    if len(kinds) > 1:
+        raise KVGroupsTypeError(
+            f"objects_per_rank: expected arrays of one framework, got {sorted(kinds)}"
+        )
     out = []
     whole: dict[int, Any] = {}  # one replica of each sharded input, however many parts read it
     for chunks, regions in zip(chunk_counts, plans):

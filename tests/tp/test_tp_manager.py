@@ -250,3 +250,16 @@ def test_fingerprint_is_stable_across_processes():
                               env={"PYTHONPATH": env_path, "PYTHONHASHSEED": seed}, check=True)
         outs.add(done.stdout.strip())
     assert outs == {_mha(tp_rank=1).fingerprint()}
+
+
+def test_merge_of_two_frameworks_is_a_type_error():
+    torch = pytest.importorskip("torch")
+    model = MODELS["mha-nhd"]
+    rng = np.random.default_rng(0)
+    full = make_model_caches(model, rng)
+    ids = block_ids(model, 1, rng)
+    shards = [shard_caches(model, full, r, 2) for r in range(2)]
+    ms = [manager(model, shards[r], r, 2) for r in range(2)]
+    objs = [store(ms[r], shards[r], ids, backend="numpy") for r in range(2)]
+    with pytest.raises(KVGroupsTypeError, match=r"one framework, got \['numpy', 'torch'\]"):
+        merge_shards(ms, [objs[0], [torch.from_numpy(o) for o in objs[1]]])
