@@ -1,4 +1,4 @@
-"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (SEMANTICS.md 3).
+"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (docs/SEMANTICS.md section 3).
 
 The manager is pure metadata built from descriptors: it owns no buffers and moves no bytes.
 The transfer planner reads it (``kernel_groups``, ``object_groups``, ``layer_layouts``, the
@@ -7,6 +7,7 @@ per-group slot counts) to build a :class:`~kvgroups_core.plan.TransferPlan`.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -47,6 +48,25 @@ def _check_layer_count(kv_caches: Any, formats: Sequence[EngineKVFormat]) -> Non
             )
 
 
+def _infos_in_group_order(
+    infos: tuple[EngineGroupInfo, ...], groups: list[tuple[KernelGroupIdentity, list[int]]]
+) -> tuple[EngineGroupInfo, ...]:
+    # Engines list their groups in their own order (vLLM: sliding-window groups before full
+    # attention); an info belongs to the kernel group with exactly its layers, wherever it is.
+    by_layers = {tuple(sorted(info.layer_indices)): info for info in infos}
+    ordered = []
+    for k, (_, layers) in enumerate(groups):
+        info = by_layers.get(tuple(layers))
+        if info is None:
+            # No info has these layers: report the one in this position, as before.
+            raise KVGroupsValueError(
+                f"kernel group {k}: engine group info covers layers "
+                f"{list(infos[k].layer_indices)}, but the kernel group has layers {layers}"
+            )
+        ordered.append(info)
+    return tuple(ordered)
+
+
 class KVLayerGroupsManager:
     """Partition a model's KV layers into kernel groups and object groups.
 
@@ -58,13 +78,18 @@ class KVLayerGroupsManager:
     engine_kv_formats : sequence of EngineKVFormat, or one EngineKVFormat
         One format per layer, or one format repeated for every layer.
     engine_group_infos : sequence of EngineGroupInfo, optional
-        One info per kernel group, in kernel-group order; layers no info mentions are
-        excluded. Empty: every layer is in engine group 0.
+        One info per kernel group, in any order (each is matched to the kernel group with
+        exactly its layers); layers no info mentions are excluded. Empty: every layer is in
+        engine group 0.
     lmcache_tokens_per_chunk : int, default 256
         Logical tokens per cache chunk.
     separate_object_groups : bool, default True
         Split kernel groups into one object group per window size (in chunks); False puts
         every kernel group in one full-attention object group.
+    full_sw_kv : bool, default False (keyword only)
+        Full-SW mode: store every block of sliding-window groups (see
+        :meth:`with_full_sw_kv`). Chosen here because a manager never changes once it has
+        been used for a transfer: plans and prepared transfers rely on its layout.
     tp_rank, tp_size : int, keyword-only, default 0 and 1
         The rank of a tensor-parallel group whose shard ``kv_caches`` is (``heads / tp_size``
         KV heads of each layer), and the group's size; see :mod:`kvgroups_core.tensor_parallel`.
@@ -97,6 +122,7 @@ class KVLayerGroupsManager:
         lmcache_tokens_per_chunk: int = 256,
         separate_object_groups: bool = True,
         *,
+        full_sw_kv: bool = False,
         tp_rank: int = 0,
         tp_size: int = 1,
         total_num_kv_heads: int | Sequence[int] | None = None,
@@ -118,7 +144,14 @@ class KVLayerGroupsManager:
                 )
         self._lmcache_tokens_per_chunk = chunk
         self._separate_object_groups = bool(separate_object_groups)
-        self._full_sw_kv = False
+        if not isinstance(full_sw_kv, bool):
+            raise KVGroupsTypeError(
+                f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}"
+            )
+        self._full_sw_kv = full_sw_kv
+        # Set when a transfer first binds this manager (kvgroups_core.validate); from then on
+        # nothing about its layout may change (enable_full_sw_kv refuses).
+        self._in_use = False
         self._kernel_groups: list[KernelGroupInfo] = []
         self._object_groups: list[ObjectGroupInfo] = []
         self._identities: list[KernelGroupIdentity] = []
@@ -143,12 +176,8 @@ class KVLayerGroupsManager:
                 f"Got {len(infos)} engine group infos for {len(groups)} kernel groups; "
                 "expected one engine group info per kernel group"
             )
-        for k, (_, layers) in enumerate(groups):
-            if infos and sorted(infos[k].layer_indices) != layers:
-                raise KVGroupsValueError(
-                    f"kernel group {k}: engine group info covers layers "
-                    f"{list(infos[k].layer_indices)}, but the kernel group has layers {layers}"
-                )
+        if infos:
+            infos = _infos_in_group_order(infos, groups)
         for k, (identity, layers) in enumerate(groups):
             info = infos[k] if infos else None
             self._kernel_groups.append(self._build_group(k, identity, layers, layouts, info))
@@ -312,9 +341,34 @@ class KVLayerGroupsManager:
         group = self._group(kernel_group_idx)
         return group.calculate_slots(num_tokens) // group.shape_desc.bs
 
+    def with_full_sw_kv(self, enabled: bool = True) -> "KVLayerGroupsManager":
+        """A new manager of the same grouping in (or out of) full-SW mode: every block of
+        sliding-window groups is stored, so a chunk is reusable at any position, and
+        :meth:`get_attn_desc` reports full attention for every group. ``self`` is unchanged
+        (transfers prepared with it keep its layout)."""
+        if not isinstance(enabled, bool):
+            raise KVGroupsTypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+        new = copy.copy(self)  # the group lists are never mutated, so sharing them is safe
+        new._full_sw_kv = enabled
+        new._in_use = False
+        return new
+
     def enable_full_sw_kv(self) -> None:
-        """Store every block of sliding-window groups, so a chunk is reusable at any
-        position; :meth:`get_attn_desc` then reports full attention for every group."""
+        """LMCache's name for switching to full-SW mode in place (see :meth:`with_full_sw_kv`).
+
+        Allowed only before the manager is first used for a transfer (LMCache calls it right
+        after construction): a plan or prepared transfer made before would otherwise move
+        objects of the old size. Afterwards it raises; use ``with_full_sw_kv()`` or
+        ``KVLayerGroupsManager(..., full_sw_kv=True)`` instead.
+        """
+        if self._full_sw_kv:
+            return
+        if self._in_use:
+            raise KVGroupsValueError(
+                "enable_full_sw_kv: expected a manager not yet used for a transfer, got one "
+                "already bound to caches (its object sizes are in use); call "
+                "manager.with_full_sw_kv() for a new manager instead"
+            )
         self._full_sw_kv = True
 
     def get_attn_desc(self) -> AttnWindowDesc:
@@ -356,6 +410,15 @@ class KVLayerGroupsManager:
         """A stable digest of the grouping and object layout: equal on every rank of a TP
         group (``across_degrees=True``: equal for every TP degree of the model)."""
         return _fingerprint(self, across_degrees=across_degrees)
+
+    # Equal only to itself, hashed by identity: a manager is a long-lived, effectively
+    # immutable description, so it can key caches and be a compile-time constant (torch's
+    # ``torch.compile`` guards such a constant with ``==``; it needs both spelled out).
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
 
     def __repr__(self) -> str:
         return (

@@ -1,4 +1,4 @@
-"""Memory objects: the byte layout of one chunk of one object group (SEMANTICS.md section 6).
+"""Memory objects: the byte layout of one chunk of one object group (docs/SEMANTICS.md section 6).
 
 One object holds, in the object group's kernel-group order, one region per kernel group shaped
 ``[kv_size, nl, slots, nh * hs]`` of that group's dtype, where ``slots`` is

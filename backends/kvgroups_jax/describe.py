@@ -61,7 +61,7 @@ def describe_array(x: Any) -> TensorDesc:
         )
     spec_dtype = as_dtype(x.dtype)
     concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    if concrete and len(x.devices()) == 1 and not x.is_deleted():
+    if concrete and not x.is_deleted() and len(x.devices()) == 1:  # deleted: shape only
         device = next(iter(x.devices()))
         spec = TensorSpec(tuple(x.shape), spec_dtype, None, device_string(device,
                                                                            memory_kind_of(x)))
@@ -69,4 +69,4 @@ def describe_array(x: Any) -> TensorDesc:
         return TensorDesc(spec, int(ptr), 0, x, "jax")
     # Tracers, ShapeDtypeStructs and sharded arrays: no single buffer to point at.
     spec = TensorSpec(tuple(x.shape), spec_dtype, None, _abstract_device(x))
-    return TensorDesc(spec, 0, 0, x, "jax")
+    return TensorDesc(spec, 0, 0, x, "jax", abstract=True)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
+from kvgroups_conformance.caches import TRANSFER_FORMATS, make_caches, random_bits
 from kvgroups_core import planner as planner_mod
 from kvgroups_core import registry, transfer
 from kvgroups_core.engine_groups import EngineGroupInfo
@@ -20,7 +21,6 @@ from kvgroups_core.objects import object_nbytes, object_regions
 from kvgroups_core.plan import first_item_for_skip
 from kvgroups_core.planner import bind, plan_call
 from kvgroups_core.reference import NumpyBackend, byte_view, execute_plan, run_group
-from tests.conformance.cases import TRANSFER_FORMATS, make_caches, random_bits
 
 CHUNK, BS, NB = 16, 4, 12
 
@@ -232,6 +232,23 @@ def test_layer_wise_calls_on_a_hybrid_sliding_window_model(skip):
     check_layer_wise(manager, caches, ids, rng, skip=skip)
 
 
+def test_layer_wise_calls_on_a_compressed_mix_and_on_mla_with_an_indexer():
+    rng = np.random.default_rng(21)
+    specs, formats, infos = compressed_specs()
+    caches = _spec_arrays(specs, rng)
+    manager = KVLayerGroupsManager(caches, formats, infos)
+    check_layer_wise(manager, caches, request_ids(manager, rng, chunks=2), rng, skip=300)
+    mla = [kc.TensorSpec((20, 16, 40), "float16")] * 2 + [kc.TensorSpec((20, 16, 132),
+                                                                       "uint8")] * 2
+    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16),
+             EngineGroupInfo(engine_group_id=0, layer_indices=(2, 3), tokens_per_block=16)]
+    caches = _spec_arrays(mla, rng)
+    manager = KVLayerGroupsManager(caches, [F.NL_X_NB_BS_HS] * 2 + [F.NL_X_NB_BSV_BSS] * 2,
+                                   infos, lmcache_tokens_per_chunk=32)
+    assert manager.num_kernel_groups == 2 and manager.num_object_groups == 1
+    check_layer_wise(manager, caches, request_ids(manager, rng, chunks=3), rng, skip=40)
+
+
 def test_a_layer_subset_plan_keeps_only_its_planes_with_their_object_planes():
     rng = np.random.default_rng(1)
     manager, caches = hybrid_model(rng)
@@ -367,6 +384,21 @@ def test_device_skip_formula_runs_on_torch_tensors():
                                   lambda a, b: a.clamp(max=b))
         want = [first_item_for_skip(g, max(0, min(int(s), 192))) for s in skips]
         assert got.tolist() == want
+
+
+def test_device_skip_formula_runs_traced_under_jax_jit():
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+
+    manager, caches = skip_managers()["compressed"]
+    binding = bind(manager, caches)
+    ids = request_ids(manager, np.random.default_rng(17), 2)
+    device = plan_call(binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)),
+                       ids_spec=dev_spec)
+    for g in device.groups:
+        f = jax.jit(lambda s, g=g: first_item_for_skip(g, s, jnp.maximum, jnp.minimum))
+        for skip in range(0, 2 * 256 + 1, 7):
+            assert int(f(jnp.int32(skip))) == first_item_for_skip(g, skip)
 
 
 def test_a_device_skip_loads_what_the_host_skip_loads_and_store_refuses_it():
@@ -653,6 +685,16 @@ def test_abstract_descriptors():
     assert not kc.describe(np.zeros((0, 3), np.float16)).is_abstract  # empty, not abstract
     marked = kc.TensorDesc(spec, 1234, 0, object(), "x", abstract=True)
     assert marked.is_abstract and marked.view(spec).is_abstract
+    concrete = kc.TensorDesc(spec, 0, 0, object(), "x", abstract=False)  # e.g. sharded
+    assert not concrete.is_abstract and not concrete.view(spec).is_abstract
+    assert kc.TensorDesc(spec, 0, 0, object(), "x").is_abstract  # no pointer: inferred
+
+
+def test_device_ids_spec_hook_and_helper():
+    assert NumpyBackend().device_ids_spec(np.arange(3)) is None  # the default: host
+    assert registry.dtype_and_shape(np.zeros((2, 3), np.int32)) == ("int32", (2, 3))
+    torch = pytest.importorskip("torch")
+    assert registry.dtype_and_shape(torch.zeros(4, dtype=torch.int64)) == ("int64", (4,))
 
 
 def test_jax_tracers_are_the_jax_backends_arrays():
@@ -678,3 +720,54 @@ def test_specs_plan_with_device_ids_without_pointers():
     plan = plan_call(binding, ids, "load", ids_spec=dev_spec,
                      skip_first_n_tokens=Dev(np.int32(5)))
     assert plan.device_ids and plan.num_chunks == 1
+
+
+def _framework_ids(backend, values, dtype):
+    """``values`` as the backend's own id array (host ids of that framework)."""
+    if backend == "torch":
+        import torch
+        return torch.tensor(np.asarray(values, dtype=dtype))
+    if backend == "jax":
+        import jax.numpy as jnp
+        return jnp.asarray(np.asarray(values, dtype=dtype))
+    return np.asarray(values, dtype=dtype)
+
+
+FRAMEWORK_BAD_IDS = [
+    ([1, 0, 1, 0, 1, 0, 1, 0], bool, kc.KVGroupsTypeError, "bool"),
+    ([0, 1, 2, 3, 4, 5, 6, NB], np.int64, kc.KVGroupsIndexError, str(NB)),
+    ([0, 1, 2, 3, 4, 5, 6, -1], np.int32, kc.KVGroupsIndexError, "-1"),
+    ([0, 1, 2, 3, 4, 5, 6, 7.0], np.float32, kc.KVGroupsTypeError, "float32"),
+]
+
+
+@pytest.mark.parametrize("backend", _zero_chunk_backends())
+@pytest.mark.parametrize("values,dtype,error,text", FRAMEWORK_BAD_IDS)
+def test_bad_framework_ids_are_refused_on_every_cpu_backend(backend, values, dtype, error,
+                                                            text):
+    manager, caches_np, objects_np = _one_group_setup()
+    be = kc.get_backend(backend)
+    caches = [be.from_numpy(c) for c in caches_np]
+    objects = [be.from_numpy(o) for o in objects_np]
+    ids = _framework_ids(backend, values, dtype)
+    for call in (lambda: kc.store(manager, caches, ids, objects),
+                 lambda: kc.load(manager, objects, caches, ids),
+                 lambda: kc.store(manager, caches, {0: ids}, objects),
+                 lambda: kc.load(manager, objects, caches, [ids])):
+        with pytest.raises(error, match="block_ids") as info:
+            call()
+        assert text in str(info.value), str(info.value)
+    for c, want in zip(caches, caches_np):
+        np.testing.assert_array_equal(be.to_numpy(c).view(np.uint8), want.view(np.uint8))
+    np.testing.assert_array_equal(be.to_numpy(objects[0]), objects_np[0])
+
+
+def test_torch_uint64_ids_that_would_wrap_report_the_value():
+    torch = pytest.importorskip("torch")
+    manager, caches_np, objects_np = _one_group_setup()
+    caches = [torch.from_numpy(c.copy()) for c in caches_np]
+    ids = torch.tensor(np.array([0, 1, 2, 3, 4, 5, 6, 2**64 - 2], dtype=np.uint64))
+    with pytest.raises(kc.KVGroupsIndexError, match="18446744073709551614"):
+        kc.store(manager, caches, ids)
+    for c, want in zip(caches, caches_np):
+        np.testing.assert_array_equal(c.numpy().view(np.uint8), want.view(np.uint8))

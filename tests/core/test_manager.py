@@ -51,7 +51,7 @@ def test_every_layer_excluded_gives_an_empty_manager():
     assert m.layer_layouts == [None, None, None]
 
 
-# --- worked examples of SEMANTICS.md section 3 -----------------------------------------
+# --- worked examples of docs/SEMANTICS.md section 3 --------------------------------------
 
 
 def test_five_layers_by_heads_and_dtype():
@@ -136,6 +136,16 @@ def test_info_layers_must_match_their_kernel_groups_layers():
 def test_info_layer_order_does_not_matter():
     m = KVLayerGroupsManager([kv_layer()] * 3, NHD, [info(0, [2, 0, 1])])
     assert m.kernel_groups[0].layer_indices == [0, 1, 2]
+
+
+def test_infos_may_come_in_the_engines_order_not_the_kernel_groups():
+    # vLLM lists sliding-window groups before full attention: infos are matched by layers.
+    caches = [kv_layer(8), kv_layer(16), kv_layer(8), kv_layer(16)]
+    infos = [info(1, [1, 3], sw=64), info(0, [0, 2])]
+    m = KVLayerGroupsManager(caches, NHD, infos)
+    assert [g.layer_indices for g in m.kernel_groups] == [[0, 2], [1, 3]]
+    assert [g.engine_group_idx for g in m.kernel_groups] == [0, 1]
+    assert [g.sw_size_tokens for g in m.kernel_groups] == [-1, 64]
 
 
 def test_tokens_per_block_must_be_a_multiple_of_slots_per_block():

@@ -8,15 +8,27 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 
-SCRIPT = textwrap.dedent("""
+# Modules nobody asked for: a framework, a backend package, or the tooling.
+UNWANTED = ("torch", "jax", "jaxlib", "kvgroups_torch", "kvgroups_jax", "kvgroups_tools")
+
+LEAKED = (
+    "leaked = sorted(m for m in sys.modules if m.split('.')[0] in %r)\n"
+    "print(','.join(leaked))\n" % (UNWANTED,)
+)
+
+# The library alone: grouping from bare descriptors, a planned store, and a real NumPy
+# store + load through the public functions.
+LIBRARY_SCRIPT = textwrap.dedent("""
     import sys
+
+    import numpy as np
 
     import kvgroups_core
     from kvgroups_core import (
-        EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager, TensorSpec,
-        manager_from_shape_spec,
+        EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager, TensorSpec, load,
+        manager_from_shape_spec, store,
     )
-    from kvgroups_tools.cli_plan import plan_summary
+    from kvgroups_core.planner import bind, plan_call
 
     caches = [TensorSpec((2, 64, 16, 8, 128), "bfloat16")] * 6
     infos = [EngineGroupInfo(engine_group_id=1, layer_indices=(0, 1, 2, 3, 4),
@@ -24,21 +36,52 @@ SCRIPT = textwrap.dedent("""
              EngineGroupInfo(engine_group_id=0, layer_indices=(5,))]
     manager = KVLayerGroupsManager(caches, EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, infos)
     assert manager.num_object_groups == 2
-    plan_summary(manager_from_shape_spec("(2,1024,16,8,128):bfloat16:32"))
-    from kvgroups_core.planner import build_plan
-
-    plan, _ = build_plan(manager, caches, {0: list(range(16)), 1: list(range(16, 32))}, "store")
+    manager_from_shape_spec("(2,1024,16,8,128):bfloat16:32")
+    plan = plan_call(bind(manager, caches), {0: list(range(16)), 1: list(range(16, 32))},
+                     "store")
     assert plan.num_chunks == 1
-    leaked = sorted(m for m in sys.modules if m.split(".")[0] in ("torch", "jax", "jaxlib"))
-    print(",".join(leaked))
-""")
+
+    arrays = [np.arange(2 * 40 * 16 * 2 * 4, dtype=np.float32).reshape(2, 40, 16, 2, 4) + i
+              for i in range(2)]
+    fmt = [EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    numpy_manager = KVLayerGroupsManager(arrays, fmt)
+    ids = np.random.default_rng(0).permutation(40)[:16]  # one chunk of 16 blocks
+    objects = store(numpy_manager, arrays, ids)
+    restored = [np.zeros_like(a) for a in arrays]
+    load(numpy_manager, objects, restored, ids)
+    for a, r in zip(arrays, restored):
+        assert np.array_equal(a[:, ids], r[:, ids])
+""") + LEAKED
+
+# The plan command of the tooling needs no framework either.
+TOOLING_SCRIPT = textwrap.dedent("""
+    import sys
+
+    from kvgroups_core import manager_from_shape_spec
+    from kvgroups_tools.cli_plan import plan_summary
+
+    plan_summary(manager_from_shape_spec("(2,1024,16,8,128):bfloat16:32"))
+""") + LEAKED
 
 
-def test_core_import_manager_and_planning_leave_frameworks_unimported():
-    result = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
+def _leaked(script: str) -> str:
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             cwd=ROOT)
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == ""
+    return result.stdout.strip()
+
+
+def test_core_import_manager_and_planning_load_no_framework_and_no_tooling():
+    assert _leaked(LIBRARY_SCRIPT) == ""
+
+
+def test_the_check_would_see_a_leak():
+    assert _leaked("import sys\nimport kvgroups_tools.cli\n" + LEAKED) == (
+        "kvgroups_tools,kvgroups_tools.cli")
+
+
+def test_the_plan_command_loads_no_framework():
+    assert _leaked(TOOLING_SCRIPT) == "kvgroups_tools,kvgroups_tools.cli_plan"
 
 
 def test_ruff_bans_framework_imports_in_the_core():

@@ -2,7 +2,7 @@
 
 Needs a Hopper-or-newer GPU visible to JAX. Every case runs store then load through
 :func:`kvgroups_jax.executor.execute_plan` with ``lowering="mosaic"``, compares every byte of
-caches and objects with the NumPy reference (:func:`kvgroups_jax.reference.reference_transfer`)
+caches and objects with the NumPy reference (:func:`kvgroups_core.reference.run_group`)
 and checks that the donated buffers were written in place (same ``unsafe_buffer_pointer``,
 inputs deleted). One JSON object per line on stdout; a failing case carries its full traceback
 (also printed to stderr). ``--no-bench`` skips the closing bandwidth comparison with Triton.
@@ -105,7 +105,7 @@ def run_case(name, layout, dtype, **shape) -> bool:
 
 
 def bench(layers=32, blocks=2048, pages=512, iters=20) -> None:
-    """Store and load bandwidth, Mosaic vs Triton, on the shared/spec/JAX.md shape: ``layers``
+    """Store and load bandwidth, Mosaic vs Triton, on the JAX kernel benchmark shape: ``layers``
     arrays [2, blocks, 16, 8, 128] bf16, ``pages`` random pages; bytes read + written per
     second. The executor's jitted program is called back to back (planning excluded), each
     call's donated results feeding the next."""
