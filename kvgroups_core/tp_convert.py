@@ -50,8 +50,8 @@ def _whole(x: Any) -> Any:
     sharding = getattr(x, "sharding", None)
     if sharding is None or not hasattr(sharding, "mesh") or len(sharding.device_set) <= 1:
         return x
-    jax = sys.modules["jax"]  # loaded: x is one of its arrays
-    if isinstance(x, jax.core.Tracer):
+    jax = sys.modules.get("jax")  # loaded when x is one of its arrays
+    if jax is None or isinstance(x, jax.core.Tracer):
         return x
     return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh,
                                                         jax.sharding.PartitionSpec()))
@@ -95,7 +95,7 @@ def _region_rows(region: Any) -> tuple[int, int]:
     return kv * nl * slots, region.row_bytes
 
 
-def merge_shards(managers: Any, objects_per_rank: Any) -> list:
+def merge_shards(managers: Any, objects_per_rank: Any, *, check_replicas: bool = False) -> list:
     """The canonical objects (a TP=1 store of the whole cache) from every rank's objects.
 
     Parameters
@@ -118,6 +118,11 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
       axis, each of the ``s`` shards the object of ``1 / s`` of every group's heads (the
       sharding says ``s``; an unsharded array is a TP=1 store and merges to itself).
 
+    check_replicas : bool, keyword-only, default False
+        Also compare every replica of a replicated group with its owner's copy (one manager
+        per rank only; eager, it reads the comparison back) and raise naming the first rank
+        that differs. Off by default: replicas are written from identical caches.
+
     Returns
     -------
     list
@@ -135,7 +140,31 @@ def merge_shards(managers: Any, objects_per_rank: Any) -> list:
         if shards != {1}:
             return _merge(*_side_by_side_mesh(ref, objs, shards))
     managers = check_managers(managers)
-    return _merge(*_from_ranks(managers, objects_per_rank))
+    chunk_counts, plans = _from_ranks(managers, objects_per_rank)
+    if check_replicas:
+        _check_replicas(managers, objects_per_rank)
+    return _merge(chunk_counts, plans)
+
+
+def _check_replicas(managers: list, per_rank: list) -> None:
+    ref = managers[0]
+    for og in range(ref.num_object_groups):
+        regions = [object_regions(m, og) for m in managers]
+        for i, region in enumerate(regions[0]):
+            shard = ref.tp_shard(region.kernel_group_idx)
+            for r in range(ref.tp_size):
+                owner = shard.owner_of_part(r // shard.replicas)
+                if r == owner:
+                    continue
+                a, b = regions[r][i], regions[owner][i]
+                mine = per_rank[r][og][:, a.offset:a.offset + a.nbytes]
+                theirs = per_rank[owner][og][:, b.offset:b.offset + b.nbytes]
+                if not bool((mine == theirs).all()):
+                    raise KVGroupsValueError(
+                        f"objects_per_rank[{r}][{og}]: expected kernel group "
+                        f"{region.kernel_group_idx}'s replicated bytes to equal rank {owner}'s "
+                        f"copy, got different bytes"
+                    )
 
 
 # A merge plan: per object group, its chunk count and per region (rows, part row bytes, parts),
@@ -145,6 +174,12 @@ _Plan = list
 
 
 def _merge(chunk_counts: list[int], plans: _Plan) -> list:
+    kinds = {type(x).__module__.partition(".")[0] for regions in plans
+             for _, _, parts in regions for x, _ in parts}
+    if len(kinds) > 1:
+        raise KVGroupsTypeError(
+            f"objects_per_rank: expected arrays of one framework, got {sorted(kinds)}"
+        )
     out = []
     whole: dict[int, Any] = {}  # one replica of each sharded input, however many parts read it
     for chunks, regions in zip(chunk_counts, plans):

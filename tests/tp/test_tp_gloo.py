@@ -58,6 +58,7 @@ def test_ranks_agree_on_the_fingerprint(groups, world):
     results = groups[world]
     assert len({r["fingerprint"] for r in results}) == 1
     assert all(r["own_fingerprint"] == r["fingerprint"] for r in results)
+    assert [r["pair_fingerprint"] for r in results[:2]] == [results[0]["fingerprint"]] * 2
 
 
 def test_fingerprints_differ_between_degrees(groups):
@@ -86,3 +87,17 @@ def test_a_mismatching_rank_is_named_on_every_rank(groups, world):
         assert message is not None
         assert f"rank {world - 1} has" in message
         assert all(f"rank {q} has" not in message for q in range(world - 1))
+
+
+def test_check_same_grouping_needs_an_initialised_process_group():
+    from kvgroups_torch import check_same_grouping
+
+    from kvgroups_core import EngineKVFormat as F
+    from kvgroups_core import KVGroupsValueError, KVLayerGroupsManager, TensorSpec
+
+    if dist.is_initialized():
+        pytest.fail("this test process must not hold a process group")
+    m = KVLayerGroupsManager([TensorSpec((2, 8, 16, 2, 32), "float16")],
+                             F.NL_X_TWO_NB_BS_NH_HS)
+    with pytest.raises(KVGroupsValueError, match="init_process_group"):
+        check_same_grouping(m)

@@ -224,3 +224,24 @@ def test_mesh_store_merge_split_and_load_at_another_mesh_size():
     out = load(whole2, objs, caches2, ids)
     want = reference_load(model, [np.asarray(c) for c in canonical], before, ids)
     assert_same_bytes([np.asarray(x) for x in out], want)
+
+
+@pytest.mark.parametrize("tp", [2, 4])
+def test_jax_native_stores_fill_one_buffer_rank_after_rank(tp):
+    model = MODELS["hybrid-full-sw-gqa2"]
+    rng = np.random.default_rng(tp)
+    full = make_model_caches(model, rng)
+    ids = block_ids(model, 2, rng)
+    backend = get_backend("jax")
+    shards = [[backend.from_numpy(x, "cpu") for x in shard_caches(model, full, r, tp)]
+              for r in range(tp)]
+    managers = [manager(model, shards[r], r, tp, object_layout="tp_native") for r in range(tp)]
+    from kvgroups_core import object_nbytes
+
+    buffers = [jnp.full((2, object_nbytes(managers[0], og)), 0xEE, jnp.uint8)
+               for og in range(managers[0].num_object_groups)]
+    for m, caches in zip(managers, shards):
+        buffers = store(m, caches, ids, buffers, backend="jax")  # donated, returned in place
+    canonical = reference_store(model, full, ids)
+    assert_same_bytes(buffers, split_canonical(managers[0], canonical))
+    assert_same_bytes(merge_shards(managers, [buffers] * tp), canonical)

@@ -20,6 +20,7 @@ from kvgroups_core import (
     TensorSpec,
     UnsupportedConfig,
     merge_shards,
+    object_regions,
     split_canonical,
     store,
 )
@@ -250,3 +251,34 @@ def test_fingerprint_is_stable_across_processes():
                               env={"PYTHONPATH": env_path, "PYTHONHASHSEED": seed}, check=True)
         outs.add(done.stdout.strip())
     assert outs == {_mha(tp_rank=1).fingerprint()}
+
+
+def test_merge_of_two_frameworks_is_a_type_error():
+    torch = pytest.importorskip("torch")
+    model = MODELS["mha-nhd"]
+    rng = np.random.default_rng(0)
+    full = make_model_caches(model, rng)
+    ids = block_ids(model, 1, rng)
+    shards = [shard_caches(model, full, r, 2) for r in range(2)]
+    ms = [manager(model, shards[r], r, 2) for r in range(2)]
+    objs = [store(ms[r], shards[r], ids, backend="numpy") for r in range(2)]
+    with pytest.raises(KVGroupsTypeError, match=r"one framework, got \['numpy', 'torch'\]"):
+        merge_shards(ms, [objs[0], [torch.from_numpy(o) for o in objs[1]]])
+
+
+def test_check_replicas_names_a_rank_whose_replicated_copy_differs():
+    model = MODELS["hybrid-full-sw-gqa2"]  # its 2-head layer is replicated by 2 ranks at TP 4
+    rng = np.random.default_rng(0)
+    full = make_model_caches(model, rng)
+    ids = block_ids(model, 2, rng)
+    shards = [shard_caches(model, full, r, 4) for r in range(4)]
+    ms = [manager(model, shards[r], r, 4) for r in range(4)]
+    objs = [store(ms[r], shards[r], ids, backend="numpy") for r in range(4)]
+    good = merge_shards(ms, objs, check_replicas=True)
+    og, region = next((og, reg) for og in range(ms[0].num_object_groups)
+                      for reg in object_regions(ms[3], og)
+                      if ms[3].is_replicated(reg.kernel_group_idx))
+    objs[3][og][1, region.offset + 5] ^= 0xFF  # rank 3 holds head 1 after rank 2
+    assert all(np.array_equal(a, b) for a, b in zip(merge_shards(ms, objs), good))  # owner's
+    with pytest.raises(KVGroupsValueError, match=r"objects_per_rank\[3\].*rank 2's copy"):
+        merge_shards(ms, objs, check_replicas=True)

@@ -66,6 +66,9 @@ def main(rank: int, world: int, init_file: str, out_dir: str, canonical_in: str 
     mine = manager(MODEL, shard, rank, world)
     result["fingerprint"] = check_same_grouping(mine)
     result["own_fingerprint"] = mine.fingerprint()
+    # A subgroup of the world (new_group is collective: every rank creates it).
+    pair = dist.new_group([0, 1])
+    result["pair_fingerprint"] = check_same_grouping(mine, group=pair) if rank < 2 else None
 
     # Canonical layout: each rank stores its shard; the parts are gathered and merged.
     objects = store(mine, shard, ids)
