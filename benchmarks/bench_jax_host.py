@@ -109,7 +109,7 @@ def bench_chunks(args, chunks: int, model, kit: JaxKit, backend_name: str, emit)
                  f"--num-blocks {args.num_blocks}")
     ids = np.random.default_rng(chunks).permutation(args.num_blocks)[: chunks * bpc]
     plans = {d: plan_call(binding, ids, d) for d in ("store", "load")}
-    state = {"caches": [d.obj for d in binding.slots],
+    state = {"caches": [d.obj for d in binding.tensors],
              "objects": [jnp.zeros((chunks, n), jnp.uint8) for n in binding.object_nbytes]}
     jax.block_until_ready(state["objects"])
 
@@ -117,7 +117,7 @@ def bench_chunks(args, chunks: int, model, kit: JaxKit, backend_name: str, emit)
         jax.block_until_ready((state["caches"], state["objects"]))
 
     common = {"model": args.model, "layers": args.layers, "chunks": chunks,
-              "lowering": args.lowering, "arrays": len(binding.slots)}
+              "lowering": args.lowering, "arrays": len(binding.tensors)}
 
     def emit_row(name, direction, fn, python=True):
         emit({"name": f"{name}_{direction}", "direction": direction, **common,

@@ -90,7 +90,7 @@ class Setup:
         self.manager = KVLayerGroupsManager(self.caches, list(model.formats),
                                             lmcache_tokens_per_chunk=256)
         self.binding = bind(self.manager, self.caches)
-        self.slots = list(self.binding.slots)
+        self.slots = list(self.binding.tensors)
         bpc = self.manager.calculate_num_blocks(0, 256)
         rng = np.random.default_rng(1)
         self.ids = [rng.permutation(num_blocks)[: chunks * bpc] for _ in range(rotate)]
@@ -224,7 +224,7 @@ def host_cost(args, emit) -> None:
     caches = random_caches(model, "cuda")
     manager = KVLayerGroupsManager(caches, list(model.formats), lmcache_tokens_per_chunk=256)
     binding = bind(manager, caches)
-    slots = list(binding.slots)
+    slots = list(binding.tensors)
     backend = TorchBackend()
     bpc = manager.calculate_num_blocks(0, 256)
     rng = np.random.default_rng(2)

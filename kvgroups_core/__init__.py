@@ -5,7 +5,7 @@ packages ``kvgroups_torch`` and ``kvgroups_jax`` and are found from the tensors 
 """
 
 from .attn_window import AttnWindowDesc
-from .descriptors import TensorDesc, TensorSpec, describe
+from .descriptors import TensorDesc, TensorSpec
 from .detection import detect_format, normalize_and_discover_per_layer_formats
 from .dtypes import DTYPE_MAP, DType
 from .engine_groups import (
@@ -36,18 +36,26 @@ from .grouping import (
 from .manager import KVLayerGroupsManager
 from .objects import Region, object_nbytes, object_regions, region_view
 from .plan import GroupTransfer, PlaneRef, TransferPlan
-from .registry import Backend, get_backend, register_backend, unregister_backend
+from .registry import Backend, describe, get_backend, register_backend, unregister_backend
 from .shape_spec import (
     format_kvcache_shape_spec,
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
 )
+from .tensor_parallel import OBJECT_LAYOUTS, TPShard
+from .tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
 from .transfer import PreparedTransfer, load, prepare, store
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GroupTransfer",
+    "OBJECT_LAYOUTS",
+    "TPShard",
+    "canonical_nbytes",
+    "merge_shards",
+    "rank_byte_ranges",
+    "split_canonical",
     "PlaneRef",
     "PreparedTransfer",
     "Region",

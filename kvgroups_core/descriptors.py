@@ -98,6 +98,9 @@ class TensorDesc:
 
     ``obj`` keeps the tensor alive as long as the descriptor is; ``framework`` names the
     runtime that owns it ("numpy", "torch", "jax", ... or "spec" for a bare spec).
+    ``abstract`` says whether the value has a readable pointer: True for a tracer, a fake or
+    meta tensor, False for a concrete array (even one described without a single pointer,
+    such as a sharded array); None (the default) infers it, see :attr:`is_abstract`.
     """
 
     spec: TensorSpec
@@ -105,6 +108,7 @@ class TensorDesc:
     byte_offset: int = 0
     obj: Any = field(default=None, repr=False)
     framework: str = "spec"
+    abstract: bool | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -124,8 +128,12 @@ class TensorDesc:
 
     @property
     def is_abstract(self) -> bool:
-        """True when there are no bytes behind it (a bare spec, or a traced value)."""
-        return self.obj is None or self.data_ptr == 0
+        """True when there are no bytes behind it: what the backend said (``abstract``), else
+        a bare spec (a TensorSpec given as a cache) or a non-empty value described with no
+        pointer. Planning never reads the pointer of an abstract desc."""
+        if self.abstract is not None:
+            return self.abstract
+        return self.obj is None or (self.data_ptr == 0 and self.spec.nbytes > 0)
 
     @property
     def address(self) -> int:
@@ -135,7 +143,8 @@ class TensorDesc:
     def view(self, spec: TensorSpec, extra_byte_offset: int = 0) -> "TensorDesc":
         """Another view of the same memory (the caller guarantees it stays in bounds)."""
         return TensorDesc(
-            spec, self.data_ptr, self.byte_offset + extra_byte_offset, self.obj, self.framework
+            spec, self.data_ptr, self.byte_offset + extra_byte_offset, self.obj, self.framework,
+            self.abstract,
         )
 
 
@@ -218,23 +227,3 @@ def describe_numpy(x: Any) -> TensorDesc:
     spec = TensorSpec(x.shape, as_dtype(x.dtype), tuple(s // itemsize for s in x.strides), "cpu")
     ptr = int(x.__array_interface__["data"][0]) if x.size else 0
     return TensorDesc(spec, ptr, 0, x, "numpy")
-
-
-def describe(x: Any) -> TensorDesc:
-    """Describe ``x``: a TensorDesc (returned as is), a TensorSpec (abstract descriptor), a
-    NumPy array, or any DLPack producer (torch, JAX, CuPy ...).
-
-    A registered backend for ``x``'s framework describes it when one exists (it may know more,
-    e.g. fp8 dtypes or abstract traced values); otherwise DLPack is read directly. The
-    framework is never imported here.
-    """
-    if isinstance(x, TensorDesc):
-        return x
-    if isinstance(x, TensorSpec):
-        return TensorDesc(x)
-    from .registry import backend_for_object  # registry imports this module
-
-    backend = backend_for_object(x)
-    if backend is not None:
-        return backend.describe(x)
-    return describe_dlpack(x)

@@ -25,10 +25,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .descriptors import TensorDesc, TensorSpec, describe
+from .descriptors import TensorDesc, TensorSpec
 from .errors import KVGroupsTypeError, KVGroupsValueError, mismatch
 from .formats import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
 from .layout import INDEXER_ROW_BYTES, _check_dense
+from .registry import describe
 
 #: Engines :func:`detect_format` knows (``"vllm_tpu"`` is an alias of ``"tpu_inference"``).
 ENGINES = ("vllm", "sglang", "trtllm", "tpu_inference", "sglang_jax", "maxtext")
@@ -94,7 +95,7 @@ def engine_name(engine: Any) -> str:
 
 
 def tensor_desc(x: Any, what: str) -> TensorDesc:
-    """:func:`~kvgroups_core.descriptors.describe` ``x``, naming ``what`` in a type error."""
+    """:func:`~kvgroups_core.registry.describe` ``x``, naming ``what`` in a type error."""
     try:
         return describe(x)
     except KVGroupsTypeError as err:

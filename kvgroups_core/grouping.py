@@ -1,4 +1,4 @@
-"""Kernel groups: which layers one transfer-kernel launch can move (SEMANTICS.md sections 1-2).
+"""Kernel groups: which layers one transfer-kernel launch can move (docs/SEMANTICS.md sections 1-2).
 
 A *kernel group* is a set of registered layers with one identity
 ``(kv_size, num_heads, head_size, block_size, engine_group_idx, dtype, engine_kv_format)``.
@@ -17,12 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .descriptors import describe
 from .dtypes import DType
 from .engine_groups import EXCLUDED_ENGINE_GROUP
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .formats import EngineKVFormat
 from .layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
+from .registry import describe
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",

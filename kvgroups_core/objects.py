@@ -1,4 +1,4 @@
-"""Memory objects: the byte layout of one chunk of one object group (SEMANTICS.md section 6).
+"""Memory objects: the byte layout of one chunk of one object group (docs/SEMANTICS.md section 6).
 
 One object holds, in the object group's kernel-group order, one region per kernel group shaped
 ``[kv_size, nl, slots, nh * hs]`` of that group's dtype, where ``slots`` is
@@ -9,12 +9,13 @@ One object holds, in the object group's kernel-group order, one region per kerne
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 
 from .dtypes import DType
 from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from .tensor_parallel import CANONICAL, TP_NATIVE, tp_native_nbytes, tp_native_regions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,12 +65,17 @@ def object_regions(manager: Any, object_group_idx: int) -> list[Region]:
         )
         regions.append(region)
         offset += region.nbytes
+    if getattr(manager, "object_layout", CANONICAL) == TP_NATIVE:
+        return tp_native_regions(manager, regions)  # each rank's part inside the shared object
     return regions
 
 
 def object_nbytes(manager: Any, object_group_idx: int) -> int:
     """Bytes of one chunk's object of ``object_group_idx``."""
-    return sum(r.nbytes for r in object_regions(manager, object_group_idx))
+    regions = object_regions(manager, object_group_idx)
+    if getattr(manager, "object_layout", CANONICAL) == TP_NATIVE:
+        return tp_native_nbytes(manager, regions)  # the whole model's bytes, all ranks' parts
+    return sum(r.nbytes for r in regions)
 
 
 def region_of(manager: Any, kernel_group_idx: int) -> tuple[int, Region]:
@@ -118,3 +124,42 @@ def region_view(manager: Any, obj: np.ndarray, kernel_group_idx: int) -> np.ndar
         )
     piece = arr[..., region.offset : region.offset + region.nbytes]
     return piece.view(numpy_dtype(region.dtype)).reshape(arr.shape[:-1] + region.shape)
+
+
+def check_objects(plan: Any, objects: Sequence[Any], shape_of: Any) -> None:
+    """Objects must be one entry per object group: uint8 ``[num_chunks, object_nbytes]`` with
+    contiguous rows, or a list of ``num_chunks`` 1-D uint8 buffers of ``object_nbytes`` each
+    (``plan`` gives ``num_chunks`` and ``object_nbytes``; zero chunks: ``[0, nbytes]``).
+
+    ``shape_of(x) -> (dtype name, shape, strides)`` reads an array (``Backend.shape_of``).
+    """
+    if not isinstance(objects, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"objects: expected a list with one entry per object group, got "
+            f"{type(objects).__name__}"
+        )
+    if len(objects) != len(plan.object_nbytes):
+        raise KVGroupsValueError(
+            f"objects: expected {len(plan.object_nbytes)} entries (one per object group), got "
+            f"{len(objects)}"
+        )
+    for og, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
+        if isinstance(obj, (list, tuple)):
+            if len(obj) != plan.num_chunks:
+                raise KVGroupsValueError(
+                    f"objects[{og}]: expected {plan.num_chunks} per-chunk buffers, got {len(obj)}"
+                )
+            for c, buf in enumerate(obj):
+                _check_buffer(shape_of(buf), (nbytes,), f"objects[{og}][{c}]")
+        else:
+            _check_buffer(shape_of(obj), (plan.num_chunks, nbytes), f"objects[{og}]")
+
+
+def _check_buffer(found: tuple, shape: tuple[int, ...], what: str) -> None:
+    dtype, got_shape, strides = found
+    if dtype != "uint8" or tuple(got_shape) != shape:
+        raise KVGroupsValueError(
+            f"{what}: expected uint8 {list(shape)}, got {dtype} {list(got_shape)}"
+        )
+    if strides[-1] != 1 and shape[-1] > 1 and 0 not in shape:  # an empty buffer has no rows
+        raise KVGroupsValueError(f"{what}: expected contiguous rows, got strides {tuple(strides)}")

@@ -7,17 +7,20 @@ moves no byte.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import numpy as np
 
+from .block_ids import DEVICE_ID_DTYPES, BlockIds, IdsSpec, normalize_block_ids
 from .descriptors import TensorDesc
 from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from .layout import LayerLayout, layer_layout
 from .objects import object_nbytes, object_regions
-from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan
+from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan, skip_first_item
+from .validate import check_bind_inputs
 
 
 def _chunk_windows(manager: Any, k: int) -> int:
@@ -34,10 +37,11 @@ def _chunk_windows(manager: Any, k: int) -> int:
 def bind_caches(
     manager: Any, kv_caches: Any
 ) -> tuple[list[list[LayerLayout]], list[TensorDesc], dict[tuple, int]]:
-    """Read the call's tensors into per-group layer layouts and one list of backing tensors.
+    """Read the call's tensors into per-group layer layouts and one list of backing tensors
+    (plus each tensor's index in it, by identity key).
 
     The call's tensors must match what the manager was built from (shape, dtype and layout of
-    every grouped layer); tensors shared by several layers or planes become one slot.
+    every grouped layer); a tensor shared by several layers or planes is listed once.
     """
     formats = manager.engine_kv_formats
     group_layouts: list[list[LayerLayout]] = []
@@ -62,88 +66,38 @@ def bind_caches(
             layouts.append(lay)
         group_layouts.append(layouts)
 
-    slots: list[TensorDesc] = []
+    tensors: list[TensorDesc] = []
     seen: dict[tuple, int] = {}
     for layouts in group_layouts:
         for lay in layouts:
             for desc, _ in lay.planes:
-                key = _slot_key(desc)
+                key = _tensor_key(desc)
                 if key not in seen:
-                    seen[key] = len(slots)
-                    slots.append(desc)
-    _check_devices(slots)
-    return group_layouts, slots, seen
+                    seen[key] = len(tensors)
+                    tensors.append(desc)
+    _check_devices(tensors)
+    return group_layouts, tensors, seen
 
 
-def _slot_key(desc: TensorDesc) -> tuple:
+def _tensor_key(desc: TensorDesc) -> tuple:
+    # Identity within one bind only (never cached across calls or traces).
     return (id(desc.obj) if desc.obj is not None else id(desc), desc.spec, desc.byte_offset)
 
 
-def _check_devices(slots: list[TensorDesc]) -> None:
-    devices = {d.device for d in slots}
+def _check_devices(tensors: list[TensorDesc]) -> None:
+    devices = {d.device for d in tensors}
     if len(devices) > 1:
         raise KVGroupsValueError(
             f"kv_caches: expected every tensor on one device, got {sorted(devices)}"
         )
 
 
-def _as_id_array(ids: Any, what: str, to_host: Any) -> np.ndarray:
-    if to_host is not None and not isinstance(ids, (list, tuple, np.ndarray, range)):
-        ids = to_host(ids)
-    try:
-        arr = np.asarray(ids)
-    except Exception as exc:  # noqa: BLE001 - re-raised typed, with the cause attached
-        raise KVGroupsTypeError(f"{what}: expected a 1-D sequence of ints, got {ids!r}") from exc
-    if arr.size == 0:
-        arr = arr.astype(np.int64)
-    if arr.ndim != 1 or not (np.issubdtype(arr.dtype, np.integer)):
-        raise KVGroupsTypeError(
-            f"{what}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}"
-        )
-    return arr.astype(np.int64, copy=False)
-
-
-def normalize_block_ids(manager: Any, block_ids: Any, to_host: Any = None,
-                        group_engine_ids: tuple[int, ...] | None = None) -> dict[int, np.ndarray]:
-    """Block ids per engine group id, as int64 NumPy arrays.
-
-    Flat ids are allowed only when the manager has one engine group; otherwise a list indexed
-    by engine group id or a mapping engine group id -> ids.
-    """
-    if group_engine_ids is None:
-        group_engine_ids = tuple(g.engine_group_idx for g in manager.kernel_groups)
-    engine_ids = sorted(set(group_engine_ids))
-    if isinstance(block_ids, np.ndarray) and block_ids.ndim == 1 and len(engine_ids) == 1 \
-            and block_ids.dtype.kind in "iu":
-        return {engine_ids[0]: block_ids.astype(np.int64, copy=False)}
-    if isinstance(block_ids, Mapping):
-        out = {int(g): _as_id_array(v, f"block_ids[{g}]", to_host) for g, v in block_ids.items()}
-    else:
-        if isinstance(block_ids, (list, tuple)) and block_ids and not np.isscalar(block_ids[0]) \
-                and not isinstance(block_ids[0], np.integer):
-            out = {g: _as_id_array(v, f"block_ids[{g}]", to_host) for g, v in enumerate(block_ids)}
-        else:
-            if len(engine_ids) > 1:
-                raise KVGroupsValueError(
-                    f"block_ids: expected one id list per engine group (the manager has engine "
-                    f"groups {engine_ids}), got a flat list"
-                )
-            out = {engine_ids[0] if engine_ids else 0: _as_id_array(block_ids, "block_ids",
-                                                                     to_host)}
-    missing = [g for g in engine_ids if g not in out]
-    if missing:
-        raise KVGroupsValueError(
-            f"block_ids: expected ids for engine groups {engine_ids}, missing {missing}"
-        )
-    return out
-
-
-def _num_chunks(binding: "Binding", ids: dict[int, np.ndarray]) -> int:
+def _num_chunks(binding: "Binding", ids: BlockIds) -> int:
     chunk = binding.manager.lmcache_tokens_per_chunk
     found: dict[int, int] = {}
     for template, engine_group in zip(binding.templates, binding.engine_groups):
         bpc = template.blocks_per_chunk
-        n = len(ids[engine_group])
+        n = ids.lengths[engine_group]
         if n % bpc:
             tpb = binding.manager.kernel_groups[template.kernel_group_idx].tokens_per_block
             raise KVGroupsValueError(
@@ -164,27 +118,34 @@ def _num_chunks(binding: "Binding", ids: dict[int, np.ndarray]) -> int:
 class Binding:
     """A manager bound to one set of cache tensors: everything about a transfer that does not
     depend on the block ids, computed once. ``templates`` are the per-group transfers with
-    empty ids; ``slots`` the backing tensors in slot order.
+    empty ids; ``tensors`` the backing tensors (the plan's ``tensor_slot`` indexes them).
 
     ``flat_group`` is the engine group id when there is only one (flat ids allowed), else
-    None; ``uniform_bpc`` the blocks per chunk every group shares (0 if they differ).
-    ``skeletons`` caches the id-independent part of plans (see :func:`plan_call`).
+    None; ``uniform_bpc`` the blocks per chunk every group shares (0 if they differ);
+    ``layer_planes`` maps each grouped layer to its kernel group and its position ``l`` in
+    it. ``skeletons`` caches the id-independent part of plans (see :func:`plan_call`).
     """
 
     manager: Any
-    slots: tuple[TensorDesc, ...]
+    tensors: tuple[TensorDesc, ...]
     templates: tuple[GroupTransfer, ...]
     object_nbytes: tuple[int, ...]
     tensor_specs: tuple = ()
     engine_groups: tuple[int, ...] = ()
     flat_group: int | None = None
     uniform_bpc: int = 0
+    layer_planes: dict = field(default_factory=dict, repr=False)
     skeletons: dict = field(default_factory=dict, repr=False)
+
+    @property
+    def distinct_engine_groups(self) -> tuple[int, ...]:
+        return tuple(sorted(set(self.engine_groups)))
 
 
 def bind(manager: Any, kv_caches: Any) -> Binding:
     """Validate ``kv_caches`` against ``manager`` and precompute the per-group geometry."""
-    group_layouts, slots, slot_index = bind_caches(manager, kv_caches)
+    check_bind_inputs(manager, kv_caches)
+    group_layouts, tensors, tensor_index = bind_caches(manager, kv_caches)
     regions = {}
     object_sizes = []
     for og_idx in range(manager.num_object_groups):
@@ -194,15 +155,19 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
     chunk = manager.lmcache_tokens_per_chunk
     empty = np.zeros(0, dtype=np.int64)
     templates = []
+    layer_planes = {}
     for k in range(manager.num_kernel_groups):
         layouts = group_layouts[k]
         first = layouts[0]
+        nl = len(layouts)
         planes = tuple(
-            PlaneRef(tensor_slot=slot_index[_slot_key(lay.planes[kv][0])],
-                     byte_offset=lay.planes[kv][1])
+            PlaneRef(tensor_slot=tensor_index[_tensor_key(lay.planes[kv][0])],
+                     byte_offset=lay.planes[kv][1], object_plane=kv * nl + pos)
             for kv in range(first.kv_size)
-            for lay in layouts
+            for pos, lay in enumerate(layouts)
         )
+        for pos, layer in enumerate(manager.kernel_groups[k].layer_indices):
+            layer_planes[layer] = (k, pos)
         og_idx, region = regions[k]
         templates.append(GroupTransfer(
             kernel_group_idx=k, object_group_idx=og_idx, region_offset=region.offset,
@@ -213,46 +178,76 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
             block_ids=empty, blocks_per_chunk=manager.calculate_num_blocks(k, chunk),
             kept_per_chunk=manager.calculate_num_blocks(k, manager.get_subchunk_sw_size_tokens(k)),
             first_item=0, num_chunks=0,
+            tokens_per_block=manager.kernel_groups[k].effective_tokens_per_block,
         ))
     engine_groups = tuple(g.engine_group_idx for g in manager.kernel_groups)
     distinct = set(engine_groups)
     bpcs = {t.blocks_per_chunk for t in templates}
-    return Binding(manager, tuple(slots), tuple(templates), tuple(object_sizes),
-                   tuple(d.spec for d in slots), engine_groups,
+    return Binding(manager, tuple(tensors), tuple(templates), tuple(object_sizes),
+                   tuple(d.spec for d in tensors), engine_groups,
                    flat_group=next(iter(distinct)) if len(distinct) == 1 else None,
-                   uniform_bpc=bpcs.pop() if len(bpcs) == 1 and len(distinct) == 1 else 0)
+                   uniform_bpc=bpcs.pop() if len(bpcs) == 1 and len(distinct) == 1 else 0,
+                   layer_planes=layer_planes)
 
 
 @dataclass(frozen=True, eq=False)
 class _Skeleton:
-    """The id-independent part of one plan shape ``(direction, num_chunks, skip)``: per group
-    the template's fields with the item range filled in, the id ranges to check, and the
-    plan's own fields. Built once per shape; a call then only adds its ids."""
+    """The id-independent part of one plan shape ``(direction, num_chunks, skip, layers)``:
+    per group the template's fields with the item range (and, for a layer subset, the planes)
+    filled in, the id ranges to check, and the plan's own fields. Built once per shape; a
+    call then only adds its ids."""
 
     groups: tuple[tuple[dict, int], ...]  # (GroupTransfer fields but block_ids, engine group)
-    checks: tuple[tuple[int, int, Any, int], ...]  # (group index, engine group, used, nb)
+    checks: tuple[tuple[dict, int, Any, int], ...]  # (group fields, engine group, used, nb)
     plan: dict
 
 
-_MAX_SKELETONS = 256
+_MAX_SKELETONS = 4096  # layer-wise engines: layers x directions x chunk counts
 _SMALL_IDS = 32
+DEVICE_SKIP = "device"  # the skeleton key of a device / traced skip
 
 
-def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: int) -> _Skeleton:
+def _selected_planes(binding: Binding, layers: tuple[int, ...] | None) -> dict[int, tuple]:
+    """Per kernel group, the planes a call moves (all of them without ``layers``); groups
+    with none of the layers are left out."""
+    if layers is None:
+        return {k: t.planes for k, t in enumerate(binding.templates)}
+    positions: dict[int, list[int]] = {}
+    for layer in layers:
+        k, pos = binding.layer_planes[layer]
+        positions.setdefault(k, []).append(pos)
+    out = {}
+    for k in sorted(positions):
+        t = binding.templates[k]
+        nl = len(binding.manager.kernel_groups[k].layer_indices)
+        keep = sorted(positions[k])
+        out[k] = tuple(t.planes[kv * nl + pos] for kv in range(len(t.planes) // nl)
+                       for pos in keep)
+    return out
+
+
+def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: Any,
+              layers: tuple[int, ...] | None) -> _Skeleton:
     manager = binding.manager
+    chunk = manager.lmcache_tokens_per_chunk
     groups = []
     checks = []
     seen = set()
-    for k, template in enumerate(binding.templates):
+    for k, planes in _selected_planes(binding, layers).items():
+        template = binding.templates[k]
         bpc, kept = template.blocks_per_chunk, template.kept_per_chunk
         first_item = 0
         if direction == "load":
             window = _chunk_windows(manager, k)
             skip_chunks = max(0, num_chunks - window) if window >= 1 else 0
-            s = manager.calculate_num_blocks(k, skip)
-            prefix_items = (s // bpc) * kept + max(0, s % bpc - (bpc - kept))
-            first_item = min(max(skip_chunks * kept, prefix_items), num_chunks * kept)
-        fields = dict(template.__dict__, first_item=first_item, num_chunks=num_chunks)
+            first_item = min(skip_chunks * kept, num_chunks * kept)
+            if skip != DEVICE_SKIP and skip:
+                first_item = skip_first_item(
+                    skip=skip, lower_bound=first_item, tokens_per_block=template.tokens_per_block,
+                    blocks_per_chunk=bpc, kept_per_chunk=kept, total_items=num_chunks * kept,
+                    covered_tokens=num_chunks * chunk)
+        fields = dict(template.__dict__, first_item=first_item, num_chunks=num_chunks,
+                      planes=planes)
         del fields["block_ids"]
         engine_group = binding.engine_groups[k]
         groups.append((fields, engine_group))
@@ -268,12 +263,13 @@ def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: int
         # Groups reading the same ids against the same bound need one check (the first).
         if (engine_group, key, template.num_blocks) not in seen:
             seen.add((engine_group, key, template.num_blocks))
-            checks.append((k, engine_group, used, template.num_blocks))
+            checks.append((fields, engine_group, used, template.num_blocks))
     plan = dict(direction=direction, num_chunks=num_chunks, object_nbytes=binding.object_nbytes,
-                tensor_specs=binding.tensor_specs)
+                tensor_specs=binding.tensor_specs, layers=layers, device_ids=False,
+                skip_tokens=None)
     if len(binding.skeletons) >= _MAX_SKELETONS:
         binding.skeletons.clear()
-    sk = binding.skeletons[(direction, num_chunks, skip)] = _Skeleton(
+    sk = binding.skeletons[(direction, num_chunks, skip, layers)] = _Skeleton(
         tuple(groups), tuple(checks), plan)
     return sk
 
@@ -288,12 +284,58 @@ def _out_of_range(used: np.ndarray, num_blocks: int) -> bool:
 
 
 def _flat_ids(binding: Binding, block_ids: Any) -> np.ndarray | None:
-    """The common case, an integer ndarray of flat ids for a one-engine-group manager, as int64;
-    None for anything else (then :func:`normalize_block_ids` validates it)."""
+    """The common case, a signed-integer ndarray of flat ids for a one-engine-group manager,
+    as int64; None for anything else (then :func:`normalize_block_ids` validates it)."""
     if binding.flat_group is None or type(block_ids) is not np.ndarray or block_ids.ndim != 1 \
-            or block_ids.dtype.kind not in "iu":
+            or block_ids.dtype.kind != "i":
         return None
     return block_ids.astype(np.int64, copy=False)
+
+
+def _skip_arg(skip: Any, ids_spec: IdsSpec | None) -> tuple[Any, bool]:
+    """``(skip, on_device)``: a host skip as a Python int, or a device / traced scalar as is."""
+    if isinstance(skip, (bool, np.bool_)) or "bool" in str(getattr(skip, "dtype", "")):
+        raise KVGroupsTypeError(f"skip_first_n_tokens: expected an int, got {skip!r}")
+    if ids_spec is not None and not isinstance(skip, (int, np.integer)):
+        spec = ids_spec(skip)
+        if spec is not None:
+            dtype, shape = spec
+            if dtype not in DEVICE_ID_DTYPES or tuple(shape) != ():
+                raise KVGroupsTypeError(
+                    f"skip_first_n_tokens: expected an int32/int64 scalar, got {dtype} of "
+                    f"shape {tuple(shape)}")
+            return skip, True
+    try:
+        return operator.index(skip), False
+    except TypeError:
+        raise KVGroupsTypeError(
+            f"skip_first_n_tokens: expected an int, got {type(skip).__name__}") from None
+
+
+def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
+    """``layers=`` as a sorted tuple of distinct grouped layer indices (None: all)."""
+    if layers is None:
+        return None
+    if isinstance(layers, (str, bytes, Mapping)) or not hasattr(layers, "__iter__"):
+        raise KVGroupsTypeError(
+            f"layers: expected a sequence of layer indices, got {type(layers).__name__}")
+    out = []
+    for layer in layers:
+        if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
+            raise KVGroupsTypeError(
+                f"layers: expected int layer indices, got {type(layer).__name__} {layer!r}")
+        out.append(int(layer))
+    if not out:
+        raise KVGroupsValueError("layers: expected at least one layer index, got none")
+    known = binding.layer_planes
+    unknown = [x for x in out if x not in known]
+    if unknown:
+        raise KVGroupsIndexError(
+            f"layers: expected indices of the manager's grouped layers {sorted(known)}, got "
+            f"{unknown}")
+    if len(set(out)) != len(out):
+        raise KVGroupsValueError(f"layers: expected distinct layer indices, got {out}")
+    return tuple(sorted(out))
 
 
 def plan_call(
@@ -301,53 +343,66 @@ def plan_call(
     block_ids: Any,
     direction: Direction,
     *,
-    skip_first_n_tokens: int = 0,
+    skip_first_n_tokens: Any = 0,
     to_host: Any = None,
+    ids_spec: IdsSpec | None = None,
+    layers: Any = None,
 ) -> TransferPlan:
-    """Validate the per-call inputs and return the plan (SEMANTICS.md section 7).
+    """Validate the per-call inputs and return the plan (docs/SEMANTICS.md section 7).
+
+    ``to_host`` converts a framework's host ids (``Backend.to_host_ids``); ``ids_spec``
+    (``Backend.device_ids_spec``) recognises device / traced ids and skips, which are only
+    checked statically and end up in the plan as they are (``TransferPlan.device_ids``,
+    ``skip_tokens``). ``layers`` restricts the plan to those layers' planes.
 
     This is the per-call host path of a prepared transfer, so the work that depends only on
-    ``(direction, num_chunks, skip_first_n_tokens)`` is cached on the binding, and plan
+    ``(direction, num_chunks, skip_first_n_tokens, layers)`` is cached on the binding, and plan
     objects are filled from those cached fields instead of going through ``__init__``.
     """
     if direction != "store" and direction != "load":
         raise KVGroupsValueError(f"direction: expected 'store' or 'load', got {direction!r}")
     flat = _flat_ids(binding, block_ids)
     bpc = binding.uniform_bpc
+    on_device = False
     if flat is not None and bpc and len(flat) % bpc == 0:
         ids = {binding.flat_group: flat}
         num_chunks = len(flat) // bpc
     else:
-        if flat is not None:
-            ids = {binding.flat_group: flat}
-        else:
-            ids = normalize_block_ids(binding.manager, block_ids, to_host, binding.engine_groups)
-        num_chunks = _num_chunks(binding, ids)
+        found = normalize_block_ids(binding.distinct_engine_groups, block_ids, to_host, ids_spec)
+        ids, on_device = found.ids, found.device
+        num_chunks = _num_chunks(binding, found)
     skip = skip_first_n_tokens
+    skip_on_device = False
     if type(skip) is not int:
-        if isinstance(skip, bool) or not isinstance(skip, (int, np.integer)):
-            raise KVGroupsTypeError(
-                f"skip_first_n_tokens: expected an int, got {type(skip).__name__}"
-            )
-        skip = int(skip)
-    if skip:
-        covered = num_chunks * binding.manager.lmcache_tokens_per_chunk
-        if not 0 <= skip <= covered:
-            raise KVGroupsValueError(
-                f"skip_first_n_tokens: expected a value in [0, {covered}] (the tokens the "
-                f"block ids cover), got {skip}"
-            )
+        skip, skip_on_device = _skip_arg(skip, ids_spec)
+    if skip_on_device:
         if direction == "store":
             raise KVGroupsValueError(
-                f"skip_first_n_tokens: expected 0 for store (store never trims), got {skip}"
-            )
-    sk = binding.skeletons.get((direction, num_chunks, skip))
+                "skip_first_n_tokens: expected 0 for store (store never trims), got a device "
+                "value")
+        key_skip: Any = DEVICE_SKIP
+    else:
+        key_skip = skip
+        if skip:
+            covered = num_chunks * binding.manager.lmcache_tokens_per_chunk
+            if not 0 <= skip <= covered:
+                raise KVGroupsValueError(
+                    f"skip_first_n_tokens: expected a value in [0, {covered}] (the tokens the "
+                    f"block ids cover), got {skip}"
+                )
+            if direction == "store":
+                raise KVGroupsValueError(
+                    f"skip_first_n_tokens: expected 0 for store (store never trims), got {skip}"
+                )
+    if layers is not None:
+        layers = check_layers(binding, layers)
+    sk = binding.skeletons.get((direction, num_chunks, key_skip, layers))
     if sk is None:
-        sk = _skeleton(binding, direction, num_chunks, skip)
-    for k, engine_group, used, num_blocks in sk.checks:
-        if _out_of_range(ids[engine_group][used], num_blocks):
-            fields, _ = sk.groups[k]
-            _check_ids(_transfer(fields, ids[engine_group]), engine_group)  # raises, with detail
+        sk = _skeleton(binding, direction, num_chunks, key_skip, layers)
+    if not on_device:
+        for fields, engine_group, used, num_blocks in sk.checks:
+            if _out_of_range(ids[engine_group][used], num_blocks):
+                _check_ids(_transfer(fields, ids[engine_group]), engine_group)  # raises
     transfers = []
     for fields, engine_group in sk.groups:
         transfers.append(_transfer(fields, ids[engine_group]))
@@ -356,10 +411,14 @@ def plan_call(
     plan = object.__new__(TransferPlan)
     plan.__dict__.update(sk.plan)
     plan.__dict__["groups"] = tuple(transfers)
+    if on_device:
+        plan.__dict__["device_ids"] = True
+    if skip_on_device:
+        plan.__dict__["skip_tokens"] = skip
     return plan
 
 
-def _transfer(fields: dict, ids: np.ndarray) -> GroupTransfer:
+def _transfer(fields: dict, ids: Any) -> GroupTransfer:
     new = object.__new__(GroupTransfer)
     new.__dict__.update(fields)
     new.__dict__["block_ids"] = ids
@@ -372,14 +431,16 @@ def build_plan(
     block_ids: Any,
     direction: Direction,
     *,
-    skip_first_n_tokens: int = 0,
+    skip_first_n_tokens: Any = 0,
     to_host: Any = None,
+    ids_spec: IdsSpec | None = None,
+    layers: Any = None,
 ) -> tuple[TransferPlan, list[TensorDesc]]:
     """Validate a call and return its plan plus the backing tensors in slot order."""
     binding = bind(manager, kv_caches)
     plan = plan_call(binding, block_ids, direction, skip_first_n_tokens=skip_first_n_tokens,
-                     to_host=to_host)
-    return plan, list(binding.slots)
+                     to_host=to_host, ids_spec=ids_spec, layers=layers)
+    return plan, list(binding.tensors)
 
 
 def _check_ids(t: GroupTransfer, engine_group: int) -> None:
@@ -400,41 +461,3 @@ def _check_ids(t: GroupTransfer, engine_group: int) -> None:
             f"block_ids[{engine_group}]: expected ids in [0, {t.num_blocks}) for kernel group "
             f"{t.kernel_group_idx}, got {first_bad} ({int(bad.sum())} out of range)"
         )
-
-
-def check_objects(plan: TransferPlan, objects: Sequence[Any], shape_of: Any) -> None:
-    """Objects must be one entry per object group: uint8 ``[num_chunks, object_nbytes]`` with
-    contiguous rows, or a list of ``num_chunks`` 1-D uint8 buffers of ``object_nbytes`` each.
-
-    ``shape_of(x) -> (dtype name, shape, strides)`` reads an array (``Backend.shape_of``).
-    """
-    if not isinstance(objects, (list, tuple)):
-        raise KVGroupsTypeError(
-            f"objects: expected a list with one entry per object group, got "
-            f"{type(objects).__name__}"
-        )
-    if len(objects) != len(plan.object_nbytes):
-        raise KVGroupsValueError(
-            f"objects: expected {len(plan.object_nbytes)} entries (one per object group), got "
-            f"{len(objects)}"
-        )
-    for og, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
-        if isinstance(obj, (list, tuple)):
-            if len(obj) != plan.num_chunks:
-                raise KVGroupsValueError(
-                    f"objects[{og}]: expected {plan.num_chunks} per-chunk buffers, got {len(obj)}"
-                )
-            for c, buf in enumerate(obj):
-                _check_buffer(shape_of(buf), (nbytes,), f"objects[{og}][{c}]")
-        else:
-            _check_buffer(shape_of(obj), (plan.num_chunks, nbytes), f"objects[{og}]")
-
-
-def _check_buffer(found: tuple, shape: tuple[int, ...], what: str) -> None:
-    dtype, got_shape, strides = found
-    if dtype != "uint8" or tuple(got_shape) != shape:
-        raise KVGroupsValueError(
-            f"{what}: expected uint8 {list(shape)}, got {dtype} {list(got_shape)}"
-        )
-    if strides[-1] != 1 and shape[-1] > 1:
-        raise KVGroupsValueError(f"{what}: expected contiguous rows, got strides {tuple(strides)}")

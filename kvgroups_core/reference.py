@@ -8,15 +8,16 @@ destination address is computed, bounds-checked against the tensor it belongs to
 from __future__ import annotations
 
 import ctypes
+from dataclasses import replace
 from typing import Any, Sequence
 
 import numpy as np
 
 from .descriptors import TensorDesc, TensorSpec, describe_numpy
 from .dtypes import as_dtype
-from .errors import KVGroupsTypeError, KVGroupsValueError
+from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from .objects import numpy_dtype
-from .plan import GroupTransfer, TransferPlan
+from .plan import GroupTransfer, TransferPlan, first_item_for_skip
 from .registry import Backend, backend_for_object
 
 
@@ -47,16 +48,23 @@ def _object_rows(obj: Any, chunk: int) -> np.ndarray:
 
 
 def run_group(t: GroupTransfer, store: bool, caches: Sequence[np.ndarray],
-              objects: Any) -> None:
+              objects: Any, first_item: int | None = None,
+              keep: np.ndarray | None = None) -> None:
     """Move the bytes of one kernel group between ``caches`` (1-D byte views, by slot) and
-    ``objects`` (the object group's ``[num_chunks, nbytes]`` array or per-chunk list)."""
-    chunks, positions, ids = t.items()
+    ``objects`` (the object group's ``[num_chunks, nbytes]`` array or per-chunk list).
+
+    ``first_item`` overrides the group's (a device skip resolved on the host); ``keep``, a
+    boolean mask over the moved items, drops the others (out-of-range device ids)."""
+    chunks, positions, ids = t.items(first_item)
+    if keep is not None:
+        chunks, positions, ids = chunks[keep], positions[keep], ids[keep]
     tokens = np.arange(t.block_size, dtype=np.int64)
     for chunk in np.unique(chunks):
         sel = chunks == chunk
         pos, bid = positions[sel], ids[sel]
         obj = _object_rows(objects, int(chunk))
-        for p, plane in enumerate(t.planes):
+        for plane in t.planes:
+            p = plane.object_plane  # the plane's rows in the region, whatever subset moves
             cache = caches[plane.tensor_slot]
             block_start = plane.byte_offset + bid * t.block_stride_bytes
             row_start = t.region_offset + (p * t.slots + pos[:, None] * t.block_size
@@ -85,6 +93,55 @@ def _check_bounds(idx: np.ndarray, size: int, what: str) -> None:
         raise KVGroupsValueError(
             f"{what} bytes: expected indices in [0, {size}), got [{idx.min()}, {idx.max()}]"
         )
+
+
+def host_ids(ids: Any) -> np.ndarray:
+    """A plan's block ids as int64 NumPy (device ids of a CPU test: torch CPU tensors, JAX
+    arrays; anything NumPy can read)."""
+    return np.asarray(ids).astype(np.int64, copy=False)
+
+
+def host_skip(skip: Any) -> int:
+    """A plan's device / traced skip read on the host (tests on CPU)."""
+    return int(np.asarray(skip))
+
+
+def execute_plan(plan: TransferPlan, caches: Sequence[Any], objects: Sequence[Any], *,
+                 drop_out_of_range: bool = False) -> set[int]:
+    """Run ``plan`` on NumPy ``caches`` (arrays or TensorDescs in slot order) and NumPy
+    ``objects``, the reference of what every backend does with the same plan.
+
+    A device plan (``plan.device_ids`` / ``plan.skip_tokens``) is resolved on the host: the
+    skip through :func:`~kvgroups_core.plan.first_item_for_skip`, the ids with NumPy. With
+    ``drop_out_of_range`` an item whose id is outside its group's blocks moves nothing
+    (every other item moves) and the bad ids are returned: the device-id contract of the
+    backends. Without it a bad id raises :class:`KVGroupsIndexError` before any byte moves.
+    """
+    store = plan.direction == "store"
+    descs = [c if isinstance(c, TensorDesc) else describe_numpy(c) for c in caches]
+    work = []
+    bad: set[int] = set()
+    for t in plan.groups:
+        first = t.first_item
+        if plan.skip_tokens is not None:
+            first = int(first_item_for_skip(t, host_skip(plan.skip_tokens)))
+        if t.num_chunks * t.kept_per_chunk - first <= 0:
+            continue
+        if not isinstance(t.block_ids, np.ndarray):
+            t = replace(t, block_ids=host_ids(t.block_ids))
+        _, _, ids = t.items(first)
+        ok = (ids >= 0) & (ids < t.num_blocks)
+        if not ok.all():
+            if not drop_out_of_range:
+                raise KVGroupsIndexError(
+                    f"block_ids: expected ids in [0, {t.num_blocks}) for kernel group "
+                    f"{t.kernel_group_idx}, got {int(ids[~ok][0])}")
+            bad.update(int(x) for x in ids[~ok])
+        work.append((t, first, None if ok.all() else ok))
+    views = [byte_view(d, writable=not store) for d in descs]
+    for t, first, keep in work:
+        run_group(t, store, views, objects[t.object_group_idx], first, keep)
+    return bad
 
 
 def _leaf_arrays(objects: Any) -> list:
@@ -161,9 +218,5 @@ class NumpyBackend(Backend):
 
     def execute(self, plan: TransferPlan, caches: Sequence[TensorDesc],
                 objects: Sequence[Any]) -> tuple[None, list]:
-        store = plan.direction == "store"
-        views = [byte_view(d, writable=not store) for d in caches]
-        for t in plan.groups:
-            if t.num_items:
-                run_group(t, store, views, objects[t.object_group_idx])
+        execute_plan(plan, caches, objects)
         return None, list(objects)

@@ -9,7 +9,11 @@ Built-in entries (loaded lazily):
 
 - ``"numpy"``: :class:`kvgroups_core.reference.NumpyBackend` for ``numpy.ndarray``
 - ``"torch"``: ``kvgroups_torch:TorchBackend`` for ``torch.Tensor``
-- ``"jax"``: ``kvgroups_jax:JaxBackend`` for ``jax.Array``
+- ``"jax"``: ``kvgroups_jax:JaxBackend`` for ``jax.Array`` and JAX tracers
+  (``jax.core.Tracer``: values inside ``jax.jit`` / ``shard_map`` / ``vmap``)
+
+:func:`describe` lives here (not in ``descriptors``) because it asks the array's backend:
+descriptors stay a leaf module and nothing imports in a circle.
 
 Third-party backends call :func:`register_backend`, or declare an entry point in the group
 ``kvgroups.backends`` whose value is a :class:`Backend` subclass or instance (its ``name`` and
@@ -26,7 +30,7 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from .descriptors import TensorDesc, TensorSpec, describe_dlpack
 from .errors import BackendNotFound, KVGroupsTypeError, UnsupportedConfig
-from .planner import check_objects
+from .objects import check_objects
 
 
 class Backend(abc.ABC):
@@ -92,8 +96,18 @@ class Backend(abc.ABC):
         return spec.dtype.name, spec.shape, spec.strides
 
     def to_host_ids(self, ids: Any) -> Any:
-        """Block ids held by this framework as a NumPy-convertible object (may synchronise)."""
+        """Block ids held by this framework as a NumPy-convertible object (may synchronise).
+        Only called for ids :meth:`device_ids_spec` calls host."""
         return ids
+
+    def device_ids_spec(self, x: Any) -> tuple[str, tuple[int, ...]] | None:
+        """``(dtype name, shape)`` when ``x`` is an id array (or a skip scalar) this backend
+        keeps where it is: device-resident (torch CUDA tensors, FakeTensors) or traced (JAX
+        tracers). The planner then checks only those static facts and hands ``x`` itself to
+        the backend (``TransferPlan.device_ids`` / ``skip_tokens``), which must drop and
+        report out-of-range ids. None (this default) for host values: they are converted
+        with :meth:`to_host_ids` and checked eagerly. :func:`dtype_and_shape` helps."""
+        return None
 
     # Array plumbing used by the demo, benchmarks and the conformance suite, so that code in
     # the core can drive any runtime without importing it.
@@ -314,6 +328,34 @@ def backend_for_tensors(tensors: Sequence[Any], explicit: str | None = None) -> 
     return get_backend(next(iter(names)))
 
 
+def dtype_and_shape(x: Any) -> tuple[str, tuple[int, ...]]:
+    """``(dtype name, shape)`` of any array-like with ``dtype`` and ``shape`` attributes, read
+    without data (works on tracers and fake tensors): the usual body of
+    :meth:`Backend.device_ids_spec` once a backend has decided ``x`` stays on the device.
+    The dtype name is the framework's spelling with any ``torch.`` prefix dropped."""
+    name = str(getattr(x, "dtype", ""))
+    name = name.rpartition(".")[2]
+    return name, tuple(int(s) for s in getattr(x, "shape", ()))
+
+
+def describe(x: Any) -> TensorDesc:
+    """Describe ``x``: a TensorDesc (returned as is), a TensorSpec (abstract descriptor), a
+    NumPy array, or any DLPack producer (torch, JAX, CuPy ...).
+
+    A registered backend for ``x``'s framework describes it when one exists (it may know more,
+    e.g. fp8 dtypes or abstract traced values, whose descriptors are ``is_abstract``);
+    otherwise DLPack is read directly. The framework is never imported here.
+    """
+    if isinstance(x, TensorDesc):
+        return x
+    if isinstance(x, TensorSpec):
+        return TensorDesc(x)
+    backend = backend_for_object(x)
+    if backend is not None:
+        return backend.describe(x)
+    return describe_dlpack(x)
+
+
 register_backend("numpy", "kvgroups_core.reference:NumpyBackend", array_types=("numpy.ndarray",))
 register_backend("torch", "kvgroups_torch:TorchBackend", array_types=("torch.Tensor",))
-register_backend("jax", "kvgroups_jax:JaxBackend", array_types=("jax.Array",))
+register_backend("jax", "kvgroups_jax:JaxBackend", array_types=("jax.Array", "jax.core.Tracer"))

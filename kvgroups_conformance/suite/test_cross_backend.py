@@ -14,7 +14,7 @@ from kvgroups_conformance.caches import (
 )
 from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
 from kvgroups_conformance.suite.test_roundtrip import declared_unsupported
-from kvgroups_core.descriptors import describe
+from kvgroups_core import describe
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.objects import object_nbytes
 
