@@ -7,7 +7,7 @@ memory (direct UVA access and staging + one bulk copy), against
 
 - the device-to-device copy of the same byte count (bytes read + written),
 - pinned host copies each way (the PCIe ceiling),
-- plain torch ``index_select`` / ``index_copy_`` (``kvgroups_torch.torch_path``),
+- plain torch ``index_select`` / ``index_copy_`` (``kvgroups_torch.cpu_path``),
 
 plus the host cost of one store call for one chunk. CUDA events, warm-up, medians, rotating
 object buffers and id sets. One JSON object per line to ``--out`` (and a table on stdout).
@@ -32,11 +32,11 @@ sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 from kvgroups_torch import (  # noqa: E402
     BoundPlan,
     TorchBackend,
+    cpu_path,
     cuda_path,
     describe_tensor,
     geometry,
     nvrtc,
-    torch_path,
 )
 
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
@@ -125,7 +125,7 @@ def bench_shape(args, shape: str, backend: TorchBackend, staged: TorchBackend, e
     def baseline(direction):
         def fn(i):
             k = i % s.rotate
-            torch_path.run_plan(s.plans[direction][k], s.caches, s.objects[k])
+            cpu_path.run_plan(s.plans[direction][k], s.caches, s.objects[k])
         return fn
 
     results = {}
@@ -143,7 +143,7 @@ def bench_shape(args, shape: str, backend: TorchBackend, staged: TorchBackend, e
 
     # Correctness spot check against the plain torch path.
     ref = [torch.zeros_like(o) for o in s.objects[0]]
-    torch_path.run_plan(s.plans["store"][0], s.caches, ref)
+    cpu_path.run_plan(s.plans["store"][0], s.caches, ref)
     backend.execute(s.plans["store"][0], s.slots, s.objects[0])
     torch.cuda.synchronize()
     emit({**common, "name": "check_store_equals_index_ops",
@@ -268,7 +268,7 @@ def host_cost_cpu(args, emit) -> None:
 
     class Device:
         index, arch, num_sms = 0, "sm_90", 132
-        err_flag = torch.zeros(1, dtype=torch.int32)
+        err_record = torch.zeros(8, dtype=torch.int64)
         kernels = Kernels()
 
     class Launcher:

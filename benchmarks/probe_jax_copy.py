@@ -6,8 +6,13 @@
 One JSON line per (size, op): the median of 7 batches of 10 back-to-back calls (two input
 buffers alternating), and GB/s counting bytes read + written.
 """
-import json, sys, time
-import jax, jax.numpy as jnp
+import json
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
 out = open(sys.argv[1], "w") if len(sys.argv) > 1 else sys.stdout
 plus = jax.jit(lambda x: x + 1)
 copy = jax.jit(lambda x: jnp.copy(x))
@@ -15,7 +20,8 @@ for mib in (256, 1024, 1984, 2048, 4096, 8192):
     n = mib << 20
     xs = [jnp.full((n // 4096, 1024), i, jnp.uint32) for i in range(2)]
     for name, fn in (("x_plus_1", plus), ("jnp_copy", copy)):
-        y = fn(xs[0]); y.block_until_ready()
+        y = fn(xs[0])
+        y.block_until_ready()
         secs = []
         for _ in range(7):
             t0 = time.perf_counter()

@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .descriptors import TensorDesc
+from .descriptors import TensorDesc, TensorSpec
 from .dtypes import DType
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .formats import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
@@ -220,6 +220,8 @@ def layer_tensors(
             )
         return [_as_desc(kv_caches[0][layer]), _as_desc(kv_caches[1][layer])], 0
     entry = kv_caches[layer]
+    if fmt is EngineKVFormat.NL_X_NB_BS_NH_TWO_HS:
+        return [_jax_heads_view(_as_desc(entry), f"kv_caches[{layer}]")], 0
     if structure == LAYER_PAIR_LIST:
         if not isinstance(entry, (list, tuple)) or len(entry) != 2:
             raise KVGroupsValueError(
@@ -228,6 +230,34 @@ def layer_tensors(
         return [_as_desc(entry[0]), _as_desc(entry[1])], 0
     assert structure == LAYER_LIST
     return [_as_desc(entry)], 0
+
+
+def _jax_heads_view(d: TensorDesc, what: str) -> TensorDesc:
+    """A JAX engine's own page array, ``[NP, PS, 2*NH // packing, packing, HD]`` (any packing:
+    fp32 1, bf16 2, fp8 4) or ``[NP, PS, 2*NH, HD]``, viewed zero-copy as the format's
+    ``[NB, BS, NH, 2, HS]`` (heads K0, V0, K1, V1 ...). Already-normalized views (dim 3 of 2)
+    are returned as they are: for them both readings name the same bytes."""
+    shape, strides = d.spec.shape, d.spec.strides
+    if len(shape) == 5 and shape[3] == 2:
+        return d
+    if len(shape) not in (4, 5):
+        return d  # _tensor_layout names the expected rank
+    heads = shape[2] * (shape[3] if len(shape) == 5 else 1)
+    if len(shape) == 5 and shape[3] > 1 and shape[2] > 1 and strides[2] != strides[3] * shape[3]:
+        raise KVGroupsValueError(
+            f"{what}: expected the packed head axes (2, 3) to be dense, got shape {shape} with "
+            f"strides {strides}"
+        )
+    if heads % 2:
+        raise KVGroupsValueError(
+            f"{what}: expected an even count of K/V heads (K and V interleaved), got {heads} "
+            f"in shape {shape}"
+        )
+    head_stride = strides[3] if len(shape) == 5 and shape[3] > 1 else strides[2]
+    new_shape = shape[:2] + (heads // 2, 2, shape[-1])
+    new_strides = strides[:2] + (2 * head_stride, head_stride, strides[-1])
+    spec = TensorSpec(new_shape, d.spec.dtype, new_strides, d.spec.device)
+    return d.view(spec)
 
 
 def num_layers_of(kv_caches: Any, fmt: EngineKVFormat) -> int:

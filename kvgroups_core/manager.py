@@ -48,6 +48,25 @@ def _check_layer_count(kv_caches: Any, formats: Sequence[EngineKVFormat]) -> Non
             )
 
 
+def _infos_in_group_order(
+    infos: tuple[EngineGroupInfo, ...], groups: list[tuple[KernelGroupIdentity, list[int]]]
+) -> tuple[EngineGroupInfo, ...]:
+    # Engines list their groups in their own order (vLLM: sliding-window groups before full
+    # attention); an info belongs to the kernel group with exactly its layers, wherever it is.
+    by_layers = {tuple(sorted(info.layer_indices)): info for info in infos}
+    ordered = []
+    for k, (_, layers) in enumerate(groups):
+        info = by_layers.get(tuple(layers))
+        if info is None:
+            # No info has these layers: report the one in this position, as before.
+            raise KVGroupsValueError(
+                f"kernel group {k}: engine group info covers layers "
+                f"{list(infos[k].layer_indices)}, but the kernel group has layers {layers}"
+            )
+        ordered.append(info)
+    return tuple(ordered)
+
+
 class KVLayerGroupsManager:
     """Partition a model's KV layers into kernel groups and object groups.
 
@@ -59,8 +78,9 @@ class KVLayerGroupsManager:
     engine_kv_formats : sequence of EngineKVFormat, or one EngineKVFormat
         One format per layer, or one format repeated for every layer.
     engine_group_infos : sequence of EngineGroupInfo, optional
-        One info per kernel group, in kernel-group order; layers no info mentions are
-        excluded. Empty: every layer is in engine group 0.
+        One info per kernel group, in any order (each is matched to the kernel group with
+        exactly its layers); layers no info mentions are excluded. Empty: every layer is in
+        engine group 0.
     lmcache_tokens_per_chunk : int, default 256
         Logical tokens per cache chunk.
     separate_object_groups : bool, default True
@@ -156,12 +176,8 @@ class KVLayerGroupsManager:
                 f"Got {len(infos)} engine group infos for {len(groups)} kernel groups; "
                 "expected one engine group info per kernel group"
             )
-        for k, (_, layers) in enumerate(groups):
-            if infos and sorted(infos[k].layer_indices) != layers:
-                raise KVGroupsValueError(
-                    f"kernel group {k}: engine group info covers layers "
-                    f"{list(infos[k].layer_indices)}, but the kernel group has layers {layers}"
-                )
+        if infos:
+            infos = _infos_in_group_order(infos, groups)
         for k, (identity, layers) in enumerate(groups):
             info = infos[k] if infos else None
             self._kernel_groups.append(self._build_group(k, identity, layers, layouts, info))
@@ -394,6 +410,15 @@ class KVLayerGroupsManager:
         """A stable digest of the grouping and object layout: equal on every rank of a TP
         group (``across_degrees=True``: equal for every TP degree of the model)."""
         return _fingerprint(self, across_degrees=across_degrees)
+
+    # Equal only to itself, hashed by identity: a manager is a long-lived, effectively
+    # immutable description, so it can key caches and be a compile-time constant (torch's
+    # ``torch.compile`` guards such a constant with ``==``; it needs both spelled out).
+    def __eq__(self, other: object) -> bool:
+        return self is other
+
+    def __hash__(self) -> int:
+        return id(self)
 
     def __repr__(self) -> str:
         return (

@@ -71,6 +71,8 @@ class GroupTransfer:
     first_item: int
     num_chunks: int
     tokens_per_block: int = 0
+    # The engine group whose ids this transfer reads (what an error about them names).
+    engine_group_idx: int = 0
 
     def __post_init__(self) -> None:
         # Hand-made plans (tests, benchmarks): planes without an object plane are numbered by
@@ -130,6 +132,10 @@ class TransferPlan:
     skip_tokens: Any = None
     # The layer indices the call moves (None: every grouped layer).
     layers: tuple[int, ...] | None = None
+    # A launch-shape hint: at most this many concurrent work units (CTAs) per kernel launch,
+    # so a transfer leaves the rest of the GPU to concurrent work (None: no cap). Backends
+    # without such a knob ignore it; it never changes which bytes move.
+    max_ctas: int | None = None
 
 
 def _identity_max(a: Any, b: int) -> Any:

@@ -179,6 +179,7 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
             kept_per_chunk=manager.calculate_num_blocks(k, manager.get_subchunk_sw_size_tokens(k)),
             first_item=0, num_chunks=0,
             tokens_per_block=manager.kernel_groups[k].effective_tokens_per_block,
+            engine_group_idx=manager.kernel_groups[k].engine_group_idx,
         ))
     engine_groups = tuple(g.engine_group_idx for g in manager.kernel_groups)
     distinct = set(engine_groups)
@@ -316,6 +317,9 @@ def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
     """``layers=`` as a sorted tuple of distinct grouped layer indices (None: all)."""
     if layers is None:
         return None
+    if type(layers) is list and len(layers) == 1 and type(layers[0]) is int \
+            and layers[0] in binding.layer_planes:
+        return (layers[0],)  # the layer-wise hot path: one known layer per call
     if isinstance(layers, (str, bytes, Mapping)) or not hasattr(layers, "__iter__"):
         raise KVGroupsTypeError(
             f"layers: expected a sequence of layer indices, got {type(layers).__name__}")
@@ -347,13 +351,15 @@ def plan_call(
     to_host: Any = None,
     ids_spec: IdsSpec | None = None,
     layers: Any = None,
+    max_ctas: int | None = None,
 ) -> TransferPlan:
     """Validate the per-call inputs and return the plan (docs/SEMANTICS.md section 7).
 
     ``to_host`` converts a framework's host ids (``Backend.to_host_ids``); ``ids_spec``
     (``Backend.device_ids_spec``) recognises device / traced ids and skips, which are only
     checked statically and end up in the plan as they are (``TransferPlan.device_ids``,
-    ``skip_tokens``). ``layers`` restricts the plan to those layers' planes.
+    ``skip_tokens``). ``layers`` restricts the plan to those layers' planes; ``max_ctas``
+    (a positive int) is passed to the backend as :attr:`TransferPlan.max_ctas`.
 
     This is the per-call host path of a prepared transfer, so the work that depends only on
     ``(direction, num_chunks, skip_first_n_tokens, layers)`` is cached on the binding, and plan
@@ -415,7 +421,18 @@ def plan_call(
         plan.__dict__["device_ids"] = True
     if skip_on_device:
         plan.__dict__["skip_tokens"] = skip
+    if max_ctas is not None:
+        plan.__dict__["max_ctas"] = _check_max_ctas(max_ctas)
     return plan
+
+
+def _check_max_ctas(max_ctas: Any) -> int:
+    if isinstance(max_ctas, bool) or not isinstance(max_ctas, (int, np.integer)):
+        raise KVGroupsTypeError(
+            f"max_ctas: expected a positive int or None, got {type(max_ctas).__name__}")
+    if max_ctas < 1:
+        raise KVGroupsValueError(f"max_ctas: expected a positive int or None, got {max_ctas}")
+    return int(max_ctas)
 
 
 def _transfer(fields: dict, ids: Any) -> GroupTransfer:

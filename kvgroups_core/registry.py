@@ -156,6 +156,12 @@ class BoundCaches:
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
 
+    def bind_source(self, manager: Any, kv_caches: Any) -> None:
+        """Told by :func:`~kvgroups_core.transfer.prepare` after binding: the manager and the
+        engine's structure the bound caches came from. Backends that plan again per device
+        shard (JAX caches sharded over a mesh) use them; this default ignores them."""
+        return None
+
     def adopt_results(self, new_caches: Sequence[Any]) -> bool:
         """After :meth:`run` returned new arrays for the bound caches (runtimes that do not
         write in place, like JAX): take them as the bound caches and return True when they
@@ -358,4 +364,7 @@ def describe(x: Any) -> TensorDesc:
 
 register_backend("numpy", "kvgroups_core.reference:NumpyBackend", array_types=("numpy.ndarray",))
 register_backend("torch", "kvgroups_torch:TorchBackend", array_types=("torch.Tensor",))
-register_backend("jax", "kvgroups_jax:JaxBackend", array_types=("jax.Array", "jax.core.Tracer"))
+# Tracers (inside jax.jit, shard_map, vmap) are not jax.Array subclasses; ShapeDtypeStructs
+# are JAX's abstract arrays.
+register_backend("jax", "kvgroups_jax:JaxBackend",
+                 array_types=("jax.Array", "jax.core.Tracer", "jax.ShapeDtypeStruct"))

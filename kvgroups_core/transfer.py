@@ -76,19 +76,16 @@ class PreparedTransfer:
             self._described = replace(self._plans, tensors=tensors)
         return self._described
 
-    def store(self, block_ids: Any, objects: Any = None, *, layers: Any = None) -> list:
+    def store(self, block_ids: Any, objects: Any = None, *, layers: Any = None,
+              max_ctas: int | None = None) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
-        with self._lock:
-            self._check_current()
-            plan = plan_call(self._plans, block_ids, "store", to_host=self._to_host,
-                             ids_spec=self._ids_spec, layers=layers)
-            if objects is None:
-                objects = self._bound.allocate_objects(plan)
-            else:
-                check_call_memory(self._guard, plan, objects)
-            if plan.num_chunks == 0:
-                return self._nothing_to_move(plan, objects)
-            return self._run(plan, objects)[1]
+        return prepared_store(self, block_ids, objects, layers=layers, max_ctas=max_ctas)
+
+    def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: Any = 0,
+             layers: Any = None, max_ctas: int | None = None) -> Any:
+        """Scatter objects back into the caches; see :func:`load`."""
+        return prepared_load(self, objects, block_ids, skip_first_n_tokens=skip_first_n_tokens,
+                             layers=layers, max_ctas=max_ctas)
 
     def _nothing_to_move(self, plan: Any, objects: Any) -> list:
         """Zero chunks: the objects are checked like any others (``[0, nbytes]``) and no
@@ -96,13 +93,6 @@ class PreparedTransfer:
         check_objects(plan, objects, self.backend.shape_of)
         self.backend.validate_objects(plan, self._bound.caches, objects)
         return list(objects)
-
-    def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: Any = 0,
-             layers: Any = None) -> Any:
-        """Scatter objects back into the caches; see :func:`load`."""
-        with self._lock:
-            self._check_current()
-            return self._load(objects, block_ids, skip_first_n_tokens, layers)
 
     def _run(self, plan: Any, objects: Any) -> tuple:
         try:
@@ -122,31 +112,6 @@ class PreparedTransfer:
         if changed is not None:
             self._rebind(changed)
 
-    def _load(self, objects: Any, block_ids: Any, skip_first_n_tokens: Any, layers: Any) -> Any:
-        plan = plan_call(self._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
-                         to_host=self._to_host, ids_spec=self._ids_spec, layers=layers)
-        check_call_memory(self._guard, plan, objects)
-        if plan.num_chunks == 0:
-            self._nothing_to_move(plan, objects)
-            return self.kv_caches
-        new_caches, _ = self._run(plan, objects)
-        if new_caches is None:
-            return self.kv_caches
-        if self._positions is not None:
-            self.kv_caches = [new_caches[i] for i in self._positions]
-        else:
-            new_by_id = {id(x): new for x, new in zip(self._objs, new_caches)}
-            self.kv_caches = _replace_leaves(self.kv_caches, new_by_id)
-        if self._bound.adopt_results(new_caches):
-            # Same layouts slot for slot: the plans stay valid; the descriptors (which would
-            # keep the replaced arrays alive) are dropped and remade only if read.
-            self._objs = list(new_caches)
-            self._described = None
-            self._guard.adopt(self.kv_caches, self._objs)
-        else:
-            self._rebind()
-        return self.kv_caches
-
     def _rebind(self, changed: str | None = None) -> None:
         if changed is None:
             return self._bind()
@@ -163,6 +128,7 @@ class PreparedTransfer:
         self._objs = [d.obj for d in binding.tensors]
         self._bound = self.backend.bind_caches(binding.tensors)
         self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
+        self._bound.bind_source(self.manager, self.kv_caches)
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None
@@ -171,6 +137,61 @@ class PreparedTransfer:
             positions = [slot_of.get(id(x), -1) for x in self.kv_caches]
             if -1 not in positions and len(slot_of) == len(self._objs):
                 self._positions = positions
+
+
+# The prepared calls' bodies are module functions (the methods above delegate): a runtime's
+# compiler can then substitute them by identity (kvgroups_torch.compiled does, for Dynamo).
+def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = None, *,
+                   layers: Any = None, max_ctas: int | None = None) -> list:
+    """:meth:`PreparedTransfer.store`."""
+    with prepared._lock:
+        prepared._check_current()
+        plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
+                         ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
+        if objects is None:
+            objects = prepared._bound.allocate_objects(plan)
+        else:
+            check_call_memory(prepared._guard, plan, objects)
+        if plan.num_chunks == 0:
+            return prepared._nothing_to_move(plan, objects)
+        return prepared._run(plan, objects)[1]
+
+
+def prepared_load(prepared: PreparedTransfer, objects: Any, block_ids: Any, *,
+                  skip_first_n_tokens: Any = 0, layers: Any = None,
+                  max_ctas: int | None = None) -> Any:
+    """:meth:`PreparedTransfer.load`."""
+    with prepared._lock:
+        prepared._check_current()
+        return _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas)
+
+
+def _load_locked(prepared: PreparedTransfer, objects: Any, block_ids: Any,
+                 skip_first_n_tokens: Any, layers: Any, max_ctas: int | None) -> Any:
+    plan = plan_call(prepared._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
+                     to_host=prepared._to_host, ids_spec=prepared._ids_spec, layers=layers,
+                     max_ctas=max_ctas)
+    check_call_memory(prepared._guard, plan, objects)
+    if plan.num_chunks == 0:
+        prepared._nothing_to_move(plan, objects)
+        return prepared.kv_caches
+    new_caches, _ = prepared._run(plan, objects)
+    if new_caches is None:
+        return prepared.kv_caches
+    if prepared._positions is not None:
+        prepared.kv_caches = [new_caches[i] for i in prepared._positions]
+    else:
+        new_by_id = {id(x): new for x, new in zip(prepared._objs, new_caches)}
+        prepared.kv_caches = _replace_leaves(prepared.kv_caches, new_by_id)
+    if prepared._bound.adopt_results(new_caches):
+        # Same layouts slot for slot: the plans stay valid; the descriptors (which would
+        # keep the replaced arrays alive) are dropped and remade only if read.
+        prepared._objs = list(new_caches)
+        prepared._described = None
+        prepared._guard.adopt(prepared.kv_caches, prepared._objs)
+    else:
+        prepared._rebind()
+    return prepared.kv_caches
 
 
 def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> PreparedTransfer:
@@ -195,6 +216,7 @@ def store(
     *,
     backend: str | None = None,
     layers: Sequence[int] | None = None,
+    max_ctas: int | None = None,
 ) -> list:
     """Copy the pages of ``block_ids`` from ``kv_caches`` into memory objects.
 
@@ -216,6 +238,10 @@ def store(
     layers : sequence of int, optional
         Move only these layers' planes (indices of the manager's grouped layers), into their
         regions of full-size objects; every other byte of the objects stays as it was.
+    max_ctas : int, optional
+        Cap on the concurrent work units (CUDA: CTAs) of each kernel launch, leaving the rest
+        of the GPU to concurrent work such as the forward pass; backends without such a
+        knob ignore it.
 
     Returns
     -------
@@ -225,7 +251,7 @@ def store(
     if objects is not None and not isinstance(objects, (list, tuple)):
         objects = [objects]
     return _one_shot(manager, kv_caches, objects, backend).store(block_ids, objects,
-                                                                 layers=layers)
+                                                                 layers=layers, max_ctas=max_ctas)
 
 
 def load(
@@ -237,13 +263,15 @@ def load(
     skip_first_n_tokens: Any = 0,
     backend: str | None = None,
     layers: Sequence[int] | None = None,
+    max_ctas: int | None = None,
 ) -> Any:
     """Write memory objects back into the pages of ``block_ids``, in place.
 
     Skips, per kernel group, the chunks outside its attention window and the first
     ``skip_first_n_tokens`` tokens (whole blocks, rounded down) already in the engine (a host
     int, or a device / traced integer scalar applied on the device). ``layers`` restricts
-    the load to those layers' planes, read from their regions of the full objects.
+    the load to those layers' planes, read from their regions of the full objects;
+    ``max_ctas`` caps each launch's CTAs as for :func:`store`.
 
     Returns
     -------
@@ -253,7 +281,9 @@ def load(
     if not isinstance(objects, (list, tuple)):
         objects = [objects]
     return _one_shot(manager, kv_caches, objects, backend).load(
-        objects, block_ids, skip_first_n_tokens=skip_first_n_tokens, layers=layers)
+        objects, block_ids, skip_first_n_tokens=skip_first_n_tokens, layers=layers,
+        max_ctas=max_ctas)
 
 
-__all__ = ["PreparedTransfer", "load", "prepare", "store", "TensorSpec"]
+__all__ = ["PreparedTransfer", "load", "prepare", "prepared_load", "prepared_store", "store",
+           "TensorSpec"]

@@ -69,4 +69,4 @@ def describe_array(x: Any) -> TensorDesc:
         return TensorDesc(spec, int(ptr), 0, x, "jax")
     # Tracers, ShapeDtypeStructs and sharded arrays: no single buffer to point at.
     spec = TensorSpec(tuple(x.shape), spec_dtype, None, _abstract_device(x))
-    return TensorDesc(spec, 0, 0, x, "jax")
+    return TensorDesc(spec, 0, 0, x, "jax", abstract=True)

@@ -23,12 +23,13 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import checkify
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 
 from . import pallas_copy, xla_copy
 from .geometry import GroupGeometry, bucket, check_kernel_limits, group_geometry
-from .views import flat_view, object_unview, object_view, unflat_view
+from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
 LOWERINGS = ("auto", "triton", "mosaic", "xla", "interpret")
 
@@ -57,6 +58,13 @@ class _Program:
     grid_items: tuple[int, ...]
     num_warps: int
     id_slots: tuple[int, ...] = ()
+    #: Per object group: ``(num_chunks, nbytes)`` when a store creates it (objects=None),
+    #: else None.
+    fresh: tuple = ()
+    #: Per group: its ids are device values the host never saw (range-checked in the program
+    #: for checkify) and the group's kernel group index (named in that check's message).
+    device_ids: tuple[bool, ...] = ()
+    kernel_groups: tuple[int, ...] = ()
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -64,7 +72,7 @@ class _Program:
 
     def _key(self) -> tuple:
         return (self.direction, self.geoms, self.lowerings, self.object_groups, self.grid_items,
-                self.num_warps, self.id_slots)
+                self.num_warps, self.id_slots, self.fresh, self.device_ids, self.kernel_groups)
 
     def __hash__(self) -> int:
         return self._hash
@@ -91,13 +99,21 @@ def _run(program: _Program, caches, objects, metas, idss):
     _TRACES["count"] += 1
     caches = list(caches)
     objects = list(objects)
+    pending = _fresh_objects(program, objects)
     for g, geom in enumerate(program.geoms):
         lowering = program.lowerings[g]
         og = program.object_groups[g]
         unit = geom.unit
         views = tuple(flat_view(caches[s], unit) for s in geom.operand_slots)
-        obj = object_view(objects[og], unit)
+        if og in pending:  # the first group to write a new object creates it
+            rows, nbytes = pending.pop(og)
+            obj = jax.ShapeDtypeStruct((rows, nbytes // unit), UINT_OF_WIDTH[unit])
+        else:
+            obj = object_view(objects[og], unit)
         ids = idss[program.id_slots[g]] if program.id_slots else idss[g]
+        if program.device_ids and program.device_ids[g]:
+            _report_bad_ids(geom, metas[g], ids, program.grid_items[g],
+                            program.kernel_groups[g])
         out = _copy_fn(lowering)(
             program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
             interpret=lowering == "interpret", num_warps=program.num_warps,
@@ -112,17 +128,43 @@ def _run(program: _Program, caches, objects, metas, idss):
     return tuple(caches) if program.direction == "load" else tuple(objects)
 
 
+def _fresh_objects(program: _Program, objects: list) -> dict[int, tuple[int, int]]:
+    """Object groups a store creates: those its kernels write completely become kernel
+    outputs (returned, for the first group of each to create); the rest start as zeros in
+    this program (a layer subset leaves other layers' regions untouched)."""
+    pending = {}
+    for og, shape in enumerate(program.fresh):
+        if shape is None:
+            continue
+        written = sum(geom.num_planes * geom.slots * geom.row * geom.unit
+                      for geom, o in zip(program.geoms, program.object_groups) if o == og)
+        if written == shape[1]:
+            pending[og] = shape
+        else:
+            objects[og] = jnp.zeros(shape, jnp.uint8)
+    return pending
+
+
+def _report_bad_ids(geom: GroupGeometry, meta, ids, grid_items: int, kernel_group: int) -> None:
+    """Under ``checkify.checkify``: fail with the first id of a moved item outside the group's
+    blocks (the kernels move nothing for it). A no-op without checkify."""
+    kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
+    i = jnp.arange(grid_items, dtype=jnp.int32)
+    item = meta[0] + i
+    chunk = item // kept
+    where = jnp.clip(chunk * bpc + (bpc - kept) + item % kept, 0, ids.shape[0] - 1)
+    used = ids[where]
+    bad = (i < meta[1]) & ((used < 0) | (used >= geom.num_blocks))
+    checkify.debug_check(
+        jnp.logical_not(jnp.any(bad)),
+        f"block_ids: expected ids in [0, {geom.num_blocks}) for kernel group {kernel_group}, "
+        "got {} (its item moved nothing)",
+        used[jnp.argmax(bad)],
+    )
+
+
 _store_jit = jax.jit(_run, static_argnums=(0,), donate_argnums=(2,))
 _load_jit = jax.jit(_run, static_argnums=(0,), donate_argnums=(1,))
-
-
-def platform_of(arrays) -> str:
-    """``"gpu"``, ``"cpu"`` ... of concrete arrays; the default backend for traced values."""
-    for x in arrays:
-        if isinstance(x, jax.core.Tracer) or not hasattr(x, "devices"):
-            continue
-        return next(iter(x.devices())).platform
-    return jax.default_backend()
 
 
 def _compute_capability() -> tuple[int, int]:
@@ -208,7 +250,10 @@ _SMALL = 64  # ids up to this many are range-checked through Python ints (cheape
 def _padded_ids(block_ids) -> jax.Array | np.ndarray:
     if isinstance(block_ids, jax.Array) and not isinstance(block_ids, np.ndarray):
         n = block_ids.shape[0]
-        ids = block_ids.astype(jnp.int32)
+        ids = block_ids
+        if ids.dtype.itemsize > 4:  # int64 ids (x64 mode): no wrap-around into a valid block
+            ids = jnp.where((ids < 0) | (ids > _INT32_MAX), -1, ids)
+        ids = ids.astype(jnp.int32)
         return jnp.pad(ids, (0, bucket(n) - n))
     ids = np.asarray(block_ids)
     n = ids.size
@@ -238,6 +283,8 @@ def _check_objects(plan, objects) -> None:
             f"got {len(objects)}"
         )
     for k, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
+        if obj is None and plan.direction == "store":
+            continue  # created by the store itself
         if isinstance(obj, (list, tuple)):
             raise KVGroupsTypeError(
                 f"objects[{k}]: expected one [num_chunks, {nbytes}] uint8 jax.Array, got a "
@@ -283,7 +330,8 @@ _MAX_METAS = 4096
 _METAS: dict[tuple, jax.Array] = {}
 
 
-def _program_for(plan, lowering: str, platform: str, num_warps: int) -> _Program:
+def _program_for(plan, lowering: str, platform: str, num_warps: int,
+                 fresh: tuple = ()) -> _Program:
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
@@ -293,20 +341,21 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int) -> _Program
     still finds the value-equal program: no new compilation).
     """
     if type(plan.tensor_specs) is not tuple:
-        return _build_static(plan, lowering, platform, num_warps)  # mutable: no caching
+        return _build_static(plan, lowering, platform, num_warps, fresh)  # mutable: no caching
     key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
-           plan.object_nbytes]
+           plan.object_nbytes, fresh]
     seen: dict[int, int] = {}
     for g in plan.groups:
         if type(g.planes) is not tuple or type(g.runs) is not tuple:
-            return _build_static(plan, lowering, platform, num_warps)  # mutable: no caching
+            return _build_static(plan, lowering, platform, num_warps, fresh)  # no caching
         slot = seen.setdefault(id(g.block_ids), len(seen))
-        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot))
+        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot,
+                    _on_device(g.block_ids)))
     key = tuple(key)
     hit = _PROGRAMS.get(key)
     if hit is not None:
         return hit[0]
-    program = _build_static(plan, lowering, platform, num_warps)
+    program = _build_static(plan, lowering, platform, num_warps, fresh)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.clear()
     keep = (plan.tensor_specs,) + tuple((g.planes, g.runs) for g in plan.groups)
@@ -314,7 +363,8 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int) -> _Program
     return program
 
 
-def _build_static(plan, lowering: str, platform: str, num_warps: int) -> _Program:
+def _build_static(plan, lowering: str, platform: str, num_warps: int,
+                  fresh: tuple = ()) -> _Program:
     geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
     seen: dict[int, int] = {}
     for group in plan.groups:
@@ -325,7 +375,15 @@ def _build_static(plan, lowering: str, platform: str, num_warps: int) -> _Progra
         grids.append(bucket(group.num_items))
         id_slots.append(seen.setdefault(id(group.block_ids), len(seen)))
     return _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
-                    num_warps, tuple(id_slots))
+                    num_warps, tuple(id_slots), fresh,
+                    tuple(_on_device(g.block_ids) for g in plan.groups),
+                    tuple(g.kernel_group_idx for g in plan.groups))
+
+
+def _on_device(ids) -> bool:
+    """Ids the planner left on the device (traced or device arrays): not range-checked on the
+    host, so the program checks them for checkify."""
+    return isinstance(ids, jax.Array)
 
 
 def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
@@ -351,13 +409,30 @@ def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
     metas = []
     idss = []
     seen: set[int] = set()
+    skip = getattr(plan, "skip_tokens", None)
     for g in plan.groups:
-        metas.append(_meta(g.first_item, g.num_items, placement))
+        if skip is None:
+            metas.append(_meta(g.first_item, g.num_items, placement))
+        else:
+            metas.append(_device_meta(g, skip))
         ids = g.block_ids
         if id(ids) not in seen:
             seen.add(id(ids))
             idss.append(_padded_ids(ids))
     return tuple(metas), tuple(idss)
+
+
+def _device_meta(group, skip) -> jax.Array:
+    """``[first_item, num_items]`` of a load whose skip is a device (traced) scalar: the
+    planner's formula evaluated on the device; ``group.first_item`` is its static lower bound
+    (the window skip), so the grid bucket covers every outcome."""
+    from kvgroups_core.plan import first_item_for_skip
+
+    total = group.num_chunks * group.kept_per_chunk
+    skip = jnp.asarray(skip).astype(jnp.int32)
+    first = first_item_for_skip(group, skip, jnp.maximum, jnp.minimum)
+    first = jnp.clip(jnp.asarray(first, jnp.int32), group.first_item, total)
+    return jnp.stack([first, total - first]).astype(jnp.int32)
 
 
 def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None):
@@ -369,6 +444,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     caches : list of jax.Array, the backing tensors in ``plan.tensor_specs`` order.
     objects : list of jax.Array, one uint8 ``[num_chunks, object_nbytes]`` per object group
         (more rows are allowed: a preallocated pool; only the first ``num_chunks`` are used).
+        On store an entry may be None: the program creates that object itself, as the
+        kernel's output when the plan writes all of it (no zero-filled buffer, no fill pass).
     lowering : "auto", "triton", "mosaic", "xla" or "interpret" (Pallas interpret mode).
 
     Returns
@@ -390,17 +467,28 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     caches = tuple(caches)
     objects = tuple(objects)
     platform, placement = _home(caches + objects)
-    program = _program_for(plan, lowering, platform, num_warps)
+    program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects))
     metas, idss = _runtime_args(plan, placement)
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
     return _load_jit(program, caches, objects, metas, idss), objects
 
 
-def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None):
+def _fresh_shapes(plan, objects) -> tuple:
+    """``_Program.fresh``: the shape of each object a store creates (None entries)."""
+    if plan.direction != "store" or all(o is not None for o in objects):
+        return ()
+    return tuple((plan.num_chunks, n) if o is None else None
+                 for o, n in zip(objects, plan.object_nbytes))
+
+
+def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None,
+                  objects=None):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
-    return (_program_for(plan, lowering, platform, num_warps),) + _runtime_args(plan, None)
+    fresh = _fresh_shapes(plan, objects) if objects is not None else ()
+    return (_program_for(plan, lowering, platform, num_warps, fresh),) + _runtime_args(
+        plan, None)
 
 
 def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
@@ -411,7 +499,8 @@ def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
     Mosaic GPU compilers' front ends, which reject non-power-of-two array ops and oversized
     TMA boxes, so CI catches them on a CPU-only machine. Returns the ``jax.stages.Lowered``.
     """
-    program, metas, idss = build_program(plan, lowering, "gpu", num_warps=num_warps)
+    program, metas, idss = build_program(plan, lowering, "gpu", num_warps=num_warps,
+                                         objects=objects)
     fn = _store_jit if plan.direction == "store" else _load_jit
     return fn.trace(program, tuple(caches), tuple(objects), metas, idss).lower(
         lowering_platforms=(platform,)

@@ -69,6 +69,9 @@ class GroupGeometry:
     blocks_per_chunk: int
     kept_per_chunk: int
     boxes: tuple[Box, ...]
+    #: ``object_planes[p]``: plane ``p``'s index inside the group's object region (its
+    #: ``PlaneRef.object_plane``; a layer subset moves only some planes of a full region).
+    object_planes: tuple[int, ...] = ()
 
     @property
     def num_planes(self) -> int:
@@ -87,9 +90,14 @@ class GroupGeometry:
             pos += box.shape[0]
         return total if pos == total else None
 
+    def object_plane(self, plane: int) -> int:
+        """Plane ``plane``'s index inside the object region."""
+        return self.object_planes[plane] if self.object_planes else plane
+
     def object_base(self, plane: int, pos: int) -> int:
         """Element offset, inside one chunk's object, of the first row of kept block ``pos``."""
-        return self.region_offset + (plane * self.slots + pos * self.block_size) * self.row
+        return self.region_offset + (self.object_plane(plane) * self.slots
+                                     + pos * self.block_size) * self.row
 
 
 def pow2_parts(n: int, cap: int) -> list[tuple[int, int]]:
@@ -207,6 +215,7 @@ def group_geometry(
         blocks_per_chunk=int(group.blocks_per_chunk),
         kept_per_chunk=int(group.kept_per_chunk),
         boxes=tuple(boxes),
+        object_planes=tuple(getattr(p, "object_plane", i) for i, p in enumerate(group.planes)),
     )
     return geom
 

@@ -7,7 +7,7 @@ backing array (the plane picks its operand statically under ``pl.when``); the ob
 ``[num_chunks, object_elems]``. Triton rules (docs/DESIGN.md, Backends): power-of-two array ops, no
 scalar prefetch (ids are read inside the kernel), static grid, explicit ``compiler_params``.
 
-Reference: :func:`kvgroups_jax.reference.reference_transfer`.
+Reference: :func:`kvgroups_core.reference.run_group` (the NumPy oracle).
 """
 
 from __future__ import annotations
@@ -68,12 +68,15 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
 TUNING = {"read_first": True, "planes_per_program": 1, "items_major": True}
 
 
-def _copy_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, direction: str,
-                 read_first: bool, per_program: int, items_axis: int):
+def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
+                 read_first: bool, per_program: int, items_axis: int, fresh: bool):
     # meta_ref: [2] int32 (first_item, num_items); ids_ref: [ids_bucket] int32 engine block ids
-    # obj_ref: [num_chunks, object_elems]; refs: cache inputs [size_k] per operand, then outputs
-    # (store: the object [num_chunks, object_elems]; load: the caches [size_k]).
+    # then (unless ``fresh``) obj_ref: [num_chunks, object_elems]; cache inputs [size_k] per
+    # operand, then outputs (store: the object [num_chunks, object_elems]; load: the caches).
+    # ``fresh``: a store whose object is a new output (not an aliased input).
     num_ops = len(geom.operand_slots)
+    obj_ref = None if fresh else refs[0]
+    refs = refs if fresh else refs[1:]
     cache_in, outs = refs[:num_ops], refs[num_ops:]
     i = pl.program_id(items_axis)
     plane_group = pl.program_id(1 - items_axis)
@@ -85,36 +88,46 @@ def _copy_kernel(meta_ref, ids_ref, obj_ref, *refs, geom: GroupGeometry, directi
         chunk = item // kept
         pos = item - chunk * kept
         block = ids_ref[chunk * bpc + (bpc - kept) + pos]
-        # The core validated the ids; clamping keeps every access inside the arrays anyway.
-        block = jnp.minimum(jnp.maximum(block, 0), geom.num_blocks - 1)
-        obj_row0 = geom.region_offset + pos * (geom.block_size * geom.row)
-        for g0 in range(0, geom.num_planes, per_program):
-            planes = range(g0, min(g0 + per_program, geom.num_planes))
+        # Traced ids are not checked on the host: an id outside the group's blocks moves
+        # nothing (the executor reports it through checkify).
+        in_range = jnp.logical_and(block >= 0, block < geom.num_blocks)
 
-            # pl.when traces the branch at once; defaults bind this iteration's values.
-            @pl.when(plane_group == g0 // per_program)
-            def _(planes=planes):
-                moves = []
-                for plane in planes:
-                    op = geom.plane_operands[plane]
-                    cache_base = geom.plane_offsets[plane] + block * geom.block_stride
-                    obj_base = obj_row0 + plane * geom.slots * geom.row
-                    moves += [(op, cache_base, obj_base, box) for box in geom.boxes]
-                pending = []
-                for op, cache_base, obj_base, box in moves:
-                    if direction == "store":
-                        value = _read(cache_in[op], None, cache_base, box, True)
-                        pending.append((lambda v, o=obj_base, b=box:
-                                        _write(outs[0], chunk, o, b, False, v), value))
-                    else:
-                        value = _read(obj_ref, chunk, obj_base, box, False)
-                        pending.append((lambda v, op=op, c=cache_base, b=box:
-                                        _write(outs[op], None, c, b, True, v), value))
-                    if not read_first:
-                        write, value = pending.pop()
-                        write(value)
-                for write, value in pending:
+        @pl.when(in_range)
+        def _():
+            _move_item(cache_in, outs, obj_ref, chunk, pos, block, plane_group, geom=geom,
+                       direction=direction, read_first=read_first, per_program=per_program)
+
+
+def _move_item(cache_in, outs, obj_ref, chunk, pos, block, plane_group, *, geom, direction,
+           read_first, per_program):
+    obj_row0 = geom.region_offset + pos * (geom.block_size * geom.row)
+    for g0 in range(0, geom.num_planes, per_program):
+        planes = range(g0, min(g0 + per_program, geom.num_planes))
+
+        # pl.when traces the branch at once; defaults bind this iteration's values.
+        @pl.when(plane_group == g0 // per_program)
+        def _(planes=planes):
+            moves = []
+            for plane in planes:
+                op = geom.plane_operands[plane]
+                cache_base = geom.plane_offsets[plane] + block * geom.block_stride
+                obj_base = obj_row0 + geom.object_plane(plane) * geom.slots * geom.row
+                moves += [(op, cache_base, obj_base, box) for box in geom.boxes]
+            pending = []
+            for op, cache_base, obj_base, box in moves:
+                if direction == "store":
+                    value = _read(cache_in[op], None, cache_base, box, True)
+                    pending.append((lambda v, o=obj_base, b=box:
+                                    _write(outs[0], chunk, o, b, False, v), value))
+                else:
+                    value = _read(obj_ref, chunk, obj_base, box, False)
+                    pending.append((lambda v, op=op, c=cache_base, b=box:
+                                    _write(outs[op], None, c, b, True, v), value))
+                if not read_first:
+                    write, value = pending.pop()
                     write(value)
+            for write, value in pending:
+                write(value)
 
 
 def default_warps(geom: GroupGeometry) -> int:
@@ -127,10 +140,11 @@ def default_warps(geom: GroupGeometry) -> int:
 def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpret, num_warps):
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     num_ops = len(caches)
+    fresh = isinstance(obj, jax.ShapeDtypeStruct)  # store into a new output (no zero-fill)
     if direction == "store":
         out_shape = jax.ShapeDtypeStruct(obj.shape, obj.dtype)
         out_specs = any_spec
-        aliases = {2: 0}
+        aliases = {} if fresh else {2: 0}
     else:
         out_shape = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
         out_specs = tuple(any_spec for _ in caches)
@@ -141,18 +155,19 @@ def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpr
     grid = (grid_items, plane_groups) if items_major else (plane_groups, grid_items)
     kernel = functools.partial(_copy_kernel, geom=geom, direction=direction,
                                read_first=bool(TUNING["read_first"]), per_program=per_program,
-                               items_axis=0 if items_major else 1)
+                               items_axis=0 if items_major else 1, fresh=fresh)
+    operands = (meta, ids) + (() if fresh else (obj,)) + tuple(caches)
     return pl.pallas_call(
         kernel,
         out_shape=out_shape,
         grid=grid,
-        in_specs=[any_spec] * (3 + num_ops),
+        in_specs=[any_spec] * len(operands),
         out_specs=out_specs,
         input_output_aliases=aliases,
         compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
         name=f"kvgroups_{direction}_pages",
-    )(meta, ids, obj, *caches)
+    )(*operands)
 
 
 def copy_group(
@@ -177,7 +192,10 @@ def copy_group(
     num_warps : warps per program; None picks :func:`default_warps`.
     meta : ``[2]`` int32, ``(first_item, num_items)`` with ``num_items <= grid_items``.
     ids : ``[ids_bucket]`` int32 engine block ids of the group.
-    obj : ``[num_chunks, object_elems]`` unsigned view of the object group's objects.
+    obj : ``[num_chunks, object_elems]`` unsigned view of the object group's objects, or (store
+        only) a ``jax.ShapeDtypeStruct`` of it: the kernel then returns a new object whose
+        bytes outside the moved pages are undefined (the executor passes one only when the
+        call writes every byte).
     caches : flat unsigned views ``[size_k]``, one per ``geom.operand_slots`` entry.
 
     Returns

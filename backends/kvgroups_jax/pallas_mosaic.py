@@ -36,7 +36,7 @@ more (``executor.resolve_lowering``). CI lowers it for an abstract H200 on jax 0
 (``tests/jax/test_lowering.py``) and runs it in the Mosaic GPU interpreter
 (``tests/jax/test_mosaic_interpret.py``).
 
-Reference: :func:`kvgroups_jax.reference.reference_transfer`.
+Reference: :func:`kvgroups_core.reference.run_group` (the NumPy oracle).
 """
 
 from __future__ import annotations
@@ -121,7 +121,6 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
     # store: the caches [size_k / 256, 256] then the object Ref [chunks, elems / 256, 256];
     # load: the object, then the cache Refs. Scratch: smem [buffers, rows, 256] and as many
     # TMA barriers.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
 
     num_ops = len(geom.operand_slots)
     if direction == "store":
@@ -133,7 +132,6 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
     plane_id = lax.axis_index(_PLANE_AXIS)
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     span_rows = geom.span // TMA_DIM
-    nbuf = smem.shape[0]
 
     @pl.when(i < meta_ref[1])
     def _():
@@ -141,42 +139,69 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
         chunk = item // kept
         pos = item - chunk * kept
         block = ids_ref[chunk * bpc + (bpc - kept) + pos]
-        # The core validated the ids; clamping keeps every TMA box inside the arrays anyway.
-        block = jnp.minimum(jnp.maximum(block, 0), geom.num_blocks - 1)
+        # Traced ids are not checked on the host: an id outside the group's blocks moves
+        # nothing (the executor reports it through checkify).
+        in_range = jnp.logical_and(block >= 0, block < geom.num_blocks)
         # Every offset is a whole number of TMA rows (checked by mosaic_pieces).
-        orow = (geom.region_offset // TMA_DIM + plane_id * (geom.slots * geom.row // TMA_DIM)
+        orow = (geom.region_offset // TMA_DIM
+                + _object_plane(geom, plane_id) * (geom.slots * geom.row // TMA_DIM)
                 + pos * span_rows)
-        for op in range(num_ops):
-            planes = [p for p, o in enumerate(geom.plane_operands) if o == op]
 
-            # pl.when traces the branch at once; defaults bind this iteration's values.
-            @pl.when(_in_planes(plane_id, planes, geom.num_planes))
-            def _(op=op, planes=planes):
-                crow = _plane_row(geom, plane_id, planes) + block * (geom.block_stride // TMA_DIM)
+        @pl.when(in_range)
+        def _():
+            _copy_spans(caches, obj, smem, barriers, chunk, block, orow, plane_id, geom=geom,
+                        direction=direction, rows=rows, copies=copies)
 
-                def windows(k):
-                    c_win = pl.ds(crow + k * rows, rows)
-                    o_win = pl.ds(orow + k * rows, rows)
-                    if direction == "store":
-                        return caches[op].at[c_win], obj.at[chunk, o_win]
-                    return obj.at[chunk, o_win], caches[op].at[c_win]
 
-                def load(k):
-                    plgpu.copy_gmem_to_smem(windows(k)[0], smem.at[k % nbuf],
-                                            barriers.at[k % nbuf], **_bulk_load_options())
+def _object_plane(geom: GroupGeometry, plane_id):
+    """Plane ``plane_id``'s index inside the object region (a select chain, as _plane_row)."""
+    planes = [geom.object_plane(p) for p in range(geom.num_planes)]
+    if planes == list(range(geom.num_planes)):
+        return plane_id
+    out = planes[0]
+    for p in range(1, geom.num_planes):
+        out = jnp.where(plane_id == p, planes[p], out)
+    return out
 
-                load(0)
-                for k in range(copies):
-                    if k + 1 < copies:
-                        if k + 1 >= nbuf:
-                            # Buffer (k + 1) % nbuf was last read by the store of piece
-                            # k + 1 - nbuf; nbuf - 2 stores were issued after it. Wait
-                            # until TMA has read it.
-                            plgpu.wait_smem_to_gmem(nbuf - 2, wait_read_only=True)
-                        load(k + 1)
-                    plgpu.barrier_wait(barriers.at[k % nbuf])
-                    plgpu.copy_smem_to_gmem(smem.at[k % nbuf], windows(k)[1])
-                plgpu.wait_smem_to_gmem(0)
+
+def _copy_spans(caches, obj, smem, barriers, chunk, block, orow, plane_id, *, geom, direction,
+                rows, copies):
+    """Copy one item's block-plane span through shared memory, in ``copies`` pieces."""
+    from jax.experimental.pallas import mosaic_gpu as plgpu
+
+    num_ops = len(geom.operand_slots)
+    nbuf = smem.shape[0]
+    for op in range(num_ops):
+        planes = [p for p, o in enumerate(geom.plane_operands) if o == op]
+
+        # pl.when traces the branch at once; defaults bind this iteration's values.
+        @pl.when(_in_planes(plane_id, planes, geom.num_planes))
+        def _(op=op, planes=planes):
+            crow = _plane_row(geom, plane_id, planes) + block * (geom.block_stride // TMA_DIM)
+
+            def windows(k):
+                c_win = pl.ds(crow + k * rows, rows)
+                o_win = pl.ds(orow + k * rows, rows)
+                if direction == "store":
+                    return caches[op].at[c_win], obj.at[chunk, o_win]
+                return obj.at[chunk, o_win], caches[op].at[c_win]
+
+            def load(k):
+                plgpu.copy_gmem_to_smem(windows(k)[0], smem.at[k % nbuf],
+                                        barriers.at[k % nbuf], **_bulk_load_options())
+
+            load(0)
+            for k in range(copies):
+                if k + 1 < copies:
+                    if k + 1 >= nbuf:
+                        # Buffer (k + 1) % nbuf was last read by the store of piece
+                        # k + 1 - nbuf; nbuf - 2 stores were issued after it. Wait
+                        # until TMA has read it.
+                        plgpu.wait_smem_to_gmem(nbuf - 2, wait_read_only=True)
+                    load(k + 1)
+                plgpu.barrier_wait(barriers.at[k % nbuf])
+                plgpu.copy_smem_to_gmem(smem.at[k % nbuf], windows(k)[1])
+            plgpu.wait_smem_to_gmem(0)
 
 
 @functools.cache
@@ -251,6 +276,11 @@ def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=Non
                       kernel_name=name)
     kernel = pl.kernel(body, out_type=(), mesh=mesh, compiler_params=plgpu.CompilerParams(),
                        interpret=interpret, name=name)
+    if direction == "store" and isinstance(obj, jax.ShapeDtypeStruct):
+        # A new object as the kernel's output: no zero-filled buffer to alias.
+        fresh = pl.kernel(body, out_type=obj, mesh=mesh, compiler_params=plgpu.CompilerParams(),
+                          interpret=interpret, name=name)
+        return fresh(meta, ids, *caches)
     if direction == "store":
         obj_ref = jax.new_ref(obj, memory_space=plgpu.GMEM)
         kernel(meta, ids, *caches, obj_ref)
@@ -278,7 +308,9 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
         )
     mosaic_pieces(geom)  # raises UnsupportedConfig before tracing anything
     n_chunks, elems = obj.shape
-    obj3 = obj.reshape(n_chunks, elems // TMA_DIM, TMA_DIM)
+    shape3 = (n_chunks, elems // TMA_DIM, TMA_DIM)
+    obj3 = jax.ShapeDtypeStruct(shape3, obj.dtype) if isinstance(obj, jax.ShapeDtypeStruct) \
+        else obj.reshape(shape3)
     caches2 = tuple(c.reshape(-1, TMA_DIM) for c in caches)
     out = _tma_copy(direction, geom, grid_items, meta, ids, obj3, caches2,
                     interpret=_gpu_interpret_params(interpret))

@@ -12,12 +12,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
-
-
-def uint_dtype(nbytes: int):
-    """The unsigned JAX dtype of ``nbytes`` bytes."""
-    return _UINT[nbytes]
+#: The unsigned JAX dtype of each element width (bytes).
+UINT_OF_WIDTH = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+_UINT = UINT_OF_WIDTH
 
 
 def flat_view(x: jax.Array, unit: int) -> jax.Array:

@@ -9,6 +9,7 @@ dropped, so the same bucketing applies.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -58,15 +59,20 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
     :func:`kvgroups_jax.pallas_copy.copy_group`)."""
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     n_chunks, obj_elems = obj.shape
+    if isinstance(obj, jax.ShapeDtypeStruct):  # a fresh store: XLA fuses the fill
+        obj = jnp.zeros(obj.shape, obj.dtype)
     rows_ok = _rows_ok(geom, geom.span, obj_elems)
     check_index_range(geom, n_chunks, obj_elems, rows_ok)
     i = jnp.arange(grid_items, dtype=jnp.int32)
-    valid = i < meta[1]
     item = meta[0] + i
     chunk = jnp.clip(item // kept, 0, n_chunks - 1)
     pos = item % kept
     where = jnp.clip(chunk * bpc + (bpc - kept) + pos, 0, ids.shape[0] - 1)
-    block = jnp.clip(ids[where], 0, geom.num_blocks - 1)
+    raw = ids[where]
+    # Out-of-range (traced) ids move nothing: their items count as invalid and scatter out of
+    # bounds (dropped); the clipped block only keeps the gathers in bounds.
+    valid = (i < meta[1]) & (raw >= 0) & (raw < geom.num_blocks)
+    block = jnp.clip(raw, 0, geom.num_blocks - 1)
     caches = list(caches)
     span = geom.span
     if rows_ok:
@@ -78,7 +84,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
             # than 2**31 elements and would wrap to another block.
             crow = geom.plane_offsets[plane] // span + block * (geom.block_stride // span)
             orow = (chunk * (obj_elems // span)
-                    + (geom.region_offset + plane * geom.slots * geom.row) // span + pos)
+                    + geom.object_base(plane, 0) // span + pos)
             if direction == "store":
                 dst = jnp.where(valid, orow, obj_rows.shape[0])
                 obj_rows = obj_rows.at[dst].set(cache_rows[crow], mode="drop")

@@ -10,38 +10,39 @@ Moves paged KV-cache blocks between engine caches and memory objects for the cor
   and the touched regions move in one bulk copy each; ``TorchBackend(pinned="direct")`` has
   the kernel read and write pinned memory through UVA instead (no extra device memory).
 - CPU tensors: plain torch byte views with ``index_select`` / ``index_copy_``
-  (:mod:`kvgroups_torch.torch_path`).
+  (:mod:`kvgroups_torch.cpu_path`).
 
 Normal use goes through the core: ``kvgroups_core.store(...)`` / ``load(...)`` find this
 backend from the tensors (registry name ``"torch"``).
 
 Block ids on the device
 -----------------------
-The core validates host ids before anything moves. Ids that live on the GPU are checked by
-the kernel: an id outside ``[0, num_blocks)`` moves nothing for its block and sets a
-per-device flag; :func:`check_device_errors` synchronises, reads and clears it (raising
-``KVGroupsIndexError``). No id, whatever its value, makes a kernel touch memory outside the
-given tensors.
+The core validates host ids (lists, NumPy arrays, CPU tensors) before anything moves. CUDA
+id tensors (flat, or one per engine group) and a load's ``skip_first_n_tokens`` given as a
+CUDA tensor are never copied to the host: the kernels read them where they are and check
+them. An out-of-range id moves nothing for its item; the first bad value, the engine group
+whose ids held it and the bound are recorded on the device. :func:`check_errors` (also run by
+``TorchBackend.synchronize``) synchronises, reads and clears the record and raises
+``KVGroupsIndexError`` naming ``block_ids[g]`` and the value (``KVGroupsValueError`` for a
+skip outside the tokens covered, which is clamped). No id, whatever its value, makes a
+kernel touch memory outside the given tensors.
 
-torch.compile and CUDA graphs
------------------------------
-:class:`BoundPlan` binds a plan to its tensors and does every piece of host work up
-front (kernel load, plane pointer tables on the device, packed launch parameters)::
+Streams, graphs, SM budget
+--------------------------
+Every call enqueues on PyTorch's current stream and never synchronises. With device ids a
+prepared ``store`` / ``load`` is capturable in a CUDA graph: a replay reads the id and skip
+tensors' current contents (write new ids in place). ``max_ctas=`` on the calls caps the
+CTAs of each launch (each loops over its share), leaving SMs to concurrent work.
 
-    prep = kvgroups_torch.BoundPlan(plan, caches, objects)   # outside capture
-    ids = torch.empty(n, dtype=torch.int32, device="cuda")          # static id buffer
-    ids.copy_(first_ids)
-    prep.run(ids)                                                   # warm-up, eager
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        prep.run(ids)                                               # captured launch
-    ids.copy_(next_ids); graph.replay()                             # moves the new blocks
+torch.compile
+-------------
+``store``, ``load`` and the prepared calls work inside ``torch.compile(fullgraph=True)``
+(:mod:`kvgroups_torch.compiled`): planning happens at trace time from shapes and dtypes, the
+transfer is one custom op (``torch.ops.kvgroups.store_pages`` / ``load_pages``). Import
+``kvgroups_torch`` before compiling.
 
-``run`` dispatches the custom ops ``torch.ops.kvgroups.store_pages`` /
-``torch.ops.kvgroups.load_pages`` (with fake implementations), so it also works inside
-``torch.compile``-d functions. CUDA id tensors are read when the kernel runs; host ids are
-baked into the launch parameters (a graph then replays the ids of capture time). Caches and
-objects are bound by address: a graph replays into the same tensors.
+:class:`BoundPlan` (a plan bound to its tensors ahead of time) is the lower-level form of
+the same: ``run`` dispatches the same custom ops.
 """
 
 from __future__ import annotations
@@ -50,7 +51,8 @@ from kvgroups_core import __version__
 
 from .backend import DEFAULT_PINNED_MODE, TorchBackend
 from .bound_plan import BoundPlan
-from .cuda_path import check_device_errors
+from .compiled import install as _install_compile_support
+from .cuda_path import check_device_errors, check_errors
 from .describe import describe_tensor, dtype_of, torch_dtype
 from .distributed import check_same_grouping as check_same_grouping
 from .driver import KernelLaunchError
@@ -67,9 +69,12 @@ __all__ = [
     "cache_dir",
     "cache_key",
     "check_device_errors",
+    "check_errors",
     "compile_cubin",
     "describe_tensor",
     "dtype_of",
     "get_cubin",
     "torch_dtype",
 ]
+
+_install_compile_support()

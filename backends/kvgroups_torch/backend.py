@@ -13,8 +13,8 @@ from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, Unsuppor
 from kvgroups_core.registry import Backend, BoundCaches
 from kvgroups_core.validate import Memory
 
-from . import cuda_path, torch_path
-from .describe import describe_tensor, dtype_of, torch_dtype
+from . import compiled, cpu_path, cuda_path
+from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
 from .objects import allocate_objects
 
 _NUMPY_NATIVE = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
@@ -46,6 +46,13 @@ def _adopt_objects(objects: Sequence[Any]) -> list:
             out.append([tensor_of(t, f"objects[{g}][{c}]") for c, t in enumerate(entry)])
         else:
             out.append(tensor_of(entry, f"objects[{g}]"))
+    return out
+
+
+def _leaf_tensors(objects: Sequence[Any]) -> list:
+    out = []
+    for entry in objects:
+        out.extend(entry if isinstance(entry, (list, tuple)) else [entry])
     return out
 
 
@@ -83,15 +90,19 @@ class TorchBackend(Backend):
 
     def execute(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
                 ) -> tuple[list | None, list]:
-        """Move the bytes of ``plan``; caches (load) or objects (store) are written in place."""
+        """Move the bytes of ``plan``; caches (load) or objects (store) are written in place.
+        Inside a ``torch.compile`` trace, record the transfer as a custom op instead."""
         device = cache_device(caches)
         given = objects
         objects = _adopt_objects(objects)
+        tensors = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
+        if compiled.any_traced(tensors[:1] + _leaf_tensors(objects)):
+            compiled.record(plan, tensors, objects, self.pinned)
+            return None, list(given)
         if device.type == "cuda":
             cuda_path.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
         elif device.type == "cpu":
-            tensors = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
-            torch_path.run_plan(plan, tensors, objects)
+            cpu_path.run_plan(compiled.host_plan(plan), tensors, objects)
         else:
             raise UnsupportedConfig(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(given)
@@ -149,6 +160,8 @@ class TorchBackend(Backend):
                 what = f"objects[{g}][{c}]" if isinstance(entry, (list, tuple)) else f"objects[{g}]"
                 t = tensor_of(t, what)
                 if device.type == "cuda":
+                    if compiled.any_traced([t]):
+                        continue  # a fake: its memory kind is checked when the op runs
                     cuda_path.check_object_tensor(t, device.index, what)
                 elif t.device.type != "cpu":
                     raise KVGroupsValueError(
@@ -196,18 +209,32 @@ class TorchBackend(Backend):
         return "cuda" if torch.cuda.is_available() else "cpu"
 
     def synchronize(self, x: Any = None) -> None:
+        """Wait for queued work, then raise what the kernels recorded about device-side ids
+        (:func:`cuda_path.check_errors`: a synchronising call checks them anyway)."""
         if not torch.cuda.is_available():
             return
         if isinstance(x, torch.Tensor):
             if x.is_cuda:
                 torch.cuda.synchronize(x.device)
+                cuda_path.check_errors(x.device)
             return
         torch.cuda.synchronize()
+        cuda_path.check_errors()
 
     def to_host_ids(self, ids: Any) -> Any:
         if isinstance(ids, torch.Tensor):
-            return ids.detach().cpu().numpy()  # synchronises for device ids
+            return ids.detach().numpy()  # CPU tensors only: CUDA ids are device ids
         return ids
+
+    def device_ids_spec(self, x: Any) -> tuple[str, tuple[int, ...]] | None:
+        """CUDA tensors stay on the GPU (the kernels read and range-check them there) and
+        fake tensors of a ``torch.compile`` trace have no values: both are device ids. CPU
+        tensors are host ids (read and checked eagerly)."""
+        if not isinstance(x, torch.Tensor):
+            return None
+        if not (x.is_cuda or (torch.compiler.is_compiling() and compiled.is_traced(x))):
+            return None
+        return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
 
 _DATA_PTR = torch.Tensor.data_ptr
@@ -232,8 +259,9 @@ class TorchBoundCaches(BoundCaches):
     def __init__(self, backend: TorchBackend, caches: Sequence[TensorDesc]) -> None:
         super().__init__(backend, caches)
         device = cache_device(self.caches)
+        traced = any(getattr(c, "is_abstract", False) for c in self.caches)
         self.device_caches = (cuda_path.DeviceCaches(self.caches, device.index)
-                              if device.type == "cuda" else None)
+                              if device.type == "cuda" and not traced else None)
 
     def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         fast = self.device_caches

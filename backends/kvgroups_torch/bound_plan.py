@@ -16,7 +16,7 @@ import torch
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
-from . import cuda_path, ops, torch_path
+from . import cpu_path, cuda_path, ops
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
 
 
@@ -101,7 +101,7 @@ class BoundPlan:
     __call__ = run
 
     def execute(self, caches: Sequence[torch.Tensor], objects: Sequence[torch.Tensor],
-                block_ids: Sequence[torch.Tensor]) -> None:
+                block_ids: Sequence[torch.Tensor], skip: Any = None) -> None:
         """The ops' implementation: run the plan on these tensors (no custom-op dispatch)."""
         ids = list(block_ids) if len(block_ids) else None
         if self.device.type == "cuda":
@@ -114,4 +114,4 @@ class BoundPlan:
             cuda_path.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
                                block_ids=ids, bindings=self._bindings if same else None)
         else:
-            torch_path.run_plan(self.plan, caches, objects, block_ids=ids)
+            cpu_path.run_plan(self.plan, caches, objects, block_ids=ids)

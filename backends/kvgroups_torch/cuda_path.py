@@ -42,9 +42,9 @@ class DeviceState:
         self.index = index
         self.arch = f"sm_{major}{minor}"
         self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
-        # Written by a kernel that meets an out-of-range block id; static address, so graph
-        # replays report through it too.
-        self.err_flag = torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
+        # The error record kernels write when they meet an out-of-range block id or device
+        # skip (page_copy.cu, kvg_report); static address, so graph replays report through it.
+        self.err_record = torch.zeros(P.ERR_WORDS, dtype=torch.int64, device=f"cuda:{index}")
         self.kernels = kernel_table(self.arch)
 
 
@@ -72,15 +72,20 @@ def reset_caches() -> None:
 
 
 def check_device_errors(device: torch.device | int | str | None = None) -> None:
-    """Synchronise with ``device`` and raise if a kernel met an out-of-range block id.
+    """Synchronise with ``device`` and raise if a kernel met a bad device-side value.
 
-    Kernels check every block id read on the device against the group's ``num_blocks``; a bad
-    id moves nothing for its item and sets a per-device flag. This reads and clears the flag.
+    Block ids (and a load's ``skip_first_n_tokens``) that live on the GPU are checked by the
+    kernels: a bad id moves nothing for its item, a bad skip is clamped, and the first bad
+    value is recorded on the device (:data:`DeviceState.err_record`). This reads and clears
+    the record; ``kvgroups_torch.check_errors`` is the public name.
 
     Raises
     ------
     KVGroupsIndexError
-        A launch since the last check saw a block id outside ``[0, num_blocks)``.
+        A launch since the last check saw a block id outside ``[0, num_blocks)``; the message
+        names the argument (``block_ids[engine group]``), the bound and the first bad value.
+    KVGroupsValueError
+        A device ``skip_first_n_tokens`` outside ``[0, tokens covered]``.
     """
     index = torch.device("cuda", torch.cuda.current_device()) if device is None else device
     index = torch.device(index).index if not isinstance(index, int) else index
@@ -89,13 +94,37 @@ def check_device_errors(device: torch.device | int | str | None = None) -> None:
     state = _devices.get(index)
     if state is None:
         return
-    flagged = int(state.err_flag.item())  # synchronises: the point of this call
-    if flagged:
-        state.err_flag.zero_()
-        raise KVGroupsIndexError(
-            f"block_ids: expected every id in [0, num_blocks) on cuda:{index}, got at least "
-            "one outside it (those items were not moved)"
+    raise_recorded(state.err_record, f"cuda:{index}")
+
+
+def check_errors(device: torch.device | int | str | None = None) -> None:
+    """The documented check of device-side ids: synchronise with ``device`` (default: every
+    GPU a transfer ran on), then raise the first bad id or skip the kernels met since the
+    last check (see :func:`check_device_errors`)."""
+    if device is not None:
+        check_device_errors(device)
+        return
+    for index in sorted(_devices):
+        check_device_errors(index)
+
+
+def raise_recorded(record: torch.Tensor, where: str) -> None:
+    """Read (synchronising), clear and raise the error ``record`` holds, if any."""
+    words = record.tolist()  # the one synchronisation: the point of a check
+    if not words[0]:
+        return
+    record.zero_()
+    value, engine_group, kernel_group, bound, count = (int(w) for w in words[1:6])
+    if engine_group < 0:
+        raise KVGroupsValueError(
+            f"skip_first_n_tokens: expected a value in [0, {bound}] (the tokens the block ids "
+            f"cover), got {value} on {where} (clamped; {count} bad value(s) since the last check)"
         )
+    raise KVGroupsIndexError(
+        f"block_ids[{engine_group}]: expected ids in [0, {bound}) for kernel group "
+        f"{kernel_group}, got {value} on {where} (those items were not moved; {count} bad "
+        "id(s) since the last check)"
+    )
 
 
 @dataclass
@@ -175,6 +204,11 @@ class GroupLaunch:
 
     def __init__(self, group: Any, plane_addresses: list[int], device: DeviceState) -> None:
         self.planes = group.planes  # kept so identity-keyed lookups stay valid
+        self.kernel_group = group.kernel_group_idx
+        # Fixed per kernel group (hence per launch state): packed once per variant.
+        self.engine_group = getattr(group, "engine_group_idx", 0)
+        self.blocks_per_chunk = group.blocks_per_chunk
+        self.kept_per_chunk = group.kept_per_chunk
         self.runs = group.runs
         self.shape: GroupShape = group_shape(group)
         self.device = device
@@ -183,7 +217,12 @@ class GroupLaunch:
             raise UnsupportedConfig(
                 f"planes: expected 1..65535 planes per kernel group, got {self.num_planes}"
             )
-        self.plane_table = _to_device(np.asarray(plane_addresses, dtype=np.int64), device.index)
+        # KvgPlane pairs: cache base, then the object offset of the plane's object rows.
+        stride = self.shape.plane_obj_stride
+        table = np.empty((self.num_planes, 2), dtype=np.int64)
+        table[:, 0] = np.asarray(plane_addresses, dtype=np.uint64).view(np.int64)
+        table[:, 1] = [object_plane(plane, p) * stride for p, plane in enumerate(group.planes)]
+        self.plane_table = _to_device(table.reshape(-1), device.index)
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
         self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}
@@ -196,12 +235,16 @@ class GroupLaunch:
             shape = self.shape
             p = P.KvgParams()
             p.plane_table = self.plane_table.data_ptr()
-            p.err_flag = self.device.err_flag.data_ptr()
+            p.err_record = self.device.err_record.data_ptr()
+            p.err_kernel_group = self.kernel_group
+            p.err_engine_group = self.engine_group
+            p.num_planes = self.num_planes
+            p.blocks_per_chunk = self.blocks_per_chunk
+            p.kept_per_chunk = self.kept_per_chunk
             p.block_stride = shape.block_stride
             p.num_blocks = shape.num_blocks
             p.region_offset = shape.region_offset
             p.row_bytes = shape.row_bytes
-            p.plane_obj_stride = shape.plane_obj_stride
             p.page_obj_stride = shape.page_obj_stride
             p.num_runs = len(shape.runs)
             for i, run in enumerate(shape.runs):
@@ -226,8 +269,15 @@ class GroupLaunch:
             self._variant(direction, widest_unit([self.base_unit, objects.unit]))
 
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
-               block_ids: Any = None) -> None:
-        """Enqueue the group's copy on ``stream`` (``block_ids`` overrides ``group.block_ids``)."""
+               block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
+               max_ctas: int | None = None) -> None:
+        """Enqueue the group's copy on ``stream``.
+
+        ``block_ids`` overrides ``group.block_ids``; ``skip`` is a load's device-side
+        ``skip_first_n_tokens`` (then ``group.first_item`` is only the static lower bound);
+        ``max_ctas`` caps the CTAs of the launch (they loop over the work). An out-of-range
+        id is reported against the group's ``engine_group_idx``.
+        """
         num_chunks, kept, first_item = group.num_chunks, group.kept_per_chunk, group.first_item
         num_items = num_chunks * kept - first_item
         if num_items <= 0:
@@ -244,9 +294,11 @@ class GroupLaunch:
         if sizing is None:
             ipc = items_per_cta(self.shape.page_bytes, num_items,
                                 self.num_planes * len(self.shape.runs), self.device.num_sms)
-            sizing = self._ipc[num_items] = (
-                ipc, (-(-num_items // ipc), self.num_planes, len(self.shape.runs)))
-        ipc, grid = sizing
+            tiles = -(-num_items // ipc)
+            sizing = self._ipc[num_items] = (ipc, tiles,
+                                             tiles * self.num_planes * len(self.shape.runs))
+        ipc, tiles, work = sizing
+        grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         ids = group.block_ids if block_ids is None else block_ids
         with self.lock:
             found = self._variants.get((direction, vector))
@@ -260,13 +312,61 @@ class GroupLaunch:
                 p.inline_objs[: len(objects.addresses)] = objects.addresses
             else:
                 p.obj_table = objects.table.data_ptr()
-            p.blocks_per_chunk = group.blocks_per_chunk
-            p.kept_per_chunk = kept
             p.first_item = first_item
             p.num_items = num_items
             p.items_per_cta = ipc
+            p.num_tiles = tiles
+            if skip is None:
+                if p.skip_mode:
+                    p.skip_mode = P.SKIP_NONE
+            else:
+                p.skip_mode, p.skip = skip.mode, skip.address
+                p.skip_mul, p.skip_div, p.skip_max = skip.mul, skip.div, skip.limit
             launcher.launch(function, grid, P.THREADS, stream)
         del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
+
+
+@dataclass(frozen=True)
+class DeviceSkip:
+    """A load's ``skip_first_n_tokens`` held in device memory, for one kernel group: the
+    kernel reads it at run time and skips ``s = skip * mul // div`` blocks the way
+    ``kvgroups_core.plan.first_item_for_skip`` does; values outside ``[0, limit]`` are
+    reported and clamped."""
+
+    tensor: torch.Tensor
+    mode: int
+    address: int
+    mul: int
+    div: int
+    limit: int
+
+
+def device_skip(skip: torch.Tensor, mul: int, div: int, limit: int,
+                device_index: int) -> DeviceSkip:
+    """Check a device skip's static facts (one int32/int64 element on the caches' GPU)."""
+    if not _on_device(skip, device_index):
+        raise KVGroupsValueError(
+            f"skip_first_n_tokens: expected a tensor on cuda:{device_index}, got {skip.device}"
+        )
+    if skip.dtype not in (torch.int32, torch.int64) or skip.numel() != 1:
+        raise KVGroupsTypeError(
+            f"skip_first_n_tokens: expected one int32 or int64 element, got {skip.dtype} of "
+            f"shape {tuple(skip.shape)}"
+        )
+    mode = P.SKIP_DEVICE32 if skip.dtype == torch.int32 else P.SKIP_DEVICE64
+    return DeviceSkip(skip, mode, skip.data_ptr(), mul, max(div, 1), limit)
+
+
+def _on_device(t: torch.Tensor, device_index: int) -> bool:
+    """Whether ``t`` lives on the launch's GPU (the CPU launch emulation replaces this)."""
+    return t.is_cuda and t.get_device() == device_index
+
+
+def object_plane(plane: Any, position: int) -> int:
+    """The plane's index in its kernel group's object region (``PlaneRef.object_plane``; a
+    whole-model plan's planes are in object order, so older plans fall back to position)."""
+    found = getattr(plane, "object_plane", None)
+    return position if found is None else found
 
 
 def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
@@ -279,8 +379,15 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
         p.inline_view[:needed] = ids[:needed]
         p.ids_mode = P.IDS_INLINE32
         return None
-    if isinstance(ids, torch.Tensor) and ids.is_cuda:
-        if ids.get_device() != device_index:
+    if type(ids) is torch.Tensor and ids.is_cuda and ids.dtype in _ID_DTYPES \
+            and ids.get_device() == device_index and ids.is_contiguous() \
+            and ids.numel() >= needed:
+        # Device ids read in place (the common case, checks ordered cheapest first).
+        p.ids = ids.data_ptr()
+        p.ids_mode = P.IDS_DEVICE32 if ids.dtype is torch.int32 else P.IDS_DEVICE64
+        return ids
+    if isinstance(ids, torch.Tensor) and (ids.is_cuda or _on_device(ids, device_index)):
+        if not _on_device(ids, device_index):
             raise KVGroupsValueError(
                 f"block_ids: expected a tensor on cuda:{device_index}, got {ids.device}"
             )
@@ -313,7 +420,8 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
     return dev
 
 
-_CACHE_SIZE = 256
+_ID_DTYPES = (torch.int32, torch.int64)
+_CACHE_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
 _by_identity: OrderedDict[tuple, tuple[Any, Any, GroupLaunch]] = OrderedDict()
 _by_value: OrderedDict[tuple, GroupLaunch] = OrderedDict()
 _cache_lock = threading.Lock()
@@ -374,6 +482,7 @@ class DeviceCaches:
     """
 
     _MAX_OBJECTS = 64
+    _MAX_LAUNCHES = 4096
 
     def __init__(self, caches: Sequence[Any], device_index: int) -> None:
         self.index = device_index
@@ -419,6 +528,8 @@ class DeviceCaches:
         hit = self._launches.get(id(group.planes))
         if hit is None or hit[0] is not group.planes or hit[1] is not group.runs:
             hit = (group.planes, group.runs, group_launch(group, self.addresses, self.state))
+            if len(self._launches) >= self._MAX_LAUNCHES:
+                self._launches.clear()  # plans of many shapes (layer subsets, skips) came by
             self._launches[id(group.planes)] = hit
         return hit[2]
 
@@ -428,9 +539,29 @@ class DeviceCaches:
         launches = [self.launch_for(group) for group in plan.groups]  # may raise: none ran
         stream = current_stream(self.index)
         direction = plan.direction
+        skip, max_ctas = plan_options(plan, self.index)
         for i, group in enumerate(plan.groups):
             launches[i].launch(direction, group, bindings[group.object_group_idx], stream,
-                               None if block_ids is None else block_ids[i])
+                               None if block_ids is None else block_ids[i],
+                               skip=None if skip is None else group_skip(skip, group),
+                               max_ctas=max_ctas)
+
+
+def plan_options(plan: Any, device_index: int) -> tuple[DeviceSkip | None, int | None]:
+    """The launch options a plan carries: its device skip (checked once for every group)
+    and its CTA cap."""
+    skip = getattr(plan, "skip_tokens", None)
+    if skip is not None:
+        skip = device_skip(skip, 1, 1, 0, device_index)
+    max_ctas = getattr(plan, "max_ctas", None)
+    return skip, max_ctas
+
+
+def group_skip(skip: DeviceSkip, group: Any) -> DeviceSkip:
+    """``skip`` with the token-to-block rule and the bound of ``group``."""
+    tpb = getattr(group, "tokens_per_block", 0) or group.block_size
+    covered = group.num_chunks * group.blocks_per_chunk * tpb
+    return DeviceSkip(skip.tensor, skip.mode, skip.address, 1, tpb, covered)
 
 
 _raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -484,19 +615,31 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
                 spans = _region_spans(plan, g)
                 entry = _stage(entry, direction, device_index, spans, copies_after)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
+    skip, max_ctas = plan_options(plan, device_index)
+    launches = [group_launch(group, addresses, state) for group in plan.groups]
     for i, group in enumerate(plan.groups):
         ids = None if block_ids is None else block_ids[i]
-        launch = group_launch(group, addresses, state)
-        launch.launch(direction, group, bindings[group.object_group_idx], stream, ids)
+        launches[i].launch(direction, group, bindings[group.object_group_idx], stream, ids,
+                           skip=None if skip is None else group_skip(skip, group),
+                           max_ctas=max_ctas)
     for host, staging in copies_after:
         host.copy_(staging, non_blocking=True)
 
 
 def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
     """Byte ranges ``[start, stop)`` of each chunk's object that the plan's groups touch,
-    merged: a staged store copies back only these (other bytes stay untouched)."""
-    spans = sorted((g.region_offset, g.region_offset + g.region_nbytes)
-                   for g in plan.groups if g.object_group_idx == object_group)
+    merged: a staged store copies back only these (other bytes stay untouched). Each plane
+    owns ``slots * row_bytes`` bytes at its object plane, so a layer-subset plan copies back
+    only its layers' rows."""
+    spans = []
+    for g in plan.groups:
+        if g.object_group_idx != object_group:
+            continue
+        rows = g.slots * g.row_bytes
+        for p, plane in enumerate(g.planes):
+            start = g.region_offset + object_plane(plane, p) * rows
+            spans.append((start, start + rows))
+    spans.sort()
     merged: list[tuple[int, int]] = []
     for start, stop in spans:
         if merged and start <= merged[-1][1]:

@@ -57,19 +57,27 @@ def torch_dtype(dtype: DType) -> torch.dtype:
         ) from None
 
 
+def is_abstract_tensor(x: torch.Tensor) -> bool:
+    """A tensor without readable memory: a ``torch.compile`` fake (or its functional
+    wrapper) or a meta tensor."""
+    return x.device.type == "meta" or torch._subclasses.fake_tensor.is_fake(x)
+
+
 def describe_tensor(x: torch.Tensor) -> TensorDesc:
     """Describe a torch tensor: shape, strides (elements), dtype, device, address.
 
     ``device`` is ``"cuda:N"`` for GPU tensors, ``"cuda_host"`` for pinned host tensors and
     ``"cpu"`` for pageable ones; ``obj`` is ``x`` itself (kept alive by the descriptor).
+    Inside ``torch.compile`` (fake tensors) the descriptor is abstract: shape, dtype, strides
+    and device, no pointer.
     """
     if not isinstance(x, torch.Tensor):
         raise KVGroupsTypeError(f"tensor: expected a torch.Tensor, got {type(x).__name__}")
     dtype = dtype_of(x)
-    if x.device.type == "meta":
-        # No memory behind it: abstract, enough to plan; transfers refuse it (validate_caches).
-        return TensorDesc(TensorSpec(tuple(x.shape), dtype, tuple(x.stride()), "meta"), 0, 0,
-                          x, "torch")
+    if is_abstract_tensor(x):
+        spec = TensorSpec(tuple(int(n) for n in x.shape), dtype,
+                          tuple(int(n) for n in x.stride()), _device_name(x.device))
+        return TensorDesc(spec, 0, 0, x, "torch", abstract=True)
     source = x.detach()
     if x.dtype in _BYTE_VIEW:
         source = source.view(torch.uint8)
@@ -79,3 +87,9 @@ def describe_tensor(x: torch.Tensor) -> TensorDesc:
         device = "cuda_host"
     spec = TensorSpec(desc.spec.shape, dtype, desc.spec.strides, device)
     return TensorDesc(spec, desc.data_ptr, desc.byte_offset, x, "torch")
+
+
+def _device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"cuda:{device.index if device.index is not None else 0}"
+    return device.type

@@ -15,12 +15,14 @@ MAX_TILE = 64
 INLINE_IDS = 512
 INLINE_OBJS = 64
 THREADS = 256
+ERR_WORDS = 8
 
 #: Vector widths a kernel variant exists for, widest first.
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
 
 # ids_mode / obj_mode values of KvgParams.
 IDS_INLINE32, IDS_DEVICE32, IDS_DEVICE64 = 0, 1, 2
+SKIP_NONE, SKIP_DEVICE32, SKIP_DEVICE64 = 0, 1, 2
 OBJ_STRIDED, OBJ_TABLE, OBJ_INLINE = 0, 1, 2
 
 _u64 = ctypes.c_uint64
@@ -54,6 +56,12 @@ def pow2_shifts(page_units: int, units_per_token: int, units_per_piece: int) -> 
     return out
 
 
+class KvgPlane(ctypes.Structure):
+    """One entry of the plane table: the plane's cache base and its object row offset."""
+
+    _fields_ = [("base", _u64), ("obj_offset", _i64)]
+
+
 class KvgParams(ctypes.Structure):
     """Everything one launch needs (see the comments of ``page_copy.cu``)."""
 
@@ -63,13 +71,16 @@ class KvgParams(ctypes.Structure):
         ("obj_chunk_stride", _i64),
         ("obj_table", _u64),
         ("ids", _u64),
-        ("err_flag", _u64),
+        ("err_record", _u64),
+        ("skip", _u64),
         ("block_stride", _i64),
         ("num_blocks", _i64),
         ("region_offset", _i64),
         ("row_bytes", _i64),
-        ("plane_obj_stride", _i64),
         ("page_obj_stride", _i64),
+        ("skip_mul", _i64),
+        ("skip_div", _i64),
+        ("skip_max", _i64),
         ("blocks_per_chunk", _i32),
         ("kept_per_chunk", _i32),
         ("first_item", _i32),
@@ -78,6 +89,12 @@ class KvgParams(ctypes.Structure):
         ("ids_mode", _i32),
         ("obj_mode", _i32),
         ("num_runs", _i32),
+        ("num_planes", _i32),
+        ("num_tiles", _i32),
+        ("skip_mode", _i32),
+        ("err_engine_group", _i32),
+        ("err_kernel_group", _i32),
+        ("pad_", _i32),
         ("runs", KvgRun * MAX_RUNS),
         ("inline_objs", _u64 * INLINE_OBJS),
         ("inline_ids", _i32 * INLINE_IDS),

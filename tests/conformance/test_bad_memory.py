@@ -5,12 +5,10 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
-from kvgroups_core.engine_groups import EngineGroupInfo
+from kvgroups_conformance.caches import make_caches
 from kvgroups_core.formats import EngineKVFormat as F
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.objects import object_nbytes
-
-from kvgroups_conformance.caches import make_caches
 
 CHUNK, BS, NB = 16, 4, 12
 

@@ -138,6 +138,16 @@ def test_info_layer_order_does_not_matter():
     assert m.kernel_groups[0].layer_indices == [0, 1, 2]
 
 
+def test_infos_may_come_in_the_engines_order_not_the_kernel_groups():
+    # vLLM lists sliding-window groups before full attention: infos are matched by layers.
+    caches = [kv_layer(8), kv_layer(16), kv_layer(8), kv_layer(16)]
+    infos = [info(1, [1, 3], sw=64), info(0, [0, 2])]
+    m = KVLayerGroupsManager(caches, NHD, infos)
+    assert [g.layer_indices for g in m.kernel_groups] == [[0, 2], [1, 3]]
+    assert [g.engine_group_idx for g in m.kernel_groups] == [0, 1]
+    assert [g.sw_size_tokens for g in m.kernel_groups] == [-1, 64]
+
+
 def test_tokens_per_block_must_be_a_multiple_of_slots_per_block():
     with pytest.raises(ValueError, match="must be a multiple of slots_per_block"):
         KVLayerGroupsManager([kv_layer(bs=16)], NHD, [info(0, [0], tpb=24)])

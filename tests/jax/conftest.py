@@ -1,9 +1,17 @@
+import os
 import sys
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+
+# Eight CPU devices for the sharded-cache tests (a mesh like a TP engine's); read when JAX
+# first starts its CPU client, so set before any test asks for a device. Only the CPU
+# platform is affected (GPU tests keep the real devices).
+if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_force_host_platform_device_count=8").strip()
 
 jax = pytest.importorskip("jax")
 

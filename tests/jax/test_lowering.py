@@ -161,3 +161,33 @@ def test_triton_warps_follow_the_box_size():
 
     assert default_warps(_geom("nhd", 8, 128)) == 8   # one 32 KiB box per page
     assert default_warps(_geom("nhd", 1, 64)) == 4    # 2 KiB pages
+
+
+def _lower_fresh_store(layout, lowering):
+    arrays, g = make_group(layout, "bfloat16", nb=32, bs=16, nh=8, hs=128, num_chunks=2, bpc=4)
+    nbytes = g.num_planes * g.slots * g.row_bytes
+    plan = make_plan("store", [g], arrays, [nbytes])
+    caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+        return executor.lower_plan(plan, lowering, caches, [None]).as_text()
+
+
+def _assert_object_is_a_kernel_output(text, marker):
+    # No object argument, no zero-filled buffer, no aliasing: the kernel's result is the object.
+    calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
+    assert calls and all(marker in c for c in calls), calls
+    assert not any("output_operand_aliases = [#stablehlo.output_operand_alias" in c
+                   for c in calls)
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert "tf.aliasing_output" not in main and "ui8" not in main.split("->")[0]
+    assert "stablehlo.broadcast_in_dim" not in text
+
+
+def test_triton_store_without_objects_makes_the_object_the_kernel_output():
+    _assert_object_is_a_kernel_output(_lower_fresh_store("nhd", "triton"),
+                                      "__gpu$xla.gpu.triton")
+
+
+@needs_absl
+def test_mosaic_store_without_objects_makes_the_object_the_kernel_output():
+    _assert_object_is_a_kernel_output(_lower_fresh_store("nhd", "mosaic"), "@mosaic_gpu")

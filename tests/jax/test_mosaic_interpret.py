@@ -8,16 +8,16 @@ abstract-H200 lowering in test_lowering.py does) nor real asynchrony.
 
 import functools
 import importlib.util
+from dataclasses import replace
 from unittest import mock
 
 import jax
 import numpy as np
 import pytest
-from checks import as_bytes
+from checks import as_bytes, reference_transfer
 from kvgroups_jax import pallas_mosaic
 from kvgroups_jax.executor import _padded_ids
 from kvgroups_jax.geometry import bucket, group_geometry
-from kvgroups_jax.reference import reference_transfer
 from kvgroups_jax.views import flat_view, object_unview, object_view, unflat_view
 from layouts import make_group, make_plan
 
@@ -95,3 +95,53 @@ def test_other_widths_and_a_sliding_window(dtype):
         arrays, g = make_group("nhd", dtype, nb=8, bs=4, nh=2, hs=256, num_chunks=3, bpc=2,
                                kept=1, first_item=1 if direction == "load" else 0, seed=3)
         run_interpreted(direction, g, arrays)
+
+
+def _mosaic(direction, g, arrays, obj, ids, fresh=False):
+    nbytes = _nbytes(g)
+    plan = make_plan(direction, [g], arrays, [nbytes])
+    geom = group_geometry(g, plan.tensor_specs, nbytes)
+    meta = np.array([g.first_item, g.num_items], np.int32)
+
+    @jax.jit
+    def run(caches, obj, ids):
+        views = tuple(flat_view(caches[s], geom.unit) for s in geom.operand_slots)
+        target = (jax.ShapeDtypeStruct((obj.shape[0], obj.shape[1] // geom.unit),
+                                       views[0].dtype) if fresh else object_view(obj, geom.unit))
+        out = pallas_mosaic.copy_group(direction, geom, bucket(g.num_items), meta, ids, target,
+                                       views, interpret=True)
+        if direction == "store":
+            return object_unview(out, geom.unit)
+        return tuple(unflat_view(v, caches[s].shape, caches[s].dtype, geom.unit)
+                     for s, v in zip(geom.operand_slots, out))
+
+    return run(tuple(jax.numpy.asarray(a) for a in arrays), jax.numpy.asarray(obj),
+               jax.numpy.asarray(ids, jax.numpy.int32))
+
+
+def test_interpreted_tma_store_can_create_its_object():
+    arrays, g = make_group("nhd", "bfloat16", nb=8, bs=4, nh=2, hs=128, num_chunks=2, bpc=2)
+    obj = np.zeros((2, _nbytes(g)), np.uint8)
+    exp_c = [a.copy().view(np.uint8).reshape(-1) for a in arrays]
+    exp_o = obj.copy().reshape(-1)
+    reference_transfer("store", g, exp_c, exp_o, _nbytes(g))
+    out = _mosaic("store", g, arrays, obj, g.block_ids, fresh=True)
+    np.testing.assert_array_equal(as_bytes(out), exp_o)
+
+
+def test_interpreted_tma_load_drops_out_of_range_ids():
+    arrays, g = make_group("nhd", "bfloat16", nb=8, bs=4, nh=2, hs=128, num_chunks=2, bpc=2)
+    obj = np.random.default_rng(2).integers(0, 256, (2, _nbytes(g)), np.uint8)
+    good = np.array([2, 3, 6, 7])
+    exp_c = [a.copy().view(np.uint8).reshape(-1) for a in arrays]
+    reference_transfer("load", replace(g, block_ids=good), exp_c, obj.copy().reshape(-1),
+                       _nbytes(g))
+    out = _mosaic("load", g, arrays, obj, np.array([2, 3, 6, 99]))
+    block = 4 * 2 * 128 * 2
+    for c, before, moved in zip(out, arrays, exp_c):
+        got, before = as_bytes(c), before.view(np.uint8).reshape(-1)
+        for kv in range(2):
+            for blk in range(8):
+                lo = (kv * 8 + blk) * block
+                want = moved if blk in (2, 3, 6) else before
+                np.testing.assert_array_equal(got[lo:lo + block], want[lo:lo + block])

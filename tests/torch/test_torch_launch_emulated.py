@@ -22,50 +22,83 @@ def _write(addr, data):
     ctypes.memmove(addr, np.ascontiguousarray(data).ctypes.data, data.size)
 
 
+def _report(p, value, engine_group, bound):
+    rec = _read(p.err_record, 8 * P.ERR_WORDS).view(np.int64).copy()
+    if rec[0] == 0:
+        rec[:5] = (1, value, engine_group, p.err_kernel_group, bound)
+    rec[5] += 1
+    _write(p.err_record, rec.view(np.uint8))
+
+
+def _first_item(p, report):
+    """kvg_first_item of page_copy.cu."""
+    if p.skip_mode == P.SKIP_NONE:
+        return p.first_item
+    size, fmt = (4, np.int32) if p.skip_mode == P.SKIP_DEVICE32 else (8, np.int64)
+    skip = int(_read(p.skip, size).view(fmt)[0])
+    if not 0 <= skip <= p.skip_max:
+        if report:
+            _report(p, skip, -1, p.skip_max)
+        skip = min(max(skip, 0), p.skip_max)
+    s = skip * p.skip_mul // p.skip_div
+    bpc, kept = p.blocks_per_chunk, p.kept_per_chunk
+    first = (s // bpc) * kept + max(s % bpc - (bpc - kept), 0)
+    return min(max(first, p.first_item), p.first_item + p.num_items)
+
+
 def emulate(p: P.KvgParams, name: str, grid, launches: list):
-    """page_copy.cu, one CTA at a time (threads folded into NumPy slices)."""
+    """page_copy.cu, one work unit at a time (threads folded into NumPy slices)."""
     direction, vec, kind = name.split("_")[1], int(name.split("_")[2][1:]), name.split("_")[3]
     launches.append((name, tuple(grid), p.items_per_cta))
+    assert grid[1] == grid[2] == 1
     store = direction == "store"
-    for x in range(grid[0]):
-        for plane in range(grid[1]):
-            for z in range(grid[2]):
-                r = p.runs[z]
-                tile0 = x * p.items_per_cta
-                for it in range(min(p.items_per_cta, p.num_items - tile0)):
-                    item = p.first_item + tile0 + it
-                    chunk, pos = divmod(item, p.kept_per_chunk)
-                    where = chunk * p.blocks_per_chunk + p.blocks_per_chunk - p.kept_per_chunk + pos
-                    if p.ids_mode == P.IDS_INLINE32:
-                        bid = p.inline_ids[where]
+    num_work = p.num_tiles * p.num_planes * p.num_runs
+    for cta in range(grid[0]):
+        for w in range(cta, num_work, grid[0]):
+            tile, rest = w % p.num_tiles, w // p.num_tiles
+            plane, z = rest % p.num_planes, rest // p.num_planes
+            counts = plane == 0 and z == 0
+            first = _first_item(p, counts and tile == 0)
+            r = p.runs[z]
+            tile0 = tile * p.items_per_cta
+            for it in range(min(p.items_per_cta, p.num_items - tile0)):
+                item = p.first_item + tile0 + it
+                if item < first:
+                    continue
+                chunk, pos = divmod(item, p.kept_per_chunk)
+                where = chunk * p.blocks_per_chunk + p.blocks_per_chunk - p.kept_per_chunk + pos
+                if p.ids_mode == P.IDS_INLINE32:
+                    bid = p.inline_ids[where]
+                else:
+                    size, fmt = (4, np.int32) if p.ids_mode == P.IDS_DEVICE32 else (8, np.int64)
+                    bid = int(_read(p.ids + size * where, size).view(fmt)[0])
+                if not 0 <= bid < p.num_blocks:
+                    if counts:
+                        _report(p, bid, p.err_engine_group, p.num_blocks)
+                    continue
+                base, plane_off = _read(p.plane_table + 16 * plane, 16).view(np.int64).tolist()
+                base &= (1 << 64) - 1
+                if p.obj_mode == P.OBJ_STRIDED:
+                    obj = p.obj_base + chunk * p.obj_chunk_stride
+                elif p.obj_mode == P.OBJ_TABLE:
+                    obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
+                else:
+                    obj = p.inline_objs[chunk]
+                cache_page = base + bid * p.block_stride + r.cache_offset
+                obj_page = (obj + p.region_offset + plane_off + pos * p.page_obj_stride
+                            + r.obj_offset)
+                for k in range(r.page_units):
+                    if kind == "contig":
+                        c_off = o_off = k * vec
                     else:
-                        size, fmt = (4, np.int32) if p.ids_mode == P.IDS_DEVICE32 else (8, np.int64)
-                        bid = int(_read(p.ids + size * where, size).view(fmt)[0])
-                    if not 0 <= bid < p.num_blocks:
-                        _write(p.err_flag, np.array([1], np.int32).view(np.uint8))
-                        continue
-                    base = int(_read(p.plane_table + 8 * plane, 8).view(np.uint64)[0])
-                    if p.obj_mode == P.OBJ_STRIDED:
-                        obj = p.obj_base + chunk * p.obj_chunk_stride
-                    elif p.obj_mode == P.OBJ_TABLE:
-                        obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
-                    else:
-                        obj = p.inline_objs[chunk]
-                    cache_page = base + bid * p.block_stride + r.cache_offset
-                    obj_page = (obj + p.region_offset + plane * p.plane_obj_stride
-                                + pos * p.page_obj_stride + r.obj_offset)
-                    for k in range(r.page_units):
-                        if kind == "contig":
-                            c_off = o_off = k * vec
-                        else:
-                            t, r2 = divmod(k, r.units_per_token)
-                            piece, w = divmod(r2, r.units_per_piece)
-                            c_off = t * r.token_stride + piece * r.cache_step + w * vec
-                            o_off = t * p.row_bytes + piece * r.obj_step + w * vec
-                        c_addr, o_addr = cache_page + c_off, obj_page + o_off
-                        assert c_addr % vec == 0 and o_addr % vec == 0, "misaligned vector"
-                        src, dst = (c_addr, o_addr) if store else (o_addr, c_addr)
-                        _write(dst, _read(src, vec))
+                        t, r2 = divmod(k, r.units_per_token)
+                        piece, wu = divmod(r2, r.units_per_piece)
+                        c_off = t * r.token_stride + piece * r.cache_step + wu * vec
+                        o_off = t * p.row_bytes + piece * r.obj_step + wu * vec
+                    c_addr, o_addr = cache_page + c_off, obj_page + o_off
+                    assert c_addr % vec == 0 and o_addr % vec == 0, "misaligned vector"
+                    src, dst = (c_addr, o_addr) if store else (o_addr, c_addr)
+                    _write(dst, _read(src, vec))
 
 
 @pytest.fixture
@@ -80,7 +113,7 @@ def emulated(monkeypatch):
         index = 0
         arch = "sm_90"
         num_sms = 4
-        err_flag = torch.zeros(1, dtype=torch.int32)
+        err_record = torch.zeros(P.ERR_WORDS, dtype=torch.int64)
         kernels = FakeKernels()
 
     class FakeLauncher:
@@ -88,7 +121,7 @@ def emulated(monkeypatch):
             self.address = params_address
 
         def launch(self, function, grid, threads, stream):
-            assert threads == P.THREADS and grid[1] <= 65535
+            assert threads == P.THREADS
             emulate(P.KvgParams.from_address(self.address), NAMES[function], grid, launches)
 
     monkeypatch.setattr(cuda_path, "device_state", lambda index: FakeDevice())
@@ -163,14 +196,14 @@ def test_emulated_ids_beyond_the_inline_capacity(emulated):
 
 def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
     _, device = emulated
-    device.err_flag.zero_()
+    device.err_record.zero_()
     rng = np.random.default_rng(9)
     case = make_case("hnd", "float16", "load", rng, nb=8, bs=2, hs=8, num_chunks=2, bpc=3,
                      kept=3)
     bad = np.array([2, 8, -1, 5, 2**31 + 3, 7], dtype=np.int64)
     want_caches, _ = oracle(case, ids=bad)
     got_caches, _ = _run(case, ids=bad)
-    assert int(device.err_flag[0]) == 1
+    assert device.err_record[:6].tolist() == [1, 8, 0, 0, 8, 3]  # first bad id 8, 3 bad
     for got, want in zip(got_caches, want_caches):
         np.testing.assert_array_equal(got, want)
 
@@ -321,3 +354,123 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
         bound.run(torch.from_numpy(ids))
         assert len(launches) == before + 1
         np.testing.assert_array_equal(objects.numpy(), oracle(case, ids=ids)[1])
+
+
+# Device-side ids, skips, layer subsets and the CTA cap through the public prepared calls,
+# on CPU tensors standing in for CUDA ones: TorchBackend keeps them where they are (as it
+# does CUDA tensors), the emulated kernel reads them by address, and the error record is
+# the emulated device's.
+
+
+@pytest.fixture
+def device_ids(emulated, monkeypatch):
+    from kvgroups_torch.backend import TorchBackend
+
+    monkeypatch.setattr(cuda_path, "_on_device", lambda t, index: True)
+
+    def spec(self, x):
+        if isinstance(x, torch.Tensor):
+            return str(x.dtype).rpartition(".")[2], tuple(x.shape)
+        return None
+
+    monkeypatch.setattr(TorchBackend, "device_ids_spec", spec)
+    return emulated
+
+
+def test_emulated_device_ids_drop_bad_items_and_record_the_first_bad_value(device_ids):
+    from engine_cases import cache_bytes, object_bytes, random_objects, reference_with_drops
+
+    from kvgroups_core.errors import KVGroupsIndexError
+
+    launches, device = device_ids
+    device.err_record.zero_()
+    manager, fast, _ = _pair("llama3-8b", 21)
+    bad = np.random.default_rng(22).permutation(12)[:8]
+    bad[[3, 6]] = [12, -5]
+    for direction in ("store", "load"):
+        objects = random_objects(manager, 2, seed=23)
+        want_caches, want_objects, met = reference_with_drops(manager, fast.kv_caches, objects,
+                                                              bad, direction)
+        ids = torch.from_numpy(bad.astype(np.int32))
+        before = len(launches)
+        if direction == "store":
+            fast.store(ids, objects)
+        else:
+            fast.load(objects, ids)
+        assert len(launches) == before + 1 and met == {12, -5}
+        for got, want in zip(object_bytes(objects), want_objects):
+            np.testing.assert_array_equal(got, want)
+        for got, want in zip(cache_bytes(fast.kv_caches), want_caches):
+            np.testing.assert_array_equal(got, want)
+        rec = device.err_record.tolist()
+        assert rec[0] == 1 and rec[1] == 12 and rec[4] == 12 and rec[5] == 2
+        with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in "
+                                                     r"\[0, 12\).*got 12"):
+            cuda_path.raise_recorded(device.err_record, "cuda:0")
+        assert device.err_record.tolist() == [0] * P.ERR_WORDS  # cleared by the check
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
+def test_emulated_device_skip_matches_the_host_skip(device_ids, name):
+    from engine_cases import cache_bytes, random_objects
+
+    manager, fast, ref = _pair(name, 24)
+    rng = np.random.default_rng(25)
+    ids = _ids_for(manager, rng, 2)
+    dev_ids = {g: torch.from_numpy(v) for g, v in ids.items()} if isinstance(ids, dict) \
+        else torch.from_numpy(ids)
+    skip = torch.zeros((), dtype=torch.int64)
+    for tokens in (0, 16, 48, 64, 80, 128):
+        objects = random_objects(manager, 2, seed=tokens)
+        skip.fill_(tokens)  # the same tensor each call, as a graph replay reads it
+        fast.load(objects, dev_ids, skip_first_n_tokens=skip)
+        ref.load([o.clone() for o in objects], ids, skip_first_n_tokens=tokens)
+        for a, b in zip(cache_bytes(fast.kv_caches), cache_bytes(ref.kv_caches)):
+            np.testing.assert_array_equal(a, b, err_msg=f"skip {tokens}")
+
+
+def test_emulated_device_skip_out_of_range_is_clamped_and_recorded(device_ids):
+    from engine_cases import cache_bytes, random_objects
+
+    from kvgroups_core.errors import KVGroupsValueError
+
+    _, device = device_ids
+    device.err_record.zero_()
+    manager, fast, ref = _pair("llama3-8b", 26)
+    ids = np.arange(8)
+    objects = random_objects(manager, 2, seed=27)
+    fast.load(objects, torch.from_numpy(ids), skip_first_n_tokens=torch.tensor(-7))
+    ref.load([o.clone() for o in objects], ids, skip_first_n_tokens=0)  # clamped to 0
+    for a, b in zip(cache_bytes(fast.kv_caches), cache_bytes(ref.kv_caches)):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(KVGroupsValueError, match=r"skip_first_n_tokens.*\[0, 128\].*got -7"):
+        cuda_path.raise_recorded(device.err_record, "cuda:0")
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
+def test_emulated_layer_subset_is_one_launch_per_kernel_group_at_its_object_rows(emulated,
+                                                                                  name):
+    launches, _ = emulated
+    manager, fast, ref = _pair(name, 28)
+    ids = _ids_for(manager, np.random.default_rng(29), 2)
+    for layer in range(2):
+        groups = [k for k, g in enumerate(manager.kernel_groups) if layer in g.layer_indices]
+        objects = [torch.from_numpy(np.random.default_rng(layer).integers(
+            0, 256, (2, n), dtype=np.uint8)) for n in fast.binding.object_nbytes]
+        want = ref.store(ids, [o.clone() for o in objects], layers=[layer])
+        before = len(launches)
+        fast.store(ids, objects, layers=[layer])
+        assert len(launches) - before == len(groups)
+        for a, b in zip(objects, want):
+            np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_emulated_cta_cap_loops_over_the_work_with_the_same_bytes(emulated):
+    launches, _ = emulated
+    manager, fast, ref = _pair("llama3-8b", 30)
+    ids = _ids_for(manager, np.random.default_rng(31), 2)
+    objects = [torch.zeros((2, n), dtype=torch.uint8) for n in fast.binding.object_nbytes]
+    fast.store(ids, objects, max_ctas=3)
+    assert launches[-1][1][0] == 3  # the grid: 3 CTAs for every work unit of the launch
+    for a, b in zip(objects, ref.store(ids)):
+        np.testing.assert_array_equal(a.numpy(), b.numpy())

@@ -27,6 +27,7 @@ def test_source_constants_match_the_host():
     assert int(defines["KVG_INLINE_IDS"]) == P.INLINE_IDS
     assert int(defines["KVG_INLINE_OBJS"]) == P.INLINE_OBJS
     assert int(defines["KVG_THREADS"]) == P.THREADS
+    assert int(defines["KVG_ERR_WORDS"]) == P.ERR_WORDS
 
 
 def test_cache_key_names_version_arch_and_changes_with_the_source(monkeypatch):

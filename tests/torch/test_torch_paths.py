@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 from cuda_marks import needs_cuda
-from kvgroups_torch import cuda_path, torch_path
+from kvgroups_torch import cpu_path, cuda_path
 from torch_page_cases import (
     ITEMSIZE,
     LAYOUTS,
@@ -29,7 +29,7 @@ IMPLS = [
 
 def _execute(impl, plan, caches, objects):
     if impl in ("cpu", "cuda-indexing"):
-        torch_path.run_plan(plan, caches, objects)
+        cpu_path.run_plan(plan, caches, objects)
     else:
         pinned = "staged" if impl == "cuda-staged" else "direct"
         cuda_path.run_plan(plan, caches, objects, caches[0].device.index, pinned=pinned)

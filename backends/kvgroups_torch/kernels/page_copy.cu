@@ -4,21 +4,29 @@
 // use with NVRTC by kvgroups_torch/nvrtc.py. One launch moves one GroupTransfer (see
 // kvgroups_core/plan.py and docs/DESIGN.md, "The page model"):
 //
-//   grid  = (ceil(num_items / items_per_cta), num_planes, num_runs)
+//   grid  = (min(num_tiles * num_planes * num_runs, CTA cap), 1, 1)
 //   block = KVG_THREADS threads
 //
-// CTA (x, p, r) moves segment run r of plane p for a tile of items_per_cta consecutive items.
-// Item i (counted from first_item) is chunk c = i / kept, kept position j = i % kept, block id
+// Work unit w = tile + num_tiles * (plane + num_planes * run) moves segment run `run` of plane
+// `plane` for a tile of items_per_cta consecutive items; CTA b does units b, b + gridDim.x, ...
+// (one unit per CTA unless the host capped the CTAs to leave SMs to other work). Item i (counted
+// from first_item) is chunk c = i / kept, kept position j = i % kept, block id
 // ids[c * bpc + bpc - kept + j]; the ids are read on the device (inline in the parameters, or
 // int32 / int64 device memory), so a launch needs no host work per block and can be captured
 // in a CUDA graph. Every id is checked against num_blocks: an out-of-range id moves nothing for
-// its item and sets *err_flag = 1.
+// its item and is reported in the device error record (see kvg_report).
+//
+// Load skips: first_item is the host's static lower bound. With skip_mode != 0 the kernel also
+// reads skip_first_n_tokens from device memory (a graph replays whatever the tensor holds) and
+// skips the items before first_item_for_skip (kvgroups_core/plan.py), computed per CTA.
 //
 // Byte u of piece k of token t of run r (all in bytes):
-//   cache : plane_base[p] + id * block_stride + r.cache_offset + k * r.cache_step
+//   cache : plane_table[p].base + id * block_stride + r.cache_offset + k * r.cache_step
 //           + t * r.token_stride + u
-//   object: object(c) + region_offset + p * plane_obj_stride + j * page_obj_stride
+//   object: object(c) + region_offset + plane_table[p].obj_offset + j * page_obj_stride
 //           + t * row_bytes + r.obj_offset + k * r.obj_step + u
+// plane_table[p].obj_offset = object_plane * slots * row_bytes: a plan of a layer subset moves
+// some planes of a kernel group into their own rows of the full object, in one launch.
 // object(c) = obj_base + c * obj_chunk_stride (one [num_chunks, nbytes] buffer), or
 // obj_table[c] (device table) / inline_objs[c] (separate per-chunk buffers). Object addresses
 // may point to pinned host memory (read and written directly through UVA).
@@ -37,6 +45,7 @@ typedef unsigned int kvg_u32;
 #define KVG_INLINE_IDS 512
 #define KVG_INLINE_OBJS 64
 #define KVG_THREADS 256
+#define KVG_ERR_WORDS 8
 // Tuning knobs (the host may override them with -D; they are part of the cubin cache key).
 // Defaults from the H200 sweeps of benchmarks/bench_torch_transfer.py --sweep, timed over
 // batches of back-to-back calls (torch_sweep_h200.jsonl): 4 loads in flight per thread beat
@@ -73,19 +82,32 @@ struct KvgRun {
     kvg_u32 shifts;
 };
 
+// The device error record (KVG_ERR_WORDS int64 words, zero when clean), one per GPU:
+//   [0] 1 once a launch met a bad value (claimed with atomicCAS, so [1]-[4] are the first's)
+//   [1] the first bad value   [2] its engine group (-1: skip_first_n_tokens)
+//   [3] its kernel group      [4] the bound it broke (num_blocks, or the tokens covered)
+//   [5] how many bad values were met (ids counted once per item, not per plane)
+struct KvgPlane {
+    kvg_u64 base;        // cache address of block 0 of the plane
+    kvg_i64 obj_offset;  // object_plane * slots * row_bytes
+};
+
 struct KvgParams {
-    kvg_u64 plane_table;       // device address of num_planes plane base addresses
+    kvg_u64 plane_table;       // device address of num_planes KvgPlane entries
     kvg_u64 obj_base;          // obj_mode 0: object of chunk 0
     kvg_i64 obj_chunk_stride;  // obj_mode 0: bytes between chunk objects
     kvg_u64 obj_table;         // obj_mode 1: device address of num_chunks object addresses
     kvg_u64 ids;               // ids_mode 1 / 2: device address of the group's block ids
-    kvg_u64 err_flag;          // device address of an int, set to 1 on an out-of-range id
+    kvg_u64 err_record;        // device address of the error record (KVG_ERR_WORDS int64)
+    kvg_u64 skip;              // skip_mode 1 / 2: device address of skip_first_n_tokens
     kvg_i64 block_stride;
     kvg_i64 num_blocks;
     kvg_i64 region_offset;
     kvg_i64 row_bytes;
-    kvg_i64 plane_obj_stride;  // slots * row_bytes
     kvg_i64 page_obj_stride;   // block_size * row_bytes
+    kvg_i64 skip_mul;          // device skip: blocks skipped s = skip * skip_mul / skip_div
+    kvg_i64 skip_div;
+    kvg_i64 skip_max;          // device skip: the tokens the ids cover (larger is an error)
     int blocks_per_chunk;
     int kept_per_chunk;
     int first_item;
@@ -94,6 +116,12 @@ struct KvgParams {
     int ids_mode;              // 0 inline int32, 1 device int32, 2 device int64
     int obj_mode;              // 0 strided, 1 device table, 2 inline table
     int num_runs;
+    int num_planes;
+    int num_tiles;             // ceil(num_items / items_per_cta)
+    int skip_mode;             // 0 none (first_item is exact), 1 device int32, 2 device int64
+    int err_engine_group;      // what the error record names for this launch's ids
+    int err_kernel_group;
+    int pad_;
     KvgRun runs[KVG_MAX_RUNS];
     kvg_u64 inline_objs[KVG_INLINE_OBJS];
     int inline_ids[KVG_INLINE_IDS];
@@ -104,6 +132,7 @@ struct KvgParams {
 // fail the build, not a launch. (NVRTC 13.0 has no offsetof without headers: size only.)
 static_assert(sizeof(KvgParams) == KVG_PARAMS_BYTES, "KvgParams size differs from the host");
 static_assert(sizeof(KvgRun) == KVG_RUN_BYTES, "KvgRun size differs from the host");
+static_assert(sizeof(KvgPlane) == 16, "KvgPlane is two 8-byte words");
 #endif
 
 struct alignas(16) kvg_v16 { kvg_u64 a, b; };
@@ -154,6 +183,39 @@ __device__ __forceinline__ kvg_i64 kvg_load_id(const KvgParams& p, kvg_i64 where
     return reinterpret_cast<const kvg_i64*>(p.ids)[where];
 }
 
+// Record a bad value: the first launch to claim word 0 writes the details; only CTAs of work
+// units of plane 0, run 0 count ids, so every bad item counts once.
+__device__ __noinline__ void kvg_report(const KvgParams& p, kvg_i64 value, int engine_group,
+                                        kvg_i64 bound, bool count) {
+    kvg_i64* rec = reinterpret_cast<kvg_i64*>(p.err_record);
+    if (atomicCAS(reinterpret_cast<unsigned long long*>(rec), 0ull, 1ull) == 0ull) {
+        rec[1] = value;
+        rec[2] = engine_group;
+        rec[3] = p.err_kernel_group;
+        rec[4] = bound;
+    }
+    if (count) atomicAdd(reinterpret_cast<unsigned long long*>(rec + 5), 1ull);
+}
+
+// First item to move: the host's bound, or first_item_for_skip of the device skip (clamped to
+// [0, skip_max] after reporting a value outside it).
+__device__ __forceinline__ int kvg_first_item(const KvgParams& p, bool report) {
+    if (p.skip_mode == 0) return p.first_item;
+    kvg_i64 skip = p.skip_mode == 1 ? (kvg_i64)*reinterpret_cast<const int*>(p.skip)
+                                    : *reinterpret_cast<const kvg_i64*>(p.skip);
+    if (skip < 0 || skip > p.skip_max) {
+        if (report) kvg_report(p, skip, -1, p.skip_max, true);
+        skip = skip < 0 ? 0 : p.skip_max;
+    }
+    const kvg_i64 s = skip * p.skip_mul / p.skip_div;
+    const kvg_i64 bpc = p.blocks_per_chunk, kept = p.kept_per_chunk;
+    const kvg_i64 tail = s % bpc - (bpc - kept);
+    kvg_i64 first = (s / bpc) * kept + (tail > 0 ? tail : 0);
+    if (first < p.first_item) first = p.first_item;
+    const kvg_i64 total = (kvg_i64)p.first_item + p.num_items;
+    return (int)(first < total ? first : total);
+}
+
 __device__ __forceinline__ kvg_u64 kvg_object(const KvgParams& p, int chunk) {
     if (p.obj_mode == 0) return p.obj_base + (kvg_u64)((kvg_i64)chunk * p.obj_chunk_stride);
     if (p.obj_mode == 1) return reinterpret_cast<const kvg_u64*>(p.obj_table)[chunk];
@@ -163,81 +225,92 @@ __device__ __forceinline__ kvg_u64 kvg_object(const KvgParams& p, int chunk) {
 template <bool STORE, int V, bool CONTIG>
 __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
     typedef typename KvgVec<V>::T T;
-    // Page start addresses of the tile's items; 0 marks an item whose block id was rejected.
+    // Page start addresses of the tile's items; 0 marks an item not moved (bad id, skipped).
     __shared__ kvg_u64 s_cache[KVG_MAX_TILE];
     __shared__ kvg_u64 s_obj[KVG_MAX_TILE];
 
-    const int plane = blockIdx.y;
-    const KvgRun& run = p.runs[blockIdx.z];
-    const int tile0 = blockIdx.x * p.items_per_cta;
-    const int n_tile = min(p.items_per_cta, p.num_items - tile0);
+    const int num_work = p.num_tiles * p.num_planes * p.num_runs;
+    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+        const int tile = w % p.num_tiles;
+        const int rest = w / p.num_tiles;
+        const int plane = rest % p.num_planes;
+        const int run_idx = rest / p.num_planes;
+        const KvgRun& run = p.runs[run_idx];
+        const bool counts = plane == 0 && run_idx == 0;
+        const int tile0 = tile * p.items_per_cta;
+        const int n_tile = min(p.items_per_cta, p.num_items - tile0);
+        const int first = kvg_first_item(p, counts && tile == 0 && threadIdx.x == 0);
 
-    if ((int)threadIdx.x < n_tile) {
-        const int item = p.first_item + tile0 + threadIdx.x;
-        const int chunk = item / p.kept_per_chunk;
-        const int pos = item - chunk * p.kept_per_chunk;
-        const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
-                              + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
-        const kvg_i64 id = kvg_load_id(p, where);
-        kvg_u64 cache_page = 0, obj_page = 0;
-        if (id >= 0 && id < p.num_blocks) {
-            const kvg_u64 base = reinterpret_cast<const kvg_u64*>(p.plane_table)[plane];
-            cache_page = base + (kvg_u64)(id * p.block_stride + run.cache_offset);
-            obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset
-                       + plane * p.plane_obj_stride + pos * p.page_obj_stride + run.obj_offset);
-        } else {
-            *reinterpret_cast<volatile int*>(p.err_flag) = 1;
-        }
-        s_cache[threadIdx.x] = cache_page;
-        s_obj[threadIdx.x] = obj_page;
-    }
-    __syncthreads();
-    if (n_tile <= 0) return;
-
-    const kvg_u32 page_units = run.page_units;
-    const kvg_u32 page_shift = run.shifts & 0xFFu;
-    const kvg_u32 token_shift = (run.shifts >> 8) & 0xFFu;
-    const kvg_u32 piece_shift = (run.shifts >> 16) & 0xFFu;
-    const kvg_u32 total = (kvg_u32)n_tile * page_units;
-    for (kvg_u32 k0 = threadIdx.x; k0 < total; k0 += KVG_THREADS * KVG_UNROLL) {
-        // Issue every load of the unrolled step before the first store: bytes in flight.
-        T v[KVG_UNROLL];
-        kvg_u64 dst[KVG_UNROLL];
-#pragma unroll
-        for (int s = 0; s < KVG_UNROLL; ++s) {
-            const kvg_u32 k = k0 + s * KVG_THREADS;
-            dst[s] = 0;
-            if (k < total) {
-                const kvg_u32 it = page_shift != 0xFFu ? k >> page_shift : k / page_units;
-                const kvg_u32 r = k - it * page_units;
-                const kvg_u64 cache_page = s_cache[it];
-                if (cache_page != 0) {
-                    kvg_i64 c_off, o_off;
-                    if (CONTIG) {
-                        c_off = (kvg_i64)r * V;
-                        o_off = c_off;
-                    } else {
-                        const kvg_u32 t = token_shift != 0xFFu ? r >> token_shift
-                                                               : r / run.units_per_token;
-                        const kvg_u32 r2 = r - t * run.units_per_token;
-                        const kvg_u32 piece = piece_shift != 0xFFu ? r2 >> piece_shift
-                                                                   : r2 / run.units_per_piece;
-                        const kvg_u32 w = r2 - piece * run.units_per_piece;
-                        c_off = t * run.token_stride + piece * run.cache_step + (kvg_i64)w * V;
-                        o_off = t * p.row_bytes + piece * run.obj_step + (kvg_i64)w * V;
-                    }
-                    const kvg_u64 c_addr = cache_page + (kvg_u64)c_off;
-                    const kvg_u64 o_addr = s_obj[it] + (kvg_u64)o_off;
-                    const kvg_u64 src = STORE ? c_addr : o_addr;
-                    dst[s] = STORE ? o_addr : c_addr;
-                    v[s] = kvg_ld<V>(src);
+        if ((int)threadIdx.x < n_tile) {
+            const int item = p.first_item + tile0 + threadIdx.x;
+            kvg_u64 cache_page = 0, obj_page = 0;
+            if (item >= first) {
+                const int chunk = item / p.kept_per_chunk;
+                const int pos = item - chunk * p.kept_per_chunk;
+                const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
+                                      + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
+                const kvg_i64 id = kvg_load_id(p, where);
+                if (id >= 0 && id < p.num_blocks) {
+                    const KvgPlane pl = reinterpret_cast<const KvgPlane*>(p.plane_table)[plane];
+                    cache_page = pl.base + (kvg_u64)(id * p.block_stride + run.cache_offset);
+                    obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset + pl.obj_offset
+                               + pos * p.page_obj_stride + run.obj_offset);
+                } else if (counts) {
+                    kvg_report(p, id, p.err_engine_group, p.num_blocks, true);
                 }
             }
+            s_cache[threadIdx.x] = cache_page;
+            s_obj[threadIdx.x] = obj_page;
         }
+        __syncthreads();
+
+        const kvg_u32 page_units = run.page_units;
+        const kvg_u32 page_shift = run.shifts & 0xFFu;
+        const kvg_u32 token_shift = (run.shifts >> 8) & 0xFFu;
+        const kvg_u32 piece_shift = (run.shifts >> 16) & 0xFFu;
+        const kvg_u32 total = n_tile > 0 ? (kvg_u32)n_tile * page_units : 0u;
+        for (kvg_u32 k0 = threadIdx.x; k0 < total; k0 += KVG_THREADS * KVG_UNROLL) {
+            // Issue every load of the unrolled step before the first store: bytes in flight.
+            T v[KVG_UNROLL];
+            kvg_u64 dst[KVG_UNROLL];
 #pragma unroll
-        for (int s = 0; s < KVG_UNROLL; ++s) {
-            if (dst[s] != 0) kvg_st<V>(dst[s], v[s]);
+            for (int s = 0; s < KVG_UNROLL; ++s) {
+                const kvg_u32 k = k0 + s * KVG_THREADS;
+                dst[s] = 0;
+                if (k < total) {
+                    const kvg_u32 it = page_shift != 0xFFu ? k >> page_shift : k / page_units;
+                    const kvg_u32 r = k - it * page_units;
+                    const kvg_u64 cache_page = s_cache[it];
+                    if (cache_page != 0) {
+                        kvg_i64 c_off, o_off;
+                        if (CONTIG) {
+                            c_off = (kvg_i64)r * V;
+                            o_off = c_off;
+                        } else {
+                            const kvg_u32 t = token_shift != 0xFFu ? r >> token_shift
+                                                                   : r / run.units_per_token;
+                            const kvg_u32 r2 = r - t * run.units_per_token;
+                            const kvg_u32 piece = piece_shift != 0xFFu ? r2 >> piece_shift
+                                                                       : r2 / run.units_per_piece;
+                            const kvg_u32 wu = r2 - piece * run.units_per_piece;
+                            c_off = t * run.token_stride + piece * run.cache_step
+                                    + (kvg_i64)wu * V;
+                            o_off = t * p.row_bytes + piece * run.obj_step + (kvg_i64)wu * V;
+                        }
+                        const kvg_u64 c_addr = cache_page + (kvg_u64)c_off;
+                        const kvg_u64 o_addr = s_obj[it] + (kvg_u64)o_off;
+                        const kvg_u64 src = STORE ? c_addr : o_addr;
+                        dst[s] = STORE ? o_addr : c_addr;
+                        v[s] = kvg_ld<V>(src);
+                    }
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < KVG_UNROLL; ++s) {
+                if (dst[s] != 0) kvg_st<V>(dst[s], v[s]);
+            }
         }
+        __syncthreads();  // the next work unit rewrites the tile's page addresses
     }
 }
 

@@ -143,7 +143,8 @@ def run_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any],
                      for buf, stride in buffers]
         flats = {}
         bs, row, kept = group.block_size, group.row_bytes // e, group.kept_per_chunk
-        for p, plane in enumerate(group.planes):
+        for plane in group.planes:
+            p = plane.object_plane  # the plane's rows in the region (a layer subset skips some)
             slot = plane.tensor_slot
             if slot not in flats:
                 flats[slot] = storage_view(caches[slot], e)

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
+from kvgroups_conformance.caches import TRANSFER_FORMATS, make_caches, random_bits
 from kvgroups_core import planner as planner_mod
 from kvgroups_core import registry, transfer
 from kvgroups_core.engine_groups import EngineGroupInfo
@@ -20,7 +21,6 @@ from kvgroups_core.objects import object_nbytes, object_regions
 from kvgroups_core.plan import first_item_for_skip
 from kvgroups_core.planner import bind, plan_call
 from kvgroups_core.reference import NumpyBackend, byte_view, execute_plan, run_group
-from tests.conformance.cases import TRANSFER_FORMATS, make_caches, random_bits
 
 CHUNK, BS, NB = 16, 4, 12
 

@@ -1,0 +1,523 @@
+"""vLLM's KV cache description -> a kvgroups manager, and vLLM's block ids -> ours.
+
+vLLM (v1) describes its cache with a ``KVCacheConfig``: KV cache groups (one block table
+each, so one *engine group* each for kvgroups), every group with one spec (or a
+``UniformTypeKVCacheSpecs`` holding one spec per layer), and ``KVCacheTensor`` backing
+allocations. The worker registers one tensor per attention layer, the logical
+``[blocks, heads, tokens, content]`` view of vLLM >= 0.32 (``content`` = K and V of one
+head side by side, or one MLA latent), or the older rank-5 FlashAttention/FlashInfer tensors.
+
+:func:`from_kv_cache_config` reads both and returns a :class:`VllmKVLayout`: the manager
+(one :class:`EngineGroupInfo` per kernel group, windows from the specs, tokens per block from
+the group's block size), the tensors in manager layer order, and the mapping of layer names.
+Without tensors (the scheduler process has none) it plans from TensorSpecs derived from the
+config alone, which gives the same groups, windows and object sizes.
+
+Attention windows: vLLM frees a sliding-window group's blocks that no future token attends
+(``num_computed - sliding_window + 1 - extra_retained_tokens`` tokens are skipped), so a
+sliding group needs only the last ``sliding_window - 1 + extra_retained_tokens`` tokens before
+a resume point; that count, rounded up to whole blocks, is the group's window. A chunked-local
+group needs nothing across a cache-chunk boundary when its local chunk divides the cache
+chunk: its layers are then left out (excluded); otherwise it counts as a window of
+``attention_chunk_size - 1`` tokens.
+
+vLLM's KV cache groups have separate block tables (one block pool, ids allocated per group),
+so layers of identical shape in two groups are two kernel groups and two launches; they share
+one object group when their windows match. That is what the block tables require, not a
+missed fusion.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvgroups_core import (
+    EXCLUDED_ENGINE_GROUP,
+    EngineGroupInfo,
+    EngineKVFormat,
+    KVLayerGroupsManager,
+    TensorSpec,
+    detect_format,
+    group_layers_by_identity,
+)
+from kvgroups_core.errors import (
+    KVGroupsIndexError,
+    KVGroupsTypeError,
+    KVGroupsValueError,
+    UnsupportedConfig,
+)
+
+#: vLLM spec classes the adapter understands, by class name (checked exactly, so a new
+#: subclass with unknown semantics is refused rather than misread).
+FULL_SPECS = ("FullAttentionSpec", "SinkFullAttentionSpec")
+MLA_SPECS = ("MLAAttentionSpec",)
+SLIDING_SPECS = ("SlidingWindowSpec",)
+SLIDING_MLA_SPECS = ("SlidingWindowMLASpec",)
+CHUNKED_SPECS = ("ChunkedLocalAttentionSpec",)
+KNOWN_SPECS = FULL_SPECS + MLA_SPECS + SLIDING_SPECS + SLIDING_MLA_SPECS + CHUNKED_SPECS
+
+_LAYOUT_ALIASES = {"NHD": "NHD", "HND": "HND"}
+
+
+def natural_key(name: str) -> list[Any]:
+    """Sort key putting ``layers.10`` after ``layers.9`` (model order of vLLM layer names)."""
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _layout_of(value: Any) -> str | None:
+    """'NHD' / 'HND' from our names or from vLLM's KVCacheLayout (name or member)."""
+    if value is None:
+        return None
+    name = getattr(value, "name", value)
+    if not isinstance(name, str):
+        raise KVGroupsTypeError(f"kv_cache_layout: expected 'NHD', 'HND' or a vLLM layout, got {value!r}")
+    name = name.upper()
+    if name in _LAYOUT_ALIASES:
+        return name
+    # vLLM >= 0.32 names the physical order of [L, B, H, N, C]: the per-layer block interior
+    # is heads-outer (HND) when H comes before N.
+    if len(name) == 5 and set(name) == set("LBHNC"):
+        return "HND" if name.index("H") < name.index("N") else "NHD"
+    raise KVGroupsValueError(
+        f"kv_cache_layout: expected 'NHD', 'HND' or a vLLM KVCacheLayout name, got {value!r}"
+    )
+
+
+def _dtype_name(dtype: Any) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _itemsize(dtype: Any) -> int:
+    size = getattr(dtype, "itemsize", None)
+    if size is None:
+        raise KVGroupsTypeError(f"spec dtype: expected a torch dtype, got {dtype!r}")
+    return int(size)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What the adapter needs from one layer's vLLM spec."""
+
+    name: str
+    group_id: int
+    kind: str  # "attention" or "mla"
+    block_size: int
+    window_tokens: int  # -1 = full attention; 0 = needs nothing across a chunk boundary
+    spec: Any = field(repr=False, compare=False, default=None)
+
+
+def _spec_for_layer(group_id: int, group: Any, name: str) -> Any:
+    spec = group.kv_cache_spec
+    if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+        per_layer = spec.kv_cache_specs
+        if name not in per_layer:
+            raise KVGroupsValueError(
+                f"kv_cache_groups[{group_id}]: layer {name!r} has no spec in its "
+                f"UniformTypeKVCacheSpecs (specs for {sorted(per_layer)})"
+            )
+        spec = per_layer[name]
+    return spec
+
+
+def _window_tokens(spec: Any, kind_name: str, chunk: int) -> int:
+    bs = int(spec.block_size)
+    if kind_name in SLIDING_SPECS + SLIDING_MLA_SPECS:
+        needed = int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0))
+        needed = max(needed, 1)
+        return -(-needed // bs) * bs if needed < chunk else needed
+    if kind_name in CHUNKED_SPECS:
+        local = int(spec.attention_chunk_size)
+        if chunk % local == 0:
+            return 0
+        needed = local - 1
+        return -(-needed // bs) * bs if needed < chunk else needed
+    return -1
+
+
+def read_layer_specs(kv_cache_config: Any, chunk: int) -> dict[str, LayerSpec]:
+    """Every layer of every KV cache group, keyed by layer name.
+
+    Raises UnsupportedConfig (a NotImplementedError) naming the group and layer for spec types
+    the adapter does not know (Mamba, cross-attention, ...), and KVGroupsValueError for a layer
+    listed in two groups.
+    """
+    out: dict[str, LayerSpec] = {}
+    groups = getattr(kv_cache_config, "kv_cache_groups", None)
+    if groups is None:
+        raise KVGroupsTypeError(
+            f"kv_cache_config: expected a vLLM KVCacheConfig, got {type(kv_cache_config).__name__}"
+        )
+    for gid, group in enumerate(groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            continue
+        for name in group.layer_names:
+            spec = _spec_for_layer(gid, group, name)
+            kind_name = type(spec).__name__
+            if kind_name not in KNOWN_SPECS:
+                raise UnsupportedConfig(
+                    f"kv_cache_groups[{gid}] layer {name!r}: spec type {kind_name} is not "
+                    f"supported (expected one of {', '.join(KNOWN_SPECS)})"
+                )
+            if name in out:
+                raise KVGroupsValueError(
+                    f"kv_cache_groups[{gid}]: layer {name!r} is already in group "
+                    f"{out[name].group_id}"
+                )
+            kind = "mla" if kind_name in MLA_SPECS + SLIDING_MLA_SPECS else "attention"
+            out[name] = LayerSpec(name, gid, kind, int(spec.block_size),
+                                  _window_tokens(spec, kind_name, chunk), spec)
+    return out
+
+
+def _spec_layer(kv_cache_config: Any, lspec: LayerSpec, layout: str) -> tuple[TensorSpec, EngineKVFormat]:
+    """The TensorSpec (and format) of one layer as the adapter would view vLLM's tensor,
+    from the config alone: [B, H, N, C] HND, its [B, N, H, C] NHD view, or MLA [B, N, C]."""
+    spec = lspec.spec
+    tensors = [t for t in kv_cache_config.kv_cache_tensors if lspec.name in t.layers]
+    if not tensors:
+        raise KVGroupsValueError(
+            f"kv_cache_config: layer {lspec.name!r} (group {lspec.group_id}) has no KVCacheTensor"
+        )
+    tensor = tensors[0]
+    num_blocks = (kv_cache_config.num_blocks_of(tensor)
+                  if hasattr(kv_cache_config, "num_blocks_of") else kv_cache_config.num_blocks)
+    item = _itemsize(spec.dtype)
+    heads = int(spec.num_heads)
+    rows = int(spec.num_states) if hasattr(spec, "num_states") else int(spec.block_size)
+    content_bytes = int(spec.state_content_size_bytes)
+    block_stride = int(tensor.block_stride)
+    if content_bytes % item or block_stride % item:
+        raise UnsupportedConfig(
+            f"layer {lspec.name!r}: content {content_bytes} B or block stride {block_stride} B "
+            f"is not a whole number of {_dtype_name(spec.dtype)} elements"
+        )
+    content, bstride, dtype = content_bytes // item, block_stride // item, _dtype_name(spec.dtype)
+    if lspec.kind == "mla":
+        return (TensorSpec((num_blocks, rows, content), dtype, strides=(bstride, content, 1)),
+                EngineKVFormat.NL_X_NB_BS_HS)
+    _check_content(lspec, content)
+    if layout == "HND":
+        return (TensorSpec((num_blocks, heads, rows, content), dtype,
+                           strides=(bstride, rows * content, content, 1)),
+                EngineKVFormat.NL_X_NB_NH_BS_CS)
+    return (TensorSpec((num_blocks, rows, heads, content), dtype,
+                       strides=(bstride, heads * content, content, 1)),
+            EngineKVFormat.NL_X_NB_BS_NH_CS)
+
+
+def _check_content(lspec: LayerSpec, content: int) -> None:
+    spec = lspec.spec
+    head_size = int(spec.head_size)
+    head_size_v = int(getattr(spec, "head_size_v", head_size) or head_size)
+    if head_size_v != head_size or content != 2 * head_size:
+        raise UnsupportedConfig(
+            f"layer {lspec.name!r}: expected K and V of {head_size} elements side by side "
+            f"(content {2 * head_size}), got content {content} with head_size_v {head_size_v}"
+        )
+
+
+def _is_heads_outer(x: Any) -> bool | None:
+    """True if the per-block interior is [H, N, C] in memory, False if [N, H, C], None if
+    one of H, N has length 1 (both readings are the same bytes)."""
+    shape, strides = tuple(x.shape), tuple(x.stride())
+    if shape[1] == 1 or shape[2] == 1:
+        return None
+    return strides[1] > strides[2]
+
+
+def _as_kvgroups_layer(x: Any, lspec: LayerSpec, layout: str | None, hints: dict) -> tuple[Any, EngineKVFormat]:
+    """One registered layer as (tensor or view, kvgroups format)."""
+    ndim = len(x.shape)
+    if ndim != 4:
+        # Older vLLM: rank-5 FlashAttention/FlashInfer or rank-3 MLA tensors; the catalogue's
+        # detection knows them (NHD unless told HND).
+        fmt, _ = detect_format([x], engine="vllm", hints={**hints, "kv_layout": layout or "NHD"})
+        return x, fmt
+    if lspec.kind == "mla":
+        if x.shape[1] != 1:
+            raise KVGroupsValueError(
+                f"layer {lspec.name!r}: expected an MLA cache [blocks, 1, tokens, latent], "
+                f"got shape {tuple(x.shape)}"
+            )
+        return x[:, 0], EngineKVFormat.NL_X_NB_BS_HS
+    _check_content(lspec, int(x.shape[3]))
+    outer = _is_heads_outer(x)
+    if outer is not None and layout is not None and outer != (layout == "HND"):
+        raise KVGroupsValueError(
+            f"layer {lspec.name!r}: kv_cache_layout {layout} disagrees with the tensor's "
+            f"strides {tuple(x.stride())} ({'HND' if outer else 'NHD'} in memory)"
+        )
+    if outer is None:
+        outer = layout != "NHD" if layout is not None else True
+    if outer:
+        return x, EngineKVFormat.NL_X_NB_NH_BS_CS
+    return x.permute(0, 2, 1, 3), EngineKVFormat.NL_X_NB_BS_NH_CS
+
+
+@dataclass
+class VllmKVLayout:
+    """A vLLM KV cache as kvgroups sees it.
+
+    Attributes
+    ----------
+    manager : KVLayerGroupsManager
+        Kernel groups (one per vLLM group and shape), object groups (one per window).
+    kv_caches : list
+        The tensors (or TensorSpecs) in manager layer order, as the manager reads them.
+    layer_names : list of str
+        Manager layer index -> vLLM layer name (model order).
+    excluded_layers : dict of str to str
+        Layers left out, with the reason (KV shared with another layer; a chunked-local group
+        that needs nothing across a chunk boundary; a group with transfer disabled).
+    group_block_sizes : dict of int to int
+        Tokens per block of every vLLM group the manager moves (by vLLM group id).
+    """
+
+    manager: KVLayerGroupsManager
+    kv_caches: list
+    layer_names: list[str]
+    excluded_layers: dict[str, str]
+    group_block_sizes: dict[int, int]
+    num_vllm_groups: int
+
+    def __post_init__(self) -> None:
+        self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
+
+    @property
+    def chunk_size(self) -> int:
+        return self.manager.lmcache_tokens_per_chunk
+
+    def index_of(self, layer_name: str) -> int:
+        """Manager layer index of a vLLM layer (KVGroupsIndexError naming unknown layers)."""
+        try:
+            return self.layer_index[layer_name]
+        except KeyError:
+            why = self.excluded_layers.get(layer_name)
+            extra = f" (excluded: {why})" if why else ""
+            raise KVGroupsIndexError(
+                f"layer_name: expected one of the {len(self.layer_names)} registered layers, "
+                f"got {layer_name!r}{extra}"
+            ) from None
+
+    def block_ids(self, per_group: Any, num_chunks: int | None = None,
+                  first_chunk: int = 0) -> dict[int, list[int]]:
+        """vLLM's per-group block ids -> the ids ``store`` / ``load`` take.
+
+        Parameters
+        ----------
+        per_group : tuple/list indexed by vLLM group id, or mapping group id -> ids
+            What vLLM hands out (``KVCacheBlocks.get_block_ids()``, ``NewRequestData.block_ids``).
+            Groups the manager does not move may be present; every group it moves must be.
+        num_chunks, first_chunk : int
+            Cut each group's list to the blocks of chunks ``[first_chunk, first_chunk +
+            num_chunks)`` (by that group's block size). None: the whole list, which must then
+            cover whole chunks.
+
+        Raises
+        ------
+        KVGroupsIndexError
+            A mapping names a group id vLLM's config does not have.
+        KVGroupsValueError
+            A group the manager moves has no ids, or too few for the chunks asked.
+        """
+        if isinstance(per_group, Mapping):
+            lookup = dict(per_group)
+            for gid in lookup:
+                if not isinstance(gid, int) or not 0 <= gid < self.num_vllm_groups:
+                    raise KVGroupsIndexError(
+                        f"block_ids: expected vLLM KV cache group ids in [0, "
+                        f"{self.num_vllm_groups}), got group {gid!r}"
+                    )
+        elif isinstance(per_group, Sequence) and not isinstance(per_group, (str, bytes)):
+            if len(per_group) > self.num_vllm_groups:
+                raise KVGroupsIndexError(
+                    f"block_ids: expected at most {self.num_vllm_groups} group lists, got "
+                    f"{len(per_group)} (group {self.num_vllm_groups} is unknown)"
+                )
+            lookup = dict(enumerate(per_group))
+        else:
+            raise KVGroupsTypeError(
+                f"block_ids: expected per-group lists (tuple or mapping), got {type(per_group).__name__}"
+            )
+        chunk = self.chunk_size
+        out: dict[int, list[int]] = {}
+        for gid, bs in self.group_block_sizes.items():
+            if gid not in lookup or lookup[gid] is None:
+                raise KVGroupsValueError(
+                    f"block_ids: expected block ids for vLLM KV cache group {gid}, got none"
+                )
+            ids = list(lookup[gid])
+            if num_chunks is not None:
+                per_chunk = chunk // bs
+                lo, hi = first_chunk * per_chunk, (first_chunk + num_chunks) * per_chunk
+                if len(ids) < hi:
+                    raise KVGroupsValueError(
+                        f"block_ids: vLLM group {gid} has {len(ids)} blocks, expected at least "
+                        f"{hi} for chunks [{first_chunk}, {first_chunk + num_chunks}) of "
+                        f"{chunk} tokens"
+                    )
+                ids = ids[lo:hi]
+            out[gid] = [int(b) for b in ids]
+        return out
+
+
+def from_kv_cache_config(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, Any] | None = None,
+    *,
+    kv_cache_layout: Any = None,
+    chunk_size: int = 256,
+    separate_object_groups: bool = True,
+) -> VllmKVLayout:
+    """Build a :class:`VllmKVLayout` from vLLM's ``KVCacheConfig`` and registered caches.
+
+    Parameters
+    ----------
+    kv_cache_config : vllm.v1.kv_cache_interface.KVCacheConfig
+    kv_caches : dict of layer name -> tensor, optional
+        What vLLM passes to ``register_kv_caches``. Several names may map to one tensor (KV
+        sharing: only the first in model order is moved). A layer in the dict but in no
+        group must share a grouped layer's tensor. None: plan from the config alone
+        (TensorSpecs with the config's strides; the scheduler process does this).
+    kv_cache_layout : 'NHD', 'HND', a vLLM ``KVCacheLayout`` or its name, optional
+        The block interior order. Default: read from the tensors' strides (or the config's
+        ``kv_cache_layout`` without tensors). Given explicitly, it must agree with the strides.
+    chunk_size : int, default 256
+        Tokens per cache chunk (a multiple of every group's block size).
+    separate_object_groups : bool, default True
+
+    Raises
+    ------
+    UnsupportedConfig (NotImplementedError)
+        A spec type the adapter does not know, naming the group and layer.
+    KVGroupsValueError
+        A grouped layer missing from ``kv_caches``, a registered layer in no group that shares
+        no grouped tensor, a layout that disagrees with the strides, a chunk size that is not a
+        multiple of a group's block size (naming the group).
+    """
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size <= 0:
+        raise KVGroupsValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
+    layout = _layout_of(kv_cache_layout)
+    specs = read_layer_specs(kv_cache_config, chunk_size)
+    num_groups = len(kv_cache_config.kv_cache_groups)
+    excluded: dict[str, str] = {}
+    for gid, group in enumerate(kv_cache_config.kv_cache_groups):
+        if not getattr(group, "enable_kv_transfer", True):
+            for name in group.layer_names:
+                excluded[name] = f"group {gid} has enable_kv_transfer=False"
+
+    names = sorted(specs, key=natural_key)
+    tensors: dict[str, Any] = {}
+    if kv_caches is None:
+        cfg_layout = layout or _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)) or "HND"
+        for name in names:
+            tensors[name] = _spec_layer(kv_cache_config, specs[name], cfg_layout)
+    else:
+        if not isinstance(kv_caches, Mapping):
+            raise KVGroupsTypeError(
+                f"kv_caches: expected the dict vLLM passes to register_kv_caches, got "
+                f"{type(kv_caches).__name__}"
+            )
+        missing = [n for n in names if n not in kv_caches]
+        if missing:
+            raise KVGroupsValueError(
+                f"kv_caches: expected a tensor for every layer of kv_cache_config, layer "
+                f"{missing[0]!r} (group {specs[missing[0]].group_id}) is missing "
+                f"({len(missing)} missing)"
+            )
+        # vLLM's hybrid allocator overlays its groups on one buffer (layer i of every group
+        # has the same view), so equal views in different groups are different layers. In
+        # one group, an equal view is KV sharing (a layer reading another's cache): move once.
+        grouped_ptrs: dict[tuple, str] = {}
+        for name in names:
+            t = kv_caches[name]
+            key = _tensor_key(t)
+            owner = grouped_ptrs.get((specs[name].group_id, key))
+            if owner is not None:
+                excluded[name] = f"shares its KV cache with {owner!r}"
+                continue
+            grouped_ptrs[(specs[name].group_id, key)] = name
+            grouped_ptrs.setdefault((None, key), name)
+            tensors[name] = t
+        for name in sorted(kv_caches, key=natural_key):
+            if name in specs or name in excluded:
+                continue
+            owner = grouped_ptrs.get((None, _tensor_key(kv_caches[name])))
+            if owner is None:
+                raise KVGroupsValueError(
+                    f"kv_caches: layer {name!r} is in no KV cache group of kv_cache_config "
+                    "and shares no grouped layer's tensor"
+                )
+            excluded[name] = f"shares its KV cache with {owner!r}"
+
+    layer_names: list[str] = []
+    caches: list[Any] = []
+    formats: list[EngineKVFormat] = []
+    per_layer_group: list[int] = []
+    block_sizes: dict[int, int] = {}
+    windows: dict[int, int] = {}
+    for name in names:
+        lspec = specs[name]
+        if name not in tensors:
+            continue
+        if lspec.window_tokens == 0:
+            excluded[name] = (f"chunked-local group {lspec.group_id} needs no KV across a "
+                              f"{chunk_size}-token chunk boundary")
+            continue
+        if chunk_size % lspec.block_size:
+            raise KVGroupsValueError(
+                f"chunk_size: expected a multiple of vLLM group {lspec.group_id}'s block size "
+                f"{lspec.block_size}, got {chunk_size}"
+            )
+        if kv_caches is None:
+            x, fmt = tensors[name]
+        else:
+            x, fmt = _as_kvgroups_layer(tensors[name], lspec, layout, {})
+        layer_names.append(name)
+        caches.append(x)
+        formats.append(fmt)
+        per_layer_group.append(lspec.group_id)
+        block_sizes[lspec.group_id] = lspec.block_size
+        windows[lspec.group_id] = lspec.window_tokens
+
+    infos = []
+    if caches:
+        for identity, layers in group_layers_by_identity(caches, formats, per_layer_group):
+            gid = identity.engine_group_idx
+            if gid == EXCLUDED_ENGINE_GROUP:
+                continue
+            infos.append(EngineGroupInfo(engine_group_id=gid, layer_indices=tuple(layers),
+                                         tokens_per_block=block_sizes[gid],
+                                         sw_size_tokens=windows[gid]))
+        # vLLM's group order, not the kernel groups': the manager matches infos by layers.
+        infos.sort(key=lambda i: (i.engine_group_id, i.layer_indices))
+    manager = KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=chunk_size,
+                                   separate_object_groups=separate_object_groups)
+    return VllmKVLayout(manager, caches, layer_names, excluded, block_sizes, num_groups)
+
+
+def _tensor_key(t: Any) -> tuple:
+    try:
+        return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
+    except AttributeError:
+        raise KVGroupsTypeError(
+            f"kv_caches: expected torch tensors, got {type(t).__name__}"
+        ) from None
+
+
+def manager_from_kv_cache_config(
+    kv_cache_config: Any,
+    kv_caches: Mapping[str, Any] | None = None,
+    *,
+    kv_cache_layout: Any = None,
+    chunk_size: int = 256,
+    separate_object_groups: bool = True,
+) -> KVLayerGroupsManager:
+    """The manager alone; see :func:`from_kv_cache_config` (its ``kv_caches`` attribute holds
+    the tensors in manager layer order, which ``store`` / ``load`` need)."""
+    return from_kv_cache_config(kv_cache_config, kv_caches, kv_cache_layout=kv_cache_layout,
+                                chunk_size=chunk_size,
+                                separate_object_groups=separate_object_groups).manager

@@ -1,0 +1,88 @@
+"""The worker side of KVGroupsConnector without vLLM: slot buffers in host memory and the
+kvgroups calls that fill and read them. The connector and the benchmark
+(benchmarks/bench_vllm_connector.py) both go through this class, so the benchmark measures the
+connector's own calls."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import torch
+
+from kvgroups_core import object_nbytes, prepare
+from kvgroups_core.transfer import PreparedTransfer
+
+
+def supports_layer_subsets() -> bool:
+    """True once kvgroups' prepared calls take ``layers=[...]`` (layer-by-layer saves)."""
+    return "layers" in inspect.signature(PreparedTransfer.store).parameters
+
+
+class HostChunkStore:
+    """``capacity`` chunk slots per object group, bound once to the engine's caches.
+
+    Parameters
+    ----------
+    manager, kv_caches
+        The manager and the caches in its layer order (``VllmKVLayout.manager`` /
+        ``.kv_caches``).
+    capacity : int
+        Slots (chunks) of every object group's buffer, ``[capacity, object_nbytes]`` uint8.
+    pinned : bool, optional
+        Page-locked buffers (default: when the caches are on CUDA, which the kernels then read
+        and write directly).
+    """
+
+    def __init__(self, manager: Any, kv_caches: list, capacity: int,
+                 pinned: bool | None = None) -> None:
+        self.manager = manager
+        self.kv_caches = kv_caches
+        device = kv_caches[0].device if kv_caches else torch.device("cpu")
+        self.pinned = device.type == "cuda" if pinned is None else bool(pinned)
+        self.object_bytes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
+        self.pools = [torch.empty((capacity, n), dtype=torch.uint8, pin_memory=self.pinned)
+                      for n in self.object_bytes]
+        self.prepared = prepare(manager, kv_caches) if kv_caches else None
+        self.layerwise = (supports_layer_subsets() and self.prepared is not None
+                          and self._layer_saves_match())
+
+    def _layer_saves_match(self) -> bool:
+        """Saving layer by layer must give the whole-model save's bytes: checked once, on one
+        chunk of block 0 (a read of the caches only), so a backend that does not place layer
+        subsets by their object plane yet falls back to whole-model saves."""
+        ids = {g.engine_group_idx: [0] * (self.manager.lmcache_tokens_per_chunk
+                                          // g.tokens_per_block)
+               for g in self.manager.kernel_groups}
+        try:
+            whole = self.prepared.store(ids)
+            parts = [torch.zeros_like(o) for o in whole]
+            for layer in range(len(self.kv_caches)):
+                if any(layer in g.layer_indices for g in self.manager.kernel_groups):
+                    self.prepared.store(ids, parts, layers=[layer])
+        except Exception:  # noqa: BLE001 - any failure means: do not use layer subsets
+            return False
+        return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(whole, parts))
+
+    def rows(self, slots: list[int]) -> list[torch.Tensor]:
+        """Each object group's rows for ``slots``: a view when they are consecutive, else a
+        gathered copy (loads only: saves always go to consecutive slots)."""
+        first = slots[0]
+        if slots == list(range(first, first + len(slots))):
+            return [pool[first:first + len(slots)] for pool in self.pools]
+        if self.pinned and torch.cuda.is_available():
+            torch.cuda.current_stream().synchronize()  # earlier stores into these rows
+        index = torch.tensor(slots, dtype=torch.long)
+        return [pool.index_select(0, index) for pool in self.pools]
+
+    def load(self, block_ids: Any, slots: list[int], skip_tokens: int = 0) -> None:
+        """Chunks in ``slots`` -> the blocks ``block_ids`` (all layers)."""
+        self.prepared.load(self.rows(slots), block_ids, skip_first_n_tokens=skip_tokens)
+
+    def save(self, block_ids: Any, slots: list[int]) -> None:
+        """The blocks ``block_ids`` (all layers) -> consecutive ``slots``."""
+        self.prepared.store(block_ids, self.rows(slots))
+
+    def save_layer(self, block_ids: Any, slots: list[int], layer: int) -> None:
+        """One layer's pages -> its regions of the chunks in ``slots`` (needs layer subsets)."""
+        self.prepared.store(block_ids, self.rows(slots), layers=[layer])

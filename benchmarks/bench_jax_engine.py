@@ -1,0 +1,245 @@
+"""JAX transfers as a JAX serving engine makes them, through the public calls only.
+
+A tpu-inference-like cache (one ``[num_pages, page_size, 2*heads // 2, 2, head_dim]`` bf16 array
+per layer, K/V interleaved; ``--layout vllm_nhd`` for vLLM's ``[2, NB, BS, NH, HS]``) and, per
+chunk count (default 1, 4, 16, 64):
+
+- ``call="jit"``: an engine-like jitted step with the caches donated: ``load`` a request's
+  chunks, a small computation over the cache (one page per layer read, one written), ``store``
+  the request's chunks without objects; block ids are ``device`` (traced int32 arrays, new ids
+  every call: no retrace) or ``host`` (NumPy ids baked into the trace). Its transfer time is
+  the step's time minus the same step without the transfer.
+- ``call="store"``: eager ``store(manager, caches, ids)`` without objects (``path="default"``:
+  the store creates them) and with donated objects passed in (``path="donated"``);
+  ``call="prepared"``: the same through ``prepare(manager, caches).store``.
+
+Every record: ``gbps`` = bytes read + written per second of the transfer, ``frac_of_ceiling``
+= the same run's device copy of the same bytes (a jitted, donated ``x + 1`` over uint32 words,
+warmed) over the transfer's time; medians over ``--repeats`` batches. JSON lines on stdout and
+appended to ``--out``. ``--tiny`` runs a few-KiB model on the CPU in seconds (CI).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from kvgroups_core import KVLayerGroupsManager, detect_format, load, prepare, store  # noqa: E402
+
+FULL = dict(layers=32, pages=2048, page_size=16, heads=8, head_dim=128, tokens=256,
+            chunks="1,4,16,64")
+TINY = dict(layers=2, pages=16, page_size=4, heads=2, head_dim=8, tokens=8, chunks="1,2")
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tiny", action="store_true", help="a few-KiB model (CPU, CI)")
+    for key, value in FULL.items():
+        p.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=None)
+    p.add_argument("--layout", choices=("tpu_inference", "vllm_nhd"), default="tpu_inference",
+                   help="tpu-inference packed pages (K/V interleaved on heads) or vLLM's "
+                        "[2, NB, BS, NH, HS] per layer (contiguous K and V pages)")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--target-ms", type=float, default=25.0, help="time per timed batch")
+    p.add_argument("--calls", default="jit,store,prepared")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args(argv)
+    base = TINY if args.tiny else FULL
+    for key, value in base.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.chunks = [int(c) for c in str(args.chunks).split(",")]
+    args.calls = args.calls.split(",")
+    return args
+
+
+def make_caches(args, seed):
+    if args.layout == "tpu_inference":
+        shape = (args.pages, args.page_size, args.heads, 2, args.head_dim)
+    else:
+        shape = (2, args.pages, args.page_size, args.heads, args.head_dim)
+    make = jax.jit(lambda k: jax.lax.bitcast_convert_type(
+        jax.random.bits(k, shape, jnp.uint16), jnp.bfloat16))
+    return [make(jax.random.PRNGKey(seed * 1000 + i)) for i in range(args.layers)]
+
+
+def timed(fn, sync, repeats, target_s):
+    """Median wall time per call of back-to-back ``fn(i)`` calls (batches sized to target_s)."""
+    i = 0
+    for _ in range(2):  # warm-up: compilation and first-touch
+        fn(i)
+        i += 1
+    sync()
+    t0 = time.perf_counter()
+    fn(i)
+    i += 1
+    sync()
+    calls = max(1, min(1000, int(target_s / max(time.perf_counter() - t0, 1e-6))))
+    secs = []
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn(i)
+            i += 1
+        sync()
+        secs.append((time.perf_counter() - t0) / calls)
+    return statistics.median(secs)
+
+
+def copy_ceiling(nbytes, repeats, target_s):
+    """Seconds of a device copy of ``nbytes`` (read + write each byte), donated, warmed."""
+    words = max(1, nbytes // 4)
+    held = [jnp.zeros((words,), jnp.uint32)]
+    step = jax.jit(lambda x: x + 1, donate_argnums=0)
+
+    def fn(i):
+        held[0] = step(held[0])
+    return timed(fn, lambda: jax.block_until_ready(held[0]), repeats, target_s)
+
+
+class Bench:
+    def __init__(self, args):
+        self.args = args
+        self.caches = make_caches(args, 0)
+        engine = "tpu_inference" if args.layout == "tpu_inference" else "vllm"
+        fmt, normalized = detect_format(self.caches, engine=engine)
+        self.manager = KVLayerGroupsManager(normalized, fmt,
+                                            lmcache_tokens_per_chunk=args.tokens)
+        self.bpc = args.tokens // args.page_size
+        self.page_bytes = args.page_size * args.heads * 2 * args.head_dim * 2
+        self.rng = np.random.default_rng(0)
+        self.out = []
+
+    def ids(self, chunks, count=8):
+        return [self.rng.permutation(self.args.pages)[:chunks * self.bpc].astype(np.int32)
+                for _ in range(count)]
+
+    def sync(self, *trees):
+        jax.block_until_ready([self.caches, *trees])
+
+    def emit(self, **record):
+        record.update(runtime="jax", placement="device", page_bytes=self.page_bytes,
+                      layout=self.args.layout,
+                      backend=jax.default_backend(), jax=jax.__version__)
+        print(json.dumps(record), flush=True)
+        self.out.append(record)
+
+    def record(self, call, ids, path, direction, chunks, seconds, nbytes, ceiling_s, extra=None):
+        self.emit(call=call, ids=ids, path=path, direction=direction, chunks=chunks,
+                  median_s=seconds, bytes=nbytes, gbps=2 * nbytes / seconds / 1e9,
+                  ceiling_gbps=2 * nbytes / ceiling_s / 1e9,
+                  frac_of_ceiling=ceiling_s / seconds, **(extra or {}))
+
+    # --- jitted engine-like step -------------------------------------------------------------
+    def run_jit(self, chunks, ids_kind):
+        a = self.args
+        manager = self.manager
+        objs = store(manager, self.caches, self.ids(chunks, 1)[0])
+        nbytes_one = sum(int(o.nbytes) for o in objs)
+        sets = self.ids(chunks)
+        traces = {"n": 0}
+
+        n = a.page_size * a.heads * a.head_dim  # one page-plane's elements
+
+        def compute(caches):
+            # A small computation over the cache: one page-plane of every layer read, one
+            # written (flat views: the same work for either layout).
+            total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
+            flat = caches[0].reshape(-1)
+            flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
+            return [flat.reshape(caches[0].shape)] + list(caches[1:])
+
+        def with_transfer(caches, objs, load_ids, store_ids):
+            traces["n"] += 1
+            caches = load(manager, objs, caches, load_ids)
+            caches = compute(caches)
+            return caches, store(manager, caches, store_ids)
+
+        def without(caches, objs, load_ids, store_ids):
+            return compute(caches), []
+
+        def runner(step_fn):
+            if ids_kind == "device":
+                jitted = jax.jit(step_fn, donate_argnums=(0,))
+                dev = [(jnp.asarray(s), jnp.asarray(sets[(k + 3) % len(sets)]))
+                       for k, s in enumerate(sets)]
+
+                def fn(i):
+                    li, si = dev[i % len(dev)]
+                    self.caches, self._objs = jitted(self.caches, objs, li, si)
+            else:  # NumPy ids are constants of the trace: one id set, one compilation
+                li, si = sets[0], sets[1]
+                jitted = jax.jit(lambda c, o: step_fn(c, o, li, si), donate_argnums=(0,))
+
+                def fn(i):
+                    self.caches, self._objs = jitted(self.caches, objs)
+            return fn
+
+        self._objs = []
+        sync = lambda: self.sync(self._objs)  # noqa: E731
+        t_step = timed(runner(with_transfer), sync, a.repeats, a.target_ms / 1e3)
+        t_base = timed(runner(without), sync, a.repeats, a.target_ms / 1e3)
+        moved = 2 * nbytes_one  # load + store
+        transfer = max(t_step - t_base, 1e-9)
+        ceiling = copy_ceiling(moved, a.repeats, a.target_ms / 1e3)
+        self.record("jit", ids_kind, "step", "load+store", chunks, transfer, moved, ceiling,
+                    {"step_s": t_step, "step_without_transfer_s": t_base,
+                     "traces": traces["n"]})
+
+    # --- eager stores ------------------------------------------------------------------------
+    def run_store(self, chunks, call):
+        a = self.args
+        sets = self.ids(chunks)
+        prepared = prepare(self.manager, self.caches) if call == "prepared" else None
+        do_store = prepared.store if prepared else (
+            lambda ids, objects=None: store(self.manager, self.caches, ids, objects))
+        objs = do_store(sets[0])
+        nbytes = sum(int(o.nbytes) for o in objs)
+        ceiling = copy_ceiling(nbytes, a.repeats, a.target_ms / 1e3)
+        held = [objs]
+
+        def default(i):
+            held[0] = do_store(sets[i % len(sets)])
+
+        def donated(i):
+            held[0] = do_store(sets[i % len(sets)], held[0])
+
+        for path, fn in (("default", default), ("donated", donated)):
+            t = timed(fn, lambda: self.sync(held[0]), a.repeats, a.target_ms / 1e3)
+            self.record(call, "host", path, "store", chunks, t, nbytes, ceiling)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    bench = Bench(args)
+    bench.emit(call="meta", layers=args.layers, pages=args.pages, page_size=args.page_size,
+               heads=args.heads, head_dim=args.head_dim, tokens_per_chunk=args.tokens,
+               device=str(jax.devices()[0]))
+    for chunks in args.chunks:
+        if "jit" in args.calls:
+            for kind in ("device", "host"):
+                bench.run_jit(chunks, kind)
+        for call in ("store", "prepared"):
+            if call in args.calls:
+                bench.run_store(chunks, call)
+    if args.out is not None:
+        with open(args.out, "a") as f:
+            for r in bench.out:
+                f.write(json.dumps(r) + "\n")
+
+
+if __name__ == "__main__":
+    main()

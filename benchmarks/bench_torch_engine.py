@@ -1,0 +1,337 @@
+"""The engine-native torch calls, measured through the public API only.
+
+Llama-3-8B-like caches (32 layers, 8 KV heads x 128, block 16, bf16, NHD: 32 KiB pages),
+256-token chunks to random blocks, objects in GPU memory. Every figure sits next to the same
+run's device-to-device copy of the same bytes (``frac_of_ceiling``):
+
+- ``prepared`` store / load with host ids (NumPy) and CUDA-tensor ids, 1 / 4 / 16 / 64 chunks;
+- ``store`` (one-shot) with CUDA ids, 1 and 16 chunks;
+- ``graph``: a prepared one-chunk store captured in a CUDA graph, replayed with new ids
+  written in place between replays;
+- ``layerwise``: 32 calls with ``layers=[l]`` of a 16-chunk store (the whole model moved
+  layer by layer) against the whole-model call (``frac_of_whole``), eager and (device ids)
+  captured in one CUDA graph as an engine's captured forward pass runs them;
+- ``compile``: a ``torch.compile(fullgraph=True)`` engine step calling the prepared store;
+- ``sm_cap``: a store capped with ``max_ctas`` (16 of the GPU's SMs by default) running beside
+  a bf16 GEMM on another stream: the store's GB/s and the GEMM's slowdown, capped and not.
+
+CUDA timed with events over batches of back-to-back calls (medians); ``--tiny`` runs a small
+model (small pages, 2 layers) on the CPU with wall-clock timing (the CI smoke test; no graph, no SM cap). One JSON
+object per line to ``--out`` and stdout; fields ``call, ids, runtime, path, direction,
+placement, chunks, page_bytes, gbps, frac_of_ceiling, median`` (ms per call) plus extras.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
+
+import kvgroups_torch  # noqa: E402,F401  (compile support is installed on import)
+
+import kvgroups_core as kc  # noqa: E402
+from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
+from kvgroups_tools.catalog import MODELS  # noqa: E402
+
+CHUNK = 256
+
+
+class Timer:
+    """Milliseconds per call of ``fn(i)``: CUDA events over batches of back-to-back calls, or
+    the wall clock on the CPU."""
+
+    def __init__(self, cuda: bool, iters: int, warmup: int, batch_s: float) -> None:
+        self.cuda, self.iters, self.warmup, self.batch_s = cuda, iters, warmup, batch_s
+
+    def sync(self) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+
+    def ms(self, fn) -> dict:
+        for i in range(self.warmup):
+            fn(i)
+        self.sync()
+        t0 = time.perf_counter()
+        fn(self.warmup)
+        self.sync()
+        calls = max(1, min(200, int(self.batch_s / max(time.perf_counter() - t0, 1e-6))))
+        times, i = [], self.warmup + 1
+        for _ in range(self.iters):
+            if self.cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
+                    enable_timing=True)
+                start.record()
+            t = time.perf_counter()
+            for _ in range(calls):
+                fn(i)
+                i += 1
+            if self.cuda:
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) / calls)
+            else:
+                times.append((time.perf_counter() - t) * 1e3 / calls)
+        return {"median": statistics.median(times), "ms_min": min(times),
+                "ms_max": max(times), "calls_per_batch": calls}
+
+
+class Setup:
+    def __init__(self, args) -> None:
+        self.device = "cpu" if args.tiny else "cuda"
+        layers, num_blocks = (2, 64) if args.tiny else (args.layers, args.num_blocks)
+        name = "small-pages" if args.tiny else "llama3-8b"
+        model = MODELS[name].build(num_blocks=num_blocks, layers=layers,
+                                   dtype="float16" if args.tiny else "bfloat16")
+        gen = torch.Generator(device=self.device).manual_seed(0)
+        self.caches = []
+        for spec in model.kv_caches:
+            dtype = getattr(torch, spec.dtype.name)
+            t = torch.empty(spec.shape, dtype=dtype, device=self.device)
+            t.view(torch.int16).random_(generator=gen)
+            self.caches.append(t)
+        self.manager = KVLayerGroupsManager(self.caches, list(model.formats),
+                                            lmcache_tokens_per_chunk=CHUNK)
+        self.prep = kc.prepare(self.manager, self.caches)
+        self.layers = layers
+        self.num_blocks = num_blocks
+        self.bpc = self.manager.calculate_num_blocks(0, CHUNK)
+        group = self.manager.kernel_groups[0]
+        sd = group.shape_desc
+        self.page_bytes = sd.bs * sd.nh * sd.hs * group.dtype.itemsize
+        self.rng = np.random.default_rng(1)
+
+    def ids(self, chunks: int, kind: str, rotate: int = 4) -> list:
+        out = []
+        for _ in range(rotate):
+            ids = self.rng.permutation(self.num_blocks)[: chunks * self.bpc].astype(np.int32)
+            out.append(torch.from_numpy(ids).to(self.device) if kind == "device" else ids)
+        return out
+
+    def objects(self, chunks: int, rotate: int = 2) -> list:
+        n = kc.object_nbytes(self.manager, 0)
+        return [[torch.empty((chunks, n), dtype=torch.uint8, device=self.device)]
+                for _ in range(rotate)]
+
+    def moved_bytes(self, chunks: int) -> int:
+        return chunks * kc.object_nbytes(self.manager, 0)
+
+
+def copy_ms(s: Setup, timer: Timer, nbytes: int) -> float:
+    src = torch.empty(nbytes, dtype=torch.uint8, device=s.device)
+    dst = [torch.empty_like(src) for _ in range(2)]
+    return timer.ms(lambda i: dst[i % 2].copy_(src))["median"]
+
+
+def record(s: Setup, call: str, ids: str, direction: str, chunks: int, timing: dict,
+           ceiling_ms: float, **extra) -> dict:
+    nbytes = s.moved_bytes(chunks)
+    ms = timing["median"]
+    return {"call": call, "ids": ids, "runtime": "torch",
+            "path": "cuda-kernel" if s.device == "cuda" else "cpu", "direction": direction,
+            "placement": "device", "chunks": chunks, "page_bytes": s.page_bytes,
+            "gbps": 2 * nbytes / ms / 1e6, "frac_of_ceiling": ceiling_ms / ms, **timing,
+            "copy_ms": ceiling_ms, "bytes": nbytes, **extra}
+
+
+def bench_prepared(s: Setup, timer: Timer, chunk_counts, emit) -> None:
+    for chunks in chunk_counts:
+        ceiling = copy_ms(s, timer, s.moved_bytes(chunks))
+        objs = s.objects(chunks)
+        for kind in ("host", "device"):
+            ids = s.ids(chunks, kind)
+            t = timer.ms(lambda i, ids=ids, objs=objs: s.prep.store(ids[i % len(ids)], objs[i % 2]))
+            emit(record(s, "prepared", kind, "store", chunks, t, ceiling))
+            t = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(objs[i % 2], ids[i % len(ids)]))
+            emit(record(s, "prepared", kind, "load", chunks, t, ceiling))
+        if chunks in (1, 16):
+            ids = s.ids(chunks, "device")
+            t = timer.ms(lambda i, ids=ids, objs=objs: kc.store(
+                s.manager, s.caches, ids[i % len(ids)], objs[i % 2]))
+            emit(record(s, "store", "device", "store", chunks, t, ceiling))
+            t = timer.ms(lambda i, ids=ids, objs=objs: kc.load(
+                s.manager, objs[i % 2], s.caches, ids[i % len(ids)]))
+            emit(record(s, "load", "device", "load", chunks, t, ceiling))
+
+
+def bench_graph(s: Setup, timer: Timer, emit) -> None:
+    chunks = 1
+    ceiling = copy_ms(s, timer, s.moved_bytes(chunks))
+    ids = s.ids(chunks, "device")
+    static = ids[0].clone()
+    objs = s.objects(chunks, rotate=1)[0]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        s.prep.store(static, objs)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        s.prep.store(static, objs)
+    t = timer.ms(lambda i: graph.replay())
+    emit(record(s, "graph", "device", "store", chunks, t, ceiling))
+
+    def with_new_ids(i):
+        static.copy_(ids[i % len(ids)])  # the engine's pattern: new ids written in place
+        graph.replay()
+
+    t = timer.ms(with_new_ids)
+    emit(record(s, "graph", "device", "store", chunks, t, ceiling, new_ids_each_replay=True))
+
+
+def bench_layerwise(s: Setup, timer: Timer, chunks: int, emit) -> None:
+    ceiling = copy_ms(s, timer, s.moved_bytes(chunks))
+    objs = s.objects(chunks)
+    for kind in ("device", "host"):
+        ids = s.ids(chunks, kind)
+        whole = timer.ms(lambda i, ids=ids, objs=objs: s.prep.store(ids[i % len(ids)], objs[i % 2]))
+        emit(record(s, "prepared", kind, "store", chunks, whole, ceiling))
+
+        def per_layer(i, ids=ids):
+            for layer in range(s.layers):
+                s.prep.store(ids[i % len(ids)], objs[i % 2], layers=[layer])
+
+        t = timer.ms(per_layer)
+        emit(record(s, "layerwise", kind, "store", chunks, t, ceiling, calls_per_step=s.layers,
+                    frac_of_whole=whole["median"] / t["median"]))
+
+        def per_layer_load(i, ids=ids):
+            for layer in range(s.layers):
+                s.prep.load(objs[i % 2], ids[i % len(ids)], layers=[layer])
+
+        if kind == "device" and s.device == "cuda":
+            bench_layerwise_graph(s, timer, chunks, ids[0], objs[0], whole, ceiling, emit)
+
+        whole_load = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(
+            objs[i % 2], ids[i % len(ids)]))
+        t = timer.ms(per_layer_load)
+        emit(record(s, "layerwise", kind, "load", chunks, t, ceiling, calls_per_step=s.layers,
+                     frac_of_whole=whole_load["median"] / t["median"]))
+
+
+def bench_layerwise_graph(s: Setup, timer: Timer, chunks: int, ids, objs, whole: dict,
+                          ceiling: float, emit) -> None:
+    """The 32 layer-wise stores as an engine runs them inside its captured forward pass:
+    one CUDA graph holding every call (no host work per call on replay)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for layer in range(s.layers):
+            s.prep.store(ids, objs, layers=[layer])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for layer in range(s.layers):
+            s.prep.store(ids, objs, layers=[layer])
+    t = timer.ms(lambda i: graph.replay())
+    emit(record(s, "layerwise", "device", "store", chunks, t, ceiling, calls_per_step=s.layers,
+                frac_of_whole=whole["median"] / t["median"], graph=True))
+
+
+def bench_compile(s: Setup, timer: Timer, chunk_counts, backend: str, emit) -> None:
+    def step(prep, ids, objects):
+        prep.store(ids, objects)
+        return objects[0]
+
+    compiled = torch.compile(step, fullgraph=True, backend=backend)
+    for chunks in chunk_counts:
+        ceiling = copy_ms(s, timer, s.moved_bytes(chunks))
+        ids, objs = s.ids(chunks, "device"), s.objects(chunks)
+        t0 = time.perf_counter()
+        compiled(s.prep, ids[0], objs[0])
+        timer.sync()
+        first_s = time.perf_counter() - t0
+        t = timer.ms(lambda i, ids=ids, objs=objs: compiled(s.prep, ids[i % len(ids)], objs[i % 2]))
+        emit(record(s, "compile", "device", "store", chunks, t, ceiling, compiler=backend,
+                    first_call_s=first_s))
+
+
+def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> None:
+    ceiling = copy_ms(s, timer, s.moved_bytes(chunks))
+    ids, objs = s.ids(chunks, "device"), s.objects(chunks)
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(a)
+    gemm_alone = timer.ms(lambda i: torch.matmul(a, b, out=out))
+    side = torch.cuda.Stream()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for cap in (max_ctas, None):
+        alone = timer.ms(lambda i, cap=cap: s.prep.store(ids[i % len(ids)], objs[i % 2],
+                                                          max_ctas=cap))
+        # Side by side: each timed step is one GEMM on the main stream and, on the side
+        # stream, as many stores as fit in it (both streams joined at the end of the step).
+        per_gemm = max(1, int(gemm_alone["median"] / alone["median"]))
+
+        def both(i, cap=cap, per_gemm=per_gemm):
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                for k in range(per_gemm):
+                    s.prep.store(ids[(i + k) % len(ids)], objs[(i + k) % 2], max_ctas=cap)
+            torch.matmul(a, b, out=out)
+            torch.cuda.current_stream().wait_stream(side)
+
+        step = timer.ms(both)
+        emit(record(s, "sm_cap", "device", "store", chunks, alone, ceiling,
+                    max_ctas=cap, sms=sms, gemm_alone_ms=gemm_alone["median"],
+                    step_ms=step["median"], stores_per_gemm=per_gemm,
+                    gemm_slowdown=step["median"] / gemm_alone["median"],
+                    concurrent_store_gbps=2 * s.moved_bytes(chunks) * per_gemm
+                    / step["median"] / 1e6))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--out", type=Path, default=None, help="append JSON lines here")
+    p.add_argument("--tiny", action="store_true", help="small CPU run (CI smoke test)")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--num-blocks", type=int, default=8192)
+    p.add_argument("--chunks", type=int, nargs="+", default=[1, 4, 16, 64])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch-s", type=float, default=0.025)
+    p.add_argument("--max-ctas", type=int, default=16)
+    p.add_argument("--compiler", default="inductor")
+    p.add_argument("--only", nargs="+", default=None,
+                   choices=["prepared", "graph", "layerwise", "compile", "sm_cap"])
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.chunks, args.iters, args.warmup, args.batch_s = [1, 2], 2, 1, 0.001
+        args.compiler = "aot_eager"
+    elif not torch.cuda.is_available():
+        p.error("no CUDA GPU: use --tiny for the CPU smoke run")
+    s = Setup(args)
+    timer = Timer(s.device == "cuda", args.iters, args.warmup, args.batch_s)
+    sink = open(args.out, "a") if args.out else None
+
+    def emit(row: dict) -> None:
+        line = json.dumps(row)
+        print(line, flush=True)
+        if sink:
+            sink.write(line + "\n")
+            sink.flush()
+
+    wanted = set(args.only or ["prepared", "graph", "layerwise", "compile", "sm_cap"])
+    if "prepared" in wanted:
+        bench_prepared(s, timer, args.chunks, emit)
+    if "graph" in wanted and s.device == "cuda":
+        bench_graph(s, timer, emit)
+    if "layerwise" in wanted:
+        bench_layerwise(s, timer, 2 if args.tiny else 16, emit)
+    if "compile" in wanted:
+        bench_compile(s, timer, [1] if args.tiny else [1, 16], args.compiler, emit)
+    if "sm_cap" in wanted and s.device == "cuda":
+        bench_sm_cap(s, timer, 64, args.max_ctas, emit)
+    if sink:
+        sink.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,101 @@
+"""The connector's worker-side store (HostChunkStore) moves exact bytes, and the H200 benchmark
+script runs tiny on CPU with every field the lead reads."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+import torch
+from kvgroups_torch.vllm.host_store import HostChunkStore, supports_layer_subsets
+
+from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def load_bench():
+    spec = importlib.util.spec_from_file_location(
+        "bench_vllm_connector", os.path.join(ROOT, "benchmarks", "bench_vllm_connector.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_host_chunk_store_round_trips_blocks_through_any_slots():
+    bench = load_bench()
+    caches = bench.vllm_caches(layers=3, blocks=40, bs=16, heads=2, head=64, device="cpu")
+    info = EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1, 2), tokens_per_block=16)
+    m = KVLayerGroupsManager(caches, EngineKVFormat.NL_X_NB_BS_NH_CS, [info])
+    store = HostChunkStore(m, caches, capacity=6)
+    src = list(range(0, 32))  # two chunks of 16 blocks
+    store.save({0: src[:16]}, [4])  # chunk 0 -> slot 4
+    store.save({0: src[16:]}, [1])  # chunk 1 -> slot 1
+    want = [c[:32].clone() for c in caches]
+    before = [c.clone() for c in caches]
+    dst = list(range(8, 40))
+    store.load({0: dst}, [4, 1])  # non-consecutive slots: the gathered path
+    for c, w, b in zip(caches, want, before):
+        assert torch.equal(c[8:40], w)
+        assert torch.equal(c[:8], b[:8])  # untouched
+
+
+def test_bench_script_runs_tiny_on_cpu(tmp_path, capsys):
+    out = tmp_path / "bench.jsonl"
+    assert load_bench().main(["--tiny", "--out", str(out)]) == 0
+    records = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["call"] for r in records} == {"store", "load", "layerwise"}
+    assert {r["chunks"] for r in records} == {1, 2}
+    for r in records:
+        for key in ("ids", "runtime", "path", "direction", "placement", "chunks", "page_bytes"):
+            assert key in r
+        if "skipped" not in r:
+            assert r["gbps"] > 0 and r["frac_of_ceiling"] > 0
+    measured = [r for r in records if r["call"] in ("store", "load")]
+    assert len(measured) == 4 and all("skipped" not in r for r in measured)
+
+
+def test_layer_by_layer_saves_fill_the_same_objects_as_one_whole_model_save():
+    bench = load_bench()
+    caches = bench.vllm_caches(layers=4, blocks=40, bs=16, heads=2, head=64, device="cpu")
+    info = EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1, 2, 3), tokens_per_block=16)
+    m = KVLayerGroupsManager(caches, EngineKVFormat.NL_X_NB_BS_NH_CS, [info])
+    store = HostChunkStore(m, caches, capacity=4)
+    if not supports_layer_subsets():
+        pytest.skip("kvgroups has no layers= on store")
+    # The store checked once that per-layer saves match the whole-model save; on a backend
+    # that does not place layer subsets by their object plane yet, it falls back.
+    assert store.layerwise == _backend_places_layers(m, caches)
+    if not store.layerwise:
+        pytest.xfail("this torch backend does not place layer subsets by object_plane yet")
+    ids = {0: list(range(5, 37))}
+    store.save(ids, [0, 1])
+    whole = store.pools[0][:2].clone()
+    store.pools[0].zero_()
+    for layer in (2, 0, 3):
+        store.save_layer(ids, [0, 1], layer)
+    per_layer = store.pools[0][:2]
+    kv = m.kernel_groups[0].shape_desc.kv_size  # 1: K|V packed per head (CS)
+    region = per_layer.view(2, kv, 4, -1)  # [chunks, kv, layers, slots * row]
+    want = whole.view(2, kv, 4, -1)
+    assert torch.equal(region[:, :, [0, 2, 3]], want[:, :, [0, 2, 3]])
+    assert not region[:, :, 1].any()  # layer 1 not saved yet: its region untouched (zero)
+    store.save_layer(ids, [0, 1], 1)
+    assert torch.equal(per_layer, whole)
+
+
+def _backend_places_layers(m, caches):
+    """Independent of HostChunkStore: a layers=[1] store equals layer 1's region."""
+    ids = list(range(16))
+    whole = store_call(m, caches, ids)[0]
+    part = store_call(m, caches, ids, layers=[1])[0]
+    n = m.num_kernel_groups and whole.shape[1] // len(caches)
+    return torch.equal(part[:, n:2 * n], whole[:, n:2 * n])
+
+
+def store_call(m, caches, ids, layers=None):
+    from kvgroups_core import store
+
+    return store(m, caches, ids, layers=layers) if layers else store(m, caches, ids)

@@ -1,0 +1,35 @@
+"""``benchmarks/bench_jax_engine.py --tiny`` runs on the CPU and emits every record with the
+fields the H200 results are read by. No timing is asserted."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = ("call", "ids", "runtime", "path", "direction", "placement", "chunks", "page_bytes",
+          "gbps", "frac_of_ceiling", "median_s")
+
+
+def test_bench_jax_engine_tiny_emits_every_record(tmp_path):
+    out = tmp_path / "engine.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_jax_engine.py"), "--tiny",
+         "--chunks", "2", "--repeats", "2", "--target-ms", "2", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert rows == [json.loads(line) for line in done.stdout.splitlines()
+                    if line.startswith("{")]
+    records = [r for r in rows if r["call"] != "meta"]
+    seen = {(r["call"], r["ids"], r["path"], r["chunks"]) for r in records}
+    for chunks in (2,):
+        assert ("jit", "device", "step", chunks) in seen and ("jit", "host", "step", chunks) in seen
+        for call in ("store", "prepared"):
+            for path in ("default", "donated"):
+                assert (call, "host", path, chunks) in seen
+    for r in records:
+        assert all(f in r for f in FIELDS), r
+        assert r["gbps"] > 0 and r["frac_of_ceiling"] > 0
+    assert all(r["traces"] == 1 for r in records if r["call"] == "jit")  # no retrace

@@ -1,0 +1,30 @@
+"""``bench_torch_engine.py --tiny`` runs on the CPU through the public calls and writes the
+record fields the H200 run reports (so the GPU run cannot rot unseen)."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+FIELDS = {"call", "ids", "runtime", "path", "direction", "placement", "chunks", "page_bytes",
+          "gbps", "frac_of_ceiling", "median"}
+
+
+def test_tiny_cpu_run_writes_every_call_kind_with_its_fields(tmp_path):
+    out = tmp_path / "engine.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_torch_engine.py"), "--tiny",
+         "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert {r["call"] for r in rows} == {"prepared", "store", "load", "layerwise", "compile"}
+    for row in rows:
+        assert FIELDS <= set(row), row
+        assert row["gbps"] > 0 and row["median"] > 0 and row["frac_of_ceiling"] > 0
+    assert {(r["ids"], r["direction"]) for r in rows if r["call"] == "prepared"} == {
+        ("host", "store"), ("host", "load"), ("device", "store"), ("device", "load")}
+    layerwise = [r for r in rows if r["call"] == "layerwise"]
+    assert all(r["calls_per_step"] == 2 and r["frac_of_whole"] > 0 for r in layerwise)
