@@ -28,7 +28,7 @@ DTYPES = {
     "float8_e4m3fn": FP8,
 }
 
-#: Formats every backend must move (FORMATS.md must-haves plus the JAX engine layouts).
+#: Formats every backend must move (docs/FORMATS.md must-haves plus the JAX engine layouts).
 TRANSFER_FORMATS = tuple(f for f in F if f.must_have)
 
 
@@ -137,7 +137,7 @@ def token_rows(caches, fmt: F, layer: int, kv: int, block: int) -> np.ndarray:
 
 
 def expected_object(manager, caches, og: int, chunk_ids: dict[int, np.ndarray]) -> np.ndarray:
-    """One chunk's object of object group ``og`` built from SEMANTICS.md section 6.
+    """One chunk's object of object group ``og`` built from docs/SEMANTICS.md section 6.
 
     ``chunk_ids`` maps engine group id -> this chunk's engine block ids.
     """

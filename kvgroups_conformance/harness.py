@@ -93,12 +93,12 @@ class Harness:
         """Take an array another backend made (objects handed between runtimes)."""
         return get_backend(self.backend).import_foreign(x)
 
-    def store(self, manager, caches, ids, objects=None):
-        return store(manager, caches, ids, objects, backend=self.backend)
+    def store(self, manager, caches, ids, objects=None, layers=None):
+        return store(manager, caches, ids, objects, backend=self.backend, layers=layers)
 
-    def load(self, manager, objects, caches, ids, skip=0):
+    def load(self, manager, objects, caches, ids, skip=0, layers=None):
         return load(manager, objects, caches, ids, skip_first_n_tokens=skip,
-                    backend=self.backend)
+                    backend=self.backend, layers=layers)
 
     # Structure helpers ------------------------------------------------------------------------
     def convert(self, structure: Any) -> Any:

@@ -1,4 +1,5 @@
-"""The model catalogue (MODELS.md), shrunk: every real KV pattern against the NumPy oracle."""
+"""The model catalogue (kvgroups_tools/catalog.py), shrunk: every real KV pattern against the
+NumPy oracle."""
 
 import numpy as np
 import pytest
@@ -10,7 +11,7 @@ from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import load, store
 from kvgroups_tools.catalog import MODELS
 
-# Real model shapes (MODELS.md), shrunk in layers and blocks; every pattern kept: GQA, MLA,
+# Real model shapes, shrunk in layers and blocks; every pattern kept: GQA, MLA,
 # the blocked-scale indexer beside MLA, sliding/full hybrids, the compressed DeepSeek-V4 mix.
 SHRUNK = {"llama3-8b": 3, "deepseek-v3": 2, "glm5-indexer": 2, "gemma3-27b": 7,
           "gpt-oss-20b": 4, "deepseek-v4-like": None, "hybrid-demo": 4}

@@ -48,11 +48,13 @@ def _move_group(t: Any, store: bool, caches: list[np.ndarray], objects: Any) -> 
     tokens = np.arange(t.block_size)
     for chunk, pos, block in zip(chunks.tolist(), positions.tolist(), ids.tolist()):
         obj = _chunk_bytes(objects, chunk)
-        for p, plane in enumerate(t.planes):
+        for plane in t.planes:
             cache = caches[plane.tensor_slot]
             block_base = plane.byte_offset + block * t.block_stride_bytes
-            object_plane = getattr(plane, "object_plane", p)
-            row_base = t.region_offset + (object_plane * t.slots + pos * t.block_size) * t.row_bytes
+            # The plane's place in the object region (not its index in t.planes: a plan for a
+            # subset of layers keeps only some planes).
+            row_base = t.region_offset + (plane.object_plane * t.slots
+                                          + pos * t.block_size) * t.row_bytes
             for run in t.runs:
                 piece = np.arange(run.count)[None, :, None]
                 u = np.arange(run.nbytes)[None, None, :]
