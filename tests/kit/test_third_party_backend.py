@@ -31,11 +31,14 @@ def _env(*sites: Path) -> dict:
 def _pip_install(target: Path, *sources: Path) -> None:
     # Offline: no index, no build isolation, no dependencies (numpy, pytest, ml_dtypes come
     # from the running environment).
-    subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
-                    "--no-build-isolation", "--no-deps", "--target", str(target),
-                    *map(str, sources)],
-                   check=True, env=_env(target), cwd=target.parent, capture_output=True,
-                   timeout=300)
+    # Without build isolation the running environment builds the wheels: setuptools >= 70.1
+    # does that on its own (older ones need the `wheel` package); the test extra pins it.
+    proc = subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-index",
+                           "--no-build-isolation", "--no-deps", "--target", str(target),
+                           *map(str, sources)],
+                          env=_env(target), cwd=target.parent, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, f"pip install failed:\n{proc.stdout[-2000:]}{proc.stderr[-4000:]}"
 
 
 @pytest.fixture(scope="module")
