@@ -90,18 +90,21 @@ class JaxBackend(Backend):
         return None
 
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
-        """Live arrays, all on one device (several CPU devices are distinct devices)."""
-        devices: dict[Any, int] = {}
+        """Live arrays, all on one device, or all sharded over the same devices (several CPU
+        devices are distinct devices)."""
+        placements: dict[frozenset, int] = {}
         for i, c in enumerate(caches):
             x = c.obj if isinstance(c, TensorDesc) else c
             if not _concrete(x):
                 continue
             self.memory_of(x, f"kv_caches (bound array {i})")
-            for dev in x.devices():
-                devices.setdefault(dev, i)
-        if len(devices) > 1:
-            listed = ", ".join(f"{dev} (bound array {i})" for dev, i in devices.items())
-            raise KVGroupsValueError(f"kv_caches: expected arrays on one device, got {listed}")
+            placements.setdefault(frozenset(x.devices()), i)
+        if len(placements) > 1:
+            listed = ", ".join(f"{sorted(map(str, devs))} (bound array {i})"
+                               for devs, i in placements.items())
+            raise KVGroupsValueError(
+                f"kv_caches: expected arrays on one device (or sharded over the same devices), "
+                f"got {listed}")
 
     def validate_objects(self, plan, caches: Sequence[TensorDesc],
                          objects: Sequence[Any]) -> None:
