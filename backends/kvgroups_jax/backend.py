@@ -90,9 +90,8 @@ class JaxBackend(Backend):
         return None
 
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
-        """Live arrays, all on the same devices: one device, or one set of devices for caches
-        sharded over a mesh (the sharded path checks the sharding itself). Several CPU
-        devices are distinct devices."""
+        """Live arrays, all on one device, or all sharded over the same devices (several CPU
+        devices are distinct devices)."""
         placements: dict[frozenset, int] = {}
         for i, c in enumerate(caches):
             x = c.obj if isinstance(c, TensorDesc) else c
@@ -104,7 +103,8 @@ class JaxBackend(Backend):
             listed = ", ".join(f"{sorted(map(str, devs))} (bound array {i})"
                                for devs, i in placements.items())
             raise KVGroupsValueError(
-                f"kv_caches: expected every array on the same device(s), got {listed}")
+                f"kv_caches: expected arrays on one device (or sharded over the same devices), "
+                f"got {listed}")
 
     def validate_objects(self, plan, caches: Sequence[TensorDesc],
                          objects: Sequence[Any]) -> None:
