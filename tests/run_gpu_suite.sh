@@ -60,7 +60,7 @@ STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic 
   mosaic_smoke memcheck_torch_engine racecheck_torch_engine bench_torch_engine}
 TEST_PATHS=${KVG_GPU_TEST_PATHS:-tests/conformance tests/torch tests/jax}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
-wants gpu_tests && step gpu_tests 150 $PYTEST -m gpu $TEST_PATHS
+wants gpu_tests && step gpu_tests 260 $PYTEST -m gpu $TEST_PATHS
 wants sanitizer_torch && step sanitizer_torch 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   $SANITIZE $PYTEST tests/conformance -k "torch-cuda"
 wants sanitizer_jax && step sanitizer_jax 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
