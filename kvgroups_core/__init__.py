@@ -42,12 +42,20 @@ from .shape_spec import (
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
 )
+from .tensor_parallel import OBJECT_LAYOUTS, TPShard
+from .tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
 from .transfer import PreparedTransfer, load, prepare, store
 
 __version__ = "0.1.0"
 
 __all__ = [
     "GroupTransfer",
+    "OBJECT_LAYOUTS",
+    "TPShard",
+    "canonical_nbytes",
+    "merge_shards",
+    "rank_byte_ranges",
+    "split_canonical",
     "PlaneRef",
     "PreparedTransfer",
     "Region",

@@ -1,4 +1,4 @@
-"""Cross-chunk attention windows and prefix hits (SEMANTICS.md section 8).
+"""Cross-chunk attention windows and prefix hits (docs/SEMANTICS.md section 8).
 
 A prefix of ``L`` chunks can be served from the cache when every object group can serve it:
 a full-attention group needs all of chunks ``[0, L)``, a group with a window of ``w`` chunks

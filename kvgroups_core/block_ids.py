@@ -180,7 +180,7 @@ def normalize_block_ids(engine_ids: tuple[int, ...], block_ids: Any, to_host: An
         for g, v in enumerate(block_ids):
             if g in known:
                 _one(v, f"block_ids[{g}]", to_host, ids_spec, out, lengths, kinds, g)
-            elif len(v) if hasattr(v, "__len__") else True:
+            elif not (hasattr(v, "__len__") and len(v) == 0):  # only an empty entry is allowed
                 raise KVGroupsValueError(
                     f"block_ids[{g}]: expected no ids for engine group {g} (no kernel group "
                     f"has it; the manager has engine groups {list(engine_ids)}), got "

@@ -98,8 +98,9 @@ class TensorDesc:
 
     ``obj`` keeps the tensor alive as long as the descriptor is; ``framework`` names the
     runtime that owns it ("numpy", "torch", "jax", ... or "spec" for a bare spec).
-    ``abstract=True`` marks a value with no readable pointer (a tracer, a fake or meta
-    tensor); see :attr:`is_abstract`.
+    ``abstract`` says whether the value has a readable pointer: True for a tracer, a fake or
+    meta tensor, False for a concrete array (even one described without a single pointer,
+    such as a sharded array); None (the default) infers it, see :attr:`is_abstract`.
     """
 
     spec: TensorSpec
@@ -107,7 +108,7 @@ class TensorDesc:
     byte_offset: int = 0
     obj: Any = field(default=None, repr=False)
     framework: str = "spec"
-    abstract: bool = False
+    abstract: bool | None = None
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -127,11 +128,12 @@ class TensorDesc:
 
     @property
     def is_abstract(self) -> bool:
-        """True when there are no bytes behind it: a bare spec (a TensorSpec given as a
-        cache), a value its backend marked ``abstract``, or a non-empty value described with
-        no pointer (JAX tracers). Planning never reads the pointer of an abstract desc."""
-        return (self.abstract or self.obj is None
-                or (self.data_ptr == 0 and self.spec.nbytes > 0))
+        """True when there are no bytes behind it: what the backend said (``abstract``), else
+        a bare spec (a TensorSpec given as a cache) or a non-empty value described with no
+        pointer. Planning never reads the pointer of an abstract desc."""
+        if self.abstract is not None:
+            return self.abstract
+        return self.obj is None or (self.data_ptr == 0 and self.spec.nbytes > 0)
 
     @property
     def address(self) -> int:

@@ -1,4 +1,4 @@
-"""Engine groups: the serving engine's paged-block address spaces (SEMANTICS.md section 4).
+"""Engine groups: the serving engine's paged-block address spaces (docs/SEMANTICS.md section 4).
 
 An *engine group* is one block-id space of the serving engine (one of vLLM's hybrid KV cache
 groups, say). Block ids mean something only inside their engine group, so layers of two

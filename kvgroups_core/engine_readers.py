@@ -95,7 +95,7 @@ def engine_name(engine: Any) -> str:
 
 
 def tensor_desc(x: Any, what: str) -> TensorDesc:
-    """:func:`~kvgroups_core.descriptors.describe` ``x``, naming ``what`` in a type error."""
+    """:func:`~kvgroups_core.registry.describe` ``x``, naming ``what`` in a type error."""
     try:
         return describe(x)
     except KVGroupsTypeError as err:

@@ -1,4 +1,4 @@
-"""The catalogue of engine KV formats (FORMATS.md) and the facts each one carries.
+"""The catalogue of engine KV formats (docs/FORMATS.md) and the facts each one carries.
 
 A format names the *structure* an engine registers (one tensor, a list of per-layer tensors,
 or a K list and a V list) and the axis order inside each tensor. The axis order is kept as

@@ -1,4 +1,4 @@
-"""Kernel groups: which layers one transfer-kernel launch can move (SEMANTICS.md sections 1-2).
+"""Kernel groups: which layers one transfer-kernel launch can move (docs/SEMANTICS.md sections 1-2).
 
 A *kernel group* is a set of registered layers with one identity
 ``(kv_size, num_heads, head_size, block_size, engine_group_idx, dtype, engine_kv_format)``.

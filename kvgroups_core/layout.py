@@ -71,6 +71,29 @@ class LayerLayout:
         )
 
 
+#: Axes whose length the format fixes: a tensor with another length there is some other layout
+#: (a ``[2, 64, 16, 8, 128]`` tensor declared ``NL_X_NB_TWO_BS_NH_HS`` is not 64 K/V planes).
+_FIXED_AXES = {"TWO": 2, "ONE": 1}
+
+
+def _check_axes_fit(shape: tuple[int, ...], axes: tuple[str, ...], fmt: EngineKVFormat,
+                    what: str) -> None:
+    """Every axis non-empty and every fixed axis of its length, before any geometry is read."""
+    for size, name in zip(shape, axes):
+        want = _FIXED_AXES.get(name)
+        if want is not None and size != want:
+            raise KVGroupsValueError(
+                f"{what}: expected axis {name} of length {want} for {fmt.name} "
+                f"[{', '.join(axes)}], got shape {tuple(shape)}; is the declared format the "
+                "tensor's?"
+            )
+        if size <= 0:
+            raise KVGroupsValueError(
+                f"{what}: expected a non-empty {name} axis for {fmt.name} [{', '.join(axes)}], "
+                f"got shape {tuple(shape)}"
+            )
+
+
 def _check_dense(desc: TensorDesc, fmt: EngineKVFormat, what: str) -> None:
     """Accept a permutation of a contiguous tensor, with per-block padding on dim 0 when dim 0
     is the block axis and outermost in memory; reject any other strided layout."""
@@ -101,6 +124,7 @@ def _tensor_layout(
                 f"{what}: expected a rank-{len(axes)} tensor [{', '.join(axes)}] for "
                 f"{fmt.name}, got shape {t.spec.shape}"
             )
+        _check_axes_fit(t.spec.shape, axes, fmt, what)
         if t.spec.shape != first.spec.shape or t.spec.strides != first.spec.strides:
             raise KVGroupsValueError(
                 f"{what}: expected K and V tensors of one shape and strides, got "

@@ -1,4 +1,4 @@
-"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (SEMANTICS.md 3).
+"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (docs/SEMANTICS.md section 3).
 
 The manager is pure metadata built from descriptors: it owns no buffers and moves no bytes.
 The transfer planner reads it (``kernel_groups``, ``object_groups``, ``layer_layouts``, the
@@ -7,6 +7,7 @@ per-group slot counts) to build a :class:`~kvgroups_core.plan.TransferPlan`.
 
 from __future__ import annotations
 
+import copy
 import warnings
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +32,8 @@ from .grouping import (
     normalize_formats,
 )
 from .layout import LayerLayout, num_layers_of
+from .tensor_parallel import TPShard, check_tp_args, shard_groups
+from .tensor_parallel import fingerprint as _fingerprint
 
 
 def _check_layer_count(kv_caches: Any, formats: Sequence[EngineKVFormat]) -> None:
@@ -63,6 +66,20 @@ class KVLayerGroupsManager:
     separate_object_groups : bool, default True
         Split kernel groups into one object group per window size (in chunks); False puts
         every kernel group in one full-attention object group.
+    full_sw_kv : bool, default False (keyword only)
+        Full-SW mode: store every block of sliding-window groups (see
+        :meth:`with_full_sw_kv`). Chosen here because a manager never changes once it has
+        been used for a transfer: plans and prepared transfers rely on its layout.
+    tp_rank, tp_size : int, keyword-only, default 0 and 1
+        The rank of a tensor-parallel group whose shard ``kv_caches`` is (``heads / tp_size``
+        KV heads of each layer), and the group's size; see :mod:`kvgroups_core.tensor_parallel`.
+    total_num_kv_heads : int or sequence of int, keyword-only, optional
+        The whole model's KV heads (one count, or one per layer); needed only when a layer has
+        fewer KV heads than ranks (each rank then holds one replicated head). By default a
+        shard of ``h`` heads is ``h * tp_size`` heads of the model.
+    object_layout : {"canonical", "tp_native"}, keyword-only, default "canonical"
+        Where a rank's bytes go in its objects: its own objects, or its parts of one object
+        shared by the whole TP group (docs/TENSOR_PARALLEL.md).
 
     Raises
     ------
@@ -72,7 +89,9 @@ class KVLayerGroupsManager:
         group's; layers of one group differ in geometry (block count, padding); per group,
         ``tokens_per_block`` is not a multiple of ``slots_per_block``, the chunk is not a
         multiple of ``tokens_per_block``, or a sub-chunk sliding window is not a multiple of
-        ``tokens_per_block``.
+        ``tokens_per_block``. Before all of these: ``tp_size < 1``, ``tp_rank`` outside
+        ``[0, tp_size)`` or an unknown ``object_layout``; after them, a shard whose head count
+        does not fit ``tp_size`` (and ``total_num_kv_heads``).
     """
 
     def __init__(
@@ -82,7 +101,16 @@ class KVLayerGroupsManager:
         engine_group_infos: Sequence[EngineGroupInfo] = (),
         lmcache_tokens_per_chunk: int = 256,
         separate_object_groups: bool = True,
+        *,
+        full_sw_kv: bool = False,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        total_num_kv_heads: int | Sequence[int] | None = None,
+        object_layout: str = "canonical",
     ) -> None:
+        self._tp_rank, self._tp_size, self._object_layout = check_tp_args(
+            tp_rank, tp_size, object_layout)
+        self._tp_shards: tuple[TPShard, ...] = ()
         chunk = as_int(lmcache_tokens_per_chunk, "lmcache_tokens_per_chunk")
         if chunk <= 0:
             raise KVGroupsValueError(
@@ -96,7 +124,14 @@ class KVLayerGroupsManager:
                 )
         self._lmcache_tokens_per_chunk = chunk
         self._separate_object_groups = bool(separate_object_groups)
-        self._full_sw_kv = False
+        if not isinstance(full_sw_kv, bool):
+            raise KVGroupsTypeError(
+                f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}"
+            )
+        self._full_sw_kv = full_sw_kv
+        # Set when a transfer first binds this manager (kvgroups_core.validate); from then on
+        # nothing about its layout may change (enable_full_sw_kv refuses).
+        self._in_use = False
         self._kernel_groups: list[KernelGroupInfo] = []
         self._object_groups: list[ObjectGroupInfo] = []
         self._identities: list[KernelGroupIdentity] = []
@@ -132,6 +167,8 @@ class KVLayerGroupsManager:
             self._kernel_groups.append(self._build_group(k, identity, layers, layouts, info))
             self._identities.append(identity)
         self._object_groups = self._detect_object_groups()
+        self._tp_shards = shard_groups(self._kernel_groups, num_layers, total_num_kv_heads,
+                                       self._tp_rank, self._tp_size)
 
     # --- construction helpers ---------------------------------------------------------
 
@@ -288,9 +325,34 @@ class KVLayerGroupsManager:
         group = self._group(kernel_group_idx)
         return group.calculate_slots(num_tokens) // group.shape_desc.bs
 
+    def with_full_sw_kv(self, enabled: bool = True) -> "KVLayerGroupsManager":
+        """A new manager of the same grouping in (or out of) full-SW mode: every block of
+        sliding-window groups is stored, so a chunk is reusable at any position, and
+        :meth:`get_attn_desc` reports full attention for every group. ``self`` is unchanged
+        (transfers prepared with it keep its layout)."""
+        if not isinstance(enabled, bool):
+            raise KVGroupsTypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+        new = copy.copy(self)  # the group lists are never mutated, so sharing them is safe
+        new._full_sw_kv = enabled
+        new._in_use = False
+        return new
+
     def enable_full_sw_kv(self) -> None:
-        """Store every block of sliding-window groups, so a chunk is reusable at any
-        position; :meth:`get_attn_desc` then reports full attention for every group."""
+        """LMCache's name for switching to full-SW mode in place (see :meth:`with_full_sw_kv`).
+
+        Allowed only before the manager is first used for a transfer (LMCache calls it right
+        after construction): a plan or prepared transfer made before would otherwise move
+        objects of the old size. Afterwards it raises; use ``with_full_sw_kv()`` or
+        ``KVLayerGroupsManager(..., full_sw_kv=True)`` instead.
+        """
+        if self._full_sw_kv:
+            return
+        if self._in_use:
+            raise KVGroupsValueError(
+                "enable_full_sw_kv: expected a manager not yet used for a transfer, got one "
+                "already bound to caches (its object sizes are in use); call "
+                "manager.with_full_sw_kv() for a new manager instead"
+            )
         self._full_sw_kv = True
 
     def get_attn_desc(self) -> AttnWindowDesc:
@@ -301,11 +363,47 @@ class KVLayerGroupsManager:
             [g.sw_size_chunks if g.sw_size_chunks >= 1 else -1 for g in self._object_groups]
         )
 
+    # --- tensor parallelism (kvgroups_core.tensor_parallel) ---------------------------
+
+    @property
+    def tp_rank(self) -> int:
+        """This shard's rank in its tensor-parallel group."""
+        return self._tp_rank
+
+    @property
+    def tp_size(self) -> int:
+        """Ranks of the tensor-parallel group (1: the whole model)."""
+        return self._tp_size
+
+    @property
+    def object_layout(self) -> str:
+        """``"canonical"`` (the rank's own objects) or ``"tp_native"`` (its parts of a shared
+        whole-model object)."""
+        return self._object_layout
+
+    def tp_shard(self, kernel_group_idx: int) -> TPShard:
+        """Which heads of the whole model kernel group ``kernel_group_idx`` holds."""
+        self._group(kernel_group_idx)
+        return self._tp_shards[kernel_group_idx]
+
+    def is_replicated(self, kernel_group_idx: int) -> bool:
+        """True when other ranks hold the same heads (MLA latents, fewer heads than ranks)."""
+        return self.tp_shard(kernel_group_idx).is_replicated
+
+    def fingerprint(self, *, across_degrees: bool = False) -> str:
+        """A stable digest of the grouping and object layout: equal on every rank of a TP
+        group (``across_degrees=True``: equal for every TP degree of the model)."""
+        return _fingerprint(self, across_degrees=across_degrees)
+
     def __repr__(self) -> str:
         return (
             f"KVLayerGroupsManager(kernel_groups={self.num_kernel_groups}, "
             f"object_groups={self.num_object_groups}, "
-            f"chunk={self._lmcache_tokens_per_chunk}, full_sw_kv={self._full_sw_kv})"
+            f"chunk={self._lmcache_tokens_per_chunk}, full_sw_kv={self._full_sw_kv}"
+            + (f", tp_rank={self._tp_rank}, tp_size={self._tp_size}" if self._tp_size > 1 else "")
+            + (f", object_layout={self._object_layout!r}"
+               if self._object_layout != "canonical" else "")
+            + ")"
         )
 
     # --- deprecated LMCache names -----------------------------------------------------

@@ -1,4 +1,4 @@
-"""Memory objects: the byte layout of one chunk of one object group (SEMANTICS.md section 6).
+"""Memory objects: the byte layout of one chunk of one object group (docs/SEMANTICS.md section 6).
 
 One object holds, in the object group's kernel-group order, one region per kernel group shaped
 ``[kv_size, nl, slots, nh * hs]`` of that group's dtype, where ``slots`` is
@@ -15,6 +15,7 @@ import numpy as np
 
 from .dtypes import DType
 from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from .tensor_parallel import CANONICAL, TP_NATIVE, tp_native_nbytes, tp_native_regions
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -64,12 +65,17 @@ def object_regions(manager: Any, object_group_idx: int) -> list[Region]:
         )
         regions.append(region)
         offset += region.nbytes
+    if getattr(manager, "object_layout", CANONICAL) == TP_NATIVE:
+        return tp_native_regions(manager, regions)  # each rank's part inside the shared object
     return regions
 
 
 def object_nbytes(manager: Any, object_group_idx: int) -> int:
     """Bytes of one chunk's object of ``object_group_idx``."""
-    return sum(r.nbytes for r in object_regions(manager, object_group_idx))
+    regions = object_regions(manager, object_group_idx)
+    if getattr(manager, "object_layout", CANONICAL) == TP_NATIVE:
+        return tp_native_nbytes(manager, regions)  # the whole model's bytes, all ranks' parts
+    return sum(r.nbytes for r in regions)
 
 
 def region_of(manager: Any, kernel_group_idx: int) -> tuple[int, Region]:

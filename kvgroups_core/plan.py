@@ -1,4 +1,4 @@
-"""Transfer plans: plain data that every backend executes (SEMANTICS.md sections 6-7).
+"""Transfer plans: plain data that every backend executes (docs/SEMANTICS.md sections 6-7).
 
 A plan is built from a manager, block ids and the caches' descriptors alone, with no framework
 and no data pointers, so it can be made under ``jax.jit`` as well as eagerly. Backends receive

@@ -20,6 +20,7 @@ from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from .layout import LayerLayout, layer_layout
 from .objects import object_nbytes, object_regions
 from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan, skip_first_item
+from .validate import check_bind_inputs
 
 
 def _chunk_windows(manager: Any, k: int) -> int:
@@ -143,6 +144,7 @@ class Binding:
 
 def bind(manager: Any, kv_caches: Any) -> Binding:
     """Validate ``kv_caches`` against ``manager`` and precompute the per-group geometry."""
+    check_bind_inputs(manager, kv_caches)
     group_layouts, tensors, tensor_index = bind_caches(manager, kv_caches)
     regions = {}
     object_sizes = []
@@ -200,7 +202,7 @@ class _Skeleton:
     plan: dict
 
 
-_MAX_SKELETONS = 256
+_MAX_SKELETONS = 4096  # layer-wise engines: layers x directions x chunk counts
 _SMALL_IDS = 32
 DEVICE_SKIP = "device"  # the skeleton key of a device / traced skip
 
@@ -346,7 +348,7 @@ def plan_call(
     ids_spec: IdsSpec | None = None,
     layers: Any = None,
 ) -> TransferPlan:
-    """Validate the per-call inputs and return the plan (SEMANTICS.md section 7).
+    """Validate the per-call inputs and return the plan (docs/SEMANTICS.md section 7).
 
     ``to_host`` converts a framework's host ids (``Backend.to_host_ids``); ``ids_spec``
     (``Backend.device_ids_spec``) recognises device / traced ids and skips, which are only

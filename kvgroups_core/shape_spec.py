@@ -1,4 +1,4 @@
-"""KV cache shape specs: ``"(kv,NB,BS,NH,HS):dtype:layers;..."`` (SEMANTICS.md section 5).
+"""KV cache shape specs: ``"(kv,NB,BS,NH,HS):dtype:layers;..."`` (docs/SEMANTICS.md section 5).
 
 A shape spec writes a model's kernel groups on one line, for CLIs and benchmarks::
 
@@ -132,11 +132,22 @@ def format_kvcache_shape_spec(groups: Sequence[KernelGroupInfo]) -> str:
 
     Raises
     ------
+    KVGroupsTypeError
+        ``groups`` is not a list (or tuple) of KernelGroupInfo.
     KVGroupsValueError
         ``groups`` is empty, or a group's dtype is not one a spec may name.
     """
+    if not isinstance(groups, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"groups: expected a list of KernelGroupInfo, got {type(groups).__name__}"
+        )
     if not groups:
         raise KVGroupsValueError("groups: cannot format an empty kernel group list")
+    for i, group in enumerate(groups):
+        if not isinstance(group, KernelGroupInfo):
+            raise KVGroupsTypeError(
+                f"groups[{i}]: expected a KernelGroupInfo, got {type(group).__name__}"
+            )
     parts = []
     for i, group in enumerate(groups):
         sd = group.shape_desc

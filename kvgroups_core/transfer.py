@@ -1,5 +1,5 @@
 """The public transfer API: ``store`` (engine caches -> memory objects) and ``load`` (objects ->
-caches, in place), SEMANTICS.md sections 6-7 and API.md "Transfers".
+caches, in place), docs/SEMANTICS.md sections 6-7 and docs/API.md "Transfers".
 
 The backend is found from the tensors (or named with ``backend=``); the core validates every
 input and builds the plan before the backend moves or donates anything.
@@ -7,12 +7,16 @@ input and builds the plan before the backend moves or donates anything.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 from typing import Any, Sequence
 
 from .descriptors import TensorDesc, TensorSpec
+from .errors import KVGroupsError
+from .objects import check_objects
 from .planner import Binding, bind, plan_call
 from .registry import Backend, BoundCaches, backend_for_tensors
+from .validate import CacheGuard, check_call_memory
 
 
 def _leaves(structure: Any) -> list[Any]:
@@ -58,6 +62,10 @@ class PreparedTransfer:
         self._described: Binding | None  # the binding of the current caches, made when read
         self._bound: BoundCaches
         self._objs: list  # the bound tensors in slot order (what kv_caches holds now)
+        self._guard: CacheGuard  # notices replaced or reallocated caches (stale layouts)
+        # One call at a time: a JAX load replaces the bound caches with its results, and two
+        # interleaved calls would each donate or read the same buffers (blocks lost).
+        self._lock = threading.RLock()
         self._rebind()
 
     @property
@@ -70,18 +78,58 @@ class PreparedTransfer:
 
     def store(self, block_ids: Any, objects: Any = None, *, layers: Any = None) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
-        plan = plan_call(self._plans, block_ids, "store", to_host=self._to_host,
-                         ids_spec=self._ids_spec, layers=layers)
-        if objects is None:
-            objects = self._bound.allocate_objects(plan)
-        return self._bound.run(plan, objects)[1]
+        with self._lock:
+            self._check_current()
+            plan = plan_call(self._plans, block_ids, "store", to_host=self._to_host,
+                             ids_spec=self._ids_spec, layers=layers)
+            if objects is None:
+                objects = self._bound.allocate_objects(plan)
+            else:
+                check_call_memory(self._guard, plan, objects)
+            if plan.num_chunks == 0:
+                return self._nothing_to_move(plan, objects)
+            return self._run(plan, objects)[1]
+
+    def _nothing_to_move(self, plan: Any, objects: Any) -> list:
+        """Zero chunks: the objects are checked like any others (``[0, nbytes]``) and no
+        backend runs, so every backend behaves the same (nothing moved, nothing donated)."""
+        check_objects(plan, objects, self.backend.shape_of)
+        self.backend.validate_objects(plan, self._bound.caches, objects)
+        return list(objects)
 
     def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: Any = 0,
              layers: Any = None) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
+        with self._lock:
+            self._check_current()
+            return self._load(objects, block_ids, skip_first_n_tokens, layers)
+
+    def _run(self, plan: Any, objects: Any) -> tuple:
+        try:
+            return self._bound.run(plan, objects)
+        except RuntimeError as exc:
+            if isinstance(exc, KVGroupsError):
+                raise
+            # A runtime refusing a bound array at dispatch (JAX: deleted or donated, which
+            # is not checked per call): the typed error instead, nothing has moved.
+            self._guard.raise_if_unusable()
+            raise
+
+    def _check_current(self) -> None:
+        """Bind again when the caches changed since the last call (a replaced entry, a
+        resized or reallocated tensor), so no byte moves with an old layout."""
+        changed = self._guard.changed(self.kv_caches)
+        if changed is not None:
+            self._rebind(changed)
+
+    def _load(self, objects: Any, block_ids: Any, skip_first_n_tokens: Any, layers: Any) -> Any:
         plan = plan_call(self._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
                          to_host=self._to_host, ids_spec=self._ids_spec, layers=layers)
-        new_caches, _ = self._bound.run(plan, objects)
+        check_call_memory(self._guard, plan, objects)
+        if plan.num_chunks == 0:
+            self._nothing_to_move(plan, objects)
+            return self.kv_caches
+        new_caches, _ = self._run(plan, objects)
         if new_caches is None:
             return self.kv_caches
         if self._positions is not None:
@@ -94,17 +142,28 @@ class PreparedTransfer:
             # keep the replaced arrays alive) are dropped and remade only if read.
             self._objs = list(new_caches)
             self._described = None
+            self._guard.adopt(self.kv_caches, self._objs)
         else:
             self._rebind()
         return self.kv_caches
 
-    def _rebind(self) -> None:
+    def _rebind(self, changed: str | None = None) -> None:
+        if changed is None:
+            return self._bind()
+        try:
+            self._bind()
+        except KVGroupsError as exc:
+            raise type(exc)(f"kv_caches changed since the transfer was prepared ({changed}); "
+                            f"binding them again failed: {exc}") from exc
+
+    def _bind(self) -> None:
         binding = bind(self.manager, self.kv_caches)
         self._plans = replace(binding, tensors=())  # shares the plan-shape caches
         self._described = binding
         self._objs = [d.obj for d in binding.tensors]
         self._bound = self.backend.bind_caches(binding.tensors)
         self._bound.bind_source(self.manager, self.kv_caches)
+        self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None

@@ -405,18 +405,24 @@ class BenchRun:
 
     def ceiling(self, kit: Any, name: str, nbytes: int, rotate: int, timing: dict
                 ) -> tuple[str, float] | None:
-        """Median seconds of the ceiling copy of ``nbytes`` (measured once per size)."""
+        """Median seconds of the ceiling copy of ``nbytes`` (measured once per size).
+
+        Measured twice, keeping the faster pass: the first one runs on a cold device (clocks
+        ramping up, buffers and allocator pools new), and a ceiling slowed by that would let
+        a warm transfer read as more than its ceiling. ``cold_median_s`` keeps the other."""
         cache = self._ceilings
         key = (kit.backend, kit.device, name, nbytes)
         if key not in cache:
             cache[key] = None
             try:
-                t = kit.ceiling(name, nbytes, rotate, **timing)
+                passes = [kit.ceiling(name, nbytes, rotate, **timing) for _ in range(2)]
+                t = min(passes, key=lambda p: p.median)
                 cache[key] = t.median
                 self.emit({"record": "ceiling", "backend": kit.backend, "device": kit.device,
                            "ceiling": name, "bytes": nbytes, "bytes_rw": 2 * nbytes,
                            "median_s": t.median, "min_s": min(t.seconds), "repeats":
                            len(t.seconds), "calls_per_repeat": t.calls,
+                           "cold_median_s": max(p.median for p in passes),
                            "gbps": 2 * nbytes / t.median / 1e9,
                            "link_gbps": nbytes / t.median / 1e9})
             except Exception as exc:  # noqa: BLE001

@@ -1,4 +1,4 @@
-"""The shared catalogue of real model KV shapes (MODELS.md) for tests, the demo and benchmarks.
+"""The shared catalogue of real model KV shapes (public model configs) for tests, the demo and benchmarks.
 
 Each entry builds a cache structure of :class:`~kvgroups_core.descriptors.TensorSpec` s (no
 data), the per-layer formats and the engine group infos a manager needs. ``layers=`` shrinks a
@@ -105,7 +105,7 @@ def _mla(latent: int, bs: int, indexer: bool):
 
 
 def _v4_like(*, num_blocks, layers, dtype, fmt, name):
-    """SEMANTICS.md section 3's DeepSeek-V4-like mix: compression 4 and 128, a 64-token-block
+    """docs/SEMANTICS.md section 3's DeepSeek-V4-like mix: compression 4 and 128, a 64-token-block
     group and a 4-token-block fp32 group, each its own engine group."""
     caches = [
         TensorSpec((num_blocks, 64, 64), "float16"),
@@ -153,7 +153,7 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
                "and full alternate", 36, _hybrid(8, 64, 128, 2)),
     ModelShape("gpt-oss-20b", "gpt-oss-20b: 24 layers, 8 KV heads x 64, bf16, sliding (128) and "
                "full alternate", 24, _hybrid(8, 64, 128, 2)),
-    ModelShape("deepseek-v4-like", "DeepSeek-V4-like compressed mix (SEMANTICS.md section 3)", 4,
+    ModelShape("deepseek-v4-like", "DeepSeek-V4-like compressed mix (docs/SEMANTICS.md section 3)", 4,
                _v4_like),
 )}
 

@@ -28,8 +28,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TextIO
 
+from kvgroups_core.errors import KVGroupsValueError
+
 from . import bench_matrix
-from .bench import BenchRun
+from .bench import KIT_MODULES, BenchRun
 from .bench_report import SWEEP_TABLES, format_summary, markdown_table, summarize, sweep_tables
 from .cli_plan import _int_list
 
@@ -70,16 +72,55 @@ def build_matrix(args: argparse.Namespace) -> bench_matrix.Matrix:
     return replace(matrix, **changes)
 
 
-def read_records(paths: list[Path]) -> list[dict]:
+def read_records(paths: list[Path], option: str = "summarize") -> list[dict]:
+    """The JSON records of ``paths``; a file that is missing or not JSON lines is a typed
+    error naming the option and the file."""
     records = []
     for path in paths:
-        for line in path.read_text().splitlines():
-            if line.strip():
-                records.append(json.loads(line))
+        try:
+            text = path.read_text()
+        except OSError as exc:
+            raise KVGroupsValueError(
+                f"{option}: expected a readable JSON-lines file, got {str(path)!r} "
+                f"({exc.strerror or type(exc).__name__})") from None
+        for number, line in enumerate(text.splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise KVGroupsValueError(
+                    f"{option}: expected one JSON object per line, got {str(path)!r} line "
+                    f"{number}: {exc.msg}") from None
+            if not isinstance(record, dict) or "record" not in record:
+                raise KVGroupsValueError(
+                    f"{option}: expected bench records (objects with a 'record' field), got "
+                    f"{str(path)!r} line {number}: {line[:60]!r}")
+            records.append(record)
     return records
 
 
+def check_backends(items: list[str]) -> None:
+    """Refuse names no kit exists for (``torch``, ``jax-cpu``, ... ): a typo is not a missing
+    runtime."""
+    if not items:
+        raise KVGroupsValueError("backends: expected at least one name, got none")
+    for item in items:
+        name, _, device = item.partition("-")
+        if name not in KIT_MODULES or device not in ("", "cpu", "cuda", "gpu") and not \
+                device.startswith("cuda:"):
+            raise KVGroupsValueError(
+                f"backends: expected names from {sorted(KIT_MODULES)} (optionally -cpu / "
+                f"-cuda[:N]) or 'auto', got {item!r}")
+
+
 def run(args: argparse.Namespace) -> int:
+    # Inputs first: a bad name or an unreadable file is refused before anything is written.
+    raw = read_records(args.summarize) if args.summarize else None
+    backends = auto_backends(args.matrix) if args.backends == ["auto"] else args.backends
+    if args.backends != ["auto"]:
+        check_backends(backends)
+    done = read_records(args.resume, "resume") if args.resume else ()
     out: TextIO | None = None
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -97,8 +138,7 @@ def run(args: argparse.Namespace) -> int:
             print(text, file=sys.stderr, flush=True)
 
     try:
-        if args.summarize:
-            raw = read_records(args.summarize)
+        if raw is not None:
             records = summarize(raw)
             if args.markdown and args.sweeps:
                 print(sweep_tables(raw, [s for s in args.sweeps if s in SWEEP_TABLES]))
@@ -108,9 +148,6 @@ def run(args: argparse.Namespace) -> int:
                 for record in records:
                     emit(record)
         else:
-            backends = auto_backends(args.matrix) if args.backends == ["auto"] \
-                else args.backends
-            done = read_records(args.resume) if args.resume else ()
             runner = BenchRun(build_matrix(args), emit, paths=args.paths,
                               directions=args.directions, placements=args.placements,
                               budget_s=args.budget_s, seed=args.seed, log=log, done=done)
@@ -127,7 +164,14 @@ def run(args: argparse.Namespace) -> int:
             f"{r.get('backend')} {r.get('path', r.get('stage'))}: {r['error_type']}"
             for r in errors[:8]))
     bad = [r for r in records if r.get("verified") is False]
-    return 1 if bad else 0
+    # A runtime that was asked for by name but could not be loaded fails the run (the
+    # others still ran and are recorded).
+    missing = [r["backend"] for r in records
+               if r["record"] == "error" and r.get("stage") == "load kit"]
+    if missing:  # an error, so said even with --quiet
+        print(f"kvgroups bench: requested backend(s) not available: {', '.join(missing)}",
+              file=sys.stderr)
+    return 1 if bad or missing else 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

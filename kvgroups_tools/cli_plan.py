@@ -1,7 +1,7 @@
 """``kvgroups plan``: show how a model described by a shape spec is grouped and stored.
 
 For each kernel group: its layers and geometry and the bytes its region takes in one chunk
-object (``kv_size * nl * slots * nh * hs * itemsize``, SEMANTICS.md section 6); for each object
+object (``kv_size * nl * slots * nh * hs * itemsize``, docs/SEMANTICS.md section 6); for each object
 group: its kernel groups, its window and the bytes of one chunk object.
 """
 

@@ -21,6 +21,7 @@ from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 from kvgroups_core.objects import check_objects
 from kvgroups_core.registry import Backend, BoundCaches
+from kvgroups_core.validate import Memory
 
 from .describe import describe_array, memory_kind_of
 from .executor import LOWERINGS, execute_plan
@@ -74,21 +75,56 @@ class JaxBackend(Backend):
         self.validate_caches(caches)
         return _BoundJax(self, caches)
 
+    #: No per-call fingerprint of bound caches (``kvgroups_core.validate.CacheGuard``): a JAX
+    #: array never changes in place, and a deleted one fails at dispatch, before anything runs.
+    buffer_keys = None
+
+    def memory_of(self, x: Any, what: str = "array") -> Memory | None:
+        """XLA's buffers never alias one another, so there is no range to check
+        (``kvgroups_core.validate``); a deleted or donated array is refused here."""
+        if _concrete(x) and x.is_deleted():
+            raise KVGroupsValueError(
+                f"{what}: expected a live array, got one already deleted or donated (a JAX "
+                "load consumes the caches it is given: pass the arrays it returned)"
+            )
+        return None
+
+    def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
+        """Live arrays, all on one device (several CPU devices are distinct devices)."""
+        devices: dict[Any, int] = {}
+        for i, c in enumerate(caches):
+            x = c.obj if isinstance(c, TensorDesc) else c
+            if not _concrete(x):
+                continue
+            self.memory_of(x, f"kv_caches (bound array {i})")
+            for dev in x.devices():
+                devices.setdefault(dev, i)
+        if len(devices) > 1:
+            listed = ", ".join(f"{dev} (bound array {i})" for dev, i in devices.items())
+            raise KVGroupsValueError(f"kv_caches: expected arrays on one device, got {listed}")
+
     def validate_objects(self, plan, caches: Sequence[TensorDesc],
                          objects: Sequence[Any]) -> None:
-        """Objects live on the caches' device or in pinned_host memory."""
-        devices = {d.device for d in caches if not d.is_abstract}
+        """Objects are live and on the caches' device (or in pinned_host memory)."""
+        devices = set()
+        for c in caches:
+            x = c.obj if isinstance(c, TensorDesc) else c
+            if _concrete(x):
+                devices.update(x.devices())
         for k, obj in enumerate(objects):
             for part in (obj if isinstance(obj, (list, tuple)) else [obj]):
                 x = part.obj if isinstance(part, TensorDesc) else part
-                if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+                if not _concrete(x):
                     continue
-                kind = memory_kind_of(x)
-                dev = describe_array(x).device if kind != "pinned_host" else None
-                if dev is not None and devices and dev not in devices:
+                self.memory_of(x, f"objects[{k}]")
+                if memory_kind_of(x) == "pinned_host":
+                    continue
+                dev = set(x.devices())
+                if devices and not dev <= devices:
                     raise KVGroupsValueError(
-                        f"objects[{k}]: expected an array on {sorted(devices)} (or in "
-                        f"pinned_host memory), got one on {dev}"
+                        f"objects[{k}]: expected an array on {sorted(map(str, devices))} (the "
+                        f"caches' device, or in pinned_host memory), got one on "
+                        f"{sorted(map(str, dev))}"
                     )
 
     def execute(self, plan, caches: Sequence[TensorDesc], objects: Sequence[Any]):

@@ -61,7 +61,7 @@ def describe_array(x: Any) -> TensorDesc:
         )
     spec_dtype = as_dtype(x.dtype)
     concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
-    if concrete and len(x.devices()) == 1 and not x.is_deleted():
+    if concrete and not x.is_deleted() and len(x.devices()) == 1:  # deleted: shape only
         device = next(iter(x.devices()))
         spec = TensorSpec(tuple(x.shape), spec_dtype, None, device_string(device,
                                                                            memory_kind_of(x)))

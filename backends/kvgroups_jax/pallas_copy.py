@@ -4,7 +4,7 @@ One launch moves one kernel group: grid ``(item_bucket, num_planes)``, one progr
 plane) by default (:data:`TUNING` groups planes per program or swaps the axes). Items past the runtime count are masked, so every request whose item count falls in the
 same power-of-two bucket reuses the compilation. Caches are flat unsigned views, one operand per
 backing array (the plane picks its operand statically under ``pl.when``); the object is
-``[num_chunks, object_elems]``. Triton rules (shared/spec/JAX.md): power-of-two array ops, no
+``[num_chunks, object_elems]``. Triton rules (docs/DESIGN.md, Backends): power-of-two array ops, no
 scalar prefetch (ids are read inside the kernel), static grid, explicit ``compiler_params``.
 
 Reference: :func:`kvgroups_core.reference.run_group` (the NumPy oracle).

@@ -13,7 +13,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .geometry import GroupGeometry
+from kvgroups_core.errors import UnsupportedConfig
+
+from .geometry import MAX_INDEX, GroupGeometry
 
 
 def _box_offsets(geom: GroupGeometry) -> tuple[np.ndarray, np.ndarray]:
@@ -36,11 +38,29 @@ def _rows_ok(geom: GroupGeometry, span: int | None, obj_elems: int) -> bool:
     return all(v % span == 0 for v in values)
 
 
+def check_index_range(geom: GroupGeometry, n_chunks: int, obj_elems: int, rows: bool) -> None:
+    """Raise :class:`UnsupportedConfig` (at trace time, before anything runs or is donated)
+    when an index this path computes would pass int32 (JAX indexes with int32 unless x64 is
+    on). The row path indexes rows of ``span`` elements, so it serves caches of up to
+    2**31 - 1 rows; the element path up to 2**31 - 1 elements of ``geom.unit`` bytes."""
+    span = geom.span if rows else 1
+    need = max(list(geom.operand_sizes) + [obj_elems]) // span
+    need = max(need, n_chunks * (obj_elems // span) if rows else n_chunks)
+    if need > MAX_INDEX:
+        what = f"rows of {span * geom.unit} bytes" if rows else f"elements of {geom.unit} bytes"
+        raise UnsupportedConfig(
+            f"cache array: expected at most {MAX_INDEX} {what} for the XLA path (int32 "
+            f"indexing), got {need}"
+        )
+
+
 def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, **_):
     """Move one kernel group's pages with XLA gathers and scatters (arguments as
     :func:`kvgroups_jax.pallas_copy.copy_group`)."""
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     n_chunks, obj_elems = obj.shape
+    rows_ok = _rows_ok(geom, geom.span, obj_elems)
+    check_index_range(geom, n_chunks, obj_elems, rows_ok)
     if isinstance(obj, jax.ShapeDtypeStruct):  # a fresh store: XLA fuses the fill
         obj = jnp.zeros(obj.shape, obj.dtype)
     i = jnp.arange(grid_items, dtype=jnp.int32)
@@ -55,12 +75,14 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
     block = jnp.clip(raw, 0, geom.num_blocks - 1)
     caches = list(caches)
     span = geom.span
-    if _rows_ok(geom, span, obj_elems):
+    if rows_ok:
         obj_rows = obj.reshape(n_chunks * (obj_elems // span), span)
         for plane in range(geom.num_planes):
             op = geom.plane_operands[plane]
             cache_rows = caches[op].reshape(-1, span)
-            crow = (geom.plane_offsets[plane] + block * geom.block_stride) // span
+            # In rows, not elements: block * block_stride passes int32 on caches of more
+            # than 2**31 elements and would wrap to another block.
+            crow = geom.plane_offsets[plane] // span + block * (geom.block_stride // span)
             orow = (chunk * (obj_elems // span)
                     + geom.object_base(plane, 0) // span + pos)
             if direction == "store":

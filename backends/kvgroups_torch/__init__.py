@@ -52,6 +52,7 @@ from .backend import DEFAULT_PINNED_MODE, TorchBackend
 from .bound_plan import BoundPlan
 from .cuda_path import check_device_errors
 from .describe import describe_tensor, dtype_of, torch_dtype
+from .distributed import check_same_grouping as check_same_grouping
 from .driver import KernelLaunchError
 from .nvrtc import cache_dir, cache_key, compile_cubin, get_cubin
 from .objects import allocate_objects

@@ -11,6 +11,7 @@ from kvgroups_core.descriptors import TensorDesc
 from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 from kvgroups_core.registry import Backend, BoundCaches
+from kvgroups_core.validate import Memory
 
 from . import cuda_path, torch_path
 from .describe import describe_tensor, dtype_of, torch_dtype
@@ -99,8 +100,38 @@ class TorchBackend(Backend):
         self.validate_caches(caches)
         return TorchBoundCaches(self, caches)
 
+    def buffer_keys(self, xs: list) -> list:
+        """What a prepared transfer compares per call to notice a reallocated cache
+        (``resize_`` past its storage, ``set_``, ``.data =``): each bound tensor's address.
+        The address alone is what memory safety needs (a storage never shrinks under the same
+        address) and costs a fifth of address plus shape (torch builds a ``Size`` per read)."""
+        ptr = _DATA_PTR
+        return [ptr(x) if isinstance(x, torch.Tensor) else None for x in xs]
+
+    def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
+        """Where a tensor's bytes are (``kvgroups_core.validate``); tensors a transfer cannot
+        use (meta, autograd) are refused here, before any byte moves."""
+        if not isinstance(x, torch.Tensor):
+            return None
+        if x.requires_grad or x.is_meta:
+            _check_usable(x, what)
+        if type(x) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(x):
+            return None  # torch.compile's fakes: no memory to judge (planning only)
+        shape, strides, e = x.shape, x.stride(), x.element_size()
+        host = not x.is_cuda
+        if 0 in shape:
+            return Memory(x.data_ptr(), 0, True, host)
+        extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * e
+        if len(shape) == 2:
+            return Memory(x.data_ptr(), extent, True, host, shape[0], strides[0] * e,
+                          shape[1] * e)
+        return Memory(x.data_ptr(), extent, True, host)
+
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
-        """Every backing tensor is a torch tensor on one device."""
+        """Every backing tensor is a torch tensor on one device, with memory and no autograd."""
+        for i, c in enumerate(caches):
+            if isinstance(c.obj, torch.Tensor):
+                _check_usable(c.obj, f"kv_caches (bound tensor {i})")
         device = cache_device(caches)
         for i, c in enumerate(caches):
             if tensor_of(c, f"caches[{i}]").device != device:
@@ -177,6 +208,19 @@ class TorchBackend(Backend):
         if isinstance(ids, torch.Tensor):
             return ids.detach().cpu().numpy()  # synchronises for device ids
         return ids
+
+
+_DATA_PTR = torch.Tensor.data_ptr
+
+
+def _check_usable(t: torch.Tensor, what: str) -> None:
+    if t.device.type == "meta":
+        raise KVGroupsValueError(f"{what}: expected a tensor with memory, got a meta tensor")
+    if t.requires_grad:
+        raise KVGroupsValueError(
+            f"{what}: expected a tensor outside autograd (requires_grad=False), got one that "
+            "requires grad; pass tensor.detach()"
+        )
 
 
 class TorchBoundCaches(BoundCaches):

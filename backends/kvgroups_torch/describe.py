@@ -66,6 +66,10 @@ def describe_tensor(x: torch.Tensor) -> TensorDesc:
     if not isinstance(x, torch.Tensor):
         raise KVGroupsTypeError(f"tensor: expected a torch.Tensor, got {type(x).__name__}")
     dtype = dtype_of(x)
+    if x.device.type == "meta":
+        # No memory behind it: abstract, enough to plan; transfers refuse it (validate_caches).
+        return TensorDesc(TensorSpec(tuple(x.shape), dtype, tuple(x.stride()), "meta"), 0, 0,
+                          x, "torch")
     source = x.detach()
     if x.dtype in _BYTE_VIEW:
         source = source.view(torch.uint8)

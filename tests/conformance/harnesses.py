@@ -1,60 +1,20 @@
-"""One harness per backend: how the conformance suite makes arrays of that runtime, reads them
-back bit-exactly, and calls the public store/load API through it."""
+"""The in-tree backends' harnesses for the conformance kit (``kvgroups_conformance``): how the
+suite makes arrays of each runtime and reads them back bit-exactly, with the ids the project's
+own test run uses (numpy-ref, torch-cpu, torch-cuda, jax-interpret, jax-xla, jax-gpu)."""
 
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import pytest
 
-import kvgroups_core as kc
-from kvgroups_core.transfer import load, store
+from kvgroups_conformance import Harness, reference_harness
 
 
 def _uint_view(a: np.ndarray) -> np.ndarray:
     return a.view(f"uint{a.dtype.itemsize * 8}")
-
-
-@dataclass
-class Harness:
-    """Backend-neutral operations the suite needs."""
-
-    id: str
-    backend: str
-    placements: tuple[str | None, ...] = (None,)
-
-    def from_numpy(self, a: np.ndarray) -> Any:
-        return a.copy()
-
-    def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
-        return np.asarray(x)
-
-    def zeros_objects(self, nbytes: tuple[int, ...], num_chunks: int,
-                      placement: str | None) -> list:
-        return [np.zeros((num_chunks, n), np.uint8) for n in nbytes]
-
-    def store(self, manager, caches, ids, objects=None):
-        return store(manager, caches, ids, objects, backend=self.backend)
-
-    def load(self, manager, objects, caches, ids, skip=0):
-        return load(manager, objects, caches, ids, skip_first_n_tokens=skip,
-                    backend=self.backend)
-
-    # Structure helpers -------------------------------------------------------------------
-    def convert(self, structure: Any) -> Any:
-        if isinstance(structure, list):
-            return [self.convert(x) for x in structure]
-        if isinstance(structure, tuple):
-            return tuple(self.convert(x) for x in structure)
-        return self.from_numpy(structure)
-
-    def read(self, structure: Any, like: Any) -> Any:
-        if isinstance(structure, (list, tuple)):
-            return [self.read(x, y) for x, y in zip(structure, like)]
-        return self.to_numpy(structure, like)
 
 
 class TorchHarness(Harness):
@@ -158,7 +118,7 @@ def _jax_gpu_available() -> bool:
 
 def harness_params() -> list:
     """pytest params for every backend; GPU ones carry the ``gpu`` marker and skip cleanly."""
-    params = [pytest.param(Harness("numpy-ref", "numpy"), id="numpy-ref")]
+    params = [pytest.param(reference_harness(), id="numpy-ref")]
 
     def backend_ready(pkg: str) -> bool:
         return _has(pkg)
@@ -214,4 +174,4 @@ def make_harness(param: Any) -> Harness:
     }[param]()
 
 
-__all__ = ["Harness", "harness_params", "make_harness", "pair_params", "kc"]
+__all__ = ["Harness", "harness_params", "make_harness", "pair_params"]

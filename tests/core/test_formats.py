@@ -10,7 +10,7 @@ from kvgroups_core.layout import layer_layouts, num_layers_of
 NB, NL, BS, NH, HS = 7, 5, 3, 2, 4
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "FORMATS.md"
 
-# FORMATS.md, "Geometry golden values": per-layer shape, NH, head size, hidden (NH*HS).
+# docs/FORMATS.md, "Geometry golden values": per-layer shape, NH, head size, hidden (NH*HS).
 GOLDEN = [
     (F.NL_X_TWO_NB_BS_NH_HS, (2, 7, 3, 2, 4), 2, 4, 8),
     (F.NL_X_NB_TWO_BS_NH_HS, (7, 2, 3, 2, 4), 2, 4, 8),

@@ -32,7 +32,7 @@ def _heads(rows):
 
 def build(fmt, nb=NB, nl=NL, bs=BS, nh=NH, hs=HS):
     # (caches in the format, row(layer, kv, b, t) -> the object row bytes), written from the
-    # format's definition in FORMATS.md, independently of the layout code.
+    # format's definition in docs/FORMATS.md, independently of the layout code.
     c = Counter()
     per_layer = lambda shape, dt=np.float16: [c.array(shape, dt) for _ in range(nl)]  # noqa: E731
     if fmt is F.NL_X_TWO_NB_BS_NH_HS:

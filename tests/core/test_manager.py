@@ -51,7 +51,7 @@ def test_every_layer_excluded_gives_an_empty_manager():
     assert m.layer_layouts == [None, None, None]
 
 
-# --- worked examples of SEMANTICS.md section 3 -----------------------------------------
+# --- worked examples of docs/SEMANTICS.md section 3 --------------------------------------
 
 
 def test_five_layers_by_heads_and_dtype():

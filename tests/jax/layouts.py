@@ -2,7 +2,7 @@
 
 Each builder returns the backing arrays (NumPy, random bit patterns so every float dtype carries
 NaN payloads) and the plan of one kernel group, written from the format's definition in
-shared/spec/FORMATS.md and JAX.md, independently of the core's planner.
+docs/FORMATS.md (the JAX serving engines), independently of the core's planner.
 """
 
 from __future__ import annotations

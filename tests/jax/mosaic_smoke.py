@@ -105,7 +105,7 @@ def run_case(name, layout, dtype, **shape) -> bool:
 
 
 def bench(layers=32, blocks=2048, pages=512, iters=20) -> None:
-    """Store and load bandwidth, Mosaic vs Triton, on the shared/spec/JAX.md shape: ``layers``
+    """Store and load bandwidth, Mosaic vs Triton, on the JAX kernel benchmark shape: ``layers``
     arrays [2, blocks, 16, 8, 128] bf16, ``pages`` random pages; bytes read + written per
     second. The executor's jitted program is called back to back (planning excluded), each
     call's donated results feeding the next."""

@@ -1,4 +1,4 @@
-"""Cache builders and an independent model of SEMANTICS.md section 6.
+"""Cache builders and an independent model of docs/SEMANTICS.md section 6 (the kit's oracle).
 
 Nothing here uses the page model (SegmentRuns, byte offsets): token rows are read with plain
 NumPy indexing of each format's logical axes, so the suite checks the core's layout maths
@@ -54,6 +54,19 @@ def random_bits(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generato
             s * dtype.itemsize for s in np.cumprod((list(shape[1:]) + [1])[::-1])[::-1][1:]),
         writeable=True)
     return view
+
+
+def copy_keeping_strides(a: np.ndarray) -> np.ndarray:
+    """A copy of ``a`` with ``a``'s strides: the bytes between its elements (padding between
+    blocks) are copied too. Harnesses use it to keep padded caches padded."""
+    if a.flags.c_contiguous or a.size == 0:
+        return a.copy()
+    if any(s < 0 for s in a.strides):
+        raise ValueError(f"a: expected non-negative strides, got {a.strides}")
+    extent = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) // a.itemsize + 1
+    flat = np.lib.stride_tricks.as_strided(a, shape=(extent,), strides=(a.itemsize,)).copy()
+    return np.lib.stride_tricks.as_strided(flat, shape=a.shape, strides=a.strides,
+                                           writeable=True)
 
 
 def make_caches(fmt: F, *, nl: int, nb: int, bs: int, nh: int, hs: int, dtype: str,
@@ -120,7 +133,7 @@ def token_rows(caches, fmt: F, layer: int, kv: int, block: int) -> np.ndarray:
     order = [rest.index("BS")] + ([rest.index("NH")] if "NH" in rest else []) + [rest.index(head)]
     sub = np.ascontiguousarray(np.transpose(sub, order))
     bs = sub.shape[0]
-    return sub.reshape(bs, -1).view(np.uint8).reshape(bs, -1)
+    return sub.reshape(bs, -1).view(np.uint8).reshape(bs, -1).copy()  # never a view of the cache
 
 
 def expected_object(manager, caches, og: int, chunk_ids: dict[int, np.ndarray]) -> np.ndarray:

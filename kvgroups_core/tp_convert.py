@@ -1,0 +1,363 @@
+"""Convert memory objects between a TP group's ranks and the whole model (canonical objects).
+
+``merge_shards`` assembles the objects a TP=1 store of the whole cache gives from the objects
+of every rank of a TP group; ``split_canonical`` cuts canonical objects into the objects one
+rank's ``load`` takes. Both work for either object layout (:mod:`.tensor_parallel`).
+
+The arrays are the caller's (NumPy, torch, JAX, on the host or a device) and never leave their
+framework: the conversion is written with what every one of them has, ``x[:, a:b]`` slicing,
+the ``.reshape(shape)`` and ``.swapaxes(a, b)`` methods and the array namespace's ``concat``.
+The namespace comes from the array (``__array_namespace__``: NumPy >= 2, JAX) or, for torch
+(which has none), from the module already loaded in ``sys.modules`` that defines its type, so
+the core imports no framework. Each region is moved by one slice-reshape per head set and one
+``concat``, over every chunk at once: no Python loop over chunks.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from .engine_groups import as_int
+from .errors import KVGroupsTypeError, KVGroupsValueError
+from .objects import object_nbytes, object_regions
+from .tensor_parallel import TP_NATIVE, check_managers
+
+
+def _namespace(x: Any) -> Any:
+    get = getattr(x, "__array_namespace__", None)
+    if get is not None:
+        return get()
+    module = sys.modules.get(type(x).__module__.partition(".")[0])
+    if module is None or not hasattr(module, "concat"):
+        raise KVGroupsTypeError(
+            f"objects: expected NumPy, torch or JAX arrays (or any array with "
+            f"__array_namespace__), got {type(x).__name__}"
+        )
+    return module
+
+
+def _concat(parts: list, axis: int) -> Any:
+    if len(parts) == 1:
+        return parts[0]
+    return _namespace(parts[0]).concat(parts, axis=axis)
+
+
+def _whole(x: Any) -> Any:
+    """A concrete JAX array spread over a mesh, replicated over that mesh; anything else as it
+    is. A merge interleaves every shard's bytes in each token row, so it needs them all, and
+    JAX refuses eager slices across a sharded axis; under ``jit`` slicing works as it is."""
+    sharding = getattr(x, "sharding", None)
+    if sharding is None or not hasattr(sharding, "mesh") or len(sharding.device_set) <= 1:
+        return x
+    jax = sys.modules["jax"]  # loaded: x is one of its arrays
+    if isinstance(x, jax.core.Tracer):
+        return x
+    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh,
+                                                        jax.sharding.PartitionSpec()))
+
+
+def _join(pieces: list, fresh: list[bool]) -> Any:
+    """The pieces side by side in each chunk's row, as a new array (a lone piece that is
+    still a view of the input is copied, so results never alias the caller's objects)."""
+    if len(pieces) == 1 and not fresh[0]:
+        return _namespace(pieces[0]).asarray(pieces[0], copy=True)
+    return _concat(pieces, axis=1)
+
+
+def _check_object(x: Any, nbytes: int, what: str) -> int:
+    """``x`` must be uint8 ``[num_chunks, nbytes]``; returns num_chunks."""
+    dtype = str(getattr(x, "dtype", None)).rpartition(".")[2]
+    shape = tuple(getattr(x, "shape", ()))
+    if dtype != "uint8" or len(shape) != 2 or shape[1] != nbytes:
+        raise KVGroupsValueError(
+            f"{what}: expected uint8 [num_chunks, {nbytes}], got {dtype} {list(shape)}"
+        )
+    return int(shape[0])
+
+
+def _check_list(objects: Any, count: int, what: str) -> list:
+    if not isinstance(objects, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"{what}: expected a list with one object array per object group, got "
+            f"{type(objects).__name__}"
+        )
+    if len(objects) != count:
+        raise KVGroupsValueError(
+            f"{what}: expected {count} entries (one per object group), got {len(objects)}"
+        )
+    return list(objects)
+
+
+def _region_rows(region: Any) -> tuple[int, int]:
+    """``(rows, row_bytes)`` of a region seen as byte rows."""
+    kv, nl, slots, _ = region.shape
+    return kv * nl * slots, region.row_bytes
+
+
+def merge_shards(managers: Any, objects_per_rank: Any) -> list:
+    """The canonical objects (a TP=1 store of the whole cache) from every rank's objects.
+
+    Parameters
+    ----------
+    managers : list of KVLayerGroupsManager
+        One per rank of the TP group, in rank order (``managers[r].tp_rank == r``), with equal
+        fingerprints.
+    objects_per_rank : list
+        ``objects_per_rank[r]`` is what rank ``r``'s store returned: one uint8
+        ``[num_chunks, object_nbytes]`` array per object group. With the TP-native layout
+        every rank may pass the same shared buffers (each rank's part is read from its own).
+
+    One manager and ``[objects]`` whose arrays hold every shard's objects side by side
+    (shard ``r`` in columns ``[r * n, (r + 1) * n)``) is also accepted:
+
+    - a rank's manager (``tp_size > 1``, canonical layout) with ``[num_chunks, tp_size * n]``
+      arrays, ``n`` its own ``object_nbytes``;
+    - the manager of caches sharded over a JAX mesh (built from the global arrays, so
+      ``tp_size == 1``) with the objects its store returns: a global array sharded on the byte
+      axis, each of the ``s`` shards the object of ``1 / s`` of every group's heads (the
+      sharding says ``s``; an unsharded array is a TP=1 store and merges to itself).
+
+    Returns
+    -------
+    list
+        One uint8 ``[num_chunks, canonical_nbytes]`` array per object group, of the inputs'
+        framework and device, new arrays (never views of the inputs). Replicated groups take
+        their owner rank's copy.
+    """
+    if isinstance(managers, (list, tuple)) and len(managers) == 1:
+        ref = managers[0]
+        objs = _check_list(objects_per_rank, 1, "objects_per_rank")[0]
+        objs = _check_list(objs, ref.num_object_groups, "objects_per_rank[0]")
+        if ref.tp_size > 1:
+            return _merge(*_side_by_side_rank(ref, objs))
+        shards = {_byte_axis_shards(x) for x in objs}
+        if shards != {1}:
+            return _merge(*_side_by_side_mesh(ref, objs, shards))
+    managers = check_managers(managers)
+    return _merge(*_from_ranks(managers, objects_per_rank))
+
+
+# A merge plan: per object group, its chunk count and per region (rows, part row bytes, parts),
+# each part an (array, byte offset) whose next rows * row bytes bytes of every chunk's row are
+# one head set's region, in head order.
+_Plan = list
+
+
+def _merge(chunk_counts: list[int], plans: _Plan) -> list:
+    out = []
+    whole: dict[int, Any] = {}  # one replica of each sharded input, however many parts read it
+    for chunks, regions in zip(chunk_counts, plans):
+        pieces, fresh = [], []
+        for rows, row_bytes, parts in regions:
+            for x, _ in parts:
+                if id(x) not in whole:
+                    whole[id(x)] = _whole(x)
+            views = [whole[id(x)][:, o:o + rows * row_bytes].reshape((chunks, rows, 1, row_bytes))
+                     for x, o in parts]
+            merged = _concat(views, axis=2)  # head sets side by side in each token row
+            pieces.append(merged.reshape((chunks, rows * row_bytes * len(parts))))
+            fresh.append(len(parts) > 1)
+        out.append(_join(pieces, fresh))
+    return out
+
+
+def _from_ranks(managers: list, objects_per_rank: Any) -> tuple[list[int], _Plan]:
+    ref = managers[0]
+    per_rank = _check_list(objects_per_rank, ref.tp_size, "objects_per_rank")
+    per_rank = [_check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
+                for r, objs in enumerate(per_rank)]
+    chunk_counts, plans = [], []
+    for og in range(ref.num_object_groups):  # every input checked before anything is built
+        counts = {_check_object(per_rank[r][og], object_nbytes(m, og),
+                                f"objects_per_rank[{r}][{og}]") for r, m in enumerate(managers)}
+        if len(counts) > 1:
+            raise KVGroupsValueError(
+                f"objects_per_rank[*][{og}]: expected one chunk count for every rank, got "
+                f"{sorted(counts)}"
+            )
+        chunk_counts.append(counts.pop())
+        regions = [object_regions(m, og) for m in managers]
+        plan = []
+        for i, region in enumerate(regions[0]):
+            shard = ref.tp_shard(region.kernel_group_idx)
+            owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
+            plan.append(_region_rows(region) + (
+                [(per_rank[r][og], regions[r][i].offset) for r in owners],))
+        plans.append(plan)
+    return chunk_counts, plans
+
+
+def _side_by_side_rank(manager: Any, objs: list) -> tuple[list[int], _Plan]:
+    """Every rank's objects side by side, described by one rank's manager."""
+    if manager.object_layout == TP_NATIVE:
+        raise KVGroupsValueError(
+            "managers: expected one manager per rank for TP-native objects (or one manager "
+            "of the canonical layout for side-by-side shard objects), got one TP-native manager"
+        )
+    size = manager.tp_size
+    chunk_counts, plans = [], []
+    for og, obj in enumerate(objs):
+        n = object_nbytes(manager, og)
+        chunk_counts.append(_check_object(
+            obj, size * n, f"objects_per_rank[0][{og}] (the {size} shards' objects side by side)"))
+        plan = []
+        for region in object_regions(manager, og):
+            shard = manager.tp_shard(region.kernel_group_idx)
+            owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
+            plan.append(_region_rows(region) + ([(obj, r * n + region.offset) for r in owners],))
+        plans.append(plan)
+    return chunk_counts, plans
+
+
+def _byte_axis_shards(x: Any) -> int:
+    """How many shards split a (JAX) array's axis 1; 1 for unsharded arrays and other types."""
+    shard_shape = getattr(getattr(x, "sharding", None), "shard_shape", None)
+    shape = tuple(getattr(x, "shape", ()))
+    if shard_shape is None or len(shape) != 2 or shape[1] == 0:
+        return 1
+    return shape[1] // shard_shape(shape)[1]
+
+
+def _side_by_side_mesh(manager: Any, objs: list, shards: set[int]) -> tuple[list[int], _Plan]:
+    """Per-shard objects of a mesh-sharded store, described by the global manager."""
+    if len(shards) > 1:
+        raise KVGroupsValueError(
+            f"objects_per_rank[0]: expected every object group's array split into one number "
+            f"of shards on its byte axis, got {sorted(shards)}"
+        )
+    s = shards.pop()
+    chunk_counts, plans = [], []
+    for og, obj in enumerate(objs):
+        n = object_nbytes(manager, og)
+        chunk_counts.append(_check_object(obj, n, f"objects_per_rank[0][{og}]"))
+        plan = []
+        for region in object_regions(manager, og):
+            rows, row_bytes = _region_rows(region)
+            heads = region.shape[3] // manager.kernel_groups[region.kernel_group_idx].shape_desc.hs
+            if heads % s:
+                raise KVGroupsValueError(
+                    f"objects_per_rank[0][{og}]: expected kernel group "
+                    f"{region.kernel_group_idx}'s {heads} KV heads split evenly over the "
+                    f"{s} shards of the byte axis, got a remainder of {heads % s}"
+                )
+            plan.append((rows, row_bytes // s,
+                         [(obj, r * (n // s) + region.offset // s) for r in range(s)]))
+        plans.append(plan)
+    return chunk_counts, plans
+
+
+def canonical_nbytes(manager: Any, object_group_idx: int) -> int:
+    """Bytes of one chunk's canonical (whole-model) object of ``object_group_idx``."""
+    return sum(r.nbytes * manager.tp_shard(r.kernel_group_idx).num_parts
+               for r in object_regions(manager, object_group_idx))
+
+
+def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
+    """This rank's objects, which ``load(manager, ...)`` takes, from canonical objects.
+
+    Parameters
+    ----------
+    manager : KVLayerGroupsManager
+        The rank's manager (``tp_rank``, ``tp_size``, ``object_layout``).
+    objects : list
+        Canonical objects, one uint8 ``[num_chunks, canonical_nbytes]`` array per object group
+        (what a TP=1 store, or :func:`merge_shards`, gives).
+    shards : int, keyword-only, default 1
+        With the manager of caches sharded over a JAX mesh (built from the global arrays,
+        ``tp_size == 1``): the shards the heads are split over. The result then holds every
+        shard's objects side by side, shard ``r`` in columns ``[r * n / s, (r + 1) * n / s)``;
+        ``jax.device_put(x, NamedSharding(mesh, P(None, heads_axis)))`` makes it the objects
+        a load of those caches takes (the inverse of :func:`merge_shards` for them).
+
+    Returns
+    -------
+    list
+        Canonical layout: the rank's own objects (its heads of every region). TP-native
+        layout: the whole TP-native object, the same for every rank of the group (each rank's
+        load reads its own byte ranges), so one conversion serves the whole group.
+    """
+    objects = _check_list(objects, manager.num_object_groups, "objects")
+    if shards != 1:
+        return _split_side_by_side(manager, objects, shards)
+    native = manager.object_layout == TP_NATIVE
+    chunk_counts = [_check_object(objects[og], canonical_nbytes(manager, og), f"objects[{og}]")
+                    for og in range(manager.num_object_groups)]
+    out = []
+    for og, chunks in enumerate(chunk_counts):
+        full = objects[og]
+        pieces, fresh = [], []
+        offset = 0
+        for region in object_regions(manager, og):
+            shard = manager.tp_shard(region.kernel_group_idx)
+            rows, row_bytes = _region_rows(region)
+            parts = shard.num_parts
+            nbytes = region.nbytes * parts
+            whole = full[:, offset:offset + nbytes].reshape((chunks, rows, parts * row_bytes))
+            offset += nbytes
+            if native and parts > 1:
+                # [chunks, rows, parts, row] -> [chunks, parts, rows, row]: heads outermost.
+                piece = whole.reshape((chunks, rows, parts, row_bytes)).swapaxes(1, 2)
+                pieces.append(piece.reshape((chunks, nbytes)))
+                fresh.append(rows > 1)  # a real transposition: reshape had to copy
+                continue
+            if native or parts == 1:
+                pieces.append(whole.reshape((chunks, nbytes)))
+            else:
+                start = shard.part * row_bytes
+                piece = whole[:, :, start:start + row_bytes]
+                pieces.append(piece.reshape((chunks, rows * row_bytes)))
+            fresh.append(False)  # reshape may or may not have copied: copy to be sure
+        out.append(_join(pieces, fresh))
+    return out
+
+
+def _split_side_by_side(manager: Any, objects: list, shards: Any) -> list:
+    s = as_int(shards, "shards")
+    if s < 1 or manager.tp_size != 1 or manager.object_layout == TP_NATIVE:
+        raise KVGroupsValueError(
+            f"shards: expected >= 1 with a manager of the global caches (tp_size 1, canonical "
+            f"layout), got shards={s} with tp_size {manager.tp_size}, layout "
+            f"{manager.object_layout!r}"
+        )
+    regions_per_og = [object_regions(manager, og) for og in range(manager.num_object_groups)]
+    chunk_counts = []
+    for og, regions in enumerate(regions_per_og):  # every input checked before anything moves
+        chunk_counts.append(_check_object(objects[og], object_nbytes(manager, og),
+                                          f"objects[{og}]"))
+        for region in regions:
+            heads = region.shape[3] // manager.kernel_groups[region.kernel_group_idx].shape_desc.hs
+            if heads % s:
+                raise KVGroupsValueError(
+                    f"shards: expected kernel group {region.kernel_group_idx}'s {heads} KV "
+                    f"heads to split evenly over {s} shards, got a remainder of {heads % s}"
+                )
+    out = []
+    for og, (chunks, regions) in enumerate(zip(chunk_counts, regions_per_og)):
+        pieces = []
+        for region in regions:
+            rows, row_bytes = _region_rows(region)
+            whole = objects[og][:, region.offset:region.offset + region.nbytes]
+            # [chunks, rows, s, row / s] -> [chunks, s, rows * row / s]: shard-major.
+            piece = whole.reshape((chunks, rows, s, row_bytes // s)).swapaxes(1, 2)
+            pieces.append(piece.reshape((chunks, s, rows * row_bytes // s)))
+        joined = _concat(pieces, axis=2)
+        n = object_nbytes(manager, og)
+        out.append(_join([joined.reshape((chunks, n))], [len(pieces) > 1]))
+    return out
+
+
+def rank_byte_ranges(manager: Any, object_group_idx: int) -> list[tuple[int, int]]:
+    """``(offset, nbytes)`` per region: the bytes of one chunk's TP-native object that this
+    rank's store writes and its load reads (its own part of each region).
+
+    Slice a shared ``[num_chunks, object_nbytes]`` buffer with them (``buf[:, o:o + n]``) to
+    see this rank's share; the ranges of the ranks of a TP group tile the object, replicas of
+    a replicated group sharing theirs.
+    """
+    if manager.object_layout != TP_NATIVE:
+        raise KVGroupsValueError(
+            f"manager.object_layout: expected {TP_NATIVE!r} for TP-native byte ranges, got "
+            f"{manager.object_layout!r}"
+        )
+    return [(r.offset, r.nbytes) for r in object_regions(manager, object_group_idx)]
