@@ -90,16 +90,21 @@ class JaxBackend(Backend):
         return None
 
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
-        """Live arrays, all on one device (several CPU devices are distinct devices)."""
+        """Live arrays, all on one device (several CPU devices are distinct devices), or all
+        sharded over one mesh (checked by :func:`~kvgroups_jax.sharded.shard_layout`)."""
         devices: dict[Any, int] = {}
+        sharded = False
         for i, c in enumerate(caches):
             x = c.obj if isinstance(c, TensorDesc) else c
             if not _concrete(x):
                 continue
             self.memory_of(x, f"kv_caches (bound array {i})")
+            sharded = sharded or len(x.sharding.device_set) > 1
             for dev in x.devices():
                 devices.setdefault(dev, i)
-        if len(devices) > 1:
+        if sharded:
+            shard_layout([c.obj if isinstance(c, TensorDesc) else c for c in caches])
+        elif len(devices) > 1:
             listed = ", ".join(f"{dev} (bound array {i})" for dev, i in devices.items())
             raise KVGroupsValueError(f"kv_caches: expected arrays on one device, got {listed}")
 
