@@ -133,8 +133,8 @@ class PreparedTransfer:
         self._described = binding
         self._objs = [d.obj for d in binding.tensors]
         self._bound = self.backend.bind_caches(binding.tensors)
-        self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
         self._bound.bind_source(self.manager, self.kv_caches)
+        self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None

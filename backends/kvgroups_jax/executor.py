@@ -123,6 +123,8 @@ def _run(program: _Program, caches, objects, metas, idss):
         else:
             for s, view in zip(geom.operand_slots, out):
                 caches[s] = unflat_view(view, caches[s].shape, caches[s].dtype, unit)
+    for og, shape in pending.items():  # no group of this call writes it (a layer subset)
+        objects[og] = jnp.zeros(shape, jnp.uint8)
     # Return only what the transfer wrote: returning a non-donated input makes XLA copy it
     # (measured on the H200: every cache copied on store, every object on load).
     return tuple(caches) if program.direction == "load" else tuple(objects)
@@ -138,7 +140,7 @@ def _fresh_objects(program: _Program, objects: list) -> dict[int, tuple[int, int
             continue
         written = sum(geom.num_planes * geom.slots * geom.row * geom.unit
                       for geom, o in zip(program.geoms, program.object_groups) if o == og)
-        if written == shape[1]:
+        if written == shape[1] and written:
             pending[og] = shape
         else:
             objects[og] = jnp.zeros(shape, jnp.uint8)

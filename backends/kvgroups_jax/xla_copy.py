@@ -59,10 +59,10 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
     :func:`kvgroups_jax.pallas_copy.copy_group`)."""
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     n_chunks, obj_elems = obj.shape
-    if isinstance(obj, jax.ShapeDtypeStruct):  # a fresh store: XLA fuses the fill
-        obj = jnp.zeros(obj.shape, obj.dtype)
     rows_ok = _rows_ok(geom, geom.span, obj_elems)
     check_index_range(geom, n_chunks, obj_elems, rows_ok)
+    if isinstance(obj, jax.ShapeDtypeStruct):  # a fresh store: XLA fuses the fill
+        obj = jnp.zeros(obj.shape, obj.dtype)
     i = jnp.arange(grid_items, dtype=jnp.int32)
     item = meta[0] + i
     chunk = jnp.clip(item // kept, 0, n_chunks - 1)
