@@ -140,11 +140,12 @@ class TorchBackend(Backend):
                           shape[1] * e)
         return Memory(x.data_ptr(), extent, True, host)
 
-    def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
+    def validate_caches(self, caches: Sequence[Any]) -> None:
         """Every backing tensor is a torch tensor on one device, with memory and no autograd."""
         for i, c in enumerate(caches):
-            if isinstance(c.obj, torch.Tensor):
-                _check_usable(c.obj, f"kv_caches (bound tensor {i})")
+            t = c.obj if isinstance(c, TensorDesc) else c  # descriptors or the tensors
+            if isinstance(t, torch.Tensor):
+                _check_usable(t, f"kv_caches (bound tensor {i})")
         device = cache_device(caches)
         for i, c in enumerate(caches):
             if tensor_of(c, f"caches[{i}]").device != device:
