@@ -235,10 +235,11 @@ class TorchBackend(Backend):
         tensors are host ids (read and checked eagerly)."""
         if not isinstance(x, torch.Tensor):
             return None
-        if x.is_cuda and not torch.compiler.is_compiling():
+        traced = compiled.is_traced(x)  # not is_compiling(): unset in Dynamo's fake runs
+        if not traced:
+            if not x.is_cuda:
+                return None  # eager host ids
             return _NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
-        if not (x.is_cuda or (torch.compiler.is_compiling() and compiled.is_traced(x))):
-            return None
         return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
 
