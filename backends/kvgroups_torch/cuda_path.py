@@ -228,6 +228,7 @@ class GroupLaunch:
         self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
         self._ipc: dict[int, tuple[int, tuple[int, int, int]]] = {}  # num_items -> (ipc, grid)
+        self._steps: dict[tuple, tuple] = {}  # call shape -> what _step returns
 
     def _variant(self, direction: str, vector: int) -> tuple[P.KvgParams, Launcher, int]:
         found = self._variants.get((direction, vector))
@@ -268,6 +269,33 @@ class GroupLaunch:
         with self.lock:
             self._variant(direction, widest_unit([self.base_unit, objects.unit]))
 
+    def _step(self, direction: str, group: Any, unit: int, max_ctas: int | None) -> tuple:
+        """What a launch of this shape needs beside its ids, objects and skip: the packed
+        parameters of its variant and its sizing (``num_items`` 0: nothing to move)."""
+        num_chunks = group.num_chunks
+        num_items = num_chunks * self.kept_per_chunk - group.first_item
+        needed = num_chunks * self.blocks_per_chunk
+        if num_items <= 0:
+            return (None, None, None, None, needed, 0, 0, 0)
+        if needed > _INT32_MAX:
+            raise KVGroupsValueError(
+                f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}")
+        vector = self._vectors.get(unit)
+        if vector is None:
+            vector = self._vectors[unit] = widest_unit([self.base_unit, unit])
+        sizing = self._ipc.get(num_items)
+        if sizing is None:
+            ipc = items_per_cta(self.shape.page_bytes, num_items,
+                                self.num_planes * len(self.shape.runs), self.device.num_sms)
+            tiles = -(-num_items // ipc)
+            sizing = self._ipc[num_items] = (ipc, tiles,
+                                             tiles * self.num_planes * len(self.shape.runs))
+        ipc, tiles, work = sizing
+        grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
+        with self.lock:
+            p, launcher, function = self._variant(direction, vector)
+        return (p, launcher, function, grid, needed, num_items, ipc, tiles)
+
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
                max_ctas: int | None = None) -> None:
@@ -278,32 +306,25 @@ class GroupLaunch:
         ``max_ctas`` caps the CTAs of the launch (they loop over the work). An out-of-range
         id is reported against the group's ``engine_group_idx``.
         """
-        num_chunks, kept, first_item = group.num_chunks, group.kept_per_chunk, group.first_item
-        num_items = num_chunks * kept - first_item
-        if num_items <= 0:
+        # Everything that follows from the call's shape is looked up once per shape: an
+        # engine's layer-wise calls repeat a few shapes many times per step.
+        num_chunks, first_item = group.num_chunks, group.first_item
+        key = (direction, num_chunks, first_item, objects.unit, max_ctas)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._step(direction, group, objects.unit, max_ctas)
+            if len(self._steps) >= 256:
+                self._steps.clear()
+            self._steps[key] = step
+        p, launcher, function, grid, needed, num_items, ipc, tiles = step
+        if not num_items:
             return
-        needed = num_chunks * group.blocks_per_chunk
-        if needed > _INT32_MAX or objects.num_chunks < num_chunks:
+        if objects.num_chunks < num_chunks:
             raise KVGroupsValueError(
                 f"objects: expected at least {num_chunks} chunks, got {objects.num_chunks}"
             )
-        vector = self._vectors.get(objects.unit)
-        if vector is None:
-            vector = self._vectors[objects.unit] = widest_unit([self.base_unit, objects.unit])
-        sizing = self._ipc.get(num_items)
-        if sizing is None:
-            ipc = items_per_cta(self.shape.page_bytes, num_items,
-                                self.num_planes * len(self.shape.runs), self.device.num_sms)
-            tiles = -(-num_items // ipc)
-            sizing = self._ipc[num_items] = (ipc, tiles,
-                                             tiles * self.num_planes * len(self.shape.runs))
-        ipc, tiles, work = sizing
-        grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         ids = group.block_ids if block_ids is None else block_ids
         with self.lock:
-            found = self._variants.get((direction, vector))
-            p, launcher, function = found if found is not None else self._variant(direction,
-                                                                                  vector)
             keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
             p.obj_mode = mode = objects.mode
             if mode == P.OBJ_STRIDED:
@@ -536,11 +557,17 @@ class DeviceCaches:
     def run(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None = None) -> None:
         """Enqueue every group of ``plan`` with objects already bound (``bindings[g]`` for
         object group ``g``); ``block_ids`` as for :func:`run_plan`."""
-        launches = [self.launch_for(group) for group in plan.groups]  # may raise: none ran
+        groups = plan.groups
+        launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
-        direction = plan.direction
+        direction, max_ctas = plan.direction, getattr(plan, "max_ctas", None)
+        if getattr(plan, "skip_tokens", None) is None and block_ids is None:  # the hot case, kept lean
+            for launch, group in zip(launches, groups):
+                launch.launch(direction, group, bindings[group.object_group_idx], stream,
+                              max_ctas=max_ctas)
+            return
         skip, max_ctas = plan_options(plan, self.index)
-        for i, group in enumerate(plan.groups):
+        for i, group in enumerate(groups):
             launches[i].launch(direction, group, bindings[group.object_group_idx], stream,
                                None if block_ids is None else block_ids[i],
                                skip=None if skip is None else group_skip(skip, group),
