@@ -260,6 +260,7 @@ class GroupLaunch:
             function = self.device.kernels.handle(name)
             # A NumPy window on the inline ids: one casting copy per call, no allocation.
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
+            p.last_objects = p.last_step = None  # what launch() last wrote (see there)
             found = (p, Launcher(self.device.index, ctypes.addressof(p)), function)
             self._variants[(direction, vector)] = found
         return found
@@ -326,17 +327,25 @@ class GroupLaunch:
         ids = group.block_ids if block_ids is None else block_ids
         with self.lock:
             keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
-            p.obj_mode = mode = objects.mode
-            if mode == P.OBJ_STRIDED:
-                p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
-            elif mode == P.OBJ_INLINE:
-                p.inline_objs[: len(objects.addresses)] = objects.addresses
-            else:
-                p.obj_table = objects.table.data_ptr()
-            p.first_item = first_item
-            p.num_items = num_items
-            p.items_per_cta = ipc
-            p.num_tiles = tiles
+            # Fields equal to the last launch's are not written again (ctypes writes are
+            # the bulk of a launch's host time): the bindings are memoised by value, so the
+            # same object buffer comes back as the same binding; every write to ``p`` goes
+            # through here, under the lock.
+            if p.last_objects is not objects:
+                p.obj_mode = mode = objects.mode
+                if mode == P.OBJ_STRIDED:
+                    p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
+                elif mode == P.OBJ_INLINE:
+                    p.inline_objs[: len(objects.addresses)] = objects.addresses
+                else:
+                    p.obj_table = objects.table.data_ptr()
+                p.last_objects = objects
+            if p.last_step is not step:
+                p.first_item = first_item
+                p.num_items = num_items
+                p.items_per_cta = ipc
+                p.num_tiles = tiles
+                p.last_step = step
             if skip is None:
                 if p.skip_mode:
                     p.skip_mode = P.SKIP_NONE
