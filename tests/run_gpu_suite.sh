@@ -21,6 +21,7 @@
 #                     tests need the caching allocator, so they run in racecheck only; the
 #                     compile tests are left to gpu_tests: inductor under a sanitizer is slow);
 #   racecheck_torch_engine  racecheck (shared-memory hazards) over the same file, graphs too;
+#                     both engine steps instrument only our kvg_* kernels (not cuBLAS's);
 #   bench_torch_engine      benchmarks/bench_torch_engine.py (JSON lines in
 #                     bench_torch_engine.jsonl, also copied to $OUT).
 # KVG_GPU_STEPS picks steps (default: all, in that order); KVG_GPU_TEST_PATHS narrows
@@ -70,10 +71,14 @@ wants sanitizer_mosaic && step sanitizer_mosaic 150 env XLA_PYTHON_CLIENT_ALLOCA
 wants sanitizer_jax_jit && step sanitizer_jax_jit 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   $SANITIZE $PYTEST -m gpu tests/jax/test_gpu_engine.py
 ENGINE_TESTS=tests/torch/test_torch_engine_gpu.py
+# Only our page-copy kernels (all named kvg_<direction>_v<V>_<kind>, params.kernel_name) are
+# instrumented: cuBLAS's GEMMs of the overlap test have shared-memory patterns racecheck flags
+# and that are not ours to judge, and the filter keeps both steps fast.
+OURS="--kernel-name kns=kvg_"
 wants memcheck_torch_engine && step memcheck_torch_engine 180 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
-  $SANITIZE $PYTEST -m gpu $ENGINE_TESTS -k "not graph and not compiled"
+  $SANITIZE $OURS $PYTEST -m gpu $ENGINE_TESTS -k "not graph and not compiled"
 wants racecheck_torch_engine && step racecheck_torch_engine 180 compute-sanitizer --tool racecheck \
-  --report-api-errors no --error-exitcode 9 $PYTEST -m gpu $ENGINE_TESTS -k "not compiled"
+  --report-api-errors no --error-exitcode 9 $OURS $PYTEST -m gpu $ENGINE_TESTS -k "not compiled"
 if wants bench_torch_engine; then
   step bench_torch_engine 240 python3 benchmarks/bench_torch_engine.py \
     --out "$WORK/bench_torch_engine.jsonl"

@@ -116,8 +116,11 @@ class TorchBackend(Backend):
         (``resize_`` past its storage, ``set_``, ``.data =``): each bound tensor's address.
         The address alone is what memory safety needs (a storage never shrinks under the same
         address) and costs a fifth of address plus shape (torch builds a ``Size`` per read)."""
-        ptr = _DATA_PTR
-        return [ptr(x) if isinstance(x, torch.Tensor) else None for x in xs]
+        try:
+            return list(map(_DATA_PTR, xs))  # all tensors, the usual case: half the cost
+        except TypeError:
+            ptr = _DATA_PTR
+            return [ptr(x) if isinstance(x, torch.Tensor) else None for x in xs]
 
     def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
         """Where a tensor's bytes are (``kvgroups_core.validate``); tensors a transfer cannot
@@ -132,19 +135,23 @@ class TorchBackend(Backend):
         # Pageable host memory may be a read-only mapping (checked against the page tables,
         # not cheap); pinned memory is CUDA's own allocation, writable, and on the hot path.
         host = not x.is_cuda and not x.is_pinned()
+        if len(shape) == 2:  # objects, the per-call case: no generic loop
+            rows, cols = shape
+            if not rows or not cols:
+                return Memory(x.data_ptr(), 0, True, host)
+            return Memory(x.data_ptr(), (1 + (rows - 1) * strides[0] + (cols - 1) * strides[1])
+                          * e, True, host, rows, strides[0] * e, cols * e)
         if 0 in shape:
             return Memory(x.data_ptr(), 0, True, host)
         extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * e
-        if len(shape) == 2:
-            return Memory(x.data_ptr(), extent, True, host, shape[0], strides[0] * e,
-                          shape[1] * e)
         return Memory(x.data_ptr(), extent, True, host)
 
-    def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
+    def validate_caches(self, caches: Sequence[Any]) -> None:
         """Every backing tensor is a torch tensor on one device, with memory and no autograd."""
         for i, c in enumerate(caches):
-            if isinstance(c.obj, torch.Tensor):
-                _check_usable(c.obj, f"kv_caches (bound tensor {i})")
+            t = c.obj if isinstance(c, TensorDesc) else c  # descriptors or the tensors
+            if isinstance(t, torch.Tensor):
+                _check_usable(t, f"kv_caches (bound tensor {i})")
         device = cache_device(caches)
         for i, c in enumerate(caches):
             if tensor_of(c, f"caches[{i}]").device != device:
@@ -234,10 +241,11 @@ class TorchBackend(Backend):
         tensors are host ids (read and checked eagerly)."""
         if not isinstance(x, torch.Tensor):
             return None
-        if x.is_cuda and not torch.compiler.is_compiling():
+        traced = compiled.is_traced(x)  # not is_compiling(): unset in Dynamo's fake runs
+        if not traced:
+            if not x.is_cuda:
+                return None  # eager host ids
             return _NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
-        if not (x.is_cuda or (torch.compiler.is_compiling() and compiled.is_traced(x))):
-            return None
         return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
 

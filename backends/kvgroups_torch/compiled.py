@@ -33,17 +33,28 @@ from kvgroups_core.manager import KVLayerGroupsManager
 
 from . import ops
 
+_is_functional = torch._is_functional_tensor
+
 
 def is_traced(x: Any) -> bool:
-    """Whether ``x`` is a tensor of a ``torch.compile`` trace (fake or functional wrapper)."""
-    return isinstance(x, torch.Tensor) and torch._subclasses.fake_tensor.is_fake(x)
+    """Whether ``x`` is a tensor of a ``torch.compile`` trace (fake or functional wrapper).
+
+    Judged from the tensor alone, never from ``torch.compiler.is_compiling()``: Dynamo runs
+    the non-strictly traced calls on fake tensors with that flag unset (torch 2.11), and a
+    fake taken for a real tensor would be read (``.numpy()``) or launched on."""
+    if not isinstance(x, torch.Tensor):
+        return False
+    if type(x) is torch.Tensor and not _is_functional(x):
+        return False  # an eager tensor: two cheap checks, no subclass walk
+    return torch._subclasses.fake_tensor.is_fake(x)
 
 
 def any_traced(tensors: Sequence[Any]) -> bool:
-    """Whether a call runs inside a trace: cheap in eager (one flag read)."""
-    if not torch.compiler.is_compiling():
-        return False
-    return any(is_traced(t) for t in tensors)
+    """Whether a call runs inside a trace (any of its tensors is fake)."""
+    for t in tensors:
+        if is_traced(t):
+            return True
+    return False
 
 
 # --- trace time: the plan becomes a template and one custom op ---------------------------
@@ -183,17 +194,20 @@ def _options(**kw: Any) -> dict:
     return {k: v for k, v in kw.items() if v is not None}
 
 
-def _traced_store(manager: Any, kv_caches: Any, block_ids: Any, options: dict) -> Any:
+# What a nonstrict_trace function returns must be graphable on every torch we support: a
+# plain list of tensors (possibly empty). The polyfills rebuild the public return values.
+def _traced_store(manager: Any, kv_caches: Any, block_ids: Any, options: dict
+                  ) -> list[torch.Tensor]:
     objects = options.get("objects")
     out = transfer.store(manager, kv_caches, block_ids, objects, **_call_kw(options))
-    return out if objects is None else ()
+    return [t for t in out] if objects is None else []
 
 
 def _traced_load(manager: Any, objects: Any, kv_caches: Any, block_ids: Any,
-                 options: dict) -> Any:
+                 options: dict) -> list[torch.Tensor]:
     transfer.load(manager, objects, kv_caches, block_ids,
                   skip_first_n_tokens=options.get("skip_first_n_tokens", 0), **_call_kw(options))
-    return ()
+    return []
 
 
 def _call_kw(options: dict) -> dict:

@@ -228,6 +228,7 @@ class GroupLaunch:
         self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
         self._ipc: dict[int, tuple[int, tuple[int, int, int]]] = {}  # num_items -> (ipc, grid)
+        self._steps: dict[tuple, tuple] = {}  # call shape -> what _step returns
 
     def _variant(self, direction: str, vector: int) -> tuple[P.KvgParams, Launcher, int]:
         found = self._variants.get((direction, vector))
@@ -259,6 +260,7 @@ class GroupLaunch:
             function = self.device.kernels.handle(name)
             # A NumPy window on the inline ids: one casting copy per call, no allocation.
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
+            p.last_objects = p.last_step = None  # what launch() last wrote (see there)
             found = (p, Launcher(self.device.index, ctypes.addressof(p)), function)
             self._variants[(direction, vector)] = found
         return found
@@ -267,6 +269,33 @@ class GroupLaunch:
         """Build the packed parameters (and load the kernel) a launch with ``objects`` uses."""
         with self.lock:
             self._variant(direction, widest_unit([self.base_unit, objects.unit]))
+
+    def _step(self, direction: str, group: Any, unit: int, max_ctas: int | None) -> tuple:
+        """What a launch of this shape needs beside its ids, objects and skip: the packed
+        parameters of its variant and its sizing (``num_items`` 0: nothing to move)."""
+        num_chunks = group.num_chunks
+        num_items = num_chunks * self.kept_per_chunk - group.first_item
+        needed = num_chunks * self.blocks_per_chunk
+        if num_items <= 0:
+            return (None, None, None, None, needed, 0, 0, 0)
+        if needed > _INT32_MAX:
+            raise KVGroupsValueError(
+                f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}")
+        vector = self._vectors.get(unit)
+        if vector is None:
+            vector = self._vectors[unit] = widest_unit([self.base_unit, unit])
+        sizing = self._ipc.get(num_items)
+        if sizing is None:
+            ipc = items_per_cta(self.shape.page_bytes, num_items,
+                                self.num_planes * len(self.shape.runs), self.device.num_sms)
+            tiles = -(-num_items // ipc)
+            sizing = self._ipc[num_items] = (ipc, tiles,
+                                             tiles * self.num_planes * len(self.shape.runs))
+        ipc, tiles, work = sizing
+        grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
+        with self.lock:
+            p, launcher, function = self._variant(direction, vector)
+        return (p, launcher, function, grid, needed, num_items, ipc, tiles)
 
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
@@ -278,44 +307,45 @@ class GroupLaunch:
         ``max_ctas`` caps the CTAs of the launch (they loop over the work). An out-of-range
         id is reported against the group's ``engine_group_idx``.
         """
-        num_chunks, kept, first_item = group.num_chunks, group.kept_per_chunk, group.first_item
-        num_items = num_chunks * kept - first_item
-        if num_items <= 0:
+        # Everything that follows from the call's shape is looked up once per shape: an
+        # engine's layer-wise calls repeat a few shapes many times per step.
+        num_chunks, first_item = group.num_chunks, group.first_item
+        key = (direction, num_chunks, first_item, objects.unit, max_ctas)
+        step = self._steps.get(key)
+        if step is None:
+            step = self._step(direction, group, objects.unit, max_ctas)
+            if len(self._steps) >= 256:
+                self._steps.clear()
+            self._steps[key] = step
+        p, launcher, function, grid, needed, num_items, ipc, tiles = step
+        if not num_items:
             return
-        needed = num_chunks * group.blocks_per_chunk
-        if needed > _INT32_MAX or objects.num_chunks < num_chunks:
+        if objects.num_chunks < num_chunks:
             raise KVGroupsValueError(
                 f"objects: expected at least {num_chunks} chunks, got {objects.num_chunks}"
             )
-        vector = self._vectors.get(objects.unit)
-        if vector is None:
-            vector = self._vectors[objects.unit] = widest_unit([self.base_unit, objects.unit])
-        sizing = self._ipc.get(num_items)
-        if sizing is None:
-            ipc = items_per_cta(self.shape.page_bytes, num_items,
-                                self.num_planes * len(self.shape.runs), self.device.num_sms)
-            tiles = -(-num_items // ipc)
-            sizing = self._ipc[num_items] = (ipc, tiles,
-                                             tiles * self.num_planes * len(self.shape.runs))
-        ipc, tiles, work = sizing
-        grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         ids = group.block_ids if block_ids is None else block_ids
         with self.lock:
-            found = self._variants.get((direction, vector))
-            p, launcher, function = found if found is not None else self._variant(direction,
-                                                                                  vector)
             keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
-            p.obj_mode = mode = objects.mode
-            if mode == P.OBJ_STRIDED:
-                p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
-            elif mode == P.OBJ_INLINE:
-                p.inline_objs[: len(objects.addresses)] = objects.addresses
-            else:
-                p.obj_table = objects.table.data_ptr()
-            p.first_item = first_item
-            p.num_items = num_items
-            p.items_per_cta = ipc
-            p.num_tiles = tiles
+            # Fields equal to the last launch's are not written again (ctypes writes are
+            # the bulk of a launch's host time): the bindings are memoised by value, so the
+            # same object buffer comes back as the same binding; every write to ``p`` goes
+            # through here, under the lock.
+            if p.last_objects is not objects:
+                p.obj_mode = mode = objects.mode
+                if mode == P.OBJ_STRIDED:
+                    p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
+                elif mode == P.OBJ_INLINE:
+                    p.inline_objs[: len(objects.addresses)] = objects.addresses
+                else:
+                    p.obj_table = objects.table.data_ptr()
+                p.last_objects = objects
+            if p.last_step is not step:
+                p.first_item = first_item
+                p.num_items = num_items
+                p.items_per_cta = ipc
+                p.num_tiles = tiles
+                p.last_step = step
             if skip is None:
                 if p.skip_mode:
                     p.skip_mode = P.SKIP_NONE
@@ -536,11 +566,17 @@ class DeviceCaches:
     def run(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None = None) -> None:
         """Enqueue every group of ``plan`` with objects already bound (``bindings[g]`` for
         object group ``g``); ``block_ids`` as for :func:`run_plan`."""
-        launches = [self.launch_for(group) for group in plan.groups]  # may raise: none ran
+        groups = plan.groups
+        launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
-        direction = plan.direction
+        direction, max_ctas = plan.direction, getattr(plan, "max_ctas", None)
+        if getattr(plan, "skip_tokens", None) is None and block_ids is None:  # the hot case, kept lean
+            for launch, group in zip(launches, groups):
+                launch.launch(direction, group, bindings[group.object_group_idx], stream,
+                              max_ctas=max_ctas)
+            return
         skip, max_ctas = plan_options(plan, self.index)
-        for i, group in enumerate(plan.groups):
+        for i, group in enumerate(groups):
             launches[i].launch(direction, group, bindings[group.object_group_idx], stream,
                                None if block_ids is None else block_ids[i],
                                skip=None if skip is None else group_skip(skip, group),

@@ -117,6 +117,18 @@ def test_ops_have_fake_implementations():
         torch.ops.kvgroups.load_pages(bound.handle, fake_caches, fake_objects, [])
 
 
+def test_validate_takes_raw_tensors_as_well_as_descriptors():
+    # Backends are handed either the caller's tensors or their TensorDescs.
+    case = make_case("nhd", "float16", "store", np.random.default_rng(8))
+    caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
+    objects = torch.from_numpy(case.objects.copy())
+    TorchBackend().validate(case.plan, caches, [objects])
+    TorchBackend().validate(case.plan, [describe_tensor(c) for c in caches], [objects])
+    caches[0].requires_grad_(True)  # float16: autograd can track it; a transfer must not
+    with pytest.raises(KVGroupsValueError, match="requires grad"):
+        TorchBackend().validate(case.plan, caches, [objects])
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")
 def test_pageable_host_objects_are_rejected_before_any_byte_moves():

@@ -164,6 +164,38 @@ def test_compile_plans_at_trace_time_without_reading_data():
     assert desc.strides == tuple(fake.stride()) and desc.data_ptr == 0
 
 
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_nonstrict_traced_calls_on_fakes_record_ops_without_the_compiling_flag(monkeypatch,
+                                                                                device):
+    # Dynamo runs the nonstrict-traced public calls on fake tensors with
+    # torch.compiler.is_compiling() unset (torch 2.11): fakes must still be recognised as
+    # such (no .numpy(), no launch) and recorded as one custom op per call. Fake CUDA tensors
+    # need no GPU.
+    from kvgroups_torch import compiled, ops
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    manager, caches = model_caches("llama3-8b", seed=30)
+    nbytes = kc.prepare(manager, caches).binding.object_nbytes
+    recorded = []
+    monkeypatch.setattr(ops, "store_pages", lambda *a: recorded.append(("store", a)))
+    monkeypatch.setattr(ops, "load_pages", lambda *a: recorded.append(("load", a)))
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        assert not torch.compiler.is_compiling()
+        fakes = [torch.empty(c.shape, dtype=c.dtype, device=device) for c in caches]
+        ids = torch.empty(8, dtype=torch.int64, device=device)
+        objects = [torch.empty((2, n), dtype=torch.uint8, device=device) for n in nbytes]
+        skip = torch.empty((), dtype=torch.int64, device=device)
+        assert compiled._traced_store(manager, fakes, ids, {"objects": objects}) == []
+        made = compiled._traced_store(manager, fakes, ids, {"layers": [1]})
+        assert compiled._traced_load(manager, objects, fakes, ids,
+                                     {"skip_first_n_tokens": skip}) == []
+    assert type(made) is list and [tuple(t.shape) for t in made] == [(2, n) for n in nbytes]
+    assert [kind for kind, _ in recorded] == ["store", "store", "load"]
+    store_ids, load_args = recorded[0][1][3], recorded[2][1]
+    assert len(store_ids) == 1 and store_ids[0] is ids  # the fake ids travel, unread
+    assert load_args[4] is skip
+
+
 def test_cpu_tensor_ids_keep_host_semantics_in_eager_calls():
     manager, caches = model_caches("llama3-8b", seed=14)
     objects = random_objects(manager, 2, seed=15)

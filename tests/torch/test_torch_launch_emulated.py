@@ -474,3 +474,29 @@ def test_emulated_cta_cap_loops_over_the_work_with_the_same_bytes(emulated):
     assert launches[-1][1][0] == 3  # the grid: 3 CTAs for every work unit of the launch
     for a, b in zip(objects, ref.store(ids)):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
+
+
+def test_emulated_interleaved_layer_calls_rewrite_what_changed(device_ids):
+    # Launches skip parameter writes equal to their variant's last launch: interleave layers,
+    # chunk counts, object buffers and a CTA cap so every field changes between calls, and
+    # check the bytes after each call against the CPU path.
+    from engine_cases import object_bytes
+
+    launches, _ = device_ids
+    manager, fast, ref = _pair("llama3-8b", 31)
+    rng = np.random.default_rng(32)
+    ids = {n: _ids_for(manager, rng, n) for n in (1, 2)}
+    buffers = {n: [[torch.zeros((n, b), dtype=torch.uint8) for b in fast.binding.object_nbytes]
+                   for _ in range(2)] for n in (1, 2)}
+    for call in range(12):
+        n, layer, which = 1 + call % 2, (call // 2) % 2, (call // 3) % 2
+        objects = buffers[n][which]
+        for o in objects:
+            o.zero_()
+        before = len(launches)
+        fast.store(torch.from_numpy(ids[n]), objects, layers=[layer],
+                   max_ctas=None if call % 4 else 1)
+        assert len(launches) == before + 1
+        want = ref.store(ids[n], [o.clone() for o in objects], layers=[layer])
+        for got, w in zip(object_bytes(objects), object_bytes(want)):
+            np.testing.assert_array_equal(got, w, err_msg=f"call {call}")
