@@ -77,8 +77,13 @@ ENGINE_TESTS=tests/torch/test_torch_engine_gpu.py
 OURS="--kernel-name kns=kvg_"
 wants memcheck_torch_engine && step memcheck_torch_engine 180 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
   $SANITIZE $OURS $PYTEST -m gpu $ENGINE_TESTS -k "not graph and not compiled"
+# Racecheck with the kernel filter hit "Sanitizer failed to handle a hardware exception" in the
+# side-stream test (its cuBLAS GEMM runs uninstrumented beside an instrumented kernel, H200,
+# 2026-12-01); unfiltered, the only hazards it reports are cuBLAS's own. So racecheck runs
+# unfiltered over every test that launches no GEMM.
 wants racecheck_torch_engine && step racecheck_torch_engine 180 compute-sanitizer --tool racecheck \
-  --report-api-errors no --error-exitcode 9 $OURS $PYTEST -m gpu $ENGINE_TESTS -k "not compiled"
+  --report-api-errors no --error-exitcode 9 $PYTEST -m gpu $ENGINE_TESTS \
+  -k "not compiled and not side_stream"
 if wants bench_torch_engine; then
   step bench_torch_engine 240 python3 benchmarks/bench_torch_engine.py \
     --out "$WORK/bench_torch_engine.jsonl"
