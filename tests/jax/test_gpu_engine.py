@@ -136,7 +136,7 @@ def test_gpu_public_calls_inside_a_jitted_step_with_traced_ids(backend_name):
 def test_gpu_vmap_over_caches(backend_name):
     if backend_name.endswith("mosaic"):
         # Mosaic GPU kernels (pl.kernel with scoped SMEM) have no batching rule in jax 0.11:
-        # vmap over caches is served by the Triton and XLA lowerings (and "auto" picks them).
+        # vmap over caches is served by the Triton and XLA lowerings (request one of them).
         _, caches, manager = _engine(0, nb=8, layers=1, backend_name=backend_name)
         batch = jnp.stack([caches[0]] * 2)
         with pytest.raises(NotImplementedError, match="Batching rule"):
