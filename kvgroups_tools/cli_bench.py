@@ -32,7 +32,14 @@ from kvgroups_core.errors import KVGroupsValueError
 
 from . import bench_matrix
 from .bench import KIT_MODULES, BenchRun
-from .bench_report import SWEEP_TABLES, format_summary, markdown_table, summarize, sweep_tables
+from .bench_report import (
+    SWEEP_TABLES,
+    format_summary,
+    markdown_table,
+    public_table,
+    summarize,
+    sweep_tables,
+)
 from .cli_plan import _int_list
 
 
@@ -148,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
             if args.markdown and args.sweeps:
                 print(sweep_tables(raw, [s for s in args.sweeps if s in SWEEP_TABLES]))
             elif args.markdown:
-                print(markdown_table(records))
+                tables = [t for t in (markdown_table(records), public_table(raw)) if t]
+                print("\n\n".join(tables))
             else:
                 for record in records:
                     emit(record)
