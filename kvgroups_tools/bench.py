@@ -225,7 +225,11 @@ class BenchRun:
         self.records: list[dict] = []
         self._ceilings: dict[tuple, float | None] = {}
         done = list(done)
+        # A refused public call (device ids a CPU runtime reads to the host) stays refused:
+        # done too. Cases cut by a time limit are not.
         self._done = {_done_key(r, layers) for r in done if r.get("record") == "transfer"
+                      or (r.get("record") == "skipped" and r.get("call") not in
+                          (None, "internal") and "time" not in str(r.get("reason")))
                       for layers in (r.get("layers"), None)}
         self._done_managers = {(r.get("backend"), r.get("device"), r.get("model"),
                                 r.get("layers")) for r in done if r.get("record") == "manager"}
