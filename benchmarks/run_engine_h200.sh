@@ -12,7 +12,7 @@
 #   KVG_ENGINE_RESUME=engine_h200.jsonl bash benchmarks/run_engine_h200.sh
 #       # a second call: measures only the cases that file lacks (the points a budget cut)
 #
-# KVG_ENGINE_TORCH_S / KVG_ENGINE_JAX_S: each runtime's time limit (default 200 / 280 s); its
+# KVG_ENGINE_TORCH_S / KVG_ENGINE_JAX_S: each runtime's time limit (default 170 / 310 s: JAX compiles each call); its
 # engine stops starting new cases at 85% of it (later cases become "time budget" records,
 # which a resumed run measures). KVG_ENGINE_MATRIX=tiny (with KVG_ENGINE_TORCH=torch-cpu,
 # KVG_ENGINE_JAX=jax-cpu, KVG_ENGINE_ARGS="--sweeps headline"): a CPU smoke test of this script.
@@ -57,8 +57,8 @@ run() {  # run NAME LIMIT_S BACKEND
   fi
 }
 
-run torch "${KVG_ENGINE_TORCH_S:-200}" "${KVG_ENGINE_TORCH:-torch}"
-run jax "${KVG_ENGINE_JAX_S:-280}" "${KVG_ENGINE_JAX:-jax}"
+run torch "${KVG_ENGINE_TORCH_S:-170}" "${KVG_ENGINE_TORCH:-torch}"
+run jax "${KVG_ENGINE_JAX_S:-310}" "${KVG_ENGINE_JAX:-jax}"
 
 python3 -m kvgroups_tools.cli bench --summarize "$JSON" --markdown --quiet \
   > "$OUT/engine_h200.md" 2> "$OUT/summary.log"

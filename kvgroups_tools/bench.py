@@ -287,8 +287,10 @@ class BenchRun:
                 paths = paths[:1]  # the default path: what a user gets without asking
             if self.paths:
                 paths = [pp for pp in paths if pp[0] in self.paths]
+            # Layer-wise runs the default path only: the paths are compared on whole calls.
             out += [(call, ids, path, name) for call in calls if call in kit.public_calls()
-                    for ids in m.ids for path, name in paths]
+                    for ids in m.ids
+                    for path, name in (paths[:1] if call == "layerwise" else paths)]
         return out
 
     def left_to_do(self, kit: Any, point: Point) -> list[tuple]:

@@ -98,7 +98,7 @@ def test_the_engine_matrix_covers_the_acceptance_grid():
     m = bench_matrix.preset("engine")
     assert not m.internal and set(m.calls) == set(bench_public.CALLS)
     assert set(m.ids) == {"host", "device"}
-    llama = [p for p in m.points if p.shape.label == "llama3-8b"]
+    llama = [p for p in m.points if p.shape.model == "llama3-8b"]
     assert {p.chunks for p in llama} == {1, 4, 16, 64, 256}
     assert {p.placement for p in llama} == {"device", "pinned"}
     pages = set()
@@ -109,6 +109,10 @@ def test_the_engine_matrix_covers_the_acceptance_grid():
             pages.add(g.bs * g.nh * g.hs * 2)
     assert pages | {32 << 10} == {512} | {k << 10 for k in (1, 2, 4, 8, 16, 32, 64, 128)}
     assert any(p.all_paths for p in m.points)  # every public path at the 64-chunk points
+    calls = set()
+    for p in m.points:
+        calls |= set(m.calls if p.calls is None else p.calls)
+    assert calls == set(bench_public.CALLS)
 
 
 def test_public_table_groups_calls_and_flags_host_bound_and_refused(records):
