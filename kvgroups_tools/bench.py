@@ -41,12 +41,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvgroups_core.descriptors import TensorSpec
+from kvgroups_core.descriptors import TensorDesc, TensorSpec
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.planner import bind, plan_call
 from kvgroups_core.shape_spec import format_kvcache_shape_spec
 
 from .bench_matrix import Matrix, Point, Shape
+from .bench_public import Case, Refused, applies, make_call
 
 KIT_MODULES = {"numpy": "kvgroups_tools.bench_kits.numpy_kit",
                "torch": "kvgroups_tools.bench_kits.torch_kit",
@@ -79,6 +80,15 @@ class Workload:
     slots: list
     objects: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
+    caches: list | None = None  # the caches as a user holds them (public calls); flat list
+    positions: list = field(default_factory=list)  # caches[i] is slots[positions[i]]
+
+    def sync_caches(self) -> None:
+        """After an internal JAX load replaced slots: the user-side list follows."""
+        if self.caches is not None:
+            for i, p in enumerate(self.positions):
+                if not isinstance(self.slots[p], TensorDesc):
+                    self.caches[i] = self.slots[p]
 
 
 def map_specs(structure: Any, fn: Callable[[TensorSpec, int], Any], _n: list | None = None) -> Any:
@@ -155,10 +165,23 @@ def shape_info(shape: Shape, manager: KVLayerGroupsManager) -> dict:
             "page_bytes": sd.bs * sd.nh * sd.hs * g.dtype.itemsize}
 
 
+def user_caches(caches: Any, slots: Sequence[Any]) -> tuple[list | None, list]:
+    """The flat cache list public calls take and each entry's slot; (None, []) for nested
+    structures (public calls are then refused)."""
+    if not isinstance(caches, list):
+        return None, []
+    slot_of = {}
+    for k, d in enumerate(slots):
+        slot_of.setdefault(id(d), k)
+        slot_of.setdefault(id(getattr(d, "obj", d)), k)
+    positions = [slot_of.get(id(x)) for x in caches]
+    return (None, []) if None in positions else (list(caches), positions)
+
+
 def _done_key(record: dict, layers: int | None) -> tuple:
     return (record.get("backend"), record.get("device"), record.get("shape"), layers,
             record.get("chunks"), record.get("placement"), record.get("path"),
-            record.get("direction"))
+            record.get("direction"), record.get("call", "internal"), record.get("ids", "host"))
 
 
 def _error(exc: BaseException) -> dict:
@@ -202,7 +225,11 @@ class BenchRun:
         self.records: list[dict] = []
         self._ceilings: dict[tuple, float | None] = {}
         done = list(done)
+        # A refused public call (device ids a CPU runtime reads to the host) stays refused:
+        # done too. Cases cut by a time limit are not.
         self._done = {_done_key(r, layers) for r in done if r.get("record") == "transfer"
+                      or (r.get("record") == "skipped" and r.get("call") not in
+                          (None, "internal") and "time" not in str(r.get("reason")))
                       for layers in (r.get("layers"), None)}
         self._done_managers = {(r.get("backend"), r.get("device"), r.get("model"),
                                 r.get("layers")) for r in done if r.get("record") == "manager"}
@@ -239,16 +266,39 @@ class BenchRun:
         return list(self.paths) if self.paths else list(kit.default_paths())
 
     def is_done(self, kit: Any, shape: Shape, chunks: int, placement: str, path: str,
-                direction: str) -> bool:
-        """Whether an earlier run (``done``) already measured this path of this point."""
+                direction: str, call: str = "internal", ids: str = "host") -> bool:
+        """Whether an earlier run (``done``) already measured this case of this point."""
         return (kit.backend, kit.device, shape.label, shape.layers, chunks, placement, path,
-                direction) in self._done
+                direction, call, ids) in self._done
 
-    def left_to_do(self, kit: Any, point: Point) -> list[str]:
-        """The selected paths that can run here and still miss a direction."""
-        return [p for p in self.selected_paths(kit) if kit.check(p, point.placement) is None
-                and not all(self.is_done(kit, point.shape, point.chunks, point.placement, p, d)
-                            for d in self.directions)]
+    def tasks(self, kit: Any, point: Point) -> list[tuple[str, str, str, str | None]]:
+        """``(call, ids, path, backend name)`` measured at ``point``: the internal entry points
+        (``call="internal"``: every selected path when the matrix keeps them, else none; the
+        baseline runs anyway, for the speedups), then the public calls."""
+        m = self.matrix
+        out = []
+        if m.internal:
+            out += [("internal", "host", p, None) for p in self.selected_paths(kit)
+                    if kit.check(p, point.placement) is None]
+        calls = point.calls if point.calls is not None else m.calls
+        if calls and hasattr(kit, "public_calls"):
+            paths = kit.public_paths(point.placement)
+            if not (point.all_paths or m.all_paths):
+                paths = paths[:1]  # the default path: what a user gets without asking
+            if self.paths:
+                paths = [pp for pp in paths if pp[0] in self.paths]
+            # Layer-wise runs the default path only: the paths are compared on whole calls.
+            out += [(call, ids, path, name) for call in calls if call in kit.public_calls()
+                    for ids in m.ids
+                    for path, name in (paths[:1] if call == "layerwise" else paths)]
+        return out
+
+    def left_to_do(self, kit: Any, point: Point) -> list[tuple]:
+        """The tasks that can run here and still miss a direction."""
+        return [t for t in self.tasks(kit, point)
+                if not all(self.is_done(kit, point.shape, point.chunks, point.placement, t[2],
+                                        d, t[0], t[1])
+                           for d in self.directions if applies(t[0], d))]
 
     def run_shape(self, kit: Any, shape: Shape, points: list[Point]) -> None:
         points = [p for p in points if p.placement in kit.placements()
@@ -284,6 +334,7 @@ class BenchRun:
             self.emit({"record": "error", **where, "stage": "build caches", **_error(exc)})
             return
         wl = Workload(slots=list(binding.tensors))
+        wl.caches, wl.positions = user_caches(caches, binding.tensors)
         del caches
         for point in points:
             try:
@@ -328,8 +379,9 @@ class BenchRun:
                   "matrix": m.name, **info, "chunks": point.chunks, "chunk_tokens":
                   m.chunk_tokens, "bytes_per_chunk": chunk_bytes, "placement": point.placement,
                   "headline": point.headline, "sweeps": list(point.sweeps), "rotate": rotate}
-        selected = self.selected_paths(kit)
-        order = [kit.baseline] + [p for p in selected if p != kit.baseline]
+        tasks = self.tasks(kit, point)
+        internal = [t[2] for t in tasks if t[0] == "internal"]
+        order = [kit.baseline] + [p for p in internal if p != kit.baseline]
         for d in self.directions:
             nbytes = moved_bytes(plans[d][0])
             base_s = reference = None
@@ -337,14 +389,15 @@ class BenchRun:
                 done = self.is_done(kit, point.shape, point.chunks, point.placement, path, d)
                 if done and path != kit.baseline:
                     continue  # measured by the run being resumed (the baseline still runs)
-                rec = {**common, "direction": d, "path": path, "path_kind": kit.path_kind(path),
+                rec = {**common, "call": "internal", "ids": "host", "direction": d,
+                       "path": path, "path_option": None, "path_kind": kit.path_kind(path),
                        "default_path": path == kit.default_path, "bytes": nbytes,
                        "bytes_rw": 2 * nbytes, "baseline_path": kit.baseline}
                 reason = kit.check(path, point.placement)
                 if reason is None and self.over_budget():
                     reason = "time budget"
                 if reason is not None:
-                    if path in selected:
+                    if path in internal:
                         self.emit({**rec, "record": "skipped", "reason": reason})
                     continue
                 try:
@@ -352,22 +405,76 @@ class BenchRun:
                         kit.scramble(wl, 0)
                     t = kit.time(lambda i, p=path, d=d: kit.run(p, plans[d][i % rotate], wl,
                                                                   i % rotate), wl, **timing)
-                    verified, reference = self.verify(kit, wl, path, d, plans, rotate, verify,
-                                                      reference)
+                    verified, reference = self.verify(
+                        kit, wl, path == kit.baseline, d, plans, rotate, verify, reference,
+                        lambda p=path: kit.run(p, plans["load"][0], wl, 0))
                 except Exception as exc:  # noqa: BLE001 - one path failing must not hide others
                     self.emit({**rec, "record": "error", "stage": "transfer", **_error(exc)})
                     continue
                 if path == kit.baseline:
                     base_s = t.median
-                if path not in selected or done:
+                if path not in internal or done:
                     continue
                 self.emit(self.transfer_record(rec, t, ceilings[d], base_s, verified))
+            wl.sync_caches()
+            for call, ids_kind, path, name in tasks:
+                if call == "internal" or not applies(call, d) or self.is_done(
+                        kit, point.shape, point.chunks, point.placement, path, d, call,
+                        ids_kind):
+                    continue
+                rec = {**common, "call": call, "ids": ids_kind, "direction": d, "path": path,
+                       "path_option": name, "path_kind": kit.path_kind(path),
+                       "default_path": name is None, "bytes": nbytes, "bytes_rw": 2 * nbytes,
+                       "baseline_path": kit.baseline}
+                self.run_public(kit, wl, manager, info, rec, ids, plans, rotate, timing,
+                                verify, reference, ceilings[d], base_s)
+
+    def run_public(self, kit: Any, wl: Workload, manager: Any, info: dict, rec: dict,
+                   ids: list, plans: dict, rotate: int, timing: dict, verify: bool,
+                   reference: list | None, ceiling: tuple | None, base_s: float | None
+                   ) -> None:
+        """One public call (:mod:`kvgroups_tools.bench_public`): timed, checked against the
+        baseline's bytes, recorded; refused cases become ``skipped`` records."""
+        if self.over_budget():
+            self.emit({**rec, "record": "skipped", "reason": "time budget"})
+            return
+        if wl.caches is None:
+            self.emit({**rec, "record": "skipped",
+                       "reason": "public calls: the bench passes a flat list of caches"})
+            return
+        one = [x[next(iter(x))] if len(x) == 1 else x for x in ids]  # an engine's usual ids
+        case = Case(manager, wl, one, rec["path_option"], rec["direction"], info["layers"],
+                    rotate)
+        try:
+            fn = make_call(kit, case, rec["call"], rec["ids"])
+        except Refused as exc:
+            self.emit({**rec, "record": "skipped", "reason": str(exc)})
+            return
+        except Exception as exc:  # noqa: BLE001
+            self.emit({**rec, "record": "error", "stage": "public call", **_error(exc)})
+            return
+        try:
+            if verify:
+                kit.scramble(wl, 0)
+            t = kit.time(fn, wl, **timing)
+            verified, _ = self.verify(kit, wl, False, rec["direction"], plans, rotate, verify,
+                                      reference, lambda: fn(0))
+        except Exception as exc:  # noqa: BLE001
+            self.emit({**rec, "record": "error", "stage": "transfer", **_error(exc)})
+            return
+        finally:
+            wl.extra.pop("graphs", None)
+        rec["id_sets"] = len(case.ids)
+        if rec["call"] == "layerwise":
+            rec["calls_per_transfer"] = info["layers"]
+        self.emit(self.transfer_record(rec, t, ceiling, base_s, verified))
 
     def transfer_record(self, rec: dict, t: Timing, ceiling: tuple | None, base_s: float | None,
                         verified: bool | None) -> dict:
         s, nbytes = t.median, rec["bytes"]
         name, ceil_t = ceiling if ceiling else (None, None)
-        out = {**rec, "median_s": s, "min_s": min(t.seconds), "max_s": max(t.seconds),
+        out = {**rec, "runtime": rec["backend"], "median_s": s, "median_ms": s * 1e3,
+               "min_s": min(t.seconds), "max_s": max(t.seconds),
                "repeats": len(t.seconds), "calls_per_repeat": t.calls, "host_s": t.host_s,
                "first_call_s": t.first_s,
                "host_bound": t.host_s is not None and t.host_s >= 0.9 * s,
@@ -377,27 +484,29 @@ class BenchRun:
                "baseline_gbps": None, "speedup_vs_baseline": None, "verified": verified}
         if base_s:
             out.update(baseline_gbps=2 * nbytes / base_s / 1e9, speedup_vs_baseline=base_s / s)
-        self.log(f"{rec['backend']}-{rec['device']} {rec['path']:<14} {rec['direction']:<5} "
+        self.log(f"{rec['backend']}-{rec['device']} {rec['call']:<9} {rec['ids']:<6} "
+                 f"{rec['path']:<14} {rec['direction']:<5} "
                  f"{rec['shape']} L{rec['layers']} x{rec['chunks']} {rec['placement']:<6} "
                  f"{out['gbps']:9.1f} GB/s" + (f"  {out['frac_of_ceiling']:.2f} of {name}"
                                               if ceil_t else "")
                  + (f"  {out['speedup_vs_baseline']:.2f}x base" if base_s else ""))
         return out
 
-    def verify(self, kit: Any, wl: Workload, path: str, d: str, plans: dict, rotate: int,
-               enabled: bool, reference: list | None) -> tuple[bool | None, list | None]:
+    def verify(self, kit: Any, wl: Workload, baseline: bool, d: str, plans: dict, rotate: int,
+               enabled: bool, reference: list | None, load0: Callable[[], Any]
+               ) -> tuple[bool | None, list | None]:
         """Store: rotation 0's objects against the baseline's. Load: store rotation 0's blocks
         back with the baseline into the scratch objects and compare with what was loaded."""
         if not enabled:
             return None, reference
         if d == "store":
             got = kit.host_bytes(wl, 0)
-            if path == kit.baseline or reference is None:
+            if baseline or reference is None:
                 return None, got
             return all(np.array_equal(a, b) for a, b in zip(got, reference)), reference
         if any(g.first_item for g in plans["load"][0].groups):
             return None, reference  # a window skips items: not every object byte is loaded
-        kit.run(path, plans["load"][0], wl, 0)
+        load0()  # rotation 0's load by the path under test
         kit.scramble(wl, rotate)
         kit.run(kit.baseline, plans["store"][0], wl, rotate)
         back, sent = kit.host_bytes(wl, rotate), kit.host_bytes(wl, 0)

@@ -12,6 +12,9 @@ Presets:
 ``headline``
     The acceptance case: Llama-3-8B-like (32 layers, 8 KV heads x 128, block 16, bf16, NHD),
     64 chunks of 256 tokens on random blocks, objects in device and in pinned host memory.
+``engine``
+    The public calls (store, load, prepared, jit, graph, layer-wise; host and device ids)
+    over chunks 1-256, pages 512 B-128 KiB, device and pinned objects: one H200 call.
 ``full``
     The headline, then chunks 1..512, page sizes 1 KiB..128 KiB (heads, head size and block
     size varied), 8..128 layers, pinned objects for a few chunk counts, MLA and hybrid models,
@@ -25,6 +28,7 @@ from dataclasses import dataclass, field, replace
 from kvgroups_core.errors import KVGroupsValueError
 from kvgroups_core.shape_spec import _group_tensor, parse_kvcache_shape_spec
 
+from .bench_public import CALLS, IDS
 from .catalog import CacheModel, get_model
 
 
@@ -81,6 +85,8 @@ class Point:
     placement: str
     sweeps: tuple[str, ...] = ()
     headline: bool = False
+    calls: tuple[str, ...] | None = None  # public calls here (None: the matrix's)
+    all_paths: bool = False  # every public path, not only the default one
 
 
 @dataclass(frozen=True)
@@ -101,6 +107,11 @@ class Matrix:
     max_calls: int = 256
     min_blocks: int = 1024    # cache pool floor, so random pages are spread past the L2 cache
     verify_bytes: int = 256 << 20  # headline points are always checked
+    # Public calls measured at every point (kvgroups_tools.bench_public), with these ids.
+    calls: tuple[str, ...] = CALLS
+    ids: tuple[str, ...] = IDS
+    internal: bool = True  # also record the internal entry points (call="internal")
+    all_paths: bool = False  # every public path at every point, not only the default
     notes: dict = field(default_factory=dict)
 
     def shapes(self) -> list[tuple[Shape, list[Point]]]:
@@ -111,7 +122,10 @@ class Matrix:
             old = points.get((p.chunks, p.placement))
             if old is not None:
                 sweeps = old.sweeps + tuple(s for s in p.sweeps if s not in old.sweeps)
-                p = Point(shape, p.chunks, p.placement, sweeps, old.headline or p.headline)
+                calls = None if old.calls is None or p.calls is None else \
+                    old.calls + tuple(c for c in p.calls if c not in old.calls)
+                p = replace(p, shape=shape, sweeps=sweeps, headline=old.headline or p.headline,
+                            calls=calls, all_paths=old.all_paths or p.all_paths)
             points[(p.chunks, p.placement)] = p
         return [(shape, list(points.values())) for shape, points in groups.values()]
 
@@ -137,11 +151,13 @@ def tiny() -> Matrix:
         "tiny",
         (
             Point(small, 2, "device", ("chunks",), headline=True),
-            Point(small, 1, "device", ("chunks",)),
-            Point(small, 1, "pinned", ("chunks",)),
-            Point(_page_shape("page-4KiB", 16, 2, 64, layers=2), 1, "device", ("page",)),
+            # Public calls at the first point only: CI time (each is a few compiles in JAX).
+            Point(small, 1, "device", ("chunks",), calls=()),
+            Point(small, 1, "pinned", ("chunks",), calls=()),
+            Point(_page_shape("page-4KiB", 16, 2, 64, layers=2), 1, "device", ("page",),
+                  calls=()),
             Point(Shape("small-pages", model="small-pages", layers=4), 1, "device",
-                  ("layers",)),
+                  ("layers",), calls=()),
         ),
         manager_models=("small-pages",), manager_layers=(4, 16),
         repeats=3, warmup=1, target_s=0.0, max_calls=1, min_blocks=0, verify_bytes=64 << 20,
@@ -178,7 +194,44 @@ def full() -> Matrix:
                   manager_layers=(8, 32, 128, 512, 1024))
 
 
-SWEEPS = ("headline", "chunks", "page", "layers", "models", "manager")
+#: 512 B pages, below the 1 KiB of PAGE_SHAPES.
+PAGE_512B = ("page-512B", 16, 1, 16)
+
+
+def engine() -> Matrix:
+    """The public calls on the H200, in about four minutes per runtime. Llama-3-8B-like caches
+    (32 KiB pages) at 64 chunks: every call, ids kind and public path, device and pinned
+    objects; chunks 1-16 and 256 through the one-shot, prepared, jit and graph calls
+    (layer-wise at 16 and 64: a JAX layer subset is its own program, compiled once each);
+    pages of 512 B-128 KiB at 64 chunks (and 4 for the smallest) through the calls engines
+    make per step (prepared, jit, graph). Only public calls are recorded (the baseline is
+    still timed, for ``speedup_vs_baseline``); every point up to 128 MiB is checked byte for
+    byte against the baseline. The page points come before the largest one: a time budget
+    cuts the 8 GiB point first (it has its own caches, built last)."""
+    whole = ("store", "load", "prepared", "jit", "graph")
+    step = ("prepared", "jit", "graph")
+    points = [Point(LLAMA, HEADLINE_CHUNKS, "device", ("chunks", "page", "calls"),
+                    all_paths=True),
+              Point(LLAMA, HEADLINE_CHUNKS, "pinned", ("chunks", "calls"), all_paths=True)]
+    for c in (1, 4, 16):
+        points.append(Point(LLAMA, c, "device", ("chunks",),
+                            calls=whole + (("layerwise",) if c == 16 else ())))
+    for c in (1, 16):
+        points.append(Point(LLAMA, c, "pinned", ("chunks",), calls=step))
+    for label, bs, nh, hs in (PAGE_512B,) + PAGE_SHAPES:
+        if label != "page-32KiB":  # the Llama shape is that page
+            points.append(Point(_page_shape(label, bs, nh, hs), HEADLINE_CHUNKS, "device",
+                                ("page",), calls=step))
+    for label, bs, nh, hs in (PAGE_512B,) + PAGE_SHAPES[:2]:
+        points.append(Point(_page_shape(label, bs, nh, hs), 4, "device", ("page",),
+                            calls=step))
+    big = Shape("llama3-8b-256", model="llama3-8b", layers=32)  # 8 GiB objects: last
+    points.append(Point(big, 256, "device", ("chunks",), calls=whole))
+    return Matrix("engine", tuple(points), internal=False, repeats=5, warmup=2,
+                  target_s=0.01, max_calls=64, verify_bytes=128 << 20)
+
+
+SWEEPS = ("headline", "chunks", "page", "layers", "models", "calls", "manager")
 
 
 def select(matrix: Matrix, sweeps: list[str]) -> Matrix:
@@ -196,7 +249,7 @@ def select(matrix: Matrix, sweeps: list[str]) -> Matrix:
                    manager_layers=matrix.manager_layers if keep else ())
 
 
-PRESETS = {"tiny": tiny, "headline": headline, "full": full}
+PRESETS = {"tiny": tiny, "headline": headline, "full": full, "engine": engine}
 
 
 def preset(name: str) -> Matrix:

@@ -17,13 +17,63 @@ def _kernels(rows: list[dict], backend: str) -> list[dict]:
         [r for r in own if r.get("default_path")]
 
 
+def is_internal(record: dict) -> bool:
+    """Records of the engine's own entry points (older records have no ``call``)."""
+    return record.get("call", "internal") == "internal"
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes >> 10} KiB" if nbytes >= 1024 and nbytes % 1024 == 0 else f"{nbytes} B"
+
+
+#: Row order of the public-call table.
+CALL_ORDER = ("store", "load", "prepared", "jit", "graph", "layerwise", "internal")
+
+
+def public_table(records: Sequence[dict]) -> str:
+    """A Markdown table of the public-call records, one row per (runtime, device, call, ids,
+    path, placement, direction, page, chunks), the last record of each winning: GB/s, the
+    fraction of the same run's copy of the same bytes, and whether the host was the bound
+    (dispatch took at least 0.9 of the call: the device waited on the host)."""
+    latest: dict[tuple, dict] = {}
+    for r in records:
+        if r.get("record") in ("transfer", "skipped") and not is_internal(r) and "call" in r:
+            key = (r.get("backend"), r.get("device"), CALL_ORDER.index(r["call"])
+                   if r["call"] in CALL_ORDER else 99, r["call"], r.get("ids"), r.get("path"),
+                   r.get("placement"), r.get("direction"), r.get("page_bytes") or 0,
+                   r.get("chunks") or 0)
+            latest[key] = r
+    if not latest:
+        return ""
+    lines = ["| runtime | call | ids | path | objects | direction | page | chunks | GB/s "
+             "| of copy | host-bound |", "|" + "---|" * 11]
+    for key in sorted(latest, key=lambda k: tuple("" if v is None else v for v in k)):
+        r = latest[key]
+        where = f"{r.get('backend')}-{r.get('device')}"
+        head = [where, r["call"], str(r.get("ids")), str(r.get("path")),
+                str(r.get("placement")), str(r.get("direction")),
+                _size(r.get("page_bytes") or 0), str(r.get("chunks"))]
+        if r["record"] == "skipped":
+            lines.append("| " + " | ".join(head + ["-", "-", f"skipped: {r.get('reason')}"])
+                         + " |")
+            continue
+        frac = r.get("frac_of_ceiling")
+        bound = "yes" if r.get("host_bound") else "no"
+        if r.get("verified") is False:
+            bound += " (bytes WRONG)"
+        lines.append("| " + " | ".join(head + [f"{r['gbps']:.1f}",
+                                              "-" if frac is None else f"{frac:.2f}", bound])
+                     + " |")
+    return "\n".join(lines)
+
+
 def summarize(records: Sequence[dict]) -> list[dict]:
     """Summary records for the headline points: every path's bandwidth and fraction of its
     ceiling, and JAX's kernels as a ratio of torch's (``ratio`` = JAX GB/s / torch GB/s; on CPU
     the default paths stand in for kernels). The last record of each path wins."""
     latest: dict[tuple, dict] = {}
     for r in records:
-        if r.get("record") == "transfer" and r.get("headline"):
+        if r.get("record") == "transfer" and r.get("headline") and is_internal(r):
             dev = "cuda" if r["device"] in ("cuda", "gpu") else r["device"]
             latest[(r["shape"], r["layers"], r["chunks"], r["placement"], r["direction"], dev,
                     r["backend"], r["path"])] = r
@@ -143,6 +193,7 @@ def sweep_tables(records: Sequence[dict], sweeps: Sequence[str], device: str = "
         latest: dict[tuple, dict] = {}
         for r in records:
             if (r.get("record") == "transfer" and sweep in (r.get("sweeps") or ())
+                    and is_internal(r)
                     and r.get("placement") == "device" and _on(r, device)):
                 latest[(r[field], r["shape"], r["backend"], r["path"], r["direction"])] = r
         if not latest:

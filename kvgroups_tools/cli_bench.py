@@ -1,6 +1,15 @@
 """``kvgroups bench``: transfer bandwidth of every path against measured ceilings and baselines.
 
-Runs a case matrix (``--matrix tiny | headline | full``, or shapes given with ``--models`` /
+Every ``transfer`` record says what a user called: ``call`` (``store`` / ``load``: the
+one-shot calls; ``prepared``; ``jit``: inside ``jax.jit`` with traced ids; ``graph``: a CUDA-graph
+replay of a prepared call; ``layerwise``: ``layers=[l]`` per layer, summed; ``internal``: the
+engine's own entry points), ``ids`` (``host`` / ``device``), ``runtime``, ``path``,
+``direction``, ``placement``, ``chunks``, ``page_bytes``, ``gbps``, ``median_ms`` and
+``frac_of_ceiling`` (the same run's copy of the same bytes over the call's time). Device ids a
+runtime reads to the host (CPU tensors, concrete JAX arrays) are refused as ``skipped``.
+``--matrix engine`` is the public-call grid for the H200 (benchmarks/run_engine_h200.sh).
+
+Runs a case matrix (``--matrix tiny | headline | full | engine``, or shapes given with ``--models`` /
 ``--spec``) on the selected runtimes and prints one JSON record per line (also appended to
 ``--out``): ``ceiling`` records (device copy, pinned host copies), one ``transfer`` record per
 (backend, path, direction, placement, shape, chunks) with the median time, GB/s (bytes read +
@@ -14,7 +23,8 @@ Paths: torch ``cuda``, ``cuda-staged``, ``index`` (index_select / index_copy_); 
 ``pallas-triton``, ``pallas-mosaic``, ``xla``, ``interpret``; NumPy ``reference``, ``take``.
 
 ``--summarize FILE...`` only reads records (e.g. of separate torch and JAX runs) and prints
-the summary records; with ``--markdown`` the headline tables, with ``--markdown --sweeps
+the summary records; with ``--markdown`` the headline tables and the public-call table (call /
+ids / path / page / chunks: GB/s, fraction of the copy, host-bound), with ``--markdown --sweeps
 chunks,page,layers,models`` a table per sweep (device objects).
 """
 
@@ -32,7 +42,14 @@ from kvgroups_core.errors import KVGroupsValueError
 
 from . import bench_matrix
 from .bench import KIT_MODULES, BenchRun
-from .bench_report import SWEEP_TABLES, format_summary, markdown_table, summarize, sweep_tables
+from .bench_report import (
+    SWEEP_TABLES,
+    format_summary,
+    markdown_table,
+    public_table,
+    summarize,
+    sweep_tables,
+)
 from .cli_plan import _int_list
 
 
@@ -148,7 +165,8 @@ def run(args: argparse.Namespace) -> int:
             if args.markdown and args.sweeps:
                 print(sweep_tables(raw, [s for s in args.sweeps if s in SWEEP_TABLES]))
             elif args.markdown:
-                print(markdown_table(records))
+                tables = [t for t in (markdown_table(records), public_table(raw)) if t]
+                print("\n\n".join(tables))
             else:
                 for record in records:
                     emit(record)

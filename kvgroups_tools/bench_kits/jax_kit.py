@@ -28,8 +28,11 @@ import numpy as np
 from kvgroups_jax.backend import JaxBackend
 from kvgroups_jax.executor import execute_plan
 
+import kvgroups_core as kc
 from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.registry import register_backend
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
+from kvgroups_tools.bench_public import Refused
 
 LOWERING = {"xla": "xla", "pallas-triton": "triton", "pallas-mosaic": "mosaic",
             "interpret": "interpret"}
@@ -141,6 +144,61 @@ class JaxKit:
             return caches
         wl.objects[r] = list(objects)
         return objects
+
+    # --- public calls (kvgroups_tools.bench_public) ----------------------------------------
+    def public_calls(self) -> tuple[str, ...]:
+        return ("store", "load", "prepared", "jit", "layerwise")
+
+    def public_paths(self, placement: str) -> list[tuple[str, str | None]]:
+        """(path, backend name for ``backend=``; None: the default) as a user picks a
+        lowering: the default backend, or a ``JaxBackend(lowering=...)`` registered under a
+        name (``jax-triton`` comes registered)."""
+        out = [(self.default_path, None)]
+        for path in self.paths():
+            if path not in (self.default_path, "interpret"):
+                name = f"jax-{LOWERING[path]}"
+                register_backend(name, self._backends[path], replace=True)
+                out.append((path, name))
+        return out
+
+    def device_ids(self, ids: Any) -> Any:
+        if isinstance(ids, dict):
+            return {k: self.device_ids(v) for k, v in ids.items()}
+        return jax.device_put(jnp.asarray(np.asarray(ids, np.int32)), self.sharding)
+
+    def jit_call(self, case: Any, ids_kind: str) -> Callable[[int], None]:
+        """The call inside ``jax.jit``, donating what it writes (the objects of a store, the
+        caches of a load). Device ids are traced arguments (one compilation for every id set);
+        host ids are NumPy constants of the trace, so one id set serves every call."""
+        from kvgroups_tools.bench_public import adopt
+
+        m, wl, be = case.manager, case.wl, case.backend
+        host = ids_kind == "host"
+        if host:
+            case.ids = case.ids[:1]
+        fixed = case.ids[0]
+        if case.direction == "store":
+            def step(caches: Any, objs: Any, ids: Any) -> Any:
+                return kc.store(m, caches, fixed if host else ids, objs, backend=be)
+            jitted = jax.jit(step, donate_argnums=(1,))
+
+            def fn(i: int) -> None:
+                r = i % case.rotate
+                wl.objects[r] = list(jitted(wl.caches, wl.objects[r],
+                                            None if host else case.ids[i % len(case.ids)]))
+        else:
+            def step(caches: Any, objs: Any, ids: Any) -> Any:
+                return kc.load(m, objs, caches, fixed if host else ids, backend=be)
+            jitted = jax.jit(step, donate_argnums=(0,))
+
+            def fn(i: int) -> None:
+                r = i % case.rotate
+                adopt(wl, jitted(wl.caches, wl.objects[r],
+                                 None if host else case.ids[i % len(case.ids)]))
+        return fn
+
+    def graph_call(self, case: Any, ids_kind: str) -> Callable[[int], None]:
+        raise Refused("graph: a torch CUDA-graph call (JAX: see jit)")
 
     def scramble(self, wl: Workload, r: int) -> None:
         wl.objects[r] = [self._place(self._fill(tuple(o.shape), SCRATCH_FILL, 0),

@@ -19,6 +19,7 @@ from numpy.lib.stride_tricks import as_strided
 from kvgroups_core.errors import UnsupportedConfig
 from kvgroups_core.reference import NumpyBackend, byte_view
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
+from kvgroups_tools.bench_public import Refused
 
 
 def run_take(plan: Any, slots: list, objects: list) -> None:
@@ -112,6 +113,22 @@ class NumpyKit:
             run_take(plan, wl.slots, wl.objects[r])
         else:
             self.be.execute(plan, wl.slots, wl.objects[r])
+
+    # --- public calls (kvgroups_tools.bench_public) ----------------------------------------
+    def public_calls(self) -> tuple[str, ...]:
+        return ("store", "load", "prepared", "layerwise")
+
+    def public_paths(self, placement: str) -> list[tuple[str, str | None]]:
+        return [("reference", None)]  # what kvgroups_core.store runs for NumPy arrays
+
+    def device_ids(self, ids: Any) -> Any:
+        raise Refused("ids: NumPy has no device ids (host memory only)")
+
+    def jit_call(self, case: Any, ids_kind: str) -> Any:
+        raise Refused("jit: a JAX call")
+
+    def graph_call(self, case: Any, ids_kind: str) -> Any:
+        raise Refused("graph: a torch CUDA call")
 
     def time(self, fn: Any, wl: Workload, **timing: Any) -> Timing:
         return wall_timer(fn, lambda: None, **timing)

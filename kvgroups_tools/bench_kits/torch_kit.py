@@ -34,8 +34,11 @@ from kvgroups_torch import cpu_path
 from kvgroups_torch.backend import TorchBackend, tensor_of
 from kvgroups_torch.describe import torch_dtype
 
+import kvgroups_core as kc
 from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.registry import register_backend
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, calls_for, map_specs, wall_timer
+from kvgroups_tools.bench_public import Refused
 
 _SLICE = 1 << 30  # random fills in slices: one RNG call stays below 2**31 elements
 
@@ -138,6 +141,7 @@ class TorchKit:
         wl.objects = [[self._buffer((chunks, int(n)), placement, gen) for n in object_nbytes]
                       for _ in range(count)]
         wl.extra.pop("tensors", None)
+        wl.extra.pop("graphs", None)
 
     def run(self, path: str, plan: Any, wl: Workload, r: int) -> None:
         if path == "index":
@@ -147,6 +151,61 @@ class TorchKit:
             cpu_path.run_plan(plan, tensors, wl.objects[r])
         else:
             self._kernels[path].execute(plan, wl.slots, wl.objects[r])
+
+    # --- public calls (kvgroups_tools.bench_public) ----------------------------------------
+    def public_calls(self) -> tuple[str, ...]:
+        graph = ("graph",) if self.cuda else ()
+        return ("store", "load", "prepared") + graph + ("layerwise",)
+
+    def public_paths(self, placement: str) -> list[tuple[str, str | None]]:
+        """(path, backend name for ``backend=``; None: the default) offered by the public API:
+        the default kernels, and for pinned objects the direct mode (a registered
+        ``TorchBackend(pinned="direct")``; the default stages them)."""
+        if not self.cuda:
+            return [("index", None)]  # what the backend runs for CPU tensors
+        if placement != "pinned":
+            return [("cuda", None)]
+        register_backend("torch-direct", TorchBackend("direct"), replace=True)
+        return [("cuda-staged", None), ("cuda", "torch-direct")]
+
+    def device_ids(self, ids: Any) -> Any:
+        if isinstance(ids, dict):
+            return {k: self.device_ids(v) for k, v in ids.items()}
+        return torch.from_numpy(np.ascontiguousarray(ids)).to(self.dev)
+
+    def jit_call(self, case: Any, ids_kind: str) -> Callable[[int], None]:
+        raise Refused("jit: a JAX call (torch: see graph)")
+
+    def graph_call(self, case: Any, ids_kind: str) -> Callable[[int], None]:
+        """One CUDA graph per rotation, each capturing a prepared call on its own device ids
+        and objects (what an engine's captured step holds); ``fn(i)`` replays one."""
+        if not self.cuda:
+            raise Refused("graph: CUDA graphs need CUDA caches")
+        if ids_kind != "device":
+            raise Refused("graph: a captured call replays device ids (host ids are read "
+                          "on the host at capture)")
+        prep = kc.prepare(case.manager, case.wl.caches, backend=case.backend)
+        wl, store = case.wl, case.direction == "store"
+
+        def call(r: int) -> None:
+            if store:
+                prep.store(case.ids[r], wl.objects[r])
+            else:
+                prep.load(wl.objects[r], case.ids[r])
+
+        graphs = []
+        side = torch.cuda.Stream(self.dev)
+        for r in range(len(case.ids)):
+            side.wait_stream(torch.cuda.current_stream(self.dev))
+            with torch.cuda.stream(side):
+                call(r)  # warm: kernels compiled and launch state made outside the capture
+            torch.cuda.current_stream(self.dev).wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                call(r)
+            graphs.append(g)
+        wl.extra["graphs"] = graphs  # alive as long as the objects they write
+        return lambda i: graphs[i % len(graphs)].replay()
 
     def scramble(self, wl: Workload, r: int) -> None:
         self.sync()

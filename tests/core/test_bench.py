@@ -57,8 +57,12 @@ def test_tiny_matrix_runs_and_writes_the_same_records_to_stdout_and_out(tiny_run
     assert result.returncode == 0, result.stderr[-3000:]
     file_records = [json.loads(line) for line in out.read_text().splitlines()]
     assert file_records == stdout_records
-    errors = [r for r in file_records if r["record"] in ("error", "skipped")]
+    errors = [r for r in file_records if r["record"] == "error"]
     assert errors == []
+    # The only cases skipped on the CPU are device ids, which CPU runtimes read to the host
+    # (expectation changed deliberately: the public calls ask for device ids everywhere).
+    skipped = [r for r in file_records if r["record"] == "skipped"]
+    assert all(r["ids"] == "device" and "host" in r["reason"] for r in skipped), skipped
     assert {r["backend"] for r in file_records if r["record"] == "meta"} == \
         set(expected_backends())
     assert "summary" not in result.stderr or "GB/s" in result.stderr
@@ -86,9 +90,10 @@ def test_tiny_transfer_records_have_every_field_and_consistent_numbers(tiny_run)
             assert r["frac_of_ceiling"] <= 1, r
         assert (r["backend"], "device_copy", r["bytes"]) in ceilings
         assert r["verified"] is not False
-        if r["path"] == r["baseline_path"]:
+        if r["path"] == r["baseline_path"] and r["call"] == "internal":
             assert r["speedup_vs_baseline"] == pytest.approx(1.0)
-    got = {(r["backend"], r["path"], r["direction"]) for r in transfers if r["headline"]}
+    got = {(r["backend"], r["path"], r["direction"]) for r in transfers if r["headline"]
+           and r["call"] == "internal"}
     want = {("numpy", p, d) for p in ("take", "reference") for d in ("store", "load")}
     if installed("torch"):
         want |= {("torch", "index", d) for d in ("store", "load")}

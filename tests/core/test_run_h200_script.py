@@ -32,7 +32,7 @@ def test_two_lanes_then_a_resumed_run_measures_nothing_twice(tmp_path):
     assert {r["backend"] for r in transfers} == {"numpy"} | installed
     assert not [r for r in first if r["record"] == "error"]
     keys = sorted((r["backend"], r["shape"], r["layers"], r["chunks"], r["placement"],
-                   r["path"], r["direction"]) for r in transfers)
+                   r["path"], r["direction"], r["call"], r["ids"]) for r in transfers)
     assert len(keys) == len(set(keys))
 
     # Drop one record: the resumed run measures exactly that one again.
@@ -42,5 +42,5 @@ def test_two_lanes_then_a_resumed_run_measures_nothing_twice(tmp_path):
     _, second = _run(tmp_path, KVG_BENCH_APPEND="1")
     again = [r for r in second if r["record"] == "transfer"]
     keys2 = sorted((r["backend"], r["shape"], r["layers"], r["chunks"], r["placement"],
-                    r["path"], r["direction"]) for r in again)
+                    r["path"], r["direction"], r["call"], r["ids"]) for r in again)
     assert keys2 == keys
