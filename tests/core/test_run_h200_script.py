@@ -43,4 +43,12 @@ def test_two_lanes_then_a_resumed_run_measures_nothing_twice(tmp_path):
     again = [r for r in second if r["record"] == "transfer"]
     keys2 = sorted((r["backend"], r["shape"], r["layers"], r["chunks"], r["placement"],
                     r["path"], r["direction"], r["call"], r["ids"]) for r in again)
-    assert keys2 == keys
+    # A first run cut by its time budget (a loaded machine) leaves "time budget" records,
+    # which the resumed run measures too: those, and nothing else, may be new.
+    cut = sorted((r.get("backend"), r.get("shape"), r.get("layers"), r.get("chunks"),
+                  r.get("placement"), r.get("path"), r.get("direction"), r.get("call"),
+                  r.get("ids")) for r in first if r["record"] == "skipped"
+                 and r.get("reason") in ("time budget", "script time allowance"))
+    extra = [k for k in keys2 if k not in keys]
+    assert [k for k in keys if k not in keys2] == []
+    assert all(k in cut for k in extra), (extra, cut)
