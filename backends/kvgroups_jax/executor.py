@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import checkify
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 
 from . import pallas_copy, xla_copy
 from .geometry import GroupGeometry, bucket, check_kernel_limits, group_geometry
+from .id_checks import check_block_ids
 from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
 LOWERINGS = ("auto", "triton", "mosaic", "xla", "interpret")
@@ -112,8 +112,12 @@ def _run(program: _Program, caches, objects, metas, idss):
             obj = object_view(objects[og], unit)
         ids = idss[program.id_slots[g]] if program.id_slots else idss[g]
         if program.device_ids and program.device_ids[g]:
-            _report_bad_ids(geom, metas[g], ids, program.grid_items[g],
-                            program.kernel_groups[g])
+            # Reported under checkify only (no effect on plain jit: see id_checks).
+            ids = check_block_ids(ids, metas[g], num_blocks=geom.num_blocks,
+                                  kept=geom.kept_per_chunk,
+                                  blocks_per_chunk=geom.blocks_per_chunk,
+                                  grid_items=program.grid_items[g],
+                                  kernel_group=program.kernel_groups[g])
         out = _copy_fn(lowering)(
             program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
             interpret=lowering == "interpret", num_warps=program.num_warps,
@@ -145,24 +149,6 @@ def _fresh_objects(program: _Program, objects: list) -> dict[int, tuple[int, int
         else:
             objects[og] = jnp.zeros(shape, jnp.uint8)
     return pending
-
-
-def _report_bad_ids(geom: GroupGeometry, meta, ids, grid_items: int, kernel_group: int) -> None:
-    """Under ``checkify.checkify``: fail with the first id of a moved item outside the group's
-    blocks (the kernels move nothing for it). A no-op without checkify."""
-    kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
-    i = jnp.arange(grid_items, dtype=jnp.int32)
-    item = meta[0] + i
-    chunk = item // kept
-    where = jnp.clip(chunk * bpc + (bpc - kept) + item % kept, 0, ids.shape[0] - 1)
-    used = ids[where]
-    bad = (i < meta[1]) & ((used < 0) | (used >= geom.num_blocks))
-    checkify.debug_check(
-        jnp.logical_not(jnp.any(bad)),
-        f"block_ids: expected ids in [0, {geom.num_blocks}) for kernel group {kernel_group}, "
-        "got {} (its item moved nothing)",
-        used[jnp.argmax(bad)],
-    )
 
 
 _store_jit = jax.jit(_run, static_argnums=(0,), donate_argnums=(2,))
@@ -474,6 +460,15 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
     return _load_jit(program, caches, objects, metas, idss), objects
+
+
+def writes_every_byte(plan, object_group: int) -> bool:
+    """Whether ``plan``'s groups write every byte of each chunk of ``object_group``'s object
+    (a whole-model store does; a layer subset does not): then a store may create that object
+    rather than update one."""
+    written = sum(len(g.planes) * g.slots * g.row_bytes for g in plan.groups
+                  if g.object_group_idx == object_group)
+    return written == plan.object_nbytes[object_group] and written > 0
 
 
 def _fresh_shapes(plan, objects) -> tuple:
