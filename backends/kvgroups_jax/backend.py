@@ -24,7 +24,7 @@ from kvgroups_core.registry import Backend, BoundCaches
 from kvgroups_core.validate import Memory
 
 from .describe import describe_array, memory_kind_of
-from .executor import LOWERINGS, execute_plan
+from .executor import LOWERINGS, execute_plan, writes_every_byte
 from .foreign import _IMPORTED, check_in_place, import_dlpack
 from .sharded import check_objects as check_shard_objects
 from .sharded import local_binding, localize, run_sharded, shard_layout
@@ -163,7 +163,12 @@ class JaxBackend(Backend):
         kinds = [memory_kind_of(o) for o in objs]
         if "pinned_host" not in kinds:
             return self._execute_plain(plan, arrays, objs)
-        staged = [_to_device(o) if k == "pinned_host" else o for o, k in zip(objs, kinds)]
+        # A store that writes every byte of a pinned object needs no copy of its old bytes:
+        # the kernel creates the device object (one trip over the link, not two); a layer
+        # subset keeps the other regions, so those objects are copied in first.
+        store = plan.direction == "store"
+        staged = [(None if store and writes_every_byte(plan, g) else _to_device(o))
+                  if k == "pinned_host" else o for g, (o, k) in enumerate(zip(objs, kinds))]
         before = _pointers(arrays) if plan.direction == "load" else []
         new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
                                             num_warps=self.num_warps)
