@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from .planner import _out_of_range
-from .validate import CacheGuard, objects_key
+from .validate import CacheGuard, numpy_objects_key
 
 _MAX_PLANS = 1024  # signatures: layers x directions x chunk counts x id dtypes
 _MAX_OBJECTS = 64  # object sets (an engine cycles through a few buffers)
@@ -80,11 +80,11 @@ class CallMemo:
     """The memo of one binding (made by each bind; cleared when a JAX load adopts results)."""
 
     def __init__(self, backend: Any, binding: Any, bound: Any, guard: CacheGuard) -> None:
-        self._backend = backend
         self._binding = binding
         self._bound = bound
         self._guard = guard
         self._keys_of = guard.keys_of
+        self._objects_key = getattr(backend, "objects_key", None) or numpy_objects_key
         self._plans: dict[tuple, _Entry] = {}
         self._objects: dict[tuple, bool] = {}
 
@@ -102,7 +102,7 @@ class CallMemo:
             return None  # a touched tensor was reallocated: the full path rebinds or raises
         if type(objects) is not list and type(objects) is not tuple:
             return None
-        okey = objects_key(self._backend, objects)
+        okey = self._objects_key(objects)
         if okey is None or (entry.scope, okey) not in self._objects:
             return None
         if entry.checks is not None:  # host ids: their values are checked every call
@@ -117,7 +117,7 @@ class CallMemo:
         binding = self._binding
         if plan.num_chunks == 0 or plan.skip_tokens is not None or binding.flat_group is None:
             return
-        okey = objects_key(self._backend, objects) \
+        okey = self._objects_key(objects) \
             if type(objects) is list or type(objects) is tuple else None
         if okey is None:
             return

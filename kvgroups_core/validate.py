@@ -422,6 +422,11 @@ def objects_key(backend: Any, objects: Sequence[Any]) -> Any:
     keyer = getattr(backend, "objects_key", None)
     if keyer is not None:
         return keyer(objects)
+    return numpy_objects_key(objects)
+
+
+def numpy_objects_key(objects: Sequence[Any]) -> Any:
+    """:func:`objects_key` of NumPy arrays (None for anything else)."""
     out = []
     for a in objects:
         if type(a) is not np.ndarray:
