@@ -138,6 +138,22 @@ class TransferPlan:
     max_ctas: int | None = None
 
 
+def with_block_ids(plan: TransferPlan, block_ids: Any) -> TransferPlan:
+    """``plan`` with ``block_ids`` as every group's ids (a plan of one engine group's flat ids,
+    already validated for these ids' signature): filled in without ``__init__``, as the
+    planner does, since this runs per call."""
+    groups = []
+    for g in plan.groups:
+        new = object.__new__(GroupTransfer)
+        new.__dict__.update(g.__dict__)
+        new.__dict__["block_ids"] = block_ids
+        groups.append(new)
+    out = object.__new__(TransferPlan)
+    out.__dict__.update(plan.__dict__)
+    out.__dict__["groups"] = tuple(groups)
+    return out
+
+
 def _identity_max(a: Any, b: int) -> Any:
     return a if a >= b else b
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, ClassVar, Sequence
 from .descriptors import TensorDesc, TensorSpec, describe_dlpack
 from .errors import BackendNotFound, KVGroupsTypeError, UnsupportedConfig
 from .objects import check_objects
+from .plan import with_block_ids
 
 
 class Backend(abc.ABC):
@@ -109,6 +110,14 @@ class Backend(abc.ABC):
         with :meth:`to_host_ids` and checked eagerly. :func:`dtype_and_shape` helps."""
         return None
 
+    def device_ids_key(self, x: Any) -> Any:
+        """A cheap hashable fingerprint of device ids, or None (this default; host ids, or
+        ids not worth remembering). Ids with equal fingerprints must get equal answers from
+        :meth:`device_ids_spec` and from the backend's own checks of them (device,
+        contiguity): a prepared transfer reuses the plan of such ids without planning again
+        (``kvgroups_core.call_memo``), so the fingerprint must not depend on their values."""
+        return None
+
     # Array plumbing used by the demo, benchmarks and the conformance suite, so that code in
     # the core can drive any runtime without importing it.
     def from_numpy(self, a: Any, device: str | None = None, dtype: Any = None) -> Any:
@@ -155,6 +164,25 @@ class BoundCaches:
         check_objects(plan, objects, self.backend.shape_of)
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
+
+    def runner(self, plan: Any, block_ids: Any) -> Callable[[Any, Sequence[Any]], tuple]:
+        """A function ``(block_ids, objects) -> (new caches, objects)`` that runs ``plan``
+        again, after a :meth:`run` of it passed, with other ids of the same signature (one flat
+        array for every group, int64 NumPy for host ids) and objects of a signature the core
+        has validated (``kvgroups_core.call_memo``). ``block_ids`` are the ids ``plan`` was
+        made with. This default puts the ids in the plan and runs it as :meth:`run` does,
+        without the object checks when :meth:`run` is this class's own; backends override it
+        to keep per-plan launch state."""
+        backend, caches = self.backend, self.caches
+        own_run = type(self).run is BoundCaches.run
+
+        def run(ids: Any, objects: Sequence[Any]) -> tuple:
+            again = with_block_ids(plan, ids)
+            if own_run:
+                return backend.execute(again, caches, objects)
+            return self.run(again, objects)
+
+        return run
 
     def bind_source(self, manager: Any, kv_caches: Any) -> None:
         """Told by :func:`~kvgroups_core.transfer.prepare` after binding: the manager and the

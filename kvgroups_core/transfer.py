@@ -11,6 +11,7 @@ import threading
 from dataclasses import replace
 from typing import Any, Sequence
 
+from .call_memo import CallMemo, call_key
 from .descriptors import TensorDesc, TensorSpec
 from .errors import KVGroupsError
 from .objects import check_objects
@@ -58,11 +59,14 @@ class PreparedTransfer:
         # Backends without device ids (the default hook) skip the per-call probe.
         self._ids_spec = None if type(self.backend).device_ids_spec is Backend.device_ids_spec \
             else self.backend.device_ids_spec
+        self._ids_key = None if type(self.backend).device_ids_key is Backend.device_ids_key \
+            else self.backend.device_ids_key
         self._plans: Binding  # the binding without its descriptors: all planning reads
         self._described: Binding | None  # the binding of the current caches, made when read
         self._bound: BoundCaches
         self._objs: list  # the bound tensors in slot order (what kv_caches holds now)
         self._guard: CacheGuard  # notices replaced or reallocated caches (stale layouts)
+        self._memo: CallMemo  # validated call signatures of this binding (call_memo.py)
         # One call at a time: a JAX load replaces the bound caches with its results, and two
         # interleaved calls would each donate or read the same buffers (blocks lost).
         self._lock = threading.RLock()
@@ -135,6 +139,7 @@ class PreparedTransfer:
         self._bound = self.backend.bind_caches(binding.tensors)
         self._bound.bind_source(self.manager, self.kv_caches)
         self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
+        self._memo = CallMemo(self.backend, self._plans, self._bound, self._guard)
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None
@@ -151,6 +156,13 @@ def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = No
                    layers: Any = None, max_ctas: int | None = None) -> list:
     """:meth:`PreparedTransfer.store`."""
     with prepared._lock:
+        key = None
+        if objects is not None:  # a repeated call of a validated signature: see call_memo
+            key = call_key(prepared._ids_key, "store", block_ids, layers, max_ctas, 0)
+            if key is not None:
+                done = prepared._memo.call(key, block_ids, objects, prepared.kv_caches)
+                if done is not None:
+                    return done[1]
         prepared._check_current()
         plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
                          ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
@@ -162,7 +174,10 @@ def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = No
             check_call_memory(prepared._guard, plan, objects)
         if plan.num_chunks == 0:
             return prepared._nothing_to_move(plan, objects)
-        return prepared._run(plan, objects)[1]
+        new_caches, out = prepared._run(plan, objects)
+        if key is not None and new_caches is None:
+            prepared._memo.record(key, plan, block_ids, objects)
+        return out
 
 
 def prepared_load(prepared: PreparedTransfer, objects: Any, block_ids: Any, *,
@@ -170,12 +185,20 @@ def prepared_load(prepared: PreparedTransfer, objects: Any, block_ids: Any, *,
                   max_ctas: int | None = None) -> Any:
     """:meth:`PreparedTransfer.load`."""
     with prepared._lock:
+        key = call_key(prepared._ids_key, "load", block_ids, layers, max_ctas,
+                       skip_first_n_tokens)
+        if key is not None:  # a repeated call of a validated signature: see call_memo
+            done = prepared._memo.call(key, block_ids, objects, prepared.kv_caches)
+            if done is not None:
+                return _adopt_load_results(prepared, done[0])
         prepared._check_current()
-        return _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas)
+        return _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas,
+                            key)
 
 
 def _load_locked(prepared: PreparedTransfer, objects: Any, block_ids: Any,
-                 skip_first_n_tokens: Any, layers: Any, max_ctas: int | None) -> Any:
+                 skip_first_n_tokens: Any, layers: Any, max_ctas: int | None,
+                 key: tuple | None = None) -> Any:
     plan = plan_call(prepared._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
                      to_host=prepared._to_host, ids_spec=prepared._ids_spec, layers=layers,
                      max_ctas=max_ctas)
@@ -184,6 +207,14 @@ def _load_locked(prepared: PreparedTransfer, objects: Any, block_ids: Any,
         prepared._nothing_to_move(plan, objects)
         return prepared.kv_caches
     new_caches, _ = prepared._run(plan, objects)
+    if new_caches is None and key is not None:
+        prepared._memo.record(key, plan, block_ids, objects)
+    return _adopt_load_results(prepared, new_caches)
+
+
+def _adopt_load_results(prepared: PreparedTransfer, new_caches: Any) -> Any:
+    """The caches after a load: the same ones (written in place), or the runtime's new arrays
+    put in the engine's structure and bound (JAX)."""
     if new_caches is None:
         return prepared.kv_caches
     if prepared._positions is not None:
@@ -197,6 +228,7 @@ def _load_locked(prepared: PreparedTransfer, objects: Any, block_ids: Any,
         prepared._objs = list(new_caches)
         prepared._described = None
         prepared._guard.adopt(prepared.kv_caches, prepared._objs)
+        prepared._memo.clear()  # its fingerprints are of the replaced arrays
     else:
         prepared._rebind()
     return prepared.kv_caches

@@ -197,6 +197,28 @@ class CacheGuard:
                     f"reallocated ({_describe_key(keys[n])} -> {_describe_key(now[n])})")
         return None
 
+    def same_entries(self, kv_caches: Any) -> bool:
+        """Whether the structure still holds the bound tensors (identity only: the cheap
+        half of :meth:`changed`)."""
+        if self._flat:
+            snap = self._snap
+            return type(kv_caches) is list and len(kv_caches) == len(snap) and all(
+                map(operator.is_, kv_caches, snap))
+        return _first_change(kv_caches, self._snap) is None
+
+    def watch(self, slots: Sequence[int]) -> tuple[list, Any]:
+        """``(tensors, keys)``: the concrete bound tensors of these slots and their current
+        fingerprints (``keys`` None when the runtime has none); a call touching only these
+        slots is current while ``keys_of(tensors) == keys`` and :meth:`same_entries`."""
+        where = {slot: n for n, slot in enumerate(self._slot_index)}
+        tensors = [self._concrete[where[s]] for s in slots if s in where]
+        keys = self._keys_of(tensors) if self._keys_of is not None and tensors else None
+        return tensors, keys
+
+    @property
+    def keys_of(self) -> Callable[[list], Any] | None:
+        return self._keys_of
+
     def raise_if_unusable(self) -> None:
         """Raise the backend's typed error for a bound array no call may use any more (a
         deleted or donated JAX array): how a runtime's own dispatch error is explained."""
@@ -388,6 +410,30 @@ def _memo_key(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> Any:
                                       for o, a, f in zip(objects, addresses, flags)))
     except Exception:  # noqa: BLE001 - anything unreadable: the full check decides
         return None
+
+
+def objects_key(backend: Any, objects: Sequence[Any]) -> Any:
+    """A hashable signature of plain (not per-chunk) objects: equal signatures mean equal
+    verdicts of every object check for one direction and chunk count (type, dtype, shape,
+    strides, address, writability: what :func:`_memo_key` compares). The backend's
+    ``objects_key(objects)`` when it has one (torch: one attribute read per fact), for NumPy
+    arrays read here; None when there is none (JAX: donated objects are checked every call).
+    """
+    keyer = getattr(backend, "objects_key", None)
+    if keyer is not None:
+        return keyer(objects)
+    return numpy_objects_key(objects)
+
+
+def numpy_objects_key(objects: Sequence[Any]) -> Any:
+    """:func:`objects_key` of NumPy arrays (None for anything else)."""
+    out = []
+    for a in objects:
+        if type(a) is not np.ndarray:
+            return None
+        out.append((id(a), a.__array_interface__["data"][0], a.dtype, a.shape, a.strides,
+                    a.flags.writeable))
+    return tuple(out)
 
 
 def _check_call_memory(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> None:

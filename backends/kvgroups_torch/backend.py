@@ -248,8 +248,30 @@ class TorchBackend(Backend):
             return _NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
         return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
+    def device_ids_key(self, x: Any) -> Any:
+        """Eager CUDA id tensors: dtype, shape, GPU and contiguity (what the planner and the
+        launch read of them; their values are the kernel's to check)."""
+        if type(x) is torch.Tensor and x.is_cuda and not _IS_FUNCTIONAL(x):
+            return x.dtype, x.shape, x.get_device(), x.is_contiguous()
+        return None
+
+    def objects_key(self, objects: Sequence[Any]) -> tuple | None:
+        """``(identity, address, dtype, shape, strides)`` of each plain eager tensor (their
+        device follows from the address); None for anything else (per-chunk lists, foreign
+        arrays, fakes)."""
+        try:
+            out = []
+            for t in objects:
+                if type(t) is not torch.Tensor:
+                    return None
+                out.append((id(t), t.data_ptr(), t.dtype, t.shape, t.stride()))
+            return tuple(out)
+        except RuntimeError:  # no storage (functional wrappers): not remembered
+            return None
+
 
 _DATA_PTR = torch.Tensor.data_ptr
+_IS_FUNCTIONAL = torch._is_functional_tensor
 
 
 def _check_usable(t: torch.Tensor, what: str) -> None:
@@ -283,3 +305,19 @@ class TorchBoundCaches(BoundCaches):
                 fast.run(plan, bindings)
                 return None, list(objects)
         return super().run(plan, objects)
+
+    def runner(self, plan: Any, block_ids: Any) -> Any:
+        """CUDA caches: the plan's launches kept ready (:class:`cuda_path.PlanRunner`), for
+        objects on the caches' GPU; other objects (pinned host) take :meth:`run`."""
+        generic = super().runner(plan, block_ids)
+        fast = self.device_caches
+        if fast is None:
+            return generic
+        launch = cuda_path.PlanRunner(fast, plan, block_ids)
+
+        def run(ids: Any, objects: Sequence[Any]) -> tuple:
+            if launch(ids, objects):
+                return None, list(objects)
+            return generic(ids, objects)
+
+        return run

@@ -332,20 +332,9 @@ class GroupLaunch:
             # same object buffer comes back as the same binding; every write to ``p`` goes
             # through here, under the lock.
             if p.last_objects is not objects:
-                p.obj_mode = mode = objects.mode
-                if mode == P.OBJ_STRIDED:
-                    p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
-                elif mode == P.OBJ_INLINE:
-                    p.inline_objs[: len(objects.addresses)] = objects.addresses
-                else:
-                    p.obj_table = objects.table.data_ptr()
-                p.last_objects = objects
+                _write_objects(p, objects)
             if p.last_step is not step:
-                p.first_item = first_item
-                p.num_items = num_items
-                p.items_per_cta = ipc
-                p.num_tiles = tiles
-                p.last_step = step
+                _write_step(p, step, first_item)
             if skip is None:
                 if p.skip_mode:
                     p.skip_mode = P.SKIP_NONE
@@ -354,6 +343,25 @@ class GroupLaunch:
                 p.skip_mul, p.skip_div, p.skip_max = skip.mul, skip.div, skip.limit
             launcher.launch(function, grid, P.THREADS, stream)
         del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
+
+
+def _write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
+    """Point ``p`` at ``objects`` (under the launch state's lock)."""
+    p.obj_mode = mode = objects.mode
+    if mode == P.OBJ_STRIDED:
+        p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
+    elif mode == P.OBJ_INLINE:
+        p.inline_objs[: len(objects.addresses)] = objects.addresses
+    else:
+        p.obj_table = objects.table.data_ptr()
+    p.last_objects = objects
+
+
+def _write_step(p: P.KvgParams, step: tuple, first_item: int) -> None:
+    """The item range and tiling of ``step`` (what :meth:`GroupLaunch._step` returned)."""
+    p.first_item = first_item
+    p.num_items, p.items_per_cta, p.num_tiles = step[5], step[6], step[7]
+    p.last_step = step
 
 
 @dataclass(frozen=True)
@@ -552,6 +560,18 @@ class DeviceCaches:
             out.append(binding)
         return out
 
+    def device_bindings(self, objects: Sequence[Any], rows: int) -> list[ObjectBinding] | None:
+        """The bindings :meth:`bind_device_objects` made for these objects, looked up by
+        address and row stride alone: for objects the core validated for this call's shape.
+        None when one was never bound here (pinned host objects, or the memo was cleared)."""
+        memo, out = self._objects, []
+        for t in objects:
+            binding = memo.get((t.data_ptr(), t.stride()[0], rows))
+            if binding is None:
+                return None
+            out.append(binding)
+        return out
+
     def launch_for(self, group: Any) -> GroupLaunch:
         """The group's :class:`GroupLaunch`, looked up by the identity of its ``planes`` and
         ``runs`` (shared by every plan of one binding)."""
@@ -581,6 +601,76 @@ class DeviceCaches:
                                None if block_ids is None else block_ids[i],
                                skip=None if skip is None else group_skip(skip, group),
                                max_ctas=max_ctas)
+
+
+class PlanRunner:
+    """The launches of one plan on one :class:`DeviceCaches`, ready for the repeated calls of
+    a validated signature (``kvgroups_core.call_memo``): a call writes its ids (and, when they
+    differ from the last launch's, the objects and the item range) into each group's packed
+    parameters and launches. Built after a call of ``plan`` passed every check; later calls
+    bring ids of the same dtype, shape, device and contiguity as ``sample_ids`` and objects the
+    core validated for ``plan``'s direction and chunk count."""
+
+    def __init__(self, fast: DeviceCaches, plan: Any, sample_ids: Any) -> None:
+        self.fast = fast
+        self.plan = plan
+        self.rows = plan.num_chunks
+        self.index = fast.index
+        # Contiguous int32/int64 tensors on the GPU are read in place: only their address
+        # changes between calls. Anything else (host ids) goes through _bind_ids.
+        self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in _ID_DTYPES \
+            and _on_device(sample_ids, self.index) and sample_ids.is_contiguous()
+        self.ids_mode = P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 \
+            else P.IDS_DEVICE64
+        self._steps: dict[Any, list[tuple]] = {}  # object vector units -> launch list
+
+    def _launch_list(self, bindings: list[ObjectBinding]) -> list[tuple]:
+        plan, fast = self.plan, self.fast
+        out = []
+        for group in plan.groups:
+            launch = fast.launch_for(group)
+            unit = bindings[group.object_group_idx].unit
+            key = (plan.direction, group.num_chunks, group.first_item, unit, plan.max_ctas)
+            step = launch._steps.get(key)
+            if step is None:
+                step = launch._steps[key] = launch._step(plan.direction, group, unit,
+                                                         plan.max_ctas)
+            p, launcher, function, grid, needed, num_items = step[:6]
+            if num_items:
+                out.append((launch.lock, p, launcher, function, grid, step, group.first_item,
+                            group.object_group_idx, needed, launch.shape.num_blocks))
+        return out
+
+    def __call__(self, ids: Any, objects: Sequence[Any]) -> bool:
+        """Launch with ``ids`` on ``objects``; False (nothing launched) when the objects are
+        not device objects bound before (the caller then takes the generic path)."""
+        bindings = self.fast.device_bindings(objects, self.rows)
+        if bindings is None:
+            return False
+        units = bindings[0].unit if len(bindings) == 1 else tuple([b.unit for b in bindings])
+        steps = self._steps.get(units)
+        if steps is None:
+            steps = self._steps[units] = self._launch_list(bindings)
+        stream = current_stream(self.index)
+        in_place, mode, threads = self.in_place, self.ids_mode, P.THREADS
+        for lock, p, launcher, function, grid, step, first_item, og, needed, nb in steps:
+            objs = bindings[og]
+            with lock:
+                if in_place:
+                    p.ids = ids.data_ptr()
+                    p.ids_mode = mode
+                    keepalive = None
+                else:
+                    keepalive = _bind_ids(p, ids, needed, nb, self.index)
+                if p.last_objects is not objs:
+                    _write_objects(p, objs)
+                if p.last_step is not step:
+                    _write_step(p, step, first_item)
+                if p.skip_mode:
+                    p.skip_mode = P.SKIP_NONE
+                launcher.launch(function, grid, threads, stream)
+            del keepalive  # a device copy of host ids is stream-ordered: safe to free now
+        return True
 
 
 def plan_options(plan: Any, device_index: int) -> tuple[DeviceSkip | None, int | None]:

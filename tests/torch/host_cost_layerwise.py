@@ -1,15 +1,24 @@
-"""Host cost of a prepared one-layer store with device ids, launches stubbed (no GPU needed).
+"""Host cost of a torch engine's prepared calls, launches stubbed (no GPU needed).
 
-Run by hand (not a test): ``PYTHONPATH=$PWD:$PWD/backends python tests/torch/host_cost_layerwise.py``.
-Llama-3-8B-like caches (32 layers, 1024 blocks), 16-chunk stores, ``layers=[l]`` for every
-layer in turn, as an engine's layer-wise save does. CPU tensors play the GPU's and stand for
-device ids (the CUDA path's ``DeviceCaches`` runs; only the driver is stubbed), so a number
-here is the GPU call's host time minus ``cuLaunchKernel``, plus a little CPU-only work (the
-pinned-memory query and the host-mapping check of CPU objects). Per-thread CPU time, the
-best of several rounds: robust to other processes on a shared machine.
+Run by hand (not a test): ``PYTHONPATH=$PWD:$PWD/backends python tests/torch/host_cost_layerwise.py``
+(``--case`` picks some cases; ``--profile CASE`` prints cProfile's top entries for one).
+Llama-3-8B-like caches (32 layers, 1024 blocks). Cases:
+
+- ``layer-store`` / ``layer-load``: 16-chunk transfers, ``layers=[l]`` for every layer in
+  turn, as an engine's layer-wise save / load does (per call);
+- ``chunk-store-dev`` / ``chunk-load-dev``: whole-model one-chunk transfers, device ids;
+- ``chunk-store-host`` / ``chunk-load-host``: the same with host NumPy ids.
+
+CPU tensors play the GPU's and stand for device ids (the CUDA path's ``DeviceCaches`` runs;
+only the driver is stubbed), so a number here is the GPU call's host time minus
+``cuLaunchKernel``, plus a little CPU-only work (the pinned-memory query and the host-mapping
+check of CPU objects). Per-thread CPU time, the best of several rounds: robust to other
+processes on a shared machine.
 """
 
 import argparse
+import cProfile
+import pstats
 import time
 
 import numpy as np
@@ -20,8 +29,11 @@ from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import prepare
 from kvgroups_tools.catalog import MODELS
 
+CASES = ("layer-store", "layer-load", "chunk-store-dev", "chunk-load-dev", "chunk-store-host",
+         "chunk-load-host")
 
-def stub_driver() -> None:
+
+def stub_driver() -> type:
     class Kernels:
         def handle(self, name):
             return 0
@@ -32,11 +44,15 @@ def stub_driver() -> None:
         kernels = Kernels()
 
     class Launcher:
+        launches = 0  # counted only while ``counting`` (the timed loops skip it)
+        counting = False
+
         def __init__(self, device_index, params_address):
             pass
 
         def launch(self, function, grid, threads, stream):
-            pass
+            if Launcher.counting:
+                Launcher.launches += 1
 
     device = Device()
     cuda_path.device_state = lambda index: device
@@ -44,44 +60,88 @@ def stub_driver() -> None:
     cuda_path.current_stream = lambda index: 0
     cuda_path._on_device = lambda t, index: True
     cuda_path._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+    return Launcher
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--chunks", type=int, default=16)
-    p.add_argument("--steps", type=int, default=200, help="32-call steps per round")
-    p.add_argument("--rounds", type=int, default=9)
-    args = p.parse_args()
-    stub_driver()
-    model = MODELS["llama3-8b"].build(num_blocks=1024, layers=32)
-    caches = [torch.empty(s.shape, dtype=getattr(torch, s.dtype.name)) for s in model.kv_caches]
-    manager = KVLayerGroupsManager(caches, list(model.formats), lmcache_tokens_per_chunk=256)
+def stubbed_prepared(manager, caches):
+    """A prepared torch transfer whose per-call path is the CUDA one, on CPU tensors (CPU id
+    tensors taken as device ids)."""
     prepared = prepare(manager, caches, backend="torch")
     fast = cuda_path.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" are CPU tensors here
     prepared._bound.device_caches = fast
     prepared._ids_spec = lambda x: (str(x.dtype).rpartition(".")[2], tuple(x.shape)) \
-        if isinstance(x, torch.Tensor) else None  # CPU tensors taken as device ids
-    n = args.chunks * manager.calculate_num_blocks(0, 256)
-    ids = torch.from_numpy(np.random.default_rng(2).permutation(1024)[:n].astype(np.int32))
-    objects = [torch.empty((args.chunks, b), dtype=torch.uint8)
+        if isinstance(x, torch.Tensor) else None
+    prepared._ids_key = lambda x: (x.dtype, x.shape) if type(x) is torch.Tensor else None
+    return prepared, fast
+
+
+def case_step(name, manager, prepared, rng):
+    """``(step, calls per step)`` of one case."""
+    chunks = 16 if name.startswith("layer") else 1
+    n = chunks * manager.calculate_num_blocks(0, 256)
+    host = rng.permutation(1024)[:n].astype(np.int32)
+    ids = host if name.endswith("-host") else torch.from_numpy(host)
+    objects = [torch.empty((chunks, b), dtype=torch.uint8)
                for b in prepared.binding.object_nbytes]
-    layers = [[layer] for layer in range(32)]
+    store = "store" in name
+    if name.startswith("layer"):
+        layers = [[layer] for layer in range(32)]
+        if store:
+            def step():
+                for one in layers:
+                    prepared.store(ids, objects, layers=one)
+        else:
+            def step():
+                for one in layers:
+                    prepared.load(objects, ids, layers=one)
+        return step, 32
+    if store:
+        def step():
+            prepared.store(ids, objects)
+    else:
+        def step():
+            prepared.load(objects, ids)
+    return step, 1
 
-    def step():
-        for one in layers:
-            prepared.store(ids, objects, layers=one)
 
-    step()
-    assert len(fast._launches) >= 32, "not the CUDA path"
-    rounds = []
-    for _ in range(args.rounds):
-        t = time.thread_time()
-        for _ in range(args.steps):
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--case", action="append", choices=CASES, help="default: every case")
+    p.add_argument("--calls", type=int, default=6400, help="calls per round")
+    p.add_argument("--rounds", type=int, default=9)
+    p.add_argument("--profile", choices=CASES, help="cProfile one case instead")
+    args = p.parse_args()
+    launcher = stub_driver()
+    model = MODELS["llama3-8b"].build(num_blocks=1024, layers=32)
+    caches = [torch.empty(s.shape, dtype=getattr(torch, s.dtype.name)) for s in model.kv_caches]
+    manager = KVLayerGroupsManager(caches, list(model.formats), lmcache_tokens_per_chunk=256)
+    prepared, _ = stubbed_prepared(manager, caches)
+    rng = np.random.default_rng(2)
+    if args.profile:
+        step, per = case_step(args.profile, manager, prepared, rng)
+        step()
+        prof = cProfile.Profile()
+        prof.enable()
+        for _ in range(max(1, args.calls // per)):
             step()
-        rounds.append((time.thread_time() - t) / args.steps / 32 * 1e6)
-    print(f"one-layer prepared store, device ids, {args.chunks} chunks: "
-          f"{min(rounds):.2f} us per call (best of {args.rounds} rounds)")
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        return
+    for name in args.case or CASES:
+        step, per = case_step(name, manager, prepared, rng)
+        launcher.counting, launcher.launches = True, 0
+        step()
+        launcher.counting = False
+        assert launcher.launches == per, f"{name}: not the CUDA path"
+        steps = max(1, args.calls // per)
+        rounds = []
+        for _ in range(args.rounds):
+            t = time.thread_time()
+            for _ in range(steps):
+                step()
+            rounds.append((time.thread_time() - t) / steps / per * 1e6)
+        print(f"{name:18s} {min(rounds):7.2f} us per call (best of {args.rounds} rounds)")
 
 
 if __name__ == "__main__":

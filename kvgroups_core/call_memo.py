@@ -1,0 +1,145 @@
+"""The validated call signatures of one prepared transfer (docs/DESIGN.md "Repeated calls").
+
+An engine calls the same prepared transfer thousands of times per second with calls that differ
+only in values: new block ids of the same shape, the same object buffers, the same layer. What
+the core's checks conclude about such a call depends on its *signature*, not on those values,
+so a call whose signature passed before needs none of that work again:
+
+- the plan signature ``(direction, ids, layers, skip, max_ctas)``, where ``ids`` is the host
+  ids' dtype and shape, or the backend's :meth:`~kvgroups_core.registry.Backend.device_ids_key`
+  of device ids (dtype, shape, device: a plan never depends on device id values), maps to the
+  plan, the bound tensors its planes touch (with their fingerprints) and the backend's runner
+  of that plan (:meth:`~kvgroups_core.registry.BoundCaches.runner`);
+- the objects signature (type, identity, address, dtype, shape, strides and writability of
+  each object: :func:`~kvgroups_core.validate.objects_key`) is remembered per direction and
+  chunk count once the objects passed every check, so the layer-wise calls of one request
+  check its objects once.
+
+A hit still checks what may have changed since: the cache structure's entries by identity and
+the fingerprints of the tensors this plan touches (a layer-subset call does not look at other
+layers' tensors: its launches address none of their bytes), and host ids' values against
+every used block. Anything else, and any doubt, is a miss: the call takes the full path
+(which raises the cold call's error, rebinds, or passes and records). Only calls that moved
+bytes in place (no new cache arrays) with plain objects and one engine group's flat ids are
+recorded; a rebind starts a new memo.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from .planner import _out_of_range
+from .validate import CacheGuard, numpy_objects_key
+
+_MAX_PLANS = 1024  # signatures: layers x directions x chunk counts x id dtypes
+_MAX_OBJECTS = 64  # object sets (an engine cycles through a few buffers)
+
+
+def call_key(ids_key: Any, direction: str, block_ids: Any, layers: Any, max_ctas: Any,
+             skip: Any) -> tuple | None:
+    """The plan signature of a call, or None when the call is not memoised (ids of another
+    form, a device skip, arguments whose hash could confuse values: ``True == 1``)."""
+    if type(block_ids) is np.ndarray:
+        if block_ids.ndim != 1 or block_ids.dtype.kind != "i":
+            return None
+        ids: Any = ("host", block_ids.dtype, block_ids.shape)
+    else:
+        found = ids_key(block_ids) if ids_key is not None else None
+        if found is None:
+            return None
+        ids = ("device", type(block_ids), found)
+    if layers is not None:
+        if type(layers) is not list and type(layers) is not tuple:
+            return None
+        for layer in layers:
+            if type(layer) is not int:
+                return None
+        layers = tuple(layers)
+    if (max_ctas is not None and type(max_ctas) is not int) or type(skip) is not int:
+        return None
+    return (direction, ids, layers, skip, max_ctas)
+
+
+class _Entry:
+    """One validated plan signature."""
+
+    __slots__ = ("scope", "checks", "tensors", "keys", "run")
+
+    def __init__(self, scope: tuple, checks: tuple | None, tensors: list, keys: Any,
+                 run: Any) -> None:
+        self.scope = scope  # (direction, num_chunks): what the objects were validated for
+        self.checks = checks  # host ids: (used ids, num_blocks) to check per call; else None
+        self.tensors = tensors  # the bound tensors the plan's planes touch
+        self.keys = keys  # their fingerprints when recorded (None: no fingerprints)
+        self.run = run  # BoundCaches.runner(plan, ...)
+
+
+class CallMemo:
+    """The memo of one binding (made by each bind; cleared when a JAX load adopts results)."""
+
+    def __init__(self, backend: Any, binding: Any, bound: Any, guard: CacheGuard) -> None:
+        self._binding = binding
+        self._bound = bound
+        self._guard = guard
+        self._keys_of = guard.keys_of
+        self._objects_key = getattr(backend, "objects_key", None) or numpy_objects_key
+        self._plans: dict[tuple, _Entry] = {}
+        self._objects: dict[tuple, bool] = {}
+
+    def clear(self) -> None:
+        self._plans.clear()
+        self._objects.clear()
+
+    def call(self, key: tuple, block_ids: Any, objects: Any, kv_caches: Any) -> Any:
+        """Run a call of a recorded signature: the runner's result, or None (a miss: nothing
+        has moved, the caller takes the full path)."""
+        entry = self._plans.get(key)
+        if entry is None or not self._guard.same_entries(kv_caches):
+            return None
+        if entry.keys is not None and self._keys_of(entry.tensors) != entry.keys:
+            return None  # a touched tensor was reallocated: the full path rebinds or raises
+        if type(objects) is not list and type(objects) is not tuple:
+            return None
+        okey = self._objects_key(objects)
+        if okey is None or (entry.scope, okey) not in self._objects:
+            return None
+        if entry.checks is not None:  # host ids: their values are checked every call
+            block_ids = block_ids.astype(np.int64, copy=False)
+            for used, num_blocks in entry.checks:
+                if _out_of_range(block_ids[used], num_blocks):
+                    return None  # the full path raises the precise error
+        return entry.run(block_ids, objects)
+
+    def record(self, key: tuple, plan: Any, block_ids: Any, objects: Any) -> None:
+        """After a full-path call of signature ``key`` passed and moved its bytes in place."""
+        binding = self._binding
+        if plan.num_chunks == 0 or plan.skip_tokens is not None or binding.flat_group is None:
+            return
+        okey = self._objects_key(objects) \
+            if type(objects) is list or type(objects) is tuple else None
+        if okey is None:
+            return
+        scope = (plan.direction, plan.num_chunks)
+        if len(self._objects) >= _MAX_OBJECTS:
+            self._objects.clear()
+        self._objects[(scope, okey)] = True
+        if key in self._plans:
+            return
+        host = key[1][0] == "host"
+        if host == bool(plan.device_ids):
+            return  # the planner read the ids otherwise than the key says: never memoised
+        checks = None
+        if host:
+            sk = binding.skeletons.get((plan.direction, plan.num_chunks, key[3], plan.layers))
+            if sk is None:
+                return
+            checks = tuple((used, num_blocks) for _, _, used, num_blocks in sk.checks)
+            block_ids = block_ids.astype(np.int64, copy=False)
+        slots = sorted({p.tensor_slot for g in plan.groups for p in g.planes})
+        tensors, keys = self._guard.watch(slots)
+        if len(self._plans) >= _MAX_PLANS:
+            self._plans.clear()
+        self._plans[key] = _Entry(scope, checks, tensors, keys,
+                                  self._bound.runner(plan, block_ids))
