@@ -11,6 +11,7 @@ import threading
 from dataclasses import replace
 from typing import Any, Sequence
 
+from . import reuse
 from .descriptors import TensorDesc, TensorSpec
 from .errors import KVGroupsError
 from .objects import check_objects
@@ -135,6 +136,7 @@ class PreparedTransfer:
         self._bound = self.backend.bind_caches(binding.tensors)
         self._bound.bind_source(self.manager, self.kv_caches)
         self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
+        self._abstract = any(d.is_abstract for d in binding.tensors)  # never parked
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None
@@ -143,6 +145,25 @@ class PreparedTransfer:
             positions = [slot_of.get(id(x), -1) for x in self.kv_caches]
             if -1 not in positions and len(slot_of) == len(self._objs):
                 self._positions = positions
+
+
+    # --- kept between one-shot calls (kvgroups_core.reuse) -----------------------------
+
+    def _release(self) -> bool:
+        """Let go of every cache tensor, keeping what was derived from them (False, and
+        nothing changed, when the backend's hold cannot)."""
+        if self._abstract or not self._bound.release():
+            return False
+        self.kv_caches = self._objs = self._described = None
+        self._guard.release()
+        return True
+
+    def _restore(self, kv_caches: Any, objs: list) -> None:
+        """Take back the caches :meth:`_release` let go of: ``kv_caches`` is the structure
+        they were released from, ``objs`` its bound tensors in slot order."""
+        self.kv_caches, self._objs = kv_caches, objs
+        self._bound.restore(objs)
+        self._guard.restore(kv_caches, objs)
 
 
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
@@ -209,11 +230,20 @@ def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> Prep
 
 
 def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
-              ) -> PreparedTransfer:
+              ) -> tuple[PreparedTransfer, Any]:
     """The binding of a one-shot call: the backend is found once (from the caches and the
-    objects, so two frameworks are refused) and the caches are bound once."""
+    objects, so two frameworks are refused) and the caches are bound once, or taken back
+    from the manager's last one-shot call on the same caches (:mod:`kvgroups_core.reuse`)."""
+    parked = reuse.take(manager, kv_caches)
+    if parked is not None:
+        entry, leaves, objs = parked
+        # The leaves are the ones that passed this check before (one framework): the first
+        # stands for them all against the objects.
+        found = backend_for_tensors(leaves[:1] + _leaves(objects), backend)
+        if found is entry.prepared.backend:
+            return reuse.restore(entry, kv_caches, objs), entry
     found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)
-    return PreparedTransfer(manager, kv_caches, backend=found)
+    return PreparedTransfer(manager, kv_caches, backend=found), None
 
 
 def store(
@@ -258,8 +288,10 @@ def store(
     """
     if objects is not None and not isinstance(objects, (list, tuple)):
         objects = [objects]
-    return _one_shot(manager, kv_caches, objects, backend).store(block_ids, objects,
-                                                                 layers=layers, max_ctas=max_ctas)
+    prepared, entry = _one_shot(manager, kv_caches, objects, backend)
+    out = prepared.store(block_ids, objects, layers=layers, max_ctas=max_ctas)
+    reuse.park(manager, prepared, entry)
+    return out
 
 
 def load(
@@ -288,9 +320,11 @@ def load(
     """
     if not isinstance(objects, (list, tuple)):
         objects = [objects]
-    return _one_shot(manager, kv_caches, objects, backend).load(
-        objects, block_ids, skip_first_n_tokens=skip_first_n_tokens, layers=layers,
-        max_ctas=max_ctas)
+    prepared, entry = _one_shot(manager, kv_caches, objects, backend)
+    out = prepared.load(objects, block_ids, skip_first_n_tokens=skip_first_n_tokens,
+                        layers=layers, max_ctas=max_ctas)
+    reuse.park(manager, prepared, entry)
+    return out
 
 
 __all__ = ["PreparedTransfer", "load", "prepare", "prepared_load", "prepared_store", "store",

@@ -123,8 +123,10 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
         return backend.buffer_keys
 
     def numpy_keys(xs: list) -> Any:
-        return [(x.__array_interface__["data"][0], x.shape) if isinstance(x, np.ndarray)
-                else None for x in xs]
+        # The writeable flag too: an array made read-only in place is bound again, so a
+        # load into it is refused as on a first call.
+        return [(x.__array_interface__["data"][0], x.shape, x.flags.writeable)
+                if isinstance(x, np.ndarray) else None for x in xs]
 
     return numpy_keys
 
@@ -176,6 +178,17 @@ class CacheGuard:
         if self._keys is not None:
             self._keys = self._keys_of(self._concrete)
         self._memory = None
+
+    def release(self) -> None:
+        """Let go of the caches while a one-shot binding waits for its next call
+        (:mod:`kvgroups_core.reuse`); the fingerprints stay, to be compared then."""
+        self._snap = self._concrete = None
+
+    def restore(self, kv_caches: Any, objs: Sequence[Any]) -> None:
+        """Take back the same structure and tensors (``objs`` in slot order) after
+        :meth:`release`: :meth:`changed` then compares the fingerprints taken before."""
+        self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
+        self._concrete = [objs[i] for i in self._slot_index]
 
     def changed(self, kv_caches: Any) -> str | None:
         if self._flat:
@@ -229,7 +242,8 @@ class CacheGuard:
 
 def _describe_key(key: Any) -> str:
     if isinstance(key, tuple) and len(key) >= 2:
-        return f"address {key[0]:#x}, shape {tuple(key[1])}"
+        read_only = ", read-only" if len(key) > 2 and not key[2] else ""
+        return f"address {key[0]:#x}, shape {tuple(key[1])}{read_only}"
     if isinstance(key, int):
         return f"address {key:#x}"
     return repr(key)
