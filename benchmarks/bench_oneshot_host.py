@@ -46,18 +46,26 @@ CHUNK_TOKENS = 256
 BLOCK_SIZE = 16
 
 
-def timed(fn, sync, calls: int, warmup: int) -> dict:
-    for _ in range(warmup):
-        fn()
-        sync()
-    times = []
-    for _ in range(calls):
-        t0 = time.perf_counter_ns()
-        fn()
-        times.append((time.perf_counter_ns() - t0) / 1e3)
-        sync()
+def _stats(times: list) -> dict:
     return {"us_median": statistics.median(times), "us_p10": float(np.percentile(times, 10)),
-            "us_p90": float(np.percentile(times, 90)), "calls": calls}
+            "us_p90": float(np.percentile(times, 90)), "calls": len(times)}
+
+
+def timed_pair(fns, sync, calls: int, warmup: int) -> list[dict]:
+    """Each of ``fns`` timed call by call, the calls interleaved (a shared CPU's load and
+    clock drift hit both alike), results waited for after each timer stops."""
+    for _ in range(warmup):
+        for fn in fns:
+            fn()
+            sync()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(calls):
+        for fn, out in zip(fns, times):
+            t0 = time.perf_counter_ns()
+            fn()
+            out.append((time.perf_counter_ns() - t0) / 1e3)
+            sync()
+    return [_stats(t) for t in times]
 
 
 def make_runtime(name: str):
@@ -109,61 +117,62 @@ def bench_runtime(args, runtime: str, emit) -> None:
     make, wait, returns_new = make_runtime(runtime)
     shape = (2, args.num_blocks, BLOCK_SIZE, args.num_heads, args.head_size)
     rng = np.random.default_rng(0)
-    caches = [make(rng.standard_normal(shape).astype(np.float32)) for _ in range(args.layers)]
-    manager = KVLayerGroupsManager(caches, EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+    host = [rng.standard_normal(shape).astype(np.float32) for _ in range(args.layers)]
+    # Two cache sets of one manager: the prepared transfer's and the one-shot calls' (a JAX
+    # load consumes the caches it is given, so the two cannot share them).
+    caches = {"prepared": [make(a) for a in host], "oneshot": [make(a) for a in host]}
+    manager = KVLayerGroupsManager(caches["oneshot"], EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
                                    lmcache_tokens_per_chunk=CHUNK_TOKENS)
     ids = rng.permutation(args.num_blocks)[: args.chunks * CHUNK_TOKENS // BLOCK_SIZE]
-    state = {"caches": caches, "objects": store(manager, caches, ids)}
+    prepared = prepare(manager, caches["prepared"])
+    objects = {"prepared": prepared.store(ids), "oneshot": store(manager, caches["oneshot"], ids)}
 
     def sync():
-        wait((state["caches"], state["objects"]))
+        wait((caches, objects))
 
     common = {"runtime": runtime, "layers": args.layers, "chunks": args.chunks,
               "cache_shape": list(shape)}
 
-    def oneshot_store():
-        state["objects"] = store(manager, state["caches"], ids)
+    def store_fns(with_objects: bool):
+        def p():
+            objects["prepared"] = prepared.store(ids, objects["prepared"] if with_objects
+                                                 else None)
 
-    def prepared_store():
-        state["objects"] = state["prepared"].store(ids)
+        def o():
+            objects["oneshot"] = store(manager, caches["oneshot"], ids,
+                                       objects["oneshot"] if with_objects else None)
+        return p, o
 
-    def oneshot_store_objects():
-        state["objects"] = store(manager, state["caches"], ids, state["objects"])
+    def load_fns():
+        def p():
+            out = prepared.load(objects["prepared"], ids)
+            if returns_new:
+                caches["prepared"] = out
 
-    def prepared_store_objects():
-        state["objects"] = state["prepared"].store(ids, state["objects"])
+        def o():
+            out = load(manager, objects["oneshot"], caches["oneshot"], ids)
+            if returns_new:
+                caches["oneshot"] = out
+        return p, o
 
-    def oneshot_load():
-        out = load(manager, state["objects"], state["caches"], ids)
-        if returns_new:
-            state["caches"] = out
-
-    def prepared_load():
-        out = state["prepared"].load(state["objects"], ids)
-        if returns_new:
-            state["caches"] = out
-
-    rows = [("prepared_store", prepared_store), ("oneshot_store", oneshot_store),
-            ("prepared_store_objects", prepared_store_objects),
-            ("oneshot_store_objects", oneshot_store_objects),
-            ("prepared_load", prepared_load), ("oneshot_load", oneshot_load)]
+    rows = [("store", store_fns(False)), ("store_objects", store_fns(True)),
+            ("load", load_fns())]
     modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stub]
     for stub in modes:
-        # A fresh prepared transfer on the current caches (a JAX one-shot load consumed the
-        # last one's), and real objects (the stubs return placeholders).
-        state["prepared"] = prepare(manager, state["caches"])
-        state["objects"] = state["prepared"].store(ids)
-        real_objects = state["objects"]
-        for name, fn in rows:
-            if name.endswith("_load"):
-                # Loads continue from the prepared transfer's caches (JAX loads replace
-                # them): what an engine holds.
-                state["caches"] = state["prepared"].kv_caches
-            if stub:  # stubbed stores return placeholders; nothing is donated
-                state["objects"] = real_objects
+        real = dict(objects)  # the stubs return placeholders, and donate nothing
+        for name, fns in rows:
+            if stub:
+                objects.update(real)
             with stubbed_copy(runtime) if stub else contextlib.nullcontext():
-                timing = timed(fn, sync, args.calls, args.warmup)
-            emit({"name": name + ("_python" if stub else ""), **common, **timing})
+                timings = timed_pair(fns, sync, args.calls, args.warmup)
+            suffix = "_python" if stub else ""
+            for kind, timing in zip(("prepared", "oneshot"), timings):
+                emit({"name": f"{kind}_{name}{suffix}", **common, **timing})
+            gap = timings[1]["us_median"] - timings[0]["us_median"]
+            emit({"name": f"oneshot_minus_prepared_{name}{suffix}", **common,
+                  "us_median_gap": gap})
+        if stub:
+            objects.update(real)
 
 
 def main(argv=None) -> None:

@@ -8,14 +8,15 @@ the manager, and the next one-shot call of that manager takes it back when its c
 same: the same structure, every leaf the very object the parked binding last moved (after a
 JAX load: the arrays it returned). That call then runs exactly as a prepared call does,
 checks included: its ids and objects are validated, and the bound caches' fingerprints
-(address, shape; NumPy's writeable flag) are compared, so a resized or reallocated tensor is
-bound again.
+(torch: addresses; NumPy: address, shape, strides, dtype, writeable) are compared first, so a
+cache resized or reallocated in place is bound afresh (or refused as a first call is).
 
 Parking holds no cache alive: the parked transfer lets go of every tensor
-(``PreparedTransfer._release``) and the park keeps weak references; an engine that drops its
-caches frees them, and the park then simply misses. A manager keeps one park (its last
-caches); a call takes it out under a lock, so two threads never share one, and a failing call
-does not put it back. Abstract values (tracers, fake tensors) are never parked. A manager's
+(``PreparedTransfer._release``) and the park keeps weak references (NumPy arrays: their ids,
+see :func:`_refs`); an engine that drops its caches frees them, and the park then misses.
+A manager keeps one park (its last caches); a call takes it out under a lock, so two threads
+never share one. A refused call (bad ids or objects: nothing moved) puts it back; any other
+failure drops it. Abstract values (tracers, fake tensors) are never parked. A manager's
 grouping cannot change once it is bound (``KVLayerGroupsManager.enable_full_sw_kv`` refuses),
 and ``with_full_sw_kv`` makes a new manager, which a park made for another never serves.
 """
@@ -26,6 +27,8 @@ import operator
 import threading
 import weakref
 from typing import Any
+
+import numpy as np
 
 from .descriptors import TensorDesc, TensorSpec
 
@@ -100,15 +103,29 @@ def park(manager: Any, prepared: Any, entry: "_Park | None" = None) -> None:
 
 
 def _refs(leaves: list, objs: list) -> tuple[list, list | None] | None:
-    """Weak references to the leaves and to the bound tensors (None: the leaves themselves,
-    in slot order, the usual one tensor per layer); None when a type has none."""
+    """References to the leaves and to the bound tensors (None: the leaves themselves, in
+    slot order, the usual one tensor per layer); None when they cannot be kept.
+
+    Weak references, except for NumPy arrays: NumPy refuses ``ndarray.resize`` on an array
+    with a weak reference, so those are kept by ``id`` alone (a tuple ``(id,)``). An id
+    may name a new array once the old one is freed; that is sound because a hit still
+    compares the bound arrays' fingerprints (address, shape, strides, dtype, writeable:
+    everything the binding was derived from) and binds again when any differs."""
+    same = len(objs) == len(leaves) and all(map(operator.is_, objs, leaves))
+    if type(leaves[0]) is np.ndarray:
+        if not same or not all(type(x) is np.ndarray for x in leaves):
+            return None
+        return [(id(x),) for x in leaves], None
     try:
         leaf_refs = [weakref.ref(x) for x in leaves]
-        if len(objs) == len(leaves) and all(map(operator.is_, objs, leaves)):
-            return leaf_refs, None
-        return leaf_refs, [weakref.ref(x) for x in objs]
-    except TypeError:  # an array type without weak references: nothing kept
+        return leaf_refs, None if same else [weakref.ref(x) for x in objs]
+    except TypeError:  # an array type without weak references (or mixed types)
         return None
+
+
+def put_back(manager: Any, entry: _Park) -> None:
+    """Return a park :func:`take` gave out, still released, for the next call."""
+    _put(manager, entry)
 
 
 def _put(manager: Any, entry: _Park) -> None:
@@ -132,17 +149,23 @@ def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list] | None:
     prepared = entry.prepared
     if prepared.manager is not manager:  # a copy of the manager shares its attributes
         return None
-    live = [r() for r in entry.leaf_refs]
+    refs = entry.leaf_refs
+    by_id = type(refs[0]) is tuple  # NumPy arrays (see _refs)
+    live = None if by_id else [r() for r in refs]
     if entry.flat:
-        if type(kv_caches) is not list or len(kv_caches) != len(live):
+        if type(kv_caches) is not list or len(kv_caches) != len(refs):
             return None
         leaves = kv_caches
     else:
         signature, leaves = _structure(kv_caches)
         if signature != entry.signature:
             return None
-    # A dead reference is None, which no leaf is.
-    if not all(map(operator.is_, leaves, live)):
+    if by_id:
+        if [(id(x),) for x in leaves] != refs or not all(
+                type(x) is np.ndarray for x in leaves):
+            return None
+        live = list(leaves)
+    elif not all(map(operator.is_, leaves, live)):  # a dead reference is None: no leaf
         return None
     if entry.slot_refs is None:
         return entry, live, live

@@ -173,17 +173,22 @@ def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = No
     """:meth:`PreparedTransfer.store`."""
     with prepared._lock:
         prepared._check_current()
-        plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
-                         ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
-        if objects is None:
-            if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
-                return prepared._empty_objects(plan)
-            objects = prepared._bound.allocate_objects(plan)
-        else:
-            check_call_memory(prepared._guard, plan, objects)
-        if plan.num_chunks == 0:
-            return prepared._nothing_to_move(plan, objects)
-        return prepared._run(plan, objects)[1]
+        return _store_locked(prepared, block_ids, objects, layers, max_ctas)
+
+
+def _store_locked(prepared: PreparedTransfer, block_ids: Any, objects: Any, layers: Any,
+                  max_ctas: int | None) -> list:
+    plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
+                     ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
+    if objects is None:
+        if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
+            return prepared._empty_objects(plan)
+        objects = prepared._bound.allocate_objects(plan)
+    else:
+        check_call_memory(prepared._guard, plan, objects)
+    if plan.num_chunks == 0:
+        return prepared._nothing_to_move(plan, objects)
+    return prepared._run(plan, objects)[1]
 
 
 def prepared_load(prepared: PreparedTransfer, objects: Any, block_ids: Any, *,
@@ -233,17 +238,34 @@ def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
               ) -> tuple[PreparedTransfer, Any]:
     """The binding of a one-shot call: the backend is found once (from the caches and the
     objects, so two frameworks are refused) and the caches are bound once, or taken back
-    from the manager's last one-shot call on the same caches (:mod:`kvgroups_core.reuse`)."""
+    from the manager's last one-shot call on the same caches (:mod:`kvgroups_core.reuse`)
+    when none of them was resized or reallocated since. The transfer is this call's own
+    (nobody else holds it): the call runs it without its lock."""
     parked = reuse.take(manager, kv_caches)
     if parked is not None:
         entry, leaves, objs = parked
         # The leaves are the ones that passed this check before (one framework): the first
         # stands for them all against the objects.
-        found = backend_for_tensors(leaves[:1] + _leaves(objects), backend)
+        try:
+            found = backend_for_tensors(leaves[:1] + _leaves(objects), backend)
+        except KVGroupsError:  # objects of another framework: refused, the park stays
+            reuse.put_back(manager, entry)
+            raise
         if found is entry.prepared.backend:
-            return reuse.restore(entry, kv_caches, objs), entry
+            prepared = reuse.restore(entry, kv_caches, objs)
+            if prepared._guard.reallocated() is None:  # take() compared the identities
+                return prepared, entry
+            # Changed in place: bound afresh below, refused (if so) as a first call is.
     found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)
     return PreparedTransfer(manager, kv_caches, backend=found), None
+
+
+def _park_after_refusal(manager: Any, prepared: PreparedTransfer, entry: Any,
+                        kv_caches: Any) -> None:
+    """A refused call (bad ids or objects) moved nothing and left the binding as it was:
+    kept for the next call, unless the transfer no longer holds the caches it was given."""
+    if prepared.kv_caches is kv_caches:
+        reuse.park(manager, prepared, entry)
 
 
 def store(
@@ -289,7 +311,11 @@ def store(
     if objects is not None and not isinstance(objects, (list, tuple)):
         objects = [objects]
     prepared, entry = _one_shot(manager, kv_caches, objects, backend)
-    out = prepared.store(block_ids, objects, layers=layers, max_ctas=max_ctas)
+    try:
+        out = _store_locked(prepared, block_ids, objects, layers, max_ctas)
+    except KVGroupsError:
+        _park_after_refusal(manager, prepared, entry, kv_caches)
+        raise
     reuse.park(manager, prepared, entry)
     return out
 
@@ -321,8 +347,11 @@ def load(
     if not isinstance(objects, (list, tuple)):
         objects = [objects]
     prepared, entry = _one_shot(manager, kv_caches, objects, backend)
-    out = prepared.load(objects, block_ids, skip_first_n_tokens=skip_first_n_tokens,
-                        layers=layers, max_ctas=max_ctas)
+    try:
+        out = _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas)
+    except KVGroupsError:
+        _park_after_refusal(manager, prepared, entry, kv_caches)
+        raise
     reuse.park(manager, prepared, entry)
     return out
 

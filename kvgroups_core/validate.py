@@ -123,10 +123,18 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
         return backend.buffer_keys
 
     def numpy_keys(xs: list) -> Any:
-        # The writeable flag too: an array made read-only in place is bound again, so a
-        # load into it is refused as on a first call.
-        return [(x.__array_interface__["data"][0], x.shape, x.flags.writeable)
-                if isinstance(x, np.ndarray) else None for x in xs]
+        # The whole layout and the writeable flag: an array changed in place (or another
+        # array at the same address, see kvgroups_core.reuse) is bound again, and a load
+        # into one made read-only is refused as on a first call.
+        out = []
+        for x in xs:
+            if isinstance(x, np.ndarray):
+                ai = x.__array_interface__
+                out.append((ai["data"][0], ai["shape"], ai["strides"], x.dtype,
+                            x.flags.writeable))
+            else:
+                out.append(None)
+        return out
 
     return numpy_keys
 
@@ -200,6 +208,11 @@ class CacheGuard:
             found = _first_change(kv_caches, self._snap)
             if found:
                 return found
+        return self.reallocated()
+
+    def reallocated(self) -> str | None:
+        """The half of :meth:`changed` after the structure's identity check: a sentence
+        naming the first bound tensor resized or reallocated in place, or None."""
         keys = self._keys
         if keys is None:
             return None
@@ -242,7 +255,7 @@ class CacheGuard:
 
 def _describe_key(key: Any) -> str:
     if isinstance(key, tuple) and len(key) >= 2:
-        read_only = ", read-only" if len(key) > 2 and not key[2] else ""
+        read_only = ", read-only" if len(key) > 2 and not key[-1] else ""
         return f"address {key[0]:#x}, shape {tuple(key[1])}{read_only}"
     if isinstance(key, int):
         return f"address {key:#x}"
