@@ -36,16 +36,20 @@ def _runtime(kind: str):
     """(to_runtime, to_numpy, loads_return_new) for a CPU runtime; float16 bits exact."""
     if kind == "numpy":
         return (lambda a: a.copy()), (lambda x: np.asarray(x)), False
-    if kind == "torch":
+    if kind in ("torch", "torch-cuda"):
         torch = pytest.importorskip("torch")
         pytest.importorskip("kvgroups_torch")
+        device = "cuda" if kind == "torch-cuda" else "cpu"
+        if device == "cuda" and not torch.cuda.is_available():
+            pytest.skip("no CUDA GPU")
 
         def to_torch(a: np.ndarray):
             if a.dtype == np.float16:
-                return torch.from_numpy(a.view(np.int16).copy()).view(torch.float16)
-            return torch.from_numpy(a.copy())
+                return torch.from_numpy(a.view(np.int16).copy()).view(torch.float16).to(device)
+            return torch.from_numpy(a.copy()).to(device)
 
         def to_numpy(t) -> np.ndarray:
+            t = t.cpu()
             if t.dtype == torch.float16:
                 return t.view(torch.int16).numpy().view(np.float16)
             return t.numpy()
@@ -97,7 +101,8 @@ def binds(monkeypatch):
     return lambda manager: sum(m is manager for m in bound)
 
 
-KINDS = ["numpy", "torch", "jax"]
+# On a GPU machine "jax" runs on the GPU (JAX's default device); CUDA torch is its own case.
+KINDS = ["numpy", "torch", "jax", pytest.param("torch-cuda", marks=pytest.mark.gpu)]
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -209,7 +214,7 @@ def test_dropped_caches_are_freed(kind):
     _assert_same([_runtime(kind)[1](o) for o in out], _reference_store(host, ids))
 
 
-@pytest.mark.parametrize("kind", ["numpy", "torch"])
+@pytest.mark.parametrize("kind", KINDS)
 def test_threads_on_one_manager(kind):
     to_rt, to_np, _ = _runtime(kind)
     hosts = [_host_caches(20), _host_caches(21)]
