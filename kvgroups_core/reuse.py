@@ -52,6 +52,15 @@ class _Park:
         # (parking again after a call that kept both reuses the references).
         self.taken: tuple | None = None
 
+    def __reduce__(self) -> tuple:
+        # A pickled or deep-copied manager carries no park (a park is this process's cache
+        # of live tensors): it comes back as None.
+        return (_no_park, ())
+
+
+def _no_park() -> None:
+    return None
+
 
 def _structure(tree: Any) -> tuple[Any, list]:
     """``(signature, leaves)``: the containers of ``tree`` (types and lengths, where the

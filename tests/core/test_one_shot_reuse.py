@@ -9,7 +9,9 @@ caches freed, threads safe, nothing kept from inside ``jax.jit``.
 
 from __future__ import annotations
 
+import copy
 import gc
+import pickle
 import threading
 import weakref
 
@@ -349,3 +351,18 @@ def test_jax_donated_caches_passed_again_are_refused():
         kc.load(manager, objects, caches, ids)
     assert isinstance(info.value, ValueError)
     kc.store(manager, new, ids)  # the results are usable
+
+
+def test_a_manager_with_a_park_still_pickles_and_copies(binds):
+    host = _host_caches(16)
+    caches = [a.copy() for a in host]
+    manager = _manager(caches)
+    kc.store(manager, caches, np.arange(BPC))
+    assert getattr(manager, reuse._ATTR) is not None
+    for other in (pickle.loads(pickle.dumps(manager)), copy.deepcopy(manager)):
+        assert getattr(other, reuse._ATTR) is None  # no park travels
+        _assert_same(kc.store(other, caches, np.arange(BPC)),
+                     _reference_store(host, np.arange(BPC)))
+    shallow = copy.copy(manager)  # shares the park: never served to the copy
+    _assert_same(kc.store(shallow, caches, np.arange(BPC)), _reference_store(host, np.arange(BPC)))
+    assert binds(shallow) == 1
