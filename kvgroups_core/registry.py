@@ -159,6 +159,29 @@ class BoundCaches:
         self.backend = backend
         self.caches = list(caches)
 
+    def release(self) -> bool:
+        """Let go of the bound tensors while the binding waits for the next one-shot call
+        (:mod:`kvgroups_core.reuse`), keeping everything derived from them; :meth:`restore`
+        hands the same tensors back. False when this class cannot (the default for
+        subclasses, which may hold tensors elsewhere: they opt in by overriding both): the
+        binding is then not kept."""
+        if type(self) is not BoundCaches:
+            return False
+        self._release_caches()
+        return True
+
+    def restore(self, tensors: Sequence[Any]) -> None:
+        """Take back the tensors :meth:`release` let go of (the same objects, slot order)."""
+        # The descriptors are this binding's own (made by its bind, never handed out while
+        # released): their ``obj`` is put back rather than 32 descriptors built again.
+        for d, x in zip(self.caches, tensors):
+            d.__dict__["obj"] = x  # the frozen dataclass's field, set as its __init__ does
+
+    def _release_caches(self) -> None:
+        """:meth:`release` for a class that keeps its tensors only in :attr:`caches`."""
+        for d in self.caches:
+            d.__dict__["obj"] = None
+
     def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         """Validate ``objects`` for ``plan`` and execute it (see :meth:`Backend.execute`)."""
         check_objects(plan, objects, self.backend.shape_of)

@@ -11,6 +11,7 @@ import threading
 from dataclasses import replace
 from typing import Any, Sequence
 
+from . import reuse
 from .call_memo import CallMemo, call_key
 from .descriptors import TensorDesc, TensorSpec
 from .errors import KVGroupsError
@@ -140,6 +141,7 @@ class PreparedTransfer:
         self._bound.bind_source(self.manager, self.kv_caches)
         self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
         self._memo = CallMemo(self.backend, self._plans, self._bound, self._guard)
+        self._abstract = any(d.is_abstract for d in binding.tensors)  # never parked
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None
@@ -148,6 +150,25 @@ class PreparedTransfer:
             positions = [slot_of.get(id(x), -1) for x in self.kv_caches]
             if -1 not in positions and len(slot_of) == len(self._objs):
                 self._positions = positions
+
+    # --- kept between one-shot calls (kvgroups_core.reuse) -----------------------------
+
+    def _release(self) -> bool:
+        """Let go of every cache tensor, keeping what was derived from them (False, and
+        nothing changed, when the backend's hold cannot)."""
+        if self._abstract or not self._bound.release():
+            return False
+        self.kv_caches = self._objs = self._described = None
+        self._guard.release()
+        self._memo.clear()  # prepared-call fingerprints of the released tensors
+        return True
+
+    def _restore(self, kv_caches: Any, objs: list) -> None:
+        """Take back the caches :meth:`_release` let go of: ``kv_caches`` is the structure
+        they were released from, ``objs`` its bound tensors in slot order."""
+        self.kv_caches, self._objs = kv_caches, objs
+        self._bound.restore(objs)
+        self._guard.restore(kv_caches, objs)
 
 
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
@@ -164,20 +185,25 @@ def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = No
                 if done is not None:
                     return done[1]
         prepared._check_current()
-        plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
-                         ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
-        if objects is None:
-            if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
-                return prepared._empty_objects(plan)
-            objects = prepared._bound.allocate_objects(plan)
-        else:
-            check_call_memory(prepared._guard, plan, objects)
-        if plan.num_chunks == 0:
-            return prepared._nothing_to_move(plan, objects)
-        new_caches, out = prepared._run(plan, objects)
-        if key is not None and new_caches is None:
-            prepared._memo.record(key, plan, block_ids, objects)
-        return out
+        return _store_locked(prepared, block_ids, objects, layers, max_ctas, key)
+
+
+def _store_locked(prepared: PreparedTransfer, block_ids: Any, objects: Any, layers: Any,
+                  max_ctas: int | None, key: tuple | None = None) -> list:
+    plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
+                     ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
+    if objects is None:
+        if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
+            return prepared._empty_objects(plan)
+        objects = prepared._bound.allocate_objects(plan)
+    else:
+        check_call_memory(prepared._guard, plan, objects)
+    if plan.num_chunks == 0:
+        return prepared._nothing_to_move(plan, objects)
+    new_caches, out = prepared._run(plan, objects)
+    if key is not None and new_caches is None:
+        prepared._memo.record(key, plan, block_ids, objects)
+    return out
 
 
 def prepared_load(prepared: PreparedTransfer, objects: Any, block_ids: Any, *,
@@ -241,11 +267,37 @@ def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> Prep
 
 
 def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
-              ) -> PreparedTransfer:
+              ) -> tuple[PreparedTransfer, Any]:
     """The binding of a one-shot call: the backend is found once (from the caches and the
-    objects, so two frameworks are refused) and the caches are bound once."""
+    objects, so two frameworks are refused) and the caches are bound once, or taken back
+    from the manager's last one-shot call on the same caches (:mod:`kvgroups_core.reuse`)
+    when none of them was resized or reallocated since. The transfer is this call's own
+    (nobody else holds it): the call runs it without its lock."""
+    parked = reuse.take(manager, kv_caches)
+    if parked is not None:
+        entry, leaves, objs = parked
+        # The leaves are the ones that passed this check before (one framework): the first
+        # stands for them all against the objects.
+        try:
+            found = backend_for_tensors(leaves[:1] + _leaves(objects), backend)
+        except KVGroupsError:  # objects of another framework: refused, the park stays
+            reuse.put_back(manager, entry)
+            raise
+        if found is entry.prepared.backend:
+            prepared = reuse.restore(entry, kv_caches, objs)
+            if prepared._guard.reallocated() is None:  # take() compared the identities
+                return prepared, entry
+            # Changed in place: bound afresh below, refused (if so) as a first call is.
     found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)
-    return PreparedTransfer(manager, kv_caches, backend=found)
+    return PreparedTransfer(manager, kv_caches, backend=found), None
+
+
+def _park_after_refusal(manager: Any, prepared: PreparedTransfer, entry: Any,
+                        kv_caches: Any) -> None:
+    """A refused call (bad ids or objects) moved nothing and left the binding as it was:
+    kept for the next call, unless the transfer no longer holds the caches it was given."""
+    if prepared.kv_caches is kv_caches:
+        reuse.park(manager, prepared, entry)
 
 
 def store(
@@ -290,8 +342,14 @@ def store(
     """
     if objects is not None and not isinstance(objects, (list, tuple)):
         objects = [objects]
-    return _one_shot(manager, kv_caches, objects, backend).store(block_ids, objects,
-                                                                 layers=layers, max_ctas=max_ctas)
+    prepared, entry = _one_shot(manager, kv_caches, objects, backend)
+    try:
+        out = _store_locked(prepared, block_ids, objects, layers, max_ctas)
+    except KVGroupsError:
+        _park_after_refusal(manager, prepared, entry, kv_caches)
+        raise
+    reuse.park(manager, prepared, entry)
+    return out
 
 
 def load(
@@ -320,9 +378,14 @@ def load(
     """
     if not isinstance(objects, (list, tuple)):
         objects = [objects]
-    return _one_shot(manager, kv_caches, objects, backend).load(
-        objects, block_ids, skip_first_n_tokens=skip_first_n_tokens, layers=layers,
-        max_ctas=max_ctas)
+    prepared, entry = _one_shot(manager, kv_caches, objects, backend)
+    try:
+        out = _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas)
+    except KVGroupsError:
+        _park_after_refusal(manager, prepared, entry, kv_caches)
+        raise
+    reuse.park(manager, prepared, entry)
+    return out
 
 
 __all__ = ["PreparedTransfer", "load", "prepare", "prepared_load", "prepared_store", "store",

@@ -123,8 +123,18 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
         return backend.buffer_keys
 
     def numpy_keys(xs: list) -> Any:
-        return [(x.__array_interface__["data"][0], x.shape) if isinstance(x, np.ndarray)
-                else None for x in xs]
+        # The whole layout and the writeable flag: an array changed in place (or another
+        # array at the same address, see kvgroups_core.reuse) is bound again, and a load
+        # into one made read-only is refused as on a first call.
+        out = []
+        for x in xs:
+            if isinstance(x, np.ndarray):
+                ai = x.__array_interface__
+                out.append((ai["data"][0], ai["shape"], ai["strides"], x.dtype,
+                            x.flags.writeable))
+            else:
+                out.append(None)
+        return out
 
     return numpy_keys
 
@@ -177,6 +187,17 @@ class CacheGuard:
             self._keys = self._keys_of(self._concrete)
         self._memory = None
 
+    def release(self) -> None:
+        """Let go of the caches while a one-shot binding waits for its next call
+        (:mod:`kvgroups_core.reuse`); the fingerprints stay, to be compared then."""
+        self._snap = self._concrete = None
+
+    def restore(self, kv_caches: Any, objs: Sequence[Any]) -> None:
+        """Take back the same structure and tensors (``objs`` in slot order) after
+        :meth:`release`: :meth:`changed` then compares the fingerprints taken before."""
+        self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
+        self._concrete = [objs[i] for i in self._slot_index]
+
     def changed(self, kv_caches: Any) -> str | None:
         if self._flat:
             snap = self._snap
@@ -187,6 +208,11 @@ class CacheGuard:
             found = _first_change(kv_caches, self._snap)
             if found:
                 return found
+        return self.reallocated()
+
+    def reallocated(self) -> str | None:
+        """The half of :meth:`changed` after the structure's identity check: a sentence
+        naming the first bound tensor resized or reallocated in place, or None."""
         keys = self._keys
         if keys is None:
             return None
@@ -251,7 +277,8 @@ class CacheGuard:
 
 def _describe_key(key: Any) -> str:
     if isinstance(key, tuple) and len(key) >= 2:
-        return f"address {key[0]:#x}, shape {tuple(key[1])}"
+        read_only = ", read-only" if len(key) > 2 and not key[-1] else ""
+        return f"address {key[0]:#x}, shape {tuple(key[1])}{read_only}"
     if isinstance(key, int):
         return f"address {key:#x}"
     return repr(key)

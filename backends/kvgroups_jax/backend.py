@@ -295,6 +295,7 @@ class _BoundJax(BoundCaches):
         # shard can move its own pages; the shard binding needs the manager (bind_source).
         self._shards = shard_layout(self._arrays) if self._sharding is None else None
         self._shard_binding = None
+        self._all_concrete = self._sharding is not None or all(map(_concrete, self._arrays))
 
     def bind_source(self, manager, kv_caches) -> None:
         if self._shards is not None:
@@ -347,6 +348,7 @@ class _BoundJax(BoundCaches):
         return True
 
     def adopt_results(self, new_caches: Sequence[Any]) -> bool:
+        self._all_concrete = all(map(_concrete, new_caches))  # not inside a transformation
         if self._shards is not None:  # same global shapes and shardings: the binding holds
             self._arrays = list(new_caches)
             self._descs = None
@@ -357,6 +359,20 @@ class _BoundJax(BoundCaches):
         self._descs = None
         self._owned = True
         return True
+
+    def release(self) -> bool:
+        # Only the arrays are let go of: the sharding, the shard binding (shapes only) and
+        # whether the arrays are our own load's outputs stay true for the same arrays.
+        if not self._all_concrete:
+            return False  # traced (a load's results inside a transformation): never kept
+        if self._shard_binding is not None and any(
+                d.obj is not None for d in self._shard_binding.tensors):
+            return False
+        self._arrays = self._descs = None
+        return True
+
+    def restore(self, tensors: Sequence[Any]) -> None:
+        self._arrays = list(tensors)
 
     def allocate_objects(self, plan) -> list:
         # The store's own program creates the objects (the kernels' outputs): allocating and

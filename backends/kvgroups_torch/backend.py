@@ -297,6 +297,11 @@ class TorchBoundCaches(BoundCaches):
         self.device_caches = (cuda_path.DeviceCaches(self.caches, device.index)
                               if device.type == "cuda" and not traced else None)
 
+    def release(self) -> bool:
+        # The launch state keeps addresses only (the guard checks them per call).
+        self._release_caches()
+        return True
+
     def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         fast = self.device_caches
         if fast is not None:

@@ -674,8 +674,12 @@ def test_one_shot_calls_find_the_backend_and_bind_once(monkeypatch):
     monkeypatch.setattr(transfer, "backend_for_tensors", counting_find)
     kc.store(manager, caches, np.arange(8), objects)
     assert counts == {"bind": 1, "backend": 1}
+    # The same caches again: the last one-shot call's binding is reused (kvgroups_core.reuse);
+    # the backend is still found per call, from the caches and the call's objects.
     kc.load(manager, objects, caches, np.arange(8))
-    assert counts == {"bind": 2, "backend": 2}
+    assert counts == {"bind": 1, "backend": 2}
+    kc.load(manager, objects, [c.copy() for c in caches], np.arange(8))  # other caches
+    assert counts == {"bind": 2, "backend": 3}
 
 
 def test_abstract_descriptors():
