@@ -135,3 +135,26 @@ def test_items_per_program_follows_the_tuning_and_the_caps(monkeypatch):
     assert ipp * max(np.prod(b.shape) for b in geom.boxes) <= MAX_BOX_ELEMS
     monkeypatch.setitem(pallas_copy.TUNING, "small_page_bytes", 256)
     assert pallas_copy.items_per_program(geom, 64, 2) == 1  # the page is above the threshold
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("layout", ["nhd", "hnd"])
+@pytest.mark.parametrize("page", sorted(PAGES))
+def test_small_page_kernel_lowers_to_triton_for_an_abstract_h200(small, monkeypatch, layout,
+                                                                 direction, page):
+    # The Pallas -> Triton lowering runs here (no GPU): every op of the kernel (the vector id
+    # gather, [items, *box] gathers / scatters, the sum, the fori_loop fallback) must lower.
+    from unittest import mock
+
+    from kvgroups_jax import executor
+
+    arrays, g = _group(page, layout, direction=direction, nb=64, num_chunks=4, bpc=4,
+                       first_item=1 if direction == "load" else 0)
+    plan = make_plan(direction, [g], arrays, [_nbytes(g)])
+    caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
+    objects = [jax.ShapeDtypeStruct((4, _nbytes(g)), jnp.uint8)]
+    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+        text = executor.lower_plan(plan, "triton", caches, objects).as_text()
+    assert "__gpu$xla.gpu.triton" in text
+    assert f"kvgroups_{direction}_small_pages" in text
+    assert small == [8]
