@@ -464,6 +464,7 @@ def sweep_jax(args, out: Out) -> None:
                     caches = list(prep.kv_caches)
             del caches
     pallas_copy.TUNING["items_per_program"] = 1
+    pallas_copy.TUNING["small_page_bytes"] = 0
     jax.clear_caches()
 
 
