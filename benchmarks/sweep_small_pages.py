@@ -21,7 +21,8 @@ gather of the same pages (the reference), a load's caches against the objects at
 blocks and untouched elsewhere; a mismatch is a ``verified: false`` record and exit status 1.
 ``frac_of_ceiling`` is the same run's device-to-device copy of the same bytes (torch
 ``copy_``, eager; JAX: jitted ``x + 1`` over uint32 words) over the call's time. JSON lines
-to ``--out`` (appended) and stdout, then a winner table. ``--budget-s`` (default 170) stops
+to ``--out`` (appended) and stdout, then a winner table. The small-page kernels live in a cubin
+of their own (NVRTC, ~15-20 s per ``unroll`` value on first use, then cached on disk). ``--budget-s`` (default 170) stops
 timing and writes ``skipped`` records for what is left.
 
     python benchmarks/sweep_small_pages.py --out small_pages_h200.jsonl --runtimes torch,jax

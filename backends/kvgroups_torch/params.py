@@ -119,11 +119,12 @@ def kernel_name(direction: str, vector: int, contiguous: bool, small: bool = Fal
     return f"kvg_{direction}_v{vector}_{kind}{'_small' if small else ''}"
 
 
-def all_kernel_names() -> list[str]:
-    """Every variant the source defines (the CI test compiles them all)."""
+def all_kernel_names(small: bool | None = None) -> list[str]:
+    """Every variant the source defines (the CI test compiles them all); ``small`` True /
+    False: only those of the small-page cubin / of the main one."""
     return [
-        kernel_name(d, v, c, small)
-        for small in (False, True)
+        kernel_name(d, v, c, sm)
+        for sm in ((False, True) if small is None else (small,))
         for d in ("store", "load")
         for v in VECTOR_WIDTHS
         for c in (True, False)

@@ -56,10 +56,12 @@ def only_small_kernels_ran(request):
         assert all(name.endswith("_small") for name, *_ in launches), launches
 
 
-def test_small_kernels_are_named_and_compiled_beside_the_others():
+def test_small_kernels_are_named_beside_the_others():
     names = P.all_kernel_names()
     small = [n for n in names if n.endswith("_small")]
     assert len(small) == len(names) // 2
+    assert P.all_kernel_names(small=True) == small
+    assert P.all_kernel_names(small=False) == [n for n in names if n not in small]
     assert P.kernel_name("load", 8, False, True) == "kvg_load_v8_runs_small"
     assert P.kernel_name("load", 8, False) == "kvg_load_v8_runs"
     src = nvrtc.kernel_source()
@@ -72,10 +74,22 @@ def test_small_kernels_are_named_and_compiled_beside_the_others():
 def test_small_kernels_compile_with_the_swept_loads_in_flight(monkeypatch, arch, unroll):
     pytest.importorskip("cuda.core")
     monkeypatch.setattr(nvrtc, "TUNING", {"KVG_SMALL_UNROLL": unroll})
-    assert f"-DKVG_SMALL_UNROLL={unroll}" in nvrtc.option_words(arch)
-    cubin = nvrtc.compile_cubin(arch)
-    for name in P.all_kernel_names():
+    assert f"-DKVG_SMALL_UNROLL={unroll}" in nvrtc.option_words(arch, small=True)
+    cubin = nvrtc.compile_cubin(arch, small=True)
+    for name in P.all_kernel_names(small=True):
         assert name.encode() + b"\0" in cubin, name
+    for name in P.all_kernel_names(small=False):  # those live in the main cubin only
+        assert name.encode() + b"\0" not in cubin, name
+
+
+def test_small_kernels_have_a_cubin_and_cache_key_of_their_own(cubin_cache, monkeypatch):
+    pytest.importorskip("cuda.core")
+    assert nvrtc.cache_key("sm_90", small=True) != nvrtc.cache_key("sm_90")
+    assert "-DKVG_BUILD_SMALL=1" in nvrtc.option_words("sm_90", small=True)
+    assert "-DKVG_BUILD_SMALL=1" not in nvrtc.option_words("sm_90")
+    small = nvrtc.get_cubin("sm_90", small=True)
+    assert (cubin_cache / f"{nvrtc.cache_key('sm_90', small=True)}.cubin").read_bytes() == small
+    assert not (cubin_cache / f"{nvrtc.cache_key('sm_90')}.cubin").exists()
 
 
 def test_selection_follows_the_threshold(monkeypatch):

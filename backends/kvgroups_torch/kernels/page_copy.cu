@@ -444,16 +444,25 @@ __device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
 }
 
 // One extern "C" entry point per variant, so the host finds them by plain name:
-// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs}, and kvg_..._{contig,runs}_small.
+// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs}, or with KVG_BUILD_SMALL=1 (a cubin of its
+// own, built only once a small-page kernel is used: they take several times the others'
+// compile time) kvg_..._{contig,runs}_small.
+#ifndef KVG_BUILD_SMALL
+#define KVG_BUILD_SMALL 0
+#endif
+#if KVG_BUILD_SMALL
 #define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
-    extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
-    kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {                   \
-        kvg_page_copy<STORE, V, CONTIG>(p);                                            \
-    }                                                                                  \
     extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
     kvg_##DIR##_v##V##_##KIND##_small(const __grid_constant__ KvgParams p) {           \
         kvg_small_copy<STORE, V, CONTIG>(p);                                           \
     }
+#else
+#define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
+    extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
+    kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {                   \
+        kvg_page_copy<STORE, V, CONTIG>(p);                                            \
+    }
+#endif
 
 #define KVG_KERNELS_V(V)                          \
     KVG_KERNEL(store, true, V, contig, true)      \
