@@ -65,7 +65,12 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
 #: flight together instead of one load-store round trip per box.
 #: ``planes_per_program``: planes one program moves (fewer, larger programs).
 #: ``items_major``: grid ``(items, planes)``; False gives ``(planes, items)``.
-TUNING = {"read_first": True, "planes_per_program": 1, "items_major": True}
+#: ``items_per_program`` / ``small_page_bytes``: groups whose block-plane is at most
+#: ``small_page_bytes`` bytes run the small-page kernel, ``items_per_program`` items (a power of
+#: two) per program with their ids read as one vector; 1 or 0 bytes keep one item per program.
+#: Off until the H200 sweep (benchmarks/sweep_small_pages.py) shows it at least as fast.
+TUNING = {"read_first": True, "planes_per_program": 1, "items_major": True,
+          "items_per_program": 1, "small_page_bytes": 0}
 
 
 def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
@@ -99,8 +104,10 @@ def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
 
 
 def _move_item(cache_in, outs, obj_ref, chunk, pos, block, plane_group, *, geom, direction,
-           read_first, per_program):
+           read_first, per_program, flat_obj=False):
     obj_row0 = geom.region_offset + pos * (geom.block_size * geom.row)
+    if flat_obj:  # the object is one [num_chunks * object_elems] array: fold the chunk in
+        obj_row0, chunk = obj_row0 + chunk * geom.object_row_elems, None
     for g0 in range(0, geom.num_planes, per_program):
         planes = range(g0, min(g0 + per_program, geom.num_planes))
 
@@ -130,6 +137,117 @@ def _move_item(cache_in, outs, obj_ref, chunk, pos, block, plane_group, *, geom,
                 write(value)
 
 
+def _item_offsets(bases, box: Box, strides: tuple[int, ...], start: int):
+    """``[items, *box.shape]`` int32 indices: ``bases[i] + start + sum_d iota_d * strides[d]``."""
+    shape = (bases.shape[0],) + box.shape
+    idx = lax.broadcast_in_dim(bases + start, shape, (0,))
+    for d, stride in enumerate(strides):
+        idx = idx + lax.broadcasted_iota(jnp.int32, shape, d + 1) * stride
+    return idx
+
+
+def items_per_program(geom: GroupGeometry, grid_items: int, num_chunks: int) -> int:
+    """Items one program of the small-page kernel moves; 1 means the one-item kernel.
+
+    A power of two: :data:`TUNING` ``items_per_program`` for block-planes of at most
+    ``small_page_bytes``, capped so one op moves at most ``MAX_BOX_ELEMS`` elements, by the
+    item bucket, and to 1 where the flat object (the kernel indexes it as one array) would
+    pass int32 indexing.
+    """
+    from .geometry import MAX_BOX_ELEMS, MAX_INDEX
+
+    wanted = int(TUNING.get("items_per_program", 1))
+    page_bytes = geom.block_size * geom.row * geom.unit
+    if wanted <= 1 or page_bytes > int(TUNING.get("small_page_bytes", 0)) or not geom.boxes:
+        return 1
+    if num_chunks * geom.object_row_elems > MAX_INDEX:
+        return 1
+    largest = max(math.prod(box.shape) for box in geom.boxes)
+    ipp = 1 << (wanted.bit_length() - 1)
+    while ipp > 1 and (ipp * largest > MAX_BOX_ELEMS or ipp > grid_items):
+        ipp //= 2
+    return ipp
+
+
+def _small_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
+                  read_first: bool, per_program: int, items_axis: int, fresh: bool, ipp: int):
+    # As _copy_kernel, but program i moves items [i * ipp, (i + 1) * ipp): their ids are one
+    # vector gather, every box is one [ipp, *box] op when all of them move, and the object is
+    # one flat [num_chunks * object_elems] array (an item's chunk is a vector).
+    num_ops = len(geom.operand_slots)
+    obj_ref = None if fresh else refs[0]
+    refs = refs if fresh else refs[1:]
+    cache_in, outs = refs[:num_ops], refs[num_ops:]
+    i = pl.program_id(items_axis)
+    plane_group = pl.program_id(1 - items_axis)
+    kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
+    local = i * ipp + lax.broadcasted_iota(jnp.int32, (ipp,), 0)
+    valid = local < meta_ref[1]
+    item = meta_ref[0] + local
+    chunk = item // kept
+    pos = item - chunk * kept
+    # Items past the count may index past the ids: read id 0's slot for them instead.
+    block = ids_ref[jnp.where(valid, chunk * bpc + (bpc - kept) + pos, 0)]
+    # Traced ids are not checked on the host: an id outside the group's blocks moves nothing
+    # (the executor reports it through checkify).
+    moves = jnp.logical_and(valid, jnp.logical_and(block >= 0, block < geom.num_blocks))
+    every = jnp.sum(moves.astype(jnp.int32)) == ipp
+
+    # The common program: every item moves, so every box is one unmasked [ipp, *box] op.
+    @pl.when(every)
+    def _():
+        obj_item = chunk * geom.object_row_elems + geom.region_offset \
+            + pos * (geom.block_size * geom.row)
+        for g0 in range(0, geom.num_planes, per_program):
+            planes = range(g0, min(g0 + per_program, geom.num_planes))
+
+            @pl.when(plane_group == g0 // per_program)
+            def _(planes=planes):
+                pending = []
+                for plane in planes:
+                    op = geom.plane_operands[plane]
+                    cache_base = geom.plane_offsets[plane] + block * geom.block_stride
+                    obj_base = obj_item + geom.object_plane(plane) * geom.slots * geom.row
+                    for box in geom.boxes:
+                        c_idx = _item_offsets(cache_base, box, box.cache_strides,
+                                              box.cache_offset)
+                        o_idx = _item_offsets(obj_base, box, box.obj_strides, box.obj_offset)
+                        if direction == "store":
+                            pending.append((outs[0], o_idx, cache_in[op][c_idx]))
+                        else:
+                            pending.append((outs[op], c_idx, obj_ref[o_idx]))
+                        if not read_first:
+                            dst, idx, value = pending.pop()
+                            dst[idx] = value
+                for dst, idx, value in pending:
+                    dst[idx] = value
+
+    # A program with items that do not move (past the count, before a skip, a bad id): one
+    # item at a time, as the one-item kernel moves it (no masked writes, whose lanes could
+    # alias a moved page).
+    @pl.when(jnp.logical_not(every))
+    def _():
+        def one(k, carry):
+            local_k = i * ipp + k
+            item_k = meta_ref[0] + local_k
+            chunk_k = item_k // kept
+            pos_k = item_k - chunk_k * kept
+
+            @pl.when(local_k < meta_ref[1])
+            def _():
+                block_k = ids_ref[chunk_k * bpc + (bpc - kept) + pos_k]
+
+                @pl.when(jnp.logical_and(block_k >= 0, block_k < geom.num_blocks))
+                def _():
+                    _move_item(cache_in, outs, obj_ref, chunk_k, pos_k, block_k, plane_group,
+                               geom=geom, direction=direction, read_first=read_first,
+                               per_program=per_program, flat_obj=True)
+
+            return carry
+
+        lax.fori_loop(0, ipp, one, 0)
+
+
 def default_warps(geom: GroupGeometry) -> int:
     """Warps per program: 8 once a box holds 16 KiB (so each thread keeps <= 8 16-byte
     vectors of it in flight), else 4."""
@@ -138,6 +256,10 @@ def default_warps(geom: GroupGeometry) -> int:
 
 
 def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpret, num_warps):
+    ipp = items_per_program(geom, grid_items, obj.shape[0])
+    if ipp > 1:
+        return _pallas_copy_small(direction, geom, grid_items, meta, ids, obj, caches, ipp,
+                                  interpret=interpret, num_warps=num_warps)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     num_ops = len(caches)
     fresh = isinstance(obj, jax.ShapeDtypeStruct)  # store into a new output (no zero-fill)
@@ -168,6 +290,44 @@ def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpr
         interpret=interpret,
         name=f"kvgroups_{direction}_pages",
     )(*operands)
+
+
+def _pallas_copy_small(direction, geom, grid_items, meta, ids, obj, caches, ipp, *,
+                       interpret, num_warps):
+    """The small-page kernel: the object flattened to one array (a free reshape), grid
+    ``(grid_items // ipp, plane_groups)`` (or swapped), results shaped as _pallas_copy's."""
+    any_spec = pl.BlockSpec(memory_space=pl.ANY)
+    num_ops = len(caches)
+    fresh = isinstance(obj, jax.ShapeDtypeStruct)
+    flat = jax.ShapeDtypeStruct((math.prod(obj.shape),), obj.dtype)
+    if direction == "store":
+        out_shape, out_specs = flat, any_spec
+        aliases = {} if fresh else {2: 0}
+    else:
+        out_shape = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
+        out_specs = tuple(any_spec for _ in caches)
+        aliases = {3 + k: k for k in range(num_ops)}
+    per_program = max(1, int(TUNING["planes_per_program"]))
+    plane_groups = -(-geom.num_planes // per_program)
+    items_major = bool(TUNING["items_major"])
+    programs = grid_items // ipp
+    grid = (programs, plane_groups) if items_major else (plane_groups, programs)
+    kernel = functools.partial(_small_kernel, geom=geom, direction=direction,
+                               read_first=bool(TUNING["read_first"]), per_program=per_program,
+                               items_axis=0 if items_major else 1, fresh=fresh, ipp=ipp)
+    operands = (meta, ids) + (() if fresh else (obj.reshape(-1),)) + tuple(caches)
+    out = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid=grid,
+        in_specs=[any_spec] * len(operands),
+        out_specs=out_specs,
+        input_output_aliases=aliases,
+        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name=f"kvgroups_{direction}_small_pages",
+    )(*operands)
+    return out.reshape(obj.shape) if direction == "store" else out
 
 
 def copy_group(

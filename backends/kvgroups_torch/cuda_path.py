@@ -26,6 +26,7 @@ from kvgroups_core.errors import (
 )
 from kvgroups_core.segments import widest_unit
 
+from . import geometry
 from . import params as P
 from .driver import Launcher
 from .geometry import GroupShape, group_shape, items_per_cta
@@ -225,13 +226,15 @@ class GroupLaunch:
         self.plane_table = _to_device(table.reshape(-1), device.index)
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
-        self._variants: dict[tuple[str, int], tuple[P.KvgParams, Launcher, int]] = {}
+        self._variants: dict[tuple[str, int, bool], tuple[P.KvgParams, Launcher, int]] = {}
+        # Small pages run the kvg_*_small kernels (geometry.SMALL_PAGE_BYTES, read once here).
+        self.small = geometry.uses_small_pages(self.shape.page_bytes)
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
-        self._ipc: dict[int, tuple[int, tuple[int, int, int]]] = {}  # num_items -> (ipc, grid)
+        self._ipc: dict[int, tuple[int, int, int, int]] = {}  # items -> ipc, tiles, work, ppc
         self._steps: dict[tuple, tuple] = {}  # call shape -> what _step returns
 
     def _variant(self, direction: str, vector: int) -> tuple[P.KvgParams, Launcher, int]:
-        found = self._variants.get((direction, vector))
+        found = self._variants.get((direction, vector, self.small))
         if found is None:
             shape = self.shape
             p = P.KvgParams()
@@ -256,13 +259,13 @@ class GroupLaunch:
                 r.units_per_token = run.count * r.units_per_piece
                 r.page_units = shape.block_size * r.units_per_token
                 r.shifts = P.pow2_shifts(r.page_units, r.units_per_token, r.units_per_piece)
-            name = P.kernel_name(direction, vector, shape.contiguous)
+            name = P.kernel_name(direction, vector, shape.contiguous, self.small)
             function = self.device.kernels.handle(name)
             # A NumPy window on the inline ids: one casting copy per call, no allocation.
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
             p.last_objects = p.last_step = None  # what launch() last wrote (see there)
             found = (p, Launcher(self.device.index, ctypes.addressof(p)), function)
-            self._variants[(direction, vector)] = found
+            self._variants[(direction, vector, self.small)] = found
         return found
 
     def prepare(self, direction: str, objects: ObjectBinding) -> None:
@@ -277,7 +280,7 @@ class GroupLaunch:
         num_items = num_chunks * self.kept_per_chunk - group.first_item
         needed = num_chunks * self.blocks_per_chunk
         if num_items <= 0:
-            return (None, None, None, None, needed, 0, 0, 0)
+            return (None, None, None, None, needed, 0, 0, 0, 0)
         if needed > _INT32_MAX:
             raise KVGroupsValueError(
                 f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}")
@@ -286,16 +289,23 @@ class GroupLaunch:
             vector = self._vectors[unit] = widest_unit([self.base_unit, unit])
         sizing = self._ipc.get(num_items)
         if sizing is None:
-            ipc = items_per_cta(self.shape.page_bytes, num_items,
-                                self.num_planes * len(self.shape.runs), self.device.num_sms)
-            tiles = -(-num_items // ipc)
-            sizing = self._ipc[num_items] = (ipc, tiles,
-                                             tiles * self.num_planes * len(self.shape.runs))
-        ipc, tiles, work = sizing
+            runs = len(self.shape.runs)
+            if self.small:
+                ipc, ppc = geometry.small_page_sizing(self.shape.page_bytes, num_items,
+                                                      self.num_planes, runs, self.device.num_sms)
+                tiles = -(-num_items // ipc)
+                work = tiles * -(-self.num_planes // ppc) * runs
+            else:
+                ipc = items_per_cta(self.shape.page_bytes, num_items, self.num_planes * runs,
+                                    self.device.num_sms)
+                ppc, tiles = 0, -(-num_items // ipc)
+                work = tiles * self.num_planes * runs
+            sizing = self._ipc[num_items] = (ipc, tiles, work, ppc)
+        ipc, tiles, work, ppc = sizing
         grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         with self.lock:
             p, launcher, function = self._variant(direction, vector)
-        return (p, launcher, function, grid, needed, num_items, ipc, tiles)
+        return (p, launcher, function, grid, needed, num_items, ipc, tiles, ppc)
 
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
@@ -317,7 +327,7 @@ class GroupLaunch:
             if len(self._steps) >= 256:
                 self._steps.clear()
             self._steps[key] = step
-        p, launcher, function, grid, needed, num_items, ipc, tiles = step
+        p, launcher, function, grid, needed, num_items, ipc, tiles, ppc = step
         if not num_items:
             return
         if objects.num_chunks < num_chunks:
@@ -360,7 +370,7 @@ def _write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
 def _write_step(p: P.KvgParams, step: tuple, first_item: int) -> None:
     """The item range and tiling of ``step`` (what :meth:`GroupLaunch._step` returned)."""
     p.first_item = first_item
-    p.num_items, p.items_per_cta, p.num_tiles = step[5], step[6], step[7]
+    p.num_items, p.items_per_cta, p.num_tiles, p.planes_per_cta = step[5:9]
     p.last_step = step
 
 

@@ -14,11 +14,22 @@ from typing import Any
 from kvgroups_core.errors import UnsupportedConfig
 from kvgroups_core.segments import SegmentRun, widest_unit
 
-from .params import MAX_RUNS, MAX_TILE
+from .params import MAX_RUNS, MAX_TILE, SMALL_PLANES, SMALL_TILE
 
 #: Bytes one CTA aims to move: enough to amortise its start, few enough for many CTAs.
 TARGET_CTA_BYTES = 32768
 _MAX_PAGE_BYTES = 2**31 - 1
+
+#: The small-page kernels (``kvg_*_small`` in page_copy.cu: several planes and pages per work
+#: unit, one id lookup per item for all of them) serve groups whose page (the largest run's
+#: bytes per block and plane) is at most this many bytes; 0 turns them off. Off until the
+#: H200 sweep (benchmarks/sweep_small_pages.py) shows them at least as fast; after changing
+#: it call ``cuda_path.reset_caches()``.
+SMALL_PAGE_BYTES = 0
+#: Bytes one small-page work unit aims to move (its tile x plane group).
+SMALL_CTA_BYTES = 65536
+#: Planes one small-page work unit covers at most (a power of two <= params.SMALL_PLANES).
+SMALL_PLANES_PER_CTA = 8
 
 
 @dataclass(frozen=True)
@@ -99,3 +110,42 @@ def items_per_cta(page_bytes: int, num_items: int, planes_x_runs: int, num_sms: 
     while ipc > 1 and -(-num_items // ipc) * planes_x_runs < 4 * num_sms:
         ipc //= 2
     return ipc
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+def uses_small_pages(page_bytes: int) -> bool:
+    """Whether groups with ``page_bytes`` per block and plane run the small-page kernels."""
+    return 0 < page_bytes <= SMALL_PAGE_BYTES
+
+
+def small_page_sizing(page_bytes: int, num_items: int, num_planes: int, num_runs: int,
+                      num_sms: int) -> tuple[int, int]:
+    """``(items_per_cta, planes_per_cta)`` of a small-page launch, both powers of two.
+
+    A unit aims at :data:`SMALL_CTA_BYTES` (at most :data:`SMALL_PLANES_PER_CTA` planes, at most
+    ``SMALL_TILE`` items, no more items than the launch has); while that gives fewer than ~4
+    units per SM, planes are given up first (each keeps its own id lookups cheap), then items.
+    The kernel counts a unit's vectors in 32 bits: ``planes * items * page_units`` stays
+    below 2**31 because ``page_bytes <= SMALL_PAGE_BYTES`` is small (checked).
+    """
+    planes = min(_pow2_floor(SMALL_PLANES_PER_CTA), _pow2_floor(num_planes), SMALL_PLANES)
+    wanted = max(1, SMALL_CTA_BYTES // max(planes * page_bytes, 1))
+    items = min(_pow2_floor(wanted), SMALL_TILE, 1 << (max(num_items, 1) - 1).bit_length())
+
+    def units(i: int, g: int) -> int:
+        return -(-num_items // i) * -(-num_planes // g) * num_runs
+
+    while units(items, planes) < 4 * num_sms and (planes > 1 or items > 1):
+        if planes > 1:
+            planes //= 2
+        else:
+            items //= 2
+    if planes * items * page_bytes >= 2**31:
+        raise UnsupportedConfig(
+            f"small pages: expected a work unit below 2**31 bytes, got {planes} planes x "
+            f"{items} items x {page_bytes} bytes (lower geometry.SMALL_PAGE_BYTES)"
+        )
+    return items, planes

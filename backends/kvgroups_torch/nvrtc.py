@@ -73,34 +73,39 @@ def _check_arch(arch: str) -> str:
 TUNING: dict[str, int] = {}
 
 
-def _defines() -> list[tuple[str, str]]:
-    return list(layout_defines()) + [(k, str(v)) for k, v in sorted(TUNING.items())]
+def _defines(small: bool = False) -> list[tuple[str, str]]:
+    # ``small``: the cubin of the small-page kernels (``kvg_*_small``), built apart because
+    # they take several times the others' compile time and are off by default.
+    extra = [("KVG_BUILD_SMALL", "1")] if small else []
+    return list(layout_defines()) + extra + [(k, str(v)) for k, v in sorted(TUNING.items())]
 
 
-def option_words(arch: str) -> tuple[str, ...]:
+def option_words(arch: str, small: bool = False) -> tuple[str, ...]:
     """The compile options, spelled as NVRTC flags (they enter the cache key)."""
-    defines = tuple(f"-D{name}={value}" for name, value in _defines())
+    defines = tuple(f"-D{name}={value}" for name, value in _defines(small))
     return (f"-arch={_check_arch(arch)}", f"-std={_STD}", *defines)
 
 
-def cache_key(arch: str) -> str:
+def cache_key(arch: str, small: bool = False) -> str:
     """``page_copy-<version>-<arch>-<hash>``: the cubin's file name without extension."""
     digest = hashlib.sha256()
-    for part in (_package_version, arch, nvrtc_version(), *option_words(arch), kernel_source()):
+    for part in (_package_version, arch, nvrtc_version(), *option_words(arch, small),
+                 kernel_source()):
         digest.update(part.encode())
         digest.update(b"\0")
     return f"{_PROGRAM_NAME}-{_package_version}-{arch}-{digest.hexdigest()[:20]}"
 
 
-def compile_cubin(arch: str) -> bytes:
-    """Compile every kernel variant for ``arch`` and return the cubin (no GPU needed)."""
+def compile_cubin(arch: str, small: bool = False) -> bytes:
+    """Compile every kernel variant for ``arch`` (``small``: every small-page variant) and
+    return the cubin (no GPU needed)."""
     from cuda.core import Program, ProgramOptions
 
     options = ProgramOptions(
         name=_PROGRAM_NAME,
         arch=_check_arch(arch),
         std=_STD,
-        define_macro=_defines(),
+        define_macro=_defines(small),
     )
     log = io.StringIO()
     try:
@@ -115,8 +120,9 @@ def compile_cubin(arch: str) -> bytes:
 _lock = threading.Lock()
 
 
-def get_cubin(arch: str) -> bytes:
-    """The cubin for ``arch`` from the disk cache, compiling it (under a file lock) on a miss.
+def get_cubin(arch: str, small: bool = False) -> bytes:
+    """The cubin for ``arch`` (``small``: of the small-page kernels) from the disk cache,
+    compiling it (under a file lock) on a miss.
 
     Raises
     ------
@@ -125,7 +131,7 @@ def get_cubin(arch: str) -> bytes:
     KernelCompileError
         NVRTC failed.
     """
-    key = cache_key(arch)
+    key = cache_key(arch, small)
     folder = cache_dir()
     path = folder / f"{key}.cubin"
     if path.is_file():
@@ -141,7 +147,7 @@ def get_cubin(arch: str) -> bytes:
     with _lock, FileLock(str(path) + ".lock"):
         if path.is_file():  # another process compiled it while we waited
             return path.read_bytes()
-        cubin = compile_cubin(arch)
+        cubin = compile_cubin(arch, small)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(cubin)
         os.replace(tmp, path)  # atomic: readers never see a partial file
@@ -160,6 +166,7 @@ class KernelTable:
 
         self.arch = arch
         self._object = ObjectCode.from_cubin(get_cubin(arch), name=_PROGRAM_NAME)
+        self._small = None  # the small-page kernels' cubin, loaded at their first use
         self._kernels: dict[str, object] = {}  # keeps the Kernel objects (and handles) alive
         self._handles: dict[str, int] = {}
 
@@ -171,8 +178,16 @@ class KernelTable:
                 raise KernelCompileError(
                     f"kernel: expected one of {all_kernel_names()}, got {name!r}"
                 )
+            code = self._object
+            if name.endswith("_small"):
+                if self._small is None:
+                    from cuda.core import ObjectCode
+
+                    self._small = ObjectCode.from_cubin(get_cubin(self.arch, small=True),
+                                                        name=_PROGRAM_NAME)
+                code = self._small
             try:
-                kernel = self._object.get_kernel(name)
+                kernel = code.get_kernel(name)
             except Exception as exc:
                 raise KernelCompileError(f"loading {name} ({self.arch}): {exc}") from exc
             raw = getattr(kernel, "handle", None)

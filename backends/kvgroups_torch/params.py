@@ -16,6 +16,9 @@ INLINE_IDS = 512
 INLINE_OBJS = 64
 THREADS = 256
 ERR_WORDS = 8
+#: Largest tile (items) and plane group of one work unit of the small-page kernels.
+SMALL_TILE = 256
+SMALL_PLANES = 64
 
 #: Vector widths a kernel variant exists for, widest first.
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
@@ -94,7 +97,7 @@ class KvgParams(ctypes.Structure):
         ("skip_mode", _i32),
         ("err_engine_group", _i32),
         ("err_kernel_group", _i32),
-        ("pad_", _i32),
+        ("planes_per_cta", _i32),
         ("runs", KvgRun * MAX_RUNS),
         ("inline_objs", _u64 * INLINE_OBJS),
         ("inline_ids", _i32 * INLINE_IDS),
@@ -109,15 +112,19 @@ def layout_defines() -> tuple[tuple[str, str], ...]:
     )
 
 
-def kernel_name(direction: str, vector: int, contiguous: bool) -> str:
-    """Entry point of one variant, e.g. ``kvg_store_v16_contig``."""
-    return f"kvg_{direction}_v{vector}_{'contig' if contiguous else 'runs'}"
+def kernel_name(direction: str, vector: int, contiguous: bool, small: bool = False) -> str:
+    """Entry point of one variant, e.g. ``kvg_store_v16_contig`` (``..._small``: the
+    small-page kernel, several planes and pages per work unit)."""
+    kind = "contig" if contiguous else "runs"
+    return f"kvg_{direction}_v{vector}_{kind}{'_small' if small else ''}"
 
 
-def all_kernel_names() -> list[str]:
-    """Every variant the source defines (the CI test compiles them all)."""
+def all_kernel_names(small: bool | None = None) -> list[str]:
+    """Every variant the source defines (the CI test compiles them all); ``small`` True /
+    False: only those of the small-page cubin / of the main one."""
     return [
-        kernel_name(d, v, c)
+        kernel_name(d, v, c, sm)
+        for sm in ((False, True) if small is None else (small,))
         for d in ("store", "load")
         for v in VECTOR_WIDTHS
         for c in (True, False)

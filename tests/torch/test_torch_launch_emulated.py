@@ -46,8 +46,54 @@ def _first_item(p, report):
     return min(max(first, p.first_item), p.first_item + p.num_items)
 
 
+def _item_page(p, item, counts):
+    """Chunk, kept position and block id of ``item``; None for an out-of-range id (reported
+    when ``counts``), as the kernels' id lookup."""
+    chunk, pos = divmod(item, p.kept_per_chunk)
+    where = chunk * p.blocks_per_chunk + p.blocks_per_chunk - p.kept_per_chunk + pos
+    if p.ids_mode == P.IDS_INLINE32:
+        bid = p.inline_ids[where]
+    else:
+        size, fmt = (4, np.int32) if p.ids_mode == P.IDS_DEVICE32 else (8, np.int64)
+        bid = int(_read(p.ids + size * where, size).view(fmt)[0])
+    if not 0 <= bid < p.num_blocks:
+        if counts:
+            _report(p, bid, p.err_engine_group, p.num_blocks)
+        return None
+    return chunk, pos, bid
+
+
+def _copy_page(p, kind, vec, store, r, plane, chunk, pos, bid):
+    """Every vector of one page (run ``r`` of block ``bid`` in ``plane``)."""
+    base, plane_off = _read(p.plane_table + 16 * plane, 16).view(np.int64).tolist()
+    base &= (1 << 64) - 1
+    if p.obj_mode == P.OBJ_STRIDED:
+        obj = p.obj_base + chunk * p.obj_chunk_stride
+    elif p.obj_mode == P.OBJ_TABLE:
+        obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
+    else:
+        obj = p.inline_objs[chunk]
+    cache_page = base + bid * p.block_stride + r.cache_offset
+    obj_page = obj + p.region_offset + plane_off + pos * p.page_obj_stride + r.obj_offset
+    for k in range(r.page_units):
+        if kind == "contig":
+            c_off = o_off = k * vec
+        else:
+            t, r2 = divmod(k, r.units_per_token)
+            piece, wu = divmod(r2, r.units_per_piece)
+            c_off = t * r.token_stride + piece * r.cache_step + wu * vec
+            o_off = t * p.row_bytes + piece * r.obj_step + wu * vec
+        c_addr, o_addr = cache_page + c_off, obj_page + o_off
+        assert c_addr % vec == 0 and o_addr % vec == 0, "misaligned vector"
+        src, dst = (c_addr, o_addr) if store else (o_addr, c_addr)
+        _write(dst, _read(src, vec))
+
+
 def emulate(p: P.KvgParams, name: str, grid, launches: list):
     """page_copy.cu, one work unit at a time (threads folded into NumPy slices)."""
+    if name.endswith("_small"):
+        emulate_small(p, name, grid, launches)
+        return
     direction, vec, kind = name.split("_")[1], int(name.split("_")[2][1:]), name.split("_")[3]
     launches.append((name, tuple(grid), p.items_per_cta))
     assert grid[1] == grid[2] == 1
@@ -59,46 +105,47 @@ def emulate(p: P.KvgParams, name: str, grid, launches: list):
             plane, z = rest % p.num_planes, rest // p.num_planes
             counts = plane == 0 and z == 0
             first = _first_item(p, counts and tile == 0)
-            r = p.runs[z]
             tile0 = tile * p.items_per_cta
             for it in range(min(p.items_per_cta, p.num_items - tile0)):
                 item = p.first_item + tile0 + it
                 if item < first:
                     continue
-                chunk, pos = divmod(item, p.kept_per_chunk)
-                where = chunk * p.blocks_per_chunk + p.blocks_per_chunk - p.kept_per_chunk + pos
-                if p.ids_mode == P.IDS_INLINE32:
-                    bid = p.inline_ids[where]
-                else:
-                    size, fmt = (4, np.int32) if p.ids_mode == P.IDS_DEVICE32 else (8, np.int64)
-                    bid = int(_read(p.ids + size * where, size).view(fmt)[0])
-                if not 0 <= bid < p.num_blocks:
-                    if counts:
-                        _report(p, bid, p.err_engine_group, p.num_blocks)
-                    continue
-                base, plane_off = _read(p.plane_table + 16 * plane, 16).view(np.int64).tolist()
-                base &= (1 << 64) - 1
-                if p.obj_mode == P.OBJ_STRIDED:
-                    obj = p.obj_base + chunk * p.obj_chunk_stride
-                elif p.obj_mode == P.OBJ_TABLE:
-                    obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
-                else:
-                    obj = p.inline_objs[chunk]
-                cache_page = base + bid * p.block_stride + r.cache_offset
-                obj_page = (obj + p.region_offset + plane_off + pos * p.page_obj_stride
-                            + r.obj_offset)
-                for k in range(r.page_units):
-                    if kind == "contig":
-                        c_off = o_off = k * vec
-                    else:
-                        t, r2 = divmod(k, r.units_per_token)
-                        piece, wu = divmod(r2, r.units_per_piece)
-                        c_off = t * r.token_stride + piece * r.cache_step + wu * vec
-                        o_off = t * p.row_bytes + piece * r.obj_step + wu * vec
-                    c_addr, o_addr = cache_page + c_off, obj_page + o_off
-                    assert c_addr % vec == 0 and o_addr % vec == 0, "misaligned vector"
-                    src, dst = (c_addr, o_addr) if store else (o_addr, c_addr)
-                    _write(dst, _read(src, vec))
+                found = _item_page(p, item, counts)
+                if found is not None:
+                    _copy_page(p, kind, vec, store, p.runs[z], plane, *found)
+
+
+def emulate_small(p: P.KvgParams, name: str, grid, launches: list):
+    """kvg_small_copy of page_copy.cu: work units of a tile of items x a group of planes,
+    each item's id looked up once per unit and used for every plane of it."""
+    direction, vec, kind = name.split("_")[1], int(name.split("_")[2][1:]), name.split("_")[3]
+    launches.append((name, tuple(grid), p.items_per_cta, p.planes_per_cta))
+    assert grid[1] == grid[2] == 1
+    ipc, ppc = p.items_per_cta, p.planes_per_cta
+    # What the kernel assumes of the host: power-of-two tiles and plane groups within the
+    # shared arrays, and a unit's vector count inside 32 bits.
+    assert 0 < ipc <= P.SMALL_TILE and ipc & (ipc - 1) == 0
+    assert 0 < ppc <= P.SMALL_PLANES and ppc & (ppc - 1) == 0
+    assert p.num_tiles == -(-p.num_items // ipc)
+    assert all(ppc * ipc * p.runs[z].page_units < 2**32 for z in range(p.num_runs))
+    store = direction == "store"
+    groups = -(-p.num_planes // ppc)
+    num_work = p.num_tiles * groups * p.num_runs
+    for cta in range(grid[0]):
+        for w in range(cta, num_work, grid[0]):
+            tile, rest = w % p.num_tiles, w // p.num_tiles
+            group, z = rest % groups, rest // groups
+            counts = group == 0 and z == 0
+            first = _first_item(p, counts and tile == 0)
+            tile0 = tile * ipc
+            pages = []  # the tile's shared entries: one id lookup per item
+            for it in range(min(ipc, p.num_items - tile0)):
+                item = p.first_item + tile0 + it
+                pages.append(None if item < first else _item_page(p, item, counts))
+            for plane in range(group * ppc, min((group + 1) * ppc, p.num_planes)):
+                for found in pages:
+                    if found is not None:
+                        _copy_page(p, kind, vec, store, p.runs[z], plane, *found)
 
 
 @pytest.fixture

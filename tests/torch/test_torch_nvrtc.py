@@ -15,7 +15,7 @@ pytest.importorskip("cuda.core")
 def test_every_kernel_variant_compiles(arch):
     cubin = nvrtc.compile_cubin(arch)
     assert cubin[:4] == b"\x7fELF"
-    for name in P.all_kernel_names():
+    for name in P.all_kernel_names(small=False):  # the small-page ones: their own cubin
         assert name.encode() + b"\0" in cubin, name
 
 

@@ -46,6 +46,8 @@ typedef unsigned int kvg_u32;
 #define KVG_INLINE_OBJS 64
 #define KVG_THREADS 256
 #define KVG_ERR_WORDS 8
+#define KVG_SMALL_TILE 256   // small-page kernels: items of one work unit, at most
+#define KVG_SMALL_PLANES 64  // small-page kernels: planes of one work unit, at most
 // Tuning knobs (the host may override them with -D; they are part of the cubin cache key).
 // Defaults from the H200 sweeps of benchmarks/bench_torch_transfer.py --sweep, timed over
 // batches of back-to-back calls (torch_sweep_h200.jsonl): 4 loads in flight per thread beat
@@ -62,6 +64,9 @@ typedef unsigned int kvg_u32;
 #endif
 #ifndef KVG_LOAD_NC
 #define KVG_LOAD_NC 0       // 1: ld.global.nc.L1::no_allocate (read-only path, no L1 fill)
+#endif
+#ifndef KVG_SMALL_UNROLL
+#define KVG_SMALL_UNROLL 8  // small-page kernels: vector loads in flight per thread
 #endif
 #ifndef KVG_MIN_BLOCKS
 #define KVG_MIN_BLOCKS 1    // __launch_bounds__ minimum resident CTAs per SM (caps registers)
@@ -121,7 +126,7 @@ struct KvgParams {
     int skip_mode;             // 0 none (first_item is exact), 1 device int32, 2 device int64
     int err_engine_group;      // what the error record names for this launch's ids
     int err_kernel_group;
-    int pad_;
+    int planes_per_cta;        // small-page kernels: planes of one work unit (0 elsewhere)
     KvgRun runs[KVG_MAX_RUNS];
     kvg_u64 inline_objs[KVG_INLINE_OBJS];
     int inline_ids[KVG_INLINE_IDS];
@@ -314,13 +319,150 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
     }
 }
 
+// Byte offsets of vector unit r of a page, in the cache block and in the object page.
+template <int V, bool CONTIG>
+__device__ __forceinline__ void kvg_unit_offsets(const KvgParams& p, const KvgRun& run,
+                                                 kvg_u32 r, kvg_u32 token_shift,
+                                                 kvg_u32 piece_shift, kvg_i64& c_off,
+                                                 kvg_i64& o_off) {
+    if (CONTIG) {
+        c_off = (kvg_i64)r * V;
+        o_off = c_off;
+        return;
+    }
+    const kvg_u32 t = token_shift != 0xFFu ? r >> token_shift : r / run.units_per_token;
+    const kvg_u32 r2 = r - t * run.units_per_token;
+    const kvg_u32 piece = piece_shift != 0xFFu ? r2 >> piece_shift : r2 / run.units_per_piece;
+    const kvg_u32 wu = r2 - piece * run.units_per_piece;
+    c_off = t * run.token_stride + piece * run.cache_step + (kvg_i64)wu * V;
+    o_off = t * p.row_bytes + piece * run.obj_step + (kvg_i64)wu * V;
+}
+
+// Small pages (a few hundred bytes to a few KiB per block and plane). The kernel above gives
+// a work unit one plane: every unit looks its items' ids up again, and a tile of 512-byte
+// pages is only a couple of loads per thread, so the id load -> address -> copy latency chain
+// is paid per ~32 KiB. Here a work unit is a tile of items_per_cta items (a power of two, at
+// most KVG_SMALL_TILE) times planes_per_cta planes (a power of two, at most
+// KVG_SMALL_PLANES): the tile's ids are read once (one coalesced pass, one item per thread)
+// and serve every plane of the unit, the planes' table entries are staged in shared memory,
+// and each thread issues KVG_SMALL_UNROLL vector loads (spread over several pages) before its
+// first store. Units are numbered w = tile + num_tiles * (plane_group + plane_groups * run);
+// inside a unit, vector k is unit k % page_units of item (k / page_units) % items_per_cta of
+// plane k / (page_units * items_per_cta): consecutive threads walk a page, then the next kept
+// page of the same plane (adjacent in the object). Out-of-range ids, skips and the error
+// record behave as in kvg_page_copy: only units of plane group 0, run 0 report ids.
+template <bool STORE, int V, bool CONTIG>
+__device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
+    typedef typename KvgVec<V>::T T;
+    // Per item of the tile: id * block_stride + run.cache_offset (-1: not moved), and the
+    // object address of its page in plane 0 of the region (plus the plane's obj_offset).
+    __shared__ kvg_i64 s_cache[KVG_SMALL_TILE];
+    __shared__ kvg_u64 s_obj[KVG_SMALL_TILE];
+    __shared__ KvgPlane s_plane[KVG_SMALL_PLANES];
+
+    const int tile_items = p.items_per_cta;
+    const int tile_shift = __ffs(tile_items) - 1;  // items_per_cta is a power of two
+    const int ppc = p.planes_per_cta;
+    const int plane_groups = (p.num_planes + ppc - 1) / ppc;
+    const int num_work = p.num_tiles * plane_groups * p.num_runs;
+    const KvgPlane* planes = reinterpret_cast<const KvgPlane*>(p.plane_table);
+    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+        const int tile = w % p.num_tiles;
+        const int rest = w / p.num_tiles;
+        const int group = rest % plane_groups;
+        const int run_idx = rest / plane_groups;
+        const KvgRun& run = p.runs[run_idx];
+        const bool counts = group == 0 && run_idx == 0;
+        const int tile0 = tile * tile_items;
+        const int n_tile = min(tile_items, p.num_items - tile0);
+        const int plane0 = group * ppc;
+        const int n_planes = min(ppc, p.num_planes - plane0);
+        const int first = kvg_first_item(p, counts && tile == 0 && threadIdx.x == 0);
+
+        for (int t = threadIdx.x; t < n_tile; t += KVG_THREADS) {
+            const int item = p.first_item + tile0 + t;
+            kvg_i64 cache_off = -1;
+            kvg_u64 obj_page = 0;
+            if (item >= first) {
+                const int chunk = item / p.kept_per_chunk;
+                const int pos = item - chunk * p.kept_per_chunk;
+                const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
+                                      + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
+                const kvg_i64 id = kvg_load_id(p, where);
+                if (id >= 0 && id < p.num_blocks) {
+                    cache_off = id * p.block_stride + run.cache_offset;
+                    obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset
+                               + pos * p.page_obj_stride + run.obj_offset);
+                } else if (counts) {
+                    kvg_report(p, id, p.err_engine_group, p.num_blocks, true);
+                }
+            }
+            s_cache[t] = cache_off;
+            s_obj[t] = obj_page;
+        }
+        for (int t = threadIdx.x; t < n_planes; t += KVG_THREADS) s_plane[t] = planes[plane0 + t];
+        __syncthreads();
+
+        const kvg_u32 page_units = run.page_units;
+        const kvg_u32 page_shift = run.shifts & 0xFFu;
+        const kvg_u32 token_shift = (run.shifts >> 8) & 0xFFu;
+        const kvg_u32 piece_shift = (run.shifts >> 16) & 0xFFu;
+        const kvg_u32 item_mask = (kvg_u32)tile_items - 1u;
+        const kvg_u32 total = n_tile > 0
+            ? (kvg_u32)n_planes * ((kvg_u32)tile_items * page_units) : 0u;
+        for (kvg_u32 k0 = threadIdx.x; k0 < total; k0 += KVG_THREADS * KVG_SMALL_UNROLL) {
+            T v[KVG_SMALL_UNROLL];
+            kvg_u64 dst[KVG_SMALL_UNROLL];
+#pragma unroll
+            for (int s = 0; s < KVG_SMALL_UNROLL; ++s) {
+                const kvg_u32 k = k0 + s * KVG_THREADS;
+                dst[s] = 0;
+                if (k < total) {
+                    const kvg_u32 it = page_shift != 0xFFu ? k >> page_shift : k / page_units;
+                    const kvg_u32 r = k - it * page_units;
+                    const kvg_u32 item = it & item_mask;
+                    const kvg_i64 cache_off = (int)item < n_tile ? s_cache[item] : -1;
+                    if (cache_off >= 0) {
+                        const KvgPlane pl = s_plane[it >> tile_shift];
+                        kvg_i64 c_off, o_off;
+                        kvg_unit_offsets<V, CONTIG>(p, run, r, token_shift, piece_shift,
+                                                    c_off, o_off);
+                        const kvg_u64 c_addr = pl.base + (kvg_u64)(cache_off + c_off);
+                        const kvg_u64 o_addr = s_obj[item] + (kvg_u64)(pl.obj_offset + o_off);
+                        dst[s] = STORE ? o_addr : c_addr;
+                        v[s] = kvg_ld<V>(STORE ? c_addr : o_addr);
+                    }
+                }
+            }
+#pragma unroll
+            for (int s = 0; s < KVG_SMALL_UNROLL; ++s) {
+                if (dst[s] != 0) kvg_st<V>(dst[s], v[s]);
+            }
+        }
+        __syncthreads();  // the next work unit rewrites the tile's shared entries
+    }
+}
+
 // One extern "C" entry point per variant, so the host finds them by plain name:
-// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs}.
+// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs}, or with KVG_BUILD_SMALL=1 (a cubin of its
+// own, built only once a small-page kernel is used: they take several times the others'
+// compile time) kvg_..._{contig,runs}_small.
+#ifndef KVG_BUILD_SMALL
+#define KVG_BUILD_SMALL 0
+#endif
+#if KVG_BUILD_SMALL
+#define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
+    extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
+    kvg_##DIR##_v##V##_##KIND##_small(const __grid_constant__ KvgParams p) {           \
+        kvg_small_copy<STORE, V, CONTIG>(p);                                           \
+    }
+#else
 #define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
     extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
     kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {                   \
         kvg_page_copy<STORE, V, CONTIG>(p);                                            \
     }
+#endif
 
 #define KVG_KERNELS_V(V)                          \
     KVG_KERNEL(store, true, V, contig, true)      \
