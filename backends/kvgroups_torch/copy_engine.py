@@ -23,6 +23,7 @@ import torch
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 
 from . import params as P
+from .copy_paths import table_for
 from .copy_runs import group_copies
 from .driver import _libcuda, check, primary_context
 
@@ -31,6 +32,9 @@ _SRC_ACCESS_ORDER_STREAM = 1
 _LOCATION_DEVICE = 1
 _LOCATION_HOST = 2
 _STREAM_PER_THREAD = 2  # CU_STREAM_PER_THREAD: batches refuse the legacy NULL stream
+# CU_MEMCPY_FLAG_PREFER_OVERLAP_WITH_COMPUTE: keep the copies on the copy engines (the
+# driver may otherwise run a device-to-device copy as a kernel on the SMs).
+_FLAGS = 1
 
 
 class _MemLocation(ctypes.Structure):
@@ -143,7 +147,7 @@ def enqueue(pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
         a = buf.attrs[i]
         a.srcAccessOrder = _SRC_ACCESS_ORDER_STREAM
         a.srcLocHint, a.dstLocHint = (cache, obj) if direction == "store" else (obj, cache)
-        a.flags = 0
+        a.flags = _FLAGS
         buf.attr_index[i] = start
     args = [arrays[0].ctypes.data, arrays[1].ctypes.data, arrays[2].ctypes.data, count,
             ctypes.addressof(buf.attrs), ctypes.addressof(buf.attr_index), len(stretches)]
@@ -220,8 +224,6 @@ def copy_groups(plan: Any, device_index: int, block_ids: Sequence[Any] | None = 
         refuse_device_ids(plan, block_ids)
         batch_function()  # UnsupportedConfig on drivers without it, before anything moves
         return frozenset(range(len(plan.groups)))
-    from .copy_paths import table_for
-
     table = table_for(device_index)
     if table is None or _device_ids(plan, block_ids) or torch.cuda.is_current_stream_capturing():
         return _NONE
