@@ -20,7 +20,8 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
   host memory; each record carries ``path`` and ``sms_used`` (the kernel: the SMs its CTAs
   occupy; the copy engines: 0), its ceiling is the same run's plain copy of the same bytes
   (device to device, or over the link for pinned objects). Points moving more than
-  ``--paths-max-bytes`` are recorded as skipped. ``--tune`` first measures and caches the
+  ``--paths-max-bytes`` (and page sizes not started within ``--paths-budget-s``) are
+  recorded as skipped. ``--tune`` first measures and caches the
   ``path="auto"`` table (``kvgroups_torch.copy_paths.tune_copy_paths``) and emits its points.
 
 CUDA timed with events over batches of back-to-back calls (medians); ``--tiny`` runs a small
@@ -341,7 +342,12 @@ def bench_paths(args, timer: Timer, emit) -> None:
     placements = ("device",) if args.tiny else ("device", "pinned")
     layers = 2 if args.tiny else args.paths_layers
     rng = np.random.default_rng(3)
+    t0 = time.perf_counter()
     for page in pages:
+        if time.perf_counter() - t0 > args.paths_budget_s:
+            emit({"call": "prepared", "ids": "host", "runtime": "torch", "path": paths[0],
+                  "page_bytes": page, "skipped": f"past --paths-budget-s {args.paths_budget_s}"})
+            continue
         bs = page_geometry(page)[0]
         fits = [c for c in chunk_counts
                 if c * 2 * layers * CHUNK // bs * page <= args.paths_max_bytes]
@@ -444,6 +450,8 @@ def main(argv=None) -> None:
     p.add_argument("--paths-layers", type=int, default=4)
     p.add_argument("--paths-iters", type=int, default=5)
     p.add_argument("--paths-max-bytes", type=int, default=2 << 30)
+    p.add_argument("--paths-budget-s", type=float, default=600.0,
+                   help="page sizes not started by then are recorded as skipped")
     p.add_argument("--tune", action="store_true",
                    help="measure and cache the path='auto' table first")
     args = p.parse_args(argv)

@@ -241,3 +241,37 @@ def test_jax_refuses_copy_engine():
     with pytest.raises(KVGroupsValueError, match="path: expected one of 'auto', 'kernel'"):
         kc.store(manager, caches, ids, path="copy_engine")
     kc.store(manager, caches, ids, path="kernel")
+
+
+def test_auto_splits_a_call_between_the_copy_engine_and_the_kernel(batches, monkeypatch):
+    """Two object groups (gpt-oss: full and sliding-window layers): the table sends the
+    pinned one to the copy engine and the device one to the kernel, in the same call; both
+    move exactly the NumPy reference's bytes."""
+    from kvgroups_core import reference
+    from kvgroups_core.planner import bind, plan_call
+
+    launches, seen = batches
+    manager, caches = model_caches("gpt-oss-20b", layers=4, seed=12)
+    host = [c.numpy().copy() for c in caches]
+    ids = ids_for(manager, np.random.default_rng(13), 2)
+    for direction in ("store", "load"):
+        plan = plan_call(bind(manager, host), ids, direction,
+                         skip_first_n_tokens=64 if direction == "load" else 0)
+        objects = random_objects(manager, 2, seed=14)
+        want_caches = [c.copy() for c in host]
+        want_objects = [o.numpy().copy() for o in objects]
+        reference.execute_plan(plan, want_caches, want_objects)
+        pinned = objects[0]
+        monkeypatch.setattr(copy_engine, "object_on_host", lambda entry, pinned=pinned: entry is pinned)
+        points = [copy_paths.Point(direction, "pinned", 16384, 2, 2.0, 1.0),
+                  copy_paths.Point(direction, "device", 16384, 2, 1.0, 2.0)]
+        copy_paths.set_table(0, copy_paths.PathTable(points))
+        got = [c.clone() for c in caches]
+        launches.clear()
+        seen.clear()
+        cuda_path.run_plan(plan, got, objects, 0, pinned="direct")
+        assert len(seen) == 1 and len(launches) == 1  # one batch, one kernel launch
+        for o, want in zip(objects, want_objects):
+            np.testing.assert_array_equal(o.numpy(), want)
+        for c, want in zip(got, want_caches):
+            np.testing.assert_array_equal(c.numpy().view(np.uint8), want.view(np.uint8))
