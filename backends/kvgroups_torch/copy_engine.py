@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
 
 from . import params as P
 from .copy_paths import table_for
@@ -244,6 +244,24 @@ def copy_groups(plan: Any, device_index: int, block_ids: Sequence[Any] | None = 
 _NONE: frozenset[int] = frozenset()
 
 
+def _checked_ids(ids: Any, group: Any, i: int) -> np.ndarray:
+    """Host ids replacing a group's (``BoundPlan.run``): the kernel drops a bad id on the
+    device, a copy list would address outside the cache, so they are range-checked here."""
+    ids = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+    needed = group.num_chunks * group.blocks_per_chunk
+    if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] < needed:
+        raise KVGroupsValueError(
+            f"block_ids[{i}]: expected a 1-D integer array of at least {needed} ids, got "
+            f"{ids.dtype} of shape {ids.shape}")
+    ids = ids[:needed].astype(np.int64, copy=False)
+    bad = (ids < 0) | (ids >= group.num_blocks)
+    if bad.any():
+        raise KVGroupsIndexError(
+            f"block_ids[{i}]: expected ids in [0, {group.num_blocks}) for kernel group "
+            f"{group.kernel_group_idx}, got {int(ids[bad][0])}")
+    return ids
+
+
 def build_copies(plan: Any, indices: frozenset[int], plane_addresses: Any,
                  bindings: dict[int, Any], on_host: Any = None,
                  block_ids: Sequence[Any] | None = None) -> tuple[list, list]:
@@ -256,8 +274,7 @@ def build_copies(plan: Any, indices: frozenset[int], plane_addresses: Any,
         group = plan.groups[i]
         ids = None
         if block_ids is not None:
-            ids = block_ids[i]
-            ids = ids.numpy() if isinstance(ids, torch.Tensor) else np.asarray(ids)
+            ids = _checked_ids(block_ids[i], group, i)
         g = group.object_group_idx
         chunks = chunk_addresses(bindings[g])
         if len(chunks) < group.num_chunks:

@@ -275,3 +275,20 @@ def test_auto_splits_a_call_between_the_copy_engine_and_the_kernel(batches, monk
             np.testing.assert_array_equal(o.numpy(), want)
         for c, want in zip(got, want_caches):
             np.testing.assert_array_equal(c.numpy().view(np.uint8), want.view(np.uint8))
+
+
+def test_replacing_host_ids_out_of_range_are_refused_before_anything_moves(batches):
+    from kvgroups_core.errors import KVGroupsIndexError
+
+    case = _with_path(make_case("nhd", "float16", "store", np.random.default_rng(15), nb=20,
+                                num_chunks=2, bpc=2, kept=2), "copy_engine")
+    objects = torch.from_numpy(case.objects.copy())
+    caches = [torch.from_numpy(c.copy()) for c in case.caches]
+    for bad in ([0, 1, 2, 20], [0, -1, 2, 3]):
+        with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in \[0, 20\)"):
+            cuda_path.run_plan(case.plan, caches, [objects], 0,
+                               block_ids=[torch.tensor(bad)])
+    with pytest.raises(KVGroupsValueError, match=r"block_ids\[0\]: expected a 1-D integer"):
+        cuda_path.run_plan(case.plan, caches, [objects], 0, block_ids=[torch.tensor([1, 2])])
+    np.testing.assert_array_equal(objects.numpy(), case.objects)
+    assert not batches[1]
