@@ -207,3 +207,33 @@ def test_tune_copy_paths_measures_both_paths(tmp_path, monkeypatch):
         assert copy_paths.table_for(torch.cuda.current_device()).points == table.points
     finally:
         copy_paths.forget_tables()
+
+
+def test_auto_keeps_the_kernel_while_a_graph_is_captured(monkeypatch):
+    manager, caches, ids = _setup("llama3-8b", None, seed=12)
+    prep = kc.prepare(manager, caches)
+    batches = []
+    real = copy_engine.enqueue
+    monkeypatch.setattr(copy_engine, "enqueue", lambda *a: batches.append(real(*a)))
+    points = [copy_paths.Point(d, "device", 32768, 3, 2.0, 1.0) for d in ("store", "load")]
+    copy_paths.set_table(torch.cuda.current_device(), copy_paths.PathTable(points))
+    try:
+        objects = _objects(manager, "device", 13)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            prep.store(ids, objects)  # eager: the table's choice
+        torch.cuda.current_stream().wait_stream(side)
+        assert len(batches) == 1
+        for o in objects:
+            o.zero_()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            prep.store(ids, objects)  # captured: the kernel (host ids baked in)
+        assert len(batches) == 1
+        graph.replay()
+        torch.cuda.synchronize()
+        want = kc.store(manager, _host(caches), ids, backend="numpy")
+        np.testing.assert_array_equal(objects[0].cpu().numpy(), np.asarray(want[0]))
+    finally:
+        copy_paths.forget_tables()
