@@ -390,8 +390,10 @@ def bench_paths(args, timer: Timer, emit) -> None:
                             def fn(i, ids=ids, objs=objs, path=path, prep=prep):
                                 prep.load(objs[i % 2], ids[i % 4], path=path)
                         t = timer.ms(fn)
+                        # "auto" may take either path: its SMs are not known from outside.
                         ctas, sms = (_kernel_sms(page_bytes, blocks, 2 * layers)
-                                     if cuda and path == "kernel" else (0, 0))
+                                     if cuda and path == "kernel" else
+                                     (None, None) if path == "auto" else (0, 0))
                         ms = t["median"]
                         emit({**base, "gbps": 2 * moved / ms / 1e6,
                               "link_gbps": moved / ms / 1e6 if pinned else None,
