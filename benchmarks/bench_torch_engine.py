@@ -14,6 +14,15 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
 - ``compile``: a ``torch.compile(fullgraph=True)`` engine step calling the prepared store;
 - ``sm_cap``: a store capped with ``max_ctas`` (16 of the GPU's SMs by default) running beside
   a bf16 GEMM on another stream: the store's GB/s and the GEMM's slowdown, capped and not.
+- ``paths`` (``--paths kernel,copy_engine``): prepared store / load with host ids forced onto
+  each ``path=``, over page sizes 1-128 KiB (a Llama-like bf16 NHD cache whose head count and
+  block size give the page), 1 / 4 / 16 / 64 / 256 chunks, objects on the GPU and in pinned
+  host memory; each record carries ``path`` and ``sms_used`` (the kernel: the SMs its CTAs
+  occupy; the copy engines: 0), its ceiling is the same run's plain copy of the same bytes
+  (device to device, or over the link for pinned objects). Points moving more than
+  ``--paths-max-bytes`` (and page sizes not started within ``--paths-budget-s``) are
+  recorded as skipped. ``--tune`` first measures and caches the
+  ``path="auto"`` table (``kvgroups_torch.copy_paths.tune_copy_paths``) and emits its points.
 
 CUDA timed with events over batches of back-to-back calls (medians); ``--tiny`` runs a small
 model (small pages, 2 layers) on the CPU with wall-clock timing (the CI smoke test; no graph, no SM cap). One JSON
@@ -287,6 +296,141 @@ def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> No
                     / step["median"] / 1e6))
 
 
+PATH_PAGES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
+PATH_CHUNKS = (1, 4, 16, 64, 256)
+
+
+def _nhd_setup(page: int, layers: int, chunks: int, device: str, tiny: bool):
+    """A Llama-like NHD cache (128-wide heads) whose pages are ``page`` bytes, with room
+    for ``chunks`` chunks of distinct random blocks."""
+    from kvgroups_torch.copy_paths import page_geometry
+
+    from kvgroups_core.formats import EngineKVFormat as F
+
+    dtype = torch.float16 if tiny else torch.bfloat16
+    hs = 128
+    bs, nh = page_geometry(page)
+    num_blocks = max(64, 2 * chunks * CHUNK // bs)
+    caches = [torch.empty((2, num_blocks, bs, nh, hs), dtype=dtype, device=device)
+              for _ in range(layers)]
+    for c in caches:
+        c.view(torch.int16).random_()
+    manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * layers,
+                                   lmcache_tokens_per_chunk=CHUNK)
+    return manager, caches, num_blocks, bs, bs * nh * hs * caches[0].element_size()
+
+
+def _kernel_sms(page: int, items: int, planes: int) -> tuple[int, int]:
+    """CTAs of the page-copy launch of this shape and the SMs they occupy (reporting only:
+    the grid rule of ``kvgroups_torch.geometry``)."""
+    from kvgroups_torch.geometry import items_per_cta
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    ipc = items_per_cta(page, items, planes, sms)
+    ctas = -(-items // ipc) * planes
+    return ctas, min(ctas, sms)
+
+
+def bench_paths(args, timer: Timer, emit) -> None:
+    from kvgroups_torch.copy_paths import page_geometry
+
+    cuda = not args.tiny
+    device = "cuda" if cuda else "cpu"
+    paths = args.paths
+    pages = (1024, 4096) if args.tiny else args.paths_pages
+    chunk_counts = (1, 2) if args.tiny else args.paths_chunks
+    placements = ("device",) if args.tiny else ("device", "pinned")
+    layers = 2 if args.tiny else args.paths_layers
+    rng = np.random.default_rng(3)
+    t0 = time.perf_counter()
+    for page in pages:
+        if time.perf_counter() - t0 > args.paths_budget_s:
+            emit({"call": "prepared", "ids": "host", "runtime": "torch", "path": paths[0],
+                  "page_bytes": page, "skipped": f"past --paths-budget-s {args.paths_budget_s}"})
+            continue
+        bs = page_geometry(page)[0]
+        fits = [c for c in chunk_counts
+                if c * 2 * layers * CHUNK // bs * page <= args.paths_max_bytes]
+        for chunks in sorted(set(chunk_counts) - set(fits)):
+            for placement in placements:
+                emit({"call": "prepared", "ids": "host", "runtime": "torch", "path": paths[0],
+                      "placement": placement, "chunks": chunks, "page_bytes": page,
+                      "skipped": f"moves more than --paths-max-bytes {args.paths_max_bytes}"})
+        if not fits:
+            continue
+        manager, caches, num_blocks, bs, page_bytes = _nhd_setup(page, layers, max(fits),
+                                                                 device, args.tiny)
+        prep = kc.prepare(manager, caches)
+        nbytes = kc.object_nbytes(manager, 0)
+        for placement in placements:
+            pinned = placement == "pinned"
+            big = [torch.empty((max(fits), nbytes), dtype=torch.uint8,
+                               device="cpu" if pinned else device, pin_memory=pinned)
+                   for _ in range(2)]
+            for chunks in fits:
+                moved = chunks * nbytes
+                blocks = chunks * CHUNK // bs
+                ids = [rng.permutation(num_blocks)[:blocks] for _ in range(4)]
+                objs = [[b[:chunks]] for b in big]
+                ceilings = {d: _ceiling_ms(timer, moved, device, pinned, d)
+                            for d in ("store", "load")}
+                for path in paths:
+                    for direction in ("store", "load"):
+                        base = {"call": "prepared", "ids": "host", "runtime": "torch",
+                                "path": path, "direction": direction, "placement": placement,
+                                "chunks": chunks, "page_bytes": page_bytes, "layers": layers,
+                                "device": device}
+                        if path == "copy_engine" and not cuda:
+                            emit({**base, "skipped": "the copy engine needs a CUDA GPU"})
+                            continue
+                        if direction == "store":
+                            def fn(i, ids=ids, objs=objs, path=path, prep=prep):
+                                prep.store(ids[i % 4], objs[i % 2], path=path)
+                        else:
+                            def fn(i, ids=ids, objs=objs, path=path, prep=prep):
+                                prep.load(objs[i % 2], ids[i % 4], path=path)
+                        t = timer.ms(fn)
+                        # "auto" may take either path: its SMs are not known from outside.
+                        ctas, sms = (_kernel_sms(page_bytes, blocks, 2 * layers)
+                                     if cuda and path == "kernel" else
+                                     (None, None) if path == "auto" else (0, 0))
+                        ms = t["median"]
+                        emit({**base, "gbps": 2 * moved / ms / 1e6,
+                              "link_gbps": moved / ms / 1e6 if pinned else None,
+                              "frac_of_ceiling": ceilings[direction] / ms, **t,
+                              "copy_ms": ceilings[direction], "bytes": moved, "ctas": ctas,
+                              "sms_used": sms})
+            big = objs = None
+        caches = prep = manager = None
+
+
+def _ceiling_ms(timer: Timer, nbytes: int, device: str, pinned: bool, direction: str) -> float:
+    """The plain copy of ``nbytes``: device to device, or over the link in the direction of
+    the transfer (device -> pinned for a store, pinned -> device for a load)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    if not pinned:
+        other = [torch.empty_like(dev) for _ in range(2)]
+        return timer.ms(lambda i: other[i % 2].copy_(dev))["median"]
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if direction == "store":
+        return timer.ms(lambda i: host.copy_(dev, non_blocking=True))["median"]
+    return timer.ms(lambda i: dev.copy_(host, non_blocking=True))["median"]
+
+
+def bench_tune(args, emit) -> None:
+    from kvgroups_torch.copy_paths import table_path, tune_copy_paths
+
+    t0 = time.perf_counter()
+    table = tune_copy_paths(on_point=lambda p: emit({"call": "tune", "runtime": "torch",
+                                                     **p.__dict__, "faster": p.faster}))
+    emit({"call": "tune", "runtime": "torch", "table": str(table_path(table.gpu, table.driver)),
+          "points": len(table.points), "seconds": time.perf_counter() - t0})
+
+
+def _csv(kind):
+    return lambda text: [kind(x) for x in text.split(",") if x]
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None, help="append JSON lines here")
@@ -300,7 +444,18 @@ def main(argv=None) -> None:
     p.add_argument("--max-ctas", type=int, default=16)
     p.add_argument("--compiler", default="inductor")
     p.add_argument("--only", nargs="+", default=None,
-                   choices=["prepared", "graph", "layerwise", "compile", "sm_cap"])
+                   choices=["prepared", "graph", "layerwise", "compile", "sm_cap", "paths"])
+    p.add_argument("--paths", type=_csv(str), default=None,
+                   help="run the path sweep with these path= values (kernel,copy_engine)")
+    p.add_argument("--paths-pages", type=_csv(int), default=list(PATH_PAGES))
+    p.add_argument("--paths-chunks", type=_csv(int), default=list(PATH_CHUNKS))
+    p.add_argument("--paths-layers", type=int, default=4)
+    p.add_argument("--paths-iters", type=int, default=5)
+    p.add_argument("--paths-max-bytes", type=int, default=2 << 30)
+    p.add_argument("--paths-budget-s", type=float, default=600.0,
+                   help="page sizes not started by then are recorded as skipped")
+    p.add_argument("--tune", action="store_true",
+                   help="measure and cache the path='auto' table first")
     args = p.parse_args(argv)
     if args.tiny:
         args.chunks, args.iters, args.warmup, args.batch_s = [1, 2], 2, 1, 0.001
@@ -318,7 +473,10 @@ def main(argv=None) -> None:
             sink.write(line + "\n")
             sink.flush()
 
-    wanted = set(args.only or ["prepared", "graph", "layerwise", "compile", "sm_cap"])
+    default = ["prepared", "graph", "layerwise", "compile", "sm_cap"]
+    if args.tiny:
+        default.append("paths")  # the CI smoke test covers the sweep (kernel only on CPU)
+    wanted = set(args.only or default)
     if "prepared" in wanted:
         bench_prepared(s, timer, args.chunks, emit)
     if "graph" in wanted and s.device == "cuda":
@@ -329,6 +487,12 @@ def main(argv=None) -> None:
         bench_compile(s, timer, [1] if args.tiny else [1, 16], args.compiler, emit)
     if "sm_cap" in wanted and s.device == "cuda":
         bench_sm_cap(s, timer, 64, args.max_ctas, emit)
+    if args.tune and s.device == "cuda":
+        bench_tune(args, emit)
+    if args.paths or "paths" in wanted:
+        args.paths = args.paths or ["kernel", "copy_engine"]
+        bench_paths(args, Timer(s.device == "cuda", min(args.iters, args.paths_iters),
+                                args.warmup, args.batch_s), emit)
     if sink:
         sink.close()
 

@@ -38,7 +38,7 @@ _MAX_OBJECTS = 64  # object sets (an engine cycles through a few buffers)
 
 
 def call_key(ids_key: Any, direction: str, block_ids: Any, layers: Any, max_ctas: Any,
-             skip: Any) -> tuple | None:
+             skip: Any, path: Any = None) -> tuple | None:
     """The plan signature of a call, or None when the call is not memoised (ids of another
     form, a device skip, arguments whose hash could confuse values: ``True == 1``)."""
     if type(block_ids) is np.ndarray:
@@ -59,7 +59,9 @@ def call_key(ids_key: Any, direction: str, block_ids: Any, layers: Any, max_ctas
         layers = tuple(layers)
     if (max_ctas is not None and type(max_ctas) is not int) or type(skip) is not int:
         return None
-    return (direction, ids, layers, skip, max_ctas)
+    if path is not None and type(path) is not str:
+        return None
+    return (direction, ids, layers, skip, max_ctas, path)
 
 
 class _Entry:

@@ -136,6 +136,9 @@ class TransferPlan:
     # so a transfer leaves the rest of the GPU to concurrent work (None: no cap). Backends
     # without such a knob ignore it; it never changes which bytes move.
     max_ctas: int | None = None
+    # How a backend with several copy mechanisms moves the bytes ("auto": its own choice;
+    # torch adds "kernel" and "copy_engine"); checked against ``Backend.transfer_paths``.
+    path: str = "auto"
 
 
 def with_block_ids(plan: TransferPlan, block_ids: Any) -> TransferPlan:

@@ -20,6 +20,7 @@ from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from .layout import LayerLayout, layer_layout
 from .objects import object_nbytes, object_regions
 from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan, skip_first_item
+from .transfer_path import check_path
 from .validate import check_bind_inputs
 
 
@@ -367,6 +368,8 @@ def plan_call(
     ids_spec: IdsSpec | None = None,
     layers: Any = None,
     max_ctas: int | None = None,
+    path: str | None = None,
+    paths: tuple[str, ...] = ("auto", "kernel"),
 ) -> TransferPlan:
     """Validate the per-call inputs and return the plan (docs/SEMANTICS.md section 7).
 
@@ -374,7 +377,8 @@ def plan_call(
     (``Backend.device_ids_spec``) recognises device / traced ids and skips, which are only
     checked statically and end up in the plan as they are (``TransferPlan.device_ids``,
     ``skip_tokens``). ``layers`` restricts the plan to those layers' planes; ``max_ctas``
-    (a positive int) is passed to the backend as :attr:`TransferPlan.max_ctas`.
+    (a positive int) is passed to the backend as :attr:`TransferPlan.max_ctas`; ``path`` (one
+    of the backend's ``paths``) as :attr:`TransferPlan.path`.
 
     This is the per-call host path of a prepared transfer, so the work that depends only on
     ``(direction, num_chunks, skip_first_n_tokens, layers)`` is cached on the binding, and plan
@@ -440,6 +444,8 @@ def plan_call(
         plan.__dict__["skip_tokens"] = skip
     if max_ctas is not None:
         plan.__dict__["max_ctas"] = _check_max_ctas(max_ctas)
+    if path is not None and path != "auto":
+        plan.__dict__["path"] = check_path(path, paths)
     return plan
 
 

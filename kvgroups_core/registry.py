@@ -43,6 +43,8 @@ class Backend(abc.ABC):
 
     name: ClassVar[str] = ""
     array_types: ClassVar[tuple[str, ...]] = ()
+    #: The ``path=`` values the transfer calls accept for this backend ("auto" first).
+    transfer_paths: ClassVar[tuple[str, ...]] = ("auto", "kernel")
 
     def describe(self, x: Any) -> TensorDesc:
         """Describe one of this framework's arrays (default: read DLPack)."""

@@ -82,15 +82,16 @@ class PreparedTransfer:
         return self._described
 
     def store(self, block_ids: Any, objects: Any = None, *, layers: Any = None,
-              max_ctas: int | None = None) -> list:
+              max_ctas: int | None = None, path: str | None = None) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
-        return prepared_store(self, block_ids, objects, layers=layers, max_ctas=max_ctas)
+        return prepared_store(self, block_ids, objects, layers=layers, max_ctas=max_ctas,
+                              path=path)
 
     def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: Any = 0,
-             layers: Any = None, max_ctas: int | None = None) -> Any:
+             layers: Any = None, max_ctas: int | None = None, path: str | None = None) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
         return prepared_load(self, objects, block_ids, skip_first_n_tokens=skip_first_n_tokens,
-                             layers=layers, max_ctas=max_ctas)
+                             layers=layers, max_ctas=max_ctas, path=path)
 
     def _nothing_to_move(self, plan: Any, objects: Any) -> list:
         """Zero chunks: the objects are checked like any others (``[0, nbytes]``) and no
@@ -174,24 +175,27 @@ class PreparedTransfer:
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
 # compiler can then substitute them by identity (kvgroups_torch.compiled does, for Dynamo).
 def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = None, *,
-                   layers: Any = None, max_ctas: int | None = None) -> list:
+                   layers: Any = None, max_ctas: int | None = None,
+                   path: str | None = None) -> list:
     """:meth:`PreparedTransfer.store`."""
     with prepared._lock:
         key = None
         if objects is not None:  # a repeated call of a validated signature: see call_memo
-            key = call_key(prepared._ids_key, "store", block_ids, layers, max_ctas, 0)
+            key = call_key(prepared._ids_key, "store", block_ids, layers, max_ctas, 0, path)
             if key is not None:
                 done = prepared._memo.call(key, block_ids, objects, prepared.kv_caches)
                 if done is not None:
                     return done[1]
         prepared._check_current()
-        return _store_locked(prepared, block_ids, objects, layers, max_ctas, key)
+        return _store_locked(prepared, block_ids, objects, layers, max_ctas, key, path)
 
 
 def _store_locked(prepared: PreparedTransfer, block_ids: Any, objects: Any, layers: Any,
-                  max_ctas: int | None, key: tuple | None = None) -> list:
+                  max_ctas: int | None, key: tuple | None = None,
+                  path: str | None = None) -> list:
     plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
-                     ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas)
+                     ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas,
+                     path=path, paths=prepared.backend.transfer_paths)
     if objects is None:
         if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
             return prepared._empty_objects(plan)
@@ -208,26 +212,26 @@ def _store_locked(prepared: PreparedTransfer, block_ids: Any, objects: Any, laye
 
 def prepared_load(prepared: PreparedTransfer, objects: Any, block_ids: Any, *,
                   skip_first_n_tokens: Any = 0, layers: Any = None,
-                  max_ctas: int | None = None) -> Any:
+                  max_ctas: int | None = None, path: str | None = None) -> Any:
     """:meth:`PreparedTransfer.load`."""
     with prepared._lock:
         key = call_key(prepared._ids_key, "load", block_ids, layers, max_ctas,
-                       skip_first_n_tokens)
+                       skip_first_n_tokens, path)
         if key is not None:  # a repeated call of a validated signature: see call_memo
             done = prepared._memo.call(key, block_ids, objects, prepared.kv_caches)
             if done is not None:
                 return _adopt_load_results(prepared, done[0])
         prepared._check_current()
         return _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas,
-                            key)
+                            key, path)
 
 
 def _load_locked(prepared: PreparedTransfer, objects: Any, block_ids: Any,
                  skip_first_n_tokens: Any, layers: Any, max_ctas: int | None,
-                 key: tuple | None = None) -> Any:
+                 key: tuple | None = None, path: str | None = None) -> Any:
     plan = plan_call(prepared._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
                      to_host=prepared._to_host, ids_spec=prepared._ids_spec, layers=layers,
-                     max_ctas=max_ctas)
+                     max_ctas=max_ctas, path=path, paths=prepared.backend.transfer_paths)
     check_call_memory(prepared._guard, plan, objects)
     if plan.num_chunks == 0:
         prepared._nothing_to_move(plan, objects)
@@ -309,6 +313,7 @@ def store(
     backend: str | None = None,
     layers: Sequence[int] | None = None,
     max_ctas: int | None = None,
+    path: str | None = None,
 ) -> list:
     """Copy the pages of ``block_ids`` from ``kv_caches`` into memory objects.
 
@@ -334,6 +339,9 @@ def store(
         Cap on the concurrent work units (CUDA: CTAs) of each kernel launch, leaving the rest
         of the GPU to concurrent work such as the forward pass; backends without such a
         knob ignore it.
+    path : str, optional
+        How the bytes move: ``"auto"`` (default, the backend's choice), ``"kernel"``, or a
+        backend's other mechanism (torch: ``"copy_engine"``); see docs/DESIGN.md.
 
     Returns
     -------
@@ -344,7 +352,7 @@ def store(
         objects = [objects]
     prepared, entry = _one_shot(manager, kv_caches, objects, backend)
     try:
-        out = _store_locked(prepared, block_ids, objects, layers, max_ctas)
+        out = _store_locked(prepared, block_ids, objects, layers, max_ctas, None, path)
     except KVGroupsError:
         _park_after_refusal(manager, prepared, entry, kv_caches)
         raise
@@ -362,6 +370,7 @@ def load(
     backend: str | None = None,
     layers: Sequence[int] | None = None,
     max_ctas: int | None = None,
+    path: str | None = None,
 ) -> Any:
     """Write memory objects back into the pages of ``block_ids``, in place.
 
@@ -369,7 +378,8 @@ def load(
     ``skip_first_n_tokens`` tokens (whole blocks, rounded down) already in the engine (a host
     int, or a device / traced integer scalar applied on the device). ``layers`` restricts
     the load to those layers' planes, read from their regions of the full objects;
-    ``max_ctas`` caps each launch's CTAs as for :func:`store`.
+    ``max_ctas`` caps each launch's CTAs and ``path`` picks the copy mechanism as for
+    :func:`store`.
 
     Returns
     -------
@@ -380,7 +390,8 @@ def load(
         objects = [objects]
     prepared, entry = _one_shot(manager, kv_caches, objects, backend)
     try:
-        out = _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas)
+        out = _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas,
+                           None, path)
     except KVGroupsError:
         _park_after_refusal(manager, prepared, entry, kv_caches)
         raise

@@ -34,6 +34,16 @@ prepared ``store`` / ``load`` is capturable in a CUDA graph: a replay reads the 
 tensors' current contents (write new ids in place). ``max_ctas=`` on the calls caps the
 CTAs of each launch (each loops over its share), leaving SMs to concurrent work.
 
+Kernel or copy engine
+---------------------
+``path=`` on the calls picks how the bytes move: ``"kernel"`` (the page-copy kernels),
+``"copy_engine"`` (one ``cuMemcpyBatchAsync`` of the pages' contiguous runs, computed on the
+host from host ids: no SM used; pinned objects reached directly) or ``"auto"`` (default):
+the faster of the two at the nearest point of a table measured on this GPU by
+:func:`tune_copy_paths` and cached in ``$XDG_CACHE_HOME/kvgroups`` (see
+:mod:`kvgroups_torch.copy_paths`); until a table exists, and for device ids, ``"auto"`` is
+the kernel.
+
 torch.compile
 -------------
 ``store``, ``load`` and the prepared calls work inside ``torch.compile(fullgraph=True)``
@@ -52,6 +62,7 @@ from kvgroups_core import __version__
 from .backend import DEFAULT_PINNED_MODE, TorchBackend
 from .bound_plan import BoundPlan
 from .compiled import install as _install_compile_support
+from .copy_paths import tune_copy_paths
 from .cuda_path import check_device_errors, check_errors
 from .describe import describe_tensor, dtype_of, torch_dtype
 from .distributed import check_same_grouping as check_same_grouping
@@ -75,6 +86,7 @@ __all__ = [
     "dtype_of",
     "get_cubin",
     "torch_dtype",
+    "tune_copy_paths",
 ]
 
 _install_compile_support()

@@ -13,7 +13,7 @@ from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, Unsuppor
 from kvgroups_core.registry import Backend, BoundCaches
 from kvgroups_core.validate import Memory
 
-from . import compiled, cpu_path, cuda_path
+from . import compiled, copy_engine, cpu_path, cuda_path
 from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
 from .objects import allocate_objects
 
@@ -75,6 +75,10 @@ class TorchBackend(Backend):
 
     name: ClassVar[str] = "torch"
     array_types: ClassVar[tuple[str, ...]] = ("torch.Tensor",)
+    #: "kernel": the page-copy kernels; "copy_engine": one batch of DMA copies
+    #: (``cuMemcpyBatchAsync``, host ids only); "auto": by the table of
+    #: :mod:`kvgroups_torch.copy_paths` (the kernel until one is measured).
+    transfer_paths: ClassVar[tuple[str, ...]] = ("auto", "kernel", "copy_engine")
 
     def __init__(self, pinned: str = DEFAULT_PINNED_MODE) -> None:
         if pinned not in ("direct", "staged"):
@@ -96,6 +100,12 @@ class TorchBackend(Backend):
         given = objects
         objects = _adopt_objects(objects)
         tensors = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
+        if plan.path == "copy_engine":
+            if device.type != "cuda":
+                raise UnsupportedConfig(
+                    "path: expected 'auto' or 'kernel' for CPU caches ('copy_engine' needs a "
+                    "CUDA GPU), got 'copy_engine'")
+            copy_engine.refuse_device_ids(plan)
         if compiled.any_traced(tensors[:1] + _leaf_tensors(objects)):
             compiled.record(plan, tensors, objects, self.pinned)
             return None, list(given)
@@ -318,6 +328,9 @@ class TorchBoundCaches(BoundCaches):
         fast = self.device_caches
         if fast is None:
             return generic
+        if getattr(plan, "path", "kernel") != "kernel" and copy_engine.copy_groups(plan,
+                                                                                  fast.index):
+            return generic  # the copy engines take (part of) it: their path decides per call
         launch = cuda_path.PlanRunner(fast, plan, block_ids)
 
         def run(ids: Any, objects: Sequence[Any]) -> tuple:

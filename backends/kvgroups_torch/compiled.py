@@ -211,7 +211,7 @@ def _traced_load(manager: Any, objects: Any, kv_caches: Any, block_ids: Any,
 
 
 def _call_kw(options: dict) -> dict:
-    return {k: options[k] for k in ("backend", "layers", "max_ctas") if k in options}
+    return {k: options[k] for k in ("backend", "layers", "max_ctas", "path") if k in options}
 
 
 _installed = False
@@ -230,31 +230,33 @@ def install() -> None:
 
     @substitute(transfer.store, skip_signature_check=True)
     def _store(manager, kv_caches, block_ids, objects=None, *, backend=None, layers=None,
-               max_ctas=None):
+               max_ctas=None, path=None):
         out = store_nt(manager, kv_caches, block_ids, _options(
-            objects=objects, backend=backend, layers=layers, max_ctas=max_ctas))
+            objects=objects, backend=backend, layers=layers, max_ctas=max_ctas, path=path))
         return out if objects is None else list(objects)
 
     @substitute(transfer.load, skip_signature_check=True)
     def _load(manager, objects, kv_caches, block_ids, *, skip_first_n_tokens=0, backend=None,
-              layers=None, max_ctas=None):
+              layers=None, max_ctas=None, path=None):
         if not isinstance(objects, (list, tuple)):
             objects = [objects]
         load_nt(manager, objects, kv_caches, block_ids, _options(
             skip_first_n_tokens=skip_first_n_tokens, backend=backend, layers=layers,
-            max_ctas=max_ctas))
+            max_ctas=max_ctas, path=path))
         return kv_caches
 
     @substitute(transfer.prepared_store, skip_signature_check=True)
-    def _prepared_store(prepared, block_ids, objects=None, *, layers=None, max_ctas=None):
+    def _prepared_store(prepared, block_ids, objects=None, *, layers=None, max_ctas=None,
+                        path=None):
         out = store_nt(prepared.manager, prepared.kv_caches, block_ids, _options(
-            objects=objects, backend=prepared.backend.name, layers=layers, max_ctas=max_ctas))
+            objects=objects, backend=prepared.backend.name, layers=layers, max_ctas=max_ctas,
+            path=path))
         return out if objects is None else list(objects)
 
     @substitute(transfer.prepared_load, skip_signature_check=True)
     def _prepared_load(prepared, objects, block_ids, *, skip_first_n_tokens=0, layers=None,
-                       max_ctas=None):
+                       max_ctas=None, path=None):
         load_nt(prepared.manager, objects, prepared.kv_caches, block_ids, _options(
             skip_first_n_tokens=skip_first_n_tokens, backend=prepared.backend.name,
-            layers=layers, max_ctas=max_ctas))
+            layers=layers, max_ctas=max_ctas, path=path))
         return prepared.kv_caches

@@ -26,7 +26,7 @@ from kvgroups_core.errors import (
 )
 from kvgroups_core.segments import widest_unit
 
-from . import geometry
+from . import copy_engine, geometry
 from . import params as P
 from .driver import Launcher
 from .geometry import GroupShape, group_shape, items_per_cta
@@ -191,7 +191,8 @@ def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
         return ObjectBinding(P.OBJ_INLINE, addresses=tuple(addresses), unit=unit,
                              num_chunks=len(addresses))
     table = _to_device(np.asarray(addresses, dtype=np.int64), device_index)
-    return ObjectBinding(P.OBJ_TABLE, table=table, unit=unit, num_chunks=len(addresses))
+    return ObjectBinding(P.OBJ_TABLE, table=table, addresses=tuple(addresses), unit=unit,
+                         num_chunks=len(addresses))
 
 
 def _to_device(array: np.ndarray, device_index: int) -> torch.Tensor:
@@ -597,6 +598,11 @@ class DeviceCaches:
         """Enqueue every group of ``plan`` with objects already bound (``bindings[g]`` for
         object group ``g``); ``block_ids`` as for :func:`run_plan`."""
         groups = plan.groups
+        if getattr(plan, "path", "kernel") != "kernel":
+            engine = copy_engine.copy_groups(plan, self.index, block_ids)
+            if engine:
+                self._run_mixed(plan, bindings, block_ids, engine)
+                return
         launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
         direction, max_ctas = plan.direction, getattr(plan, "max_ctas", None)
@@ -611,6 +617,32 @@ class DeviceCaches:
                                None if block_ids is None else block_ids[i],
                                skip=None if skip is None else group_skip(skip, group),
                                max_ctas=max_ctas)
+
+
+    def _run_mixed(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None,
+                   engine: frozenset[int]) -> None:
+        """Groups ``engine`` on the copy engines (one batch), the others as kernels."""
+        addresses = self.addresses
+        copies = copy_engine.build_copies(
+            plan, engine, lambda g: plane_addresses(g, addresses),
+            bindings if isinstance(bindings, dict) else dict(enumerate(bindings)),
+            block_ids=block_ids)
+        rest = [i for i in range(len(plan.groups)) if i not in engine]
+        launches = {i: self.launch_for(plan.groups[i]) for i in rest}
+        stream = current_stream(self.index)
+        copy_engine.enqueue(*copies, plan.direction, self.index, stream)
+        skip, max_ctas = plan_options(plan, self.index)
+        for i in rest:
+            group = plan.groups[i]
+            launches[i].launch(plan.direction, group, bindings[group.object_group_idx], stream,
+                               None if block_ids is None else block_ids[i],
+                               skip=None if skip is None else group_skip(skip, group),
+                               max_ctas=max_ctas)
+
+
+def plane_addresses(group: Any, cache_addresses: Sequence[int]) -> list[int]:
+    """Address of block 0 of each plane of ``group``."""
+    return [cache_addresses[p.tensor_slot] + p.byte_offset for p in group.planes]
 
 
 class PlanRunner:
@@ -742,18 +774,33 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
     direction = plan.direction
     bindings = {} if bindings is None or pinned == "staged" else dict(bindings)
     copies_after: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def on_host(g: int) -> bool:
+        return copy_engine.object_on_host(objects[g])
+
+    # The copy engines reach pinned objects themselves: their object groups are not staged.
+    engine = copy_engine.copy_groups(plan, device_index, block_ids, on_host)
+    direct = {plan.groups[i].object_group_idx for i in engine}
     # Bind (and check) every object before the first launch: a rejected call moves nothing.
     for group in plan.groups:
         g = group.object_group_idx
         if g not in bindings:
             entry = objects[g]
-            if pinned == "staged" and not (isinstance(entry, torch.Tensor) and entry.is_cuda):
+            if pinned == "staged" and g not in direct and not (
+                    isinstance(entry, torch.Tensor) and entry.is_cuda):
                 spans = _region_spans(plan, g)
                 entry = _stage(entry, direction, device_index, spans, copies_after)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
     skip, max_ctas = plan_options(plan, device_index)
-    launches = [group_launch(group, addresses, state) for group in plan.groups]
+    copies = copy_engine.build_copies(plan, engine, lambda g: plane_addresses(g, addresses),
+                                      bindings, on_host, block_ids) if engine else None
+    launches = [None if i in engine else group_launch(group, addresses, state)
+                for i, group in enumerate(plan.groups)]
+    if copies is not None:
+        copy_engine.enqueue(*copies, direction, device_index, stream)
     for i, group in enumerate(plan.groups):
+        if i in engine:
+            continue
         ids = None if block_ids is None else block_ids[i]
         launches[i].launch(direction, group, bindings[group.object_group_idx], stream, ids,
                            skip=None if skip is None else group_skip(skip, group),

@@ -19,7 +19,16 @@ def test_tiny_cpu_run_writes_every_call_kind_with_its_fields(tmp_path):
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    every = [json.loads(line) for line in out.read_text().splitlines()]
+    # The path sweep: the kernel measured, the copy engine recorded as skipped on the CPU.
+    sweep = [r for r in every if r.get("path") in ("kernel", "copy_engine")]
+    assert {r["path"] for r in sweep} == {"kernel", "copy_engine"}
+    assert all(r["skipped"] == "the copy engine needs a CUDA GPU" for r in sweep
+               if r["path"] == "copy_engine")
+    kernel = [r for r in sweep if r["path"] == "kernel"]
+    assert {r["page_bytes"] for r in kernel} == {1024, 4096}
+    assert all(r["sms_used"] == 0 and r["placement"] == "device" for r in kernel)
+    rows = [r for r in every if "skipped" not in r]
     assert {r["call"] for r in rows} == {"prepared", "store", "load", "layerwise", "compile"}
     for row in rows:
         assert FIELDS <= set(row), row
