@@ -16,7 +16,7 @@
 #                     stores that create their objects, vmap;
 #   mosaic_smoke      tests/jax/mosaic_smoke.py: bit-exact and in place per layout, then its
 #                     bandwidth beside Triton (JSON lines in mosaic_smoke.jsonl);
-#   memcheck_torch_engine   memcheck over tests/torch/test_torch_engine_gpu.py (device ids,
+#   memcheck_torch_engine   memcheck over tests/torch/test_torch_engine_gpu.py and test_call_memo_gpu.py (device ids,
 #                     bad ids, device skips, layer-wise, CTA cap, streams, compile; the graph
 #                     tests need the caching allocator, so they run in racecheck only; the
 #                     compile tests are left to gpu_tests: inductor under a sanitizer is slow);
@@ -70,7 +70,7 @@ wants sanitizer_mosaic && step sanitizer_mosaic 150 env XLA_PYTHON_CLIENT_ALLOCA
   $SANITIZE $PYTEST -m gpu tests/jax/test_gpu.py -k "mosaic or auto"
 wants sanitizer_jax_jit && step sanitizer_jax_jit 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   $SANITIZE $PYTEST -m gpu tests/jax/test_gpu_engine.py
-ENGINE_TESTS=tests/torch/test_torch_engine_gpu.py
+ENGINE_TESTS="tests/torch/test_torch_engine_gpu.py tests/torch/test_call_memo_gpu.py"
 # Only our page-copy kernels (all named kvg_<direction>_v<V>_<kind>, params.kernel_name) are
 # instrumented: cuBLAS's GEMMs of the overlap test have shared-memory patterns racecheck flags
 # and that are not ours to judge, and the filter keeps both steps fast.

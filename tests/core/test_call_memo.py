@@ -309,3 +309,34 @@ def test_a_layer_of_the_wrong_shape_refuses_only_the_calls_that_touch_it(kind, p
         s.prepared.store(s.ids, s.objects, layers=[5])
     for x, b in zip(s.caches[:5] + s.caches[6:] + s.objects, snapshot):
         np.testing.assert_array_equal(s.arrays.bytes(x), b)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_threads_on_a_warm_memo_move_their_own_bytes(kind):
+    import threading
+
+    s = _State(kind)
+    host = [s.arrays.bytes(c).view(np.float16).reshape(SHAPE) for c in s.caches]
+    ids = [_ids(1, seed=20 + t) for t in range(4)]
+    outs = [s.arrays.objects(1, s.nbytes, seed=30 + t) for t in range(4)]
+    errors = []
+    barrier = threading.Barrier(4)
+
+    def worker(t):
+        try:
+            barrier.wait()
+            for _ in range(5):  # repeated signatures: hits after each thread's first call
+                for layer in range(LAYERS):
+                    s.prepared.store(ids[t], outs[t], layers=[layer])
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(t,)) for t in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors, errors
+    for t in range(4):
+        want = kc.store(s.manager, host, ids[t])
+        np.testing.assert_array_equal(s.arrays.bytes(outs[t][0]).reshape(1, -1), want[0])
