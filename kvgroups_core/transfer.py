@@ -146,7 +146,6 @@ class PreparedTransfer:
             if -1 not in positions and len(slot_of) == len(self._objs):
                 self._positions = positions
 
-
     # --- kept between one-shot calls (kvgroups_core.reuse) -----------------------------
 
     def _release(self) -> bool:
