@@ -68,7 +68,7 @@ def timed_pair(fns, sync, calls: int, warmup: int) -> list[dict]:
     return [_stats(t) for t in times]
 
 
-def make_runtime(name: str):
+def make_runtime(name: str, torch_device: str = "cpu"):
     """(make a cache from a NumPy array, wait for arrays, whether loads return new arrays)."""
     if name == "jax":
         import jax
@@ -78,6 +78,9 @@ def make_runtime(name: str):
     if name == "torch":
         import torch
 
+        if torch_device != "cpu":
+            return (lambda a: torch.from_numpy(a).to(torch_device),
+                    lambda x: torch.cuda.synchronize(), False)
         return torch.from_numpy, lambda x: None, False
     if name == "numpy":
         return np.copy, lambda x: None, False
@@ -113,8 +116,13 @@ def stubbed_copy(runtime: str):
             setattr(module, name, fn)
 
 
+def _device_of(x) -> str:
+    devices = getattr(x, "devices", None)  # JAX
+    return str(next(iter(devices()))) if callable(devices) else str(getattr(x, "device", "cpu"))
+
+
 def bench_runtime(args, runtime: str, emit) -> None:
-    make, wait, returns_new = make_runtime(runtime)
+    make, wait, returns_new = make_runtime(runtime, args.torch_device)
     shape = (2, args.num_blocks, BLOCK_SIZE, args.num_heads, args.head_size)
     rng = np.random.default_rng(0)
     host = [rng.standard_normal(shape).astype(np.float32) for _ in range(args.layers)]
@@ -131,7 +139,8 @@ def bench_runtime(args, runtime: str, emit) -> None:
         wait((caches, objects))
 
     common = {"runtime": runtime, "layers": args.layers, "chunks": args.chunks,
-              "cache_shape": list(shape)}
+              "cache_shape": list(shape),
+              "device": _device_of(caches["oneshot"][0])}
 
     def store_fns(with_objects: bool):
         def p():
@@ -158,6 +167,8 @@ def bench_runtime(args, runtime: str, emit) -> None:
     rows = [("store", store_fns(False)), ("store_objects", store_fns(True)),
             ("load", load_fns())]
     modes = {"both": (False, True), "yes": (True,), "no": (False,)}[args.stub]
+    if runtime == "torch" and args.torch_device != "cpu":
+        modes = (False,)  # the stub replaces the CPU copy only; CUDA calls are host time
     for stub in modes:
         real = dict(objects)  # the stubs return placeholders, and donate nothing
         for name, fns in rows:
@@ -186,7 +197,9 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--stub", default="both", choices=("both", "yes", "no"),
-                   help="time the calls with the copy stubbed (_python rows), without, or both")
+                   help="time the calls with the copy stubbed (_python rows), without, or both "
+                        "(on a GPU use 'no': the calls are asynchronous, so they are host time)")
+    p.add_argument("--torch-device", default="cpu", help="'cpu' or 'cuda[:N]' for torch's caches")
     p.add_argument("--label", default="", help="free text stored in every row (e.g. a commit)")
     p.add_argument("--out", type=Path, default=None, help="JSON lines file (appended)")
     args = p.parse_args(argv)
