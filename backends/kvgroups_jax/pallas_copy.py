@@ -68,9 +68,12 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
 #: ``items_per_program`` / ``small_page_bytes``: groups whose block-plane is at most
 #: ``small_page_bytes`` bytes run the small-page kernel, ``items_per_program`` items (a power of
 #: two) per program with their ids read as one vector; 1 or 0 bytes keep one item per program.
-#: Off until the H200 sweep (benchmarks/sweep_small_pages.py) shows it at least as fast.
+#: On for block-planes up to 1 KiB, 8 items per program: faster than one item per program in
+#: every such cell of the H200 sweep (benchmarks/results/small_pages_h200.jsonl: 512 B store
+#: 0.15 -> 0.25 of the copy, 1 KiB 0.33 -> 0.41 / 0.46; loads 0.13-0.39 -> 0.14-0.43); 2 KiB
+#: stores gained too but its loads were not measured, so 2 KiB keeps the one-item kernel.
 TUNING = {"read_first": True, "planes_per_program": 1, "items_major": True,
-          "items_per_program": 1, "small_page_bytes": 0}
+          "items_per_program": 8, "small_page_bytes": 1024}
 
 
 def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,

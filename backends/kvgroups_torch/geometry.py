@@ -22,9 +22,10 @@ _MAX_PAGE_BYTES = 2**31 - 1
 
 #: The small-page kernels (``kvg_*_small`` in page_copy.cu: several planes and pages per work
 #: unit, one id lookup per item for all of them) serve groups whose page (the largest run's
-#: bytes per block and plane) is at most this many bytes; 0 turns them off. Off until the
-#: H200 sweep (benchmarks/sweep_small_pages.py) shows them at least as fast; after changing
-#: it call ``cuda_path.reset_caches()``.
+#: bytes per block and plane) is at most this many bytes; 0 turns them off. Off: on the H200
+#: sweep (benchmarks/results/small_pages_h200.jsonl) the classic kernel was as fast or faster
+#: at 512 B - 4 KiB once the transfer is device-bound (256 chunks: 0.90-0.94 of the copy, graph
+#: replays 0.93-0.95). After changing it call ``cuda_path.reset_caches()``.
 SMALL_PAGE_BYTES = 0
 #: Bytes one small-page work unit aims to move (its tile x plane group).
 SMALL_CTA_BYTES = 65536
