@@ -24,7 +24,9 @@ import numpy as np
 from jax.experimental import checkify
 from jax.interpreters import mlir
 
-try:  # checkify's rule table and error class (internal, stable since JAX 0.4)
+try:  # checkify's rule table and error class (internal; the calling convention is read below)
+    import inspect
+
     from jax._src import checkify as _checkify_internals
     from jax._src.core import Primitive
     from jax._src.interpreters import batching
@@ -32,8 +34,17 @@ try:  # checkify's rule table and error class (internal, stable since JAX 0.4)
     _RULES = _checkify_internals.error_checks
     _UNMAPPED = getattr(batching, "not_mapped", None)  # how a batching rule says "unbatched"
     _assert_func = _checkify_internals.assert_func
+    _Error = _checkify_internals.Error
     _FailedCheckError = _checkify_internals.FailedCheckError
     _traceback = _checkify_internals.get_traceback
+    # Releases differ in what a rule returns ((error, out) or (out, error)) and in the
+    # arguments passed before the primitive's inputs: the return order is read from the
+    # interpreter's call of the rules (default: error first, as JAX 0.4-0.10 do).
+    try:
+        _OUT_FIRST = "outvals, error = checkify_rule(" in inspect.getsource(
+            _checkify_internals.checkify_jaxpr_flat)
+    except (OSError, TypeError, AttributeError):  # no source: the long-standing order
+        _OUT_FIRST = False
     EFFECT_FREE = True
 except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX release
     EFFECT_FREE = False
@@ -92,15 +103,19 @@ if EFFECT_FREE:
 
     batching.primitive_batchers[block_ids_check_p] = _batch
 
-    def _checkify_rule(error, enabled_errors, ids, meta, *, num_blocks, kept,
-                       blocks_per_chunk, grid_items, kernel_group):
+    def _checkify_rule(*args, num_blocks, kept, blocks_per_chunk, grid_items, kernel_group):
+        # The error and the enabled set lead (with whatever a release passes beside them);
+        # the primitive's inputs, ids and meta, come last.
+        error = next(a for a in args if isinstance(a, _Error))
+        enabled_errors = next(a for a in args if isinstance(a, (set, frozenset)))
+        ids, meta = args[-2:]
         if _FailedCheckError in enabled_errors:
             any_bad, first = _bad_ids(ids, meta, num_blocks=num_blocks, kept=kept,
                                       blocks_per_chunk=blocks_per_chunk,
                                       grid_items=grid_items)
             error = _assert_func(error, any_bad, _FailedCheckError(
                 _traceback(), _message(num_blocks, kernel_group), first))
-        return error, ids
+        return (ids, error) if _OUT_FIRST else (error, ids)
 
     _RULES[block_ids_check_p] = _checkify_rule
 
