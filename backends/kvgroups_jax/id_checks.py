@@ -104,16 +104,16 @@ if EFFECT_FREE:
     batching.primitive_batchers[block_ids_check_p] = _batch
 
     def _checkify_rule(*args, num_blocks, kept, blocks_per_chunk, grid_items, kernel_group):
-        # The error and the enabled set lead (with whatever a release passes beside them);
-        # the primitive's inputs, ids and meta, come last.
-        error = next(a for a in args if isinstance(a, _Error))
-        enabled_errors = next(a for a in args if isinstance(a, (set, frozenset)))
+        # The error, the enabled set, then the primitive's inputs (ids, meta); JAX 0.11 passes
+        # a checkify context before them, and its assert_func takes that context first too.
+        at = next(i for i, a in enumerate(args) if isinstance(a, _Error))
+        error, enabled_errors, lead = args[at], args[at + 1], args[:at]
         ids, meta = args[-2:]
         if _FailedCheckError in enabled_errors:
             any_bad, first = _bad_ids(ids, meta, num_blocks=num_blocks, kept=kept,
                                       blocks_per_chunk=blocks_per_chunk,
                                       grid_items=grid_items)
-            error = _assert_func(error, any_bad, _FailedCheckError(
+            error = _assert_func(*lead, error, any_bad, _FailedCheckError(
                 _traceback(), _message(num_blocks, kernel_group), first))
         return (ids, error) if _OUT_FIRST else (error, ids)
 
