@@ -11,40 +11,24 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
+sys.path[:0] = [str(ROOT), str(ROOT / "backends"), str(ROOT / "benchmarks")]
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+from bench_jax_engine import timed  # noqa: E402
 
 from kvgroups_core import KVLayerGroupsManager, detect_format, load, store  # noqa: E402
 
 
-def timed_us(fn, sync, repeats=7, target_s=0.02):
-    for i in range(3):
-        fn(i)
-    sync()
-    t0 = time.perf_counter()
-    fn(3)
-    sync()
-    calls = max(1, min(2000, int(target_s / max(time.perf_counter() - t0, 1e-6))))
-    out, i = [], 4
-    for _ in range(repeats):
-        sync()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn(i)
-            i += 1
-        sync()
-        out.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(out)
+def timed_us(fn, sync) -> float:
+    """Microseconds per back-to-back call: the engine benchmark's timer."""
+    return timed(fn, sync, 7, 0.02) * 1e6
 
 
 def main(argv=None):
