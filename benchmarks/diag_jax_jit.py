@@ -67,11 +67,12 @@ def main(argv=None):
                     li, si = sets[0], sets[1]
                     jitted = jax.jit(lambda c, o, _b=body, _l=li, _s=si: _b(c, o, _l, _s),
                                      donate_argnums=(0,))
-                    call = lambda i, _j=jitted: _j(held["c"], objs)  # noqa: E731
+                    call = lambda i, _j=jitted, _o=objs: _j(held["c"], _o)  # noqa: E731
                     lowered = jitted.lower(held["c"], objs)
                 else:
                     jitted = jax.jit(body, donate_argnums=(0,))
-                    call = lambda i, _j=jitted: _j(held["c"], objs, dev[i % 8], dev[(i + 3) % 8])  # noqa: E731
+                    call = lambda i, _j=jitted, _o=objs, _d=dev: _j(  # noqa: E731
+                        held["c"], _o, _d[i % 8], _d[(i + 3) % 8])
                     lowered = jitted.lower(held["c"], objs, dev[0], dev[1])
                 compiled = lowered.compile()
                 text = compiled.as_text()
