@@ -37,13 +37,15 @@ def main() -> None:
     for chunks in (1, 16):
         sets = [rng.permutation(pages)[:chunks * 16].astype(np.int32) for _ in range(8)]
         dev = [jnp.asarray(s) for s in sets]
-        body = lambda c, si: (c, store(manager, c, si))  # noqa: E731
+        def body(c, si):
+            return c, store(manager, c, si)
+
         traced = jax.jit(body, donate_argnums=(0,))
-        const = jax.jit(lambda c: body(c, sets[1]), donate_argnums=(0,))
+        const = jax.jit(lambda c, _ids=sets[1]: body(c, _ids), donate_argnums=(0,))
         variants = {
-            "traced_rotating": lambda i: traced(held["c"], dev[i % 8]),
-            "traced_same": lambda i: traced(held["c"], dev[0]),
-            "const": lambda i: const(held["c"]),
+            "traced_rotating": lambda i, _t=traced, _d=dev: _t(held["c"], _d[i % 8]),
+            "traced_same": lambda i, _t=traced, _d=dev: _t(held["c"], _d[0]),
+            "const": lambda i, _c=const: _c(held["c"]),
         }
         for name, call in variants.items():
             def fn(i, _call=call):

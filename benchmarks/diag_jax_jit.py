@@ -46,7 +46,7 @@ def main(argv=None):
     manager = KVLayerGroupsManager(norm, fmt, lmcache_tokens_per_chunk=256)
     rng = np.random.default_rng(0)
     held = {"c": caches}
-    real_report = executor._report_bad_ids
+    real_report = executor.check_block_ids
     for chunks in [int(c) for c in a.chunks.split(",")]:
         sets = [rng.permutation(a.pages)[:chunks * 16].astype(np.int32) for _ in range(8)]
         dev = [jnp.asarray(s) for s in sets]
@@ -61,7 +61,7 @@ def main(argv=None):
         }
         for name, body in bodies.items():
             for ids in ("traced", "const", "traced_noreport"):
-                executor._report_bad_ids = (lambda *x, **k: None) if ids == "traced_noreport" \
+                executor.check_block_ids = (lambda i, *x, **k: i) if ids == "traced_noreport" \
                     else real_report
                 if ids == "const":
                     li, si = sets[0], sets[1]
@@ -90,7 +90,7 @@ def main(argv=None):
                 print(json.dumps(dict(chunks=chunks, fn=name, ids=ids, us=round(us, 1),
                                       bytes=int(sum(int(o.nbytes) for o in objs)),
                                       hlo_chars=len(text), ops=ops)), flush=True)
-    executor._report_bad_ids = real_report
+    executor.check_block_ids = real_report
 
 
 if __name__ == "__main__":

@@ -19,10 +19,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "benchmarks")]
 
+import bench_jax_engine as bje  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-import bench_jax_engine as bje  # noqa: E402
 from kvgroups_core import load, store  # noqa: E402
 
 
