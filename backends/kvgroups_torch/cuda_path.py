@@ -774,6 +774,10 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
     direction = plan.direction
     bindings = {} if bindings is None or pinned == "staged" else dict(bindings)
     copies_after: list[tuple[torch.Tensor, torch.Tensor]] = []
+    # Staging buffers live until every launch is enqueued: one freed earlier goes back to the
+    # caching allocator, which hands it to the next object group's staging at once (same size,
+    # same stream), whose copy then overwrites it before this group's kernel reads it.
+    staged: list[Any] = []
 
     def on_host(g: int) -> bool:
         return copy_engine.object_on_host(objects[g])
@@ -790,6 +794,7 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
                     isinstance(entry, torch.Tensor) and entry.is_cuda):
                 spans = _region_spans(plan, g)
                 entry = _stage(entry, direction, device_index, spans, copies_after)
+                staged.append(entry)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
     skip, max_ctas = plan_options(plan, device_index)
     copies = copy_engine.build_copies(plan, engine, lambda g: plane_addresses(g, addresses),
