@@ -177,10 +177,14 @@ def bench_runtime(args, runtime: str, emit) -> None:
             with stubbed_copy(runtime) if stub else contextlib.nullcontext():
                 timings = timed_pair(fns, sync, args.calls, args.warmup)
             suffix = "_python" if stub else ""
-            for kind, timing in zip(("prepared", "oneshot"), timings):
-                emit({"name": f"{kind}_{name}{suffix}", **common, **timing})
+            direction = "load" if name == "load" else "store"
+            for kind, call, timing in zip(("prepared", "oneshot"), ("prepared", direction),
+                                          timings):
+                emit({"name": f"{kind}_{name}{suffix}", "call": call, "direction": direction,
+                      **common, **timing})
             gap = timings[1]["us_median"] - timings[0]["us_median"]
-            emit({"name": f"oneshot_minus_prepared_{name}{suffix}", **common,
+            emit({"name": f"oneshot_minus_prepared_{name}{suffix}",
+                  "call": f"{direction} - prepared", "direction": direction, **common,
                   "us_median_gap": gap})
         if stub:
             objects.update(real)

@@ -71,7 +71,9 @@ def main() -> None:
                 fn(r)
                 sync()
                 lat.append((time.perf_counter() - t0) * 1e6)
-            print(json.dumps(dict(chunks=chunks, variant=name, us=round(statistics.median(per), 1),
+            print(json.dumps(dict(call="jit", runtime="jax", direction="store", chunks=chunks,
+                                  ids="host" if name == "const" else "device",
+                                  variant=name, us=round(statistics.median(per), 1),
                                   host_us=round(statistics.median(host), 1),
                                   latency_us=round(statistics.median(lat), 1),
                                   xla_flags=os.environ.get("XLA_FLAGS", ""))), flush=True)

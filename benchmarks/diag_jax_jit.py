@@ -87,7 +87,9 @@ def main(argv=None):
                 ops = {k: text.count(k) for k in ("custom-call(", " copy(", "copy-start",
                                                    "gather(", "scatter(", "fusion(",
                                                    "while(", "conditional(")}
-                print(json.dumps(dict(chunks=chunks, fn=name, ids=ids, us=round(us, 1),
+                print(json.dumps(dict(call="jit", runtime="jax", chunks=chunks, fn=name,
+                                      ids="host" if ids == "const" else "device",
+                                      variant=ids, us=round(us, 1),
                                       bytes=int(sum(int(o.nbytes) for o in objs)),
                                       hlo_chars=len(text), ops=ops)), flush=True)
     executor.check_block_ids = real_report
