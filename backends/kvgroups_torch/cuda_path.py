@@ -26,7 +26,7 @@ from kvgroups_core.errors import (
 )
 from kvgroups_core.segments import widest_unit
 
-from . import copy_engine, geometry
+from . import copy_engine, geometry, nvrtc
 from . import params as P
 from .driver import Launcher
 from .geometry import GroupShape, group_shape, items_per_cta
@@ -230,12 +230,16 @@ class GroupLaunch:
         self._variants: dict[tuple[str, int, bool], tuple[P.KvgParams, Launcher, int]] = {}
         # Small pages run the kvg_*_small kernels (geometry.SMALL_PAGE_BYTES, read once here).
         self.small = geometry.uses_small_pages(self.shape.page_bytes)
+        # ... and contiguous pages of 16-byte vectors the warp kernels (WARP_MIN_PAGE_BYTES).
+        self.warp = geometry.uses_warp_kernel(self.shape, self.small)
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
-        self._ipc: dict[int, tuple[int, int, int, int]] = {}  # items -> ipc, tiles, work, ppc
+        # (items, warp kernel) -> ipc, tiles, work, ppc, segments per page
+        self._ipc: dict[tuple[int, bool], tuple[int, int, int, int, int]] = {}
         self._steps: dict[tuple, tuple] = {}  # call shape -> what _step returns
 
-    def _variant(self, direction: str, vector: int) -> tuple[P.KvgParams, Launcher, int]:
-        found = self._variants.get((direction, vector, self.small))
+    def _variant(self, direction: str, vector: int,
+                 warp: bool = False) -> tuple[P.KvgParams, Launcher, int]:
+        found = self._variants.get((direction, vector, self.small, warp))
         if found is None:
             shape = self.shape
             p = P.KvgParams()
@@ -260,19 +264,20 @@ class GroupLaunch:
                 r.units_per_token = run.count * r.units_per_piece
                 r.page_units = shape.block_size * r.units_per_token
                 r.shifts = P.pow2_shifts(r.page_units, r.units_per_token, r.units_per_piece)
-            name = P.kernel_name(direction, vector, shape.contiguous, self.small)
+            name = P.kernel_name(direction, vector, shape.contiguous, self.small, warp=warp)
             function = self.device.kernels.handle(name)
             # A NumPy window on the inline ids: one casting copy per call, no allocation.
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
             p.last_objects = p.last_step = None  # what launch() last wrote (see there)
             found = (p, Launcher(self.device.index, ctypes.addressof(p)), function)
-            self._variants[(direction, vector, self.small)] = found
+            self._variants[(direction, vector, self.small, warp)] = found
         return found
 
     def prepare(self, direction: str, objects: ObjectBinding) -> None:
         """Build the packed parameters (and load the kernel) a launch with ``objects`` uses."""
         with self.lock:
-            self._variant(direction, widest_unit([self.base_unit, objects.unit]))
+            vector = widest_unit([self.base_unit, objects.unit])
+            self._variant(direction, vector, warp=self.warp and vector == 16)
 
     def _step(self, direction: str, group: Any, unit: int, max_ctas: int | None) -> tuple:
         """What a launch of this shape needs beside its ids, objects and skip: the packed
@@ -281,17 +286,22 @@ class GroupLaunch:
         num_items = num_chunks * self.kept_per_chunk - group.first_item
         needed = num_chunks * self.blocks_per_chunk
         if num_items <= 0:
-            return (None, None, None, None, needed, 0, 0, 0, 0)
+            return (None, None, None, None, needed, 0, 0, 0, 0, 0)
         if needed > _INT32_MAX:
             raise KVGroupsValueError(
                 f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}")
         vector = self._vectors.get(unit)
         if vector is None:
             vector = self._vectors[unit] = widest_unit([self.base_unit, unit])
-        sizing = self._ipc.get(num_items)
+        warp = self.warp and vector == 16
+        sizing = self._ipc.get((num_items, warp))
         if sizing is None:
             runs = len(self.shape.runs)
-            if self.small:
+            fit = geometry.warp_sizing(self.shape.page_bytes, num_items, self.num_planes,
+                                       warp_unroll(), P.WARPS_PER_CTA) if warp else None
+            if fit is not None:
+                (segs, work), ipc, tiles, ppc = fit, 0, 0, 0
+            elif self.small:
                 ipc, ppc = geometry.small_page_sizing(self.shape.page_bytes, num_items,
                                                       self.num_planes, runs, self.device.num_sms)
                 tiles = -(-num_items // ipc)
@@ -301,12 +311,14 @@ class GroupLaunch:
                                     self.device.num_sms)
                 ppc, tiles = 0, -(-num_items // ipc)
                 work = tiles * self.num_planes * runs
-            sizing = self._ipc[num_items] = (ipc, tiles, work, ppc)
-        ipc, tiles, work, ppc = sizing
+            if fit is None:
+                segs = 0
+            sizing = self._ipc[(num_items, warp)] = (ipc, tiles, work, ppc, segs)
+        ipc, tiles, work, ppc, segs = sizing
         grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         with self.lock:
-            p, launcher, function = self._variant(direction, vector)
-        return (p, launcher, function, grid, needed, num_items, ipc, tiles, ppc)
+            p, launcher, function = self._variant(direction, vector, warp=segs > 0)
+        return (p, launcher, function, grid, needed, num_items, ipc, tiles, ppc, segs)
 
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
@@ -328,7 +340,7 @@ class GroupLaunch:
             if len(self._steps) >= 256:
                 self._steps.clear()
             self._steps[key] = step
-        p, launcher, function, grid, needed, num_items, ipc, tiles, ppc = step
+        p, launcher, function, grid, needed, num_items = step[:6]
         if not num_items:
             return
         if objects.num_chunks < num_chunks:
@@ -356,6 +368,11 @@ class GroupLaunch:
         del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
 
 
+def warp_unroll() -> int:
+    """Vectors per lane of a warp-kernel segment: the cubin's ``KVG_WARP_UNROLL``."""
+    return int(nvrtc.TUNING.get("KVG_WARP_UNROLL", P.WARP_UNROLL))
+
+
 def _write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
     """Point ``p`` at ``objects`` (under the launch state's lock)."""
     p.obj_mode = mode = objects.mode
@@ -371,7 +388,9 @@ def _write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
 def _write_step(p: P.KvgParams, step: tuple, first_item: int) -> None:
     """The item range and tiling of ``step`` (what :meth:`GroupLaunch._step` returned)."""
     p.first_item = first_item
-    p.num_items, p.items_per_cta, p.num_tiles, p.planes_per_cta = step[5:9]
+    p.num_items, p.items_per_cta, p.num_tiles, p.planes_per_cta, segs = step[5:10]
+    p.segs_per_page = segs
+    p.segs_shift = segs.bit_length() - 1 if segs > 0 and segs & (segs - 1) == 0 else 0xFF
     p.last_step = step
 
 

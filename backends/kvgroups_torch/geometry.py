@@ -27,6 +27,12 @@ _MAX_PAGE_BYTES = 2**31 - 1
 #: at 512 B - 4 KiB once the transfer is device-bound (256 chunks: 0.90-0.94 of the copy, graph
 #: replays 0.93-0.95). After changing it call ``cuda_path.reset_caches()``.
 SMALL_PAGE_BYTES = 0
+#: Contiguous pages of at least this many bytes whose launch moves 16-byte vectors run the
+#: warp kernels (``kvg_*_v16_warp``: one warp per 8 KiB segment, no barrier, a grid of every
+#: segment), the others the classic kernel. The smallest page that fills a segment: below it
+#: lanes of a warp would idle (with 2 KiB segments, 2-4 KiB pages measured no faster than the
+#: classic kernel). 0 turns them off. After changing it call ``cuda_path.reset_caches()``.
+WARP_MIN_PAGE_BYTES = 8192
 #: Bytes one small-page work unit aims to move (its tile x plane group).
 SMALL_CTA_BYTES = 65536
 #: Planes one small-page work unit covers at most (a power of two <= params.SMALL_PLANES).
@@ -111,6 +117,29 @@ def items_per_cta(page_bytes: int, num_items: int, planes_x_runs: int, num_sms: 
     while ipc > 1 and -(-num_items // ipc) * planes_x_runs < 4 * num_sms:
         ipc //= 2
     return ipc
+
+
+def uses_warp_kernel(shape: GroupShape, small: bool) -> bool:
+    """Whether a group of ``shape`` runs the warp kernels when its launch moves 16-byte
+    vectors (the vector width also depends on the objects' alignment, known per call)."""
+    return (shape.contiguous and not small and shape.unit % 16 == 0
+            and 0 < WARP_MIN_PAGE_BYTES <= shape.page_bytes)
+
+
+#: Work units (segments) a warp-kernel launch may have: the kernel counts them in 32 bits.
+WARP_MAX_UNITS = 2**31 - 1
+
+
+def warp_sizing(page_bytes: int, num_items: int, num_planes: int, unroll: int,
+                warps_per_cta: int) -> tuple[int, int] | None:
+    """``(segs_per_page, ctas)`` of a warp-kernel launch (one warp per segment of
+    ``32 * unroll`` 16-byte vectors of every page), or None when its units would not fit the
+    kernel's 32-bit count (the classic kernel takes it)."""
+    segs = -(-(page_bytes // 16) // (32 * unroll))
+    units = segs * num_items * num_planes
+    if units > WARP_MAX_UNITS:
+        return None
+    return segs, -(-units // warps_per_cta)
 
 
 def _pow2_floor(n: int) -> int:

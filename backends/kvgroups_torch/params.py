@@ -15,6 +15,10 @@ MAX_TILE = 64
 INLINE_IDS = 512
 INLINE_OBJS = 64
 THREADS = 256
+#: 16-byte vectors per lane of one warp-kernel segment (``KVG_WARP_UNROLL``): a segment is
+#: ``32 * WARP_UNROLL * 16`` bytes of a page.
+WARP_UNROLL = 16
+WARPS_PER_CTA = THREADS // 32
 ERR_WORDS = 8
 #: Largest tile (items) and plane group of one work unit of the small-page kernels.
 SMALL_TILE = 256
@@ -98,6 +102,8 @@ class KvgParams(ctypes.Structure):
         ("err_engine_group", _i32),
         ("err_kernel_group", _i32),
         ("planes_per_cta", _i32),
+        ("segs_per_page", _i32),
+        ("segs_shift", _i32),
         ("runs", KvgRun * MAX_RUNS),
         ("inline_objs", _u64 * INLINE_OBJS),
         ("inline_ids", _i32 * INLINE_IDS),
@@ -112,9 +118,15 @@ def layout_defines() -> tuple[tuple[str, str], ...]:
     )
 
 
-def kernel_name(direction: str, vector: int, contiguous: bool, small: bool = False) -> str:
+def kernel_name(direction: str, vector: int, contiguous: bool, small: bool = False,
+                warp: bool = False) -> str:
     """Entry point of one variant, e.g. ``kvg_store_v16_contig`` (``..._small``: the
-    small-page kernel, several planes and pages per work unit)."""
+    small-page kernel, several planes and pages per work unit; ``warp``: the one-warp-per-
+    segment kernel of contiguous 16-byte-aligned pages, ``kvg_store_v16_warp``)."""
+    if warp:
+        if vector != 16 or not contiguous or small:
+            raise ValueError("warp kernels: expected contiguous pages of 16-byte vectors")
+        return f"kvg_{direction}_v16_warp"
     kind = "contig" if contiguous else "runs"
     return f"kvg_{direction}_v{vector}_{kind}{'_small' if small else ''}"
 
@@ -122,10 +134,13 @@ def kernel_name(direction: str, vector: int, contiguous: bool, small: bool = Fal
 def all_kernel_names(small: bool | None = None) -> list[str]:
     """Every variant the source defines (the CI test compiles them all); ``small`` True /
     False: only those of the small-page cubin / of the main one."""
-    return [
+    names = [
         kernel_name(d, v, c, sm)
         for sm in ((False, True) if small is None else (small,))
         for d in ("store", "load")
         for v in VECTOR_WIDTHS
         for c in (True, False)
     ]
+    if small is not True:
+        names += [kernel_name(d, 16, True, warp=True) for d in ("store", "load")]
+    return names

@@ -94,6 +94,9 @@ def emulate(p: P.KvgParams, name: str, grid, launches: list):
     if name.endswith("_small"):
         emulate_small(p, name, grid, launches)
         return
+    if name.endswith("_warp"):
+        emulate_warp(p, name, grid, launches)
+        return
     direction, vec, kind = name.split("_")[1], int(name.split("_")[2][1:]), name.split("_")[3]
     launches.append((name, tuple(grid), p.items_per_cta))
     assert grid[1] == grid[2] == 1
@@ -113,6 +116,50 @@ def emulate(p: P.KvgParams, name: str, grid, launches: list):
                 found = _item_page(p, item, counts)
                 if found is not None:
                     _copy_page(p, kind, vec, store, p.runs[z], plane, *found)
+
+
+def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
+    """kvg_warp_copy of page_copy.cu: one warp per segment of 32 * WARP_UNROLL vectors of a
+    contiguous page, units seg + segs * (item + num_items * plane), warps looping over units
+    when the grid is capped."""
+    store = name.split("_")[1] == "store"
+    launches.append((name, tuple(grid), p.segs_per_page))
+    assert grid[1] == grid[2] == 1 and p.num_runs == 1
+    run, seg_units = p.runs[0], 32 * cuda_path.warp_unroll()
+    segs = p.segs_per_page
+    assert segs == -(-run.page_units // seg_units)
+    assert p.segs_shift == (segs.bit_length() - 1 if segs & (segs - 1) == 0 else 0xFF)
+    total = segs * p.num_items * p.num_planes
+    assert total < 2**31  # the kernel counts units in 32 bits
+    warps = grid[0] * P.WARPS_PER_CTA
+    first = _first_item(p, True)  # only the thread of unit 0 reports the skip
+    base_table = _read(p.plane_table, 16 * p.num_planes).view(np.int64).reshape(-1, 2)
+    for w in range(warps):
+        for u in range(w, total, warps):
+            seg, rest = u % segs, u // segs
+            plane, tix = divmod(rest, p.num_items)
+            item = p.first_item + tix
+            if item < first:
+                continue
+            found = _item_page(p, item, plane == 0 and seg == 0)
+            if found is None:
+                continue
+            chunk, pos, bid = found
+            base = int(base_table[plane, 0]) & ((1 << 64) - 1)
+            if p.obj_mode == P.OBJ_STRIDED:
+                obj = p.obj_base + chunk * p.obj_chunk_stride
+            elif p.obj_mode == P.OBJ_TABLE:
+                obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
+            else:
+                obj = p.inline_objs[chunk]
+            cache_page = base + bid * p.block_stride + run.cache_offset
+            obj_page = (obj + p.region_offset + int(base_table[plane, 1]) + pos * p.page_obj_stride
+                        + run.obj_offset)
+            lo = seg * seg_units * 16
+            hi = min(lo + seg_units * 16, run.page_units * 16)
+            src, dst = (cache_page, obj_page) if store else (obj_page, cache_page)
+            assert src % 16 == 0 and dst % 16 == 0, "misaligned vector"
+            _write(dst + lo, _read(src + lo, hi - lo))
 
 
 def emulate_small(p: P.KvgParams, name: str, grid, launches: list):
@@ -148,8 +195,13 @@ def emulate_small(p: P.KvgParams, name: str, grid, launches: list):
                         _copy_page(p, kind, vec, store, p.runs[z], plane, *found)
 
 
-@pytest.fixture
-def emulated(monkeypatch):
+@pytest.fixture(params=["classic", "warp"])
+def emulated(request, monkeypatch):
+    """Launches emulated; ``classic``: contiguous pages run kvg_*_contig, ``warp``: every
+    contiguous 16-byte page runs kvg_*_v16_warp (pages smaller than a segment included)."""
+    from kvgroups_torch import geometry
+
+    monkeypatch.setattr(geometry, "WARP_MIN_PAGE_BYTES", 16 if request.param == "warp" else 0)
     launches = []
 
     class FakeKernels:
@@ -210,7 +262,8 @@ def test_emulated_kernel_matches_the_page_model(emulated, layout, direction):
                      first_item=1 if direction == "load" else 0))
     launches, _ = emulated
     name = launches[-1][0]
-    assert ("contig" in name) == (layout in ("nhd", "nhd_padded", "cross_layer", "mla"))
+    assert ("contig" in name or "warp" in name) == (
+        layout in ("nhd", "nhd_padded", "cross_layer", "mla"))
 
 
 def test_vector_width_follows_addresses_and_offsets(emulated):
@@ -218,7 +271,10 @@ def test_vector_width_follows_addresses_and_offsets(emulated):
     rng = np.random.default_rng(1)
     _check(make_case("nhd", "float32", "store", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,
                      kept=2))
-    assert launches[-1][0] == "kvg_store_v16_contig"
+    from kvgroups_torch import geometry
+
+    warp = geometry.WARP_MIN_PAGE_BYTES > 0
+    assert launches[-1][0] == ("kvg_store_v16_warp" if warp else "kvg_store_v16_contig")
     _check(make_case("hnd", "float16", "load", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,
                      kept=2, region_pad=6))
     assert launches[-1][0] == "kvg_load_v2_runs"
@@ -525,6 +581,10 @@ def test_emulated_cta_cap_loops_over_the_work_with_the_same_bytes(emulated):
     objects = [torch.zeros((2, n), dtype=torch.uint8) for n in fast.binding.object_nbytes]
     fast.store(ids, objects, max_ctas=3)
     assert launches[-1][1][0] == 3  # the grid: 3 CTAs for every work unit of the launch
+    from kvgroups_torch import geometry
+
+    if not geometry.SMALL_PAGE_BYTES:  # (test_small_pages runs this with its small kernels)
+        assert launches[-1][0].endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0)
     for a, b in zip(objects, ref.store(ids)):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -553,3 +613,23 @@ def test_emulated_interleaved_layer_calls_rewrite_what_changed(device_ids):
         want = ref.store(ids[n], [o.clone() for o in objects], layers=[layer])
         for got, w in zip(object_bytes(objects), object_bytes(want)):
             np.testing.assert_array_equal(got, w, err_msg=f"call {call}")
+
+
+def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated):
+    # Pages of an eighth of a segment, one segment and one and a half (8 KiB segments by
+    # default): every vector of the page moves once, in both directions.
+    from kvgroups_torch import geometry
+
+    launches, _ = emulated
+    rng = np.random.default_rng(41)
+    segment = 32 * cuda_path.warp_unroll() * 16
+    for hs in (segment // 256, segment // 32, 3 * segment // 64):  # float32 NHD rows: block
+        # of 2 tokens x 4 heads x hs words, so a page is 32 * hs bytes
+        for direction in ("store", "load"):
+            _check(make_case("nhd", "float32", direction, rng, nb=10, bs=2, nh=4, hs=hs,
+                             num_chunks=2, bpc=3, kept=3 if direction == "store" else 2),
+                   per_chunk=True)  # one allocation per chunk: 16-byte aligned objects
+            name = launches[-1][0]
+            assert name.endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0), name
+            if name.endswith("_warp"):
+                assert launches[-1][2] == -(-(2 * 4 * hs * 4) // segment)  # segments per page

@@ -6,6 +6,7 @@
 //
 //   grid  = (min(num_tiles * num_planes * num_runs, CTA cap), 1, 1)
 //   block = KVG_THREADS threads
+// (the warp kernels, kvg_*_v16_warp, size their grid by segments instead: see kvg_warp_copy)
 //
 // Work unit w = tile + num_tiles * (plane + num_planes * run) moves segment run `run` of plane
 // `plane` for a tile of items_per_cta consecutive items; CTA b does units b, b + gridDim.x, ...
@@ -68,6 +69,16 @@ typedef unsigned int kvg_u32;
 #ifndef KVG_SMALL_UNROLL
 #define KVG_SMALL_UNROLL 8  // small-page kernels: vector loads in flight per thread
 #endif
+// Warp kernels: 16 vectors per lane (8 KiB segments) at 2 resident CTAs per SM (128
+// registers, no spill) keep 128 KiB per SM in flight. On the H200 (benchmarks/results/
+// torch_warp_h200.jsonl) that matched or beat 4 vectors at 1 or 6 CTAs and 8 at 4 CTAs from
+// 16 chunks (0.5 % of the copy at 64), and ran one-layer launches as fast as 8 at 4 CTAs.
+#ifndef KVG_WARP_UNROLL
+#define KVG_WARP_UNROLL 16     // warp kernels: 16-byte vectors per lane of one segment
+#endif
+#ifndef KVG_WARP_MIN_BLOCKS
+#define KVG_WARP_MIN_BLOCKS 2  // warp kernels' __launch_bounds__ minimum resident CTAs per SM
+#endif
 #ifndef KVG_MIN_BLOCKS
 #define KVG_MIN_BLOCKS 1    // __launch_bounds__ minimum resident CTAs per SM (caps registers)
 #endif
@@ -127,6 +138,9 @@ struct KvgParams {
     int err_engine_group;      // what the error record names for this launch's ids
     int err_kernel_group;
     int planes_per_cta;        // small-page kernels: planes of one work unit (0 elsewhere)
+    int segs_per_page;         // warp kernels: segments of 32 * KVG_WARP_UNROLL vectors a page
+                               // splits into (0 elsewhere)
+    int segs_shift;            // warp kernels: log2(segs_per_page), 0xFF if not a power of two
     KvgRun runs[KVG_MAX_RUNS];
     kvg_u64 inline_objs[KVG_INLINE_OBJS];
     int inline_ids[KVG_INLINE_IDS];
@@ -157,6 +171,20 @@ template <int V>
 __device__ __forceinline__ void kvg_st(kvg_u64 a, typename KvgVec<V>::T v) {
     *reinterpret_cast<typename KvgVec<V>::T*>(a) = v;
 }
+// 16-byte accesses that name the global space: the warp kernels' page addresses come out of
+// memory (plane and object tables), so plain dereferences compile to generic LD / ST. On the
+// H200 the classic kernel timed the same either way (generic 0.909 / 0.908 of the copy at 64
+// chunks, global 0.908 / 0.907); the warp kernels state it. Pinned host objects are global
+// addresses too (mapped through UVA).
+__device__ __forceinline__ kvg_v16 kvg_ldg16(kvg_u64 a) {
+    kvg_v16 v;
+    asm volatile("ld.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
+    return v;
+}
+__device__ __forceinline__ void kvg_stg16(kvg_u64 a, kvg_v16 v) {
+    asm volatile("st.global.v2.u64 [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
+}
+
 // The source of a copy is never written during the launch, so the read-only (non-coherent)
 // path may serve it (KVG_LOAD_NC), without allocating in L1 (every byte is read once).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && (KVG_LOAD_HINT == 1 || KVG_LOAD_NC == 1)
@@ -443,8 +471,71 @@ __device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
     }
 }
 
+// Contiguous pages of 16-byte vectors, one warp per segment. The kernel above stages a tile's
+// page addresses in shared memory behind a barrier and gives each CTA whole pages, so a CTA's
+// loads start only after its id and table lookups, and a launch of a few hundred pages keeps
+// few bytes in flight. Here work unit u = seg + segs_per_page * (item + num_items * plane)
+// is one segment (32 lanes x KVG_WARP_UNROLL vectors, 8 KiB by default) of one page: each warp
+// looks up its own id (one broadcast load), needs no barrier, and a launch has as many
+// independent warps as segments (one unit per warp unless the host capped the CTAs; then warps
+// loop over units). Consecutive warps cover consecutive segments of a page, then the next item
+// (the next page of the object). Bad ids and skips behave as in kvg_page_copy; ids are
+// reported by segment 0 of plane 0 only, so every bad item counts once.
+template <bool STORE>
+__device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
+    const int lane = threadIdx.x & 31;
+    const KvgRun& run = p.runs[0];
+    const kvg_u32 page_units = run.page_units;
+    // The host keeps total below 2**31 (larger launches take kvg_page_copy), so unit indices
+    // are 32-bit; segs_per_page is almost always a power of two (segs_shift, 0xFF if not).
+    const kvg_u32 segs = (kvg_u32)p.segs_per_page;
+    const kvg_u32 segs_shift = (kvg_u32)p.segs_shift;
+    const kvg_u32 num_items = (kvg_u32)p.num_items;
+    const kvg_u32 total = segs * num_items * (kvg_u32)p.num_planes;
+    const kvg_u32 warps = gridDim.x * (KVG_THREADS / 32);
+    const KvgPlane* planes = reinterpret_cast<const KvgPlane*>(p.plane_table);
+    kvg_u32 u = blockIdx.x * (KVG_THREADS / 32) + (threadIdx.x >> 5);
+    const int first = kvg_first_item(p, u == 0 && lane == 0);
+    for (; u < total; u += warps) {
+        const kvg_u32 rest = segs_shift != 0xFFu ? u >> segs_shift : u / segs;
+        const kvg_u32 seg = u - rest * segs;
+        const kvg_u32 plane = rest / num_items;
+        const int item = p.first_item + (int)(rest - plane * num_items);
+        if (item < first) continue;  // uniform across the warp: every lane has the same u
+        const int chunk = item / p.kept_per_chunk;
+        const int pos = item - chunk * p.kept_per_chunk;
+        const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
+                              + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
+        const kvg_i64 id = kvg_load_id(p, where);
+        if (id < 0 || id >= p.num_blocks) {
+            if (plane == 0 && seg == 0 && lane == 0)
+                kvg_report(p, id, p.err_engine_group, p.num_blocks, true);
+            continue;
+        }
+        const KvgPlane pl = planes[plane];
+        const kvg_u64 cache_page = pl.base + (kvg_u64)(id * p.block_stride + run.cache_offset);
+        const kvg_u64 obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset + pl.obj_offset
+                                 + (kvg_i64)pos * p.page_obj_stride + run.obj_offset);
+        const kvg_u64 src = STORE ? cache_page : obj_page;
+        const kvg_u64 dst = STORE ? obj_page : cache_page;
+        const kvg_u32 k0 = seg * (32u * KVG_WARP_UNROLL) + (kvg_u32)lane;
+        kvg_v16 v[KVG_WARP_UNROLL];
+#pragma unroll
+        for (int s = 0; s < KVG_WARP_UNROLL; ++s) {
+            const kvg_u32 k = k0 + 32u * s;
+            if (k < page_units) v[s] = kvg_ldg16(src + (kvg_u64)k * 16u);
+        }
+#pragma unroll
+        for (int s = 0; s < KVG_WARP_UNROLL; ++s) {
+            const kvg_u32 k = k0 + 32u * s;
+            if (k < page_units) kvg_stg16(dst + (kvg_u64)k * 16u, v[s]);
+        }
+    }
+}
+
 // One extern "C" entry point per variant, so the host finds them by plain name:
-// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs}, or with KVG_BUILD_SMALL=1 (a cubin of its
+// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs} and kvg_{store,load}_v16_warp, or with
+// KVG_BUILD_SMALL=1 (a cubin of its
 // own, built only once a small-page kernel is used: they take several times the others'
 // compile time) kvg_..._{contig,runs}_small.
 #ifndef KVG_BUILD_SMALL
@@ -471,6 +562,12 @@ __device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
     KVG_KERNEL(load, false, V, runs, false)
 
 KVG_KERNELS_V(16)
+#if !KVG_BUILD_SMALL
+extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
+kvg_store_v16_warp(const __grid_constant__ KvgParams p) { kvg_warp_copy<true>(p); }
+extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
+kvg_load_v16_warp(const __grid_constant__ KvgParams p) { kvg_warp_copy<false>(p); }
+#endif
 KVG_KERNELS_V(8)
 KVG_KERNELS_V(4)
 KVG_KERNELS_V(2)
