@@ -75,22 +75,33 @@ class Launcher:
     driver copies it during the call, so the caller may overwrite it right after.
     """
 
-    __slots__ = ("_lib", "_ctx", "_current", "_args", "_args_address")
+    __slots__ = ("_lib", "_ctx", "_current", "_current_ref", "_get_current", "_launch",
+                 "_args", "_args_address")
 
     def __init__(self, device_index: int, params_address: int) -> None:
-        self._lib = _libcuda()
+        self._lib = lib = _libcuda()
         self._ctx = primary_context(device_index)
         self._current = ctypes.c_void_p()
+        # Bound once: a launch is a few microseconds of host time, and building the byref
+        # and looking the functions up again were a tenth of it.
+        self._current_ref = ctypes.byref(self._current)
+        self._get_current = lib.cuCtxGetCurrent
+        self._launch = lib.cuLaunchKernel
         self._args = (ctypes.c_void_p * 1)(params_address)
         self._args_address = ctypes.addressof(self._args)
 
     def launch(self, function: int, grid: tuple[int, int, int], threads: int, stream: int) -> None:
-        lib = self._lib
-        lib.cuCtxGetCurrent(ctypes.byref(self._current))
+        self._get_current(self._current_ref)
         previous = self._current.value
-        if previous != self._ctx:
-            # Another device (or none) is current in this thread: switch for the launch only.
-            check(lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+        if previous == self._ctx:  # the usual case: PyTorch's context is current
+            code = self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, 0, stream,
+                                self._args_address, None)
+            if code:
+                check(code, "cuLaunchKernel")
+            return
+        # Another device (or none) is current in this thread: switch for the launch only.
+        lib = self._lib
+        check(lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         try:
             check(
                 lib.cuLaunchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, 0,
@@ -98,5 +109,4 @@ class Launcher:
                 "cuLaunchKernel",
             )
         finally:
-            if previous != self._ctx:
-                lib.cuCtxSetCurrent(previous)
+            lib.cuCtxSetCurrent(previous)
