@@ -1,0 +1,151 @@
+"""What a bare gather reaches: random pages out of pools of growing size, against the copy.
+
+Diagnostic (H200): the least a page gather must do, one warp per 8 KiB segment of a page
+(16-byte loads, all in flight before the stores, no id checks, no tables, no bookkeeping),
+compiled with NVRTC and launched raw, gathering ``--moved-mib`` of 32 KiB pages chosen at
+random out of a pool of each ``--pools-gib`` size (and the same count of consecutive pages,
+``order="sequential"``) into one contiguous buffer. ``frac_of_ceiling`` is the same run's
+``copy_`` of the moved bytes over the gather's time (CUDA events over batches of back-to-back
+launches, medians). It bounds what any page-copy kernel reaches on random block ids of an
+engine's cache: the kvgroups kernels do the same work plus their checks. JSON lines::
+
+    python benchmarks/probe_gather_ceiling.py --out benchmarks/results/gather_ceiling_h200.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "backends"), str(ROOT / "benchmarks")]
+
+import bench_torch_engine as bte  # noqa: E402
+from kvgroups_torch import driver  # noqa: E402
+
+PAGE = 32768
+SOURCE = r"""
+struct alignas(16) V { unsigned long long a, b; };
+struct Args { const V* src; V* dst; const int* ids; unsigned int n_units; int pad; };
+// unit u = segment u % 4 (8 KiB, 16 vectors per lane) of page u / 4
+extern "C" __global__ void __launch_bounds__(256, 2) gather(const Args p) {
+    const unsigned int u = blockIdx.x * 8u + (threadIdx.x >> 5);
+    if (u >= p.n_units) return;
+    const unsigned int page = u >> 2, seg = u & 3u, lane = threadIdx.x & 31u;
+    const V* __restrict__ s = p.src + (unsigned long long)p.ids[page] * 2048u + seg * 512u + lane;
+    V* __restrict__ d = p.dst + (unsigned long long)page * 2048u + seg * 512u + lane;
+    V v[16];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) v[k] = s[k * 32];
+#pragma unroll
+    for (int k = 0; k < 16; ++k) d[k * 32] = v[k];
+}
+"""
+
+
+class Args(ctypes.Structure):
+    _fields_ = [("src", ctypes.c_uint64), ("dst", ctypes.c_uint64), ("ids", ctypes.c_uint64),
+                ("n_units", ctypes.c_uint32), ("pad", ctypes.c_int32)]
+
+
+def main(argv=None) -> None:
+    from cuda.core import ObjectCode, Program, ProgramOptions
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--pools-gib", default="2,16,64")
+    p.add_argument("--moved-mib", type=int, default=512)
+    p.add_argument("--out", type=Path, default=None)
+    a = p.parse_args(argv)
+    arch = "sm_%d%d" % torch.cuda.get_device_capability()
+    code = Program(SOURCE, "c++", options=ProgramOptions(arch=arch, std="c++17")).compile("cubin")
+    kernel = int(ObjectCode.from_cubin(code.code).get_kernel("gather").handle)
+    args = Args()
+    launcher = driver.Launcher(torch.cuda.current_device(), ctypes.addressof(args))
+    timer = bte.Timer(True, iters=9, warmup=3, batch_s=0.03)
+    moved = a.moved_mib << 20
+    n_pages = moved // PAGE
+    src = torch.empty(moved, dtype=torch.uint8, device="cuda")
+    dst = [torch.empty(moved, dtype=torch.uint8, device="cuda") for _ in range(2)]
+    ceiling = timer.ms(lambda i: dst[i % 2].copy_(src))["median"]
+    rng = np.random.default_rng(0)
+    for gib in (int(x) for x in a.pools_gib.split(",")):
+        pool = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
+        pages = pool.numel() // PAGE
+        chosen = {}
+        for order in ("random", "sequential"):
+            sets = chosen[order] = [torch.from_numpy((rng.permutation(pages)[:n_pages] if order == "random"
+                                      else np.arange(n_pages) + k * n_pages % (pages - n_pages))
+                                     .astype(np.int32)).cuda() for k in range(4)]
+            stream = torch.cuda.current_stream().cuda_stream
+            units = n_pages * 4
+
+            def run(i, sets=sets, pool=pool, units=units, stream=stream):
+                args.src, args.dst, args.ids = pool.data_ptr(), dst[i % 2].data_ptr(), \
+                    sets[i % 4].data_ptr()
+                args.n_units = units
+                launcher.launch(kernel, (-(-units // 8), 1, 1), 256, stream)
+
+            t = timer.ms(run)
+            torch.cuda.synchronize()
+            record = {"call": "internal", "probe": "bare_gather", "runtime": "torch",
+                      "path": "bare-kernel", "ids": "device", "direction": "store",
+                      "placement": "device", "page_bytes": PAGE, "moved_bytes": moved,
+                      "pool_bytes": gib << 30, "order": order, "copy_ms": ceiling,
+                      "frac_of_ceiling": ceiling / t["median"], **t}
+            line = json.dumps(record)
+            print(line, flush=True)
+            if a.out is not None:
+                with open(a.out, "a") as f:
+                    f.write(line + "\n")
+        if gib == max(int(x) for x in a.pools_gib.split(",")):
+            layerwise(a, kernel, args, launcher, timer, pool, chosen["random"], n_pages)
+        del pool
+        torch.cuda.empty_cache()
+
+
+def layerwise(a, kernel, args, launcher, timer, pool, sets, n_pages, layers: int = 32) -> None:
+    """The floor of one-layer launches: ``layers`` launches of 1/``layers`` of the pages each,
+    captured in one CUDA graph (no host time), against one launch of all of them."""
+    per = n_pages // layers
+    keep = []  # ctypes parameter blocks the graph's launches were recorded with
+
+    def launch_all(stream, pieces):
+        for k in range(pieces):
+            block = Args(pool.data_ptr(), dst_all.data_ptr() + k * per * PAGE,
+                         sets[0].data_ptr() + 4 * k * per, per * 4 * (layers // pieces), 0)
+            keep.append(block)
+            lk = driver.Launcher(torch.cuda.current_device(), ctypes.addressof(block))
+            lk.launch(kernel, (-(-block.n_units // 8), 1, 1), 256, stream)
+
+    dst_all = torch.empty(n_pages * PAGE, dtype=torch.uint8, device="cuda")
+    out = {}
+    for pieces in (1, layers):
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            launch_all(torch.cuda.current_stream().cuda_stream, pieces)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            launch_all(torch.cuda.current_stream().cuda_stream, pieces)
+        out[pieces] = timer.ms(lambda i, g=graph: g.replay())["median"]
+    record = {"call": "internal", "probe": "bare_gather_layerwise", "runtime": "torch",
+              "path": "bare-kernel", "graph": True, "launches": layers,
+              "bytes_per_launch": per * PAGE, "ms_one_launch": out[1],
+              "ms_all_launches": out[layers], "us_per_launch": out[layers] * 1e3 / layers,
+              "frac_of_whole": out[1] / out[layers]}
+    line = json.dumps(record)
+    print(line, flush=True)
+    if a.out is not None:
+        with open(a.out, "a") as f:
+            f.write(line + "\n")
+
+
+if __name__ == "__main__":
+    main()
