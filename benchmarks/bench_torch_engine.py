@@ -13,7 +13,9 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
   captured in one CUDA graph as an engine's captured forward pass runs them;
 - ``compile``: a ``torch.compile(fullgraph=True)`` engine step calling the prepared store;
 - ``sm_cap``: a store capped with ``max_ctas`` (16 of the GPU's SMs by default) running beside
-  a bf16 GEMM on another stream: the store's GB/s and the GEMM's slowdown, capped and not.
+  a bf16 GEMM on another stream: the store's GB/s alone and beside the GEMM, and the GEMM's
+  slowdown (its own event-timed duration beside the stores over its time alone), capped and
+  not; ``step_over_gemm`` is the whole step (GEMM and stores joined) over the GEMM alone.
 - ``paths`` (``--paths kernel,copy_engine``): prepared store / load with host ids forced onto
   each ``path=``, over page sizes 1-128 KiB (a Llama-like bf16 NHD cache whose head count and
   block size give the page), 1 / 4 / 16 / 64 / 256 chunks, objects on the GPU and in pinned
@@ -288,12 +290,40 @@ def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> No
             torch.cuda.current_stream().wait_stream(side)
 
         step = timer.ms(both)
+        gemm_ms, store_ms = _side_by_side(s, ids, objs, a, b, out, side, cap, per_gemm)
         emit(record(s, "sm_cap", "device", "store", chunks, alone, ceiling,
                     max_ctas=cap, sms=sms, gemm_alone_ms=gemm_alone["median"],
                     step_ms=step["median"], stores_per_gemm=per_gemm,
-                    gemm_slowdown=step["median"] / gemm_alone["median"],
+                    step_over_gemm=step["median"] / gemm_alone["median"],
+                    gemm_concurrent_ms=gemm_ms,
+                    gemm_slowdown=gemm_ms / gemm_alone["median"],
+                    concurrent_store_ms=store_ms,
                     concurrent_store_gbps=2 * s.moved_bytes(chunks) * per_gemm
-                    / step["median"] / 1e6))
+                    / store_ms / 1e6))
+
+
+def _side_by_side(s: Setup, ids, objs, a, b, out, side, cap, per_gemm, rounds: int = 15):
+    """Medians of the GEMM's own time on the main stream and of the stores' on the side
+    stream while both run (CUDA events on each stream, the stores enqueued first)."""
+    main = torch.cuda.current_stream()
+    gemm, store = [], []
+    for r in range(rounds + 2):
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
+            events[0].record()
+            for k in range(per_gemm):
+                s.prep.store(ids[(r + k) % len(ids)], objs[(r + k) % 2], max_ctas=cap)
+            events[1].record()
+        events[2].record()
+        torch.matmul(a, b, out=out)
+        events[3].record()
+        main.wait_stream(side)
+        torch.cuda.synchronize()
+        if r >= 2:  # two warm-up rounds
+            store.append(events[0].elapsed_time(events[1]))
+            gemm.append(events[2].elapsed_time(events[3]))
+    return statistics.median(gemm), statistics.median(store)
 
 
 PATH_PAGES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
