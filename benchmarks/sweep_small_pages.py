@@ -582,6 +582,10 @@ def main(argv=None) -> int:
         args.pages, args.chunks, args.layers = [512, 1024], [1, 2], 2
         args.planes_per_cta, args.cta_bytes, args.unroll = [4], [], []
         args.jax_items, args.jax_chunks, args.repeats, args.batch_ms = [1, 4], [2], 2, 1.0
+    unknown = sorted(set(args.pages) - set(SHAPES))
+    if unknown:
+        p.error(f"--pages: expected sizes from {sorted(SHAPES)} (the shapes this sweep knows), "
+                f"got {unknown}")
     globals()["LAYERS"] = args.layers
     runtimes = [r for r in args.runtimes.split(",") if r]
     out = Out(args.out, args.budget_s)

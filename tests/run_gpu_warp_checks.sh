@@ -24,7 +24,7 @@ race) st race 120 $R $P -m gpu tests/torch/test_warp_kernel_gpu.py tests/torch/t
 engine) st engine 170 python3 benchmarks/bench_torch_engine.py --out $OUT/torch_engine_h200.jsonl ;;
 warp) st warp 120 python3 benchmarks/sweep_warp_kernel.py --out $OUT/torch_warp_h200.jsonl ;;
 gather) st gather 60 python3 benchmarks/probe_gather_ceiling.py --out $OUT/gather_ceiling_h200.jsonl ;;
-small) st small 100 python3 benchmarks/sweep_small_pages.py --pages 2048,4096,8192,16384,32768 --chunks 64,256 --planes-per-cta 8 --cta-bytes 65536 --unroll 8 --budget-s 80 --out $OUT/small_pages_warp_h200.jsonl ;;
+small) st small 100 python3 benchmarks/sweep_small_pages.py --pages 2048,4096 --chunks 64,256 --planes-per-cta 8 --cta-bytes 65536 --unroll 8 --budget-s 80 --out $OUT/small_pages_warp_h200.jsonl ;;
 headline) st headline 130 python3 -m kvgroups_tools.cli bench --backends torch --matrix headline --budget-s 110 --quiet --out $OUT/headline_warp_h200.jsonl ;;
 esac; done
 grep -h "^FAILED\|^ERROR " $W/*.log | head -30
