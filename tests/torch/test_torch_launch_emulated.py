@@ -633,3 +633,28 @@ def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated)
             assert name.endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0), name
             if name.endswith("_warp"):
                 assert launches[-1][2] == -(-(2 * 4 * hs * 4) // segment)  # segments per page
+
+
+def test_warp_selection_and_sizing():
+    # The warp kernels take contiguous 16-byte pages from WARP_MIN_PAGE_BYTES up, never small
+    # pages or runs; a launch whose segments would pass the kernel's 32-bit count is refused
+    # (None: the classic kernel takes it), and the grid covers every segment with 8 warps/CTA.
+    from dataclasses import replace
+
+    from kvgroups_torch import geometry
+
+    rng = np.random.default_rng(5)
+    nhd = geometry.group_shape(make_case("nhd", "float32", "store", rng, nb=8, bs=16, nh=8,
+                                         hs=64, num_chunks=1, bpc=2, kept=2).plan.groups[0])
+    assert nhd.contiguous and nhd.page_bytes == 32768
+    hnd = geometry.group_shape(make_case("hnd", "float16", "store", rng, nb=8, bs=2, hs=8,
+                                         num_chunks=1, bpc=2, kept=2, region_pad=6).plan.groups[0])
+    assert geometry.uses_warp_kernel(nhd, small=False)
+    assert not geometry.uses_warp_kernel(nhd, small=True)
+    assert not geometry.uses_warp_kernel(hnd, small=False)
+    assert not geometry.uses_warp_kernel(replace(nhd, page_bytes=geometry.WARP_MIN_PAGE_BYTES - 16),
+                                         small=False)
+    assert not geometry.uses_warp_kernel(replace(nhd, unit=8), small=False)
+    assert geometry.warp_sizing(32768, 1000, 64, 16, 8) == (4, -(-4 * 1000 * 64 // 8))
+    assert geometry.warp_sizing(12288, 3, 2, 16, 8) == (2, 2)  # 1.5 segments round up
+    assert geometry.warp_sizing(32768, 2**26, 32, 16, 8) is None  # 2**33 segments
