@@ -21,7 +21,9 @@ layers' tensors: its launches address none of their bytes), and host ids' values
 every used block. Anything else, and any doubt, is a miss: the call takes the full path
 (which raises the cold call's error, rebinds, or passes and records). Only calls that moved
 bytes in place (no new cache arrays) with plain objects and one engine group's flat ids are
-recorded; a rebind starts a new memo.
+recorded; a rebind starts a new memo. One-shot calls use the memo of the binding they take
+back (``kvgroups_core.reuse``): parking drops the memo's references to the tensors, not its
+signatures.
 """
 
 from __future__ import annotations
@@ -67,13 +69,13 @@ def call_key(ids_key: Any, direction: str, block_ids: Any, layers: Any, max_ctas
 class _Entry:
     """One validated plan signature."""
 
-    __slots__ = ("scope", "checks", "tensors", "keys", "run")
+    __slots__ = ("scope", "checks", "slots", "keys", "run")
 
-    def __init__(self, scope: tuple, checks: tuple | None, tensors: list, keys: Any,
+    def __init__(self, scope: tuple, checks: tuple | None, slots: tuple, keys: Any,
                  run: Any) -> None:
         self.scope = scope  # (direction, num_chunks): what the objects were validated for
         self.checks = checks  # host ids: (used ids, num_blocks) to check per call; else None
-        self.tensors = tensors  # the bound tensors the plan's planes touch
+        self.slots = slots  # the bound tensor slots the plan's planes touch
         self.keys = keys  # their fingerprints when recorded (None: no fingerprints)
         self.run = run  # BoundCaches.runner(plan, ...)
 
@@ -89,19 +91,37 @@ class CallMemo:
         self._objects_key = getattr(backend, "objects_key", None) or numpy_objects_key
         self._plans: dict[tuple, _Entry] = {}
         self._objects: dict[tuple, bool] = {}
+        # The bound tensors of each entry's slots, by slots: the only references the memo
+        # holds to caches, dropped in one step when the binding lets go of its tensors.
+        self._held: dict[tuple, list] = {}
 
     def clear(self) -> None:
         self._plans.clear()
         self._objects.clear()
+        self._held = {}
 
-    def call(self, key: tuple, block_ids: Any, objects: Any, kv_caches: Any) -> Any:
+    def release(self) -> None:
+        """The binding let go of its tensors (a parked one-shot binding): drop the references
+        and keep the signatures. After the binding takes its tensors back (the very same
+        objects: :mod:`kvgroups_core.reuse`), a hit looks them up from the guard again and
+        compares their fingerprints with the recorded ones, as every hit does."""
+        self._held = {}
+
+    def call(self, key: tuple, block_ids: Any, objects: Any, kv_caches: Any,
+             fingerprints_checked: bool = False) -> Any:
         """Run a call of a recorded signature: the runner's result, or None (a miss: nothing
-        has moved, the caller takes the full path)."""
+        has moved, the caller takes the full path). ``fingerprints_checked``: the caller has
+        just compared every bound tensor's fingerprint with the binding's (a one-shot call
+        taking its binding back does), so the touched ones need no second look."""
         entry = self._plans.get(key)
         if entry is None or not self._guard.same_entries(kv_caches):
             return None
-        if entry.keys is not None and self._keys_of(entry.tensors) != entry.keys:
-            return None  # a touched tensor was reallocated: the full path rebinds or raises
+        if entry.keys is not None and not fingerprints_checked:
+            tensors = self._held.get(entry.slots)
+            if tensors is None:
+                tensors = self._held[entry.slots] = self._guard.watch(entry.slots)[0]
+            if self._keys_of(tensors) != entry.keys:
+                return None  # a touched tensor was reallocated: the full path rebinds or raises
         if type(objects) is not list and type(objects) is not tuple:
             return None
         okey = self._objects_key(objects)
@@ -139,9 +159,11 @@ class CallMemo:
                 return
             checks = tuple((used, num_blocks) for _, _, used, num_blocks in sk.checks)
             block_ids = block_ids.astype(np.int64, copy=False)
-        slots = sorted({p.tensor_slot for g in plan.groups for p in g.planes})
+        slots = tuple(sorted({p.tensor_slot for g in plan.groups for p in g.planes}))
         tensors, keys = self._guard.watch(slots)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        self._plans[key] = _Entry(scope, checks, tensors, keys,
+            self._held = {}
+        self._held[slots] = tensors
+        self._plans[key] = _Entry(scope, checks, slots, keys,
                                   self._bound.runner(plan, block_ids))

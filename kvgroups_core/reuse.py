@@ -9,7 +9,9 @@ same: the same structure, every leaf the very object the parked binding last mov
 JAX load: the arrays it returned). That call then runs exactly as a prepared call does,
 checks included: its ids and objects are validated, and the bound caches' fingerprints
 (torch: addresses; NumPy: address, shape, strides, dtype, writeable) are compared first, so a
-cache resized or reallocated in place is bound afresh (or refused as a first call is).
+cache resized or reallocated in place is bound afresh (or refused as a first call is). A
+repeated signature takes the transfer's call memo (``kvgroups_core.call_memo``), which keeps
+its signatures while parked and only lets go of the tensors.
 
 Parking holds no cache alive: the parked transfer lets go of every tensor
 (``PreparedTransfer._release``) and the park keeps weak references (NumPy arrays: their ids,

@@ -161,7 +161,7 @@ class PreparedTransfer:
             return False
         self.kv_caches = self._objs = self._described = None
         self._guard.release()
-        self._memo.clear()  # prepared-call fingerprints of the released tensors
+        self._memo.release()  # its references to the released tensors (signatures stay)
         return True
 
     def _restore(self, kv_caches: Any, objs: list) -> None:
@@ -352,7 +352,16 @@ def store(
         objects = [objects]
     prepared, entry = _one_shot(manager, kv_caches, objects, backend)
     try:
-        out = _store_locked(prepared, block_ids, objects, layers, max_ctas, None, path)
+        key = None
+        if objects is not None:  # a repeated call of a validated signature: see call_memo
+            key = call_key(prepared._ids_key, "store", block_ids, layers, max_ctas, 0, path)
+            # A taken-back binding (entry) compared every fingerprint in _one_shot.
+            done = None if key is None else prepared._memo.call(
+                key, block_ids, objects, prepared.kv_caches, entry is not None)
+            if done is not None:
+                reuse.park(manager, prepared, entry)
+                return done[1]
+        out = _store_locked(prepared, block_ids, objects, layers, max_ctas, key, path)
     except KVGroupsError:
         _park_after_refusal(manager, prepared, entry, kv_caches)
         raise
@@ -390,8 +399,17 @@ def load(
         objects = [objects]
     prepared, entry = _one_shot(manager, kv_caches, objects, backend)
     try:
+        # A repeated call of a validated signature: see call_memo.
+        key = call_key(prepared._ids_key, "load", block_ids, layers, max_ctas,
+                       skip_first_n_tokens, path)
+        done = None if key is None else prepared._memo.call(
+            key, block_ids, objects, prepared.kv_caches, entry is not None)
+        if done is not None:
+            out = _adopt_load_results(prepared, done[0])
+            reuse.park(manager, prepared, entry)
+            return out
         out = _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas,
-                           None, path)
+                           key, path)
     except KVGroupsError:
         _park_after_refusal(manager, prepared, entry, kv_caches)
         raise

@@ -168,6 +168,7 @@ class CacheGuard:
             concrete = list(enumerate(objs))
         self._concrete = [x for _, x in concrete]
         self._slot_index = [i for i, _ in concrete]
+        self._where: dict[int, int] | None = None  # slot -> position in _concrete (watch)
         keys_of = self._keys_of
         self._keys = keys_of(self._concrete) if keys_of is not None else None
         self._memory: list[tuple[int, int]] | None = None  # cache byte ranges, sorted
@@ -183,6 +184,7 @@ class CacheGuard:
             self._snap = _snapshot(kv_caches)
         self._concrete = list(objs)
         self._slot_index = list(range(len(self._concrete)))
+        self._where = None
         if self._keys is not None:
             self._keys = self._keys_of(self._concrete)
         self._memory = None
@@ -236,7 +238,9 @@ class CacheGuard:
         """``(tensors, keys)``: the concrete bound tensors of these slots and their current
         fingerprints (``keys`` None when the runtime has none); a call touching only these
         slots is current while ``keys_of(tensors) == keys`` and :meth:`same_entries`."""
-        where = {slot: n for n, slot in enumerate(self._slot_index)}
+        where = self._where
+        if where is None:
+            where = self._where = {slot: n for n, slot in enumerate(self._slot_index)}
         tensors = [self._concrete[where[s]] for s in slots if s in where]
         keys = self._keys_of(tensors) if self._keys_of is not None and tensors else None
         return tensors, keys
