@@ -227,7 +227,8 @@ class GroupLaunch:
         self.plane_table = _to_device(table.reshape(-1), device.index)
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
-        self._variants: dict[tuple[str, int, bool], tuple[P.KvgParams, Launcher, int]] = {}
+        # (direction, vector, small, warp) -> packed parameters, launcher, kernel handle
+        self._variants: dict[tuple[str, int, bool, bool], tuple[P.KvgParams, Launcher, int]] = {}
         # Small pages run the kvg_*_small kernels (geometry.SMALL_PAGE_BYTES, read once here).
         self.small = geometry.uses_small_pages(self.shape.page_bytes)
         # ... and contiguous pages of 16-byte vectors the warp kernels (WARP_MIN_PAGE_BYTES).
