@@ -395,6 +395,7 @@ def sweep_jax(args, out: Out) -> None:
 
         return timed(fn)
 
+    saved = {k: pallas_copy.TUNING[k] for k in ("items_per_program", "small_page_bytes")}
     for page in args.pages:
         for shape in SHAPES[page]:
             if shape.layout != "nhd":
@@ -464,8 +465,7 @@ def sweep_jax(args, out: Out) -> None:
                              verified=True)
                     caches = list(prep.kv_caches)
             del caches
-    pallas_copy.TUNING["items_per_program"] = 1
-    pallas_copy.TUNING["small_page_bytes"] = 0
+    pallas_copy.TUNING.update(saved)  # the defaults again, for whatever runs next
     jax.clear_caches()
 
 
