@@ -54,6 +54,12 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--target-ms", type=float, default=25.0, help="time per timed batch")
     p.add_argument("--calls", default="jit,store,prepared")
+    p.add_argument("--mosaic-smem", type=int, default=None,
+                   help="pallas_mosaic.MAX_SMEM_BYTES for this run (an A/B of the Mosaic "
+                        "kernel's shared-memory budget per program); records carry it")
+    p.add_argument("--weights-mib", type=int, default=0,
+                   help="the jitted step also reads this many MiB (a decode step's weight "
+                        "stream), so both steps are device-bound; 0: the small step alone")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     base = TINY if args.tiny else FULL
@@ -131,8 +137,10 @@ class Bench:
         jax.block_until_ready([self.caches, *trees])
 
     def emit(self, **record):
+        from kvgroups_jax import pallas_mosaic
+
         record.update(runtime="jax", placement="device", page_bytes=self.page_bytes,
-                      layout=self.args.layout,
+                      layout=self.args.layout, mosaic_smem_bytes=pallas_mosaic.MAX_SMEM_BYTES,
                       backend=jax.default_backend(), jax=jax.__version__)
         print(json.dumps(record), flush=True)
         self.out.append(record)
@@ -154,22 +162,28 @@ class Bench:
 
         n = a.page_size * a.heads * a.head_dim  # one page-plane's elements
 
-        def compute(caches):
+        def compute(caches, weights):
             # A small computation over the cache: one page-plane of every layer read, one
-            # written (flat views: the same work for either layout).
+            # written (flat views: the same work for either layout); plus, with
+            # --weights-mib, a read of a weights stand-in, as a decode step streams its
+            # weights: the step is then device-bound and the transfer's cost is device time.
             total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
+            if weights is not None:
+                total = total + jnp.sum(weights, dtype=jnp.uint32).astype(jnp.float32) * 0.0
             flat = caches[0].reshape(-1)
             flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
             return [flat.reshape(caches[0].shape)] + list(caches[1:])
 
-        def with_transfer(caches, objs, load_ids, store_ids):
+        def with_transfer(caches, objs, load_ids, store_ids, weights):
             traces["n"] += 1
             caches = load(manager, objs, caches, load_ids)
-            caches = compute(caches)
+            caches = compute(caches, weights)
             return caches, store(manager, caches, store_ids)
 
-        def without(caches, objs, load_ids, store_ids):
-            return compute(caches), []
+        def without(caches, objs, load_ids, store_ids, weights):
+            return compute(caches, weights), []
+
+        weights = (jnp.ones(a.weights_mib << 18, jnp.uint32) if a.weights_mib else None)
 
         def runner(step_fn):
             if ids_kind == "device":
@@ -179,13 +193,13 @@ class Bench:
 
                 def fn(i):
                     li, si = dev[i % len(dev)]
-                    self.caches, self._objs = jitted(self.caches, objs, li, si)
+                    self.caches, self._objs = jitted(self.caches, objs, li, si, weights)
             else:  # NumPy ids are constants of the trace: one id set, one compilation
                 li, si = sets[0], sets[1]
-                jitted = jax.jit(lambda c, o: step_fn(c, o, li, si), donate_argnums=(0,))
+                jitted = jax.jit(lambda c, o, w: step_fn(c, o, li, si, w), donate_argnums=(0,))
 
                 def fn(i):
-                    self.caches, self._objs = jitted(self.caches, objs)
+                    self.caches, self._objs = jitted(self.caches, objs, weights)
             return fn
 
         self._objs = []
@@ -197,7 +211,7 @@ class Bench:
         ceiling = copy_ceiling(moved, a.repeats, a.target_ms / 1e3)
         self.record("jit", ids_kind, "step", "load+store", chunks, transfer, moved, ceiling,
                     {"step_s": t_step, "step_without_transfer_s": t_base,
-                     "traces": traces["n"]})
+                     "traces": traces["n"], "weights_mib": a.weights_mib})
 
     # --- eager stores ------------------------------------------------------------------------
     def run_store(self, chunks, call):
@@ -224,6 +238,10 @@ class Bench:
 
 def main(argv=None):
     args = parse_args(argv)
+    from kvgroups_jax import pallas_mosaic
+
+    if args.mosaic_smem is not None:
+        pallas_mosaic.MAX_SMEM_BYTES = args.mosaic_smem
     bench = Bench(args)
     bench.emit(call="meta", layers=args.layers, pages=args.pages, page_size=args.page_size,
                heads=args.heads, head_dim=args.head_dim, tokens_per_chunk=args.tokens,

@@ -33,3 +33,20 @@ def test_bench_jax_engine_tiny_emits_every_record(tmp_path):
         assert all(f in r for f in FIELDS), r
         assert r["gbps"] > 0 and r["frac_of_ceiling"] > 0
     assert all(r["traces"] == 1 for r in records if r["call"] == "jit")  # no retrace
+
+
+def test_weight_stream_and_mosaic_budget_options_are_recorded(tmp_path):
+    # Subprocess: --mosaic-smem sets a module constant for the whole run.
+    out = tmp_path / "engine.jsonl"
+    done = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_jax_engine.py"), "--tiny",
+         "--calls", "jit", "--chunks", "1", "--repeats", "2", "--target-ms", "2",
+         "--weights-mib", "1", "--mosaic-smem", "32768", "--out", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    jit = [r for r in rows if r["call"] == "jit"]
+    assert {r["ids"] for r in jit} == {"device", "host"}
+    assert all(r["weights_mib"] == 1 and r["mosaic_smem_bytes"] == 32768 for r in jit)
+    assert all(r["traces"] == 1 and r["step_without_transfer_s"] > 0 for r in jit)
