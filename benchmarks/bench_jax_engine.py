@@ -15,7 +15,9 @@ chunk count (default 1, 4, 16, 64):
 
 Every record: ``gbps`` = bytes read + written per second of the transfer, ``frac_of_ceiling``
 = the same run's device copy of the same bytes (a jitted, donated ``x + 1`` over uint32 words,
-warmed) over the transfer's time; medians over ``--repeats`` batches. JSON lines on stdout and
+warmed) over the transfer's time; jit records add ``frac_of_per_call_ceiling``, the same over
+two copies of one call's bytes in one program (the step's load and store are two kernels,
+where the one-copy ceiling is one); medians over ``--repeats`` batches. JSON lines on stdout and
 appended to ``--out``. ``--tiny`` runs a few-KiB model on the CPU in seconds (CI).
 """
 
@@ -105,11 +107,18 @@ def timed(fn, sync, repeats, target_s):
     return statistics.median(secs)
 
 
-def copy_ceiling(nbytes, repeats, target_s):
-    """Seconds of a device copy of ``nbytes`` (read + write each byte), donated, warmed."""
+def copy_ceiling(nbytes, repeats, target_s, copies=1):
+    """Seconds of ``copies`` device copies of ``nbytes`` each (read + write each byte) in one
+    donated, warmed program; ``optimization_barrier`` keeps XLA from fusing them into one."""
     words = max(1, nbytes // 4)
     held = [jnp.zeros((words,), jnp.uint32)]
-    step = jax.jit(lambda x: x + 1, donate_argnums=0)
+
+    def copy(x):
+        for _ in range(copies):
+            x = jax.lax.optimization_barrier(x + 1)
+        return x
+
+    step = jax.jit(copy, donate_argnums=0)
 
     def fn(i):
         held[0] = step(held[0])
@@ -209,9 +218,14 @@ class Bench:
         moved = 2 * nbytes_one  # load + store
         transfer = max(t_step - t_base, 1e-9)
         ceiling = copy_ceiling(moved, a.repeats, a.target_ms / 1e3)
+        # The transfer is two programs' worth of kernels (a load, a store) of nbytes_one each:
+        # beside the one-copy ceiling, two copies of nbytes_one in one program.
+        per_call = copy_ceiling(nbytes_one, a.repeats, a.target_ms / 1e3, copies=2)
         self.record("jit", ids_kind, "step", "load+store", chunks, transfer, moved, ceiling,
                     {"step_s": t_step, "step_without_transfer_s": t_base,
-                     "traces": traces["n"], "weights_mib": a.weights_mib})
+                     "traces": traces["n"], "weights_mib": a.weights_mib,
+                     "per_call_ceiling_s": per_call,
+                     "frac_of_per_call_ceiling": per_call / transfer})
 
     # --- eager stores ------------------------------------------------------------------------
     def run_store(self, chunks, call):

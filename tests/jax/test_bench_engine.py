@@ -50,3 +50,5 @@ def test_weight_stream_and_mosaic_budget_options_are_recorded(tmp_path):
     assert {r["ids"] for r in jit} == {"device", "host"}
     assert all(r["weights_mib"] == 1 and r["mosaic_smem_bytes"] == 32768 for r in jit)
     assert all(r["traces"] == 1 and r["step_without_transfer_s"] > 0 for r in jit)
+    assert all(r["frac_of_per_call_ceiling"] == r["per_call_ceiling_s"] / r["median_s"]
+               for r in jit)
