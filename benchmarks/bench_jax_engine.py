@@ -114,6 +114,8 @@ def copy_ceiling(nbytes, repeats, target_s, copies=1):
     held = [jnp.zeros((words,), jnp.uint32)]
 
     def copy(x):
+        if copies == 1:
+            return x + 1  # the program every committed one-copy ceiling was measured with
         for _ in range(copies):
             x = jax.lax.optimization_barrier(x + 1)
         return x
