@@ -63,8 +63,9 @@ def _item_page(p, item, counts):
     return chunk, pos, bid
 
 
-def _copy_page(p, kind, vec, store, r, plane, chunk, pos, bid):
-    """Every vector of one page (run ``r`` of block ``bid`` in ``plane``)."""
+def _page_addresses(p, r, plane, chunk, pos, bid) -> tuple[int, int]:
+    """(cache, object) addresses of run ``r`` of block ``bid`` in ``plane``, as the kernels
+    compute them from the plane table and the object mode."""
     base, plane_off = _read(p.plane_table + 16 * plane, 16).view(np.int64).tolist()
     base &= (1 << 64) - 1
     if p.obj_mode == P.OBJ_STRIDED:
@@ -73,8 +74,13 @@ def _copy_page(p, kind, vec, store, r, plane, chunk, pos, bid):
         obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
     else:
         obj = p.inline_objs[chunk]
-    cache_page = base + bid * p.block_stride + r.cache_offset
-    obj_page = obj + p.region_offset + plane_off + pos * p.page_obj_stride + r.obj_offset
+    return (base + bid * p.block_stride + r.cache_offset,
+            obj + p.region_offset + plane_off + pos * p.page_obj_stride + r.obj_offset)
+
+
+def _copy_page(p, kind, vec, store, r, plane, chunk, pos, bid):
+    """Every vector of one page (run ``r`` of block ``bid`` in ``plane``)."""
+    cache_page, obj_page = _page_addresses(p, r, plane, chunk, pos, bid)
     for k in range(r.page_units):
         if kind == "contig":
             c_off = o_off = k * vec
@@ -133,7 +139,6 @@ def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
     assert total < 2**31  # the kernel counts units in 32 bits
     warps = grid[0] * P.WARPS_PER_CTA
     first = _first_item(p, True)  # only the thread of unit 0 reports the skip
-    base_table = _read(p.plane_table, 16 * p.num_planes).view(np.int64).reshape(-1, 2)
     for w in range(warps):
         for u in range(w, total, warps):
             seg, rest = u % segs, u // segs
@@ -144,17 +149,7 @@ def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
             found = _item_page(p, item, plane == 0 and seg == 0)
             if found is None:
                 continue
-            chunk, pos, bid = found
-            base = int(base_table[plane, 0]) & ((1 << 64) - 1)
-            if p.obj_mode == P.OBJ_STRIDED:
-                obj = p.obj_base + chunk * p.obj_chunk_stride
-            elif p.obj_mode == P.OBJ_TABLE:
-                obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
-            else:
-                obj = p.inline_objs[chunk]
-            cache_page = base + bid * p.block_stride + run.cache_offset
-            obj_page = (obj + p.region_offset + int(base_table[plane, 1]) + pos * p.page_obj_stride
-                        + run.obj_offset)
+            cache_page, obj_page = _page_addresses(p, run, plane, *found)
             lo = seg * seg_units * 16
             hi = min(lo + seg_units * 16, run.page_units * 16)
             src, dst = (cache_page, obj_page) if store else (obj_page, cache_page)
