@@ -14,9 +14,9 @@ Llama-like caches (32 layers, one ``[2, NB, BS, NH, HS]`` bf16 array per layer, 
 
 ``frac_of_ceiling`` = the same run's device copy of the same bytes (a jitted ``x + 1`` over
 uint32 words, the copies separated by ``optimization_barrier`` so XLA cannot fuse them) over the
-transfer's time; medians over ``--repeats`` batches. Every point is verified first: the jitted
-store's objects equal the NumPy reference store of the same ids, and a load of the objects a
-store of the same ids made leaves the caches as they were. ``--tuning key=value`` sets
+transfer's time; medians over ``--repeats`` batches. Every point is verified first: each
+store's objects (jitted and eager) equal the NumPy reference store of the same ids, and each
+load of the objects a store of the same ids made leaves the caches as they were. ``--tuning key=value`` sets
 ``pallas_copy.TUNING`` entries (``read_first=0``) for a variant run; records carry them.
 
     python benchmarks/bench_jax_small_pages.py --out benchmarks/results/jax_small_pages_h200.jsonl
@@ -189,7 +189,14 @@ def run_point(case: Case, chunks: int, args, emit) -> bool:
     # --- prepared eager calls, host ids ----------------------------------------------------
     prep = prepare(manager, case.caches)
     eager_objs = [prep.store(ids[r]) for r in range(min(3, args.reps))]
-    ok = bool(np.array_equal(np.asarray(prep.store(ids[-1])[0]), want))
+    verified = {"store": bool(np.array_equal(np.asarray(prep.store(ids[-1])[0]), want))}
+    # The eager load, as the jitted one: loading what a store of the same ids read must leave
+    # every cache bit as it was.
+    bits = [np.asarray(c).view(np.uint16) for c in prep.kv_caches]
+    prep.load(eager_objs[0], ids[0])
+    verified["load"] = all(np.array_equal(np.asarray(c).view(np.uint16), b)
+                           for c, b in zip(prep.kv_caches, bits))
+    del bits
     calls = {
         "store": lambda i: prep.store(ids[i % args.reps]),
         "load": lambda i: prep.load(eager_objs[i % len(eager_objs)],
@@ -200,9 +207,9 @@ def run_point(case: Case, chunks: int, args, emit) -> bool:
         emit(record="transfer", **base, call="prepared", ids="host", direction=direction,
              median_s=total, gbps=2 * nbytes / total / 1e9, frac_of_ceiling=copy_one / total,
              ceiling_s=copy_one, dispatch_s=host, host_bound=host >= 0.9 * total,
-             verified=ok)
+             verified=verified[direction])
     case.caches = list(prep.kv_caches)
-    return ok
+    return all(verified.values())
 
 
 def main(argv=None) -> int:
