@@ -14,40 +14,17 @@ from checks import as_bytes, run_and_check
 from kvgroups_jax import pallas_copy
 from kvgroups_jax.executor import execute_plan
 from kvgroups_jax.geometry import MAX_BOX_ELEMS, group_geometry
-from layouts import make_group, make_plan
+from layouts import make_plan
+from small_cases import PAGES, object_nbytes, select_small_kernel, small_group
 
 from kvgroups_core import reference
 from kvgroups_core.descriptors import TensorSpec
-
-# (bs, nh, hs) of bf16 pages: 512 B, 1 KiB, 2 KiB per block and plane.
-PAGES = {512: (16, 1, 16), 1024: (16, 1, 32), 2048: (16, 2, 32)}
 
 
 @pytest.fixture
 def small(monkeypatch):
     """Select the small-page kernel (8 items per program) and count its launches."""
-    monkeypatch.setitem(pallas_copy.TUNING, "items_per_program", 8)
-    monkeypatch.setitem(pallas_copy.TUNING, "small_page_bytes", 4096)
-    calls = []
-    real = pallas_copy._pallas_copy_small
-
-    def counted(*args, **kw):
-        calls.append(args[-1])  # items per program
-        return real(*args, **kw)
-
-    monkeypatch.setattr(pallas_copy, "_pallas_copy_small", counted)
-    jax.clear_caches()
-    yield calls
-    jax.clear_caches()
-
-
-def _nbytes(g):
-    return g.num_planes * g.slots * g.row_bytes
-
-
-def _group(page, layout="nhd", **kw):
-    bs, nh, hs = PAGES[page]
-    return make_group(layout, "bfloat16", bs=bs, nh=nh, hs=hs, **kw)
+    yield from select_small_kernel(monkeypatch, 8)
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))
@@ -55,48 +32,48 @@ def _group(page, layout="nhd", **kw):
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_small_pages_are_bit_exact(small, page, direction, layout):
     # 3 chunks of 3 kept blocks out of 4: 9 items, so the second program of 8 is partial.
-    arrays, g = _group(page, layout, direction=direction, nb=24, num_chunks=3, bpc=4, kept=3,
-                       seed=page)
-    run_and_check(direction, [g], arrays, [_nbytes(g)], lowering="interpret")
+    arrays, g = small_group(page, layout, direction=direction, nb=24, num_chunks=3, bpc=4,
+                            kept=3, seed=page)
+    run_and_check(direction, [g], arrays, [object_nbytes(g)], lowering="interpret")
     assert small and all(ipp > 1 for ipp in small)
 
 
 @pytest.mark.parametrize("page", [512, 2048])
 def test_load_skip_moves_only_the_items_after_it(small, page):
-    arrays, g = _group(page, direction="load", nb=24, num_chunks=3, bpc=4, first_item=5)
-    run_and_check("load", [g], arrays, [_nbytes(g)], lowering="interpret")
+    arrays, g = small_group(page, direction="load", nb=24, num_chunks=3, bpc=4, first_item=5)
+    run_and_check("load", [g], arrays, [object_nbytes(g)], lowering="interpret")
     assert small
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_layer_subset_moves_its_planes_into_their_object_rows(small, direction):
-    arrays, g = _group(1024, direction=direction, nb=16, num_chunks=2, bpc=4, nl=3)
+    arrays, g = small_group(1024, direction=direction, nb=16, num_chunks=2, bpc=4, nl=3)
     # Keep layer 1 of 3: planes 1 (K) and 4 (V), at their object planes in full objects.
     keep = (1, 4)
     planes = tuple(replace(p, object_plane=i) for i, p in enumerate(g.planes) if i in keep)
-    full = _nbytes(g)
+    full = object_nbytes(g)
     sub = replace(g, planes=planes)
     run_and_check(direction, [sub], arrays, [full], lowering="interpret")
     assert small
 
 
 def test_store_that_creates_its_objects(small):
-    arrays, g = _group(512, nb=16, num_chunks=2, bpc=4)
-    plan = make_plan("store", [g], arrays, [_nbytes(g)])
-    want = np.zeros((2, _nbytes(g)), np.uint8)
+    arrays, g = small_group(512, nb=16, num_chunks=2, bpc=4)
+    plan = make_plan("store", [g], arrays, [object_nbytes(g)])
+    want = np.zeros((2, object_nbytes(g)), np.uint8)
     reference.execute_plan(plan, [a.copy() for a in arrays], [want])
     _, objs = execute_plan(plan, [jnp.asarray(a) for a in arrays], [None], lowering="interpret")
-    assert objs[0].shape == (2, _nbytes(g))
+    assert objs[0].shape == (2, object_nbytes(g))
     np.testing.assert_array_equal(np.asarray(objs[0]), want)
     assert small
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_out_of_range_traced_ids_move_nothing_for_their_items(small, direction):
-    arrays, g = _group(1024, direction=direction, nb=12, num_chunks=2, bpc=4)
-    plan = make_plan(direction, [g], arrays, [_nbytes(g)])
+    arrays, g = small_group(1024, direction=direction, nb=12, num_chunks=2, bpc=4)
+    plan = make_plan(direction, [g], arrays, [object_nbytes(g)])
     rng = np.random.default_rng(8)
-    obj = rng.integers(0, 256, (2, _nbytes(g)), np.uint8)
+    obj = rng.integers(0, 256, (2, object_nbytes(g)), np.uint8)
     bad = np.array([3, 12, 0, -1, 7, 2**20, 5, 9], dtype=np.int32)
 
     def step(caches, obj, ids):
@@ -119,9 +96,9 @@ def test_out_of_range_traced_ids_move_nothing_for_their_items(small, direction):
 
 
 def test_items_per_program_follows_the_tuning_and_the_caps(monkeypatch):
-    arrays, g = _group(512, nb=16, num_chunks=2, bpc=4)
+    arrays, g = small_group(512, nb=16, num_chunks=2, bpc=4)
     specs = tuple(TensorSpec(a.shape, a.dtype) for a in arrays)
-    geom = group_geometry(g, specs, _nbytes(g))
+    geom = group_geometry(g, specs, object_nbytes(g))
     monkeypatch.setitem(pallas_copy.TUNING, "small_page_bytes", 0)
     monkeypatch.setitem(pallas_copy.TUNING, "items_per_program", 8)
     assert pallas_copy.items_per_program(geom, 64, 2) == 1  # off by default
@@ -148,11 +125,11 @@ def test_small_page_kernel_lowers_to_triton_for_an_abstract_h200(small, monkeypa
 
     from kvgroups_jax import executor
 
-    arrays, g = _group(page, layout, direction=direction, nb=64, num_chunks=4, bpc=4,
-                       first_item=1 if direction == "load" else 0)
-    plan = make_plan(direction, [g], arrays, [_nbytes(g)])
+    arrays, g = small_group(page, layout, direction=direction, nb=64, num_chunks=4, bpc=4,
+                            first_item=1 if direction == "load" else 0)
+    plan = make_plan(direction, [g], arrays, [object_nbytes(g)])
     caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    objects = [jax.ShapeDtypeStruct((4, _nbytes(g)), jnp.uint8)]
+    objects = [jax.ShapeDtypeStruct((4, object_nbytes(g)), jnp.uint8)]
     with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
         text = executor.lower_plan(plan, "triton", caches, objects).as_text()
     assert "__gpu$xla.gpu.triton" in text

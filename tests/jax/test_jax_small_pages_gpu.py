@@ -11,39 +11,16 @@ import pytest
 from checks import as_bytes, run_and_check
 from kvgroups_jax import pallas_copy
 from kvgroups_jax.executor import execute_plan
-from layouts import make_group, make_plan
+from layouts import make_plan
+from small_cases import PAGES, object_nbytes, select_small_kernel, small_group
 
 from kvgroups_core import reference
 
 pytestmark = pytest.mark.gpu
 
-PAGES = {512: (16, 1, 16), 1024: (16, 1, 32), 2048: (16, 2, 32)}
-
-
 @pytest.fixture(params=[4, 16])
 def small(request, monkeypatch):
-    monkeypatch.setitem(pallas_copy.TUNING, "items_per_program", request.param)
-    monkeypatch.setitem(pallas_copy.TUNING, "small_page_bytes", 4096)
-    calls = []
-    real = pallas_copy._pallas_copy_small
-
-    def counted(*args, **kw):
-        calls.append(args[-1])
-        return real(*args, **kw)
-
-    monkeypatch.setattr(pallas_copy, "_pallas_copy_small", counted)
-    jax.clear_caches()
-    yield calls
-    jax.clear_caches()
-
-
-def _nbytes(g):
-    return g.num_planes * g.slots * g.row_bytes
-
-
-def _group(page, layout="nhd", **kw):
-    bs, nh, hs = PAGES[page]
-    return make_group(layout, "bfloat16", bs=bs, nh=nh, hs=hs, **kw)
+    yield from select_small_kernel(monkeypatch, request.param)
 
 
 @pytest.mark.parametrize("page", sorted(PAGES))
@@ -53,11 +30,11 @@ def test_gpu_small_pages_are_bit_exact_and_in_place(small, page, layout):
     for direction in ("store", "load"):
         # 37 chunks of 3 kept blocks out of 4 (111 items: full and partial programs), a load
         # skipping 5 items.
-        arrays, g = _group(page, layout, direction=direction, nb=200, num_chunks=37, bpc=4,
-                           kept=3, nl=3, first_item=5 if direction == "load" else 0,
-                           seed=page)
+        arrays, g = small_group(page, layout, direction=direction, nb=200, num_chunks=37, bpc=4,
+                                kept=3, nl=3, first_item=5 if direction == "load" else 0,
+                                seed=page)
         caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
-            direction, [g], arrays, [_nbytes(g)], lowering="triton", device=gpu)
+            direction, [g], arrays, [object_nbytes(g)], lowering="triton", device=gpu)
         if direction == "load":
             assert [c.unsafe_buffer_pointer() for c in new_c] == ptrs
         else:
@@ -68,18 +45,18 @@ def test_gpu_small_pages_are_bit_exact_and_in_place(small, page, layout):
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_gpu_layer_subset(small, direction):
     gpu = jax.devices("gpu")[0]
-    arrays, g = _group(1024, direction=direction, nb=64, num_chunks=9, bpc=4, nl=3)
+    arrays, g = small_group(1024, direction=direction, nb=64, num_chunks=9, bpc=4, nl=3)
     planes = tuple(replace(p, object_plane=i) for i, p in enumerate(g.planes) if i in (1, 4))
-    run_and_check(direction, [replace(g, planes=planes)], arrays, [_nbytes(g)],
+    run_and_check(direction, [replace(g, planes=planes)], arrays, [object_nbytes(g)],
                   lowering="triton", device=gpu)
     assert small
 
 
 def test_gpu_store_that_creates_its_objects(small):
     gpu = jax.devices("gpu")[0]
-    arrays, g = _group(512, nb=64, num_chunks=12, bpc=4)
-    plan = make_plan("store", [g], arrays, [_nbytes(g)])
-    want = np.zeros((12, _nbytes(g)), np.uint8)
+    arrays, g = small_group(512, nb=64, num_chunks=12, bpc=4)
+    plan = make_plan("store", [g], arrays, [object_nbytes(g)])
+    want = np.zeros((12, object_nbytes(g)), np.uint8)
     reference.execute_plan(plan, [a.copy() for a in arrays], [want])
     _, objs = execute_plan(plan, [jax.device_put(a, gpu) for a in arrays], [None],
                            lowering="triton")
@@ -90,9 +67,9 @@ def test_gpu_store_that_creates_its_objects(small):
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_gpu_out_of_range_traced_ids_move_nothing(small, direction):
     gpu = jax.devices("gpu")[0]
-    arrays, g = _group(2048, direction=direction, nb=48, num_chunks=8, bpc=4)
-    plan = make_plan(direction, [g], arrays, [_nbytes(g)])
-    obj = np.random.default_rng(8).integers(0, 256, (8, _nbytes(g)), np.uint8)
+    arrays, g = small_group(2048, direction=direction, nb=48, num_chunks=8, bpc=4)
+    plan = make_plan(direction, [g], arrays, [object_nbytes(g)])
+    obj = np.random.default_rng(8).integers(0, 256, (8, object_nbytes(g)), np.uint8)
     bad = np.random.default_rng(9).permutation(48)[:32].astype(np.int32)
     bad[[2, 17, 30]] = [48, -1, 2**30]
 
@@ -121,8 +98,8 @@ def test_gpu_small_kernel_is_not_used_when_off(monkeypatch):
     seen = []
     monkeypatch.setattr(pallas_copy, "_pallas_copy_small", lambda *a, **k: seen.append(a))
     jax.clear_caches()
-    arrays, g = _group(512, nb=64, num_chunks=4, bpc=4)
-    run_and_check("store", [g], arrays, [_nbytes(g)], lowering="triton",
+    arrays, g = small_group(512, nb=64, num_chunks=4, bpc=4)
+    run_and_check("store", [g], arrays, [object_nbytes(g)], lowering="triton",
                   device=jax.devices("gpu")[0])
     assert not seen
     jax.clear_caches()
