@@ -272,7 +272,7 @@ def host_cost_cpu(args, emit) -> None:
         kernels = Kernels()
 
     class Launcher:
-        def __init__(self, device_index, params_address):
+        def __init__(self, device_index, params_address, *, programmatic=False):
             pass
 
         def launch(self, function, grid, threads, stream):

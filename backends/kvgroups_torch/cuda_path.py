@@ -270,7 +270,9 @@ class GroupLaunch:
             # A NumPy window on the inline ids: one casting copy per call, no allocation.
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
             p.last_objects = p.last_step = None  # what launch() last wrote (see there)
-            found = (p, Launcher(self.device.index, ctypes.addressof(p)), function)
+            # Every page-copy entry point waits for the kernel before it (page_copy.cu).
+            found = (p, Launcher(self.device.index, ctypes.addressof(p), programmatic=True),
+                     function)
             self._variants[(direction, vector, self.small, warp)] = found
         return found
 

@@ -3,12 +3,21 @@
 ``cuda.core``'s launch builds Python objects per call; a page-copy launch only needs
 ``cuLaunchKernel`` with one pre-packed ``KvgParams``, in the device's primary context (the
 one PyTorch uses), on PyTorch's current stream.
+
+On sm_90 and later the page-copy kernels are launched with programmatic stream serialization
+(``cuLaunchKernelEx``): the GPU may set a launch up while the kernel before it on the stream
+drains, which hides most of the 1-2 us between back-to-back kernels (a tenth of a one-chunk
+transfer on the H200). Stream order stays exact because every such kernel's first
+instruction is ``griddepcontrol.wait`` (``kernels/page_copy.cu``): it returns only once the
+kernel before it has finished and its writes are visible. Only kernels that wait may be
+launched this way (``programmatic=True``); ``KVGROUPS_PROGRAMMATIC_LAUNCH=0`` turns it off.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+import os
 import sys
 
 from kvgroups_core.errors import KVGroupsError, UnsupportedConfig
@@ -40,7 +49,48 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuGetErrorName.restype = ctypes.c_int
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     lib.cuGetErrorString.restype = ctypes.c_int
+    lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
+    lib.cuDeviceGetAttribute.restype = ctypes.c_int
+    if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 11.8 and later drivers
+        lib.cuLaunchKernelEx.argtypes = [vp, vp, vp, vp]
+        lib.cuLaunchKernelEx.restype = ctypes.c_int
     return lib
+
+
+class _LaunchAttribute(ctypes.Structure):
+    """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union."""
+
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
+                ("value_rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):
+    """``CUlaunchConfig``."""
+
+    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
+                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+_COMPUTE_CAPABILITY_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+
+
+@functools.cache
+def programmatic_launch(device_index: int) -> bool:
+    """Whether launches on ``device_index`` use programmatic stream serialization: sm_90 or
+    later, a driver with ``cuLaunchKernelEx``, and ``KVGROUPS_PROGRAMMATIC_LAUNCH`` not "0"."""
+    if os.environ.get("KVGROUPS_PROGRAMMATIC_LAUNCH", "1") == "0":
+        return False
+    lib = _libcuda()
+    if not hasattr(lib, "cuLaunchKernelEx"):
+        return False
+    dev, major = ctypes.c_int(), ctypes.c_int()
+    check(lib.cuDeviceGet(ctypes.byref(dev), device_index), f"cuDeviceGet({device_index})")
+    check(lib.cuDeviceGetAttribute(ctypes.byref(major), _COMPUTE_CAPABILITY_MAJOR, dev),
+          "cuDeviceGetAttribute")
+    return major.value >= 9
 
 
 def _error_text(code: int) -> str:
@@ -73,12 +123,17 @@ class Launcher:
 
     ``params_address`` is the address of the ``KvgParams`` the kernel receives by value; the
     driver copies it during the call, so the caller may overwrite it right after.
+    ``programmatic``: the kernels this launcher runs begin with ``griddepcontrol.wait``, so
+    they may be launched with programmatic stream serialization where
+    :func:`programmatic_launch` allows it (never set it for a kernel that does not wait).
     """
 
     __slots__ = ("_lib", "_ctx", "_current", "_current_ref", "_get_current", "_launch",
-                 "_args", "_args_address")
+                 "_args", "_args_address", "_config", "_config_address", "_attribute",
+                 "programmatic")
 
-    def __init__(self, device_index: int, params_address: int) -> None:
+    def __init__(self, device_index: int, params_address: int, *,
+                 programmatic: bool = False) -> None:
         self._lib = lib = _libcuda()
         self._ctx = primary_context(device_index)
         self._current = ctypes.c_void_p()
@@ -86,27 +141,44 @@ class Launcher:
         # and looking the functions up again were a tenth of it.
         self._current_ref = ctypes.byref(self._current)
         self._get_current = lib.cuCtxGetCurrent
-        self._launch = lib.cuLaunchKernel
         self._args = (ctypes.c_void_p * 1)(params_address)
         self._args_address = ctypes.addressof(self._args)
+        self.programmatic = programmatic and programmatic_launch(device_index)
+        self._config = self._attribute = None
+        if self.programmatic:
+            self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+            self._config = _LaunchConfig(block_y=1, block_z=1, shared_bytes=0,
+                                         attrs=ctypes.addressof(self._attribute), num_attrs=1)
+            self._config_address = ctypes.addressof(self._config)
+            self._launch = lib.cuLaunchKernelEx
+        else:
+            self._launch = lib.cuLaunchKernel
+
+    def _enqueue(self, function: int, grid: tuple[int, int, int], threads: int,
+                 stream: int) -> int:
+        config = self._config
+        if config is None:
+            return self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, 0, stream,
+                                self._args_address, None)
+        config.grid_x, config.grid_y, config.grid_z = grid
+        config.block_x, config.stream = threads, stream
+        return self._launch(self._config_address, function, self._args_address, None)
 
     def launch(self, function: int, grid: tuple[int, int, int], threads: int, stream: int) -> None:
         self._get_current(self._current_ref)
         previous = self._current.value
         if previous == self._ctx:  # the usual case: PyTorch's context is current
-            code = self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, 0, stream,
-                                self._args_address, None)
+            code = self._enqueue(function, grid, threads, stream)
             if code:
-                check(code, "cuLaunchKernel")
+                check(code, self._name())
             return
         # Another device (or none) is current in this thread: switch for the launch only.
         lib = self._lib
         check(lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
         try:
-            check(
-                lib.cuLaunchKernel(function, grid[0], grid[1], grid[2], threads, 1, 1, 0,
-                                   stream, self._args_address, None),
-                "cuLaunchKernel",
-            )
+            check(self._enqueue(function, grid, threads, stream), self._name())
         finally:
             lib.cuCtxSetCurrent(previous)
+
+    def _name(self) -> str:
+        return "cuLaunchKernelEx" if self._config is not None else "cuLaunchKernel"

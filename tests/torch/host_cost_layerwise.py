@@ -47,7 +47,7 @@ def stub_driver() -> type:
         launches = 0  # counted only while ``counting`` (the timed loops skip it)
         counting = False
 
-        def __init__(self, device_index, params_address):
+        def __init__(self, device_index, params_address, *, programmatic=False):
             pass
 
         def launch(self, function, grid, threads, stream):

@@ -109,6 +109,60 @@ def test_graph_replays_pick_up_new_ids_and_skips_written_in_place(name):
             np.testing.assert_array_equal(got, want, err_msg=f"replay {step}")
 
 
+@pytest.mark.parametrize("mode", ["eager", "graph"])
+def test_back_to_back_launches_see_what_the_kernels_before_them_wrote(mode):
+    """The page-copy kernels are launched to start while the kernel before them on the stream
+    drains (programmatic launch on sm_90+) and wait before touching memory. Each round here
+    has a torch kernel write the ids, a store read the pages of ``a`` into the objects and a
+    load write them back at ``b`` at once, with no sync between rounds: each launch must see
+    every write of the one before it (caches end as the sequential model says)."""
+    num_blocks, chunks, rounds = 512, 16, 12
+    manager, caches = model_caches("llama3-8b", layers=8, num_blocks=num_blocks,
+                                   device="cuda", seed=21)
+    prep = kc.prepare(manager, caches)
+    n = chunks * manager.calculate_num_blocks(0, manager.lmcache_tokens_per_chunk)
+    perm = torch.from_numpy(np.random.default_rng(22).permutation(num_blocks)).cuda()
+    objects = _empty_objects(manager, chunks)
+    ids_a = torch.empty(n, dtype=torch.int64, device="cuda")
+    ids_b = torch.empty_like(ids_a)
+    shift = torch.zeros((), dtype=torch.int64, device="cuda")
+    positions = torch.arange(n, device="cuda")
+
+    def one_round():  # ids from kernels (index and remainder), then the store and the load
+        torch.index_select(perm, 0, torch.remainder(positions + shift, num_blocks), out=ids_a)
+        torch.index_select(perm, 0, torch.remainder(positions + shift + n, num_blocks),
+                           out=ids_b)
+        prep.store(ids_a, objects)
+        prep.load(objects, ids_b)
+
+    model = [c.view(torch.uint8).view(2, num_blocks, -1).cpu().numpy().copy() for c in caches]
+    host_perm = perm.cpu().numpy()
+    graph = None
+    if mode == "graph":
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # warm-up off the capture
+            one_round()
+        torch.cuda.current_stream().wait_stream(side)
+        torch.cuda.synchronize()
+        model = [c.view(torch.uint8).view(2, num_blocks, -1).cpu().numpy().copy()
+                 for c in caches]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            one_round()
+    for k in range(rounds):
+        shift.fill_(7 * k)
+        graph.replay() if graph is not None else one_round()
+        a = host_perm[(np.arange(n) + 7 * k) % num_blocks]
+        b = host_perm[(np.arange(n) + 7 * k + n) % num_blocks]
+        for layer in model:
+            layer[:, b] = layer[:, a]
+    torch.cuda.synchronize()
+    kvgroups_torch.check_errors()
+    for got, want in zip(cache_bytes(caches), model):
+        np.testing.assert_array_equal(got.reshape(-1), want.reshape(-1))
+
+
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_out_of_range_device_ids_write_nothing_and_raise_at_the_check(direction):
     manager, caches = model_caches("llama3-8b", device="cuda", seed=7)

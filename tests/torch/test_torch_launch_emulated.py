@@ -211,7 +211,9 @@ def emulated(request, monkeypatch):
         kernels = FakeKernels()
 
     class FakeLauncher:
-        def __init__(self, device_index, params_address):
+        def __init__(self, device_index, params_address, *, programmatic=False):
+            # Every page-copy kernel waits for the grid before it: all may launch early.
+            assert programmatic
             self.address = params_address
 
         def launch(self, function, grid, threads, stream):

@@ -210,6 +210,17 @@ __device__ __forceinline__ void kvg_st<16>(kvg_u64 a, kvg_v16 v) {
 }
 #endif
 
+// Every entry point starts here. The host launches these kernels with programmatic stream
+// serialization (driver.py), so one may be set up and started while the kernel before it on
+// the stream still drains; this wait, before any memory access (ids, skips and tables may be
+// written by that kernel), returns once that kernel has finished and its writes are visible.
+// Without the launch attribute it returns at once; before sm_90 there is nothing to wait for.
+__device__ __forceinline__ void kvg_wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ kvg_i64 kvg_load_id(const KvgParams& p, kvg_i64 where) {
     if (p.ids_mode == 0) return p.inline_ids[where];
     if (p.ids_mode == 1) return reinterpret_cast<const int*>(p.ids)[where];
@@ -545,12 +556,14 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
 #define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
     extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
     kvg_##DIR##_v##V##_##KIND##_small(const __grid_constant__ KvgParams p) {           \
+        kvg_wait_for_prior_grid();                                                     \
         kvg_small_copy<STORE, V, CONTIG>(p);                                           \
     }
 #else
 #define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
     extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
     kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {                   \
+        kvg_wait_for_prior_grid();                                                     \
         kvg_page_copy<STORE, V, CONTIG>(p);                                            \
     }
 #endif
@@ -564,9 +577,15 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
 KVG_KERNELS_V(16)
 #if !KVG_BUILD_SMALL
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
-kvg_store_v16_warp(const __grid_constant__ KvgParams p) { kvg_warp_copy<true>(p); }
+kvg_store_v16_warp(const __grid_constant__ KvgParams p) {
+    kvg_wait_for_prior_grid();
+    kvg_warp_copy<true>(p);
+}
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
-kvg_load_v16_warp(const __grid_constant__ KvgParams p) { kvg_warp_copy<false>(p); }
+kvg_load_v16_warp(const __grid_constant__ KvgParams p) {
+    kvg_wait_for_prior_grid();
+    kvg_warp_copy<false>(p);
+}
 #endif
 KVG_KERNELS_V(8)
 KVG_KERNELS_V(4)
