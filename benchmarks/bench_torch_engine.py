@@ -29,7 +29,9 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
 CUDA timed with events over batches of back-to-back calls (medians); ``--tiny`` runs a small
 model (small pages, 2 layers) on the CPU with wall-clock timing (the CI smoke test; no graph, no SM cap). One JSON
 object per line to ``--out`` and stdout; fields ``call, ids, runtime, path, direction,
-placement, chunks, page_bytes, gbps, frac_of_ceiling, median`` (ms per call) plus extras.
+placement, chunks, page_bytes, gbps, frac_of_ceiling, median`` (ms per call) plus extras;
+``programmatic``: the kernels were launched with programmatic stream serialization
+(``kvgroups_torch/driver.py``; ``KVGROUPS_PROGRAMMATIC_LAUNCH=0`` for the plain launch).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
 import kvgroups_torch  # noqa: E402,F401  (compile support is installed on import)
+from kvgroups_torch.driver import programmatic_launch  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
@@ -148,6 +151,7 @@ def record(s: Setup, call: str, ids: str, direction: str, chunks: int, timing: d
     ms = timing["median"]
     return {"call": call, "ids": ids, "runtime": "torch",
             "path": "cuda-kernel" if s.device == "cuda" else "cpu", "direction": direction,
+            "programmatic": s.device == "cuda" and programmatic_launch(0),
             "placement": "device", "chunks": chunks, "page_bytes": s.page_bytes,
             "gbps": 2 * nbytes / ms / 1e6, "frac_of_ceiling": ceiling_ms / ms, **timing,
             "copy_ms": ceiling_ms, "bytes": nbytes, **extra}

@@ -7,7 +7,12 @@ random out of a pool of each ``--pools-gib`` size (and the same count of consecu
 ``order="sequential"``) into one contiguous buffer. ``frac_of_ceiling`` is the same run's
 ``copy_`` of the moved bytes over the gather's time (CUDA events over batches of back-to-back
 launches, medians). It bounds what any page-copy kernel reaches on random block ids of an
-engine's cache: the kvgroups kernels do the same work plus their checks. JSON lines::
+engine's cache: the kvgroups kernels do the same work plus their checks. ``--programmatic``
+runs it the way they are launched on sm_90+ (behind ``griddepcontrol.wait``, with
+programmatic stream serialization: see ``kvgroups_torch/driver.py``). On the largest pool
+it also records the floor of layer-by-layer calls: 32 launches of a 32nd of the pages each in
+one CUDA graph against one launch of all of them (``bare_gather_layerwise``), and the same for
+plain eager ``copy_`` of contiguous bytes (``copy_layerwise``). JSON lines::
 
     python benchmarks/probe_gather_ceiling.py --out benchmarks/results/gather_ceiling_h200.jsonl
 """
@@ -34,7 +39,8 @@ SOURCE = r"""
 struct alignas(16) V { unsigned long long a, b; };
 struct Args { const V* src; V* dst; const int* ids; unsigned int n_units; int pad; };
 // unit u = segment u % 4 (8 KiB, 16 vectors per lane) of page u / 4
-extern "C" __global__ void __launch_bounds__(256, 2) gather(const Args p) {
+template <bool WAIT> __device__ __forceinline__ void gather_pages(const Args& p) {
+    if (WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");
     const unsigned int u = blockIdx.x * 8u + (threadIdx.x >> 5);
     if (u >= p.n_units) return;
     const unsigned int page = u >> 2, seg = u & 3u, lane = threadIdx.x & 31u;
@@ -45,6 +51,13 @@ extern "C" __global__ void __launch_bounds__(256, 2) gather(const Args p) {
     for (int k = 0; k < 16; ++k) v[k] = s[k * 32];
 #pragma unroll
     for (int k = 0; k < 16; ++k) d[k * 32] = v[k];
+}
+extern "C" __global__ void __launch_bounds__(256, 2) gather(const Args p) {
+    gather_pages<false>(p);
+}
+// The same behind the wait that lets it be launched programmatically (sm_90+, driver.py).
+extern "C" __global__ void __launch_bounds__(256, 2) gather_wait(const Args p) {
+    gather_pages<true>(p);
 }
 """
 
@@ -60,13 +73,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pools-gib", default="2,16,64")
     p.add_argument("--moved-mib", type=int, default=512)
+    p.add_argument("--programmatic", action="store_true",
+                   help="the kernel behind griddepcontrol.wait, launched with programmatic "
+                        "stream serialization (as the kvgroups kernels are on sm_90+)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
     code = Program(SOURCE, "c++", options=ProgramOptions(arch=arch, std="c++17")).compile("cubin")
-    kernel = int(ObjectCode.from_cubin(code.code).get_kernel("gather").handle)
+    name = "gather_wait" if a.programmatic else "gather"
+    kernel = int(ObjectCode.from_cubin(code.code).get_kernel(name).handle)
     args = Args()
-    launcher = driver.Launcher(torch.cuda.current_device(), ctypes.addressof(args))
+    launcher = driver.Launcher(torch.cuda.current_device(), ctypes.addressof(args),
+                               programmatic=a.programmatic)
     timer = bte.Timer(True, iters=9, warmup=3, batch_s=0.03)
     moved = a.moved_mib << 20
     n_pages = moved // PAGE
@@ -97,12 +115,9 @@ def main(argv=None) -> None:
                       "path": "bare-kernel", "ids": "device", "direction": "store",
                       "placement": "device", "page_bytes": PAGE, "moved_bytes": moved,
                       "pool_bytes": gib << 30, "order": order, "copy_ms": ceiling,
+                      "programmatic": launcher.programmatic,
                       "frac_of_ceiling": ceiling / t["median"], **t}
-            line = json.dumps(record)
-            print(line, flush=True)
-            if a.out is not None:
-                with open(a.out, "a") as f:
-                    f.write(line + "\n")
+            emit(a, record)
         if gib == max(int(x) for x in a.pools_gib.split(",")):
             layerwise(a, kernel, args, launcher, timer, pool, chosen["random"], n_pages)
         del pool
@@ -120,7 +135,8 @@ def layerwise(a, kernel, args, launcher, timer, pool, sets, n_pages, layers: int
             block = Args(pool.data_ptr(), dst_all.data_ptr() + k * per * PAGE,
                          sets[0].data_ptr() + 4 * k * per, per * 4 * (layers // pieces), 0)
             keep.append(block)
-            lk = driver.Launcher(torch.cuda.current_device(), ctypes.addressof(block))
+            lk = driver.Launcher(torch.cuda.current_device(), ctypes.addressof(block),
+                                 programmatic=a.programmatic)
             lk.launch(kernel, (-(-block.n_units // 8), 1, 1), 256, stream)
 
     dst_all = torch.empty(n_pages * PAGE, dtype=torch.uint8, device="cuda")
@@ -135,11 +151,37 @@ def layerwise(a, kernel, args, launcher, timer, pool, sets, n_pages, layers: int
         with torch.cuda.graph(graph):
             launch_all(torch.cuda.current_stream().cuda_stream, pieces)
         out[pieces] = timer.ms(lambda i, g=graph: g.replay())["median"]
-    record = {"call": "internal", "probe": "bare_gather_layerwise", "runtime": "torch",
-              "path": "bare-kernel", "graph": True, "launches": layers,
-              "bytes_per_launch": per * PAGE, "ms_one_launch": out[1],
-              "ms_all_launches": out[layers], "us_per_launch": out[layers] * 1e3 / layers,
-              "frac_of_whole": out[1] / out[layers]}
+    emit(a, {"call": "internal", "probe": "bare_gather_layerwise", "runtime": "torch",
+             "path": "bare-kernel", "graph": True, "launches": layers,
+             "programmatic": launcher.programmatic,
+             "bytes_per_launch": per * PAGE, "ms_one_launch": out[1],
+             "ms_all_launches": out[layers], "us_per_launch": out[layers] * 1e3 / layers,
+             "frac_of_whole": out[1] / out[layers]})
+    copies = copy_pieces(timer, n_pages * PAGE, layers)
+    emit(a, {"call": "internal", "probe": "copy_layerwise", "runtime": "torch",
+             "path": "copy_", "graph": False, "launches": layers,
+             "bytes_per_launch": per * PAGE, "ms_one_launch": copies[1],
+             "ms_all_launches": copies[layers], "us_per_launch": copies[layers] * 1e3 / layers,
+             "frac_of_whole": copies[1] / copies[layers]})
+
+
+def copy_pieces(timer, nbytes: int, layers: int) -> dict[int, float]:
+    """The same floor for plain ``copy_`` (the benchmarks' ceiling): one copy of ``nbytes``
+    and ``layers`` back-to-back copies of a ``layers``-th each, eager (milliseconds per set;
+    a captured ``copy_`` becomes a graph memcpy node, a different engine, so no graph here)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    step = nbytes // layers
+    pieces = [(dst[k * step:(k + 1) * step], src[k * step:(k + 1) * step]) for k in range(layers)]
+
+    def copy_all(i):
+        for d, s in pieces:
+            d.copy_(s)
+
+    return {1: timer.ms(lambda i: dst.copy_(src))["median"], layers: timer.ms(copy_all)["median"]}
+
+
+def emit(a, record: dict) -> None:
     line = json.dumps(record)
     print(line, flush=True)
     if a.out is not None:
