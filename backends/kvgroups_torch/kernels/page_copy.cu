@@ -293,9 +293,10 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
                 const int pos = item - chunk * p.kept_per_chunk;
                 const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
                                       + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
+                // The plane entry is read alongside the id (see kvg_warp_copy).
+                const KvgPlane pl = reinterpret_cast<const KvgPlane*>(p.plane_table)[plane];
                 const kvg_i64 id = kvg_load_id(p, where);
                 if (id >= 0 && id < p.num_blocks) {
-                    const KvgPlane pl = reinterpret_cast<const KvgPlane*>(p.plane_table)[plane];
                     cache_page = pl.base + (kvg_u64)(id * p.block_stride + run.cache_offset);
                     obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset + pl.obj_offset
                                + pos * p.page_obj_stride + run.obj_offset);
@@ -517,13 +518,15 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
         const int pos = item - chunk * p.kept_per_chunk;
         const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
                               + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
+        // The plane entry is read before the id is checked (plane < num_planes always), so
+        // the two loads overlap instead of the data loads waiting on both in turn.
+        const KvgPlane pl = planes[plane];
         const kvg_i64 id = kvg_load_id(p, where);
         if (id < 0 || id >= p.num_blocks) {
             if (plane == 0 && seg == 0 && lane == 0)
                 kvg_report(p, id, p.err_engine_group, p.num_blocks, true);
             continue;
         }
-        const KvgPlane pl = planes[plane];
         const kvg_u64 cache_page = pl.base + (kvg_u64)(id * p.block_stride + run.cache_offset);
         const kvg_u64 obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset + pl.obj_offset
                                  + (kvg_i64)pos * p.page_obj_stride + run.obj_offset);
