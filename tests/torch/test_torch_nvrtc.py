@@ -79,3 +79,15 @@ def test_compile_errors_are_typed(monkeypatch):
     monkeypatch.setattr(nvrtc, "kernel_source", lambda: "this is not C++")
     with pytest.raises(KernelCompileError, match="NVRTC failed"):
         nvrtc.compile_cubin("sm_90")
+
+
+def test_every_entry_point_waits_for_the_kernel_before_it():
+    # The launcher starts these kernels with programmatic stream serialization (driver.py):
+    # that is only safe for a kernel whose first statement waits for the grid before it.
+    src = nvrtc.kernel_source()
+    bodies = re.findall(r"__global__[^{]*\{[\s\\]*([^\s\\]+)", src)
+    assert len(bodies) == src.count("__global__") >= 4
+    assert set(bodies) == {"kvg_wait_for_prior_grid();"}
+    helper = src[src.index("void kvg_wait_for_prior_grid()"):]
+    helper = helper[: helper.index("\n}\n")]
+    assert "__CUDA_ARCH__ >= 900" in helper and 'asm volatile("griddepcontrol.wait;"' in helper
