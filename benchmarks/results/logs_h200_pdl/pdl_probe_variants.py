@@ -4,7 +4,10 @@ bytes and 32 layer-wise launches, with and without PDL; and a dependent chain ch
 The diagnostic exactly as it ran on the H200 (from the repository root, output to stdout:
 ``pdl_probe_variants.jsonl``), kept beside its output as the command that made it. Kinds:
 ``plain`` (cuLaunchKernel, no wait), ``pdl`` (trigger at kernel start, then wait), ``pdl_end``
-(wait, trigger after the stores), ``pdl_wait`` (wait only: what main's kernels do)."""
+(wait, trigger after the stores), ``pdl_wait`` (wait only: what main's kernels do).
+
+Its records measure no public call: the labels ``call="internal"``, ``probe``, ``runtime`` and
+``path`` were added to each line of the output after the run (no measured value changed)."""
 import ctypes, json, os, sys, time
 sys.path[:0] = [os.getcwd(), os.getcwd() + "/backends", os.getcwd() + "/benchmarks"]
 import numpy as np, torch
