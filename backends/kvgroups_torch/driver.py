@@ -51,6 +51,8 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuGetErrorString.restype = ctypes.c_int
     lib.cuDeviceGetAttribute.argtypes = [ctypes.POINTER(ctypes.c_int), ctypes.c_int, ctypes.c_int]
     lib.cuDeviceGetAttribute.restype = ctypes.c_int
+    lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
+    lib.cuDriverGetVersion.restype = ctypes.c_int
     if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 11.8 and later drivers
         lib.cuLaunchKernelEx.argtypes = [vp, vp, vp, vp]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
@@ -75,16 +77,23 @@ class _LaunchConfig(ctypes.Structure):
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _COMPUTE_CAPABILITY_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
+# Stream capture of programmatic launches (CUDA graphs of engines' steps) needs a 12.3 driver.
+_MIN_DRIVER_VERSION = 12030
 
 
 @functools.cache
 def programmatic_launch(device_index: int) -> bool:
     """Whether launches on ``device_index`` use programmatic stream serialization: sm_90 or
-    later, a driver with ``cuLaunchKernelEx``, and ``KVGROUPS_PROGRAMMATIC_LAUNCH`` not "0"."""
+    later, a CUDA 12.3+ driver with ``cuLaunchKernelEx``, and ``KVGROUPS_PROGRAMMATIC_LAUNCH``
+    not "0"."""
     if os.environ.get("KVGROUPS_PROGRAMMATIC_LAUNCH", "1") == "0":
         return False
     lib = _libcuda()
     if not hasattr(lib, "cuLaunchKernelEx"):
+        return False
+    version = ctypes.c_int()
+    check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+    if version.value < _MIN_DRIVER_VERSION:
         return False
     dev, major = ctypes.c_int(), ctypes.c_int()
     check(lib.cuDeviceGet(ctypes.byref(dev), device_index), f"cuDeviceGet({device_index})")

@@ -12,8 +12,9 @@ PRIMARY, OTHER = 0x1000, 0x2000
 
 
 class FakeLib:
-    def __init__(self, current, launch_code=0, major=9):
+    def __init__(self, current, launch_code=0, major=9, driver_version=13000):
         self.current, self.launch_code, self.calls, self.major = current, launch_code, [], major
+        self.driver_version = driver_version
 
     def cuCtxGetCurrent(self, ref):
         ref._obj.value = self.current
@@ -37,6 +38,10 @@ class FakeLib:
                            [(a.id, a.value) for a in attrs], self.current))
         return self.launch_code
 
+    def cuDriverGetVersion(self, ref):
+        ref._obj.value = self.driver_version
+        return 0
+
     def cuDeviceGet(self, ref, index):
         ref._obj.value = index
         return 0
@@ -55,8 +60,8 @@ class FakeLib:
 
 @pytest.fixture
 def fake(monkeypatch):
-    def make(current, launch_code=0, programmatic=False, major=9):
-        lib = FakeLib(current, launch_code, major)
+    def make(current, launch_code=0, programmatic=False, major=9, driver_version=13000):
+        lib = FakeLib(current, launch_code, major, driver_version)
         monkeypatch.setattr(driver, "_libcuda", lambda: lib)
         monkeypatch.setattr(driver, "primary_context", lambda index: PRIMARY)
         driver.programmatic_launch.cache_clear()
@@ -114,6 +119,15 @@ def test_kernels_that_do_not_wait_and_older_gpus_keep_the_plain_launch(fake):
     older.launch(7, (1, 1, 1), 256, 5)
     assert not launcher.programmatic and not older.programmatic
     assert lib.calls[0][0] == "launch" and lib2.calls[0][0] == "launch"
+
+
+def test_drivers_older_than_12_3_keep_the_plain_launch(fake):
+    # 12.2 has cuLaunchKernelEx but cannot capture programmatic launches in a CUDA graph.
+    lib, launcher = fake(PRIMARY, programmatic=True, driver_version=12020)
+    launcher.launch(7, (1, 1, 1), 256, 5)
+    assert not launcher.programmatic and lib.calls[0][0] == "launch"
+    lib, launcher = fake(PRIMARY, programmatic=True, driver_version=12030)
+    assert launcher.programmatic
 
 
 def test_the_environment_switch_turns_programmatic_launches_off(fake, monkeypatch):
