@@ -7,10 +7,13 @@ random out of a pool of each ``--pools-gib`` size (and the same count of consecu
 ``order="sequential"``) into one contiguous buffer. ``frac_of_ceiling`` is the same run's
 ``copy_`` of the moved bytes over the gather's time (CUDA events over batches of back-to-back
 launches, medians). It bounds what any page-copy kernel reaches on random block ids of an
-engine's cache: the kvgroups kernels do the same work plus their checks. ``--programmatic``
+engine's cache: the kvgroups kernels do the same work plus their checks. ``--moved-mib``
+takes several sizes (32 MiB is one Llama-3-8B chunk of 256 tokens); ``--directions
+store,load`` adds the reverse, a scatter of a packed buffer into the pool's pages (a load's
+work, ``probe="bare_scatter"``). ``--programmatic``
 runs it the way they are launched on sm_90+ (behind ``griddepcontrol.wait``, with
 programmatic stream serialization: see ``kvgroups_torch/driver.py``). On the largest pool
-it also records the floor of layer-by-layer calls: 32 launches of a 32nd of the pages each in
+and size it also records the floor of layer-by-layer calls: 32 launches of a 32nd of the pages each in
 one CUDA graph against one launch of all of them (``bare_gather_layerwise``), and the same for
 plain eager ``copy_`` of contiguous bytes (``copy_layerwise``). JSON lines::
 
@@ -23,6 +26,7 @@ import argparse
 import ctypes
 import json
 import sys
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -38,14 +42,17 @@ PAGE = 32768
 SOURCE = r"""
 struct alignas(16) V { unsigned long long a, b; };
 struct Args { const V* src; V* dst; const int* ids; unsigned int n_units; int pad; };
-// unit u = segment u % 4 (8 KiB, 16 vectors per lane) of page u / 4
-template <bool WAIT> __device__ __forceinline__ void gather_pages(const Args& p) {
+// unit u = segment u % 4 (8 KiB, 16 vectors per lane) of page u / 4. GATHER: pool page
+// ids[page] -> contiguous page `page` (a store); else the reverse (a load's scatter).
+template <bool WAIT, bool GATHER> __device__ __forceinline__ void move_pages(const Args& p) {
     if (WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");
     const unsigned int u = blockIdx.x * 8u + (threadIdx.x >> 5);
     if (u >= p.n_units) return;
     const unsigned int page = u >> 2, seg = u & 3u, lane = threadIdx.x & 31u;
-    const V* __restrict__ s = p.src + (unsigned long long)p.ids[page] * 2048u + seg * 512u + lane;
-    V* __restrict__ d = p.dst + (unsigned long long)page * 2048u + seg * 512u + lane;
+    const unsigned long long pooled = (unsigned long long)p.ids[page] * 2048u + seg * 512u + lane;
+    const unsigned long long packed = (unsigned long long)page * 2048u + seg * 512u + lane;
+    const V* __restrict__ s = p.src + (GATHER ? pooled : packed);
+    V* __restrict__ d = p.dst + (GATHER ? packed : pooled);
     V v[16];
 #pragma unroll
     for (int k = 0; k < 16; ++k) v[k] = s[k * 32];
@@ -53,11 +60,17 @@ template <bool WAIT> __device__ __forceinline__ void gather_pages(const Args& p)
     for (int k = 0; k < 16; ++k) d[k * 32] = v[k];
 }
 extern "C" __global__ void __launch_bounds__(256, 2) gather(const Args p) {
-    gather_pages<false>(p);
+    move_pages<false, true>(p);
 }
 // The same behind the wait that lets it be launched programmatically (sm_90+, driver.py).
 extern "C" __global__ void __launch_bounds__(256, 2) gather_wait(const Args p) {
-    gather_pages<true>(p);
+    move_pages<true, true>(p);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) scatter(const Args p) {
+    move_pages<false, false>(p);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) scatter_wait(const Args p) {
+    move_pages<true, false>(p);
 }
 """
 
@@ -72,7 +85,10 @@ def main(argv=None) -> None:
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pools-gib", default="2,16,64")
-    p.add_argument("--moved-mib", type=int, default=512)
+    p.add_argument("--moved-mib", default="512",
+                   help="comma-separated sizes moved per launch (the largest one also runs the layer-wise floor)")
+    p.add_argument("--directions", default="store",
+                   help="store (gather from the pool), load (scatter into it), or both")
     p.add_argument("--programmatic", action="store_true",
                    help="the kernel behind griddepcontrol.wait, launched with programmatic "
                         "stream serialization (as the kvgroups kernels are on sm_90+)")
@@ -80,48 +96,56 @@ def main(argv=None) -> None:
     a = p.parse_args(argv)
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
     code = Program(SOURCE, "c++", options=ProgramOptions(arch=arch, std="c++17")).compile("cubin")
-    name = "gather_wait" if a.programmatic else "gather"
-    kernel = int(ObjectCode.from_cubin(code.code).get_kernel(name).handle)
+    suffix = "_wait" if a.programmatic else ""
+    kernels = {d: int(ObjectCode.from_cubin(code.code).get_kernel(k + suffix).handle)
+               for d, k in (("store", "gather"), ("load", "scatter"))}
     args = Args()
     launcher = driver.Launcher(torch.cuda.current_device(), ctypes.addressof(args),
                                programmatic=a.programmatic)
     timer = bte.Timer(True, iters=9, warmup=3, batch_s=0.03)
-    moved = a.moved_mib << 20
-    n_pages = moved // PAGE
-    src = torch.empty(moved, dtype=torch.uint8, device="cuda")
-    dst = [torch.empty(moved, dtype=torch.uint8, device="cuda") for _ in range(2)]
-    ceiling = timer.ms(lambda i: dst[i % 2].copy_(src))["median"]
+    pools = [int(x) for x in a.pools_gib.split(",")]
+    sizes = [int(x) for x in a.moved_mib.split(",")]
+    directions = a.directions.split(",")
     rng = np.random.default_rng(0)
-    for gib in (int(x) for x in a.pools_gib.split(",")):
+    for gib in pools:
         pool = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
         pages = pool.numel() // PAGE
-        chosen = {}
-        for order in ("random", "sequential"):
-            sets = chosen[order] = [torch.from_numpy((rng.permutation(pages)[:n_pages] if order == "random"
-                                      else np.arange(n_pages) + k * n_pages % (pages - n_pages))
-                                     .astype(np.int32)).cuda() for k in range(4)]
-            stream = torch.cuda.current_stream().cuda_stream
-            units = n_pages * 4
-
-            def run(i, sets=sets, pool=pool, units=units, stream=stream):
-                args.src, args.dst, args.ids = pool.data_ptr(), dst[i % 2].data_ptr(), \
-                    sets[i % 4].data_ptr()
-                args.n_units = units
-                launcher.launch(kernel, (-(-units // 8), 1, 1), 256, stream)
-
-            t = timer.ms(run)
-            torch.cuda.synchronize()
-            record = {"call": "internal", "probe": "bare_gather", "runtime": "torch",
-                      "path": "bare-kernel", "ids": "device", "direction": "store",
-                      "placement": "device", "page_bytes": PAGE, "moved_bytes": moved,
-                      "pool_bytes": gib << 30, "order": order, "copy_ms": ceiling,
-                      "programmatic": launcher.programmatic,
-                      "frac_of_ceiling": ceiling / t["median"], **t}
-            emit(a, record)
-        if gib == max(int(x) for x in a.pools_gib.split(",")):
-            layerwise(a, kernel, args, launcher, timer, pool, chosen["random"], n_pages)
+        for moved in (mib << 20 for mib in sizes):
+            n_pages = moved // PAGE
+            packed = [torch.empty(moved, dtype=torch.uint8, device="cuda") for _ in range(2)]
+            ceiling = timer.ms(lambda i, d=packed: d[i % 2].copy_(d[1 - i % 2]))["median"]
+            chosen = {}
+            for order in ("random", "sequential"):
+                sets = chosen[order] = [torch.from_numpy(
+                    (rng.permutation(pages)[:n_pages] if order == "random"
+                     else np.arange(n_pages) + k * n_pages % (pages - n_pages))
+                    .astype(np.int32)).cuda() for k in range(4)]
+                for direction in directions:
+                    t = timer.ms(partial(run_once, args, launcher, kernels[direction], direction,
+                                         pool, packed, sets, n_pages))
+                    torch.cuda.synchronize()
+                    emit(a, {"call": "internal",
+                             "probe": "bare_gather" if direction == "store" else "bare_scatter",
+                             "runtime": "torch", "path": "bare-kernel", "ids": "device",
+                             "direction": direction, "placement": "device", "page_bytes": PAGE,
+                             "moved_bytes": moved, "pool_bytes": gib << 30, "order": order,
+                             "copy_ms": ceiling, "programmatic": launcher.programmatic,
+                             "frac_of_ceiling": ceiling / t["median"], **t})
+            if gib == max(pools) and moved == sizes[-1] and "store" in directions:
+                layerwise(a, kernels["store"], args, launcher, timer, pool, chosen["random"],
+                          n_pages)
+            del packed
         del pool
         torch.cuda.empty_cache()
+
+
+def run_once(args, launcher, kernel, direction, pool, packed, sets, n_pages, i) -> None:
+    """One launch moving the pages of id set ``i % 4`` between the pool and a packed buffer."""
+    units = n_pages * 4
+    ends = (pool.data_ptr(), packed[i % 2].data_ptr())
+    args.src, args.dst = ends if direction == "store" else ends[::-1]
+    args.ids, args.n_units = sets[i % 4].data_ptr(), units
+    launcher.launch(kernel, (-(-units // 8), 1, 1), 256, torch.cuda.current_stream().cuda_stream)
 
 
 def layerwise(a, kernel, args, launcher, timer, pool, sets, n_pages, layers: int = 32) -> None:
