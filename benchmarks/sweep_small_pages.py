@@ -102,12 +102,14 @@ class Out:
         self.budget_s = budget_s
         self.records: list[dict] = []
         self.failed = False
+        self.common: dict = {}  # fields every record carries (the --define macros)
 
     def over(self) -> bool:
         return time.perf_counter() - self.t0 > self.budget_s
 
     def emit(self, **rec) -> None:
         rec.setdefault("record", "transfer")
+        rec.update(self.common)
         if rec.get("verified") is False:
             self.failed = True
         self.records.append(rec)
@@ -576,7 +578,19 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=int, default=LAYERS)
     p.add_argument("--tiny", action="store_true",
                    help="CPU smoke run of this script (2 layers, small sizes, no graphs)")
+    p.add_argument("--define", action="append", default=[], metavar="MACRO=VALUE",
+                   help="a page_copy.cu tuning macro for every torch kernel of the run, e.g. "
+                        "KVG_PLANE_MAJOR=1 (the classic kernel's earlier unit order)")
     args = p.parse_args(argv)
+    if args.define:
+        from kvgroups_torch import cuda_path, nvrtc
+
+        for item in args.define:
+            name, _, value = item.partition("=")
+            if not name.startswith("KVG_") or not value.lstrip("-").isdigit():
+                p.error(f"--define: expected KVG_NAME=INTEGER, got {item!r}")
+            nvrtc.TUNING[name] = int(value)
+        cuda_path.reset_caches()
     if args.tiny:
         DEVICE["name"] = "cpu"
         args.pages, args.chunks, args.layers = [512, 1024], [1, 2], 2
@@ -589,6 +603,8 @@ def main(argv=None) -> int:
     globals()["LAYERS"] = args.layers
     runtimes = [r for r in args.runtimes.split(",") if r]
     out = Out(args.out, args.budget_s)
+    if args.define:
+        out.common["defines"] = list(args.define)
     if "torch" in runtimes:
         sweep_torch(args, out)
     if "jax" in runtimes:

@@ -44,6 +44,14 @@ VARIANTS = {  # name: (WARP_MIN_PAGE_BYTES, nvrtc.TUNING)
     "warp-u4-b6": (8192, {"KVG_WARP_UNROLL": 4, "KVG_WARP_MIN_BLOCKS": 6}),
     "warp-u8-b4": (8192, {"KVG_WARP_UNROLL": 8, "KVG_WARP_MIN_BLOCKS": 4}),
     "warp-u16-b2": (8192, {}),  # the defaults
+    "warp-u32-b1": (8192, {"KVG_WARP_UNROLL": 32, "KVG_WARP_MIN_BLOCKS": 1}),
+    # cache operators of the defaults' 16-byte accesses (KVG_WARP_LD_HINT / _ST_HINT)
+    "warp-u16-b2-ldcs": (8192, {"KVG_WARP_LD_HINT": 1}),
+    "warp-u16-b2-ldna": (8192, {"KVG_WARP_LD_HINT": 2}),
+    "warp-u16-b2-stcs": (8192, {"KVG_WARP_ST_HINT": 1}),
+    "warp-u16-b2-cs": (8192, {"KVG_WARP_LD_HINT": 1, "KVG_WARP_ST_HINT": 1}),
+    # units plane by plane over every chunk (main's order before chunk by chunk)
+    "warp-u16-b2-planes": (8192, {"KVG_WARP_PLANE_MAJOR": 1}),
 }
 
 

@@ -234,8 +234,8 @@ class GroupLaunch:
         # ... and contiguous pages of 16-byte vectors the warp kernels (WARP_MIN_PAGE_BYTES).
         self.warp = geometry.uses_warp_kernel(self.shape, self.small)
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
-        # (items, warp kernel) -> ipc, tiles, work, ppc, segments per page
-        self._ipc: dict[tuple[int, bool], tuple[int, int, int, int, int]] = {}
+        # (items, first item, warp kernel) -> ipc, tiles, work, ppc, segments per page
+        self._ipc: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {}
         self._steps: dict[tuple, tuple] = {}  # call shape -> what _step returns
 
     def _variant(self, direction: str, vector: int,
@@ -297,11 +297,12 @@ class GroupLaunch:
         if vector is None:
             vector = self._vectors[unit] = widest_unit([self.base_unit, unit])
         warp = self.warp and vector == 16
-        sizing = self._ipc.get((num_items, warp))
+        sizing = self._ipc.get((num_items, group.first_item, warp))
         if sizing is None:
             runs = len(self.shape.runs)
             fit = geometry.warp_sizing(self.shape.page_bytes, num_items, self.num_planes,
-                                       warp_unroll(), P.WARPS_PER_CTA) if warp else None
+                                       warp_unroll(), P.WARPS_PER_CTA, group.first_item,
+                                       self.kept_per_chunk) if warp else None
             if fit is not None:
                 (segs, work), ipc, tiles, ppc = fit, 0, 0, 0
             elif self.small:
@@ -316,7 +317,8 @@ class GroupLaunch:
                 work = tiles * self.num_planes * runs
             if fit is None:
                 segs = 0
-            sizing = self._ipc[(num_items, warp)] = (ipc, tiles, work, ppc, segs)
+            sizing = self._ipc[(num_items, group.first_item, warp)] = (ipc, tiles, work, ppc,
+                                                                    segs)
         ipc, tiles, work, ppc, segs = sizing
         grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         with self.lock:

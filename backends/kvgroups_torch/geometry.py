@@ -131,12 +131,20 @@ WARP_MAX_UNITS = 2**31 - 1
 
 
 def warp_sizing(page_bytes: int, num_items: int, num_planes: int, unroll: int,
-                warps_per_cta: int) -> tuple[int, int] | None:
+                warps_per_cta: int, first_item: int = 0,
+                kept_per_chunk: int = 1) -> tuple[int, int] | None:
     """``(segs_per_page, ctas)`` of a warp-kernel launch (one warp per segment of
     ``32 * unroll`` 16-byte vectors of every page), or None when its units would not fit the
-    kernel's 32-bit count (the classic kernel takes it)."""
+    kernel's 32-bit count (the classic kernel takes it).
+
+    The kernel walks whole chunks (every plane's kept pages of a chunk, then the next chunk),
+    so its units cover the chunks from the one holding item ``first_item`` to the one holding
+    the last item, ``kept_per_chunk`` positions each (those outside the items exit at once).
+    """
     segs = -(-(page_bytes // 16) // (32 * unroll))
-    units = segs * num_items * num_planes
+    lead = first_item % kept_per_chunk
+    rows = -(-(lead + num_items) // kept_per_chunk)
+    units = segs * rows * kept_per_chunk * num_planes
     if units > WARP_MAX_UNITS:
         return None
     return segs, -(-units // warps_per_cta)

@@ -107,11 +107,22 @@ def emulate(p: P.KvgParams, name: str, grid, launches: list):
     launches.append((name, tuple(grid), p.items_per_cta))
     assert grid[1] == grid[2] == 1
     store = direction == "store"
-    num_work = p.num_tiles * p.num_planes * p.num_runs
+    # Units by groups of about one chunk's tiles, every plane and run of a group in turn.
+    planes_x_runs = p.num_planes * p.num_runs
+    group_tiles = min(-(-p.kept_per_chunk // p.items_per_cta), p.num_tiles)
+    full_groups = p.num_tiles // group_tiles
+    full_work = full_groups * group_tiles * planes_x_runs
+    num_work = p.num_tiles * planes_x_runs
+    seen = set()
     for cta in range(grid[0]):
         for w in range(cta, num_work, grid[0]):
-            tile, rest = w % p.num_tiles, w // p.num_tiles
+            group = w // (group_tiles * planes_x_runs) if w < full_work else full_groups
+            size = group_tiles if w < full_work else p.num_tiles - full_groups * group_tiles
+            in_group = w - group * group_tiles * planes_x_runs
+            tile, rest = group * group_tiles + in_group % size, in_group // size
             plane, z = rest % p.num_planes, rest // p.num_planes
+            assert (tile, plane, z) not in seen and tile < p.num_tiles  # a bijection
+            seen.add((tile, plane, z))
             counts = plane == 0 and z == 0
             first = _first_item(p, counts and tile == 0)
             tile0 = tile * p.items_per_cta
@@ -122,29 +133,34 @@ def emulate(p: P.KvgParams, name: str, grid, launches: list):
                 found = _item_page(p, item, counts)
                 if found is not None:
                     _copy_page(p, kind, vec, store, p.runs[z], plane, *found)
+    assert len(seen) == num_work  # every (tile, plane, run) once
 
 
 def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
     """kvg_warp_copy of page_copy.cu: one warp per segment of 32 * WARP_UNROLL vectors of a
-    contiguous page, units seg + segs * (item + num_items * plane), warps looping over units
-    when the grid is capped."""
+    contiguous page, units seg + segs * (pos + kept * (plane + num_planes * row)) over the
+    chunk rows from first_item's chunk on, warps looping over units when the grid is capped."""
     store = name.split("_")[1] == "store"
     launches.append((name, tuple(grid), p.segs_per_page))
     assert grid[1] == grid[2] == 1 and p.num_runs == 1
     run, seg_units = p.runs[0], 32 * cuda_path.warp_unroll()
-    segs = p.segs_per_page
+    segs, kept = p.segs_per_page, p.kept_per_chunk
     assert segs == -(-run.page_units // seg_units)
     assert p.segs_shift == (segs.bit_length() - 1 if segs & (segs - 1) == 0 else 0xFF)
-    total = segs * p.num_items * p.num_planes
+    row0 = p.first_item // kept
+    end = p.first_item + p.num_items
+    rows = -(-(end - row0 * kept) // kept)
+    total = segs * kept * p.num_planes * rows
     assert total < 2**31  # the kernel counts units in 32 bits
     warps = grid[0] * P.WARPS_PER_CTA
     first = _first_item(p, True)  # only the thread of unit 0 reports the skip
     for w in range(warps):
         for u in range(w, total, warps):
             seg, rest = u % segs, u // segs
-            plane, tix = divmod(rest, p.num_items)
-            item = p.first_item + tix
-            if item < first:
+            row, in_row = divmod(rest, kept * p.num_planes)
+            plane, pos = divmod(in_row, kept)
+            item = (row0 + row) * kept + pos
+            if item < first or item >= end:
                 continue
             found = _item_page(p, item, plane == 0 and seg == 0)
             if found is None:
@@ -655,3 +671,6 @@ def test_warp_selection_and_sizing():
     assert geometry.warp_sizing(32768, 1000, 64, 16, 8) == (4, -(-4 * 1000 * 64 // 8))
     assert geometry.warp_sizing(12288, 3, 2, 16, 8) == (2, 2)  # 1.5 segments round up
     assert geometry.warp_sizing(32768, 2**26, 32, 16, 8) is None  # 2**33 segments
+    # Units cover whole chunk rows: items 3..15 of chunks of 8 kept pages span two rows.
+    assert geometry.warp_sizing(32768, 13, 2, 16, 8, first_item=3, kept_per_chunk=8) == (4, 16)
+    assert geometry.warp_sizing(32768, 8, 2, 16, 8, first_item=8, kept_per_chunk=8) == (4, 8)

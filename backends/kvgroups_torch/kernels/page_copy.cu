@@ -8,8 +8,12 @@
 //   block = KVG_THREADS threads
 // (the warp kernels, kvg_*_v16_warp, size their grid by segments instead: see kvg_warp_copy)
 //
-// Work unit w = tile + num_tiles * (plane + num_planes * run) moves segment run `run` of plane
-// `plane` for a tile of items_per_cta consecutive items; CTA b does units b, b + gridDim.x, ...
+// A work unit moves segment run `run` of plane `plane` for a tile of items_per_cta consecutive
+// items. Units come in groups of G = ceil(kept / items_per_cta) tiles (about one chunk's items),
+// every plane and run of a group before the next group: w = g * G * planes * runs + tile_in_g
+// + size_g * (plane + num_planes * run) (size_g = G but for a shorter last group), so a
+// chunk's object is read or written front to back, as a plain copy would, instead of a page
+// run of every chunk in turn. CTA b does units b, b + gridDim.x, ...
 // (one unit per CTA unless the host capped the CTAs to leave SMs to other work). Item i (counted
 // from first_item) is chunk c = i / kept, kept position j = i % kept, block id
 // ids[c * bpc + bpc - kept + j]; the ids are read on the device (inline in the parameters, or
@@ -78,6 +82,12 @@ typedef unsigned int kvg_u32;
 #endif
 #ifndef KVG_WARP_MIN_BLOCKS
 #define KVG_WARP_MIN_BLOCKS 2  // warp kernels' __launch_bounds__ minimum resident CTAs per SM
+#endif
+#ifndef KVG_PLANE_MAJOR
+#define KVG_PLANE_MAJOR 0       // classic kernels: 1 walks units plane by plane (kvg_page_copy)
+#endif
+#ifndef KVG_WARP_PLANE_MAJOR
+#define KVG_WARP_PLANE_MAJOR 0  // warp kernels: 1 walks units plane by plane (see kvg_warp_copy)
 #endif
 #ifndef KVG_MIN_BLOCKS
 #define KVG_MIN_BLOCKS 1    // __launch_bounds__ minimum resident CTAs per SM (caps registers)
@@ -176,13 +186,33 @@ __device__ __forceinline__ void kvg_st(kvg_u64 a, typename KvgVec<V>::T v) {
 // H200 the classic kernel timed the same either way (generic 0.909 / 0.908 of the copy at 64
 // chunks, global 0.908 / 0.907); the warp kernels state it. Pinned host objects are global
 // addresses too (mapped through UVA).
+// KVG_WARP_LD_HINT / KVG_WARP_ST_HINT (sweeps only; 0 = plain) name a cache operator: loads
+// 1 = .cs (streaming: evict first), 2 = .L1::no_allocate; stores 1 = .cs.
+#ifndef KVG_WARP_LD_HINT
+#define KVG_WARP_LD_HINT 0
+#endif
+#ifndef KVG_WARP_ST_HINT
+#define KVG_WARP_ST_HINT 0
+#endif
+#if KVG_WARP_LD_HINT == 1
+#define KVG_LDG16 "ld.global.cs.v2.u64"
+#elif KVG_WARP_LD_HINT == 2
+#define KVG_LDG16 "ld.global.L1::no_allocate.v2.u64"
+#else
+#define KVG_LDG16 "ld.global.v2.u64"
+#endif
+#if KVG_WARP_ST_HINT == 1
+#define KVG_STG16 "st.global.cs.v2.u64"
+#else
+#define KVG_STG16 "st.global.v2.u64"
+#endif
 __device__ __forceinline__ kvg_v16 kvg_ldg16(kvg_u64 a) {
     kvg_v16 v;
-    asm volatile("ld.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
+    asm volatile(KVG_LDG16 " {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
     return v;
 }
 __device__ __forceinline__ void kvg_stg16(kvg_u64 a, kvg_v16 v) {
-    asm volatile("st.global.v2.u64 [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
+    asm volatile(KVG_STG16 " [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
 }
 
 // The source of a copy is never written during the launch, so the read-only (non-coherent)
@@ -273,10 +303,28 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
     __shared__ kvg_u64 s_cache[KVG_MAX_TILE];
     __shared__ kvg_u64 s_obj[KVG_MAX_TILE];
 
-    const int num_work = p.num_tiles * p.num_planes * p.num_runs;
+    // Units go by groups of about one chunk's tiles: every plane and run of a group's tiles
+    // before the next group, so the objects are walked chunk by chunk (as in kvg_warp_copy).
+    const int planes_x_runs = p.num_planes * p.num_runs;
+    const int group_tiles = min((p.kept_per_chunk + p.items_per_cta - 1) / p.items_per_cta,
+                                p.num_tiles);
+    const int full_groups = p.num_tiles / group_tiles;
+    const int full_work = full_groups * group_tiles * planes_x_runs;
+    const int num_work = p.num_tiles * planes_x_runs;
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
+#if KVG_PLANE_MAJOR
+        // (sweeps only) every tile of plane 0, then of plane 1, ...
         const int tile = w % p.num_tiles;
         const int rest = w / p.num_tiles;
+#else
+        // unit w = tile_in_group + group_size * (plane + num_planes * run), group by group;
+        // the last group may hold fewer tiles.
+        const int group = w < full_work ? w / (group_tiles * planes_x_runs) : full_groups;
+        const int size = w < full_work ? group_tiles : p.num_tiles - full_groups * group_tiles;
+        const int in_group = w - group * group_tiles * planes_x_runs;
+        const int tile = group * group_tiles + in_group % size;
+        const int rest = in_group / size;
+#endif
         const int plane = rest % p.num_planes;
         const int run_idx = rest / p.num_planes;
         const KvgRun& run = p.runs[run_idx];
@@ -486,13 +534,20 @@ __device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
 // Contiguous pages of 16-byte vectors, one warp per segment. The kernel above stages a tile's
 // page addresses in shared memory behind a barrier and gives each CTA whole pages, so a CTA's
 // loads start only after its id and table lookups, and a launch of a few hundred pages keeps
-// few bytes in flight. Here work unit u = seg + segs_per_page * (item + num_items * plane)
-// is one segment (32 lanes x KVG_WARP_UNROLL vectors, 8 KiB by default) of one page: each warp
-// looks up its own id (one broadcast load), needs no barrier, and a launch has as many
-// independent warps as segments (one unit per warp unless the host capped the CTAs; then warps
-// loop over units). Consecutive warps cover consecutive segments of a page, then the next item
-// (the next page of the object). Bad ids and skips behave as in kvg_page_copy; ids are
-// reported by segment 0 of plane 0 only, so every bad item counts once.
+// few bytes in flight. Here a work unit is one segment (32 lanes x KVG_WARP_UNROLL vectors,
+// 8 KiB by default) of one page: each warp looks up its own id (one broadcast load), needs no
+// barrier, and a launch has as many independent warps as segments (one unit per warp unless
+// the host capped the CTAs; then warps loop over units).
+//
+// Units run chunk by chunk, and inside a chunk plane by plane:
+//   u = seg + segs_per_page * (pos + kept * (plane + num_planes * row)),
+// for kept position pos of chunk first_item / kept + row (kept = kept_per_chunk). Consecutive
+// warps cover one plane's pages of a chunk, then the next plane of the same chunk, so a
+// chunk's object ([plane][page] in its region) is read or written front to back, as a plain
+// copy would, while the cache side follows the engine's block order. Positions of the first
+// chunk before first_item, and past the last item, are skipped. Bad ids and skips behave as
+// in kvg_page_copy; ids are reported by segment 0 of plane 0 only, so every bad item counts
+// once.
 template <bool STORE>
 __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
     const int lane = threadIdx.x & 31;
@@ -502,20 +557,36 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
     // are 32-bit; segs_per_page is almost always a power of two (segs_shift, 0xFF if not).
     const kvg_u32 segs = (kvg_u32)p.segs_per_page;
     const kvg_u32 segs_shift = (kvg_u32)p.segs_shift;
-    const kvg_u32 num_items = (kvg_u32)p.num_items;
-    const kvg_u32 total = segs * num_items * (kvg_u32)p.num_planes;
+    const kvg_u32 kept = (kvg_u32)p.kept_per_chunk;
+    const kvg_u32 planes_x_kept = kept * (kvg_u32)p.num_planes;
+    const int row0_item = p.first_item - p.first_item % p.kept_per_chunk;
+    const int end_item = p.first_item + p.num_items;
+    const kvg_u32 rows = (kvg_u32)((end_item - row0_item + p.kept_per_chunk - 1)
+                                   / p.kept_per_chunk);
+    const kvg_u32 total = segs * planes_x_kept * rows;
     const kvg_u32 warps = gridDim.x * (KVG_THREADS / 32);
     const KvgPlane* planes = reinterpret_cast<const KvgPlane*>(p.plane_table);
     kvg_u32 u = blockIdx.x * (KVG_THREADS / 32) + (threadIdx.x >> 5);
     const int first = kvg_first_item(p, u == 0 && lane == 0);
     for (; u < total; u += warps) {
+        // Every lane has the same u, so each branch below is uniform across the warp.
         const kvg_u32 rest = segs_shift != 0xFFu ? u >> segs_shift : u / segs;
         const kvg_u32 seg = u - rest * segs;
-        const kvg_u32 plane = rest / num_items;
-        const int item = p.first_item + (int)(rest - plane * num_items);
-        if (item < first) continue;  // uniform across the warp: every lane has the same u
-        const int chunk = item / p.kept_per_chunk;
-        const int pos = item - chunk * p.kept_per_chunk;
+#if KVG_WARP_PLANE_MAJOR
+        // (sweeps only) every chunk's pages of plane 0, then of plane 1, ...
+        const kvg_u32 plane = rest / (kept * rows);
+        const kvg_u32 in_plane = rest - plane * (kept * rows);
+        const kvg_u32 row = in_plane / kept;
+        const kvg_u32 pos = in_plane - row * kept;
+#else
+        const kvg_u32 row = rest / planes_x_kept;
+        const kvg_u32 in_row = rest - row * planes_x_kept;
+        const kvg_u32 plane = in_row / kept;
+        const kvg_u32 pos = in_row - plane * kept;
+#endif
+        const int chunk = row0_item / p.kept_per_chunk + (int)row;
+        const int item = chunk * p.kept_per_chunk + (int)pos;
+        if (item < first || item >= end_item) continue;
         const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
                               + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
         // The plane entry is read before the id is checked (plane < num_planes always), so
