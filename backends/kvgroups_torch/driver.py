@@ -77,7 +77,8 @@ class _LaunchConfig(ctypes.Structure):
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 _COMPUTE_CAPABILITY_MAJOR = 75  # CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR
-# Stream capture of programmatic launches (CUDA graphs of engines' steps) needs a 12.3 driver.
+# Graph edges carrying a programmatic dependency (what capturing these launches in an engine's
+# CUDA graph records) came with CUDA 12.3: older drivers keep the plain launch, to be safe.
 _MIN_DRIVER_VERSION = 12030
 
 
