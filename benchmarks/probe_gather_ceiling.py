@@ -12,7 +12,8 @@ takes several sizes (32 MiB is one Llama-3-8B chunk of 256 tokens); ``--directio
 store,load`` adds the reverse, a scatter of a packed buffer into the pool's pages (a load's
 work, ``probe="bare_scatter"``). ``--programmatic``
 runs it the way they are launched on sm_90+ (behind ``griddepcontrol.wait``, with
-programmatic stream serialization: see ``kvgroups_torch/driver.py``). On the largest pool
+programmatic stream serialization: see ``kvgroups_torch/driver.py``); ``--trigger`` adds their
+early ``griddepcontrol.launch_dependents``. On the largest pool
 and size it also records the floor of layer-by-layer calls: 32 launches of a 32nd of the pages each in
 one CUDA graph against one launch of all of them (``bare_gather_layerwise``), and the same for
 plain eager ``copy_`` of contiguous bytes (``copy_layerwise``). JSON lines::
@@ -46,6 +47,9 @@ struct Args { const V* src; V* dst; const int* ids; unsigned int n_units; int pa
 // ids[page] -> contiguous page `page` (a store); else the reverse (a load's scatter).
 template <bool WAIT, bool GATHER> __device__ __forceinline__ void move_pages(const Args& p) {
     if (WAIT) asm volatile("griddepcontrol.wait;" ::: "memory");
+#if TRIGGER
+    if (WAIT) asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
     const unsigned int u = blockIdx.x * 8u + (threadIdx.x >> 5);
     if (u >= p.n_units) return;
     const unsigned int page = u >> 2, seg = u & 3u, lane = threadIdx.x & 31u;
@@ -92,10 +96,14 @@ def main(argv=None) -> None:
     p.add_argument("--programmatic", action="store_true",
                    help="the kernel behind griddepcontrol.wait, launched with programmatic "
                         "stream serialization (as the kvgroups kernels are on sm_90+)")
+    p.add_argument("--trigger", action="store_true",
+                   help="with --programmatic: each CTA lets the next launch start right after "
+                        "its wait (griddepcontrol.launch_dependents, as the kvgroups kernels do)")
     p.add_argument("--out", type=Path, default=None)
     a = p.parse_args(argv)
     arch = "sm_%d%d" % torch.cuda.get_device_capability()
-    code = Program(SOURCE, "c++", options=ProgramOptions(arch=arch, std="c++17")).compile("cubin")
+    source = "#define TRIGGER %d\n" % int(a.trigger) + SOURCE
+    code = Program(source, "c++", options=ProgramOptions(arch=arch, std="c++17")).compile("cubin")
     suffix = "_wait" if a.programmatic else ""
     kernels = {d: int(ObjectCode.from_cubin(code.code).get_kernel(k + suffix).handle)
                for d, k in (("store", "gather"), ("load", "scatter"))}
@@ -130,8 +138,9 @@ def main(argv=None) -> None:
                              "direction": direction, "placement": "device", "page_bytes": PAGE,
                              "moved_bytes": moved, "pool_bytes": gib << 30, "order": order,
                              "copy_ms": ceiling, "programmatic": launcher.programmatic,
+                             "trigger": a.trigger,
                              "frac_of_ceiling": ceiling / t["median"], **t})
-            if gib == max(pools) and moved == sizes[-1] and "store" in directions:
+            if gib == max(pools) and moved == sizes[-1] << 20 and "store" in directions:
                 layerwise(a, kernels["store"], args, launcher, timer, pool, chosen["random"],
                           n_pages)
             del packed
@@ -177,7 +186,7 @@ def layerwise(a, kernel, args, launcher, timer, pool, sets, n_pages, layers: int
         out[pieces] = timer.ms(lambda i, g=graph: g.replay())["median"]
     emit(a, {"call": "internal", "probe": "bare_gather_layerwise", "runtime": "torch",
              "path": "bare-kernel", "graph": True, "launches": layers,
-             "programmatic": launcher.programmatic,
+             "programmatic": launcher.programmatic, "trigger": a.trigger,
              "bytes_per_launch": per * PAGE, "ms_one_launch": out[1],
              "ms_all_launches": out[layers], "us_per_launch": out[layers] * 1e3 / layers,
              "frac_of_whole": out[1] / out[layers]})
