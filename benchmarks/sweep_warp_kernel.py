@@ -52,6 +52,8 @@ VARIANTS = {  # name: (WARP_MIN_PAGE_BYTES, nvrtc.TUNING)
     "warp-u16-b2-cs": (8192, {"KVG_WARP_LD_HINT": 1, "KVG_WARP_ST_HINT": 1}),
     # units plane by plane over every chunk (main's order before chunk by chunk)
     "warp-u16-b2-planes": (8192, {"KVG_WARP_PLANE_MAJOR": 1}),
+    # the next launch starts only as this one's CTAs exit (before the early trigger)
+    "warp-u16-b2-late": (8192, {"KVG_EARLY_TRIGGER": 0}),
 }
 
 

@@ -83,7 +83,8 @@ def test_compile_errors_are_typed(monkeypatch):
 
 def test_every_entry_point_waits_for_the_kernel_before_it():
     # The launcher starts these kernels with programmatic stream serialization (driver.py):
-    # that is only safe for a kernel whose first statement waits for the grid before it.
+    # that is only safe for a kernel whose first statement waits for the grid before it. The
+    # warp kernels then let the next launch start; nothing may come between.
     src = nvrtc.kernel_source()
     bodies = re.findall(r"__global__[^{]*\{[\s\\]*([^\s\\]+)", src)
     assert len(bodies) == src.count("__global__") >= 4
@@ -91,3 +92,8 @@ def test_every_entry_point_waits_for_the_kernel_before_it():
     helper = src[src.index("void kvg_wait_for_prior_grid()"):]
     helper = helper[: helper.index("\n}\n")]
     assert "__CUDA_ARCH__ >= 900" in helper and 'asm volatile("griddepcontrol.wait;"' in helper
+    assert "launch_dependents" not in helper
+    triggered = re.findall(r"(kvg_\w+)\(const __grid_constant__ KvgParams p\) \{\s*"
+                           r"kvg_wait_for_prior_grid\(\);\s*kvg_let_next_grid_start\(\);", src)
+    assert sorted(triggered) == ["kvg_load_v16_warp", "kvg_store_v16_warp"]
+    assert src.count("kvg_let_next_grid_start();") == 2

@@ -92,6 +92,11 @@ typedef unsigned int kvg_u32;
 #ifndef KVG_MIN_BLOCKS
 #define KVG_MIN_BLOCKS 1    // __launch_bounds__ minimum resident CTAs per SM (caps registers)
 #endif
+// Warp kernels, 1: each CTA lets the next programmatically launched kernel start once it has
+// passed its own wait (kvg_let_next_grid_start); 0 (sweeps only): only when it exits.
+#ifndef KVG_EARLY_TRIGGER
+#define KVG_EARLY_TRIGGER 1
+#endif
 
 struct KvgRun {
     kvg_i64 cache_offset;
@@ -248,6 +253,25 @@ __device__ __forceinline__ void kvg_st<16>(kvg_u64 a, kvg_v16 v) {
 __device__ __forceinline__ void kvg_wait_for_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// The warp kernels' next step: let the kernel after this one be launched while this one still
+// copies, so a chain of launches (32 one-layer stores in an engine's graph) does not pay a
+// launch ramp at every boundary. Its CTAs take SM slots as this kernel's retire and sit in
+// their own wait. That cannot expose this kernel's writes early: a kernel launched after it
+// programmatically passes griddepcontrol.wait, which waits for this whole grid and its memory,
+// before reading anything (the launch attribute's contract, trigger or not); and triggering
+// only after the wait keeps at most one kernel of a chain waiting.
+// Only the warp kernels do it, the ones it was measured on (one-layer chains in a graph 0.735
+// -> 0.763 of the whole call). At 128 registers two of their CTAs fill an SM, so a waiting CTA
+// only takes a slot a finished one left. The bare kernel of benchmarks/probe_gather_ceiling.py
+// fits three per SM, and there the same trigger cost its one-layer chain 0.82 -> 0.64, likely
+// because the next grid's CTAs crowd onto the SMs that freed first; the classic kernels (up to
+// four per SM) keep the implicit trigger at exit.
+__device__ __forceinline__ void kvg_let_next_grid_start() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVG_EARLY_TRIGGER
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
 
@@ -653,11 +677,13 @@ KVG_KERNELS_V(16)
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
 kvg_store_v16_warp(const __grid_constant__ KvgParams p) {
     kvg_wait_for_prior_grid();
+    kvg_let_next_grid_start();
     kvg_warp_copy<true>(p);
 }
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
 kvg_load_v16_warp(const __grid_constant__ KvgParams p) {
     kvg_wait_for_prior_grid();
+    kvg_let_next_grid_start();
     kvg_warp_copy<false>(p);
 }
 #endif
