@@ -54,12 +54,13 @@ def batch_seconds(step, sync, batches: int, calls: int) -> list[float]:
 
 def variants(spec: str) -> list[dict]:
     """``box=4096,8192;warps=4,8|per_program=2``: the union over ``|`` of the products of each
-    part's ``;``-separated axes (box, warps, read_first, per_program, items_major); axes a part
+    part's ``;``-separated axes (box, warps, read_first, per_program, items_major,
+    chunk_order); axes a part
     does not name keep the defaults."""
     out: list[dict] = []
     for product in spec.split("|"):
         axes = {"box": [4096], "warps": [4], "read_first": [1], "per_program": [1],
-                "items_major": [1]}
+                "items_major": [1], "chunk_order": [1]}
         for part in filter(None, product.split(";")):
             name, _, values = part.partition("=")
             axes[name.strip()] = [int(v) for v in values.split(",")]
@@ -151,7 +152,9 @@ def run_shape(name: str, args, emit) -> None:
     for v in variants(args.variants):
         pallas_copy.TUNING.update(read_first=bool(v["read_first"]),
                                   planes_per_program=v["per_program"],
-                                  items_major=bool(v["items_major"]))
+                                  items_major=bool(v["items_major"]),
+                                  chunk_order=bool(v["chunk_order"]))
+        pallas_mosaic.CHUNK_ORDER = bool(v["chunk_order"])
         jax.clear_caches()
         rec = {**common, "record": "variant", "lowering": args.lowering, **v}
         try:
@@ -172,6 +175,7 @@ def run_shape(name: str, args, emit) -> None:
             rec["error"] = f"{type(exc).__name__}: {exc}"[:600]
         emit(rec)
     pallas_copy.TUNING.update(TUNING_DEFAULTS)
+    pallas_mosaic.CHUNK_ORDER = True
     jax.clear_caches()
 
 
@@ -187,7 +191,8 @@ def main(argv=None) -> None:
     p.add_argument("--batches", type=int, default=7)
     p.add_argument("--calls", type=int, default=10)
     p.add_argument("--variants", default="box=2048,4096,8192;warps=4,8;read_first=0,1",
-                   help="';'-separated axes: box, warps, read_first, per_program, items_major")
+                   help="';'-separated axes: box, warps, read_first, per_program, items_major, "
+                        "chunk_order")
     p.add_argument("--lowering", default="triton", choices=("triton", "mosaic"),
                    help="mosaic: the TMA kernel (its variants only differ in the box knob)")
     p.add_argument("--interpret", action="store_true", help="Pallas interpret mode (CPU smoke)")

@@ -238,3 +238,24 @@ def bucket(n: int, minimum: int = 1) -> int:
     """The power-of-two bucket holding ``n`` (a request inside it reuses the compilation)."""
     n = max(int(n), minimum, 1)
     return 1 << (n - 1).bit_length()
+
+
+def chunk_row_items(grid_items: int, kept_per_chunk: int) -> int:
+    """Items per row of the chunk-by-chunk program order (:func:`chunk_order`): the largest
+    power of two at most ``kept_per_chunk``, capped at the power-of-two ``grid_items`` (so
+    it divides it)."""
+    row = 1 << (max(int(kept_per_chunk), 1).bit_length() - 1)
+    return min(row, grid_items)
+
+
+def chunk_order(launch_index, grid_items: int, groups: int, kept_per_chunk: int):
+    """``(item, group)`` of the program at ``launch_index`` (0 .. grid_items * groups - 1,
+    the order the GPU starts programs in) when programs go about a chunk at a time: a row of
+    :func:`chunk_row_items` consecutive items for every plane group, then the next row. A
+    chunk's object is then written or read front to back, as a plain copy would, instead of
+    one plane's pages of every chunk in turn. A bijection onto
+    ``[0, grid_items) x [0, groups)``; works on Python ints and traced int32 scalars."""
+    row = chunk_row_items(grid_items, kept_per_chunk)
+    pos = launch_index % row
+    rest = launch_index // row
+    return (rest // groups) * row + pos, rest % groups

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .geometry import Box, GroupGeometry
+from .geometry import Box, GroupGeometry, chunk_order
 
 
 def _offsets(base, box: Box, strides: tuple[int, ...], start: int):
@@ -72,12 +72,16 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
 #: every such cell of the H200 sweep (benchmarks/results/small_pages_h200.jsonl: 512 B store
 #: 0.15 -> 0.25 of the copy, 1 KiB 0.33 -> 0.41 / 0.46; loads 0.13-0.39 -> 0.14-0.43); 2 KiB
 #: stores gained too but its loads were not measured, so 2 KiB keeps the one-item kernel.
+#: ``chunk_order`` (with ``items_major``): one-item programs go about a chunk at a time, every
+#: plane group of a row of items before the next row (geometry.chunk_order), so objects are
+#: walked front to back; False: every item of plane group 0 first, then group 1, ...
 TUNING = {"read_first": True, "planes_per_program": 1, "items_major": True,
-          "items_per_program": 8, "small_page_bytes": 1024}
+          "items_per_program": 8, "small_page_bytes": 1024, "chunk_order": True}
 
 
 def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
-                 read_first: bool, per_program: int, items_axis: int, fresh: bool):
+                 read_first: bool, per_program: int, items_axis: int, fresh: bool,
+                 chunk_rows: tuple[int, int] | None = None):
     # meta_ref: [2] int32 (first_item, num_items); ids_ref: [ids_bucket] int32 engine block ids
     # then (unless ``fresh``) obj_ref: [num_chunks, object_elems]; cache inputs [size_k] per
     # operand, then outputs (store: the object [num_chunks, object_elems]; load: the caches).
@@ -86,9 +90,14 @@ def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
     obj_ref = None if fresh else refs[0]
     refs = refs if fresh else refs[1:]
     cache_in, outs = refs[:num_ops], refs[num_ops:]
-    i = pl.program_id(items_axis)
-    plane_group = pl.program_id(1 - items_axis)
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
+    if chunk_rows:  # the (items, groups) grid walked about a chunk at a time
+        grid_items, groups = chunk_rows
+        i, plane_group = chunk_order(pl.program_id(0) + grid_items * pl.program_id(1),
+                                     grid_items, groups, kept)
+    else:
+        i = pl.program_id(items_axis)
+        plane_group = pl.program_id(1 - items_axis)
 
     @pl.when(i < meta_ref[1])
     def _():
@@ -278,9 +287,11 @@ def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpr
     plane_groups = -(-geom.num_planes // per_program)
     items_major = bool(TUNING["items_major"])
     grid = (grid_items, plane_groups) if items_major else (plane_groups, grid_items)
+    rows = (grid_items, plane_groups) if items_major and TUNING["chunk_order"] else None
     kernel = functools.partial(_copy_kernel, geom=geom, direction=direction,
                                read_first=bool(TUNING["read_first"]), per_program=per_program,
-                               items_axis=0 if items_major else 1, fresh=fresh)
+                               items_axis=0 if items_major else 1, fresh=fresh,
+                               chunk_rows=rows)
     operands = (meta, ids) + (() if fresh else (obj,)) + tuple(caches)
     return pl.pallas_call(
         kernel,

@@ -51,7 +51,7 @@ from jax.experimental import pallas as pl
 
 from kvgroups_core.errors import UnsupportedConfig
 
-from .geometry import GroupGeometry
+from .geometry import GroupGeometry, chunk_order
 
 #: TMA moves at most 256 elements per box dimension.
 TMA_DIM = 256
@@ -61,6 +61,9 @@ MAX_SMEM_BYTES = 64 * 1024
 #: Shared-memory buffers per program when a span takes more than one piece.
 NUM_BUFFERS = 2
 
+#: Programs go about a chunk at a time (geometry.chunk_order); False: every item of plane 0
+#: first, then plane 1, ... (read while tracing; sweeps only).
+CHUNK_ORDER = True
 _ITEM_AXIS = "item"
 _PLANE_AXIS = "plane"
 
@@ -116,7 +119,7 @@ def _plane_row(geom: GroupGeometry, plane_id, planes: list[int]):
 
 
 def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, rows: int,
-              copies: int):
+              copies: int, grid_items: int):
     # Operands (all in GMEM): meta [2] int32 (first_item, num_items); ids [ids_bucket] int32;
     # store: the caches [size_k / 256, 256] then the object Ref [chunks, elems / 256, 256];
     # load: the object, then the cache Refs. Scratch: smem [buffers, rows, 256] and as many
@@ -128,9 +131,15 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
     else:
         (obj,), caches = refs[:1], refs[1:1 + num_ops]
     smem, barriers = refs[-2:]
-    i = lax.axis_index(_ITEM_AXIS)
-    plane_id = lax.axis_index(_PLANE_AXIS)
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
+    if CHUNK_ORDER:
+        # The item axis is CUDA's x (started first): walk the grid about a chunk at a time.
+        i, plane_id = chunk_order(
+            lax.axis_index(_ITEM_AXIS) + grid_items * lax.axis_index(_PLANE_AXIS),
+            grid_items, geom.num_planes, kept)
+    else:
+        i = lax.axis_index(_ITEM_AXIS)
+        plane_id = lax.axis_index(_PLANE_AXIS)
     span_rows = geom.span // TMA_DIM
 
     @pl.when(i < meta_ref[1])
@@ -266,7 +275,8 @@ def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=Non
         # Mosaic GPU mpmd_map lowering takes no scratch operands.
         pl.run_scoped(
             lambda smem, barriers: _tma_body(*operands, smem, barriers, geom=geom,
-                                             direction=direction, rows=rows, copies=copies),
+                                             direction=direction, rows=rows, copies=copies,
+                                             grid_items=grid_items),
             *scratch,
         )
 
