@@ -5,10 +5,14 @@ per layer, K/V interleaved; ``--layout vllm_nhd`` for vLLM's ``[2, NB, BS, NH, H
 chunk count (default 1, 4, 16, 64):
 
 - ``call="jit"``: an engine-like jitted step with the caches donated: ``load`` a request's
-  chunks, a small computation over the cache (one page per layer read, one written), ``store``
-  the request's chunks without objects; block ids are ``device`` (traced int32 arrays, new ids
-  every call: no retrace) or ``host`` (NumPy ids baked into the trace). Its transfer time is
-  the step's time minus the same step without the transfer.
+  chunks, a small computation over the cache (:func:`step_compute`: one page-plane per layer
+  read, one written; with ``--weights-mib``, a read of that many MiB, as a decode step streams
+  its weights, so the step is device-bound), ``store`` the request's chunks without objects;
+  block ids are ``device`` (traced int32 arrays, new ids every call: no retrace) or ``host``
+  (NumPy ids baked into the trace). Its transfer time is the median, over ``--repeats`` pairs
+  of batches timed back to back (``timing: "paired"``), of the step's time minus the same step
+  without the transfer: pairing cancels the machine's drift between the two (earlier records,
+  without ``timing``, timed all of one, then all of the other).
 - ``call="store"``: eager ``store(manager, caches, ids)`` without objects (``path="default"``:
   the store creates them) and with donated objects passed in (``path="donated"``);
   ``call="prepared"``: the same through ``prepare(manager, caches).store``.
@@ -24,6 +28,7 @@ appended to ``--out``. ``--tiny`` runs a few-KiB model on the CPU in seconds (CI
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -62,6 +67,9 @@ def parse_args(argv=None):
     p.add_argument("--weights-mib", type=int, default=0,
                    help="the jitted step also reads this many MiB (a decode step's weight "
                         "stream), so both steps are device-bound; 0: the small step alone")
+    p.add_argument("--compute", choices=("flat", "inplace"), default="flat",
+                   help="the step's own page write (see step_compute; inplace is a diagnostic "
+                        "whose baseline XLA copies)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     base = TINY if args.tiny else FULL
@@ -107,6 +115,34 @@ def timed(fn, sync, repeats, target_s):
     return statistics.median(secs)
 
 
+def paired(fn_a, fn_b, sync, repeats, target_s):
+    """Medians of back-to-back ``fn_a(i)`` and ``fn_b(i)`` calls timed in alternating batches,
+    and the median of the pairs' differences (a - b): drift between the two cancels."""
+    def batch_size(fn):
+        for i in range(2):  # warm-up: compilation and first-touch
+            fn(i)
+        sync()
+        t0 = time.perf_counter()
+        fn(2)
+        sync()
+        return max(1, min(1000, int(target_s / max(time.perf_counter() - t0, 1e-6))))
+
+    calls = batch_size(fn_a)
+    batch_size(fn_b)
+
+    def batch(fn):
+        sync()
+        t0 = time.perf_counter()
+        for i in range(calls):
+            fn(i)
+        sync()
+        return (time.perf_counter() - t0) / calls
+
+    pairs = [(batch(fn_a), batch(fn_b)) for _ in range(repeats)]
+    return (statistics.median(a for a, _ in pairs), statistics.median(b for _, b in pairs),
+            statistics.median(a - b for a, b in pairs))
+
+
 def copy_ceiling(nbytes, repeats, target_s, copies=1):
     """Seconds of ``copies`` device copies of ``nbytes`` each (read + write each byte) in one
     donated, warmed program; ``optimization_barrier`` keeps XLA from fusing them into one."""
@@ -125,6 +161,43 @@ def copy_ceiling(nbytes, repeats, target_s, copies=1):
     def fn(i):
         held[0] = step(held[0])
     return timed(fn, lambda: jax.block_until_ready(held[0]), repeats, target_s)
+
+
+def step_compute(caches, weights, *, layout, plane_elems, mode="flat"):
+    """The engine-like step's own work (``plane_elems``: one page-plane's elements), plus with
+    ``weights`` a read of that stand-in for the step's weight stream.
+
+    ``mode="flat"`` (the default, every committed figure): one page-plane of every layer read
+    and one written, through flat views of the layers (the same work for either layout). XLA
+    then rewrites and copies all of layer 0 every step (81 + 64 us on the H200), in the step
+    and in its baseline alike, so the subtraction cancels it.
+
+    ``mode="inplace"`` (a diagnostic): page 0 of every layer read and page 1 of layer 0
+    written in the layer's own layout (``[page]`` tpu-inference, ``[0, page]`` vLLM's K half),
+    as a decode step writes its token's K/V. After the transfer's kernels XLA writes that page
+    in place (2 us), but in the baseline, where layer 0 is the step's donated parameter, it
+    still rewrites the whole layer (81 us), so the subtraction undercounts the transfer by
+    that much (``benchmarks/results/jax_step_inplace_h200.jsonl``)."""
+    n = plane_elems
+    if mode == "flat":
+        total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
+    else:
+        page = (lambda k: (k,)) if layout == "tpu_inference" else (lambda k: (0, k))
+        total = sum(c[page(0)].astype(jnp.float32).sum() for c in caches)
+    if weights is not None:
+        total = total + jnp.sum(weights, dtype=jnp.uint32).astype(jnp.float32) * 0.0
+    if mode == "flat":
+        flat = caches[0].reshape(-1)
+        flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
+        first = flat.reshape(caches[0].shape)
+    else:
+        first = caches[0].at[page(1)].set((caches[0][page(1)] + total).astype(caches[0].dtype))
+    return [first] + list(caches[1:])
+
+
+def weights_for(mib):
+    """The weight stream's stand-in (``mib`` MiB of uint32), or None."""
+    return jnp.ones(mib << 18, jnp.uint32) if mib else None
 
 
 class Bench:
@@ -171,19 +244,8 @@ class Bench:
         sets = self.ids(chunks)
         traces = {"n": 0}
 
-        n = a.page_size * a.heads * a.head_dim  # one page-plane's elements
-
-        def compute(caches, weights):
-            # A small computation over the cache: one page-plane of every layer read, one
-            # written (flat views: the same work for either layout); plus, with
-            # --weights-mib, a read of a weights stand-in, as a decode step streams its
-            # weights: the step is then device-bound and the transfer's cost is device time.
-            total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
-            if weights is not None:
-                total = total + jnp.sum(weights, dtype=jnp.uint32).astype(jnp.float32) * 0.0
-            flat = caches[0].reshape(-1)
-            flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
-            return [flat.reshape(caches[0].shape)] + list(caches[1:])
+        compute = functools.partial(step_compute, layout=a.layout, mode=a.compute,
+                                    plane_elems=a.page_size * a.heads * a.head_dim)
 
         def with_transfer(caches, objs, load_ids, store_ids, weights):
             traces["n"] += 1
@@ -194,7 +256,7 @@ class Bench:
         def without(caches, objs, load_ids, store_ids, weights):
             return compute(caches, weights), []
 
-        weights = (jnp.ones(a.weights_mib << 18, jnp.uint32) if a.weights_mib else None)
+        weights = weights_for(a.weights_mib)
 
         def runner(step_fn):
             if ids_kind == "device":
@@ -215,10 +277,10 @@ class Bench:
 
         self._objs = []
         sync = lambda: self.sync(self._objs)  # noqa: E731
-        t_step = timed(runner(with_transfer), sync, a.repeats, a.target_ms / 1e3)
-        t_base = timed(runner(without), sync, a.repeats, a.target_ms / 1e3)
+        t_step, t_base, transfer = paired(runner(with_transfer), runner(without), sync,
+                                          a.repeats, a.target_ms / 1e3)
         moved = 2 * nbytes_one  # load + store
-        transfer = max(t_step - t_base, 1e-9)
+        transfer = max(transfer, 1e-9)
         ceiling = copy_ceiling(moved, a.repeats, a.target_ms / 1e3)
         # The transfer is two programs' worth of kernels (a load, a store) of nbytes_one each:
         # beside the one-copy ceiling, two copies of nbytes_one in one program.
@@ -226,6 +288,7 @@ class Bench:
         self.record("jit", ids_kind, "step", "load+store", chunks, transfer, moved, ceiling,
                     {"step_s": t_step, "step_without_transfer_s": t_base,
                      "traces": traces["n"], "weights_mib": a.weights_mib,
+                     "compute": a.compute, "timing": "paired",
                      "per_call_ceiling_s": per_call,
                      "frac_of_per_call_ceiling": per_call / transfer})
 

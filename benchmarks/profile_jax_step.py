@@ -1,7 +1,8 @@
 """Where a jitted engine step with transfers spends its time: a JAX profiler trace, summarised.
 
 Diagnostic (by hand, on a GPU): the engine-like step of ``bench_jax_engine.py`` (load a
-request's chunks, a small computation, store them; traced ids) and the same step without the
+request's chunks, its small computation and weight stream (``bench_jax_engine.step_compute``),
+store them; traced ids) and the same step without the
 transfers, ``--steps`` calls each under ``jax.profiler.trace``; prints per variant the device
 events (kernels: count, total and mean microseconds) and the busiest host events, as JSON lines.
 """
@@ -49,6 +50,9 @@ def main(argv=None) -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--tiny", action="store_true")
+    p.add_argument("--weights-mib", type=int, default=0, help="the step's weight stream")
+    p.add_argument("--compute", choices=("flat", "inplace"), default="flat",
+                   help="bench_jax_engine.step_compute's mode")
     a = p.parse_args(argv)
     args = bje.parse_args(["--tiny"] if a.tiny else [])
     bench = bje.Bench(args)
@@ -56,13 +60,11 @@ def main(argv=None) -> None:
     sets = bench.ids(a.chunks)
     dev = [jnp.asarray(s) for s in sets]
     objs = store(manager, bench.caches, sets[0])
-    n = args.page_size * args.heads * args.head_dim
+    weights = bje.weights_for(a.weights_mib)
 
     def compute(caches):
-        total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
-        flat = caches[0].reshape(-1)
-        flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
-        return [flat.reshape(caches[0].shape)] + list(caches[1:])
+        return bje.step_compute(caches, weights, layout=args.layout, mode=a.compute,
+                                plane_elems=args.page_size * args.heads * args.head_dim)
 
     def with_transfer(caches, objs, li, si):
         caches = compute(load(manager, objs, caches, li))
@@ -83,6 +85,7 @@ def main(argv=None) -> None:
                     held["c"], o = step(held["c"], objs, dev[i % 8], dev[(i + 3) % 8])
                 jax.block_until_ready((held["c"], o))
             print(json.dumps({"variant": name, "chunks": a.chunks, "steps": a.steps,
+                              "weights_mib": a.weights_mib, "compute": a.compute,
                               "planes": summarise(d, a.top)}), flush=True)
 
 

@@ -33,6 +33,7 @@ def test_bench_jax_engine_tiny_emits_every_record(tmp_path):
         assert all(f in r for f in FIELDS), r
         assert r["gbps"] > 0 and r["frac_of_ceiling"] > 0
     assert all(r["traces"] == 1 for r in records if r["call"] == "jit")  # no retrace
+    assert all(r["compute"] == "flat" for r in records if r["call"] == "jit")
 
 
 def test_weight_stream_and_mosaic_budget_options_are_recorded(tmp_path):
@@ -41,7 +42,8 @@ def test_weight_stream_and_mosaic_budget_options_are_recorded(tmp_path):
     done = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_jax_engine.py"), "--tiny",
          "--calls", "jit", "--chunks", "1", "--repeats", "2", "--target-ms", "2",
-         "--weights-mib", "1", "--mosaic-smem", "32768", "--out", str(out)],
+         "--weights-mib", "1", "--mosaic-smem", "32768", "--compute", "inplace",
+         "--out", str(out)],
         capture_output=True, text=True, timeout=600, cwd=ROOT,
     )
     assert done.returncode == 0, done.stderr[-3000:]
@@ -49,6 +51,7 @@ def test_weight_stream_and_mosaic_budget_options_are_recorded(tmp_path):
     jit = [r for r in rows if r["call"] == "jit"]
     assert {r["ids"] for r in jit} == {"device", "host"}
     assert all(r["weights_mib"] == 1 and r["mosaic_smem_bytes"] == 32768 for r in jit)
+    assert all(r["compute"] == "inplace" and r["timing"] == "paired" for r in jit)
     assert all(r["traces"] == 1 and r["step_without_transfer_s"] > 0 for r in jit)
     assert all(r["frac_of_per_call_ceiling"] == r["per_call_ceiling_s"] / r["median_s"]
                for r in jit)
