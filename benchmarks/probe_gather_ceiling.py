@@ -14,7 +14,7 @@ work, ``probe="bare_scatter"``). ``--programmatic``
 runs it the way they are launched on sm_90+ (behind ``griddepcontrol.wait``, with
 programmatic stream serialization: see ``kvgroups_torch/driver.py``); ``--trigger`` adds their
 early ``griddepcontrol.launch_dependents``. On the largest pool
-and size it also records the floor of layer-by-layer calls: 32 launches of a 32nd of the pages each in
+and the last size it also records the floor of layer-by-layer calls: 32 launches of a 32nd of the pages each in
 one CUDA graph against one launch of all of them (``bare_gather_layerwise``), and the same for
 plain eager ``copy_`` of contiguous bytes (``copy_layerwise``). JSON lines::
 
@@ -90,7 +90,7 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pools-gib", default="2,16,64")
     p.add_argument("--moved-mib", default="512",
-                   help="comma-separated sizes moved per launch (the largest one also runs the layer-wise floor)")
+                   help="comma-separated sizes moved per launch (the last one also runs the layer-wise floor)")
     p.add_argument("--directions", default="store",
                    help="store (gather from the pool), load (scatter into it), or both")
     p.add_argument("--programmatic", action="store_true",
@@ -118,7 +118,8 @@ def main(argv=None) -> None:
     for gib in pools:
         pool = torch.empty(gib << 30, dtype=torch.uint8, device="cuda")
         pages = pool.numel() // PAGE
-        for moved in (mib << 20 for mib in sizes):
+        for mib in sizes:
+            moved = mib << 20
             n_pages = moved // PAGE
             packed = [torch.empty(moved, dtype=torch.uint8, device="cuda") for _ in range(2)]
             ceiling = timer.ms(lambda i, d=packed: d[i % 2].copy_(d[1 - i % 2]))["median"]
@@ -140,7 +141,7 @@ def main(argv=None) -> None:
                              "copy_ms": ceiling, "programmatic": launcher.programmatic,
                              "trigger": a.trigger,
                              "frac_of_ceiling": ceiling / t["median"], **t})
-            if gib == max(pools) and moved == sizes[-1] << 20 and "store" in directions:
+            if gib == max(pools) and mib == sizes[-1] and "store" in directions:
                 layerwise(a, kernels["store"], args, launcher, timer, pool, chosen["random"],
                           n_pages)
             del packed
