@@ -84,7 +84,9 @@ def main(argv=None) -> None:
                 for i in range(a.steps):
                     held["c"], o = step(held["c"], objs, dev[i % 8], dev[(i + 3) % 8])
                 jax.block_until_ready((held["c"], o))
-            print(json.dumps({"variant": name, "chunks": a.chunks, "steps": a.steps,
+            print(json.dumps({"call": "jit", "runtime": "jax", "path": "step", "ids": "device",
+                              "probe": "profile", "variant": name, "chunks": a.chunks,
+                              "steps": a.steps,
                               "weights_mib": a.weights_mib, "compute": a.compute,
                               "planes": summarise(d, a.top)}), flush=True)
 

@@ -7,7 +7,8 @@ through its own jitted program (donated, in place, as the executor does). Timing
 back-to-back calls with ``block_until_ready`` after each batch, median over batches, so the
 host's dispatch hides behind the device work. Beside them, the same run's device copy of the
 same byte count (a jitted ``x ^ 1``: one read and one write of every byte). Every variant's
-store output is checked against the first variant's bytes.
+store output is checked against the first variant's bytes. Records say ``call: "internal"``:
+the programs are built from the executor's parts, below the public calls.
 
     python3 benchmarks/sweep_jax_kernel.py --out FILE.jsonl
 """
@@ -156,7 +157,8 @@ def run_shape(name: str, args, emit) -> None:
                                   chunk_order=bool(v["chunk_order"]))
         pallas_mosaic.CHUNK_ORDER = bool(v["chunk_order"])
         jax.clear_caches()
-        rec = {**common, "record": "variant", "lowering": args.lowering, **v}
+        rec = {**common, "record": "variant", "lowering": args.lowering, **v,
+               "path": f"pallas-{args.lowering}", "ids": "device", "placement": "device"}
         try:
             geom = group_geometry(group, plans["store"].tensor_specs, nbytes,
                                   max_elems=v["box"])
@@ -201,6 +203,8 @@ def main(argv=None) -> None:
     out = sys.stdout if args.out == "-" else open(args.out, "a")
 
     def emit(rec):
+        # The kernels' own jitted programs, not a public call (``call: "internal"``).
+        rec = {"call": "internal", "runtime": "jax", **rec}
         out.write(json.dumps(rec) + "\n")
         out.flush()
         if out is not sys.stdout:
