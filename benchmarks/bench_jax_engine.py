@@ -21,17 +21,24 @@ Every record: ``gbps`` = bytes read + written per second of the transfer, ``frac
 = the same run's device copy of the same bytes (a jitted, donated ``x + 1`` over uint32 words,
 warmed) over the transfer's time; jit records add ``frac_of_per_call_ceiling``, the same over
 two copies of one call's bytes in one program (the step's load and store are two kernels,
-where the one-copy ceiling is one); medians over ``--repeats`` batches. JSON lines on stdout and
+where the one-copy ceiling is one); medians over ``--repeats`` batches. On a GPU, jit records
+also carry device time from a profiler trace (:func:`device_kernels`): the transfer's own
+kernels (``transfer_kernels_device_s``, ``frac_of_ceiling_device`` against the copy's kernel),
+and every kernel of the step with and without the transfer (``frac_of_ceiling_step_device``:
+the copy over the step's device time growth), free of the host's dispatch time. JSON lines on stdout and
 appended to ``--out``. ``--tiny`` runs a few-KiB model on the CPU in seconds (CI).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
+import glob
 import json
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -143,9 +150,36 @@ def paired(fn_a, fn_b, sync, repeats, target_s):
             statistics.median(a - b for a, b in pairs))
 
 
-def copy_ceiling(nbytes, repeats, target_s, copies=1):
-    """Seconds of ``copies`` device copies of ``nbytes`` each (read + write each byte) in one
-    donated, warmed program; ``optimization_barrier`` keeps XLA from fusing them into one."""
+def device_kernels(fn, sync, calls=20):
+    """Device seconds per call of ``fn(i)`` by kernel name, from a JAX profiler trace of
+    ``calls`` warmed calls (the accelerator's stream lines; empty where the backend records
+    none, as on the CPU). Kernel durations carry no host time: where a step's wall time
+    subtraction mixes in the host's dispatch, these say what its kernels cost."""
+    fn(0)
+    sync()
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d):
+            for i in range(calls):
+                fn(i)
+            sync()
+        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
+        data = jax.profiler.ProfileData.from_file(files[0])
+    out = collections.Counter()
+    for plane in data.planes:
+        if not plane.name.startswith("/device:"):
+            continue
+        for line in plane.lines:
+            # Module and op summary lines repeat the stream's kernels: count each once.
+            if "XLA" in line.name or "Step" in line.name:
+                continue
+            for ev in line.events:
+                out[ev.name] += ev.duration_ns / 1e9 / calls
+    return dict(out)
+
+
+def copy_program(nbytes, copies=1):
+    """``(fn, sync)``: ``fn(i)`` runs ``copies`` device copies of ``nbytes`` each (read + write
+    each byte) in one donated program; ``optimization_barrier`` keeps XLA from fusing them."""
     words = max(1, nbytes // 4)
     held = [jnp.zeros((words,), jnp.uint32)]
 
@@ -160,7 +194,12 @@ def copy_ceiling(nbytes, repeats, target_s, copies=1):
 
     def fn(i):
         held[0] = step(held[0])
-    return timed(fn, lambda: jax.block_until_ready(held[0]), repeats, target_s)
+    return fn, lambda: jax.block_until_ready(held[0])
+
+
+def copy_ceiling(nbytes, repeats, target_s, copies=1):
+    """Seconds of :func:`copy_program` (wall time of back-to-back calls, warmed)."""
+    return timed(*copy_program(nbytes, copies), repeats, target_s)
 
 
 def step_compute(caches, weights, *, layout, plane_elems, mode="flat"):
@@ -285,12 +324,37 @@ class Bench:
         # The transfer is two programs' worth of kernels (a load, a store) of nbytes_one each:
         # beside the one-copy ceiling, two copies of nbytes_one in one program.
         per_call = copy_ceiling(nbytes_one, a.repeats, a.target_ms / 1e3, copies=2)
+        extra = {"step_s": t_step, "step_without_transfer_s": t_base,
+                 "traces": traces["n"], "weights_mib": a.weights_mib,
+                 "compute": a.compute, "timing": "paired",
+                 "per_call_ceiling_s": per_call,
+                 "frac_of_per_call_ceiling": per_call / transfer}
+        if jax.default_backend() == "gpu":
+            extra.update(self.device_time(runner(with_transfer), runner(without), sync,
+                                          moved, nbytes_one))
         self.record("jit", ids_kind, "step", "load+store", chunks, transfer, moved, ceiling,
-                    {"step_s": t_step, "step_without_transfer_s": t_base,
-                     "traces": traces["n"], "weights_mib": a.weights_mib,
-                     "compute": a.compute, "timing": "paired",
-                     "per_call_ceiling_s": per_call,
-                     "frac_of_per_call_ceiling": per_call / transfer})
+                    extra)
+
+    def device_time(self, with_transfer, without, sync, moved, nbytes_one):
+        """The step's kernels' device time (profiler): the transfer's own kernels
+        (``kvgroups_*``), every kernel of the step with and without the transfer, and the
+        copies the wall-time figures compare with, in seconds per call."""
+        steps = {name: device_kernels(fn, sync) for name, fn in
+                 (("with", with_transfer), ("without", without))}
+        ceiling = sum(device_kernels(*copy_program(moved)).values())
+        per_call = sum(device_kernels(*copy_program(nbytes_one, copies=2)).values())
+        kernels = sum(t for k, t in steps["with"].items() if "kvgroups" in k)
+        step, base = (sum(steps[k].values()) for k in ("with", "without"))
+        growth = {k: steps["with"].get(k, 0.0) - steps["without"].get(k, 0.0)
+                  for k in set(steps["with"]) | set(steps["without"])}
+        biggest = sorted(growth, key=lambda k: -abs(growth[k]))[:8]
+        return {"device_growth_us": {k[:60]: round(growth[k] * 1e6, 2) for k in biggest},"transfer_kernels_device_s": kernels, "step_device_s": step,
+                "step_without_transfer_device_s": base, "ceiling_device_s": ceiling,
+                "per_call_ceiling_device_s": per_call,
+                # the transfer's kernels against one copy of the moved bytes, and the step's
+                # device time growth (kernels plus what they cost the step's other work)
+                "frac_of_ceiling_device": ceiling / max(kernels, 1e-12),
+                "frac_of_ceiling_step_device": ceiling / max(step - base, 1e-12)}
 
     # --- eager stores ------------------------------------------------------------------------
     def run_store(self, chunks, call):
