@@ -191,3 +191,20 @@ def test_triton_store_without_objects_makes_the_object_the_kernel_output():
 @needs_absl
 def test_mosaic_store_without_objects_makes_the_object_the_kernel_output():
     _assert_object_is_a_kernel_output(_lower_fresh_store("nhd", "mosaic"), "@mosaic_gpu")
+
+
+@pytest.mark.parametrize(("layout", "lowering"), [
+    *((layout, lowering) for layout in ("nhd", "hnd", "cross_layer") for lowering in ("triton", "xla")),
+    *(pytest.param(layout, "mosaic", marks=needs_absl) for layout in ("nhd", "cross_layer")),
+])
+def test_load_hands_back_caches_behind_a_barrier_of_their_own_types(layout, lowering):
+    # The kernels write flat integer views; without the barrier XLA folds the views' bitcasts
+    # into the caller's fusions, which then read the flat buffer (slower on the H200). The
+    # caches leave the load as arrays of their own shape and dtype, through one barrier.
+    arrays, _ = make_group(layout, "bfloat16", nb=32, bs=16, nh=8, hs=128)
+    text = _lower(layout, "load", lowering)
+    barriers = [line for line in text.splitlines() if "stablehlo.optimization_barrier" in line]
+    assert len(barriers) == 1, barriers
+    shapes = ["tensor<%sxbf16>" % "x".join(map(str, a.shape)) for a in arrays]
+    assert barriers[0].rstrip().endswith(" : " + ", ".join(shapes)), (barriers[0], shapes)
+    assert "optimization_barrier" not in _lower(layout, "store", lowering)
