@@ -54,10 +54,6 @@ VARIANTS = {  # name: (WARP_MIN_PAGE_BYTES, nvrtc.TUNING)
     "warp-u16-b2-planes": (8192, {"KVG_WARP_PLANE_MAJOR": 1}),
     # the next launch starts only as this one's CTAs exit (before the early trigger)
     "warp-u16-b2-late": (8192, {"KVG_EARLY_TRIGGER": 0}),
-    # whole segments without per-vector bounds: 80 registers, three CTAs per SM (the default
-    # bounds-checks every vector: 128, two), with and without the early trigger
-    "warp-u16-b2-whole": (8192, {"KVG_WARP_WHOLE_SEGMENTS": 1}),
-    "warp-u16-b2-whole-late": (8192, {"KVG_WARP_WHOLE_SEGMENTS": 1, "KVG_EARLY_TRIGGER": 0}),
 }
 
 

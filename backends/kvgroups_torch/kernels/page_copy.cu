@@ -97,20 +97,6 @@ typedef unsigned int kvg_u32;
 #ifndef KVG_EARLY_TRIGGER
 #define KVG_EARLY_TRIGGER 1
 #endif
-// Warp kernels, 1 (sweeps only): whole segments take a path without per-vector bounds, which
-// cuts the kernels from 128 registers to 80, so three CTAs fit an SM instead of two. Measured
-// on the H200 (torch_warp_whole_segments_ab_h200.jsonl) it left every call within 0.005 but
-// took 32 one-layer stores in a graph from 0.767 to 0.604 of the whole call (0.745 without
-// the early trigger): a third CTA per SM is the crowding the early trigger must not meet
-// (see kvg_let_next_grid_start). 0: every segment is bounds-checked vector by vector.
-#ifndef KVG_WARP_WHOLE_SEGMENTS
-#define KVG_WARP_WHOLE_SEGMENTS 0
-#endif
-#if KVG_WARP_WHOLE_SEGMENTS
-#define KVG_WARP_TAIL_FLIGHT 4
-#else
-#define KVG_WARP_TAIL_FLIGHT KVG_WARP_UNROLL
-#endif
 
 struct KvgRun {
     kvg_i64 cache_offset;
@@ -643,30 +629,15 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
         const kvg_u64 dst = STORE ? obj_page : cache_page;
         const kvg_u32 k0 = seg * (32u * KVG_WARP_UNROLL) + (kvg_u32)lane;
         kvg_v16 v[KVG_WARP_UNROLL];
-        if (KVG_WARP_WHOLE_SEGMENTS && (seg + 1u) * (32u * KVG_WARP_UNROLL) <= page_units) {
-            // A whole segment (every one but a page's last, when a page is not a multiple of
-            // the segment): no per-vector bounds, one base address per side.
-            const kvg_u64 s0 = src + (kvg_u64)k0 * 16u, d0 = dst + (kvg_u64)k0 * 16u;
 #pragma unroll
-            for (int s = 0; s < KVG_WARP_UNROLL; ++s) v[s] = kvg_ldg16(s0 + 512u * s);
-#pragma unroll
-            for (int s = 0; s < KVG_WARP_UNROLL; ++s) kvg_stg16(d0 + 512u * s, v[s]);
-            continue;
+        for (int s = 0; s < KVG_WARP_UNROLL; ++s) {
+            const kvg_u32 k = k0 + 32u * s;
+            if (k < page_units) v[s] = kvg_ldg16(src + (kvg_u64)k * 16u);
         }
-        // Every segment (the default), or with the path above only a page's last, partial
-        // one, four vectors in flight at a time so it does not set the register count.
-#pragma unroll 1
-        for (int s0 = 0; s0 < KVG_WARP_UNROLL; s0 += KVG_WARP_TAIL_FLIGHT) {
 #pragma unroll
-            for (int s = 0; s < KVG_WARP_TAIL_FLIGHT; ++s) {
-                const kvg_u32 k = k0 + 32u * (s0 + s);
-                if (k < page_units) v[s] = kvg_ldg16(src + (kvg_u64)k * 16u);
-            }
-#pragma unroll
-            for (int s = 0; s < KVG_WARP_TAIL_FLIGHT; ++s) {
-                const kvg_u32 k = k0 + 32u * (s0 + s);
-                if (k < page_units) kvg_stg16(dst + (kvg_u64)k * 16u, v[s]);
-            }
+        for (int s = 0; s < KVG_WARP_UNROLL; ++s) {
+            const kvg_u32 k = k0 + 32u * s;
+            if (k < page_units) kvg_stg16(dst + (kvg_u64)k * 16u, v[s]);
         }
     }
 }

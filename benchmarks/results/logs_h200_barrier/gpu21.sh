@@ -1,4 +1,5 @@
 # Session 28, call 1: does a kernel's parameter size cost one-layer launches? (bare probe padded
+# (.diag/probe_pad.py was benchmarks/probe_gather_ceiling.py with probe_pad.patch applied, beside it)
 # to KvgParams' size) + the JAX jit step with paired timing (flat compute), twice.
 set -u
 export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/backends" XLA_PYTHON_CLIENT_PREALLOCATE=false KVGROUPS_CACHE_DIR=/tmp/kvg_cubins
