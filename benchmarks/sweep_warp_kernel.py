@@ -54,6 +54,12 @@ VARIANTS = {  # name: (WARP_MIN_PAGE_BYTES, nvrtc.TUNING)
     "warp-u16-b2-planes": (8192, {"KVG_WARP_PLANE_MAJOR": 1}),
     # the next launch starts only as this one's CTAs exit (before the early trigger)
     "warp-u16-b2-late": (8192, {"KVG_EARLY_TRIGGER": 0}),
+    # stores without the L2 prefetch of their first segment before the wait
+    "warp-u16-b2-nopf": (8192, {"KVG_WARP_PREFETCH": 0}),
+    # loads prefetching their object segment too (device objects only: not main's default)
+    "warp-u16-b2-pfload": (8192, {"KVG_WARP_PREFETCH_LOADS": 1}),
+    # stores prefetching with every lane's prefetch.global.L2 instead of one bulk prefetch
+    "warp-u16-b2-pflanes": (8192, {"KVG_WARP_PREFETCH": 2}),
 }
 
 
@@ -83,7 +89,11 @@ def main(argv=None) -> int:
     p.add_argument("--num-blocks", type=int, default=8192)
     p.add_argument("--iters", type=int, default=9)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--layerwise-ctas", default="",
+                   help="comma-separated max_ctas values for the layer-wise calls besides "
+                        "the uncapped ones (records carry max_ctas)")
     args = p.parse_args(argv)
+    caps = [None] + [int(c) for c in args.layerwise_ctas.split(",") if c]
 
     class A:
         tiny, layers, num_blocks = False, 32, args.num_blocks
@@ -151,19 +161,22 @@ def main(argv=None) -> int:
                           "copy_ms": ceiling[c], **t})
         whole = timer.ms(lambda i: prep.store(ids[16][0], objs[16][0]))["median"]
 
-        def per_layer(i=0):
-            for layer in range(s.layers):
-                prep.store(ids[16][0], objs[16][0], layers=[layer])
+        for cap in caps:
+            opts = {} if cap is None else {"max_ctas": cap}
 
-        eager = timer.ms(per_layer)
-        graph = captured(per_layer)
-        replay = timer.ms(lambda i: graph.replay())
-        for t, in_graph in ((eager, False), (replay, True)):
-            emit({**base, "call": "layerwise", "ids": "device", "direction": "store",
-                  "chunks": 16, "graph": in_graph, "calls_per_step": s.layers,
-                  "frac_of_ceiling": ceiling[16] / t["median"],
-                  "frac_of_whole": whole / t["median"], "whole_ms": whole,
-                  "copy_ms": ceiling[16], **t})
+            def per_layer(i=0, opts=opts):
+                for layer in range(s.layers):
+                    prep.store(ids[16][0], objs[16][0], layers=[layer], **opts)
+
+            eager = timer.ms(per_layer)
+            graph = captured(per_layer)
+            replay = timer.ms(lambda i, graph=graph: graph.replay())
+            for t, in_graph in ((eager, False), (replay, True)):
+                emit({**base, "call": "layerwise", "ids": "device", "direction": "store",
+                      "chunks": 16, "graph": in_graph, "calls_per_step": s.layers,
+                      "max_ctas": cap, "frac_of_ceiling": ceiling[16] / t["median"],
+                      "frac_of_whole": whole / t["median"], "whole_ms": whole,
+                      "copy_ms": ceiling[16], **t})
         return ok
 
     for name in args.variants.split(","):

@@ -245,10 +245,12 @@ __device__ __forceinline__ void kvg_st<16>(kvg_u64 a, kvg_v16 v) {
 }
 #endif
 
-// Every entry point starts here. The host launches these kernels with programmatic stream
-// serialization (driver.py), so one may be set up and started while the kernel before it on
-// the stream still drains; this wait, before any memory access (ids, skips and tables may be
-// written by that kernel), returns once that kernel has finished and its writes are visible.
+// Every entry point calls this before its first memory access. The host launches these
+// kernels with programmatic stream serialization (driver.py), so one may be set up and
+// started while the kernel before it on the stream still drains (ids, skips and pages may
+// still be written by that kernel); this wait returns once that kernel has finished and its
+// writes are visible. The one thing done before it is the warp kernels' L2 prefetch
+// (kvg_warp_prefetch_source), which reads only past L1 and writes nothing.
 // Without the launch attribute it returns at once; before sm_90 there is nothing to wait for.
 __device__ __forceinline__ void kvg_wait_for_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -572,47 +574,178 @@ __device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
 // chunk before first_item, and past the last item, are skipped. Bad ids and skips behave as
 // in kvg_page_copy; ids are reported by segment 0 of plane 0 only, so every bad item counts
 // once.
+// A warp launch's shape, and where its unit u lies (the order above).
+struct KvgWarpShape {
+    kvg_u32 segs;        // segments per page
+    kvg_u32 segs_shift;  // log2(segs), 0xFF if not a power of two
+    kvg_u32 kept;
+    kvg_u32 planes_x_kept;
+    kvg_u32 rows;        // chunks the launch touches
+    kvg_u32 total;       // units
+    int row0_item;       // first item of the first chunk touched
+    int end_item;
+};
+struct KvgWarpUnit {
+    int chunk;
+    int item;
+    kvg_u32 pos;
+    kvg_u32 plane;
+    kvg_u32 seg;
+};
+
+__device__ __forceinline__ KvgWarpShape kvg_warp_shape(const KvgParams& p) {
+    KvgWarpShape g;
+    // The host keeps total below 2**31 (larger launches take kvg_page_copy), so unit indices
+    // are 32-bit; segs_per_page is almost always a power of two.
+    g.segs = (kvg_u32)p.segs_per_page;
+    g.segs_shift = (kvg_u32)p.segs_shift;
+    g.kept = (kvg_u32)p.kept_per_chunk;
+    g.planes_x_kept = g.kept * (kvg_u32)p.num_planes;
+    g.row0_item = p.first_item - p.first_item % p.kept_per_chunk;
+    g.end_item = p.first_item + p.num_items;
+    g.rows = (kvg_u32)((g.end_item - g.row0_item + p.kept_per_chunk - 1) / p.kept_per_chunk);
+    g.total = g.segs * g.planes_x_kept * g.rows;
+    return g;
+}
+
+__device__ __forceinline__ KvgWarpUnit kvg_warp_unit(const KvgParams& p, const KvgWarpShape& g,
+                                                     kvg_u32 u) {
+    KvgWarpUnit w;
+    const kvg_u32 rest = g.segs_shift != 0xFFu ? u >> g.segs_shift : u / g.segs;
+    w.seg = u - rest * g.segs;
+#if KVG_WARP_PLANE_MAJOR
+    // (sweeps only) every chunk's pages of plane 0, then of plane 1, ...
+    w.plane = rest / (g.kept * g.rows);
+    const kvg_u32 in_plane = rest - w.plane * (g.kept * g.rows);
+    const kvg_u32 row = in_plane / g.kept;
+    w.pos = in_plane - row * g.kept;
+#else
+    const kvg_u32 row = rest / g.planes_x_kept;
+    const kvg_u32 in_row = rest - row * g.planes_x_kept;
+    w.plane = in_row / g.kept;
+    w.pos = in_row - w.plane * g.kept;
+#endif
+    w.chunk = g.row0_item / p.kept_per_chunk + (int)row;
+    w.item = w.chunk * p.kept_per_chunk + (int)w.pos;
+    return w;
+}
+
+__device__ __forceinline__ kvg_i64 kvg_id_slot(const KvgParams& p, const KvgWarpUnit& w) {
+    return (kvg_i64)w.chunk * p.blocks_per_chunk + (p.blocks_per_chunk - p.kept_per_chunk)
+           + w.pos;
+}
+
+// Loads that bypass L1, for the look-ups made before griddepcontrol.wait: L1 is not coherent,
+// so a line read there before the prior kernel's writes became visible could be served again
+// after the wait. L2 is the GPU's point of coherence, which is what makes the prefetch safe.
+__device__ __forceinline__ kvg_i64 kvg_load_id_l2(const KvgParams& p, kvg_i64 where) {
+    if (p.ids_mode == 0) return p.inline_ids[where];
+    if (p.ids_mode == 1) {
+        int v;
+        asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v)
+                     : "l"(p.ids + (kvg_u64)where * 4u));
+        return v;
+    }
+    kvg_i64 v;
+    asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(v) : "l"(p.ids + (kvg_u64)where * 8u));
+    return v;
+}
+
+// Stores of the warp kernels, before their wait: one lane per warp asks L2 to fetch the cache
+// segment of the warp's first unit (cp.async.bulk.prefetch.L2), so a kernel whose CTAs take
+// SM slots while the kernel before it drains (the early trigger) has its first reads under way
+// by the time the wait returns. The ids may still be written by that kernel, and the cache
+// pages too (an engine's attention writes the layer it then saves), so no byte the copy moves
+// is read here and nothing is written: a stale id costs a wasted fetch, never a wrong byte (the
+// copy looks everything up again after the wait), and an id is bounds-checked before it forms
+// an address, so no prefetch leaves the cache tensor. Only CTAs of the first wave (the ones
+// that can be resident while a prior kernel runs) prefetch; later ones start with the wait
+// already satisfied and would only double their first reads' L2 requests. Device skips are
+// not read here (the pages before them are fetched for nothing).
+// On the H200 (benchmarks/results/torch_warp_prefetch_ab_h200.jsonl) this took 32 one-layer
+// stores in a graph from 0.761-0.765 to 0.789-0.794 of the whole-model call and 4-chunk stores
+// from 0.941-0.950 to 0.948-0.965 of the copy; a one-chunk store replayed alone in a graph,
+// with no kernel before it to overlap, pays for the look-ups twice (0.934-0.954 -> 0.904-0.927).
+// Prefetching with every lane, or four units per warp under a CTA cap, was no better.
+#ifndef KVG_WARP_PREFETCH
+#define KVG_WARP_PREFETCH 1
+#endif
+// (sweeps only) 1: loads prefetch their object segment the same way. Not on by default: the
+// kernel cannot tell device objects from pinned host ones, and what L2 holds of host memory
+// written by the kernel before is not something this file relies on.
+#ifndef KVG_WARP_PREFETCH_LOADS
+#define KVG_WARP_PREFETCH_LOADS 0
+#endif
+template <bool STORE>
+__device__ __forceinline__ void kvg_warp_prefetch_source(const KvgParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    if (STORE ? !KVG_WARP_PREFETCH : !KVG_WARP_PREFETCH_LOADS) return;
+    const int lane = threadIdx.x & 31;
+    // KVG_WARP_PREFETCH 2 (sweeps only): every lane prefetches two 128-byte lines instead.
+    if (KVG_WARP_PREFETCH != 2 && lane != 0) return;
+    kvg_u32 sms;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
+    if (blockIdx.x >= sms * KVG_WARP_MIN_BLOCKS) return;
+    const KvgWarpShape g = kvg_warp_shape(p);
+    const kvg_u32 u = blockIdx.x * (KVG_THREADS / 32) + (threadIdx.x >> 5);
+    if (u >= g.total) return;
+    const KvgWarpUnit w = kvg_warp_unit(p, g, u);
+    if (w.item < p.first_item || w.item >= g.end_item) return;
+    const KvgRun& run = p.runs[0];
+    kvg_u64 page;
+    if (STORE) {
+        const kvg_i64 id = kvg_load_id_l2(p, kvg_id_slot(p, w));
+        if (id < 0 || id >= p.num_blocks) return;
+        kvg_u64 base;
+        asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(base)
+                     : "l"(p.plane_table + (kvg_u64)w.plane * sizeof(KvgPlane)));
+        page = base + (kvg_u64)(id * p.block_stride + run.cache_offset);
+    } else {
+        kvg_u64 obj;
+        kvg_i64 plane_off;
+        if (p.obj_mode == 0) {
+            obj = p.obj_base + (kvg_u64)((kvg_i64)w.chunk * p.obj_chunk_stride);
+        } else if (p.obj_mode == 1) {
+            asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(obj)
+                         : "l"(p.obj_table + (kvg_u64)w.chunk * 8u));
+        } else {
+            obj = p.inline_objs[w.chunk];
+        }
+        asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(plane_off)
+                     : "l"(p.plane_table + (kvg_u64)w.plane * sizeof(KvgPlane) + 8u));
+        page = obj + (kvg_u64)(p.region_offset + plane_off + (kvg_i64)w.pos * p.page_obj_stride
+                               + run.obj_offset);
+    }
+    const kvg_u32 seg_bytes = 32u * KVG_WARP_UNROLL * 16u;
+    const kvg_u32 begin = w.seg * seg_bytes;
+    const kvg_u32 bytes = min(seg_bytes, run.page_units * 16u - begin);
+#if KVG_WARP_PREFETCH == 2
+    for (kvg_u32 at = (kvg_u32)lane * 128u; at < bytes; at += 32u * 128u)
+        asm volatile("prefetch.global.L2 [%0];" :: "l"(page + begin + at) : "memory");
+#else
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(page + begin), "r"(bytes)
+                 : "memory");
+#endif
+#endif
+}
+
 template <bool STORE>
 __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
     const int lane = threadIdx.x & 31;
     const KvgRun& run = p.runs[0];
     const kvg_u32 page_units = run.page_units;
-    // The host keeps total below 2**31 (larger launches take kvg_page_copy), so unit indices
-    // are 32-bit; segs_per_page is almost always a power of two (segs_shift, 0xFF if not).
-    const kvg_u32 segs = (kvg_u32)p.segs_per_page;
-    const kvg_u32 segs_shift = (kvg_u32)p.segs_shift;
-    const kvg_u32 kept = (kvg_u32)p.kept_per_chunk;
-    const kvg_u32 planes_x_kept = kept * (kvg_u32)p.num_planes;
-    const int row0_item = p.first_item - p.first_item % p.kept_per_chunk;
-    const int end_item = p.first_item + p.num_items;
-    const kvg_u32 rows = (kvg_u32)((end_item - row0_item + p.kept_per_chunk - 1)
-                                   / p.kept_per_chunk);
-    const kvg_u32 total = segs * planes_x_kept * rows;
+    const KvgWarpShape g = kvg_warp_shape(p);
     const kvg_u32 warps = gridDim.x * (KVG_THREADS / 32);
     const KvgPlane* planes = reinterpret_cast<const KvgPlane*>(p.plane_table);
     kvg_u32 u = blockIdx.x * (KVG_THREADS / 32) + (threadIdx.x >> 5);
     const int first = kvg_first_item(p, u == 0 && lane == 0);
-    for (; u < total; u += warps) {
+    for (; u < g.total; u += warps) {
         // Every lane has the same u, so each branch below is uniform across the warp.
-        const kvg_u32 rest = segs_shift != 0xFFu ? u >> segs_shift : u / segs;
-        const kvg_u32 seg = u - rest * segs;
-#if KVG_WARP_PLANE_MAJOR
-        // (sweeps only) every chunk's pages of plane 0, then of plane 1, ...
-        const kvg_u32 plane = rest / (kept * rows);
-        const kvg_u32 in_plane = rest - plane * (kept * rows);
-        const kvg_u32 row = in_plane / kept;
-        const kvg_u32 pos = in_plane - row * kept;
-#else
-        const kvg_u32 row = rest / planes_x_kept;
-        const kvg_u32 in_row = rest - row * planes_x_kept;
-        const kvg_u32 plane = in_row / kept;
-        const kvg_u32 pos = in_row - plane * kept;
-#endif
-        const int chunk = row0_item / p.kept_per_chunk + (int)row;
-        const int item = chunk * p.kept_per_chunk + (int)pos;
-        if (item < first || item >= end_item) continue;
-        const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
-                              + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
+        const KvgWarpUnit w = kvg_warp_unit(p, g, u);
+        const int chunk = w.chunk;
+        const kvg_u32 pos = w.pos, plane = w.plane, seg = w.seg;
+        if (w.item < first || w.item >= g.end_item) continue;
+        const kvg_i64 where = kvg_id_slot(p, w);
         // The plane entry is read before the id is checked (plane < num_planes always), so
         // the two loads overlap instead of the data loads waiting on both in turn.
         const KvgPlane pl = planes[plane];
@@ -676,12 +809,14 @@ KVG_KERNELS_V(16)
 #if !KVG_BUILD_SMALL
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
 kvg_store_v16_warp(const __grid_constant__ KvgParams p) {
+    kvg_warp_prefetch_source<true>(p);
     kvg_wait_for_prior_grid();
     kvg_let_next_grid_start();
     kvg_warp_copy<true>(p);
 }
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
 kvg_load_v16_warp(const __grid_constant__ KvgParams p) {
+    kvg_warp_prefetch_source<false>(p);
     kvg_wait_for_prior_grid();
     kvg_let_next_grid_start();
     kvg_warp_copy<false>(p);
