@@ -1,0 +1,28 @@
+# Call 2: prefetch units under a CTA cap for the layer-wise chain; A/B default vs nopf vs pf4.
+set -u
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD:$PWD/backends" XLA_PYTHON_CLIENT_PREALLOCATE=false KVGROUPS_CACHE_DIR=/tmp/kvg_cubins
+T0=$(date +%s)
+el() { echo "[$(( $(date +%s) - T0 )) s] $*"; }
+L=$OUT
+timeout 300 python3 benchmarks/sweep_warp_kernel.py --layerwise-ctas 132,66 --variants warp-u16-b2,warp-u16-b2-pf4,warp-u16-b2-nopf,warp-u16-b2,warp-u16-b2-pf4,warp-u16-b2-nopf --out $L/pf_caps.jsonl > /dev/null 2> $L/err.log; el "sweep rc=$?"
+tail -3 $L/err.log
+python3 - <<'PY'
+import json, os
+for r in (json.loads(l) for l in open(os.path.join(os.environ["OUT"], "pf_caps.jsonl"))):
+    if r["call"] in ("graph", "layerwise") or r["chunks"] == 4:
+        print(r["variant"], r["call"], r["direction"], r["chunks"], r.get("graph", ""), r.get("max_ctas", ""), r["verified"], round(r["frac_of_ceiling"], 3), round(r.get("frac_of_whole", 0), 3), round(r["median"] * 1e3, 1))
+PY
+timeout 130 python3 benchmarks/bench_torch_engine.py --only prepared graph layerwise sm_cap --out $L/torch_engine.jsonl > /dev/null 2>> $L/err.log; el "torch engine rc=$?"
+python3 - <<'PY'
+import json, os
+p = os.path.join(os.environ["OUT"], "torch_engine.jsonl")
+for r in (json.loads(l) for l in open(p)) if os.path.exists(p) else []:
+    print("torch", r.get("call"), r.get("ids"), r.get("direction"), r.get("chunks"), r.get("graph", ""), round(r.get("frac_of_ceiling", 0) or 0, 3), round(r.get("frac_of_whole", 0) or 0, 3), r.get("max_ctas", ""), {k: r[k] for k in r if "gemm" in k or "slowdown" in k})
+PY
+PYTEST="python3 -m pytest -q -p no:cacheprovider -o addopts=-ra"
+SAN="compute-sanitizer --report-api-errors no --error-exitcode 9"
+timeout 60 $SAN --tool racecheck $PYTEST -m gpu tests/core/test_suite_layout.py tests/torch/test_torch_engine_gpu.py tests/torch/test_warp_kernel_gpu.py -k "not compiled and (back_to_back or bit_exact or out_of_range)" > $L/racecheck.log 2>&1; el "racecheck rc=$?"; grep "RACECHECK SUMMARY" $L/racecheck.log; tail -2 $L/racecheck.log | head -1
+SEL="tests/core/test_suite_layout.py tests/torch/test_torch_engine_gpu.py tests/torch/test_warp_kernel_gpu.py tests/torch/test_small_pages_gpu.py"
+timeout 80 $SAN --tool memcheck $PYTEST -m gpu $SEL -k "not compiled" > $L/memcheck.log 2>&1; el "memcheck rc=$?"; grep "ERROR SUMMARY" $L/memcheck.log; tail -2 $L/memcheck.log | head -1
+left=$(( 585 - ($(date +%s) - T0) )); el "tests get $left s"
+timeout $left $PYTEST -m gpu tests/core/test_suite_layout.py tests/torch tests/conformance tests/tp > $L/gpu_tests.log 2>&1; el "torch gpu tests rc=$?"; tail -1 $L/gpu_tests.log; grep -E "^(FAILED|ERROR)" $L/gpu_tests.log | head
