@@ -574,6 +574,7 @@ __device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
 // chunk before first_item, and past the last item, are skipped. Bad ids and skips behave as
 // in kvg_page_copy; ids are reported by segment 0 of plane 0 only, so every bad item counts
 // once.
+
 // A warp launch's shape, and where its unit u lies (the order above).
 struct KvgWarpShape {
     kvg_u32 segs;        // segments per page
@@ -666,7 +667,8 @@ __device__ __forceinline__ kvg_i64 kvg_load_id_l2(const KvgParams& p, kvg_i64 wh
 // stores in a graph from 0.761-0.765 to 0.789-0.794 of the whole-model call and 4-chunk stores
 // from 0.941-0.950 to 0.948-0.965 of the copy; a one-chunk store replayed alone in a graph,
 // with no kernel before it to overlap, pays for the look-ups twice (0.934-0.954 -> 0.904-0.927).
-// Prefetching with every lane, or four units per warp under a CTA cap, was no better.
+// No better, in the same sweeps: every lane prefetching its own lines (KVG_WARP_PREFETCH=2),
+// evict-last lines, the trigger before the prefetch, and the first CTAs prefetching for all.
 #ifndef KVG_WARP_PREFETCH
 #define KVG_WARP_PREFETCH 1
 #endif
