@@ -54,12 +54,9 @@ VARIANTS = {  # name: (WARP_MIN_PAGE_BYTES, nvrtc.TUNING)
     "warp-u16-b2-planes": (8192, {"KVG_WARP_PLANE_MAJOR": 1}),
     # the next launch starts only as this one's CTAs exit (before the early trigger)
     "warp-u16-b2-late": (8192, {"KVG_EARLY_TRIGGER": 0}),
-    # stores without the L2 prefetch of their first segment before the wait
+    # stores without the L2 prefetch of their first segment before the wait (the other
+    # prefetch variants measured, -pfload and -pflanes, are in the code at 014ab89)
     "warp-u16-b2-nopf": (8192, {"KVG_WARP_PREFETCH": 0}),
-    # loads prefetching their object segment too (device objects only: not main's default)
-    "warp-u16-b2-pfload": (8192, {"KVG_WARP_PREFETCH_LOADS": 1}),
-    # stores prefetching with every lane's prefetch.global.L2 instead of one bulk prefetch
-    "warp-u16-b2-pflanes": (8192, {"KVG_WARP_PREFETCH": 2}),
 }
 
 

@@ -62,8 +62,7 @@ def test_out_of_range_device_ids_move_nothing_and_raise_at_the_check(warp, direc
 
 @pytest.mark.parametrize("point", [{"KVG_WARP_UNROLL": 4, "KVG_WARP_MIN_BLOCKS": 6},
                                    {"KVG_WARP_UNROLL": 8, "KVG_WARP_MIN_BLOCKS": 4},
-                                   {"KVG_WARP_PREFETCH": 0},
-                                   {"KVG_WARP_PREFETCH_LOADS": 1}])
+                                   {"KVG_WARP_PREFETCH": 0}])
 def test_measured_tunables_stay_bit_exact(warp, monkeypatch, point):
     monkeypatch.setattr(nvrtc, "TUNING", dict(point))
     cuda_path.reset_caches()

@@ -250,7 +250,7 @@ __device__ __forceinline__ void kvg_st<16>(kvg_u64 a, kvg_v16 v) {
 // started while the kernel before it on the stream still drains (ids, skips and pages may
 // still be written by that kernel); this wait returns once that kernel has finished and its
 // writes are visible. The one thing done before it is the warp kernels' L2 prefetch
-// (kvg_warp_prefetch_source), which reads only past L1 and writes nothing.
+// (kvg_warp_prefetch_store_source), which reads only past L1 and writes nothing.
 // Without the launch attribute it returns at once; before sm_90 there is nothing to wait for.
 __device__ __forceinline__ void kvg_wait_for_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
@@ -667,24 +667,15 @@ __device__ __forceinline__ kvg_i64 kvg_load_id_l2(const KvgParams& p, kvg_i64 wh
 // stores in a graph from 0.761-0.765 to 0.789-0.794 of the whole-model call and 4-chunk stores
 // from 0.941-0.950 to 0.948-0.965 of the copy; a one-chunk store replayed alone in a graph,
 // with no kernel before it to overlap, pays for the look-ups twice (0.934-0.954 -> 0.904-0.927).
-// No better, in the same sweeps: every lane prefetching its own lines (KVG_WARP_PREFETCH=2),
-// evict-last lines, the trigger before the prefetch, and the first CTAs prefetching for all.
+// No better, in the same sweeps (code at 014ab89 and the patches in logs_h200_prefetch/): loads
+// prefetching device objects, every lane prefetching its own lines, evict-last lines, the
+// trigger before the prefetch, and the first CTAs prefetching for all.
 #ifndef KVG_WARP_PREFETCH
-#define KVG_WARP_PREFETCH 1
+#define KVG_WARP_PREFETCH 1     // 0 (sweeps only): no prefetch
 #endif
-// (sweeps only) 1: loads prefetch their object segment the same way. Not on by default: the
-// kernel cannot tell device objects from pinned host ones, and what L2 holds of host memory
-// written by the kernel before is not something this file relies on.
-#ifndef KVG_WARP_PREFETCH_LOADS
-#define KVG_WARP_PREFETCH_LOADS 0
-#endif
-template <bool STORE>
-__device__ __forceinline__ void kvg_warp_prefetch_source(const KvgParams& p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (STORE ? !KVG_WARP_PREFETCH : !KVG_WARP_PREFETCH_LOADS) return;
-    const int lane = threadIdx.x & 31;
-    // KVG_WARP_PREFETCH 2 (sweeps only): every lane prefetches two 128-byte lines instead.
-    if (KVG_WARP_PREFETCH != 2 && lane != 0) return;
+__device__ __forceinline__ void kvg_warp_prefetch_store_source(const KvgParams& p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVG_WARP_PREFETCH
+    if ((threadIdx.x & 31) != 0) return;
     kvg_u32 sms;
     asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
     if (blockIdx.x >= sms * KVG_WARP_MIN_BLOCKS) return;
@@ -693,41 +684,18 @@ __device__ __forceinline__ void kvg_warp_prefetch_source(const KvgParams& p) {
     if (u >= g.total) return;
     const KvgWarpUnit w = kvg_warp_unit(p, g, u);
     if (w.item < p.first_item || w.item >= g.end_item) return;
+    const kvg_i64 id = kvg_load_id_l2(p, kvg_id_slot(p, w));
+    if (id < 0 || id >= p.num_blocks) return;
+    kvg_u64 base;
+    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(base)
+                 : "l"(p.plane_table + (kvg_u64)w.plane * sizeof(KvgPlane)));
     const KvgRun& run = p.runs[0];
-    kvg_u64 page;
-    if (STORE) {
-        const kvg_i64 id = kvg_load_id_l2(p, kvg_id_slot(p, w));
-        if (id < 0 || id >= p.num_blocks) return;
-        kvg_u64 base;
-        asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(base)
-                     : "l"(p.plane_table + (kvg_u64)w.plane * sizeof(KvgPlane)));
-        page = base + (kvg_u64)(id * p.block_stride + run.cache_offset);
-    } else {
-        kvg_u64 obj;
-        kvg_i64 plane_off;
-        if (p.obj_mode == 0) {
-            obj = p.obj_base + (kvg_u64)((kvg_i64)w.chunk * p.obj_chunk_stride);
-        } else if (p.obj_mode == 1) {
-            asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(obj)
-                         : "l"(p.obj_table + (kvg_u64)w.chunk * 8u));
-        } else {
-            obj = p.inline_objs[w.chunk];
-        }
-        asm volatile("ld.global.cg.s64 %0, [%1];" : "=l"(plane_off)
-                     : "l"(p.plane_table + (kvg_u64)w.plane * sizeof(KvgPlane) + 8u));
-        page = obj + (kvg_u64)(p.region_offset + plane_off + (kvg_i64)w.pos * p.page_obj_stride
-                               + run.obj_offset);
-    }
+    const kvg_u64 page = base + (kvg_u64)(id * p.block_stride + run.cache_offset);
     const kvg_u32 seg_bytes = 32u * KVG_WARP_UNROLL * 16u;
     const kvg_u32 begin = w.seg * seg_bytes;
     const kvg_u32 bytes = min(seg_bytes, run.page_units * 16u - begin);
-#if KVG_WARP_PREFETCH == 2
-    for (kvg_u32 at = (kvg_u32)lane * 128u; at < bytes; at += 32u * 128u)
-        asm volatile("prefetch.global.L2 [%0];" :: "l"(page + begin + at) : "memory");
-#else
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(page + begin), "r"(bytes)
                  : "memory");
-#endif
 #endif
 }
 
@@ -811,14 +779,13 @@ KVG_KERNELS_V(16)
 #if !KVG_BUILD_SMALL
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
 kvg_store_v16_warp(const __grid_constant__ KvgParams p) {
-    kvg_warp_prefetch_source<true>(p);
+    kvg_warp_prefetch_store_source(p);
     kvg_wait_for_prior_grid();
     kvg_let_next_grid_start();
     kvg_warp_copy<true>(p);
 }
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
 kvg_load_v16_warp(const __grid_constant__ KvgParams p) {
-    kvg_warp_prefetch_source<false>(p);
     kvg_wait_for_prior_grid();
     kvg_let_next_grid_start();
     kvg_warp_copy<false>(p);
