@@ -356,8 +356,8 @@ def _nhd_setup(page: int, layers: int, chunks: int, device: str, tiny: bool):
 
 def _kernel_sms(page: int, items: int, planes: int) -> tuple[int, int]:
     """CTAs of the page-copy launch of this shape and the SMs they occupy (reporting only:
-    the grid rule of ``kvgroups_torch.geometry``)."""
-    from kvgroups_torch.geometry import items_per_cta
+    the grid rule of ``kvgroups_cuda.geometry``)."""
+    from kvgroups_cuda.geometry import items_per_cta
 
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     ipc = items_per_cta(page, items, planes, sms)

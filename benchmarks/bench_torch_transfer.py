@@ -29,14 +29,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
+from kvgroups_cuda import geometry, nvrtc  # noqa: E402
 from kvgroups_torch import (  # noqa: E402
     BoundPlan,
     TorchBackend,
     cpu_path,
     cuda_path,
     describe_tensor,
-    geometry,
-    nvrtc,
 )
 
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402

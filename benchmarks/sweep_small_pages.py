@@ -165,7 +165,8 @@ _TORCH_DEFAULTS: dict = {}
 def set_torch_variant(variant: str, point: dict | None) -> None:
     """Select the kernels (module switches read when launch state is built) and forget the
     launch state built before."""
-    from kvgroups_torch import cuda_path, geometry, nvrtc
+    from kvgroups_cuda import geometry, nvrtc
+    from kvgroups_torch import cuda_path
 
     _TORCH_DEFAULTS.setdefault("planes", geometry.SMALL_PLANES_PER_CTA)
     _TORCH_DEFAULTS.setdefault("cta_bytes", geometry.SMALL_CTA_BYTES)
@@ -583,7 +584,8 @@ def main(argv=None) -> int:
                         "KVG_PLANE_MAJOR=1 (the classic kernel's earlier unit order)")
     args = p.parse_args(argv)
     if args.define:
-        from kvgroups_torch import cuda_path, nvrtc
+        from kvgroups_cuda import nvrtc
+        from kvgroups_torch import cuda_path
 
         for item in args.define:
             name, _, value = item.partition("=")

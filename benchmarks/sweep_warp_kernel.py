@@ -34,7 +34,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends"), str(ROOT / "benchmarks")]
 
 import bench_torch_engine as bte  # noqa: E402
-from kvgroups_torch import cuda_path, geometry, nvrtc  # noqa: E402
+from kvgroups_cuda import geometry, nvrtc  # noqa: E402
+from kvgroups_torch import cuda_path  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
 

@@ -3,8 +3,8 @@
 Moves paged KV-cache blocks between engine caches and memory objects for the core's
 :class:`~kvgroups_core.plan.TransferPlan`:
 
-- CUDA tensors: one NVRTC-compiled kernel launch per kernel group (``kernels/page_copy.cu``,
-  compiled at first use and cached on disk, see :mod:`kvgroups_torch.nvrtc`), on PyTorch's
+- CUDA tensors: one NVRTC-compiled kernel launch per kernel group (``kvgroups_cuda/kernels/page_copy.cu``,
+  compiled at first use and cached on disk, see :mod:`kvgroups_cuda.nvrtc`), on PyTorch's
   current stream, never synchronising. Objects may be in GPU memory or in pinned host memory:
   by default ("staged", the faster on an H200) the kernel works on a transient device buffer
   and the touched regions move in one bulk copy each; ``TorchBackend(pinned="direct")`` has
@@ -57,6 +57,8 @@ the same: ``run`` dispatches the same custom ops.
 
 from __future__ import annotations
 
+from kvgroups_cuda.nvrtc import cache_dir, cache_key, compile_cubin, get_cubin
+
 from kvgroups_core import __version__
 
 from .backend import DEFAULT_PINNED_MODE, TorchBackend
@@ -67,7 +69,6 @@ from .cuda_path import check_device_errors, check_errors
 from .describe import describe_tensor, dtype_of, torch_dtype
 from .distributed import check_same_grouping as check_same_grouping
 from .driver import KernelLaunchError
-from .nvrtc import cache_dir, cache_key, compile_cubin, get_cubin
 from .objects import allocate_objects
 
 __all__ = [

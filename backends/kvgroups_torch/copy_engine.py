@@ -19,10 +19,10 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from kvgroups_cuda import params as P
 
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
 
-from . import params as P
 from .copy_paths import table_for
 from .copy_runs import group_copies
 from .driver import _libcuda, check, primary_context

@@ -17,6 +17,10 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
+from kvgroups_cuda import geometry, nvrtc
+from kvgroups_cuda import params as P
+from kvgroups_cuda.geometry import GroupShape, group_shape, items_per_cta
+from kvgroups_cuda.nvrtc import kernel_table
 
 from kvgroups_core.errors import (
     KVGroupsIndexError,
@@ -26,11 +30,8 @@ from kvgroups_core.errors import (
 )
 from kvgroups_core.segments import widest_unit
 
-from . import copy_engine, geometry, nvrtc
-from . import params as P
+from . import copy_engine
 from .driver import Launcher
-from .geometry import GroupShape, group_shape, items_per_cta
-from .nvrtc import kernel_table
 
 _INT32_MAX = 2**31 - 1
 

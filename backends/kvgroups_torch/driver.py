@@ -8,7 +8,7 @@ On sm_90 and later the page-copy kernels are launched with programmatic stream s
 (``cuLaunchKernelEx``): the GPU may set a launch up while the kernel before it on the stream
 drains, which hides most of the 1-2 us between back-to-back kernels (a tenth of a one-chunk
 transfer on the H200). Stream order stays exact because every such kernel's first
-instruction is ``griddepcontrol.wait`` (``kernels/page_copy.cu``): it returns only once the
+instruction is ``griddepcontrol.wait`` (``kvgroups_cuda/kernels/page_copy.cu``): it returns only once the
 kernel before it has finished and its writes are visible. Only kernels that wait may be
 launched this way (``programmatic=True``); ``KVGROUPS_PROGRAMMATIC_LAUNCH=0`` turns it off.
 """

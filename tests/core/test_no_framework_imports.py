@@ -64,6 +64,17 @@ TOOLING_SCRIPT = textwrap.dedent("""
 """) + LEAKED
 
 
+# The CUDA kernels' package, which both backends use: no framework, no backend.
+CUDA_KERNELS_SCRIPT = textwrap.dedent("""
+    import sys
+
+    sys.path.insert(0, "backends")
+    from kvgroups_cuda import geometry, nvrtc, params
+
+    assert nvrtc.option_words("sm_90") and params.kernel_name("store", 16, True, warp=True)
+""") + LEAKED
+
+
 def _leaked(script: str) -> str:
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             cwd=ROOT)
@@ -73,6 +84,10 @@ def _leaked(script: str) -> str:
 
 def test_core_import_manager_and_planning_load_no_framework_and_no_tooling():
     assert _leaked(LIBRARY_SCRIPT) == ""
+
+
+def test_the_cuda_kernel_package_loads_no_framework():
+    assert _leaked(CUDA_KERNELS_SCRIPT) == ""
 
 
 def test_the_check_would_see_a_leak():

@@ -18,8 +18,8 @@ from engine_cases import (
     reference_store,
     reference_with_drops,
 )
+from kvgroups_cuda import params as P
 from kvgroups_torch import cuda_path
-from kvgroups_torch import params as P
 
 import kvgroups_core as kc
 from kvgroups_core.errors import KVGroupsIndexError

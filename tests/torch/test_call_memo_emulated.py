@@ -8,7 +8,7 @@ import pytest
 import test_torch_launch_emulated as emu
 import torch
 from engine_cases import cache_bytes, object_bytes
-from kvgroups_torch import params as P
+from kvgroups_cuda import params as P
 from test_torch_launch_emulated import _emulated_prepare, device_ids, emulated  # noqa: F401
 
 from kvgroups_core import transfer

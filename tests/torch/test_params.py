@@ -2,7 +2,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from kvgroups_torch import params as P  # noqa: E402
+from kvgroups_cuda import params as P  # noqa: E402
 
 
 def test_pow2_shifts_encode_log2_or_ff_per_size():

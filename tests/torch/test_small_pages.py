@@ -7,8 +7,9 @@ checked bit-exact against the CPU path through the same host code."""
 
 import numpy as np
 import pytest
-from kvgroups_torch import cuda_path, geometry, nvrtc
-from kvgroups_torch import params as P
+from kvgroups_cuda import geometry, nvrtc
+from kvgroups_cuda import params as P
+from kvgroups_torch import cuda_path
 from test_torch_launch_emulated import (  # noqa: F401 (fixtures and cases run again here)
     _check,
     device_ids,

@@ -7,7 +7,8 @@ unit, unit bytes, loads in flight). Skipped cleanly without CUDA."""
 import pytest
 from cuda_marks import needs_cuda
 from kernel_cases import PageCases, spy_on_kernels
-from kvgroups_torch import cuda_path, geometry, nvrtc
+from kvgroups_cuda import geometry, nvrtc
+from kvgroups_torch import cuda_path
 
 pytestmark = needs_cuda
 

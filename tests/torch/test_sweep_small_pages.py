@@ -32,7 +32,7 @@ def test_tiny_sweep_verifies_every_configuration_and_reports_winners(tmp_path, c
     table = records[-1]
     assert table["record"] == "winners" and len(table["lines"]) > 1
     assert "torch suggestion" in capsys.readouterr().out
-    from kvgroups_torch import geometry, nvrtc
+    from kvgroups_cuda import geometry, nvrtc
 
     assert geometry.SMALL_PAGE_BYTES == 0 and "KVG_SMALL_UNROLL" not in nvrtc.TUNING
     assert (geometry.SMALL_PLANES_PER_CTA, geometry.SMALL_CTA_BYTES) == (8, 65536)

@@ -7,8 +7,8 @@ import ctypes
 import numpy as np
 import pytest
 import torch
+from kvgroups_cuda import params as P
 from kvgroups_torch import cuda_path
-from kvgroups_torch import params as P
 from torch_page_cases import LAYOUTS, as_bytes, as_tensor, make_case, oracle
 
 NAMES = P.all_kernel_names()
@@ -210,7 +210,7 @@ def emulate_small(p: P.KvgParams, name: str, grid, launches: list):
 def emulated(request, monkeypatch):
     """Launches emulated; ``classic``: contiguous pages run kvg_*_contig, ``warp``: every
     contiguous 16-byte page runs kvg_*_v16_warp (pages smaller than a segment included)."""
-    from kvgroups_torch import geometry
+    from kvgroups_cuda import geometry
 
     monkeypatch.setattr(geometry, "WARP_MIN_PAGE_BYTES", 16 if request.param == "warp" else 0)
     launches = []
@@ -284,7 +284,7 @@ def test_vector_width_follows_addresses_and_offsets(emulated):
     rng = np.random.default_rng(1)
     _check(make_case("nhd", "float32", "store", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,
                      kept=2))
-    from kvgroups_torch import geometry
+    from kvgroups_cuda import geometry
 
     warp = geometry.WARP_MIN_PAGE_BYTES > 0
     assert launches[-1][0] == ("kvg_store_v16_warp" if warp else "kvg_store_v16_contig")
@@ -594,7 +594,7 @@ def test_emulated_cta_cap_loops_over_the_work_with_the_same_bytes(emulated):
     objects = [torch.zeros((2, n), dtype=torch.uint8) for n in fast.binding.object_nbytes]
     fast.store(ids, objects, max_ctas=3)
     assert launches[-1][1][0] == 3  # the grid: 3 CTAs for every work unit of the launch
-    from kvgroups_torch import geometry
+    from kvgroups_cuda import geometry
 
     if not geometry.SMALL_PAGE_BYTES:  # (test_small_pages runs this with its small kernels)
         assert launches[-1][0].endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0)
@@ -631,7 +631,7 @@ def test_emulated_interleaved_layer_calls_rewrite_what_changed(device_ids):
 def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated):
     # Pages of an eighth of a segment, one segment and one and a half (8 KiB segments by
     # default): every vector of the page moves once, in both directions.
-    from kvgroups_torch import geometry
+    from kvgroups_cuda import geometry
 
     launches, _ = emulated
     rng = np.random.default_rng(41)
@@ -654,7 +654,7 @@ def test_warp_selection_and_sizing():
     # (None: the classic kernel takes it), and the grid covers every segment with 8 warps/CTA.
     from dataclasses import replace
 
-    from kvgroups_torch import geometry
+    from kvgroups_cuda import geometry
 
     rng = np.random.default_rng(5)
     nhd = geometry.group_shape(make_case("nhd", "float32", "store", rng, nb=8, bs=16, nh=8,

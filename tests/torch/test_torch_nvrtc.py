@@ -3,8 +3,8 @@
 import re
 
 import pytest
-from kvgroups_torch import nvrtc
-from kvgroups_torch import params as P
+from kvgroups_cuda import nvrtc
+from kvgroups_cuda import params as P
 
 from kvgroups_core.errors import CompileForbidden, KernelCompileError
 

@@ -1,7 +1,7 @@
 // page_copy.cu: move KV pages between engine caches and memory objects.
 //
 // Framework-free CUDA C++ (raw addresses, byte strides, sizes; no headers), compiled at first
-// use with NVRTC by kvgroups_torch/nvrtc.py. One launch moves one GroupTransfer (see
+// use with NVRTC by kvgroups_cuda/nvrtc.py. One launch moves one GroupTransfer (see
 // kvgroups_core/plan.py and docs/DESIGN.md, "The page model"):
 //
 //   grid  = (min(num_tiles * num_planes * num_runs, CTA cap), 1, 1)
