@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 from kvgroups_core import __version__ as _package_version
-from kvgroups_core.errors import CompileForbidden, KernelCompileError
+from kvgroups_core.errors import CompileForbidden, KernelCompileError, UnsupportedConfig
 
 from .params import all_kernel_names, layout_defines
 
@@ -120,6 +120,30 @@ def compile_cubin(arch: str, small: bool = False) -> bytes:
 _lock = threading.Lock()
 
 
+def _cached(key: str, suffix: str, build) -> bytes:
+    """The cache file ``key + suffix``, made by ``build()`` (under a file lock) on a miss."""
+    folder = cache_dir()
+    path = folder / f"{key}{suffix}"
+    if path.is_file():
+        return path.read_bytes()
+    if compile_forbidden():
+        raise CompileForbidden(
+            f"{ENV_NO_COMPILE} is set and no cached build exists for cache key {key!r} "
+            f"(looked for {path}); unset it once, or copy the file there"
+        )
+    from filelock import FileLock
+
+    folder.mkdir(parents=True, exist_ok=True)
+    with _lock, FileLock(str(path) + ".lock"):
+        if path.is_file():  # another process compiled it while we waited
+            return path.read_bytes()
+        data = build()
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_bytes(data)
+        os.replace(tmp, path)  # atomic: readers never see a partial file
+    return data
+
+
 def get_cubin(arch: str, small: bool = False) -> bytes:
     """The cubin for ``arch`` (``small``: of the small-page kernels) from the disk cache,
     compiling it (under a file lock) on a miss.
@@ -131,27 +155,116 @@ def get_cubin(arch: str, small: bool = False) -> bytes:
     KernelCompileError
         NVRTC failed.
     """
-    key = cache_key(arch, small)
-    folder = cache_dir()
-    path = folder / f"{key}.cubin"
-    if path.is_file():
-        return path.read_bytes()
-    if compile_forbidden():
-        raise CompileForbidden(
-            f"{ENV_NO_COMPILE} is set and no cached cubin exists for cache key {key!r} "
-            f"(looked for {path}); unset it once, or copy the cubin there"
-        )
-    from filelock import FileLock
+    return _cached(cache_key(arch, small), ".cubin", lambda: compile_cubin(arch, small))
 
-    folder.mkdir(parents=True, exist_ok=True)
-    with _lock, FileLock(str(path) + ".lock"):
-        if path.is_file():  # another process compiled it while we waited
-            return path.read_bytes()
-        cubin = compile_cubin(arch, small)
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-        tmp.write_bytes(cubin)
-        os.replace(tmp, path)  # atomic: readers never see a partial file
-    return cubin
+
+# XLA entry points (kvgroups_jax, lowering "cuda"): jaxlib's kernel-call custom call passes each
+# buffer as its own pointer parameter, so an entry point exists per padded buffer count; it
+# compiles PTX (XLA assembles it), of the warp kernels only.
+
+#: Buffer counts an XLA entry point exists for (a call pads its buffers with zero words up to
+#: the next one; 448 words keep the parameters under the 4 KiB every driver accepts).
+XLA_WORD_COUNTS = (8, 16, 32, 64, 128, 256, 448)
+
+
+def xla_words(buffers: int) -> int:
+    """The smallest entry-point word count that holds ``buffers`` buffers."""
+    for words in XLA_WORD_COUNTS:
+        if buffers <= words:
+            return words
+    raise UnsupportedConfig(
+        f"buffers: expected at most {XLA_WORD_COUNTS[-1]} buffers in one XLA launch, got "
+        f"{buffers}"
+    )
+
+
+def xla_entry_name(direction: str, words: int) -> str:
+    """``kvg_store_v16_warp_xla64``: the XLA entry point of ``direction`` for ``words``."""
+    return f"kvg_{direction}_v16_warp_xla{words}"
+
+
+def xla_entry_source(direction: str, words: int) -> str:
+    """One XLA entry point: the blob, ``words`` buffer words, jaxlib's two trailing pointers.
+
+    Thread 0 stages the words in shared memory (a CTA reads each one there later, by index:
+    kernel parameters cannot be indexed at run time) before ``kvg_xla_warp_copy`` syncs."""
+    store = {"store": "true", "load": "false"}[direction]
+    params = ", ".join(f"kvg_u64 a{i}" for i in range(words))
+    stage = " ".join(f"w[{i}] = a{i};" for i in range(words))
+    return (f'extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)\n'
+            f"{xla_entry_name(direction, words)}(const char* blob, {params}, "
+            f"kvg_u64 jaxlib_scratch, kvg_u64 jaxlib_profile) {{\n"
+            f"    __shared__ kvg_u64 w[{words}];\n"
+            f"    if (threadIdx.x == 0) {{ {stage} }}\n"
+            f"    kvg_xla_warp_copy<{store}>(blob, w);\n}}\n")
+
+
+def xla_source(words: int) -> str:
+    """The source of the XLA build for ``words``: the kernels plus its two entry points."""
+    return kernel_source() + "\n" + "".join(xla_entry_source(d, words)
+                                              for d in ("store", "load"))
+
+
+def _xla_defines() -> list[tuple[str, str]]:
+    # No PDL under XLA: nothing to prefetch ahead of (see page_copy.cu, "Launches from XLA").
+    tuning = {k: v for k, v in TUNING.items() if k.startswith("KVG_WARP")}
+    tuning.update(KVG_BUILD_XLA=1, KVG_WARP_PREFETCH=0)
+    return list(layout_defines()) + [(k, str(v)) for k, v in sorted(tuning.items())]
+
+
+def xla_cache_key(arch: str, words: int) -> str:
+    """``page_copy_xla<words>-<version>-<arch>-<hash>``: the PTX file's name."""
+    digest = hashlib.sha256()
+    defines = [f"-D{n}={v}" for n, v in _xla_defines()]
+    for part in (_package_version, arch, nvrtc_version(), *defines, xla_source(words)):
+        digest.update(part.encode())
+        digest.update(b"\0")
+    return f"{_PROGRAM_NAME}_xla{words}-{_package_version}-{arch}-{digest.hexdigest()[:20]}"
+
+
+def compile_xla_ptx(arch: str, words: int) -> str:
+    """PTX of the two XLA entry points for ``words`` (no GPU needed).
+
+    Straight through ``cuda.bindings.nvrtc``: ``cuda.core`` asks the driver whether it could
+    load the PTX, and there may be no driver where this runs (CI)."""
+    from cuda.bindings import nvrtc as _nvrtc
+
+    def check(result, what: str, program=None) -> None:
+        if int(result) == 0:
+            return
+        log = ""
+        if program is not None:
+            _, size = _nvrtc.nvrtcGetProgramLogSize(program)
+            buf = b" " * size
+            _nvrtc.nvrtcGetProgramLog(program, buf)
+            log = buf.decode(errors="replace")
+        raise KernelCompileError(
+            f"NVRTC failed to compile the XLA entry points ({words} words) for {arch}: "
+            f"{what} returned {result!r}\n{log}")
+
+    result, program = _nvrtc.nvrtcCreateProgram(xla_source(words).encode(),
+                                                 f"{_PROGRAM_NAME}_xla.cu".encode(), 0, [], [])
+    check(result, "nvrtcCreateProgram")
+    try:
+        options = [f"-arch={_check_arch(arch).replace('sm_', 'compute_')}".encode(),
+                   f"-std={_STD}".encode()]
+        options += [f"-D{n}={v}".encode() for n, v in _xla_defines()]
+        (result,) = _nvrtc.nvrtcCompileProgram(program, len(options), options)
+        check(result, "nvrtcCompileProgram", program)
+        result, size = _nvrtc.nvrtcGetPTXSize(program)
+        check(result, "nvrtcGetPTXSize")
+        ptx = b" " * size
+        (result,) = _nvrtc.nvrtcGetPTX(program, ptx)
+        check(result, "nvrtcGetPTX")
+    finally:
+        _nvrtc.nvrtcDestroyProgram(program)
+    return ptx.rstrip(b"\0").decode()
+
+
+def get_xla_ptx(arch: str, words: int) -> str:
+    """:func:`compile_xla_ptx` through the disk cache (same rules as :func:`get_cubin`)."""
+    return _cached(xla_cache_key(arch, words), ".ptx",
+                   lambda: compile_xla_ptx(arch, words).encode()).decode()
 
 
 class KernelTable:

@@ -753,6 +753,10 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
 #ifndef KVG_BUILD_SMALL
 #define KVG_BUILD_SMALL 0
 #endif
+#ifndef KVG_BUILD_XLA
+#define KVG_BUILD_XLA 0  // 1: only the XLA entry points below
+#endif
+#if !KVG_BUILD_XLA
 #if KVG_BUILD_SMALL
 #define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
     extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
@@ -795,3 +799,74 @@ KVG_KERNELS_V(8)
 KVG_KERNELS_V(4)
 KVG_KERNELS_V(2)
 KVG_KERNELS_V(1)
+#endif  // !KVG_BUILD_XLA
+
+#if KVG_BUILD_XLA
+// Launches from XLA (kvgroups_jax, lowering "cuda"). jaxlib's kernel-call custom call hands a
+// kernel every operand and result buffer as one pointer parameter, in order, then two pointers
+// of its own; it cannot pass a parameter struct, and the buffers' addresses are known only when
+// the program runs. So an XLA entry point takes the buffers as plain 64-bit words a0..a{M-1}
+// (kvgroups_jax/cuda_copy.py generates one per padded count M, the unused words are zeros)
+// after a blob that XLA holds as a constant:
+//   KvgXlaHead, then a KvgParams with every address left 0, then num_planes KvgXlaPlane.
+// Each CTA copies the parameters into shared memory, fills in the addresses from the words
+// (a plane's cache base is the word of its buffer plus its byte offset), reads first_item /
+// num_items from the call's device meta (traced values: skips, item counts below the compiled
+// bucket), clamps them to the call's items, and then runs the very copy of the torch entry
+// points on that copy. No PDL here: XLA launches without the attribute, so there is neither a
+// prior grid to wait for nor a prefetch to overlap it with.
+#ifndef KVG_XLA_MAX_PLANES
+#define KVG_XLA_MAX_PLANES 512
+#endif
+struct KvgXlaHead {
+    int meta;         // word of the int32 [first_item, num_items] meta
+    int ids;          // word of the int32 block ids
+    int obj;          // word of the object the copy writes (store) or reads (load)
+    int err;          // word of the error record (an output of the call)
+    int num_planes;   // <= KVG_XLA_MAX_PLANES (the host checks)
+    int first_lo;     // the plan's static first item: meta[0] is clamped to [first_lo, total]
+    int total_items;  // num_chunks * kept_per_chunk: no item at or past it is moved
+    int pad;
+};
+struct KvgXlaPlane {
+    kvg_i64 word;        // which a_i holds the plane's buffer
+    kvg_i64 offset;      // byte offset of the plane's block 0 in that buffer
+    kvg_i64 obj_offset;  // as KvgPlane.obj_offset
+};
+// The parameters up to the inline id and object tables, which XLA calls never use.
+#define KVG_XLA_PARAM_WORDS \
+    ((int)(sizeof(KvgParams) - KVG_INLINE_OBJS * sizeof(kvg_u64) - KVG_INLINE_IDS * sizeof(int)) / 4)
+
+template <bool STORE>
+__device__ __forceinline__ void kvg_xla_warp_copy(const char* blob, const kvg_u64* words) {
+    __shared__ KvgParams p;
+    __shared__ KvgPlane planes[KVG_XLA_MAX_PLANES];
+    const KvgXlaHead* head = reinterpret_cast<const KvgXlaHead*>(blob);
+    const kvg_u32* src = reinterpret_cast<const kvg_u32*>(blob + sizeof(KvgXlaHead));
+    kvg_u32* dst = reinterpret_cast<kvg_u32*>(&p);
+    for (int i = threadIdx.x; i < KVG_XLA_PARAM_WORDS; i += KVG_THREADS) dst[i] = src[i];
+    __syncthreads();  // the entry point's words, and p, are complete
+    const KvgXlaPlane* xp = reinterpret_cast<const KvgXlaPlane*>(
+        blob + sizeof(KvgXlaHead) + sizeof(KvgParams));
+    const int num_planes = head->num_planes;
+    for (int i = threadIdx.x; i < num_planes; i += KVG_THREADS) {
+        planes[i].base = words[xp[i].word] + (kvg_u64)xp[i].offset;
+        planes[i].obj_offset = xp[i].obj_offset;
+    }
+    if (threadIdx.x == 0) {
+        const int* meta = reinterpret_cast<const int*>(words[head->meta]);
+        const int total = head->total_items;
+        int first = meta[0], count = meta[1];
+        first = first < head->first_lo ? head->first_lo : (first > total ? total : first);
+        count = count < 0 ? 0 : (count > total - first ? total - first : count);
+        p.first_item = first;
+        p.num_items = count;
+        p.plane_table = (kvg_u64)planes;  // a generic address: kvg_warp_copy reads it as such
+        p.obj_base = words[head->obj];
+        p.ids = words[head->ids];
+        p.err_record = words[head->err];
+    }
+    __syncthreads();
+    kvg_warp_copy<STORE>(p);
+}
+#endif  // KVG_BUILD_XLA
