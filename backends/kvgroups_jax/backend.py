@@ -38,7 +38,10 @@ class JaxBackend(Backend):
 
     Parameters
     ----------
-    lowering : "auto" (Triton on CUDA GPUs, XLA beyond int32 indexing and on CPU), or one of "triton", "mosaic", "xla", "interpret" to force a path
+    lowering : "auto" (on CUDA GPUs Mosaic GPU for contiguous spans of >= 16 KiB on Hopper with
+        jax >= 0.11, else Triton; XLA beyond int32 indexing and on CPU), or one of "cuda" (the
+        torch backend's CUDA kernel launched by XLA; contiguous spans only), "triton",
+        "mosaic", "xla", "interpret" to force a path
         (register such an instance under its own name: there is no global switch).
     num_warps : warps per Triton program.
     """

@@ -31,7 +31,7 @@ from .geometry import GroupGeometry, bucket, check_kernel_limits, group_geometry
 from .id_checks import check_block_ids
 from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
-LOWERINGS = ("auto", "triton", "mosaic", "xla", "interpret")
+LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret")
 
 _TRACES = {"count": 0}
 
@@ -92,6 +92,10 @@ def _copy_fn(lowering: str):
         from . import pallas_mosaic
 
         return pallas_mosaic.copy_group
+    if lowering == "cuda":
+        from . import cuda_copy
+
+        return cuda_copy.copy_group
     return xla_copy.copy_group
 
 
@@ -121,6 +125,7 @@ def _run(program: _Program, caches, objects, metas, idss):
         out = _copy_fn(lowering)(
             program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
             interpret=lowering == "interpret", num_warps=program.num_warps,
+            kernel_group=program.kernel_groups[g] if program.kernel_groups else g,
         )
         if program.direction == "store":
             objects[og] = object_unview(out, unit)
@@ -181,7 +186,7 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
         check_kernel_limits(geom)
         return requested
     gpu = platform in ("gpu", "cuda")
-    if requested in ("triton", "mosaic") and not gpu:
+    if requested in ("cuda", "triton", "mosaic") and not gpu:
         raise UnsupportedConfig(
             f"lowering: {requested!r} needs a CUDA GPU, got platform {platform!r}"
         )
@@ -190,6 +195,13 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
         return requested
     if requested == "mosaic":
         _check_mosaic(geom)
+        return requested
+    if requested == "cuda":
+        from .cuda_copy import unsupported_reason
+
+        reason = unsupported_reason(geom)
+        if reason:
+            raise UnsupportedConfig(reason)
         return requested
     if not gpu:
         return "xla"
@@ -441,7 +453,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
         (more rows are allowed: a preallocated pool; only the first ``num_chunks`` are used).
         On store an entry may be None: the program creates that object itself, as the
         kernel's output when the plan writes all of it (no zero-filled buffer, no fill pass).
-    lowering : "auto", "triton", "mosaic", "xla" or "interpret" (Pallas interpret mode).
+    lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
+        "mosaic", "xla" or "interpret" (Pallas interpret mode).
 
     Returns
     -------

@@ -355,6 +355,7 @@ def copy_group(
     *,
     interpret: bool = False,
     num_warps: int | None = None,
+    **_,
 ):
     """Move one kernel group's pages (traceable; the caller jits and donates).
 

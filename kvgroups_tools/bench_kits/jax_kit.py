@@ -1,7 +1,7 @@
 """Bench kit for JAX (``kvgroups bench --backends jax``), driven by :mod:`kvgroups_tools.bench`.
 
 Paths (lowerings of :func:`kvgroups_jax.execute_plan`): ``pallas-triton``, ``pallas-mosaic``
-(GPU kernels), ``xla`` (the plain baseline: ``take`` / ``.at[].set``), ``interpret`` (Pallas
+(GPU kernels), ``cuda`` (the torch backend's CUDA kernel launched by XLA, where jaxlib can), ``xla`` (the plain baseline: ``take`` / ``.at[].set``), ``interpret`` (Pallas
 interpret mode; only when named). Loads donate the caches and stores the objects, so every
 call's results replace the workload's arrays. Objects in pinned host memory
 (``memory_kind="pinned_host"``) go through :class:`~kvgroups_jax.JaxBackend` with the lowering
@@ -25,6 +25,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+from kvgroups_jax import cuda_copy
 from kvgroups_jax.backend import JaxBackend
 from kvgroups_jax.executor import execute_plan
 
@@ -35,7 +36,7 @@ from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall
 from kvgroups_tools.bench_public import Refused
 
 LOWERING = {"xla": "xla", "pallas-triton": "triton", "pallas-mosaic": "mosaic",
-            "interpret": "interpret"}
+            "cuda": "cuda", "interpret": "interpret"}
 
 
 def _pattern(shape: tuple[int, int], value: int | None, seed: Any) -> jax.Array:
@@ -80,6 +81,8 @@ class JaxKit:
 
     def paths(self) -> tuple[str, ...]:
         gpu = ("pallas-triton", "pallas-mosaic") if self.device == "cuda" else ()
+        if gpu and cuda_copy.runtime_unavailable() is None:
+            gpu += ("cuda",)
         return ("xla",) + gpu + ("interpret",)
 
     def default_paths(self) -> tuple[str, ...]:

@@ -87,12 +87,12 @@ def test_explicit_gpu_lowerings_refuse_cpu_with_unsupported_config():
     arrays, g = make_group("nhd", "bfloat16")
     geom = group_geometry(g, make_plan("store", [g], arrays, [_nbytes(g)]).tensor_specs,
                           _nbytes(g))
-    for lowering in ("triton", "mosaic"):
+    for lowering in ("cuda", "triton", "mosaic"):
         with pytest.raises(UnsupportedConfig, match="needs a CUDA GPU"):
             resolve_lowering(lowering, geom, "cpu")
     assert resolve_lowering("auto", geom, "cpu") == "xla"
     with pytest.raises(KVGroupsValueError, match="lowering"):
-        JaxBackend(lowering="cuda")
+        JaxBackend(lowering="pallas")
 
 
 def test_wrong_object_shape_is_rejected_before_anything_is_donated():

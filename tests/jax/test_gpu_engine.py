@@ -1,4 +1,5 @@
-"""The engine-native JAX cases on the GPU, on both Pallas lowerings (Triton, Mosaic GPU):
+"""The engine-native JAX cases on the GPU, on both Pallas lowerings (Triton, Mosaic GPU) and
+the CUDA kernel XLA launches (lowering "cuda"):
 stores that create their objects, traced ids inside jax.jit, out-of-range traced ids dropped
 in the kernels and reported by checkify, vmap over caches, and the public calls inside a
 jitted engine step. Bytes against the NumPy oracle. tests/run_gpu_suite.sh runs this file
@@ -22,7 +23,7 @@ from kvgroups_core.registry import register_backend, unregister_backend
 
 pytestmark = pytest.mark.gpu
 
-LOWERINGS = ["triton", "mosaic"]
+LOWERINGS = ["triton", "mosaic", "cuda"]
 SHAPE = dict(nb=32, bs=16, nh=2, hs=128, num_chunks=2, bpc=2)
 
 
@@ -85,11 +86,14 @@ def backend_name(request):
     unregister_backend(name)
 
 
-# Mosaic GPU serves block-planes that are one contiguous span (vLLM's NHD pages); the
-# tpu-inference pages interleave K and V heads, which only Triton (and XLA) serve.
+# Mosaic GPU and the CUDA kernel serve block-planes that are one contiguous span (vLLM's NHD
+# pages); the tpu-inference pages interleave K and V heads, which only Triton (and XLA) serve.
+_SPAN_ONLY = ("mosaic", "cuda")
+
+
 def _engine(seed=0, nb=32, layers=2, backend_name="jax-gpu-triton"):
     rng = np.random.default_rng(seed)
-    if backend_name.endswith("mosaic"):
+    if backend_name.endswith(_SPAN_ONLY):
         host = [rng.integers(0, 2**16, (2, nb, 16, 2, 128), dtype=np.uint16)
                 for _ in range(layers)]
         caches = [_gpu(jnp.asarray(h).view(jnp.bfloat16)) for h in host]
@@ -104,7 +108,7 @@ def _engine(seed=0, nb=32, layers=2, backend_name="jax-gpu-triton"):
 
 def _blocks(a, ids, backend_name):
     """The pages ``ids`` of a cache array (block axis 1 for NHD pages, 0 for packed ones)."""
-    return a[:, ids] if backend_name.endswith("mosaic") else a[ids]
+    return a[:, ids] if backend_name.endswith(_SPAN_ONLY) else a[ids]
 
 
 def test_gpu_public_calls_inside_a_jitted_step_with_traced_ids(backend_name):
