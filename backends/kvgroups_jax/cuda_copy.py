@@ -124,13 +124,12 @@ def _warp_unroll() -> int:
     return int(nvrtc.TUNING.get("KVG_WARP_UNROLL", params.WARP_UNROLL))
 
 
-def pack_blob(direction: str, geom: GroupGeometry, *, kernel_group: int, obj_row_bytes: int,
+def pack_blob(geom: GroupGeometry, *, kernel_group: int, obj_row_bytes: int,
               total_items: int, first_lo: int, plane_words: tuple[int, ...], meta_word: int,
               ids_word: int, obj_word: int, err_word: int) -> bytes:
     """The parameter blob of one launch (every address 0: the kernel fills them in)."""
     from kvgroups_cuda import params as P
 
-    del direction  # the entry point, not the blob, says which way the bytes go
     unit = geom.unit
     row_bytes = geom.row * unit
     page_bytes = geom.block_size * row_bytes
@@ -172,7 +171,9 @@ def pack_blob(direction: str, geom: GroupGeometry, *, kernel_group: int, obj_row
 #: ``resident_waves``: None sizes the grid at one warp per unit of the largest call; N caps it
 #: at N waves of resident CTAs (two per SM), whose warps then loop over the units. Each CTA of
 #: an XLA launch first stages its parameters (see page_copy.cu), a cost a capped grid pays once
-#: per CTA instead of once per unit. Read while tracing (a change needs jax.clear_caches()).
+#: per CTA instead of once per unit; on the H200 1-8 waves measured slower (64-chunk stores
+#: 3692-3754 GB/s against 3870 uncapped), so None. Read while tracing (a change needs
+#: jax.clear_caches()).
 TUNING: dict = {"resident_waves": None}
 
 
@@ -326,7 +327,7 @@ def launch_spec(direction: str, geom: GroupGeometry, grid_items: int, *, obj_row
     first_cache = operands.index("cache")
     # Items whose ids and object rows exist: the kernel clamps the traced meta to them.
     total_items = min(ids_len // geom.blocks_per_chunk, obj_rows) * geom.kept_per_chunk
-    blob = pack_blob(direction, geom, kernel_group=kernel_group,
+    blob = pack_blob(geom, kernel_group=kernel_group,
                      obj_row_bytes=obj_elems * geom.unit, total_items=total_items, first_lo=0,
                      plane_words=tuple(first_cache + op for op in geom.plane_operands),
                      meta_word=0, ids_word=1, obj_word=obj_word,
