@@ -207,10 +207,19 @@ def launch_ctas(geom: GroupGeometry, grid_items: int, total_items: int) -> int:
 
 
 @functools.cache
-def _ptx(arch: str, words: int) -> str:
+def _ptx(arch: str, words: int, build: tuple) -> str:
+    """The PTX XLA assembles; ``build`` (the tuning and the ISA override) keys the memo, so a
+    sweep that changes ``nvrtc.TUNING`` gets PTX that matches the blobs it packs."""
     from kvgroups_cuda import nvrtc
 
+    del build  # read again below from the same settings
     return _fit_ptx_version(nvrtc.get_xla_ptx(arch, words))
+
+
+def _build_settings() -> tuple:
+    from kvgroups_cuda import nvrtc
+
+    return tuple(sorted(nvrtc.TUNING.items())), os.environ.get(ENV_PTX_ISA, "")
 
 
 #: Overrides the PTX ISA version written into the PTX XLA assembles (e.g. "9.0").
@@ -264,15 +273,15 @@ def _arch() -> tuple[str, int]:
 
 
 @functools.cache
-def _kernel_call(direction: str, buffers: int, ctas: int) -> bytes:
-    """The serialized kernel call (jaxlib's proto, compressed) of one launch shape."""
+def _kernel_call(direction: str, buffers: int, ctas: int, build: tuple) -> bytes:
+    """The serialized kernel call (jaxlib's proto, compressed) of one launch shape and build."""
     from kvgroups_cuda import nvrtc, params
 
     lib = _triton_lib()
     arch, cc = _arch()
     words = nvrtc.xla_words(buffers - 1)
     name = nvrtc.xla_entry_name(direction, words)
-    ptx = _ptx(arch, words)
+    ptx = _ptx(arch, words, build)
     warps = params.THREADS // 32
     try:  # jaxlib >= 0.5: (name, warps, ctas per cluster, shared bytes, ptx, ttir, cc)
         kernel = lib.TritonKernel(name, warps, 1, 0, ptx, "", cc)
@@ -359,7 +368,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
               "cache": [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
               "err": [jax.ShapeDtypeStruct((64,), jnp.uint8)]}  # 8 int64 words, dropped
     results = [shapes[kind].pop(0) for kind in spec.result_kinds]
-    opaque = _kernel_call(direction, spec.buffers, spec.ctas)
+    opaque = _kernel_call(direction, spec.buffers, spec.ctas, _build_settings())
     # vmap: one launch per batch entry (the kernel has no batch axis).
     call = jax.ffi.ffi_call(CUSTOM_CALL_TARGET, results, input_output_aliases=spec.aliases,
                             vmap_method="sequential")

@@ -175,3 +175,14 @@ def test_xla_entry_points_build_with_the_parameters_jaxlib_passes(words):
     assert nvrtc.xla_words(9) == 16 and nvrtc.xla_words(8) == 8
     with pytest.raises(UnsupportedConfig, match="buffers"):
         nvrtc.xla_words(nvrtc.XLA_WORD_COUNTS[-1] + 1)
+
+
+def test_the_ptx_memo_follows_the_kernel_tuning(monkeypatch, tmp_path):
+    # A sweep that changes the warp unroll packs blobs for it: the PTX must change with it.
+    pytest.importorskip("cuda.bindings.nvrtc")
+    monkeypatch.setenv(nvrtc.ENV_CACHE_DIR, str(tmp_path))
+    default = cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings())
+    monkeypatch.setitem(nvrtc.TUNING, "KVG_WARP_UNROLL", 8)
+    tuned = cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings())
+    assert tuned != default
+    assert cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings()) is tuned
