@@ -115,7 +115,8 @@ def geometry_unsupported(geom: GroupGeometry) -> str | None:
 
 def unsupported_reason(geom: GroupGeometry) -> str | None:
     """:func:`runtime_unavailable` or :func:`geometry_unsupported`, whichever applies."""
-    return runtime_unavailable() or geometry_unsupported(geom)
+    runtime = runtime_unavailable()
+    return f"lowering 'cuda': {runtime}" if runtime else geometry_unsupported(geom)
 
 
 def _warp_unroll() -> int:
