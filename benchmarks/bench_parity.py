@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import numpy as np
 
@@ -74,10 +75,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def per_call_seconds(batch, calls: int, repeats: int) -> tuple[float, float]:
-    """``(marginal, wall)`` seconds per call. ``batch(n)`` makes ``n * calls`` calls from an
+class Timing(NamedTuple):
+    seconds: float  # the steady-state cost of one more call (or ``wall``, see steady)
+    wall: float  # a one-unit batch from an idle device, per call
+    steady: bool  # whether ``seconds`` is the steady-state difference
+
+
+def per_call_seconds(batch, calls: int, repeats: int) -> Timing:
+    """Seconds per call, steady state and wall. ``batch(n)`` makes ``n * calls`` calls from an
     idle device and waits for them. ``wall``: the median of ``batch(1)`` per call, which
-    includes starting from idle and the final wait; ``marginal``: the median of
+    includes starting from idle and the final wait; ``seconds``: the median of
     ``batch(2) - batch(1)`` (timed in alternation) per extra call, the steady-state cost of one
     more call, free of both (a jitted JAX program started on an idle GPU reaches it ~0.5 ms
     after its dispatch begins, where a torch launch takes microseconds)."""
@@ -91,11 +98,10 @@ def per_call_seconds(batch, calls: int, repeats: int) -> tuple[float, float]:
         t2 = time.perf_counter()
         one.append(t1 - t0)
         extra.append((t2 - t1) - (t1 - t0))
-    wall = statistics.median(one) / calls
-    marginal = statistics.median(extra) / calls
+    marginal, wall = statistics.median(extra) / calls, statistics.median(one) / calls
     # Noise larger than the calls (tiny CPU runs) can leave no positive difference: the
-    # wall figure is then the only one measured.
-    return (marginal if marginal > 0 else wall), wall
+    # wall figure then stands in, and the record says so (``steady_state: false``).
+    return Timing(marginal if marginal > 0 else wall, wall, marginal > 0)
 
 
 def same_bytes(jax_arrays, torch_tensors) -> bool:
@@ -141,7 +147,7 @@ class Parity:
         print(json.dumps(record), flush=True)
         self.out.append(record)
 
-    def ceiling(self, nbytes: int, calls: int) -> float:
+    def ceiling(self, nbytes: int, calls: int) -> Timing:
         src = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         dst = torch.empty_like(src)
 
@@ -149,7 +155,7 @@ class Parity:
             for _ in range(n * calls):
                 dst.copy_(src)
             self.sync()
-        return per_call_seconds(batch, calls, self.args.repeats)[0]
+        return per_call_seconds(batch, calls, self.args.repeats)
 
     def run(self, chunks: int) -> None:
         a = self.args
@@ -160,7 +166,7 @@ class Parity:
         tids = [torch.from_numpy(row).to(self.device) for row in ids]
         tobjs = self.prep.store(tids[-1])
         nbytes = sum(o[:chunks].numel() for o in tobjs)
-        copy_s = self.ceiling(nbytes, calls)
+        copy = self.ceiling(nbytes, calls)
 
         def torch_batch(direction):
             def batch(n):
@@ -178,16 +184,16 @@ class Parity:
             torch_s[direction] = per_call_seconds(torch_batch(direction), calls, a.repeats)
             self.emit(runtime="torch", call="prepared", path="cuda-kernel" if self.cuda else "cpu",
                       direction=direction, chunks=chunks, **self.figures(
-                          *torch_s[direction], nbytes, copy_s), calls_per_batch=calls)
+                          torch_s[direction], nbytes, copy), calls_per_batch=calls)
         # The torch loads wrote the blocks of ids into tcaches: the JAX load chain below starts
         # from the same contents, so both end equal.
         jids = jnp.asarray(ids)
         for lowering in a.lowerings:
             name = f"parity-{lowering}"
             register_backend(name, JaxBackend(lowering=lowering), replace=True)
-            self.run_jax(name, lowering, chunks, jids, tobjs, nbytes, copy_s, torch_s)
+            self.run_jax(name, lowering, chunks, jids, tobjs, nbytes, copy, torch_s)
 
-    def run_jax(self, name, lowering, chunks, jids, tobjs, nbytes, copy_s, torch_s) -> None:
+    def run_jax(self, name, lowering, chunks, jids, tobjs, nbytes, copy, torch_s) -> None:
         a = self.args
         k, programs = a.calls_per_program, a.programs
         m = self.jmanager
@@ -238,9 +244,9 @@ class Parity:
                                            if n.startswith("kvg")) / k * 1e3)
             self.failed |= not verified[direction]
             self.emit(runtime="jax", call="jit", path=lowering, direction=direction,
-                      chunks=chunks, **self.figures(*seconds, nbytes, copy_s),
-                      frac_of_torch=torch_s[direction][0] / seconds[0],
-                      frac_of_torch_wall=torch_s[direction][1] / seconds[1],
+                      chunks=chunks, **self.figures(seconds, nbytes, copy),
+                      frac_of_torch=torch_s[direction].seconds / seconds.seconds,
+                      frac_of_torch_wall=torch_s[direction].wall / seconds.wall,
                       calls_per_program=k, programs_in_flight=programs,
                       verified=verified[direction], backend=jax.default_backend(), **extra)
         # From here on the JAX caches are what torch's loads left (the next chunk count's
@@ -248,9 +254,10 @@ class Parity:
         self.jcaches = held["load"]
 
     @staticmethod
-    def figures(seconds: float, wall: float, nbytes: int, copy_s: float) -> dict:
-        return dict(median=seconds * 1e3, wall_ms=wall * 1e3, gbps=2 * nbytes / seconds / 1e9,
-                    bytes=nbytes, copy_ms=copy_s * 1e3, frac_of_ceiling=copy_s / seconds)
+    def figures(t: Timing, nbytes: int, copy: Timing) -> dict:
+        return dict(median=t.seconds * 1e3, wall_ms=t.wall * 1e3,
+                    gbps=2 * nbytes / t.seconds / 1e9, bytes=nbytes, copy_ms=copy.seconds * 1e3,
+                    frac_of_ceiling=copy.seconds / t.seconds, steady_state=t.steady and copy.steady)
 
 
 def main(argv=None) -> int:

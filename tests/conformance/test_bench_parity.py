@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = {"call", "ids", "runtime", "path", "direction", "placement", "chunks", "page_bytes",
-          "gbps", "frac_of_ceiling", "median", "copy_ms", "bytes"}
+          "gbps", "frac_of_ceiling", "median", "wall_ms", "copy_ms", "bytes", "steady_state"}
 
 
 def test_tiny_run_verifies_both_directions_and_writes_every_record(tmp_path):
@@ -32,7 +32,8 @@ def test_tiny_run_verifies_both_directions_and_writes_every_record(tmp_path):
     for row in rows:
         assert FIELDS <= set(row), row
         assert row["ids"] == "device" and row["placement"] == "device"
-        assert row["gbps"] > 0 and row["frac_of_ceiling"] > 0
+        assert row["gbps"] > 0 and row["frac_of_ceiling"] > 0 and row["wall_ms"] > 0
+        assert isinstance(row["steady_state"], bool)
     jax_rows = [r for r in rows if r["runtime"] == "jax"]
     assert all(r["verified"] is True and r["frac_of_torch"] > 0 for r in jax_rows)
     assert all(r["calls_per_program"] == 2 and r["programs_in_flight"] == 2 for r in jax_rows)
