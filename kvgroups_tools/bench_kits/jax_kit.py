@@ -1,8 +1,9 @@
 """Bench kit for JAX (``kvgroups bench --backends jax``), driven by :mod:`kvgroups_tools.bench`.
 
 Paths (lowerings of :func:`kvgroups_jax.execute_plan`): ``pallas-triton``, ``pallas-mosaic``
-(GPU kernels), ``cuda`` (the torch backend's CUDA kernel launched by XLA, where jaxlib can), ``xla`` (the plain baseline: ``take`` / ``.at[].set``), ``interpret`` (Pallas
-interpret mode; only when named). Loads donate the caches and stores the objects, so every
+(GPU kernels), ``cuda`` (the torch backend's CUDA kernel launched by XLA, where jaxlib can),
+``xla`` (the plain baseline: ``take`` / ``.at[].set``), ``interpret`` (Pallas interpret mode;
+only when named). Loads donate the caches and stores the objects, so every
 call's results replace the workload's arrays. Objects in pinned host memory
 (``memory_kind="pinned_host"``) go through :class:`~kvgroups_jax.JaxBackend` with the lowering
 forced, which stages them through device memory.
