@@ -36,6 +36,7 @@ from kvgroups_torch import (  # noqa: E402
     cpu_path,
     cuda_path,
     describe_tensor,
+    device_tables,
 )
 
 from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
@@ -267,7 +268,8 @@ def host_cost_cpu(args, emit) -> None:
 
     class Device:
         index, arch, num_sms = 0, "sm_90", 132
-        err_record = torch.zeros(8, dtype=torch.int64)
+        err_table = device_tables.HostTable(np.zeros(8, dtype=np.int64))
+        err_record = err_table.tensor
         kernels = Kernels()
 
     class Launcher:
@@ -282,6 +284,7 @@ def host_cost_cpu(args, emit) -> None:
     cuda_path.Launcher = Launcher
     cuda_path.current_stream = lambda index: 0
     cuda_path._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+    cuda_path._to_table = lambda a, index: device_tables.HostTable(a)
 
     model = MODELS["llama3-8b"].build(num_blocks=1024, layers=32)
     # Never touched (no launch runs): empty tensors cost no memory until written.

@@ -30,7 +30,7 @@ from kvgroups_core.errors import (
 )
 from kvgroups_core.segments import widest_unit
 
-from . import copy_engine
+from . import copy_engine, device_tables
 from .driver import Launcher
 
 _INT32_MAX = 2**31 - 1
@@ -46,7 +46,9 @@ class DeviceState:
         self.num_sms = torch.cuda.get_device_properties(index).multi_processor_count
         # The error record kernels write when they meet an out-of-range block id or device
         # skip (page_copy.cu, kvg_report); static address, so graph replays report through it.
-        self.err_record = torch.zeros(P.ERR_WORDS, dtype=torch.int64, device=f"cuda:{index}")
+        # Launches on any stream write it (device_tables: its zero fill is ordered for them).
+        self.err_table = device_tables.zeros(P.ERR_WORDS, index)
+        self.err_record = self.err_table.tensor
         self.kernels = kernel_table(self.arch)
 
 
@@ -96,7 +98,10 @@ def check_device_errors(device: torch.device | int | str | None = None) -> None:
     state = _devices.get(index)
     if state is None:
         return
-    raise_recorded(state.err_record, f"cuda:{index}")
+    # Every stream's launches write the record: wait for all of them, not only for the
+    # current stream (which is all the read below would wait for).
+    torch.cuda.synchronize(index)
+    raise_recorded(state.err_record, f"cuda:{index}", index)
 
 
 def check_errors(device: torch.device | int | str | None = None) -> None:
@@ -110,12 +115,18 @@ def check_errors(device: torch.device | int | str | None = None) -> None:
         check_device_errors(index)
 
 
-def raise_recorded(record: torch.Tensor, where: str) -> None:
-    """Read (synchronising), clear and raise the error ``record`` holds, if any."""
+def raise_recorded(record: torch.Tensor, where: str, device_index: int | None = None) -> None:
+    """Read (synchronising), clear and raise the error ``record`` holds, if any.
+
+    ``device_index``: the record's GPU, synchronised after the clear, so no launch queued
+    later on another stream can record into it before the clear lands (and have its
+    error wiped)."""
     words = record.tolist()  # the one synchronisation: the point of a check
     if not words[0]:
         return
     record.zero_()
+    if device_index is not None:
+        torch.cuda.synchronize(device_index)
     value, engine_group, kernel_group, bound, count = (int(w) for w in words[1:6])
     if engine_group < 0:
         raise KVGroupsValueError(
@@ -137,7 +148,7 @@ class ObjectBinding:
     base: int = 0
     stride: int = 0
     addresses: tuple[int, ...] = ()
-    table: torch.Tensor | None = None
+    table: Any = None  # OBJ_TABLE: a device_tables.DeviceTable of the chunk addresses
     unit: int = 16
     num_chunks: int = 0
 
@@ -191,13 +202,18 @@ def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
     if len(addresses) <= P.INLINE_OBJS:
         return ObjectBinding(P.OBJ_INLINE, addresses=tuple(addresses), unit=unit,
                              num_chunks=len(addresses))
-    table = _to_device(np.asarray(addresses, dtype=np.int64), device_index)
+    table = _to_table(np.asarray(addresses, dtype=np.int64), device_index)
     return ObjectBinding(P.OBJ_TABLE, table=table, addresses=tuple(addresses), unit=unit,
                          num_chunks=len(addresses))
 
 
+# Tables kept across calls (plane and object tables), readable from any stream.
+_to_table = device_tables.upload
+
+
 def _to_device(array: np.ndarray, device_index: int) -> torch.Tensor:
-    """Host -> device copy ordered on the current stream, without blocking the host."""
+    """Host -> device copy ordered on the current stream, without blocking the host (for what
+    one launch on that stream reads, such as host ids too many to pass inline)."""
     host = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
     return host.to(f"cuda:{device_index}", non_blocking=True)
 
@@ -225,7 +241,11 @@ class GroupLaunch:
         table = np.empty((self.num_planes, 2), dtype=np.int64)
         table[:, 0] = np.asarray(plane_addresses, dtype=np.uint64).view(np.int64)
         table[:, 1] = [object_plane(plane, p) * stride for p, plane in enumerate(group.planes)]
-        self.plane_table = _to_device(table.reshape(-1), device.index)
+        self.plane_table = _to_table(table.reshape(-1), device.index)
+        # The tables every launch of this state reads, and the streams whose launches may
+        # read them as they are (device_tables.DeviceTable.readable_on did its part there).
+        self.tables = (self.plane_table, device.err_table)
+        self.ready: set[int] = set()
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
         # (direction, vector, small, warp) -> packed parameters, launcher, kernel handle
@@ -245,8 +265,8 @@ class GroupLaunch:
         if found is None:
             shape = self.shape
             p = P.KvgParams()
-            p.plane_table = self.plane_table.data_ptr()
-            p.err_record = self.device.err_record.data_ptr()
+            p.plane_table = self.plane_table.address
+            p.err_record = self.device.err_table.address
             p.err_kernel_group = self.kernel_group
             p.err_engine_group = self.engine_group
             p.num_planes = self.num_planes
@@ -276,6 +296,14 @@ class GroupLaunch:
                      function)
             self._variants[(direction, vector, self.small, warp)] = found
         return found
+
+    def readable_on(self, stream: int) -> None:
+        """Before the first launch on ``stream``: order its reads of the tables after their
+        upload and keep them alive for it (see :mod:`device_tables`)."""
+        for table in self.tables:
+            table.readable_on(stream)
+        if all(stream in table.ready for table in self.tables):
+            self.ready.add(stream)
 
     def prepare(self, direction: str, objects: ObjectBinding) -> None:
         """Build the packed parameters (and load the kernel) a launch with ``objects`` uses."""
@@ -354,6 +382,10 @@ class GroupLaunch:
                 f"objects: expected at least {num_chunks} chunks, got {objects.num_chunks}"
             )
         ids = group.block_ids if block_ids is None else block_ids
+        if stream not in self.ready:
+            self.readable_on(stream)
+        if objects.table is not None:
+            objects.table.readable_on(stream)
         with self.lock:
             keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
             # Fields equal to the last launch's are not written again (ctypes writes are
@@ -387,7 +419,7 @@ def _write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
     elif mode == P.OBJ_INLINE:
         p.inline_objs[: len(objects.addresses)] = objects.addresses
     else:
-        p.obj_table = objects.table.data_ptr()
+        p.obj_table = objects.table.address
     p.last_objects = objects
 
 
@@ -704,7 +736,7 @@ class PlanRunner:
                                                          plan.max_ctas)
             p, launcher, function, grid, needed, num_items = step[:6]
             if num_items:
-                out.append((launch.lock, p, launcher, function, grid, step, group.first_item,
+                out.append((launch, p, launcher, function, grid, step, group.first_item,
                             group.object_group_idx, needed, launch.shape.num_blocks))
         return out
 
@@ -720,9 +752,11 @@ class PlanRunner:
             steps = self._steps[units] = self._launch_list(bindings)
         stream = current_stream(self.index)
         in_place, mode, threads = self.in_place, self.ids_mode, P.THREADS
-        for lock, p, launcher, function, grid, step, first_item, og, needed, nb in steps:
+        for launch, p, launcher, function, grid, step, first_item, og, needed, nb in steps:
             objs = bindings[og]
-            with lock:
+            if stream not in launch.ready:
+                launch.readable_on(stream)
+            with launch.lock:
                 if in_place:
                     p.ids = ids.data_ptr()
                     p.ids_mode = mode

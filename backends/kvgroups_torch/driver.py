@@ -53,6 +53,10 @@ def _libcuda() -> ctypes.CDLL:
     lib.cuDeviceGetAttribute.restype = ctypes.c_int
     lib.cuDriverGetVersion.argtypes = [ctypes.POINTER(ctypes.c_int)]
     lib.cuDriverGetVersion.restype = ctypes.c_int
+    lib.cuStreamIsCapturing.argtypes = [vp, ctypes.POINTER(ctypes.c_int)]
+    lib.cuStreamIsCapturing.restype = ctypes.c_int
+    lib.cuStreamWaitEvent.argtypes = [vp, vp, u]
+    lib.cuStreamWaitEvent.restype = ctypes.c_int
     if hasattr(lib, "cuLaunchKernelEx"):  # CUDA 11.8 and later drivers
         lib.cuLaunchKernelEx.argtypes = [vp, vp, vp, vp]
         lib.cuLaunchKernelEx.restype = ctypes.c_int
@@ -126,6 +130,49 @@ def primary_context(device_index: int) -> int:
     ctx = ctypes.c_void_p()
     check(lib.cuDevicePrimaryCtxRetain(ctypes.byref(ctx), dev), "cuDevicePrimaryCtxRetain")
     return int(ctx.value)
+
+
+class _InContext:
+    """The primary context of a device current for a few driver calls (restored after)."""
+
+    def __init__(self, device_index: int) -> None:
+        self._ctx = primary_context(device_index)
+
+    def __enter__(self) -> None:
+        lib = _libcuda()
+        current = ctypes.c_void_p()
+        check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+        self._previous = current.value
+        if self._previous != self._ctx:
+            check(lib.cuCtxSetCurrent(self._ctx), "cuCtxSetCurrent")
+
+    def __exit__(self, *exc: object) -> None:
+        if self._previous != self._ctx:
+            _libcuda().cuCtxSetCurrent(self._previous)
+
+
+_CAPTURE_STATUS_NONE = 0  # CU_STREAM_CAPTURE_STATUS_NONE
+_EVENT_WAIT_EXTERNAL = 1  # CU_EVENT_WAIT_EXTERNAL
+
+
+def stream_is_capturing(device_index: int, stream: int) -> bool:
+    """Whether ``stream`` (a raw handle on ``device_index``) is being captured into a graph
+    (an invalidated capture counts: nothing may be queued outside it either)."""
+    status = ctypes.c_int()
+    with _InContext(device_index):
+        check(_libcuda().cuStreamIsCapturing(stream, ctypes.byref(status)),
+              "cuStreamIsCapturing")
+    return status.value != _CAPTURE_STATUS_NONE
+
+
+def stream_wait_event(device_index: int, stream: int, event: int, *, external: bool) -> None:
+    """Work queued on ``stream`` after this waits for ``event`` on the GPU (the host does not
+    wait). ``external``: ``stream`` is being captured and ``event`` was recorded outside the
+    capture, so the graph gets an external event wait node (the only such wait a capture
+    accepts)."""
+    flags = _EVENT_WAIT_EXTERNAL if external else 0
+    with _InContext(device_index):
+        check(_libcuda().cuStreamWaitEvent(stream, event, flags), "cuStreamWaitEvent")
 
 
 class Launcher:

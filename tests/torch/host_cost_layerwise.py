@@ -23,7 +23,7 @@ import time
 
 import numpy as np
 import torch
-from kvgroups_torch import cuda_path
+from kvgroups_torch import cuda_path, device_tables
 
 from kvgroups_core.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import prepare
@@ -40,7 +40,8 @@ def stub_driver() -> type:
 
     class Device:
         index, arch, num_sms = 0, "sm_90", 132
-        err_record = torch.zeros(8, dtype=torch.int64)
+        err_table = device_tables.HostTable(np.zeros(8, dtype=np.int64))
+        err_record = err_table.tensor
         kernels = Kernels()
 
     class Launcher:
@@ -60,6 +61,7 @@ def stub_driver() -> type:
     cuda_path.current_stream = lambda index: 0
     cuda_path._on_device = lambda t, index: True
     cuda_path._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+    cuda_path._to_table = lambda a, index: device_tables.HostTable(a)
     return Launcher
 
 

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from kvgroups_cuda import params as P
-from kvgroups_torch import cuda_path
+from kvgroups_torch import cuda_path, device_tables
 from torch_page_cases import LAYOUTS, as_bytes, as_tensor, make_case, oracle
 
 NAMES = P.all_kernel_names()
@@ -223,7 +223,8 @@ def emulated(request, monkeypatch):
         index = 0
         arch = "sm_90"
         num_sms = 4
-        err_record = torch.zeros(P.ERR_WORDS, dtype=torch.int64)
+        err_table = device_tables.HostTable(np.zeros(P.ERR_WORDS, dtype=np.int64))
+        err_record = err_table.tensor
         kernels = FakeKernels()
 
     class FakeLauncher:
@@ -241,6 +242,7 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(cuda_path, "current_stream", lambda index: 0)
     monkeypatch.setattr(cuda_path, "check_object_tensor", lambda t, i, w: None)
     monkeypatch.setattr(cuda_path, "_to_device", lambda a, i: torch.from_numpy(a.copy()))
+    monkeypatch.setattr(cuda_path, "_to_table", lambda a, i: device_tables.HostTable(a))
     cuda_path._by_identity.clear()
     cuda_path._by_value.clear()
     return launches, FakeDevice
