@@ -2,7 +2,7 @@
 
 :class:`BoundPlan` does all host work once (kernel compile/load, plane pointer tables
 on the device, object bindings, packed launch parameters), so :meth:`BoundPlan.run` is
-one ``cuLaunchKernel`` per kernel group. With block ids given as CUDA tensors it reads them
+one kernel launch per kernel group. With block ids given as CUDA tensors it reads them
 on the device, which makes it capturable with ``torch.cuda.graph``: update the id tensors in
 place and replay.
 """

@@ -74,24 +74,44 @@ def test_launch_in_the_current_primary_context_does_not_switch(fake):
     lib, launcher = fake(PRIMARY)
     launcher.launch(7, (3, 1, 1), 256, 99)
     launcher.launch(8, (4, 1, 1), 256, 99)
-    assert lib.calls == [("launch", 7, (3, 1, 1), 256, 99, PRIMARY),
-                         ("launch", 8, (4, 1, 1), 256, 99, PRIMARY)]
+    # A launch without attributes: cuLaunchKernelEx all the same (its geometry is a struct,
+    # cheaper to pass from Python than cuLaunchKernel's eleven scalars).
+    assert lib.calls == [("launch_ex", 7, (3, 1, 1), (256, 1, 1), 0, 99, [], PRIMARY),
+                         ("launch_ex", 8, (4, 1, 1), (256, 1, 1), 0, 99, [], PRIMARY)]
 
 
 @pytest.mark.parametrize("current", [OTHER, None])
 def test_another_or_no_current_context_is_switched_for_the_launch_and_restored(fake, current):
     lib, launcher = fake(current)
     launcher.launch(7, (3, 1, 1), 128, 5)
-    assert lib.calls == [("set", PRIMARY), ("launch", 7, (3, 1, 1), 128, 5, PRIMARY),
+    assert lib.calls == [("set", PRIMARY),
+                         ("launch_ex", 7, (3, 1, 1), (128, 1, 1), 0, 5, [], PRIMARY),
                          ("set", current)]
 
 
 @pytest.mark.parametrize("current", [PRIMARY, OTHER])
 def test_a_refused_launch_raises_a_typed_error_and_restores_the_context(fake, current):
     lib, launcher = fake(current, launch_code=700)
-    with pytest.raises(driver.KernelLaunchError, match=r"cuLaunchKernel: expected CUDA_SUCCESS, got .*700"):
+    with pytest.raises(driver.KernelLaunchError,
+                       match=r"cuLaunchKernelEx: expected CUDA_SUCCESS, got .*700"):
         launcher.launch(7, (1, 1, 1), 256, 0)
     assert lib.current == current
+
+
+@pytest.mark.parametrize("current", [PRIMARY, OTHER])
+def test_a_driver_without_launch_ex_takes_cu_launch_kernel(fake, monkeypatch, current):
+    monkeypatch.delattr(FakeLib, "cuLaunchKernelEx")
+    lib, launcher = fake(current)
+    launcher.launch(7, (3, 1, 1), 128, 5)
+    launcher.launch(8, (4, 2, 1), 64, 6)
+    launches = [c for c in lib.calls if c[0] == "launch"]
+    assert launches == [("launch", 7, (3, 1, 1), 128, 5, PRIMARY),
+                        ("launch", 8, (4, 2, 1), 64, 6, PRIMARY)]
+    assert lib.current == current
+    lib.launch_code = 700
+    with pytest.raises(driver.KernelLaunchError,
+                       match=r"cuLaunchKernel: expected CUDA_SUCCESS, got .*700"):
+        launcher.launch(7, (1, 1, 1), 256, 0)
 
 
 def test_a_programmatic_launch_allows_early_setup_with_the_same_grid_and_stream(fake):
@@ -104,6 +124,16 @@ def test_a_programmatic_launch_allows_early_setup_with_the_same_grid_and_stream(
                          ("launch_ex", 8, (5, 1, 1), (128, 1, 1), 0, 0, serialization, PRIMARY)]
 
 
+def test_a_repeated_launch_shape_keeps_the_config_and_a_new_one_rewrites_it(fake):
+    lib, launcher = fake(PRIMARY, programmatic=True)
+    shapes = [((3, 1, 1), 256, 99), ((3, 1, 1), 256, 99), ((3, 1, 1), 256, 7),
+              ((4, 1, 1), 256, 7), ((4, 1, 1), 128, 7), ((3, 1, 1), 256, 99)]
+    for function, (grid, threads, stream) in enumerate(shapes):
+        launcher.launch(function, grid, threads, stream)
+    assert [(c[1], c[2], c[3][0], c[5]) for c in lib.calls] == [
+        (f, grid, threads, stream) for f, (grid, threads, stream) in enumerate(shapes)]
+
+
 @pytest.mark.parametrize("current", [OTHER, None])
 def test_a_programmatic_launch_switches_and_restores_the_context_too(fake, current):
     lib, launcher = fake(current, programmatic=True)
@@ -112,20 +142,25 @@ def test_a_programmatic_launch_switches_and_restores_the_context_too(fake, curre
     assert lib.calls[1][-1] == PRIMARY and lib.current == current
 
 
+def _plain(call) -> bool:
+    """A launch without programmatic stream serialization."""
+    return call[0] == "launch" or (call[0] == "launch_ex" and call[6] == [])
+
+
 def test_kernels_that_do_not_wait_and_older_gpus_keep_the_plain_launch(fake):
     lib, launcher = fake(PRIMARY, programmatic=False)
     launcher.launch(7, (1, 1, 1), 256, 5)
     lib2, older = fake(PRIMARY, programmatic=True, major=8)
     older.launch(7, (1, 1, 1), 256, 5)
     assert not launcher.programmatic and not older.programmatic
-    assert lib.calls[0][0] == "launch" and lib2.calls[0][0] == "launch"
+    assert _plain(lib.calls[0]) and _plain(lib2.calls[0])
 
 
 def test_drivers_older_than_12_3_keep_the_plain_launch(fake):
     # 12.2 has cuLaunchKernelEx but cannot capture programmatic launches in a CUDA graph.
     lib, launcher = fake(PRIMARY, programmatic=True, driver_version=12020)
     launcher.launch(7, (1, 1, 1), 256, 5)
-    assert not launcher.programmatic and lib.calls[0][0] == "launch"
+    assert not launcher.programmatic and _plain(lib.calls[0])
     lib, launcher = fake(PRIMARY, programmatic=True, driver_version=12030)
     assert launcher.programmatic
 
@@ -134,7 +169,7 @@ def test_the_environment_switch_turns_programmatic_launches_off(fake, monkeypatc
     monkeypatch.setenv("KVGROUPS_PROGRAMMATIC_LAUNCH", "0")
     lib, launcher = fake(PRIMARY, programmatic=True)
     launcher.launch(7, (1, 1, 1), 256, 5)
-    assert not launcher.programmatic and lib.calls[0][0] == "launch"
+    assert not launcher.programmatic and _plain(lib.calls[0])
 
 
 def test_a_driver_without_launch_ex_keeps_the_plain_launch(fake, monkeypatch):
