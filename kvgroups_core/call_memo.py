@@ -15,10 +15,12 @@ so a call whose signature passed before needs none of that work again:
   chunk count once the objects passed every check, so the layer-wise calls of one request
   check its objects once.
 
-A hit still checks what may have changed since: the cache structure's entries by identity and
-the fingerprints of the tensors this plan touches (a layer-subset call does not look at other
-layers' tensors: its launches address none of their bytes), and host ids' values against
-every used block. Anything else, and any doubt, is a miss: the call takes the full path
+A hit still checks what may have changed since: by identity, the entries of the cache
+structure that hold the tensors this plan touches (in a flat list, those positions; any other
+structure whole), the fingerprints of those tensors (a layer-subset call does not look at
+other layers' tensors: its launches address none of their bytes; an entry replaced elsewhere
+is noticed by the first call that touches it), and host ids' values against every used
+block. Anything else, and any doubt, is a miss: the call takes the full path
 (which raises the cold call's error, rebinds, or passes and records). Only calls that moved
 bytes in place (no new cache arrays) with plain objects and one engine group's flat ids are
 recorded; a rebind starts a new memo. One-shot calls use the memo of the binding they take
@@ -69,13 +71,15 @@ def call_key(ids_key: Any, direction: str, block_ids: Any, layers: Any, max_ctas
 class _Entry:
     """One validated plan signature."""
 
-    __slots__ = ("scope", "checks", "slots", "keys", "run")
+    __slots__ = ("scope", "checks", "slots", "positions", "tensors", "keys", "run")
 
-    def __init__(self, scope: tuple, checks: tuple | None, slots: tuple, keys: Any,
-                 run: Any) -> None:
+    def __init__(self, scope: tuple, checks: tuple | None, slots: tuple,
+                 positions: tuple | None, tensors: list | None, keys: Any, run: Any) -> None:
         self.scope = scope  # (direction, num_chunks): what the objects were validated for
         self.checks = checks  # host ids: (used ids, num_blocks) to check per call; else None
         self.slots = slots  # the bound tensor slots the plan's planes touch
+        self.positions = positions  # where a flat structure holds them (None: check it whole)
+        self.tensors = tensors  # their bound tensors (None once the binding let go of them)
         self.keys = keys  # their fingerprints when recorded (None: no fingerprints)
         self.run = run  # BoundCaches.runner(plan, ...)
 
@@ -91,21 +95,18 @@ class CallMemo:
         self._objects_key = getattr(backend, "objects_key", None) or numpy_objects_key
         self._plans: dict[tuple, _Entry] = {}
         self._objects: dict[tuple, bool] = {}
-        # The bound tensors of each entry's slots, by slots: the only references the memo
-        # holds to caches, dropped in one step when the binding lets go of its tensors.
-        self._held: dict[tuple, list] = {}
 
     def clear(self) -> None:
         self._plans.clear()
         self._objects.clear()
-        self._held = {}
 
     def release(self) -> None:
         """The binding let go of its tensors (a parked one-shot binding): drop the references
         and keep the signatures. After the binding takes its tensors back (the very same
         objects: :mod:`kvgroups_core.reuse`), a hit looks them up from the guard again and
         compares their fingerprints with the recorded ones, as every hit does."""
-        self._held = {}
+        for entry in self._plans.values():
+            entry.tensors = None
 
     def call(self, key: tuple, block_ids: Any, objects: Any, kv_caches: Any,
              fingerprints_checked: bool = False) -> Any:
@@ -114,12 +115,12 @@ class CallMemo:
         just compared every bound tensor's fingerprint with the binding's (a one-shot call
         taking its binding back does), so the touched ones need no second look."""
         entry = self._plans.get(key)
-        if entry is None or not self._guard.same_entries(kv_caches):
+        if entry is None or not self._guard.same_entries_at(kv_caches, entry.positions):
             return None
         if entry.keys is not None and not fingerprints_checked:
-            tensors = self._held.get(entry.slots)
+            tensors = entry.tensors
             if tensors is None:
-                tensors = self._held[entry.slots] = self._guard.watch(entry.slots)[0]
+                tensors = entry.tensors = self._guard.watch(entry.slots)[0]
             if self._keys_of(tensors) != entry.keys:
                 return None  # a touched tensor was reallocated: the full path rebinds or raises
         if type(objects) is not list and type(objects) is not tuple:
@@ -132,7 +133,7 @@ class CallMemo:
             for used, num_blocks in entry.checks:
                 if _out_of_range(block_ids[used], num_blocks):
                     return None  # the full path raises the precise error
-        return entry.run(block_ids, objects)
+        return entry.run(block_ids, objects, okey)
 
     def record(self, key: tuple, plan: Any, block_ids: Any, objects: Any) -> None:
         """After a full-path call of signature ``key`` passed and moved its bytes in place."""
@@ -163,7 +164,5 @@ class CallMemo:
         tensors, keys = self._guard.watch(slots)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-            self._held = {}
-        self._held[slots] = tensors
-        self._plans[key] = _Entry(scope, checks, slots, keys,
-                                  self._bound.runner(plan, block_ids))
+        self._plans[key] = _Entry(scope, checks, slots, self._guard.positions_of(tensors),
+                                  tensors, keys, self._bound.runner(plan, block_ids))

@@ -190,18 +190,20 @@ class BoundCaches:
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
 
-    def runner(self, plan: Any, block_ids: Any) -> Callable[[Any, Sequence[Any]], tuple]:
-        """A function ``(block_ids, objects) -> (new caches, objects)`` that runs ``plan``
-        again, after a :meth:`run` of it passed, with other ids of the same signature (one flat
-        array for every group, int64 NumPy for host ids) and objects of a signature the core
-        has validated (``kvgroups_core.call_memo``). ``block_ids`` are the ids ``plan`` was
-        made with. This default puts the ids in the plan and runs it as :meth:`run` does,
+    def runner(self, plan: Any, block_ids: Any) -> Callable[[Any, Sequence[Any], Any], tuple]:
+        """A function ``(block_ids, objects, objects_key) -> (new caches, objects)`` that runs
+        ``plan`` again, after a :meth:`run` of it passed, with other ids of the same signature
+        (one flat array for every group, int64 NumPy for host ids) and objects of a signature
+        the core has validated (``kvgroups_core.call_memo``); ``objects_key`` is that
+        signature (the backend's ``objects_key`` of ``objects``), which a runner may use to
+        find what it derived from the same objects before. ``block_ids`` are the ids ``plan``
+        was made with. This default puts the ids in the plan and runs it as :meth:`run` does,
         without the object checks when :meth:`run` is this class's own; backends override it
         to keep per-plan launch state."""
         backend, caches = self.backend, self.caches
         own_run = type(self).run is BoundCaches.run
 
-        def run(ids: Any, objects: Sequence[Any]) -> tuple:
+        def run(ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
             again = with_block_ids(plan, ids)
             if own_run:
                 return backend.execute(again, caches, objects)

@@ -234,6 +234,31 @@ class CacheGuard:
                 map(operator.is_, kv_caches, snap))
         return _first_change(kv_caches, self._snap) is None
 
+    def positions_of(self, tensors: Sequence[Any]) -> tuple[int, ...] | None:
+        """Where a flat list holds these bound tensors (by identity), for
+        :meth:`same_entries_at`; None for other structures (checked whole)."""
+        if not self._flat or self._snap is None:
+            return None
+        wanted = {id(x) for x in tensors}
+        return tuple(i for i, x in enumerate(self._snap) if id(x) in wanted)
+
+    def same_entries_at(self, kv_caches: Any, positions: tuple[int, ...] | None) -> bool:
+        """:meth:`same_entries` restricted to the list positions :meth:`positions_of` gave: a
+        call touching only those tensors needs nothing else of the structure (a replaced
+        entry elsewhere is noticed by the first call that touches it). ``positions`` None:
+        the whole structure."""
+        if positions is None:
+            return self.same_entries(kv_caches)
+        snap = self._snap
+        if type(kv_caches) is not list or len(kv_caches) != len(snap):
+            return False
+        if len(positions) == len(snap):
+            return all(map(operator.is_, kv_caches, snap))
+        for i in positions:
+            if kv_caches[i] is not snap[i]:
+                return False
+        return True
+
     def watch(self, slots: Sequence[int]) -> tuple[list, Any]:
         """``(tensors, keys)``: the concrete bound tensors of these slots and their current
         fingerprints (``keys`` None when the runtime has none); a call touching only these

@@ -180,8 +180,12 @@ def _bad_cases(kind: str):
         return lambda: s.prepared.store(s.ids, s.objects, layers=[3])
 
     def cache_replaced(s):
-        s.caches[0] = s.arrays.cache(98)[:, :4]
+        s.caches[3] = s.arrays.cache(98)[:, :4]
         return lambda: s.prepared.store(s.ids, s.objects, layers=[3])
+
+    def other_cache_replaced_whole_call(s):
+        s.caches[0] = s.arrays.cache(98)[:, :4]
+        return lambda: s.prepared.load(s.objects, s.ids)
 
     def layers_unknown(s):
         return lambda: s.prepared.store(s.ids, s.objects, layers=[LAYERS])
@@ -202,7 +206,9 @@ def _bad_cases(kind: str):
                  ids_negative=ids_negative, object_replaced=object_replaced,
                  object_resized=object_resized, object_over_a_cache=object_over_a_cache,
                  object_twice=object_twice, cache_reallocated=cache_reallocated,
-                 cache_replaced=cache_replaced, layers_unknown=layers_unknown,
+                 cache_replaced=cache_replaced,
+                 other_cache_replaced_whole_call=other_cache_replaced_whole_call,
+                 layers_unknown=layers_unknown,
                  layers_bool=layers_bool, layers_repeated=layers_repeated,
                  max_ctas_bool=max_ctas_bool, skip_past_the_ids=skip_past_the_ids)
     if kind == "numpy":
@@ -309,6 +315,34 @@ def test_a_layer_of_the_wrong_shape_refuses_only_the_calls_that_touch_it(kind, p
         s.prepared.store(s.ids, s.objects, layers=[5])
     for x, b in zip(s.caches[:5] + s.caches[6:] + s.objects, snapshot):
         np.testing.assert_array_equal(s.arrays.bytes(x), b)
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_a_replaced_entry_refuses_only_the_calls_that_touch_it(kind, planned):
+    s = _State(kind)
+    for layer in (3, 5):
+        s.prepared.store(s.ids, s.objects, layers=[layer])
+    memo = s.prepared._memo
+    s.caches[5] = s.arrays.cache(77)[:, :4]  # another tensor of another shape
+    count = planned[0]
+    prior = s.arrays.bytes(s.objects[0])
+    host = [s.arrays.bytes(c).view(np.float16).reshape(SHAPE) if i != 5 else
+            np.zeros(SHAPE, np.float16) for i, c in enumerate(s.caches)]
+    # Layer 3's call reads nothing of entry 5: it runs on the warm memo and moves its bytes.
+    s.prepared.store(s.ids, s.objects, layers=[3])
+    assert planned[0] == count and s.prepared._memo is memo
+    want = kc.store(s.manager, host, s.ids, [prior.reshape(1, -1).copy()], layers=[3])
+    np.testing.assert_array_equal(s.arrays.bytes(s.objects[0]).reshape(1, -1), want[0])
+    # Every call that touches entry 5 names it, and moves nothing.
+    snapshot = [s.arrays.bytes(x) for x in s.caches + s.objects]
+    for call in (lambda: s.prepared.store(s.ids, s.objects, layers=[5]),
+                 lambda: s.prepared.store(s.ids, s.objects),
+                 lambda: s.prepared.load(s.objects, s.ids)):
+        with pytest.raises(kc.KVGroupsValueError, match=r"kv_caches changed since the transfer "
+                           r"was prepared \(kv_caches\[5\] was replaced"):
+            call()
+        for x, b in zip(s.caches + s.objects, snapshot):
+            np.testing.assert_array_equal(s.arrays.bytes(x), b)
 
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
