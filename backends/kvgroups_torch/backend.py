@@ -331,11 +331,4 @@ class TorchBoundCaches(BoundCaches):
         if getattr(plan, "path", "kernel") != "kernel" and copy_engine.copy_groups(plan,
                                                                                   fast.index):
             return generic  # the copy engines take (part of) it: their path decides per call
-        launch = cuda_path.PlanRunner(fast, plan, block_ids)
-
-        def run(ids: Any, objects: Sequence[Any]) -> tuple:
-            if launch(ids, objects):
-                return None, list(objects)
-            return generic(ids, objects)
-
-        return run
+        return cuda_path.PlanRunner(fast, plan, block_ids, generic)

@@ -4,7 +4,7 @@ One launch per :class:`~kvgroups_core.plan.GroupTransfer`. What depends only on 
 geometry and the caches' addresses (the plane pointer table on the device, the packed
 ``KvgParams`` per vector width, the kernel handle) is built once and cached; a call then only
 writes the block ids, the object addresses and the item range into the packed parameters and
-calls ``cuLaunchKernel`` on PyTorch's current stream. Nothing here synchronises.
+launches the kernel on PyTorch's current stream (``driver.Launcher``). Nothing here synchronises.
 """
 
 from __future__ import annotations
@@ -708,13 +708,15 @@ class PlanRunner:
     differ from the last launch's, the objects and the item range) into each group's packed
     parameters and launches. Built after a call of ``plan`` passed every check; later calls
     bring ids of the same dtype, shape, device and contiguity as ``sample_ids`` and objects the
-    core validated for ``plan``'s direction and chunk count."""
+    core validated for ``plan``'s direction and chunk count. Objects that are not device
+    objects bound before (pinned host memory) go to ``fallback`` (the generic runner)."""
 
-    def __init__(self, fast: DeviceCaches, plan: Any, sample_ids: Any) -> None:
+    def __init__(self, fast: DeviceCaches, plan: Any, sample_ids: Any, fallback: Any) -> None:
         self.fast = fast
         self.plan = plan
         self.rows = plan.num_chunks
         self.index = fast.index
+        self.fallback = fallback
         # Contiguous int32/int64 tensors on the GPU are read in place: only their address
         # changes between calls. Anything else (host ids) goes through _bind_ids.
         self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in _ID_DTYPES \
@@ -722,6 +724,23 @@ class PlanRunner:
         self.ids_mode = P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 \
             else P.IDS_DEVICE64
         self._steps: dict[Any, list[tuple]] = {}  # object vector units -> launch list
+        # The core's validated objects signature -> (bindings, launch list): a hit on the
+        # signature of the last call's objects needs neither read again.
+        self._by_objects: dict[Any, tuple[list[ObjectBinding], list[tuple]]] = {}
+
+    _MAX_OBJECTS = 64
+
+    def _bind(self, objects: Sequence[Any]) -> tuple[list, list[tuple]] | None:
+        """The device bindings of ``objects`` and the launch list for their alignment; None
+        when they are not device objects bound before (pinned host memory)."""
+        bindings = self.fast.device_bindings(objects, self.rows)
+        if bindings is None:
+            return None
+        units = bindings[0].unit if len(bindings) == 1 else tuple([b.unit for b in bindings])
+        steps = self._steps.get(units)
+        if steps is None:
+            steps = self._steps[units] = self._launch_list(bindings)
+        return bindings, steps
 
     def _launch_list(self, bindings: list[ObjectBinding]) -> list[tuple]:
         plan, fast = self.plan, self.fast
@@ -740,25 +759,31 @@ class PlanRunner:
                             group.object_group_idx, needed, launch.shape.num_blocks))
         return out
 
-    def __call__(self, ids: Any, objects: Sequence[Any]) -> bool:
-        """Launch with ``ids`` on ``objects``; False (nothing launched) when the objects are
-        not device objects bound before (the caller then takes the generic path)."""
-        bindings = self.fast.device_bindings(objects, self.rows)
-        if bindings is None:
-            return False
-        units = bindings[0].unit if len(bindings) == 1 else tuple([b.unit for b in bindings])
-        steps = self._steps.get(units)
-        if steps is None:
-            steps = self._steps[units] = self._launch_list(bindings)
+    def __call__(self, ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
+        """Launch with ``ids`` on ``objects`` (the runner protocol of
+        ``kvgroups_core.registry.BoundCaches.runner``: ``(None, objects)``, nothing replaced).
+        ``objects_key``: the core's validated signature of ``objects`` (address, dtype, shape
+        and strides of each), so what was bound for it before is bound again."""
+        found = self._by_objects.get(objects_key) if objects_key is not None else None
+        if found is None:
+            found = self._bind(objects)
+            if found is None:
+                return self.fallback(ids, objects)
+            if objects_key is not None:
+                if len(self._by_objects) >= self._MAX_OBJECTS:
+                    self._by_objects.clear()
+                self._by_objects[objects_key] = found
+        bindings, steps = found
         stream = current_stream(self.index)
-        in_place, mode, threads = self.in_place, self.ids_mode, P.THREADS
+        if self.in_place:
+            address, mode = ids.data_ptr(), self.ids_mode
         for launch, p, launcher, function, grid, step, first_item, og, needed, nb in steps:
             objs = bindings[og]
             if stream not in launch.ready:
                 launch.readable_on(stream)
             with launch.lock:
-                if in_place:
-                    p.ids = ids.data_ptr()
+                if self.in_place:
+                    p.ids = address
                     p.ids_mode = mode
                     keepalive = None
                 else:
@@ -769,9 +794,9 @@ class PlanRunner:
                     _write_step(p, step, first_item)
                 if p.skip_mode:
                     p.skip_mode = P.SKIP_NONE
-                launcher.launch(function, grid, threads, stream)
+                launcher.launch(function, grid, P.THREADS, stream)
             del keepalive  # a device copy of host ids is stream-ordered: safe to free now
-        return True
+        return None, list(objects)
 
 
 def plan_options(plan: Any, device_index: int) -> tuple[DeviceSkip | None, int | None]:
