@@ -71,15 +71,14 @@ def call_key(ids_key: Any, direction: str, block_ids: Any, layers: Any, max_ctas
 class _Entry:
     """One validated plan signature."""
 
-    __slots__ = ("scope", "checks", "slots", "positions", "tensors", "keys", "run")
+    __slots__ = ("scope", "checks", "slots", "positions", "keys", "run")
 
     def __init__(self, scope: tuple, checks: tuple | None, slots: tuple,
-                 positions: tuple | None, tensors: list | None, keys: Any, run: Any) -> None:
+                 positions: tuple | None, keys: Any, run: Any) -> None:
         self.scope = scope  # (direction, num_chunks): what the objects were validated for
         self.checks = checks  # host ids: (used ids, num_blocks) to check per call; else None
         self.slots = slots  # the bound tensor slots the plan's planes touch
         self.positions = positions  # where a flat structure holds them (None: check it whole)
-        self.tensors = tensors  # their bound tensors (None once the binding let go of them)
         self.keys = keys  # their fingerprints when recorded (None: no fingerprints)
         self.run = run  # BoundCaches.runner(plan, ...)
 
@@ -95,18 +94,22 @@ class CallMemo:
         self._objects_key = getattr(backend, "objects_key", None) or numpy_objects_key
         self._plans: dict[tuple, _Entry] = {}
         self._objects: dict[tuple, bool] = {}
+        # The bound tensors of each entry's slots, by entry (an identity hash): the only
+        # references the memo holds to caches, dropped in one step when the binding lets go
+        # of its tensors (a parked one-shot binding, once per one-shot call).
+        self._held: dict[_Entry, list] = {}
 
     def clear(self) -> None:
         self._plans.clear()
         self._objects.clear()
+        self._held = {}
 
     def release(self) -> None:
         """The binding let go of its tensors (a parked one-shot binding): drop the references
         and keep the signatures. After the binding takes its tensors back (the very same
         objects: :mod:`kvgroups_core.reuse`), a hit looks them up from the guard again and
         compares their fingerprints with the recorded ones, as every hit does."""
-        for entry in self._plans.values():
-            entry.tensors = None
+        self._held = {}
 
     def call(self, key: tuple, block_ids: Any, objects: Any, kv_caches: Any,
              fingerprints_checked: bool = False) -> Any:
@@ -118,9 +121,9 @@ class CallMemo:
         if entry is None or not self._guard.same_entries_at(kv_caches, entry.positions):
             return None
         if entry.keys is not None and not fingerprints_checked:
-            tensors = entry.tensors
+            tensors = self._held.get(entry)
             if tensors is None:
-                tensors = entry.tensors = self._guard.watch(entry.slots)[0]
+                tensors = self._held[entry] = self._guard.watch(entry.slots)[0]
             if self._keys_of(tensors) != entry.keys:
                 return None  # a touched tensor was reallocated: the full path rebinds or raises
         if type(objects) is not list and type(objects) is not tuple:
@@ -164,5 +167,8 @@ class CallMemo:
         tensors, keys = self._guard.watch(slots)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
-        self._plans[key] = _Entry(scope, checks, slots, self._guard.positions_of(tensors),
-                                  tensors, keys, self._bound.runner(plan, block_ids))
+            self._held = {}
+        entry = self._plans[key] = _Entry(scope, checks, slots,
+                                          self._guard.positions_of(tensors), keys,
+                                          self._bound.runner(plan, block_ids))
+        self._held[entry] = tensors

@@ -237,7 +237,7 @@ class CacheGuard:
     def positions_of(self, tensors: Sequence[Any]) -> tuple[int, ...] | None:
         """Where a flat list holds these bound tensors (by identity), for
         :meth:`same_entries_at`; None for other structures (checked whole)."""
-        if not self._flat or self._snap is None:
+        if not self._flat or self._snap is None or not tensors:
             return None
         wanted = {id(x) for x in tensors}
         return tuple(i for i, x in enumerate(self._snap) if id(x) in wanted)
