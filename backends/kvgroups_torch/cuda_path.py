@@ -711,6 +711,8 @@ class PlanRunner:
     core validated for ``plan``'s direction and chunk count. Objects that are not device
     objects bound before (pinned host memory) go to ``fallback`` (the generic runner)."""
 
+    _MAX_OBJECTS = 64  # object signatures kept per runner (an engine cycles a few buffers)
+
     def __init__(self, fast: DeviceCaches, plan: Any, sample_ids: Any, fallback: Any) -> None:
         self.fast = fast
         self.plan = plan
@@ -727,8 +729,6 @@ class PlanRunner:
         # The core's validated objects signature -> (bindings, launch list): a hit on the
         # signature of the last call's objects needs neither read again.
         self._by_objects: dict[Any, tuple[list[ObjectBinding], list[tuple]]] = {}
-
-    _MAX_OBJECTS = 64
 
     def _bind(self, objects: Sequence[Any]) -> tuple[list, list[tuple]] | None:
         """The device bindings of ``objects`` and the launch list for their alignment; None
