@@ -236,11 +236,13 @@ class CacheGuard:
 
     def positions_of(self, tensors: Sequence[Any]) -> tuple[int, ...] | None:
         """Where a flat list holds these bound tensors (by identity), for
-        :meth:`same_entries_at`; None for other structures (checked whole)."""
+        :meth:`same_entries_at`; None where the whole structure is checked (another
+        structure, no concrete tensor, or every entry)."""
         if not self._flat or self._snap is None or not tensors:
             return None
         wanted = {id(x) for x in tensors}
-        return tuple(i for i, x in enumerate(self._snap) if id(x) in wanted)
+        positions = tuple(i for i, x in enumerate(self._snap) if id(x) in wanted)
+        return None if len(positions) == len(self._snap) else positions
 
     def same_entries_at(self, kv_caches: Any, positions: tuple[int, ...] | None) -> bool:
         """:meth:`same_entries` restricted to the list positions :meth:`positions_of` gave: a
@@ -252,8 +254,6 @@ class CacheGuard:
         snap = self._snap
         if type(kv_caches) is not list or len(kv_caches) != len(snap):
             return False
-        if len(positions) == len(snap):
-            return all(map(operator.is_, kv_caches, snap))
         for i in positions:
             if kv_caches[i] is not snap[i]:
                 return False

@@ -26,7 +26,8 @@ def test_a_flat_list_is_checked_at_the_positions_holding_the_touched_tensors():
     assert guard.same_entries_at(now, positions)
     now[0] = np.zeros((2, 4))  # an untouched entry replaced: not this call's concern
     assert guard.same_entries_at(now, positions)
-    assert not guard.same_entries_at(now, guard.positions_of(caches[:5]))  # every entry
+    assert guard.positions_of(caches[:5]) is None  # every entry: the whole list
+    assert not guard.same_entries_at(now, guard.positions_of(caches[:5]))
     now[5] = np.zeros((2, 4))  # a touched position replaced
     assert not guard.same_entries_at(now, positions)
     assert not guard.same_entries_at(list(caches) + [caches[0]], positions)  # longer
