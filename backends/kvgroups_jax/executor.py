@@ -402,10 +402,14 @@ def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
     key = (first_item, num_items, placement)
     meta = _METAS.get(key)
     if meta is None:
-        if len(_METAS) >= _MAX_METAS:
-            _METAS.clear()
         host = np.array([first_item, num_items], np.int32)
         meta = jax.device_put(host, None if placement == "default" else placement)
+        if isinstance(meta, jax.core.Tracer):
+            # Called while a transformation traces (ids traced, caches concrete): the value
+            # belongs to that trace and must never outlive it in a process-wide cache.
+            return host
+        if len(_METAS) >= _MAX_METAS:
+            _METAS.clear()
         _METAS[key] = meta
     return meta
 
