@@ -101,6 +101,9 @@ class TensorDesc:
     ``abstract`` says whether the value has a readable pointer: True for a tracer, a fake or
     meta tensor, False for a concrete array (even one described without a single pointer,
     such as a sharded array); None (the default) infers it, see :attr:`is_abstract`.
+    ``placement`` is how a value spread over several devices is spread (JAX: its sharding), as
+    an opaque hashable token of the backend's; None for a value on one device. The core only
+    records it (:attr:`KVLayerGroupsManager.source_placements`), never reads it.
     """
 
     spec: TensorSpec
@@ -109,6 +112,7 @@ class TensorDesc:
     obj: Any = field(default=None, repr=False)
     framework: str = "spec"
     abstract: bool | None = None
+    placement: Any = field(default=None, repr=False)
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -144,7 +148,7 @@ class TensorDesc:
         """Another view of the same memory (the caller guarantees it stays in bounds)."""
         return TensorDesc(
             spec, self.data_ptr, self.byte_offset + extra_byte_offset, self.obj, self.framework,
-            self.abstract,
+            self.abstract, self.placement,
         )
 
 

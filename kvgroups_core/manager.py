@@ -48,6 +48,21 @@ def _check_layer_count(kv_caches: Any, formats: Sequence[EngineKVFormat]) -> Non
             )
 
 
+def _placements(tree: Any) -> tuple:
+    """Each described tensor's ``placement`` in depth-first order; ``()`` when all are None."""
+    out: list = []
+
+    def walk(x: Any) -> None:
+        if isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+        else:
+            out.append(None if x is None else x.placement)
+
+    walk(tree)
+    return tuple(out) if any(p is not None for p in out) else ()
+
+
 def _infos_in_group_order(
     infos: tuple[EngineGroupInfo, ...], groups: list[tuple[KernelGroupIdentity, list[int]]]
 ) -> tuple[EngineGroupInfo, ...]:
@@ -155,8 +170,10 @@ class KVLayerGroupsManager:
         self._kernel_groups: list[KernelGroupInfo] = []
         self._object_groups: list[ObjectGroupInfo] = []
         self._identities: list[KernelGroupIdentity] = []
+        self._source_placements: tuple = ()
 
         kv_caches = describe_tree(kv_caches)
+        self._source_placements = _placements(kv_caches)
         formats = normalize_formats(kv_caches, engine_kv_formats)
         self.engine_kv_formats: tuple[EngineKVFormat, ...] = formats
         self.layer_layouts: list[LayerLayout | None] = [None] * len(formats)
@@ -302,6 +319,15 @@ class KVLayerGroupsManager:
     def num_blocks(self) -> int:
         """The first kernel group's block count (0 without kernel groups)."""
         return self._kernel_groups[0].shape_desc.nb if self._kernel_groups else 0
+
+    @property
+    def source_placements(self) -> tuple:
+        """How the tensors this manager was built from were spread over devices: one opaque
+        token per tensor of ``kv_caches`` (depth first, None for a tensor on one device), or
+        ``()`` when none was spread. A backend that cannot see a traced value's placement
+        (JAX inside ``jax.jit`` over a mesh with Auto axes) takes this manager's word for
+        it."""
+        return self._source_placements
 
     @property
     def lmcache_tokens_per_chunk(self) -> int:

@@ -27,7 +27,15 @@ from .describe import describe_array, memory_kind_of
 from .executor import LOWERINGS, execute_plan, writes_every_byte
 from .foreign import _IMPORTED, check_in_place, import_dlpack
 from .sharded import check_objects as check_shard_objects
-from .sharded import local_binding, localize, run_sharded, shard_layout
+from .sharded import (
+    UnknownSharding,
+    local_binding,
+    localize,
+    run_sharded,
+    shard_layout,
+    sharding_of,
+    vouched_shardings,
+)
 
 _PINNED = ("pinned", "pinned_host", "cuda_host")
 _UINT8 = np.dtype(np.uint8)
@@ -295,12 +303,18 @@ class _BoundJax(BoundCaches):
         self._sharding = _plain_sharding(self._arrays)
         self._owned = False  # the arrays are outputs of our own load
         # Caches sharded over a mesh: refused here (before anything is donated) unless every
-        # shard can move its own pages; the shard binding needs the manager (bind_source).
-        self._shards = shard_layout(self._arrays) if self._sharding is None else None
+        # shard can move its own pages; the shard binding needs the manager (bind_source),
+        # and so do tracers whose sharding only the manager knows (an Auto-axes mesh).
+        self._unknown = self._sharding is None and any(
+            isinstance(sharding_of(x), UnknownSharding) for x in self._arrays)
+        self._shards = shard_layout(self._arrays) if self._sharding is None and \
+            not self._unknown else None
         self._shard_binding = None
         self._all_concrete = self._sharding is not None or all(map(_concrete, self._arrays))
 
     def bind_source(self, manager, kv_caches) -> None:
+        if self._unknown:
+            self._shards = shard_layout(self._arrays, vouched_shardings(manager, kv_caches))
         if self._shards is not None:
             self._shard_binding = local_binding(manager, kv_caches, self._arrays, self._shards)
 

@@ -67,6 +67,9 @@ def describe_array(x: Any) -> TensorDesc:
                                                                            memory_kind_of(x)))
         ptr = x.unsafe_buffer_pointer() if x.size else 0
         return TensorDesc(spec, int(ptr), 0, x, "jax")
-    # Tracers, ShapeDtypeStructs and sharded arrays: no single buffer to point at.
+    # Tracers, ShapeDtypeStructs and sharded arrays: no single buffer to point at. A concrete
+    # array spread over devices leaves its sharding with the descriptor: a manager built from
+    # it can then vouch for the sharding of the tracers that stand for it inside jax.jit.
     spec = TensorSpec(tuple(x.shape), spec_dtype, None, _abstract_device(x))
-    return TensorDesc(spec, 0, 0, x, "jax", abstract=True)
+    placement = x.sharding if concrete and len(x.sharding.device_set) > 1 else None
+    return TensorDesc(spec, 0, 0, x, "jax", abstract=True, placement=placement)

@@ -53,14 +53,32 @@ def _describe_sharding(sharding) -> str:
     return f"{type(sharding).__name__} {getattr(sharding, 'spec', sharding)}"
 
 
+class UnknownSharding:
+    """What :func:`sharding_of` answers for a tracer under ``jax.jit`` over a mesh with Auto
+    axes: XLA picks its sharding later, so the trace cannot tell a heads-sharded cache from a
+    replicated one."""
+
+    def __init__(self, mesh) -> None:
+        self.mesh = mesh
+
+    def __repr__(self) -> str:
+        return f"an unknown sharding over {dict(zip(self.mesh.axis_names, self.mesh.axis_sizes))}"
+
+
 def sharding_of(x) -> Any:
-    """The sharding that spreads ``x`` over several devices, or None (one device, or a value
-    already local: inside ``shard_map``, or under ``jax.jit`` without explicit mesh axes)."""
+    """The sharding that spreads ``x`` over several devices; None (one device, or a value
+    already local: inside ``shard_map``, or a replicated one); or an :class:`UnknownSharding` for a
+    tracer whose mesh has Auto axes (the sharding is XLA's to choose, not visible here)."""
     if isinstance(x, jax.core.Tracer):
         try:
             sharding = jax.typeof(x).sharding
         except Exception:  # noqa: BLE001 - no abstract sharding in this JAX: a local value
             return None
+        mesh = getattr(sharding, "mesh", None)
+        if mesh is not None and any(
+                t == jax.sharding.AxisType.Auto and n > 1
+                for t, n in zip(mesh.axis_types, mesh.axis_sizes)):
+            return UnknownSharding(mesh)
         spec = getattr(sharding, "spec", None)
         if spec is None or all(e is None for e in spec):
             return None  # replicated or manual (inside shard_map): the program is per device
@@ -71,12 +89,60 @@ def sharding_of(x) -> Any:
     return sharding if len(sharding.device_set) > 1 else None
 
 
-def shard_layout(arrays) -> ShardLayout | None:
+def vouched_shardings(manager, kv_caches) -> dict[int, Any]:
+    """``id(array) -> sharding`` for the arrays of ``kv_caches`` that ``manager`` was built
+    from sharded copies of (its ``source_placements``, tensor for tensor); empty when the
+    structures do not match tensor for tensor."""
+    placements = getattr(manager, "source_placements", ())
+    if not placements:
+        return {}
+    leaves: list = []
+
+    def walk(x) -> None:
+        if isinstance(x, (list, tuple)):
+            for item in x:
+                walk(item)
+        else:
+            leaves.append(getattr(x, "obj", x))
+
+    walk(kv_caches)
+    if len(leaves) != len(placements):
+        return {}
+    return {id(x): p for x, p in zip(leaves, placements)
+            if x is not None and isinstance(p, NamedSharding)}
+
+
+def _vouch(k: int, x, unknown: UnknownSharding, vouched: dict[int, Any]):
+    """The manager's sharding for tracer ``x``, checked against the mesh the trace sees."""
+    sharding = vouched.get(id(x))
+    mesh = unknown.mesh
+    if sharding is None:
+        raise UnsupportedConfig(
+            f"kv_caches[{k}]: expected a sharding this call can see, got {unknown} inside "
+            "jax.jit (a mesh with Auto axes leaves it to XLA, and moving the pages of a cache "
+            "whose sharding is unknown would gather it); build the KVLayerGroupsManager from "
+            "the sharded arrays themselves, use a mesh with Explicit axes (jax.make_mesh's "
+            "default), or call inside jax.shard_map with a per-shard manager"
+        )
+    if (tuple(sharding.mesh.axis_names), tuple(sharding.mesh.axis_sizes)) != (
+            tuple(mesh.axis_names), tuple(mesh.axis_sizes)):
+        raise UnsupportedConfig(
+            f"kv_caches[{k}]: expected the mesh the manager was built on "
+            f"({dict(sharding.mesh.shape)}), got a trace over {unknown}"
+        )
+    return sharding
+
+
+def shard_layout(arrays, vouched: dict[int, Any] | None = None) -> ShardLayout | None:
     """The :class:`ShardLayout` of caches spread over several devices (concrete arrays, or
-    tracers of explicitly sharded values under ``jax.jit``); None when the program runs on one
-    device's values (the plain path). Raises UnsupportedConfig for shardings no
-    collective-free transfer can serve."""
+    tracers whose sharding is visible or that ``vouched`` (:func:`vouched_shardings`) names);
+    None when the program runs on one device's values (the plain path). Raises
+    UnsupportedConfig for shardings no collective-free transfer can serve, and for tracers of
+    an unknown sharding that nothing vouches for."""
     shardings = [sharding_of(x) for x in arrays]
+    for k, (x, s) in enumerate(zip(arrays, shardings)):
+        if isinstance(s, UnknownSharding):
+            shardings[k] = _vouch(k, x, s, vouched or {})
     multi = [s for s in shardings if s is not None]
     if not multi:
         return None
@@ -140,7 +206,8 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
     from kvgroups_core.objects import object_nbytes
     from kvgroups_core.planner import bind
 
-    local = _local_tree(kv_caches, {id(x): sharding_of(x) for x in arrays})
+    local = _local_tree(kv_caches, {id(x): NamedSharding(layout.mesh, spec)
+                                    for x, spec in zip(arrays, layout.cache_specs)})
     infos = [EngineGroupInfo(engine_group_id=g.engine_group_idx,
                              layer_indices=list(g.layer_indices),
                              tokens_per_block=g.tokens_per_block,
@@ -205,6 +272,11 @@ def check_objects(layout: ShardLayout, objects, plan) -> None:
             continue
         if isinstance(obj, jax.core.Tracer):  # under jax.jit: the abstract sharding
             sharding = sharding_of(obj)
+            if isinstance(sharding, UnknownSharding) and sharding.mesh.axis_sizes == tuple(
+                    layout.mesh.axis_sizes):
+                # XLA chooses it (Auto axes): shard_map's in_specs state the store's own
+                # sharding, which the caches' binding vouches for.
+                continue
             spec = tuple(getattr(sharding, "spec", ())) + (None, None)
             ok = sharding is not None and sharding.mesh == layout.mesh and \
                 spec[:2] == (None, layout.heads_axes)

@@ -239,3 +239,68 @@ def test_explicitly_sharded_jit_with_traced_ids_and_skip():
     np.testing.assert_array_equal(a[dst[1:]], h[src[1:]])  # block 0 skipped (4 tokens)
     np.testing.assert_array_equal(a[dst[0]], h[dst[0]])
     assert new[0].sharding == sharding
+
+
+def _auto_mesh(shape=(4,), names=("model",)):
+    # Mesh(devices, names): every axis Auto, the constructor most engines use.
+    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    return jax.sharding.Mesh(devices, names)
+
+
+@pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
+@pytest.mark.parametrize("mesh_shape, names", [((4,), ("model",)), ((2, 4), ("data", "model"))])
+def test_jitted_store_and_load_stay_per_shard_on_auto_and_explicit_meshes(mesh_kind, mesh_shape,
+                                                                          names):
+    mesh = (_auto_mesh if mesh_kind == "auto" else _mesh)(mesh_shape, names)
+    sharding = NamedSharding(mesh, P(None, None, "model", None, None))
+    host = _host(11)
+    caches = [jax.device_put(h, sharding) for h in host]
+    manager = _manager(caches)  # built from the concrete sharded arrays
+    src, dst = np.array([1, 5, 2, 6]), np.array([0, 3, 7, 4])
+
+    store_fn = jax.jit(lambda c, ids: store(manager, c, ids))
+    load_fn = jax.jit(lambda c, o, ids: load(manager, o, c, ids), donate_argnums=(0,))
+    ids = jnp.asarray(src, jnp.int32)
+    text = store_fn.lower(caches, ids).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in text]
+    objs = store_fn(caches, ids)
+    assert objs[0].sharding.is_equivalent_to(NamedSharding(mesh, P(None, "model")), 2)
+    nbytes = objs[0].shape[1] // 4
+    got = np.asarray(objs[0])
+    for r in range(4):
+        np.testing.assert_array_equal(got[:, r * nbytes:(r + 1) * nbytes],
+                                      _shard_reference(host, 4, src, r))
+    dst_ids = jnp.asarray(dst, jnp.int32)
+    text = load_fn.lower(caches, objs, dst_ids).compile().as_text()
+    assert not [c for c in COLLECTIVES if c in text]
+    new = load_fn(caches, objs, dst_ids)
+    assert all(n.sharding.is_equivalent_to(sharding, 5) for n in new)
+    for a, h in zip(new, host):
+        a, h = np.asarray(a).view(np.uint16), h.view(np.uint16)
+        np.testing.assert_array_equal(a[dst], h[src])
+        untouched = np.setdiff1d(np.arange(NB), dst)
+        np.testing.assert_array_equal(a[untouched], h[untouched])
+
+
+def test_an_auto_mesh_trace_nothing_vouches_for_is_refused_naming_the_fix():
+    mesh = _auto_mesh()
+    sharding = NamedSharding(mesh, P(None, None, "model", None, None))
+    caches = [jax.device_put(h, sharding) for h in _host(12)]
+    # Built from shapes alone: the manager cannot say how the traced caches are sharded.
+    manager = _manager([jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches])
+    fn = jax.jit(lambda c, ids: store(manager, c, ids))
+    with pytest.raises(UnsupportedConfig, match="Explicit axes") as info:
+        fn(caches, jnp.asarray([1, 5, 2, 6], jnp.int32))
+    assert isinstance(info.value, NotImplementedError)
+    assert "kv_caches[0]" in str(info.value)
+
+
+def test_an_auto_mesh_trace_on_another_mesh_than_the_managers_is_refused():
+    caches = [jax.device_put(h, NamedSharding(_auto_mesh((4,)), P(None, None, "model")))
+              for h in _host(13)]
+    manager = _manager(caches)
+    other = [jax.device_put(h, NamedSharding(_auto_mesh((2,)), P(None, None, "model")))
+             for h in _host(13)]
+    fn = jax.jit(lambda c, ids: store(manager, c, ids))
+    with pytest.raises(UnsupportedConfig, match="the mesh the manager was built on"):
+        fn(other, jnp.asarray([1, 5, 2, 6], jnp.int32))
