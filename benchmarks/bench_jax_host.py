@@ -45,12 +45,12 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from kvgroups_jax import JaxBackend, executor  # noqa: E402
 
-from kvgroups_core.descriptors import TensorSpec  # noqa: E402
-from kvgroups_core.formats import EngineKVFormat  # noqa: E402
-from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
-from kvgroups_core.planner import bind, plan_call  # noqa: E402
-from kvgroups_core.registry import register_backend  # noqa: E402
-from kvgroups_core.transfer import prepare  # noqa: E402
+from kvgroups_core.formats.catalogue import EngineKVFormat  # noqa: E402
+from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
+from kvgroups_core.tensors.arrays import register_backend  # noqa: E402
+from kvgroups_core.tensors.descriptors import TensorSpec  # noqa: E402
+from kvgroups_core.transfer.api import prepare  # noqa: E402
+from kvgroups_core.transfer.planner import bind, plan_call  # noqa: E402
 from kvgroups_tools.bench_kits.jax_kit import JaxKit  # noqa: E402
 from kvgroups_tools.catalog import MODELS  # noqa: E402
 

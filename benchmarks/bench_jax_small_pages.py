@@ -45,7 +45,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
 from kvgroups_core import KVLayerGroupsManager, load, object_nbytes, prepare, store  # noqa: E402
-from kvgroups_core.formats import EngineKVFormat as F  # noqa: E402
+from kvgroups_core.formats.catalogue import EngineKVFormat as F  # noqa: E402
 
 CHUNK = 256
 #: (block_size, heads, head_size) of bf16 pages per page size in bytes.

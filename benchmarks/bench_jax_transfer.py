@@ -22,9 +22,9 @@ import jax.numpy as jnp
 import numpy as np
 from kvgroups_jax.executor import execute_plan, trace_count
 
-from kvgroups_core.descriptors import TensorSpec
-from kvgroups_core.plan import GroupTransfer, PlaneRef, TransferPlan
-from kvgroups_core.segments import SegmentRun, widest_unit
+from kvgroups_core.formats.segments import SegmentRun, widest_unit
+from kvgroups_core.tensors.descriptors import TensorSpec
+from kvgroups_core.transfer.plan import GroupTransfer, PlaneRef, TransferPlan
 
 
 def llama_plan(direction, args, ids, num_chunks, first_item=0):

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager, TensorSpec
-from kvgroups_core.layout import layer_layouts
+from kvgroups_core.formats.layout import layer_layouts
 
 NHD = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 MLA = EngineKVFormat.NL_X_NB_BS_HS

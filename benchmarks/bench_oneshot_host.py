@@ -38,9 +38,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
-from kvgroups_core.formats import EngineKVFormat  # noqa: E402
-from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
-from kvgroups_core.transfer import load, prepare, store  # noqa: E402
+from kvgroups_core.formats.catalogue import EngineKVFormat  # noqa: E402
+from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
+from kvgroups_core.transfer.api import load, prepare, store  # noqa: E402
 
 CHUNK_TOKENS = 256
 BLOCK_SIZE = 16
@@ -102,7 +102,7 @@ def stubbed_copy(runtime: str):
         saved = {"run_plan": module.run_plan}
         stubs = {"run_plan": lambda plan, tensors, objects: None}
     else:
-        from kvgroups_core import reference as module
+        from kvgroups_core.transfer import reference as module
 
         saved = {"execute": module.NumpyBackend.execute}
         stubs = {"execute": lambda self, plan, caches, objects: (None, list(objects))}

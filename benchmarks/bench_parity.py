@@ -50,7 +50,7 @@ from bench_jax_engine import device_kernels  # noqa: E402
 from kvgroups_jax import JaxBackend  # noqa: E402
 
 from kvgroups_core import EngineKVFormat, KVLayerGroupsManager, load, prepare, store  # noqa: E402
-from kvgroups_core.registry import register_backend  # noqa: E402
+from kvgroups_core.tensors.arrays import register_backend  # noqa: E402
 
 FULL = dict(layers=32, blocks=2048, block_size=16, heads=8, head_dim=128, tokens=256,
             chunks="4,16,64", calls_per_program=8, programs=6, lowerings="auto,cuda")

@@ -53,7 +53,7 @@ import kvgroups_torch  # noqa: E402,F401  (compile support is installed on impor
 from kvgroups_torch.driver import programmatic_launch  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
-from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
+from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
 from kvgroups_tools.catalog import MODELS  # noqa: E402
 
 CHUNK = 256
@@ -339,7 +339,7 @@ def _nhd_setup(page: int, layers: int, chunks: int, device: str, tiny: bool):
     for ``chunks`` chunks of distinct random blocks."""
     from kvgroups_torch.copy_paths import page_geometry
 
-    from kvgroups_core.formats import EngineKVFormat as F
+    from kvgroups_core.formats.catalogue import EngineKVFormat as F
 
     dtype = torch.float16 if tiny else torch.bfloat16
     hs = 128

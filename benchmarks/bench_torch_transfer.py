@@ -39,9 +39,9 @@ from kvgroups_torch import (  # noqa: E402
     device_tables,
 )
 
-from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
-from kvgroups_core.planner import bind, plan_call  # noqa: E402
-from kvgroups_core.transfer import prepare, store  # noqa: E402
+from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
+from kvgroups_core.transfer.api import prepare, store  # noqa: E402
+from kvgroups_core.transfer.planner import bind, plan_call  # noqa: E402
 from kvgroups_tools.catalog import MODELS  # noqa: E402
 
 

@@ -34,8 +34,8 @@ from kvgroups_jax import pallas_copy, pallas_mosaic  # noqa: E402
 from kvgroups_jax.geometry import bucket, group_geometry  # noqa: E402
 from kvgroups_jax.views import flat_view, object_unview, object_view, unflat_view  # noqa: E402
 
-from kvgroups_core.manager import KVLayerGroupsManager  # noqa: E402
-from kvgroups_core.planner import bind, plan_call  # noqa: E402
+from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
+from kvgroups_core.transfer.planner import bind, plan_call  # noqa: E402
 from kvgroups_tools.catalog import MODELS  # noqa: E402
 
 

@@ -189,8 +189,8 @@ class TorchCase:
     def __init__(self, shape: Shape, max_chunks: int, seed: int) -> None:
         import torch
 
-        from kvgroups_core.formats import EngineKVFormat as F
-        from kvgroups_core.manager import KVLayerGroupsManager
+        from kvgroups_core.formats.catalogue import EngineKVFormat as F
+        from kvgroups_core.grouping.manager import KVLayerGroupsManager
 
         self.shape = shape
         self.bpc = CHUNK // shape.bs
@@ -369,7 +369,7 @@ def sweep_jax(args, out: Out) -> None:
     from kvgroups_jax import pallas_copy
 
     from kvgroups_core import KVLayerGroupsManager, object_nbytes, prepare
-    from kvgroups_core.formats import EngineKVFormat as F
+    from kvgroups_core.formats.catalogue import EngineKVFormat as F
 
     def timed(fn) -> float:
         jax.block_until_ready(fn(0))

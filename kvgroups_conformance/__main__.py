@@ -46,7 +46,7 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     if args.list_backends:
-        from kvgroups_core.registry import registered_backends
+        from kvgroups_core.tensors.arrays import registered_backends
 
         print("\n".join(registered_backends()))
         return 0

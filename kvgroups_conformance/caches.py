@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvgroups_core.formats import CROSS_LAYER, KV_LIST, LAYER_PAIR_LIST
-from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.formats.catalogue import CROSS_LAYER, KV_LIST, LAYER_PAIR_LIST
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
 
 try:
     import ml_dtypes

@@ -3,7 +3,7 @@
 Caches are compared block by block with the independent model of :mod:`.caches` (token rows
 read by NumPy indexing of each format's axes). Objects are compared byte for byte; the first
 wrong byte is then traced back to its kernel group, plane, layer and engine block through the
-object layout of ``kvgroups_core.objects``, which only names the place: the verdict is the
+object layout of ``kvgroups_core.transfer.objects``, which only names the place: the verdict is the
 byte comparison.
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from kvgroups_conformance.caches import all_blocks, plane_tensor, token_rows
 from kvgroups_conformance.report import Mismatch, raise_if_any
-from kvgroups_core.objects import object_regions
+from kvgroups_core.transfer.objects import object_regions
 
 Blocks = dict[tuple[int, int, int], np.ndarray]
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from kvgroups_conformance.caches import copy_keeping_strides
 from kvgroups_core import get_backend
-from kvgroups_core.transfer import load, store
+from kvgroups_core.transfer.api import load, store
 
 #: Entry point group where a backend package may name its harness (a Harness subclass or a
 #: factory returning a Harness), under the backend's registered name.

@@ -4,16 +4,6 @@ Imports no framework, ever (NumPy only). Backends for PyTorch and JAX live in th
 packages ``kvgroups_torch`` and ``kvgroups_jax`` and are found from the tensors you pass.
 """
 
-from .attn_window import AttnWindowDesc
-from .descriptors import TensorDesc, TensorSpec
-from .detection import detect_format, normalize_and_discover_per_layer_formats
-from .dtypes import DTYPE_MAP, DType
-from .engine_groups import (
-    EngineGroupInfo,
-    expand_engine_block_ids,
-    get_engine_group_indices,
-    slice_block_ids_per_group,
-)
 from .errors import (
     BackendNotFound,
     CompileForbidden,
@@ -24,8 +14,16 @@ from .errors import (
     KVGroupsValueError,
     UnsupportedConfig,
 )
-from .formats import MUST_HAVE_FORMATS, EngineKVFormat
-from .grouping import (
+from .formats.catalogue import MUST_HAVE_FORMATS, EngineKVFormat
+from .formats.detection import detect_format, normalize_and_discover_per_layer_formats
+from .grouping.attn_window import AttnWindowDesc
+from .grouping.engine_groups import (
+    EngineGroupInfo,
+    expand_engine_block_ids,
+    get_engine_group_indices,
+    slice_block_ids_per_group,
+)
+from .grouping.identity import (
     EXCLUDED_ENGINE_GROUP,
     KernelGroupIdentity,
     KernelGroupInfo,
@@ -33,18 +31,21 @@ from .grouping import (
     PageBufferShapeDesc,
     group_layers_by_identity,
 )
-from .manager import KVLayerGroupsManager
-from .objects import Region, object_nbytes, object_regions, region_view
-from .plan import GroupTransfer, PlaneRef, TransferPlan
-from .registry import Backend, describe, get_backend, register_backend, unregister_backend
-from .shape_spec import (
+from .grouping.manager import KVLayerGroupsManager
+from .grouping.shape_spec import (
     format_kvcache_shape_spec,
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
 )
-from .tensor_parallel import OBJECT_LAYOUTS, TPShard
-from .tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
-from .transfer import PreparedTransfer, load, prepare, store
+from .grouping.tensor_parallel import OBJECT_LAYOUTS, TPShard
+from .tensors.arrays import describe, get_backend, register_backend, unregister_backend
+from .tensors.descriptors import TensorDesc, TensorSpec
+from .tensors.dtypes import DTYPE_MAP, DType
+from .transfer.api import PreparedTransfer, load, prepare, store
+from .transfer.backend import Backend
+from .transfer.objects import Region, object_nbytes, object_regions, region_view
+from .transfer.plan import GroupTransfer, PlaneRef, TransferPlan
+from .transfer.tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
 
 __version__ = "0.1.0"
 
@@ -106,8 +107,8 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    # Deprecated LMCache aliases (LayerGroupIdentity, KVLayerGroupInfo): grouping.py warns.
-    from . import grouping
+    # Deprecated LMCache aliases (LayerGroupIdentity, KVLayerGroupInfo): grouping/identity.py warns.
+    from .grouping import identity as grouping
 
     if name in grouping.DEPRECATED_ALIASES:
         return getattr(grouping, name)

@@ -41,10 +41,10 @@ from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
-from kvgroups_core.descriptors import TensorDesc, TensorSpec
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.planner import bind, plan_call
-from kvgroups_core.shape_spec import format_kvcache_shape_spec
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.grouping.shape_spec import format_kvcache_shape_spec
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
+from kvgroups_core.transfer.planner import bind, plan_call
 
 from .bench_matrix import Matrix, Point, Shape
 from .bench_public import Case, Refused, applies, make_call

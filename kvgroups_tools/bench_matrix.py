@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvgroups_core.errors import KVGroupsValueError
-from kvgroups_core.shape_spec import _group_tensor, parse_kvcache_shape_spec
+from kvgroups_core.grouping.shape_spec import _group_tensor, parse_kvcache_shape_spec
 
 from .bench_public import CALLS, IDS
 from .catalog import CacheModel, get_model

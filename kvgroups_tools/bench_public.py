@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import kvgroups_core as kc
-from kvgroups_core.registry import backend_for_tensors
+from kvgroups_core.tensors.arrays import backend_for_tensors
 
 #: Every call a record can name; ``internal`` marks the engine's own entry points.
 CALLS = ("store", "load", "prepared", "jit", "graph", "layerwise")

@@ -1,6 +1,6 @@
 """The shared catalogue of real model KV shapes (public model configs) for tests, the demo and benchmarks.
 
-Each entry builds a cache structure of :class:`~kvgroups_core.descriptors.TensorSpec` s (no
+Each entry builds a cache structure of :class:`~kvgroups_core.tensors.descriptors.TensorSpec` s (no
 data), the per-layer formats and the engine group infos a manager needs. ``layers=`` shrinks a
 model for CI while keeping its pattern (windows, groups, head geometry).
 """
@@ -10,8 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from kvgroups_core.descriptors import TensorSpec
-from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.tensors.descriptors import TensorSpec
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,7 @@ def _kv_spec(fmt: F, nb: int, bs: int, nh: int, hs: int, dtype: str) -> TensorSp
 
 def _engine_infos(groups: list[tuple[int, list[int], int, int]]) -> tuple:
     """``(engine_group_id, layers, tokens_per_block, sw)`` rows ordered by first layer."""
-    from kvgroups_core.engine_groups import EngineGroupInfo
+    from kvgroups_core.grouping.engine_groups import EngineGroupInfo
 
     rows = sorted(groups, key=lambda g: g[1][0])
     return tuple(

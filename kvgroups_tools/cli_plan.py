@@ -13,8 +13,8 @@ import importlib.util
 import json
 from typing import Any
 
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.shape_spec import (
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.grouping.shape_spec import (
     format_kvcache_shape_spec,
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
@@ -46,10 +46,10 @@ def region_nbytes(manager: KVLayerGroupsManager, kernel_group_idx: int) -> int:
 
 
 def object_nbytes(manager: KVLayerGroupsManager, object_group_idx: int) -> int:
-    """Bytes of one chunk object of an object group: ``kvgroups_core.objects`` when present
+    """Bytes of one chunk object of an object group: ``kvgroups_core.transfer.objects`` when present
     (the layout every transfer uses), else the sum of its regions."""
-    if importlib.util.find_spec("kvgroups_core.objects") is not None:
-        objects = importlib.import_module("kvgroups_core.objects")
+    if importlib.util.find_spec("kvgroups_core.transfer.objects") is not None:
+        objects = importlib.import_module("kvgroups_core.transfer.objects")
         return int(objects.object_nbytes(manager, object_group_idx))
     group = manager.object_groups[object_group_idx]
     return sum(region_nbytes(manager, k) for k in group.kernel_group_indices)

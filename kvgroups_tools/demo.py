@@ -17,12 +17,13 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvgroups_core.descriptors import TensorSpec
 from kvgroups_core.errors import KVGroupsError, KVGroupsTypeError, KVGroupsValueError
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes
-from kvgroups_core.registry import Backend, get_backend
-from kvgroups_core.transfer import load, store
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.tensors.arrays import get_backend
+from kvgroups_core.tensors.descriptors import TensorSpec
+from kvgroups_core.transfer.api import load, store
+from kvgroups_core.transfer.backend import Backend
+from kvgroups_core.transfer.objects import object_nbytes
 
 from .catalog import CacheModel, get_model
 
@@ -177,7 +178,7 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
     a_be, b_be = get_backend(store_name), get_backend(load_name)
     dev_a, dev_b = _check_device(a_be, device), _check_device(b_be, device)
     if spec is not None:
-        from kvgroups_core.shape_spec import caches_from_shape_spec
+        from kvgroups_core.grouping.shape_spec import caches_from_shape_spec
 
         caches, formats, infos = caches_from_shape_spec(spec)
         cache_model = CacheModel("spec", caches, tuple(formats), tuple(infos))

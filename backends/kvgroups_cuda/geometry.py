@@ -1,6 +1,6 @@
 """What a page-copy launch needs from a group's geometry, pointers aside.
 
-:func:`group_shape` reduces a :class:`~kvgroups_core.plan.GroupTransfer` to the numbers the
+:func:`group_shape` reduces a :class:`~kvgroups_core.transfer.plan.GroupTransfer` to the numbers the
 kernel takes, and detects the fast path: a page that is one contiguous byte range in both the
 cache block and the object (NHD rows), moved as a single run of ``block_size * row_bytes``
 bytes with no (token, piece) decomposition.
@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvgroups_core.errors import UnsupportedConfig
-from kvgroups_core.segments import SegmentRun, widest_unit
+from kvgroups_core.formats.segments import SegmentRun, widest_unit
 
 from .params import MAX_RUNS, MAX_TILE, SMALL_PLANES, SMALL_TILE
 

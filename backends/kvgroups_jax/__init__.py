@@ -4,7 +4,7 @@ XLA fallback, descriptors for JAX arrays and DLPack imports of foreign caches.
 The core finds this package through its registry (``"jax"``, for ``jax.Array``); to force a
 lowering, register an instance under another name::
 
-    from kvgroups_core.registry import register_backend
+    from kvgroups_core.tensors.arrays import register_backend
     register_backend("jax-triton", JaxBackend(lowering="triton"))
 """
 

@@ -16,17 +16,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvgroups_core.descriptors import TensorDesc
-from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
-from kvgroups_core.objects import check_objects
-from kvgroups_core.registry import Backend, BoundCaches
-from kvgroups_core.validate import Memory
+from kvgroups_core.tensors.descriptors import TensorDesc
+from kvgroups_core.tensors.dtypes import as_dtype
+from kvgroups_core.transfer.backend import Backend, BoundCaches
+from kvgroups_core.transfer.checks import Memory
+from kvgroups_core.transfer.objects import check_objects
 
 from .describe import describe_array, memory_kind_of
 from .executor import LOWERINGS, execute_plan, writes_every_byte
 from .foreign import _IMPORTED, check_in_place, import_dlpack
-from .sharded import check_objects as check_shard_objects
 from .sharded import (
     UnknownSharding,
     local_binding,
@@ -36,6 +35,7 @@ from .sharded import (
     sharding_of,
     vouched_shardings,
 )
+from .sharded import check_objects as check_shard_objects
 
 _PINNED = ("pinned", "pinned_host", "cuda_host")
 _UINT8 = np.dtype(np.uint8)
@@ -86,13 +86,13 @@ class JaxBackend(Backend):
         self.validate_caches(caches)
         return _BoundJax(self, caches)
 
-    #: No per-call fingerprint of bound caches (``kvgroups_core.validate.CacheGuard``): a JAX
+    #: No per-call fingerprint of bound caches (``kvgroups_core.transfer.checks.CacheGuard``): a JAX
     #: array never changes in place, and a deleted one fails at dispatch, before anything runs.
     buffer_keys = None
 
     def memory_of(self, x: Any, what: str = "array") -> Memory | None:
         """XLA's buffers never alias one another, so there is no range to check
-        (``kvgroups_core.validate``); a deleted or donated array is refused here."""
+        (``kvgroups_core.transfer.checks``); a deleted or donated array is refused here."""
         if _concrete(x) and x.is_deleted():
             raise KVGroupsValueError(
                 f"{what}: expected a live array, got one already deleted or donated (a JAX "

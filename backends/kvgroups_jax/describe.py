@@ -1,7 +1,7 @@
 """Describe JAX arrays for the core: concrete arrays with pointers, traced values without.
 
 Planning must work under ``jax.jit``, where arrays are tracers with a shape and a dtype but no
-buffer: those become :class:`~kvgroups_core.descriptors.TensorDesc` s with ``data_ptr == 0``
+buffer: those become :class:`~kvgroups_core.tensors.descriptors.TensorDesc` s with ``data_ptr == 0``
 (abstract), which is all planning needs.
 """
 
@@ -11,9 +11,9 @@ from typing import Any
 
 import jax
 
-from kvgroups_core.descriptors import TensorDesc, TensorSpec
-from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsTypeError
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
+from kvgroups_core.tensors.dtypes import as_dtype
 
 
 def device_string(device: Any, memory_kind: str | None = None) -> str:

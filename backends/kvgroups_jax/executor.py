@@ -1,4 +1,4 @@
-"""Run a :class:`~kvgroups_core.plan.TransferPlan` with JAX: one jitted program per plan shape.
+"""Run a :class:`~kvgroups_core.transfer.plan.TransferPlan` with JAX: one jitted program per plan shape.
 
 The static part of a call (each group's :class:`~kvgroups_core.geometry.GroupGeometry`, the
 lowering, the item and id buckets) is the jit key; block ids and item counts are runtime
@@ -437,7 +437,7 @@ def _device_meta(group, skip) -> jax.Array:
     """``[first_item, num_items]`` of a load whose skip is a device (traced) scalar: the
     planner's formula evaluated on the device; ``group.first_item`` is its static lower bound
     (the window skip), so the grid bucket covers every outcome."""
-    from kvgroups_core.plan import first_item_for_skip
+    from kvgroups_core.transfer.plan import first_item_for_skip
 
     total = group.num_chunks * group.kept_per_chunk
     skip = jnp.asarray(skip).astype(jnp.int32)
@@ -451,7 +451,7 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
 
     Parameters
     ----------
-    plan : kvgroups_core.plan.TransferPlan
+    plan : kvgroups_core.transfer.plan.TransferPlan
     caches : list of jax.Array, the backing tensors in ``plan.tensor_specs`` order.
     objects : list of jax.Array, one uint8 ``[num_chunks, object_nbytes]`` per object group
         (more rows are allowed: a preallocated pool; only the first ``num_chunks`` are used).

@@ -56,7 +56,7 @@ def import_dlpack(x: Any) -> jax.Array:
     -------
     jax.Array sharing ``x``'s memory.
     """
-    from kvgroups_core.descriptors import describe_dlpack
+    from kvgroups_core.tensors.descriptors import describe_dlpack
 
     owner_ptr = describe_dlpack(x).address
     arr = jax.dlpack.from_dlpack(x)

@@ -1,7 +1,7 @@
 """Static copy geometry of one kernel group, in elements of a same-width unsigned view.
 
 Everything here is plain, hashable Python derived from a
-:class:`~kvgroups_core.plan.GroupTransfer`: it is the static part of a jitted transfer (a new
+:class:`~kvgroups_core.transfer.plan.GroupTransfer`: it is the static part of a jitted transfer (a new
 value means a new compilation), while the block ids and item counts stay dynamic. The page
 model (``docs/DESIGN.md``) says that byte ``u`` of piece ``c`` of token ``t`` of a block lives at
 ``cache_offset + c*cache_step + t*token_stride + u`` in the block and at
@@ -166,7 +166,7 @@ def run_boxes(
 
 def choose_unit(group, tensor_specs, object_nbytes: int) -> int:
     """Bytes per view element: the dtype's width, narrowed where an offset needs it."""
-    from kvgroups_core.segments import widest_unit
+    from kvgroups_core.formats.segments import widest_unit
 
     values = [group.block_stride_bytes, group.row_bytes, group.region_offset, object_nbytes]
     for run in group.runs:

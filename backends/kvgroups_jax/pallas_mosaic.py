@@ -36,7 +36,7 @@ more (``executor.resolve_lowering``). CI lowers it for an abstract H200 on jax 0
 (``tests/jax/test_lowering.py``) and runs it in the Mosaic GPU interpreter
 (``tests/jax/test_mosaic_interpret.py``).
 
-Reference: :func:`kvgroups_core.reference.run_group` (the NumPy oracle).
+Reference: :func:`kvgroups_core.transfer.reference.run_group` (the NumPy oracle).
 """
 
 from __future__ import annotations

@@ -26,9 +26,9 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvgroups_core.descriptors import TensorSpec
-from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.tensors.descriptors import TensorSpec
+from kvgroups_core.tensors.dtypes import as_dtype
 
 
 @dataclass(frozen=True)
@@ -201,10 +201,10 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
     """The binding of one shard: a manager built from the shards' shapes (same formats, engine
     groups and chunk size) bound to them. Raises UnsupportedConfig unless the shard differs
     from the whole only in its head count (a split block, layer or head-size axis)."""
-    from kvgroups_core.engine_groups import EngineGroupInfo
-    from kvgroups_core.manager import KVLayerGroupsManager
-    from kvgroups_core.objects import object_nbytes
-    from kvgroups_core.planner import bind
+    from kvgroups_core.grouping.engine_groups import EngineGroupInfo
+    from kvgroups_core.grouping.manager import KVLayerGroupsManager
+    from kvgroups_core.transfer.objects import object_nbytes
+    from kvgroups_core.transfer.planner import bind
 
     local = _local_tree(kv_caches, {id(x): NamedSharding(layout.mesh, spec)
                                     for x, spec in zip(arrays, layout.cache_specs)})

@@ -1,7 +1,7 @@
 """kvgroups_torch: the PyTorch backend of kvgroups.
 
 Moves paged KV-cache blocks between engine caches and memory objects for the core's
-:class:`~kvgroups_core.plan.TransferPlan`:
+:class:`~kvgroups_core.transfer.plan.TransferPlan`:
 
 - CUDA tensors: one NVRTC-compiled kernel launch per kernel group (``kvgroups_cuda/kernels/page_copy.cu``,
   compiled at first use and cached on disk, see :mod:`kvgroups_cuda.nvrtc`), on PyTorch's

@@ -1,4 +1,4 @@
-"""The ``"torch"`` backend of the core registry (``kvgroups_core.registry``)."""
+"""The ``"torch"`` backend of the core registry (``kvgroups_core.tensors.arrays``)."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 
-from kvgroups_core.descriptors import TensorDesc
-from kvgroups_core.dtypes import as_dtype
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
-from kvgroups_core.registry import Backend, BoundCaches
-from kvgroups_core.validate import Memory
+from kvgroups_core.tensors.descriptors import TensorDesc
+from kvgroups_core.tensors.dtypes import as_dtype
+from kvgroups_core.transfer.backend import Backend, BoundCaches
+from kvgroups_core.transfer.checks import Memory
 
 from . import compiled, copy_engine, cpu_path, cuda_path
 from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
@@ -133,7 +133,7 @@ class TorchBackend(Backend):
             return [ptr(x) if isinstance(x, torch.Tensor) else None for x in xs]
 
     def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
-        """Where a tensor's bytes are (``kvgroups_core.validate``); tensors a transfer cannot
+        """Where a tensor's bytes are (``kvgroups_core.transfer.checks``); tensors a transfer cannot
         use (meta, autograd) are refused here, before any byte moves."""
         if not isinstance(x, torch.Tensor):
             return None

@@ -27,9 +27,9 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from kvgroups_core import transfer
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
-from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer import api as transfer
 
 from . import ops
 
@@ -168,7 +168,7 @@ def host_plan(plan: Any) -> Any:
                 raise KVGroupsValueError(
                     f"skip_first_n_tokens: expected a value in [0, {covered}] (the tokens the "
                     f"block ids cover), got {skip}")
-            from kvgroups_core.plan import first_item_for_skip
+            from kvgroups_core.transfer.plan import first_item_for_skip
 
             first = int(first_item_for_skip(g, skip))
         g = replace(g, block_ids=ids, first_item=first)

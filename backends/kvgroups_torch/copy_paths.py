@@ -183,8 +183,8 @@ def tune_copy_paths(device: Any = None, *, page_sizes: Sequence[int] = PAGE_SIZE
     import torch
 
     import kvgroups_core as kc
-    from kvgroups_core.formats import EngineKVFormat as F
-    from kvgroups_core.manager import KVLayerGroupsManager
+    from kvgroups_core.formats.catalogue import EngineKVFormat as F
+    from kvgroups_core.grouping.manager import KVLayerGroupsManager
 
     index = torch.device(device if device is not None else "cuda").index
     index = torch.cuda.current_device() if index is None else index

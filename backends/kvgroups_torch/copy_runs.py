@@ -20,7 +20,7 @@ import numpy as np
 from kvgroups_cuda.geometry import group_shape
 
 from kvgroups_core.errors import UnsupportedConfig
-from kvgroups_core.plan import PlaneRef
+from kvgroups_core.transfer.plan import PlaneRef
 
 #: Copies one call may hand the driver per group: beyond it (scattered heads of many
 #: chunks) the host list alone costs more than a kernel launch ever would.

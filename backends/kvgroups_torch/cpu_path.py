@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
-from kvgroups_core.segments import widest_unit
+from kvgroups_core.formats.segments import widest_unit
 
 _ELEMENT = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.uint8}
 

@@ -1,6 +1,6 @@
-"""Run a :class:`~kvgroups_core.plan.TransferPlan` on CUDA tensors with the page-copy kernels.
+"""Run a :class:`~kvgroups_core.transfer.plan.TransferPlan` on CUDA tensors with the page-copy kernels.
 
-One launch per :class:`~kvgroups_core.plan.GroupTransfer`. What depends only on the group's
+One launch per :class:`~kvgroups_core.transfer.plan.GroupTransfer`. What depends only on the group's
 geometry and the caches' addresses (the plane pointer table on the device, the packed
 ``KvgParams`` per vector width, the kernel handle) is built once and cached; a call then only
 writes the block ids, the object addresses and the item range into the packed parameters and
@@ -28,7 +28,7 @@ from kvgroups_core.errors import (
     KVGroupsValueError,
     UnsupportedConfig,
 )
-from kvgroups_core.segments import widest_unit
+from kvgroups_core.formats.segments import widest_unit
 
 from . import copy_engine, device_tables
 from .driver import Launcher
@@ -436,7 +436,7 @@ def _write_step(p: P.KvgParams, step: tuple, first_item: int) -> None:
 class DeviceSkip:
     """A load's ``skip_first_n_tokens`` held in device memory, for one kernel group: the
     kernel reads it at run time and skips ``s = skip * mul // div`` blocks the way
-    ``kvgroups_core.plan.first_item_for_skip`` does; values outside ``[0, limit]`` are
+    ``kvgroups_core.transfer.plan.first_item_for_skip`` does; values outside ``[0, limit]`` are
     reported and clamped."""
 
     tensor: torch.Tensor
@@ -578,7 +578,7 @@ def cache_addresses_of(caches: Sequence[Any]) -> tuple[int, ...]:
 
 class DeviceCaches:
     """Launch state of one bound set of CUDA caches, for the repeated calls of a prepared
-    transfer (``kvgroups_core.transfer.PreparedTransfer``).
+    transfer (``kvgroups_core.transfer.api.PreparedTransfer``).
 
     :func:`run_plan` redoes per call what depends only on the caches: their addresses, the
     device state, the :class:`GroupLaunch` lookups (hashing every cache address). Here those
@@ -704,7 +704,7 @@ def plane_addresses(group: Any, cache_addresses: Sequence[int]) -> list[int]:
 
 class PlanRunner:
     """The launches of one plan on one :class:`DeviceCaches`, ready for the repeated calls of
-    a validated signature (``kvgroups_core.call_memo``): a call writes its ids (and, when they
+    a validated signature (``kvgroups_core.transfer.fast.call_memo``): a call writes its ids (and, when they
     differ from the last launch's, the objects and the item range) into each group's packed
     parameters and launches. Built after a call of ``plan`` passed every check; later calls
     bring ids of the same dtype, shape, device and contiguity as ``sample_ids`` and objects the
@@ -761,7 +761,7 @@ class PlanRunner:
 
     def __call__(self, ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
         """Launch with ``ids`` on ``objects`` (the runner protocol of
-        ``kvgroups_core.registry.BoundCaches.runner``: ``(None, objects)``, nothing replaced).
+        ``kvgroups_core.transfer.backend.BoundCaches.runner``: ``(None, objects)``, nothing replaced).
         ``objects_key``: the core's validated signature of ``objects`` (address, dtype, shape
         and strides of each), so what was bound for it before is bound again."""
         found = self._by_objects.get(objects_key) if objects_key is not None else None

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from kvgroups_core.descriptors import TensorDesc, TensorSpec, describe_dlpack
-from kvgroups_core.dtypes import DTYPE_MAP, DType
 from kvgroups_core.errors import KVGroupsTypeError
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec, describe_dlpack
+from kvgroups_core.tensors.dtypes import DTYPE_MAP, DType
 
 _NAMES: dict[torch.dtype, str] = {
     torch.float16: "float16",

@@ -19,10 +19,10 @@ import kvgroups_core as kc
 from kvgroups_conformance.caches import all_blocks, make_caches
 from kvgroups_conformance.compare import block_mismatches, object_mismatches
 from kvgroups_conformance.report import raise_if_any
-from kvgroups_core.engine_groups import EngineGroupInfo
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.engine_groups import EngineGroupInfo
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.objects import object_nbytes
 
 CHUNK, BS, NB = 16, 4, 12
 FMT = F.NL_X_TWO_NB_BS_NH_HS

@@ -15,8 +15,8 @@ from kvgroups_conformance.caches import (
 from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
 from kvgroups_conformance.suite.test_roundtrip import declared_unsupported
 from kvgroups_core import describe
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.objects import object_nbytes
 
 GEOMETRY = dict(nl=2, nb=16, bs=4, nh=2, hs=16)
 CHUNK = 8

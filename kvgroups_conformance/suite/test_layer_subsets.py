@@ -9,8 +9,8 @@ import pytest
 from kvgroups_conformance.caches import TRANSFER_FORMATS, all_blocks, expected_object, make_caches
 from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
 from kvgroups_conformance.suite.test_roundtrip import declared_unsupported
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes, object_regions
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.objects import object_nbytes, object_regions
 
 GEOMETRY = dict(nl=3, nb=16, bs=4, nh=2, hs=16)
 CHUNK, CHUNKS = 8, 2

@@ -6,9 +6,9 @@ import pytest
 
 from kvgroups_conformance.caches import DTYPES, all_blocks, random_bits
 from kvgroups_conformance.compare import check_blocks, check_objects
-from kvgroups_core.descriptors import TensorSpec
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.transfer import load, store
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.tensors.descriptors import TensorSpec
+from kvgroups_core.transfer.api import load, store
 from kvgroups_tools.catalog import MODELS
 
 # Real model shapes, shrunk in layers and blocks; every pattern kept: GQA, MLA,

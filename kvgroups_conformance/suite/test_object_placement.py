@@ -4,9 +4,9 @@ import numpy as np
 
 from kvgroups_conformance.caches import all_blocks, expected_object, make_caches
 from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes, region_view
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.objects import object_nbytes, region_view
 
 CHUNK, BS, NB = 16, 4, 20
 

@@ -9,8 +9,8 @@ from kvgroups_conformance.caches import TRANSFER_FORMATS, all_blocks, expected_o
 from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
 from kvgroups_conformance.report import Mismatch, raise_if_any
 from kvgroups_core.errors import UnsupportedConfig
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.objects import object_nbytes
 
 GEOMETRY = dict(nl=3, nb=24, bs=4, nh=2, hs=16)
 CHUNK = 8  # tokens: 2 blocks of 4 per chunk

@@ -5,10 +5,10 @@ import pytest
 
 from kvgroups_conformance.caches import all_blocks, expected_object, make_caches, token_rows
 from kvgroups_conformance.compare import check_blocks, check_objects
-from kvgroups_core.engine_groups import EngineGroupInfo
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.engine_groups import EngineGroupInfo
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.objects import object_nbytes
 
 CHUNK, BS, NB, CHUNKS = 256, 32, 40, 4
 BPC = CHUNK // BS

@@ -32,7 +32,7 @@ from kvgroups_jax.executor import execute_plan
 
 import kvgroups_core as kc
 from kvgroups_core.errors import UnsupportedConfig
-from kvgroups_core.registry import register_backend
+from kvgroups_core.tensors.arrays import register_backend
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 from kvgroups_tools.bench_public import Refused
 

@@ -1,6 +1,6 @@
 """Bench kit for NumPy (``kvgroups bench --backends numpy``): host memory only.
 
-Paths: ``reference`` (the oracle, :class:`~kvgroups_core.reference.NumpyBackend`, explicit byte
+Paths: ``reference`` (the oracle, :class:`~kvgroups_core.transfer.reference.NumpyBackend`, explicit byte
 index arithmetic) and ``take`` (the plain baseline: strided byte views and one fancy-indexing
 gather or scatter per plane and run). The ceiling is a host ``memcpy`` of the same byte count.
 Timed by the wall clock (nothing is asynchronous).
@@ -17,7 +17,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from kvgroups_core.errors import UnsupportedConfig
-from kvgroups_core.reference import NumpyBackend, byte_view
+from kvgroups_core.transfer.reference import NumpyBackend, byte_view
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 from kvgroups_tools.bench_public import Refused
 

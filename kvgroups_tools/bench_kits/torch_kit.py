@@ -36,7 +36,7 @@ from kvgroups_torch.describe import torch_dtype
 
 import kvgroups_core as kc
 from kvgroups_core.errors import UnsupportedConfig
-from kvgroups_core.registry import register_backend
+from kvgroups_core.tensors.arrays import register_backend
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, calls_for, map_specs, wall_timer
 from kvgroups_tools.bench_public import Refused
 

@@ -64,7 +64,7 @@ class JaxHarness(Harness):
         if lowering == "xla":  # the default backend on a CPU: plain XLA gather / scatter
             ident = "jax-xla"
         elif platform == "cpu":
-            from kvgroups_core import registry
+            from kvgroups_core.tensors import arrays as registry
 
             if "jax-interpret" not in registry.registered_backends():
                 from kvgroups_jax import JaxBackend

@@ -6,9 +6,9 @@ import pytest
 
 import kvgroups_core as kc
 from kvgroups_conformance.caches import make_caches
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.objects import object_nbytes
 
 CHUNK, BS, NB = 16, 4, 12
 

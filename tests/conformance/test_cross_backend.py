@@ -7,7 +7,7 @@ from kvgroups_conformance.caches import TRANSFER_FORMATS, make_caches
 from kvgroups_conformance.suite.test_cross_backend import *  # noqa: F401,F403
 from kvgroups_conformance.suite.test_cross_backend import CHUNK, GEOMETRY, _summary
 from kvgroups_core import describe
-from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
 
 
 @pytest.mark.parametrize("fmt", TRANSFER_FORMATS, ids=lambda f: f.name)

@@ -2,9 +2,9 @@ import numpy as np
 import pytest
 
 from kvgroups_conformance.caches import all_blocks, make_caches
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.transfer import load, store
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.api import load, store
 
 from .harnesses import JaxHarness, TorchHarness, _cuda_available, _jax_gpu_available
 

@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
-from kvgroups_core.formats import EngineKVFormat as F  # noqa: E402
+from kvgroups_core.formats.catalogue import EngineKVFormat as F  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 NL, NB, BS, NH, HS, CHUNK = 2, 8, 2, 1, 4, 4
@@ -86,7 +86,7 @@ def _runtime(name: str) -> Runtime:
     pytest.importorskip("jax")
     pytest.importorskip("kvgroups_jax")
     if name == "jax-interpret":
-        from kvgroups_core import registry
+        from kvgroups_core.tensors import arrays as registry
 
         if "jax-interpret" not in registry.registered_backends():
             from kvgroups_jax import JaxBackend
@@ -301,7 +301,7 @@ def test_read_only_mappings_are_refused_without_a_crash():
     code = textwrap.dedent("""
         import mmap, tempfile, warnings
         import numpy as np, torch, kvgroups_core as kc
-        from kvgroups_core.formats import EngineKVFormat as F
+        from kvgroups_core.formats.catalogue import EngineKVFormat as F
         warnings.simplefilter("ignore")
         def mapped(nbytes, dtype, shape):
             f = tempfile.TemporaryFile()

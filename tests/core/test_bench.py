@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 from kvgroups_core.errors import KVGroupsValueError
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.planner import bind, plan_call
-from kvgroups_core.reference import NumpyBackend
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.planner import bind, plan_call
+from kvgroups_core.transfer.reference import NumpyBackend
 from kvgroups_tools import bench, bench_matrix
 from kvgroups_tools.bench_kits.numpy_kit import NumpyKit, run_take
 from kvgroups_tools.bench_report import summarize

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
-from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
 
 BS, HS = 16, 3
 PAGE = BS * HS
@@ -160,7 +160,7 @@ def test_jax_gpu_moves_blocks_past_2_31_elements_or_refuses(lowering):
     import jax
     import jax.numpy as jnp
 
-    from kvgroups_core import registry
+    from kvgroups_core.tensors import arrays as registry
 
     name = f"jax-{lowering}-big"
     if name not in registry.registered_backends():

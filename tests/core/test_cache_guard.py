@@ -1,10 +1,10 @@
 """``CacheGuard.positions_of`` / ``same_entries_at``: what a call-memo hit checks of the cache
-structure by identity (kvgroups_core/validate.py, call_memo.py)."""
+structure by identity (kvgroups_core/transfer/checks.py, call_memo.py)."""
 
 import numpy as np
 
-from kvgroups_core.descriptors import describe_numpy
-from kvgroups_core.validate import CacheGuard
+from kvgroups_core.tensors.descriptors import describe_numpy
+from kvgroups_core.transfer.checks import CacheGuard
 
 
 class _NoKeys:  # a backend without fingerprints: identity checks only

@@ -1,4 +1,4 @@
-"""The memo of validated call signatures (kvgroups_core/call_memo.py) on the CPU backends.
+"""The memo of validated call signatures (kvgroups_core/transfer/fast/call_memo.py) on the CPU backends.
 
 A prepared transfer remembers the signatures of calls that passed every check; these tests
 show that a warm memo moves the same bytes as a cold call, that it never lets through a call
@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
-from kvgroups_core import transfer
-from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.transfer import api as transfer
 
 CHUNK, BS, NB, LAYERS = 16, 4, 32, 8
 SHAPE = (2, NB, BS, 2, 8)

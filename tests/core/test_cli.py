@@ -69,7 +69,7 @@ def test_plan_tokens_per_block_option(capsys):
 def test_plan_bytes_match_the_memory_object_layout():
     m = manager_from_shape_spec(SPEC)
     summary = plan_summary(m)
-    objects = pytest.importorskip("kvgroups_core.objects")
+    objects = pytest.importorskip("kvgroups_core.transfer.objects")
     assert summary["object_groups"][0]["object_bytes"] == objects.object_nbytes(m, 0)
     assert object_nbytes(m, 0) == region_nbytes(m, 0) + region_nbytes(m, 1)
 

@@ -14,7 +14,7 @@ from kvgroups_core import (
     detect_format,
     normalize_and_discover_per_layer_formats,
 )
-from kvgroups_core.layout import layer_layouts
+from kvgroups_core.formats.layout import layer_layouts
 
 NB, NL, BS, NH, HS = 7, 5, 3, 2, 4
 

@@ -12,15 +12,16 @@ import pytest
 
 import kvgroups_core as kc
 from kvgroups_conformance.caches import TRANSFER_FORMATS, make_caches, random_bits
-from kvgroups_core import planner as planner_mod
-from kvgroups_core import registry, transfer
-from kvgroups_core.engine_groups import EngineGroupInfo
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.objects import object_nbytes, object_regions
-from kvgroups_core.plan import first_item_for_skip
-from kvgroups_core.planner import bind, plan_call
-from kvgroups_core.reference import NumpyBackend, byte_view, execute_plan, run_group
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.engine_groups import EngineGroupInfo
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.tensors import arrays as registry
+from kvgroups_core.transfer import api as transfer
+from kvgroups_core.transfer import planner as planner_mod
+from kvgroups_core.transfer.objects import object_nbytes, object_regions
+from kvgroups_core.transfer.plan import first_item_for_skip
+from kvgroups_core.transfer.planner import bind, plan_call
+from kvgroups_core.transfer.reference import NumpyBackend, byte_view, execute_plan, run_group
 
 CHUNK, BS, NB = 16, 4, 12
 
@@ -674,7 +675,7 @@ def test_one_shot_calls_find_the_backend_and_bind_once(monkeypatch):
     monkeypatch.setattr(transfer, "backend_for_tensors", counting_find)
     kc.store(manager, caches, np.arange(8), objects)
     assert counts == {"bind": 1, "backend": 1}
-    # The same caches again: the last one-shot call's binding is reused (kvgroups_core.reuse);
+    # The same caches again: the last one-shot call's binding is reused (kvgroups_core.transfer.fast.reuse);
     # the backend is still found per call, from the caches and the call's objects.
     kc.load(manager, objects, caches, np.arange(8))
     assert counts == {"bind": 1, "backend": 2}
@@ -778,7 +779,7 @@ def test_torch_uint64_ids_that_would_wrap_report_the_value():
 
 
 def test_id_lists_at_engine_group_ids_without_kernel_groups_must_be_empty():
-    from kvgroups_core.block_ids import normalize_block_ids
+    from kvgroups_core.transfer.block_ids import normalize_block_ids
 
     found = normalize_block_ids((0, 2), [[1, 2], [], np.array([3, 4])])
     assert sorted(found.ids) == [0, 2] and not found.device

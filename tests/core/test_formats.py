@@ -4,8 +4,8 @@ import pytest
 
 from kvgroups_core import MUST_HAVE_FORMATS, TensorSpec
 from kvgroups_core import EngineKVFormat as F
-from kvgroups_core.detection import describe_formats_table, formats_table_markdown
-from kvgroups_core.layout import layer_layouts, num_layers_of
+from kvgroups_core.formats.detection import describe_formats_table, formats_table_markdown
+from kvgroups_core.formats.layout import layer_layouts, num_layers_of
 
 NB, NL, BS, NH, HS = 7, 5, 3, 2, 4
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "FORMATS.md"

@@ -17,8 +17,8 @@ from kvgroups_core import (
     PageBufferShapeDesc,
     TensorSpec,
     group_layers_by_identity,
-    grouping,
 )
+from kvgroups_core.grouping import identity as grouping
 
 F = EngineKVFormat
 
@@ -217,11 +217,11 @@ def test_deprecated_aliases_warn_from_the_module_and_the_package(old, new):
 
 def test_deprecated_alias_import_statement_warns():
     with pytest.warns(DeprecationWarning):
-        from kvgroups_core.grouping import LayerGroupIdentity  # noqa: F401
+        from kvgroups_core.grouping.identity import LayerGroupIdentity  # noqa: F401
 
 
 def test_importing_the_package_does_not_warn():
-    code = "import kvgroups_core, kvgroups_core.grouping; from kvgroups_core import *"
+    code = "import kvgroups_core, kvgroups_core.grouping.identity; from kvgroups_core import *"
     subprocess.run([sys.executable, "-W", "error", "-c", code], check=True)
 
 

@@ -119,9 +119,9 @@ def test_the_core_never_imports_the_tooling():
 def test_the_core_graph_is_read_at_all():
     # Guards the two tests above against a walker that silently finds nothing.
     graph = import_graph(ROOT / "kvgroups_core")
-    assert {"kvgroups_core.manager", "kvgroups_core.transfer"} <= set(graph)
-    assert "kvgroups_core.errors" in graph["kvgroups_core.manager"]
-    assert "kvgroups_core.transfer" in graph["kvgroups_core"]
+    assert {"kvgroups_core.grouping.manager", "kvgroups_core.transfer.api"} <= set(graph)
+    assert "kvgroups_core.errors" in graph["kvgroups_core.grouping.manager"]
+    assert "kvgroups_core.transfer.api" in graph["kvgroups_core"]
 
 
 def test_the_walker_finds_a_circle_hidden_in_a_function(tmp_path):

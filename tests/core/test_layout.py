@@ -6,7 +6,7 @@ import pytest
 
 from kvgroups_core import EngineKVFormat as F
 from kvgroups_core import KVGroupsValueError, TensorSpec
-from kvgroups_core.layout import layer_layouts, num_layers_of
+from kvgroups_core.formats.layout import layer_layouts, num_layers_of
 
 NB, NL, BS, NH, HS = 7, 5, 3, 2, 4
 

@@ -28,7 +28,7 @@ LIBRARY_SCRIPT = textwrap.dedent("""
         EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager, TensorSpec, load,
         manager_from_shape_spec, store,
     )
-    from kvgroups_core.planner import bind, plan_call
+    from kvgroups_core.transfer.planner import bind, plan_call
 
     caches = [TensorSpec((2, 64, 16, 8, 128), "bfloat16")] * 6
     infos = [EngineGroupInfo(engine_group_id=1, layer_indices=(0, 1, 2, 3, 4),

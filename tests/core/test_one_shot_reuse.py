@@ -1,4 +1,4 @@
-"""One-shot calls reuse the last one-shot binding of their manager (kvgroups_core.reuse).
+"""One-shot calls reuse the last one-shot binding of their manager (kvgroups_core.transfer.fast.reuse).
 
 ``store(manager, caches, ids)`` / ``load(manager, objects, caches, ids)`` on the caches of the
 manager's previous one-shot call take that call's binding back instead of binding again; they
@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
-from kvgroups_core import reuse, transfer
-from kvgroups_core.engine_groups import EngineGroupInfo
-from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.engine_groups import EngineGroupInfo
+from kvgroups_core.transfer import api as transfer
+from kvgroups_core.transfer.fast import reuse
 
 CHUNK, BS, NB, LAYERS = 16, 4, 32, 4
 SHAPE = (2, NB, BS, 2, 8)
@@ -376,7 +377,7 @@ def test_repeated_calls_with_objects_take_the_call_memo_and_follow_reallocation(
     # bytes; a cache reallocated in place between calls is bound afresh, its new bytes moved.
     # (JAX returns new object arrays for the donated ones: new objects, so no memo hit, as
     # for prepared JAX calls; the bytes are checked all the same.)
-    from kvgroups_core import call_memo
+    from kvgroups_core.transfer.fast import call_memo
 
     to_rt, to_np, _ = _runtime(kind)
     hits = []

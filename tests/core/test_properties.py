@@ -13,7 +13,7 @@ from kvgroups_core import (
     group_layers_by_identity,
     parse_kvcache_shape_spec,
 )
-from kvgroups_core.shape_spec import SPEC_DTYPES
+from kvgroups_core.grouping.shape_spec import SPEC_DTYPES
 
 F = EngineKVFormat
 NB = 8

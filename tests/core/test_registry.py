@@ -5,11 +5,11 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
-from kvgroups_core import registry
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.reference import NumpyBackend
-from kvgroups_core.transfer import load, store
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.tensors import arrays as registry
+from kvgroups_core.transfer.api import load, store
+from kvgroups_core.transfer.reference import NumpyBackend
 
 
 class FakeArray:
@@ -80,7 +80,7 @@ def test_unknown_backend_name_is_a_clear_error():
 def test_framework_detection_imports_nothing():
     code = (
         "import sys, numpy as np\n"
-        "from kvgroups_core import registry\n"
+        "from kvgroups_core.tensors import arrays as registry\n"
         "assert registry.framework_of(np.zeros(3)) == 'numpy'\n"
         "assert registry.framework_of(object()) is None\n"
         "assert 'torch' not in sys.modules and 'jax' not in sys.modules\n"

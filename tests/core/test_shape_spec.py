@@ -10,7 +10,7 @@ from kvgroups_core import (
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
 )
-from kvgroups_core.shape_spec import SPEC_DTYPES
+from kvgroups_core.grouping.shape_spec import SPEC_DTYPES
 
 F = EngineKVFormat
 

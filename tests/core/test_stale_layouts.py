@@ -17,8 +17,8 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
-from kvgroups_core.engine_groups import EngineGroupInfo
-from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.engine_groups import EngineGroupInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK, BS, NB = 16, 4, 32
@@ -125,7 +125,7 @@ def test_a_replaced_cache_is_the_one_written(kind):
 def test_numpy_resize_after_prepare_is_a_typed_error_not_a_crash():
     result = _run("""
         import numpy as np, kvgroups_core as kc
-        from kvgroups_core.formats import EngineKVFormat as F
+        from kvgroups_core.formats.catalogue import EngineKVFormat as F
         caches = [np.zeros((2, 32, 4, 2, 8), np.float16) for _ in range(2)]
         m = kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=16)
         p = kc.prepare(m, caches)
@@ -150,7 +150,7 @@ def test_torch_resize_and_set_after_prepare_rebind_or_refuse():
     pytest.importorskip("kvgroups_torch")
     result = _run("""
         import numpy as np, torch, kvgroups_core as kc
-        from kvgroups_core.formats import EngineKVFormat as F
+        from kvgroups_core.formats.catalogue import EngineKVFormat as F
         caches = [torch.ones((2, 32, 4, 2, 8), dtype=torch.float16) for _ in range(2)]
         m = kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=16)
         p = kc.prepare(m, caches)

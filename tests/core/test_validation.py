@@ -1,4 +1,4 @@
-"""The memory checks of ``kvgroups_core.validate`` and the framework-specific refusals (issue
+"""The memory checks of ``kvgroups_core.transfer.checks`` and the framework-specific refusals (issue
 12, point 4): torch meta and autograd tensors, JAX arrays deleted, donated or on another
 device (several CPU devices in a subprocess), objects sharing memory across object groups,
 ``format_kvcache_shape_spec`` given anything but groups."""
@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import kvgroups_core as kc
-from kvgroups_core.engine_groups import EngineGroupInfo
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.validate import Memory, host_range_writable
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.engine_groups import EngineGroupInfo
+from kvgroups_core.transfer.checks import Memory, host_range_writable
 
 ROOT = Path(__file__).resolve().parents[2]
 CHUNK, BS, NB = 8, 4, 16
@@ -141,8 +141,8 @@ def test_jax_arrays_on_another_device_or_deleted_are_refused():
         import os
         os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import numpy as np, jax, jax.numpy as jnp, kvgroups_core as kc
-        from kvgroups_core import registry
-        from kvgroups_core.formats import EngineKVFormat as F
+        from kvgroups_core.tensors import arrays as registry
+        from kvgroups_core.formats.catalogue import EngineKVFormat as F
         from kvgroups_jax import JaxBackend
         registry.register_backend("jax-interpret", lambda: JaxBackend(lowering="interpret"))
         devs = jax.devices("cpu")

@@ -8,11 +8,11 @@ import numpy as np
 from kvgroups_jax.executor import execute_plan
 from layouts import make_plan
 
-from kvgroups_core.reference import run_group
+from kvgroups_core.transfer.reference import run_group
 
 
 def reference_transfer(direction, group, caches, objects, object_nbytes) -> None:
-    """The NumPy oracle (kvgroups_core.reference) on flat uint8 buffers: ``caches`` one per
+    """The NumPy oracle (kvgroups_core.transfer.reference) on flat uint8 buffers: ``caches`` one per
     slot, ``objects`` ``[num_chunks * object_nbytes]`` of the group's object group."""
     if group.num_items:
         run_group(group, direction == "store", caches, objects.reshape(-1, object_nbytes))

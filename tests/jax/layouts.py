@@ -10,9 +10,9 @@ from __future__ import annotations
 import ml_dtypes
 import numpy as np
 
-from kvgroups_core.descriptors import TensorSpec
-from kvgroups_core.plan import GroupTransfer, PlaneRef, TransferPlan
-from kvgroups_core.segments import SegmentRun, widest_unit
+from kvgroups_core.formats.segments import SegmentRun, widest_unit
+from kvgroups_core.tensors.descriptors import TensorSpec
+from kvgroups_core.transfer.plan import GroupTransfer, PlaneRef, TransferPlan
 
 DTYPES = {
     "float16": np.dtype(np.float16),

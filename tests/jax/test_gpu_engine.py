@@ -19,7 +19,7 @@ from kvgroups_jax.executor import execute_plan
 from layouts import make_group, make_plan
 
 from kvgroups_core import EngineKVFormat, KVLayerGroupsManager, detect_format, load, store
-from kvgroups_core.registry import register_backend, unregister_backend
+from kvgroups_core.tensors.arrays import register_backend, unregister_backend
 
 pytestmark = pytest.mark.gpu
 

@@ -1,6 +1,6 @@
 """The executor as JAX engines call it: a store that creates its objects, ids traced inside
 jax.jit, out-of-range traced ids dropped in the kernels and reported through checkify.
-Bytes are compared with the NumPy oracle (kvgroups_core.reference)."""
+Bytes are compared with the NumPy oracle (kvgroups_core.transfer.reference)."""
 
 from dataclasses import replace
 
@@ -132,7 +132,7 @@ NB, BS, NH, HS, TOKENS = 16, 4, 2, 8, 8
 def backend_name(request):
     from kvgroups_jax import JaxBackend
 
-    from kvgroups_core.registry import register_backend, unregister_backend
+    from kvgroups_core.tensors.arrays import register_backend, unregister_backend
 
     name = f"jax-cpu-{request.param}"
     register_backend(name, JaxBackend(lowering=request.param), replace=True)

@@ -17,8 +17,8 @@ from kvgroups_jax.geometry import MAX_BOX_ELEMS, group_geometry
 from layouts import make_plan
 from small_cases import PAGES, object_nbytes, select_small_kernel, small_group
 
-from kvgroups_core import reference
-from kvgroups_core.descriptors import TensorSpec
+from kvgroups_core.tensors.descriptors import TensorSpec
+from kvgroups_core.transfer import reference
 
 
 @pytest.fixture

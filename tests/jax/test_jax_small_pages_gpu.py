@@ -14,7 +14,7 @@ from kvgroups_jax.executor import execute_plan
 from layouts import make_plan
 from small_cases import PAGES, object_nbytes, select_small_kernel, small_group
 
-from kvgroups_core import reference
+from kvgroups_core.transfer import reference
 
 pytestmark = pytest.mark.gpu
 

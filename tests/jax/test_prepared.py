@@ -8,8 +8,8 @@ import pytest
 from kvgroups_jax import JaxBackend
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.transfer import prepare
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.api import prepare
 from kvgroups_tools.catalog import MODELS
 
 NB, CHUNKS, TOKENS = 40, 2, 256

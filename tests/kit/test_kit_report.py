@@ -13,9 +13,9 @@ from kvgroups_conformance.caches import make_caches as build
 from kvgroups_conformance.compare import block_mismatches, moved_blocks, object_mismatches
 from kvgroups_conformance.report import ConformanceFailure, Mismatch, case_record, format_case
 from kvgroups_core.errors import BackendNotFound
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.transfer import store
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.api import store
 
 REPO = Path(__file__).resolve().parents[2]
 FMT = F.NL_X_TWO_NB_BS_NH_HS

@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 import kvgroups_core as kc
-from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_tools.catalog import MODELS
 
 
@@ -87,8 +87,8 @@ def reference_with_drops(manager, caches, objects, ids: np.ndarray, direction: s
     Returns ``(cache bytes, object bytes, the bad ids met)``."""
     from dataclasses import replace
 
-    from kvgroups_core.planner import bind, plan_call
-    from kvgroups_core.reference import execute_plan
+    from kvgroups_core.transfer.planner import bind, plan_call
+    from kvgroups_core.transfer.reference import execute_plan
 
     host = [c.detach().cpu().view(torch.uint8).numpy().view(np.float16).copy() for c in caches]
     host_objects = object_bytes(objects)

@@ -25,8 +25,8 @@ import numpy as np
 import torch
 from kvgroups_torch import cuda_path, device_tables
 
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.transfer import prepare
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer.api import prepare
 from kvgroups_tools.catalog import MODELS
 
 CASES = ("layer-store", "layer-load", "chunk-store-dev", "chunk-load-dev", "chunk-store-host",

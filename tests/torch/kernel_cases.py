@@ -23,8 +23,8 @@ from kvgroups_torch import cuda_path
 
 import kvgroups_core as kc
 from kvgroups_core.errors import KVGroupsIndexError
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
 
 FORMATS = {"nhd": F.NL_X_TWO_NB_BS_NH_HS, "hnd": F.NL_X_TWO_NB_NH_BS_HS}
 SKIPPED_TOKENS = (0, 16, 80, 200, 384)  # none, one block, a partial block, chunks and more

@@ -11,8 +11,8 @@ from engine_cases import cache_bytes, object_bytes
 from kvgroups_cuda import params as P
 from test_torch_launch_emulated import _emulated_prepare, device_ids, emulated  # noqa: F401
 
-from kvgroups_core import transfer
 from kvgroups_core.errors import KVGroupsError
+from kvgroups_core.transfer import api as transfer
 
 _FIELDS = ("ids_mode", "obj_mode", "obj_base", "obj_chunk_stride", "first_item", "num_items",
            "items_per_cta", "num_tiles", "skip_mode", "num_planes", "block_stride",

@@ -1,4 +1,4 @@
-"""The call memo (kvgroups_core/call_memo.py) on a GPU: warm prepared calls with CUDA ids
+"""The call memo (kvgroups_core/transfer/fast/call_memo.py) on a GPU: warm prepared calls with CUDA ids
 (cuda_path.PlanRunner) follow new ids, new objects and reallocated caches, refuse what a cold
 call refuses, never synchronise, and capture in a CUDA graph. Skipped cleanly without CUDA."""
 
@@ -18,7 +18,7 @@ from engine_cases import (
 )
 
 import kvgroups_core as kc
-from kvgroups_core import transfer
+from kvgroups_core.transfer import api as transfer
 
 pytestmark = needs_cuda
 

@@ -12,8 +12,8 @@ from cuda_marks import needs_cuda
 
 import kvgroups_core as kc
 from kvgroups_core.errors import KVGroupsValueError
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_tools.catalog import MODELS
 
 pytestmark = needs_cuda

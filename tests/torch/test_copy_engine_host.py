@@ -247,8 +247,8 @@ def test_auto_splits_a_call_between_the_copy_engine_and_the_kernel(batches, monk
     """Two object groups (gpt-oss: full and sliding-window layers): the table sends the
     pinned one to the copy engine and the device one to the kernel, in the same call; both
     move exactly the NumPy reference's bytes."""
-    from kvgroups_core import reference
-    from kvgroups_core.planner import bind, plan_call
+    from kvgroups_core.transfer import reference
+    from kvgroups_core.transfer.planner import bind, plan_call
 
     launches, seen = batches
     manager, caches = model_caches("gpt-oss-20b", layers=4, seed=12)

@@ -11,10 +11,10 @@ from engine_cases import ids_for
 from kvgroups_torch.copy_runs import copy_bytes, group_copies, object_plane
 from torch_page_cases import LAYOUTS, make_case, oracle
 
-from kvgroups_core import reference
-from kvgroups_core.formats import EngineKVFormat as F
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.planner import bind, plan_call
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.transfer import reference
+from kvgroups_core.transfer.planner import bind, plan_call
 from kvgroups_tools.catalog import MODELS
 
 SPACE = 1 << 40  # buffer k lives at fake address (k + 1) * SPACE

@@ -11,8 +11,8 @@ import torch
 from cuda_marks import needs_cuda
 
 import kvgroups_core as kc
-from kvgroups_core.manager import KVLayerGroupsManager
-from kvgroups_core.registry import get_backend
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
+from kvgroups_core.tensors.arrays import get_backend
 from kvgroups_tools.catalog import MODELS
 
 pytestmark = needs_cuda

@@ -16,7 +16,7 @@ from kvgroups_torch import cuda_path
 from test_torch_launch_emulated import emulated  # noqa: F401
 
 import kvgroups_core as kc
-from kvgroups_core.manager import KVLayerGroupsManager
+from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_tools.catalog import MODELS
 
 CHUNK = 64

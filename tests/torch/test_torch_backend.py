@@ -7,7 +7,7 @@ from torch_page_cases import as_bytes, as_tensor, make_case, oracle
 
 import kvgroups_core as kc
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
-from kvgroups_core.registry import get_backend
+from kvgroups_core.tensors.arrays import get_backend
 
 
 def test_registry_finds_this_backend_for_torch_tensors():

@@ -143,9 +143,9 @@ def test_runs_from_a_thread_that_never_touched_cuda():
 
 
 def test_core_store_and_load_end_to_end_with_pinned_objects():
-    from kvgroups_core.formats import EngineKVFormat as F
-    from kvgroups_core.manager import KVLayerGroupsManager
-    from kvgroups_core.transfer import load, store
+    from kvgroups_core.formats.catalogue import EngineKVFormat as F
+    from kvgroups_core.grouping.manager import KVLayerGroupsManager
+    from kvgroups_core.transfer.api import load, store
 
     caches = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(4)]
     manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * 4,

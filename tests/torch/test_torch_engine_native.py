@@ -14,7 +14,7 @@ from engine_cases import (
 
 import kvgroups_core as kc
 from kvgroups_core.errors import KVGroupsIndexError
-from kvgroups_core.objects import region_view
+from kvgroups_core.transfer.objects import region_view
 
 MODELS = ["llama3-8b", "gpt-oss-20b"]
 

@@ -326,7 +326,7 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
         np.testing.assert_array_equal(got, want)
 
 
-# The prepared path (kvgroups_core.transfer.prepare) through cuda_path.DeviceCaches, with CPU
+# The prepared path (kvgroups_core.transfer.api.prepare) through cuda_path.DeviceCaches, with CPU
 # tensors standing in for the GPU's: its object checks, bindings and launches are the ones a
 # CUDA call runs, and the emulated kernel moves the bytes.
 
@@ -345,7 +345,7 @@ def _model_caches(name, rng, layers=2, num_blocks=12):
 
 def _emulated_prepare(manager, caches):
     """A prepared torch transfer whose per-call path is the CUDA one, on CPU tensors."""
-    from kvgroups_core.transfer import prepare
+    from kvgroups_core.transfer.api import prepare
 
     prepared = prepare(manager, caches, backend="torch")
     fast = cuda_path.DeviceCaches(prepared._bound.caches, 0)
@@ -355,14 +355,14 @@ def _emulated_prepare(manager, caches):
 
 
 def _pair(name, seed, chunk=64):
-    from kvgroups_core.manager import KVLayerGroupsManager
+    from kvgroups_core.grouping.manager import KVLayerGroupsManager
 
     model, caches = _model_caches(name, np.random.default_rng(seed))
     manager = KVLayerGroupsManager(caches, list(model.formats),
                                    list(model.engine_group_infos) or None,
                                    lmcache_tokens_per_chunk=chunk)
     twin = [c.clone() for c in caches]
-    from kvgroups_core.transfer import prepare
+    from kvgroups_core.transfer.api import prepare
 
     return manager, _emulated_prepare(manager, caches), prepare(manager, twin, backend="torch")
 

@@ -14,8 +14,8 @@ from torch_page_cases import (
     oracle,
 )
 
-from kvgroups_core.descriptors import describe_numpy
-from kvgroups_core.reference import byte_view, run_group
+from kvgroups_core.tensors.descriptors import describe_numpy
+from kvgroups_core.transfer.reference import byte_view, run_group
 
 DTYPES = ("float16", "bfloat16", "float32", "uint8", "float8_e4m3fn")
 IMPLS = [

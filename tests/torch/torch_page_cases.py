@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kvgroups_core.plan import GroupTransfer, PlaneRef, TransferPlan
-from kvgroups_core.segments import SegmentRun, widest_unit
+from kvgroups_core.formats.segments import SegmentRun, widest_unit
+from kvgroups_core.transfer.plan import GroupTransfer, PlaneRef, TransferPlan
 
 TORCH_DTYPES = {
     "float16": torch.float16,

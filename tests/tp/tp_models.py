@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kvgroups_core import EngineGroupInfo, KVLayerGroupsManager, load, store
-from kvgroups_core.formats import CROSS_LAYER, KV_LIST
-from kvgroups_core.formats import EngineKVFormat as F
+from kvgroups_core.formats.catalogue import CROSS_LAYER, KV_LIST
+from kvgroups_core.formats.catalogue import EngineKVFormat as F
 
 DTYPES = {"float16": np.float16, "float32": np.float32, "uint8": np.uint8}
 

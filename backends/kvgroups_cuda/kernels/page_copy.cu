@@ -2,7 +2,7 @@
 //
 // Framework-free CUDA C++ (raw addresses, byte strides, sizes; no headers), compiled at first
 // use with NVRTC by kvgroups_cuda/nvrtc.py. One launch moves one GroupTransfer (see
-// kvgroups_core/plan.py and docs/DESIGN.md, "The page model"):
+// kvgroups_core/transfer/plan.py and docs/DESIGN.md, "The page model"):
 //
 //   grid  = (min(num_tiles * num_planes * num_runs, CTA cap), 1, 1)
 //   block = KVG_THREADS threads
@@ -23,7 +23,7 @@
 //
 // Load skips: first_item is the host's static lower bound. With skip_mode != 0 the kernel also
 // reads skip_first_n_tokens from device memory (a graph replays whatever the tensor holds) and
-// skips the items before first_item_for_skip (kvgroups_core/plan.py), computed per CTA.
+// skips the items before first_item_for_skip (kvgroups_core/transfer/plan.py), computed per CTA.
 //
 // Byte u of piece k of token t of run r (all in bytes):
 //   cache : plane_table[p].base + id * block_stride + r.cache_offset + k * r.cache_step

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from kvgroups_core import object_nbytes, prepare
-from kvgroups_core.transfer import PreparedTransfer
+from kvgroups_core.transfer.api import PreparedTransfer
 
 
 def supports_layer_subsets() -> bool:

@@ -8,8 +8,8 @@ from typing import Any
 
 import numpy as np
 
-from kvgroups_core.descriptors import TensorDesc, describe_numpy
-from kvgroups_core.registry import Backend
+from kvgroups_core.tensors.descriptors import TensorDesc, describe_numpy
+from kvgroups_core.transfer.backend import Backend
 
 
 class BoxArray:

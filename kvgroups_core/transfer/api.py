@@ -11,14 +11,16 @@ import threading
 from dataclasses import replace
 from typing import Any, Sequence
 
-from . import reuse
-from .call_memo import CallMemo, call_key
-from .descriptors import TensorDesc, TensorSpec
-from .errors import KVGroupsError
+from kvgroups_core.errors import KVGroupsError
+from kvgroups_core.tensors.arrays import backend_for_tensors
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
+
+from .backend import Backend, BoundCaches
+from .checks import CacheGuard, check_call_memory
+from .fast import reuse
+from .fast.call_memo import CallMemo, call_key
 from .objects import check_objects
 from .planner import Binding, bind, plan_call
-from .registry import Backend, BoundCaches, backend_for_tensors
-from .validate import CacheGuard, check_call_memory
 
 
 def _leaves(structure: Any) -> list[Any]:
@@ -152,7 +154,7 @@ class PreparedTransfer:
             if -1 not in positions and len(slot_of) == len(self._objs):
                 self._positions = positions
 
-    # --- kept between one-shot calls (kvgroups_core.reuse) -----------------------------
+    # --- kept between one-shot calls (kvgroups_core.transfer.fast.reuse) -----------------------------
 
     def _release(self) -> bool:
         """Let go of every cache tensor, keeping what was derived from them (False, and
@@ -173,7 +175,7 @@ class PreparedTransfer:
 
 
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
-# compiler can then substitute them by identity (kvgroups_torch.compiled does, for Dynamo).
+# compiler can then substitute them by identity (kvgroups_torch.compile.dynamo does, for Dynamo).
 def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = None, *,
                    layers: Any = None, max_ctas: int | None = None,
                    path: str | None = None) -> list:
@@ -274,7 +276,7 @@ def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
               ) -> tuple[PreparedTransfer, Any]:
     """The binding of a one-shot call: the backend is found once (from the caches and the
     objects, so two frameworks are refused) and the caches are bound once, or taken back
-    from the manager's last one-shot call on the same caches (:mod:`kvgroups_core.reuse`)
+    from the manager's last one-shot call on the same caches (:mod:`kvgroups_core.transfer.fast.reuse`)
     when none of them was resized or reallocated since. The transfer is this call's own
     (nobody else holds it): the call runs it without its lock."""
     parked = reuse.take(manager, kv_caches)

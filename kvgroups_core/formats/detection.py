@@ -1,11 +1,11 @@
-"""Which :class:`~kvgroups_core.formats.EngineKVFormat` an engine's KV caches are in.
+"""Which :class:`~kvgroups_core.formats.catalogue.EngineKVFormat` an engine's KV caches are in.
 
 :func:`detect_format` reads an engine's registered structure (a tensor, a list of per-layer
 tensors, a list of ``(K, V)`` pairs, or ``[K list, V list]``) and returns its format plus a
-*normalized* structure of :class:`~kvgroups_core.descriptors.TensorDesc` s in that format.
+*normalized* structure of :class:`~kvgroups_core.tensors.descriptors.TensorDesc` s in that format.
 Normalizing never copies: where the engine's shape is not the format's (SGLang's folded
 pages, the JAX engines' packed heads, a permuted view) the result is a view of the same memory.
-How single tensors are read lives in :mod:`kvgroups_core.engine_readers`.
+How single tensors are read lives in :mod:`kvgroups_core.formats.engine_readers`.
 
 Layers are detected per bucket of identical (shape, strides, dtype) inside each engine group:
 a model may mix formats (a K/V cache beside a key-only indexer cache, layers of two head
@@ -19,7 +19,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any, Callable, NamedTuple, Sequence
 
-from .descriptors import TensorDesc
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, mismatch
+from kvgroups_core.tensors.descriptors import TensorDesc
+
+from .catalogue import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
 from .engine_readers import (
     ENGINES,
     HINT_KEYS,
@@ -37,8 +40,6 @@ from .engine_readers import (
     read_vllm_tensor,
     tensor_desc,
 )
-from .errors import KVGroupsTypeError, KVGroupsValueError, mismatch
-from .formats import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
 
 __all__ = [
     "ENGINES",
@@ -235,8 +236,8 @@ def detect_format(
     ----------
     kv_caches : tensor, list, or list of lists
         The engine's registered structure, of framework tensors, NumPy arrays,
-        :class:`~kvgroups_core.descriptors.TensorSpec` s or
-        :class:`~kvgroups_core.descriptors.TensorDesc` s, mixed freely. vLLM: a per-layer list
+        :class:`~kvgroups_core.tensors.descriptors.TensorSpec` s or
+        :class:`~kvgroups_core.tensors.descriptors.TensorDesc` s, mixed freely. vLLM: a per-layer list
         (rank-5 ``[2, NB, BS, NH, HS]`` / ``[NB, 2, BS, NH, HS]``, rank-4 CS-packed, rank-3
         MLA or indexer, or ``(K, V)`` pairs) or a bare rank-6 cross-layer tensor. SGLang:
         ``[K list, V list]``, a flat list of 2*NL ``[PBS, NH, HS]`` (needs

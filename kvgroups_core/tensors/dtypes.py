@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
 # DLPack DLDataTypeCode values (dlpack.h).
 DL_INT = 0

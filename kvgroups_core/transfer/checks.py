@@ -23,10 +23,10 @@ from typing import Any, Callable, NamedTuple, Sequence
 
 import numpy as np
 
-from .descriptors import TensorDesc, TensorSpec
-from .errors import KVGroupsTypeError, KVGroupsValueError
-from .formats import EngineKVFormat
-from .layout import num_layers_of
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.formats.catalogue import EngineKVFormat
+from kvgroups_core.formats.layout import num_layers_of
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
 
 
 class Memory(NamedTuple):
@@ -124,7 +124,7 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
 
     def numpy_keys(xs: list) -> Any:
         # The whole layout and the writeable flag: an array changed in place (or another
-        # array at the same address, see kvgroups_core.reuse) is bound again, and a load
+        # array at the same address, see kvgroups_core.transfer.fast.reuse) is bound again, and a load
         # into one made read-only is refused as on a first call.
         out = []
         for x in xs:
@@ -191,7 +191,7 @@ class CacheGuard:
 
     def release(self) -> None:
         """Let go of the caches while a one-shot binding waits for its next call
-        (:mod:`kvgroups_core.reuse`); the fingerprints stay, to be compared then."""
+        (:mod:`kvgroups_core.transfer.fast.reuse`); the fingerprints stay, to be compared then."""
         self._snap = self._concrete = None
 
     def restore(self, kv_caches: Any, objs: Sequence[Any]) -> None:

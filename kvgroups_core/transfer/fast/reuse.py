@@ -3,14 +3,14 @@
 An engine calls ``store(manager, caches, ids)`` / ``load(manager, objects, caches, ids)`` with
 the same cache tensors every step; binding them (describing every tensor, checking it against
 the manager, the backend's per-cache work) costs far more than the call itself. So after a
-one-shot call succeeds, its :class:`~kvgroups_core.transfer.PreparedTransfer` is *parked* on
+one-shot call succeeds, its :class:`~kvgroups_core.transfer.api.PreparedTransfer` is *parked* on
 the manager, and the next one-shot call of that manager takes it back when its caches are the
 same: the same structure, every leaf the very object the parked binding last moved (after a
 JAX load: the arrays it returned). That call then runs exactly as a prepared call does,
 checks included: its ids and objects are validated, and the bound caches' fingerprints
 (torch: addresses; NumPy: address, shape, strides, dtype, writeable) are compared first, so a
 cache resized or reallocated in place is bound afresh (or refused as a first call is). A
-repeated signature takes the transfer's call memo (``kvgroups_core.call_memo``), which keeps
+repeated signature takes the transfer's call memo (``kvgroups_core.transfer.fast.call_memo``), which keeps
 its signatures while parked and only lets go of the tensors.
 
 Parking holds no cache alive: the parked transfer lets go of every tensor
@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from .descriptors import TensorDesc, TensorSpec
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
 
 _ATTR = "_one_shot_park"  # the manager's attribute holding its park
 _LOCK = threading.Lock()

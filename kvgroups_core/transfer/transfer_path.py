@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
 DEFAULT_PATHS = ("auto", "kernel")
 

@@ -3,7 +3,7 @@
 :func:`layer_layouts` turns a normalized KV cache structure plus one format per layer into one
 :class:`LayerLayout` per layer: the sizes the grouping keys on (kv_size, heads, head size, block
 size, dtype), the padding rule, and the page model of ``docs/DESIGN.md`` (where each plane
-starts, the block stride and the :class:`~kvgroups_core.segments.SegmentRun` s of a token row).
+starts, the block stride and the :class:`~kvgroups_core.formats.segments.SegmentRun` s of a token row).
 """
 
 from __future__ import annotations
@@ -12,11 +12,12 @@ import math
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from .descriptors import TensorDesc, TensorSpec
-from .dtypes import DType
-from .errors import KVGroupsTypeError, KVGroupsValueError
-from .formats import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
-from .registry import describe
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.tensors.arrays import describe
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
+from kvgroups_core.tensors.dtypes import DType
+
+from .catalogue import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
 from .segments import SegmentRun, widest_unit
 
 #: Blocked-scale indexer rows: 128 bytes of fp8 values and a 4-byte scale per token.

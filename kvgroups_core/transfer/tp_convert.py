@@ -18,10 +18,11 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .engine_groups import as_int
-from .errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.grouping.engine_groups import as_int
+from kvgroups_core.grouping.tensor_parallel import TP_NATIVE, check_managers
+
 from .objects import object_nbytes, object_regions
-from .tensor_parallel import TP_NATIVE, check_managers
 
 
 def _namespace(x: Any) -> Any:

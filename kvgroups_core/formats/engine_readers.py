@@ -1,10 +1,10 @@
 """How each engine's KV tensors are read: axis names, memory order, zero-copy views.
 
 A *reader* takes one described tensor of an engine's structure and returns its
-:class:`~kvgroups_core.formats.EngineKVFormat` plus a view of the same memory in that format's
+:class:`~kvgroups_core.formats.catalogue.EngineKVFormat` plus a view of the same memory in that format's
 axis order (``[NB, BS, NH, HS]`` for an SGLang ``[PBS, NH, HS]`` page, ``[NB, BS, NH, 2, HS]``
 for a JAX engine's packed heads, the memory-order view of a permuted tensor). Structures (lists,
-K/V lists, buckets of layers) are :mod:`kvgroups_core.detection`'s business.
+K/V lists, buckets of layers) are :mod:`kvgroups_core.formats.detection`'s business.
 
 How a shape is named, and what the ``kv_layout`` hint means:
 
@@ -25,11 +25,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
-from .descriptors import TensorDesc, TensorSpec
-from .errors import KVGroupsTypeError, KVGroupsValueError, mismatch
-from .formats import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, mismatch
+from kvgroups_core.tensors.arrays import describe
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
+
+from .catalogue import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
 from .layout import INDEXER_ROW_BYTES, _check_dense
-from .registry import describe
 
 #: Engines :func:`detect_format` knows (``"vllm_tpu"`` is an alias of ``"tpu_inference"``).
 ENGINES = ("vllm", "sglang", "trtllm", "tpu_inference", "sglang_jax", "maxtext")
@@ -95,7 +96,7 @@ def engine_name(engine: Any) -> str:
 
 
 def tensor_desc(x: Any, what: str) -> TensorDesc:
-    """:func:`~kvgroups_core.registry.describe` ``x``, naming ``what`` in a type error."""
+    """:func:`~kvgroups_core.tensors.arrays.describe` ``x``, naming ``what`` in a type error."""
     try:
         return describe(x)
     except KVGroupsTypeError as err:

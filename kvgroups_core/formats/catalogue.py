@@ -3,7 +3,7 @@
 A format names the *structure* an engine registers (one tensor, a list of per-layer tensors,
 or a K list and a V list) and the axis order inside each tensor. The axis order is kept as
 data (``axes``), so geometry is read generically from a tensor's shape and strides
-(:mod:`kvgroups_core.layout`) instead of one hand-written accessor per format.
+(:mod:`kvgroups_core.formats.layout`) instead of one hand-written accessor per format.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The manager is pure metadata built from descriptors: it owns no buffers and moves no bytes.
 The transfer planner reads it (``kernel_groups``, ``object_groups``, ``layer_layouts``, the
-per-group slot counts) to build a :class:`~kvgroups_core.plan.TransferPlan`.
+per-group slot counts) to build a :class:`~kvgroups_core.transfer.plan.TransferPlan`.
 """
 
 from __future__ import annotations
@@ -12,6 +12,10 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.formats.catalogue import EngineKVFormat
+from kvgroups_core.formats.layout import LayerLayout, num_layers_of
+
 from .attn_window import AttnWindowDesc
 from .engine_groups import (
     EXCLUDED_ENGINE_GROUP,
@@ -19,9 +23,7 @@ from .engine_groups import (
     as_int,
     get_engine_group_indices,
 )
-from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
-from .formats import EngineKVFormat
-from .grouping import (
+from .identity import (
     KernelGroupIdentity,
     KernelGroupInfo,
     ObjectGroupInfo,
@@ -31,7 +33,6 @@ from .grouping import (
     layouts_and_identities,
     normalize_formats,
 )
-from .layout import LayerLayout, num_layers_of
 from .tensor_parallel import TPShard, check_tp_args, shard_groups
 from .tensor_parallel import fingerprint as _fingerprint
 
@@ -107,7 +108,7 @@ class KVLayerGroupsManager:
         been used for a transfer: plans and prepared transfers rely on its layout.
     tp_rank, tp_size : int, keyword-only, default 0 and 1
         The rank of a tensor-parallel group whose shard ``kv_caches`` is (``heads / tp_size``
-        KV heads of each layer), and the group's size; see :mod:`kvgroups_core.tensor_parallel`.
+        KV heads of each layer), and the group's size; see :mod:`kvgroups_core.grouping.tensor_parallel`.
     total_num_kv_heads : int or sequence of int, keyword-only, optional
         The whole model's KV heads (one count, or one per layer); needed only when a layer has
         fewer KV heads than ranks (each rank then holds one replicated head). By default a
@@ -164,7 +165,7 @@ class KVLayerGroupsManager:
                 f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}"
             )
         self._full_sw_kv = full_sw_kv
-        # Set when a transfer first binds this manager (kvgroups_core.validate); from then on
+        # Set when a transfer first binds this manager (kvgroups_core.transfer.checks); from then on
         # nothing about its layout may change (enable_full_sw_kv refuses).
         self._in_use = False
         self._kernel_groups: list[KernelGroupInfo] = []
@@ -405,7 +406,7 @@ class KVLayerGroupsManager:
             [g.sw_size_chunks if g.sw_size_chunks >= 1 else -1 for g in self._object_groups]
         )
 
-    # --- tensor parallelism (kvgroups_core.tensor_parallel) ---------------------------
+    # --- tensor parallelism (kvgroups_core.grouping.tensor_parallel) ---------------------------
 
     @property
     def tp_rank(self) -> int:

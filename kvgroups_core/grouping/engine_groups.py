@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
 #: Per-layer engine group id of a layer left out of every kernel group (cross-layer KV
 #: sharing: its KV lives in another layer's blocks). Re-exported by :mod:`.grouping`.

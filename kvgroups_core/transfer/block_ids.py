@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 
 DEVICE_ID_DTYPES = ("int32", "int64")
 _INT64_MIN, _INT64_LIMIT = -(2**63), 2**63

@@ -13,9 +13,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .dtypes import DType
-from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
-from .tensor_parallel import CANONICAL, TP_NATIVE, tp_native_nbytes, tp_native_regions
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.grouping.tensor_parallel import (
+    CANONICAL,
+    TP_NATIVE,
+    tp_native_nbytes,
+    tp_native_regions,
+)
+from kvgroups_core.tensors.dtypes import DType
 
 
 @dataclass(frozen=True, kw_only=True)

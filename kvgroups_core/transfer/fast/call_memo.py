@@ -6,12 +6,12 @@ the core's checks conclude about such a call depends on its *signature*, not on 
 so a call whose signature passed before needs none of that work again:
 
 - the plan signature ``(direction, ids, layers, skip, max_ctas)``, where ``ids`` is the host
-  ids' dtype and shape, or the backend's :meth:`~kvgroups_core.registry.Backend.device_ids_key`
+  ids' dtype and shape, or the backend's :meth:`~kvgroups_core.transfer.backend.Backend.device_ids_key`
   of device ids (dtype, shape, device: a plan never depends on device id values), maps to the
   plan, the bound tensors its planes touch (with their fingerprints) and the backend's runner
-  of that plan (:meth:`~kvgroups_core.registry.BoundCaches.runner`);
+  of that plan (:meth:`~kvgroups_core.transfer.backend.BoundCaches.runner`);
 - the objects signature (type, identity, address, dtype, shape, strides and writability of
-  each object: :func:`~kvgroups_core.validate.objects_key`) is remembered per direction and
+  each object: :func:`~kvgroups_core.transfer.checks.objects_key`) is remembered per direction and
   chunk count once the objects passed every check, so the layer-wise calls of one request
   check its objects once.
 
@@ -24,7 +24,7 @@ block. Anything else, and any doubt, is a miss: the call takes the full path
 (which raises the cold call's error, rebinds, or passes and records). Only calls that moved
 bytes in place (no new cache arrays) with plain objects and one engine group's flat ids are
 recorded; a rebind starts a new memo. One-shot calls use the memo of the binding they take
-back (``kvgroups_core.reuse``): parking drops the memo's references to the tensors, not its
+back (``kvgroups_core.transfer.fast.reuse``): parking drops the memo's references to the tensors, not its
 signatures.
 """
 
@@ -34,8 +34,8 @@ from typing import Any
 
 import numpy as np
 
-from .planner import _out_of_range
-from .validate import CacheGuard, numpy_objects_key
+from kvgroups_core.transfer.checks import CacheGuard, numpy_objects_key
+from kvgroups_core.transfer.planner import _out_of_range
 
 _MAX_PLANS = 1024  # signatures: layers x directions x chunk counts x id dtypes
 _MAX_OBJECTS = 64  # object sets (an engine cycles through a few buffers)
@@ -107,7 +107,7 @@ class CallMemo:
     def release(self) -> None:
         """The binding let go of its tensors (a parked one-shot binding): drop the references
         and keep the signatures. After the binding takes its tensors back (the very same
-        objects: :mod:`kvgroups_core.reuse`), a hit looks them up from the guard again and
+        objects: :mod:`kvgroups_core.transfer.fast.reuse`), a hit looks them up from the guard again and
         compares their fingerprints with the recorded ones, as every hit does."""
         self._held = {}
 

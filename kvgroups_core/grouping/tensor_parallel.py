@@ -36,8 +36,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+
 from .engine_groups import as_int
-from .errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 
 CANONICAL = "canonical"
 TP_NATIVE = "tp_native"

@@ -1,4 +1,4 @@
-"""Build :class:`~kvgroups_core.plan.TransferPlan` s from a manager, caches and block ids.
+"""Build :class:`~kvgroups_core.transfer.plan.TransferPlan` s from a manager, caches and block ids.
 
 Everything here works on descriptors: bare TensorSpecs plan exactly like real tensors. All
 validation of user input happens here, before any backend sees the call, so a rejected call
@@ -14,14 +14,15 @@ from typing import Any
 
 import numpy as np
 
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.formats.layout import LayerLayout, layer_layout
+from kvgroups_core.tensors.descriptors import TensorDesc
+
 from .block_ids import DEVICE_ID_DTYPES, BlockIds, IdsSpec, normalize_block_ids
-from .descriptors import TensorDesc
-from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
-from .layout import LayerLayout, layer_layout
+from .checks import check_bind_inputs
 from .objects import object_nbytes, object_regions
 from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan, skip_first_item
 from .transfer_path import check_path
-from .validate import check_bind_inputs
 
 
 def _chunk_windows(manager: Any, k: int) -> int:

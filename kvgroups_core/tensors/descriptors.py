@@ -12,8 +12,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+
 from .dtypes import DType, as_dtype, from_dlpack_code
-from .errors import KVGroupsTypeError, KVGroupsValueError
 
 
 def row_major_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -7,7 +7,7 @@ A shape spec writes a model's kernel groups on one line, for CLIs and benchmarks
 Each ``;``-separated group is a 5-tuple ``(kv_size, num_blocks, block_size, num_heads,
 head_size)``, a dtype and a layer count; layer indices are assigned consecutively from 0.
 :func:`manager_from_shape_spec` turns a spec into a real
-:class:`~kvgroups_core.manager.KVLayerGroupsManager` over data-less TensorSpecs, so anything
+:class:`~kvgroups_core.grouping.manager.KVLayerGroupsManager` over data-less TensorSpecs, so anything
 the manager plans (slots, object sizes) can be computed for a spec.
 """
 
@@ -15,12 +15,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from .descriptors import TensorSpec
-from .dtypes import DTYPE_MAP, DType
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.formats.catalogue import EngineKVFormat
+from kvgroups_core.tensors.descriptors import TensorSpec
+from kvgroups_core.tensors.dtypes import DTYPE_MAP, DType
+
 from .engine_groups import EngineGroupInfo
-from .errors import KVGroupsTypeError, KVGroupsValueError
-from .formats import EngineKVFormat
-from .grouping import KernelGroupInfo, PageBufferShapeDesc
+from .identity import KernelGroupInfo, PageBufferShapeDesc
 from .manager import KVLayerGroupsManager
 
 #: The dtypes a shape spec may name (lower case); the parser accepts no others.

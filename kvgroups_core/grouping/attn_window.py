@@ -15,8 +15,9 @@ from typing import Any
 
 import numpy as np
 
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+
 from .engine_groups import as_int
-from .errors import KVGroupsTypeError, KVGroupsValueError
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,14 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .descriptors import TensorDesc, TensorSpec, describe_numpy
-from .dtypes import as_dtype
-from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.tensors.arrays import backend_for_object
+from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec, describe_numpy
+from kvgroups_core.tensors.dtypes import as_dtype
+
+from .backend import Backend
 from .objects import numpy_dtype
 from .plan import GroupTransfer, TransferPlan, first_item_for_skip
-from .registry import Backend, backend_for_object
 
 
 def byte_view(desc: TensorDesc, writable: bool) -> np.ndarray:
@@ -112,7 +114,7 @@ def execute_plan(plan: TransferPlan, caches: Sequence[Any], objects: Sequence[An
     ``objects``, the reference of what every backend does with the same plan.
 
     A device plan (``plan.device_ids`` / ``plan.skip_tokens``) is resolved on the host: the
-    skip through :func:`~kvgroups_core.plan.first_item_for_skip`, the ids with NumPy. With
+    skip through :func:`~kvgroups_core.transfer.plan.first_item_for_skip`, the ids with NumPy. With
     ``drop_out_of_range`` an item whose id is outside its group's blocks moves nothing
     (every other item moves) and the bad ids are returned: the device-id contract of the
     backends. Without it a bad id raises :class:`KVGroupsIndexError` before any byte moves.

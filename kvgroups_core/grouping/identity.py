@@ -3,9 +3,9 @@
 A *kernel group* is a set of registered layers with one identity
 ``(kv_size, num_heads, head_size, block_size, engine_group_idx, dtype, engine_kv_format)``.
 One launch moves a whole group with one :class:`PageBufferShapeDesc`. Grouping reads every
-size from :func:`kvgroups_core.layout.layer_layouts`, so it works on any structure of
-framework tensors, :class:`~kvgroups_core.descriptors.TensorSpec` s or
-:class:`~kvgroups_core.descriptors.TensorDesc` s.
+size from :func:`kvgroups_core.formats.layout.layer_layouts`, so it works on any structure of
+framework tensors, :class:`~kvgroups_core.tensors.descriptors.TensorSpec` s or
+:class:`~kvgroups_core.tensors.descriptors.TensorDesc` s.
 """
 
 from __future__ import annotations
@@ -17,12 +17,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from .dtypes import DType
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.formats.catalogue import EngineKVFormat
+from kvgroups_core.formats.layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
+from kvgroups_core.tensors.arrays import describe
+from kvgroups_core.tensors.dtypes import DType
+
 from .engine_groups import EXCLUDED_ENGINE_GROUP
-from .errors import KVGroupsTypeError, KVGroupsValueError
-from .formats import EngineKVFormat
-from .layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
-from .registry import describe
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",

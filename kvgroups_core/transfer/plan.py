@@ -12,7 +12,7 @@ from typing import Any, Callable, Literal
 
 import numpy as np
 
-from .segments import SegmentRun
+from kvgroups_core.formats.segments import SegmentRun
 
 Direction = Literal["store", "load"]
 

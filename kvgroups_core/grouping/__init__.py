@@ -1,0 +1,2 @@
+"""Grouping: layers grouped by identity, engine groups, attention windows, tensor-parallel
+shards, the manager, and the shape-spec strings."""
