@@ -97,7 +97,7 @@ def stubbed_copy(runtime: str):
         stubs = {"_store_jit": lambda program, caches, objects, metas, idss: objects,
                  "_load_jit": lambda program, caches, objects, metas, idss: caches}
     elif runtime == "torch":
-        from kvgroups_torch import cpu_path as module
+        from kvgroups_torch import cpu as module
 
         saved = {"run_plan": module.run_plan}
         stubs = {"run_plan": lambda plan, tensors, objects: None}

@@ -24,7 +24,7 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
   (device to device, or over the link for pinned objects). Points moving more than
   ``--paths-max-bytes`` (and page sizes not started within ``--paths-budget-s``) are
   recorded as skipped. ``--tune`` first measures and caches the
-  ``path="auto"`` table (``kvgroups_torch.copy_paths.tune_copy_paths``) and emits its points.
+  ``path="auto"`` table (``kvgroups_torch.copy_engine.paths.tune_copy_paths``) and emits its points.
 
 CUDA timed with events over batches of back-to-back calls (medians); ``--tiny`` runs a small
 model (small pages, 2 layers) on the CPU with wall-clock timing (the CI smoke test; no graph, no SM cap). One JSON
@@ -50,7 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
 import kvgroups_torch  # noqa: E402,F401  (compile support is installed on import)
-from kvgroups_torch.driver import programmatic_launch  # noqa: E402
+from kvgroups_torch.cuda.driver import programmatic_launch  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
 from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
@@ -337,7 +337,7 @@ PATH_CHUNKS = (1, 4, 16, 64, 256)
 def _nhd_setup(page: int, layers: int, chunks: int, device: str, tiny: bool):
     """A Llama-like NHD cache (128-wide heads) whose pages are ``page`` bytes, with room
     for ``chunks`` chunks of distinct random blocks."""
-    from kvgroups_torch.copy_paths import page_geometry
+    from kvgroups_torch.copy_engine.paths import page_geometry
 
     from kvgroups_core.formats.catalogue import EngineKVFormat as F
 
@@ -366,7 +366,7 @@ def _kernel_sms(page: int, items: int, planes: int) -> tuple[int, int]:
 
 
 def bench_paths(args, timer: Timer, emit) -> None:
-    from kvgroups_torch.copy_paths import page_geometry
+    from kvgroups_torch.copy_engine.paths import page_geometry
 
     cuda = not args.tiny
     device = "cuda" if cuda else "cpu"
@@ -452,7 +452,7 @@ def _ceiling_ms(timer: Timer, nbytes: int, device: str, pinned: bool, direction:
 
 
 def bench_tune(args, emit) -> None:
-    from kvgroups_torch.copy_paths import table_path, tune_copy_paths
+    from kvgroups_torch.copy_engine.paths import table_path, tune_copy_paths
 
     t0 = time.perf_counter()
     table = tune_copy_paths(on_point=lambda p: emit({"call": "tune", "runtime": "torch",

@@ -7,7 +7,7 @@ memory (direct UVA access and staging + one bulk copy), against
 
 - the device-to-device copy of the same byte count (bytes read + written),
 - pinned host copies each way (the PCIe ceiling),
-- plain torch ``index_select`` / ``index_copy_`` (``kvgroups_torch.cpu_path``),
+- plain torch ``index_select`` / ``index_copy_`` (``kvgroups_torch.cpu``),
 
 plus the host cost of one store call for one chunk. CUDA events, warm-up, medians, rotating
 object buffers and id sets. One JSON object per line to ``--out`` (and a table on stdout).
@@ -30,14 +30,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
 from kvgroups_cuda import geometry, nvrtc  # noqa: E402
-from kvgroups_torch import (  # noqa: E402
-    BoundPlan,
-    TorchBackend,
-    cpu_path,
-    cuda_path,
-    describe_tensor,
-    device_tables,
-)
+from kvgroups_torch import BoundPlan, TorchBackend, describe_tensor  # noqa: E402
+from kvgroups_torch import cpu as cpu_path  # noqa: E402
+from kvgroups_torch.cuda import device_tables  # noqa: E402
+from kvgroups_torch.cuda import launch as cuda_launch  # noqa: E402
+from kvgroups_torch.cuda import objects as cuda_objects  # noqa: E402
+from kvgroups_torch.cuda import replay as cuda_replay  # noqa: E402
+from kvgroups_torch.cuda import run as cuda_run  # noqa: E402
 
 from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
 from kvgroups_core.transfer.api import prepare, store  # noqa: E402
@@ -184,7 +183,7 @@ def sweep(args, s, kernel, d2d_ms, common, emit) -> None:
                                 KVG_STORE_HINT=store_hint, KVG_LOAD_NC=load_nc,
                                 KVG_MIN_BLOCKS=min_blocks)
             geometry.TARGET_CTA_BYTES = target
-            cuda_path.reset_caches()
+            cuda_launch.reset_caches()
             config = {"unroll": unroll, "load_hint": load_hint, "store_hint": store_hint,
                       "load_nc": load_nc, "min_blocks": min_blocks, "cta_bytes": target}
             for direction in ("store", "load"):
@@ -195,7 +194,7 @@ def sweep(args, s, kernel, d2d_ms, common, emit) -> None:
         nvrtc.TUNING.clear()
         nvrtc.TUNING.update(defaults[0])
         geometry.TARGET_CTA_BYTES = defaults[1]
-        cuda_path.reset_caches()
+        cuda_launch.reset_caches()
 
 
 def _host_us(emit, name: str, fn, calls: int, sync=None) -> None:
@@ -257,7 +256,7 @@ def host_cost_cpu(args, emit) -> None:
     """``--host-only-cpu``: the prepared path's host work without a GPU, to track it anywhere.
 
     CPU tensors play the GPU's, the prepared transfer runs its CUDA path
-    (``cuda_path.DeviceCaches``: object checks, bindings, packed parameters), and only the
+    (``cuda_run.DeviceCaches``: object checks, bindings, packed parameters), and only the
     driver side is stubbed: ``cuLaunchKernel``, the device state, the current stream and
     host-to-device copies. So a row here is a GPU row minus the launch itself (a few
     microseconds of ctypes and driver time on the H200 host).
@@ -280,11 +279,13 @@ def host_cost_cpu(args, emit) -> None:
             pass
 
     device = Device()
-    cuda_path.device_state = lambda index: device
-    cuda_path.Launcher = Launcher
-    cuda_path.current_stream = lambda index: 0
-    cuda_path._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
-    cuda_path._to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_run.device_state = lambda index: device
+    cuda_launch.Launcher = Launcher
+    cuda_run.current_stream = lambda index: 0
+    cuda_replay.current_stream = lambda index: 0
+    cuda_launch._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+    cuda_objects._to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_launch._to_table = lambda a, index: device_tables.HostTable(a)
 
     model = MODELS["llama3-8b"].build(num_blocks=1024, layers=32)
     # Never touched (no launch runs): empty tensors cost no memory until written.
@@ -292,7 +293,7 @@ def host_cost_cpu(args, emit) -> None:
               for spec in model.kv_caches]
     manager = KVLayerGroupsManager(caches, list(model.formats), lmcache_tokens_per_chunk=256)
     prepared = prepare(manager, caches, backend="torch")
-    fast = cuda_path.DeviceCaches(prepared._bound.caches, 0)
+    fast = cuda_run.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" are CPU tensors here
     prepared._bound.device_caches = fast
     binding = prepared.binding

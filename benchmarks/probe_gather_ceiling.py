@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends"), str(ROOT / "benchmarks")]
 
 import bench_torch_engine as bte  # noqa: E402
-from kvgroups_torch import driver  # noqa: E402
+from kvgroups_torch.cuda import driver  # noqa: E402
 
 PAGE = 32768
 SOURCE = r"""

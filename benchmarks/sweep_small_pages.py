@@ -166,7 +166,7 @@ def set_torch_variant(variant: str, point: dict | None) -> None:
     """Select the kernels (module switches read when launch state is built) and forget the
     launch state built before."""
     from kvgroups_cuda import geometry, nvrtc
-    from kvgroups_torch import cuda_path
+    from kvgroups_torch.cuda import launch as cuda_launch
 
     _TORCH_DEFAULTS.setdefault("planes", geometry.SMALL_PLANES_PER_CTA)
     _TORCH_DEFAULTS.setdefault("cta_bytes", geometry.SMALL_CTA_BYTES)
@@ -180,7 +180,7 @@ def set_torch_variant(variant: str, point: dict | None) -> None:
         geometry.SMALL_PLANES_PER_CTA = point["planes_per_cta"]
         geometry.SMALL_CTA_BYTES = point["cta_bytes"]
         nvrtc.TUNING["KVG_SMALL_UNROLL"] = point["unroll"]
-    cuda_path.reset_caches()
+    cuda_launch.reset_caches()
 
 
 class TorchCase:
@@ -585,14 +585,14 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.define:
         from kvgroups_cuda import nvrtc
-        from kvgroups_torch import cuda_path
+        from kvgroups_torch.cuda import launch as cuda_launch
 
         for item in args.define:
             name, _, value = item.partition("=")
             if not name.startswith("KVG_") or not value.lstrip("-").isdigit():
                 p.error(f"--define: expected KVG_NAME=INTEGER, got {item!r}")
             nvrtc.TUNING[name] = int(value)
-        cuda_path.reset_caches()
+        cuda_launch.reset_caches()
     if args.tiny:
         DEVICE["name"] = "cpu"
         args.pages, args.chunks, args.layers = [512, 1024], [1, 2], 2

@@ -35,7 +35,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "backends"), str(ROOT / "benchmarks")]
 
 import bench_torch_engine as bte  # noqa: E402
 from kvgroups_cuda import geometry, nvrtc  # noqa: E402
-from kvgroups_torch import cuda_path  # noqa: E402
+from kvgroups_torch.cuda import launch as cuda_launch  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
 
@@ -66,7 +66,7 @@ def select(name: str) -> None:
     geometry.WARP_MIN_PAGE_BYTES = threshold
     nvrtc.TUNING.clear()
     nvrtc.TUNING.update(tuning)
-    cuda_path.reset_caches()
+    cuda_launch.reset_caches()
 
 
 def captured(fn):

@@ -25,13 +25,13 @@ _MAX_PAGE_BYTES = 2**31 - 1
 #: bytes per block and plane) is at most this many bytes; 0 turns them off. Off: on the H200
 #: sweep (benchmarks/results/small_pages_h200.jsonl) the classic kernel was as fast or faster
 #: at 512 B - 4 KiB once the transfer is device-bound (256 chunks: 0.90-0.94 of the copy, graph
-#: replays 0.93-0.95). After changing it call ``cuda_path.reset_caches()``.
+#: replays 0.93-0.95). After changing it call ``kvgroups_torch.cuda.launch.reset_caches()``.
 SMALL_PAGE_BYTES = 0
 #: Contiguous pages of at least this many bytes whose launch moves 16-byte vectors run the
 #: warp kernels (``kvg_*_v16_warp``: one warp per 8 KiB segment, no barrier, a grid of every
 #: segment), the others the classic kernel. The smallest page that fills a segment: below it
 #: lanes of a warp would idle (with 2 KiB segments, 2-4 KiB pages measured no faster than the
-#: classic kernel). 0 turns them off. After changing it call ``cuda_path.reset_caches()``.
+#: classic kernel). 0 turns them off. After changing it call ``kvgroups_torch.cuda.launch.reset_caches()``.
 WARP_MIN_PAGE_BYTES = 8192
 #: Bytes one small-page work unit aims to move (its tile x plane group).
 SMALL_CTA_BYTES = 65536

@@ -271,7 +271,7 @@ class KernelTable:
     """The loaded cubin of one arch: raw ``CUkernel`` / ``CUfunction`` handles by name.
 
     Library-managed loading (``cuda.core`` >= 1.0) is context independent; the handle is
-    launched (``kvgroups_torch.driver``) in the current (primary) context.
+    launched (``kvgroups_torch.cuda.driver``) in the current (primary) context.
     """
 
     def __init__(self, arch: str) -> None:

@@ -10,7 +10,7 @@ Moves paged KV-cache blocks between engine caches and memory objects for the cor
   and the touched regions move in one bulk copy each; ``TorchBackend(pinned="direct")`` has
   the kernel read and write pinned memory through UVA instead (no extra device memory).
 - CPU tensors: plain torch byte views with ``index_select`` / ``index_copy_``
-  (:mod:`kvgroups_torch.cpu_path`).
+  (:mod:`kvgroups_torch.cpu`).
 
 Normal use goes through the core: ``kvgroups_core.store(...)`` / ``load(...)`` find this
 backend from the tensors (registry name ``"torch"``).
@@ -41,13 +41,13 @@ Kernel or copy engine
 host from host ids: no SM used; pinned objects reached directly) or ``"auto"`` (default):
 the faster of the two at the nearest point of a table measured on this GPU by
 :func:`tune_copy_paths` and cached in ``$XDG_CACHE_HOME/kvgroups`` (see
-:mod:`kvgroups_torch.copy_paths`); until a table exists, and for device ids, ``"auto"`` is
+:mod:`kvgroups_torch.copy_engine.paths`); until a table exists, and for device ids, ``"auto"`` is
 the kernel.
 
 torch.compile
 -------------
 ``store``, ``load`` and the prepared calls work inside ``torch.compile(fullgraph=True)``
-(:mod:`kvgroups_torch.compiled`): planning happens at trace time from shapes and dtypes, the
+(:mod:`kvgroups_torch.compile.dynamo`): planning happens at trace time from shapes and dtypes, the
 transfer is one custom op (``torch.ops.kvgroups.store_pages`` / ``load_pages``). Import
 ``kvgroups_torch`` before compiling.
 
@@ -63,12 +63,12 @@ from kvgroups_core import __version__
 
 from .backend import DEFAULT_PINNED_MODE, TorchBackend
 from .bound_plan import BoundPlan
-from .compiled import install as _install_compile_support
-from .copy_paths import tune_copy_paths
-from .cuda_path import check_device_errors, check_errors
+from .compile.dynamo import install as _install_compile_support
+from .copy_engine.paths import tune_copy_paths
+from .cuda.device import check_device_errors, check_errors
+from .cuda.driver import KernelLaunchError
 from .describe import describe_tensor, dtype_of, torch_dtype
 from .distributed import check_same_grouping as check_same_grouping
-from .driver import KernelLaunchError
 from .objects import allocate_objects
 
 __all__ = [

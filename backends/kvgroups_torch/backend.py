@@ -13,7 +13,13 @@ from kvgroups_core.tensors.dtypes import as_dtype
 from kvgroups_core.transfer.backend import Backend, BoundCaches
 from kvgroups_core.transfer.checks import Memory
 
-from . import compiled, copy_engine, cpu_path, cuda_path
+from . import cpu as cpu_path
+from .compile import dynamo as compiled
+from .copy_engine import batch as copy_engine
+from .cuda import device as cuda_device
+from .cuda import objects as cuda_objects
+from .cuda import replay as cuda_replay
+from .cuda import run as cuda_run
 from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
 from .objects import allocate_objects
 
@@ -70,14 +76,14 @@ class TorchBackend(Backend):
     Parameters
     ----------
     pinned : {"direct", "staged"}
-        How the kernels reach objects in pinned host memory (see :func:`cuda_path.run_plan`).
+        How the kernels reach objects in pinned host memory (see :func:`cuda_run.run_plan`).
     """
 
     name: ClassVar[str] = "torch"
     array_types: ClassVar[tuple[str, ...]] = ("torch.Tensor",)
     #: "kernel": the page-copy kernels; "copy_engine": one batch of DMA copies
     #: (``cuMemcpyBatchAsync``, host ids only); "auto": by the table of
-    #: :mod:`kvgroups_torch.copy_paths` (the kernel until one is measured).
+    #: :mod:`kvgroups_torch.copy_engine.paths` (the kernel until one is measured).
     transfer_paths: ClassVar[tuple[str, ...]] = ("auto", "kernel", "copy_engine")
 
     def __init__(self, pinned: str = DEFAULT_PINNED_MODE) -> None:
@@ -110,7 +116,7 @@ class TorchBackend(Backend):
             compiled.record(plan, tensors, objects, self.pinned)
             return None, list(given)
         if device.type == "cuda":
-            cuda_path.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
+            cuda_run.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
         elif device.type == "cpu":
             cpu_path.run_plan(compiled.host_plan(plan), tensors, objects)
         else:
@@ -181,7 +187,7 @@ class TorchBackend(Backend):
                 if device.type == "cuda":
                     if compiled.any_traced([t]):
                         continue  # a fake: its memory kind is checked when the op runs
-                    cuda_path.check_object_tensor(t, device.index, what)
+                    cuda_objects.check_object_tensor(t, device.index, what)
                 elif t.device.type != "cpu":
                     raise KVGroupsValueError(
                         f"{what}: expected a CPU tensor for CPU caches, got {t.device}"
@@ -229,16 +235,16 @@ class TorchBackend(Backend):
 
     def synchronize(self, x: Any = None) -> None:
         """Wait for queued work, then raise what the kernels recorded about device-side ids
-        (:func:`cuda_path.check_errors`: a synchronising call checks them anyway)."""
+        (:func:`cuda_device.check_errors`: a synchronising call checks them anyway)."""
         if not torch.cuda.is_available():
             return
         if isinstance(x, torch.Tensor):
             if x.is_cuda:
                 torch.cuda.synchronize(x.device)
-                cuda_path.check_errors(x.device)
+                cuda_device.check_errors(x.device)
             return
         torch.cuda.synchronize()
-        cuda_path.check_errors()
+        cuda_device.check_errors()
 
     def to_host_ids(self, ids: Any) -> Any:
         if isinstance(ids, torch.Tensor):
@@ -297,14 +303,14 @@ def _check_usable(t: torch.Tensor, what: str) -> None:
 class TorchBoundCaches(BoundCaches):
     """The prepared path of :class:`TorchBackend`: for CUDA caches, calls whose objects are
     plain ``[num_chunks, nbytes]`` uint8 tensors on the caches' GPU (the hot case) go through
-    :class:`cuda_path.DeviceCaches`, which keeps the per-cache launch state; every other call
+    :class:`cuda_run.DeviceCaches`, which keeps the per-cache launch state; every other call
     takes the generic checks and :meth:`TorchBackend.execute`."""
 
     def __init__(self, backend: TorchBackend, caches: Sequence[TensorDesc]) -> None:
         super().__init__(backend, caches)
         device = cache_device(self.caches)
         traced = any(getattr(c, "is_abstract", False) for c in self.caches)
-        self.device_caches = (cuda_path.DeviceCaches(self.caches, device.index)
+        self.device_caches = (cuda_run.DeviceCaches(self.caches, device.index)
                               if device.type == "cuda" and not traced else None)
 
     def release(self) -> bool:
@@ -322,7 +328,7 @@ class TorchBoundCaches(BoundCaches):
         return super().run(plan, objects)
 
     def runner(self, plan: Any, block_ids: Any) -> Any:
-        """CUDA caches: the plan's launches kept ready (:class:`cuda_path.PlanRunner`), for
+        """CUDA caches: the plan's launches kept ready (:class:`cuda_replay.PlanRunner`), for
         objects on the caches' GPU; other objects (pinned host) take :meth:`run`."""
         generic = super().runner(plan, block_ids)
         fast = self.device_caches
@@ -331,4 +337,4 @@ class TorchBoundCaches(BoundCaches):
         if getattr(plan, "path", "kernel") != "kernel" and copy_engine.copy_groups(plan,
                                                                                   fast.index):
             return generic  # the copy engines take (part of) it: their path decides per call
-        return cuda_path.PlanRunner(fast, plan, block_ids, generic)
+        return cuda_replay.PlanRunner(fast, plan, block_ids, generic)

@@ -16,8 +16,11 @@ import torch
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
-from . import cpu_path, cuda_path, ops
+from . import cpu as cpu_path
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
+from .compile import ops
+from .cuda import objects as cuda_objects
+from .cuda import run as cuda_run
 
 
 class BoundPlan:
@@ -32,7 +35,7 @@ class BoundPlan:
     objects : sequence of torch.Tensor
         One ``[num_chunks, object_nbytes]`` uint8 tensor per object group (GPU or pinned).
     pinned : {"direct", "staged"}
-        How pinned host objects are reached (see :func:`cuda_path.run_plan`).
+        How pinned host objects are reached (see :func:`cuda_run.run_plan`).
     """
 
     def __init__(self, plan: Any, caches: Sequence[Any], objects: Sequence[Any], *,
@@ -42,13 +45,13 @@ class BoundPlan:
         self.objects = [tensor_of(o, f"objects[{i}]") for i, o in enumerate(objects)]
         self.device = cache_device(self.caches)
         self.pinned = pinned
-        self._bindings: dict[int, cuda_path.ObjectBinding] | None = None
-        self._device_caches: cuda_path.DeviceCaches | None = None
+        self._bindings: dict[int, cuda_objects.ObjectBinding] | None = None
+        self._device_caches: cuda_run.DeviceCaches | None = None
         if self.device.type == "cuda":
             index = self.device.index
-            self._device_caches = cuda_path.DeviceCaches(self.caches, index)  # loads kernels
+            self._device_caches = cuda_run.DeviceCaches(self.caches, index)  # loads kernels
             self._bindings = {
-                g: cuda_path.bind_objects(o, index, f"objects[{g}]")
+                g: cuda_objects.bind_objects(o, index, f"objects[{g}]")
                 for g, o in enumerate(self.objects)
             }
             for group in plan.groups:  # pointer tables and packed parameters, now
@@ -111,7 +114,7 @@ class BoundPlan:
                 return
             same = len(objects) == len(self.objects) and all(
                 a is b for a, b in zip(objects, self.objects))
-            cuda_path.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
+            cuda_run.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
                                block_ids=ids, bindings=self._bindings if same else None)
         else:
             cpu_path.run_plan(self.plan, caches, objects, block_ids=ids)

@@ -11,7 +11,7 @@ Paths:
     per object (pinned placement only).
 ``index``
     The plain baseline: ``index_select`` / ``index_copy_`` over strided views
-    (:mod:`kvgroups_torch.cpu_path`); also what the backend itself runs on the CPU.
+    (:mod:`kvgroups_torch.cpu`); also what the backend itself runs on the CPU.
 
 CUDA work is timed with CUDA events around batches of back-to-back calls on the current
 stream; CPU work with the wall clock. Ceilings: ``device_copy`` (``copy_`` of the same byte
@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from kvgroups_torch import cpu_path
+from kvgroups_torch import cpu as cpu_path
 from kvgroups_torch.backend import TorchBackend, tensor_of
 from kvgroups_torch.describe import torch_dtype
 

@@ -16,7 +16,7 @@ import kvgroups_torch  # noqa: E402
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from engine_cases import ids_for, map_ids, model_caches, object_bytes, reference_store  # noqa: E402
-from kvgroups_torch import cuda_path  # noqa: E402
+from kvgroups_torch.cuda import launch as cuda_launch  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
 from kvgroups_core.errors import KVGroupsIndexError  # noqa: E402
@@ -83,8 +83,8 @@ def lifetime():
         torch.cuda._sleep(BUSY_CYCLES)
         prep.store(ids, late)
     del prep
-    cuda_path._by_identity.clear()
-    cuda_path._by_value.clear()
+    cuda_launch._by_identity.clear()
+    cuda_launch._by_value.clear()
     gc.collect()
     junk = _fill_free_blocks_with_junk(home)  # runs at once: home is idle
     torch.cuda.synchronize()

@@ -23,7 +23,11 @@ import time
 
 import numpy as np
 import torch
-from kvgroups_torch import cuda_path, device_tables
+from kvgroups_torch.cuda import device_tables
+from kvgroups_torch.cuda import launch as cuda_launch
+from kvgroups_torch.cuda import objects as cuda_objects
+from kvgroups_torch.cuda import replay as cuda_replay
+from kvgroups_torch.cuda import run as cuda_run
 
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer.api import prepare
@@ -56,12 +60,15 @@ def stub_driver() -> type:
                 Launcher.launches += 1
 
     device = Device()
-    cuda_path.device_state = lambda index: device
-    cuda_path.Launcher = Launcher
-    cuda_path.current_stream = lambda index: 0
-    cuda_path._on_device = lambda t, index: True
-    cuda_path._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
-    cuda_path._to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_run.device_state = lambda index: device
+    cuda_launch.Launcher = Launcher
+    cuda_run.current_stream = lambda index: 0
+    cuda_replay.current_stream = lambda index: 0
+    cuda_launch._on_device = lambda t, index: True
+    cuda_replay._on_device = lambda t, index: True
+    cuda_launch._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+    cuda_objects._to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_launch._to_table = lambda a, index: device_tables.HostTable(a)
     return Launcher
 
 
@@ -69,7 +76,7 @@ def stubbed_prepared(manager, caches):
     """A prepared torch transfer whose per-call path is the CUDA one, on CPU tensors (CPU id
     tensors taken as device ids)."""
     prepared = prepare(manager, caches, backend="torch")
-    fast = cuda_path.DeviceCaches(prepared._bound.caches, 0)
+    fast = cuda_run.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" are CPU tensors here
     prepared._bound.device_caches = fast
     prepared._ids_spec = lambda x: (str(x.dtype).rpartition(".")[2], tuple(x.shape)) \

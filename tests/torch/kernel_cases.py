@@ -19,7 +19,7 @@ from engine_cases import (
     reference_with_drops,
 )
 from kvgroups_cuda import params as P
-from kvgroups_torch import cuda_path
+from kvgroups_torch.cuda import launch as cuda_launch
 
 import kvgroups_core as kc
 from kvgroups_core.errors import KVGroupsIndexError
@@ -44,10 +44,10 @@ def spy_on_kernels(monkeypatch, *settings):
     for module, name, value in settings:
         monkeypatch.setattr(module, name, value)
     monkeypatch.setattr(P, "kernel_name", spy)
-    cuda_path.reset_caches()
+    cuda_launch.reset_caches()
     yield names
     monkeypatch.undo()
-    cuda_path.reset_caches()
+    cuda_launch.reset_caches()
 
 
 def check_bytes(caches, objects, want_caches, want_objects) -> None:

@@ -19,7 +19,8 @@ from kvgroups_tools.catalog import MODELS
 pytestmark = needs_cuda
 
 if torch.cuda.is_available():
-    from kvgroups_torch import copy_engine, copy_paths
+    from kvgroups_torch.copy_engine import batch as copy_engine
+    from kvgroups_torch.copy_engine import paths as copy_paths
 
 CHUNK = 64
 MODELS_UNDER_TEST = [

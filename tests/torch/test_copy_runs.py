@@ -1,5 +1,5 @@
 """The copy-engine path's host half on the CPU: the ``(dst, src, nbytes)`` lists of
-:mod:`kvgroups_torch.copy_runs`, computed against fake base addresses and applied with NumPy
+:mod:`kvgroups_torch.copy_engine.runs`, computed against fake base addresses and applied with NumPy
 memmoves on host buffers standing in for device memory, move exactly the bytes of the page
 oracle (every layout of ``torch_page_cases``) and of the core's NumPy reference (real
 managers: NHD, HND, MLA, the indexer's blocked scales, windowed groups, layer subsets and
@@ -8,7 +8,7 @@ prefix skips). Bytes no copy names must stay as they were (the buffers start ran
 import numpy as np
 import pytest
 from engine_cases import ids_for
-from kvgroups_torch.copy_runs import copy_bytes, group_copies, object_plane
+from kvgroups_torch.copy_engine.runs import copy_bytes, group_copies, object_plane
 from torch_page_cases import LAYOUTS, make_case, oracle
 
 from kvgroups_core.formats.catalogue import EngineKVFormat as F

@@ -6,7 +6,7 @@ where allowed) and the typed errors are checked on any machine."""
 import ctypes
 
 import pytest
-from kvgroups_torch import driver
+from kvgroups_torch.cuda import driver
 
 PRIMARY, OTHER = 0x1000, 0x2000
 

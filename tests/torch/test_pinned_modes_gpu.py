@@ -18,7 +18,8 @@ from kvgroups_tools.catalog import MODELS
 pytestmark = needs_cuda
 
 if torch.cuda.is_available():
-    from kvgroups_torch import cuda_path
+    from kvgroups_torch.cuda import objects as cuda_objects
+    from kvgroups_torch.cuda import run as cuda_run
 
 CHUNK = 64
 
@@ -47,8 +48,9 @@ def _host(tensors):
 def mode(request, monkeypatch):
     monkeypatch.setattr(get_backend("torch"), "pinned", request.param)
     staged = []
-    real = cuda_path._stage
-    monkeypatch.setattr(cuda_path, "_stage", lambda *a: staged.append(1) or real(*a))
+    real = cuda_objects._stage
+    monkeypatch.setattr(cuda_run, "_stage", lambda *a: staged.append(1) or real(*a))
+    monkeypatch.setattr(cuda_objects, "_stage", lambda *a: staged.append(1) or real(*a))
     return request.param, staged
 
 

@@ -1,4 +1,4 @@
-"""Pinned host objects through the generic CUDA path (``cuda_path.run_plan``: what a call
+"""Pinned host objects through the generic CUDA path (``cuda_run.run_plan``: what a call
 with objects outside the caches' GPU takes), on CPU tensors with the emulated kernel of
 test_torch_launch_emulated, for both pinned modes. "staged" device buffers come from a
 stand-in of PyTorch's caching allocator, which hands a freed block to the next request of its
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from kvgroups_torch import backend as torch_backend
-from kvgroups_torch import cuda_path
+from kvgroups_torch.cuda import run as cuda_run
 from test_torch_launch_emulated import emulated  # noqa: F401
 
 import kvgroups_core as kc
@@ -90,12 +90,12 @@ def test_pinned_load_of_two_object_groups_matches_the_reference(emulated, cachin
     monkeypatch.setattr(prep.backend, "pinned", pinned)
     # CPU objects stand for pinned ones: not the caches' "GPU" for the prepared fast path
     # (DeviceCaches, device objects only), so the call takes the generic run_plan.
-    prep._bound.device_caches = fast = cuda_path.DeviceCaches(prep._bound.caches, 0)
+    prep._bound.device_caches = fast = cuda_run.DeviceCaches(prep._bound.caches, 0)
     fast.device = torch.device("cuda", 0)
     monkeypatch.setattr(torch_backend, "cache_device", lambda caches: torch.device("cuda", 0))
     ran = []
-    real_run_plan = cuda_path.run_plan
-    monkeypatch.setattr(cuda_path, "run_plan", lambda *a, **k: ran.append(real_run_plan(*a, **k)))
+    real_run_plan = cuda_run.run_plan
+    monkeypatch.setattr(cuda_run, "run_plan", lambda *a, **k: ran.append(real_run_plan(*a, **k)))
     before = len(launches)
     prep.load(objects, ids, **kw)
     groups = 1 if "layers" in kw else 2  # layers 0 and 2: the sliding group's alone

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from kvgroups_cuda import geometry, nvrtc
 from kvgroups_cuda import params as P
-from kvgroups_torch import cuda_path
+from kvgroups_torch.cuda import launch as cuda_launch
 from test_torch_launch_emulated import (  # noqa: F401 (fixtures and cases run again here)
     _check,
     device_ids,
@@ -39,11 +39,11 @@ def small_pages_everywhere(monkeypatch):
     ``emulated`` checks afterwards that they did."""
     monkeypatch.setattr(geometry, "SMALL_PAGE_BYTES", 2**20)
     monkeypatch.setattr(geometry, "SMALL_PLANES_PER_CTA", 4)
-    cuda_path._by_identity.clear()
-    cuda_path._by_value.clear()
+    cuda_launch._by_identity.clear()
+    cuda_launch._by_value.clear()
     yield
-    cuda_path._by_identity.clear()
-    cuda_path._by_value.clear()
+    cuda_launch._by_identity.clear()
+    cuda_launch._by_value.clear()
 
 
 @pytest.fixture(autouse=True)
@@ -167,8 +167,8 @@ def test_emulated_partial_tiles_and_plane_groups(emulated, monkeypatch, directio
 
 def test_default_keeps_the_established_kernels(monkeypatch, emulated):  # noqa: F811
     monkeypatch.setattr(geometry, "SMALL_PAGE_BYTES", 0)
-    cuda_path._by_identity.clear()
-    cuda_path._by_value.clear()
+    cuda_launch._by_identity.clear()
+    cuda_launch._by_value.clear()
     launches, _ = emulated
     rng = np.random.default_rng(3)
     _check(make_case("nhd", "float16", "store", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,

@@ -8,7 +8,7 @@ import pytest
 from cuda_marks import needs_cuda
 from kernel_cases import PageCases, spy_on_kernels
 from kvgroups_cuda import geometry, nvrtc
-from kvgroups_torch import cuda_path
+from kvgroups_torch.cuda import launch as cuda_launch
 
 pytestmark = needs_cuda
 
@@ -73,6 +73,6 @@ def test_swept_tunables_stay_bit_exact(small, monkeypatch, point):
     monkeypatch.setattr(geometry, "SMALL_PLANES_PER_CTA", point["planes"])
     monkeypatch.setattr(geometry, "SMALL_CTA_BYTES", point["cta_bytes"])
     monkeypatch.setattr(nvrtc, "TUNING", {"KVG_SMALL_UNROLL": point["unroll"]})
-    cuda_path.reset_caches()
+    cuda_launch.reset_caches()
     CASES.round_trip(512, 150, seed=14)
     assert _used_small(small)

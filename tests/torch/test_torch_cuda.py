@@ -8,7 +8,8 @@ import numpy as np
 import pytest
 import torch
 from cuda_marks import needs_cuda
-from kvgroups_torch import BoundPlan, check_device_errors, cuda_path
+from kvgroups_torch import BoundPlan, check_device_errors
+from kvgroups_torch.cuda import run as cuda_run
 from torch_page_cases import as_bytes, as_tensor, make_case, oracle
 
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError
@@ -114,7 +115,7 @@ def test_launches_on_the_current_stream():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        cuda_path.run_plan(case.plan, caches, [objects], 0)
+        cuda_run.run_plan(case.plan, caches, [objects], 0)
         copy = objects.clone()  # ordered after the kernel only if both are on `stream`
     stream.synchronize()
     _, want_objects = oracle(case)
@@ -130,7 +131,7 @@ def test_runs_from_a_thread_that_never_touched_cuda():
 
     def work():
         try:
-            cuda_path.run_plan(case.plan, caches, [objects], 0)
+            cuda_run.run_plan(case.plan, caches, [objects], 0)
             torch.cuda.synchronize()
         except Exception as exc:  # reported below, with the test's own assertion
             errors.append(exc)

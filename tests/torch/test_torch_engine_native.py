@@ -171,7 +171,8 @@ def test_nonstrict_traced_calls_on_fakes_record_ops_without_the_compiling_flag(m
     # torch.compiler.is_compiling() unset (torch 2.11): fakes must still be recognised as
     # such (no .numpy(), no launch) and recorded as one custom op per call. Fake CUDA tensors
     # need no GPU.
-    from kvgroups_torch import compiled, ops
+    from kvgroups_torch.compile import dynamo as compiled
+    from kvgroups_torch.compile import ops
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     manager, caches = model_caches("llama3-8b", seed=30)

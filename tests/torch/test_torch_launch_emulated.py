@@ -8,7 +8,12 @@ import numpy as np
 import pytest
 import torch
 from kvgroups_cuda import params as P
-from kvgroups_torch import cuda_path, device_tables
+from kvgroups_torch.cuda import device as cuda_device
+from kvgroups_torch.cuda import device_tables
+from kvgroups_torch.cuda import launch as cuda_launch
+from kvgroups_torch.cuda import objects as cuda_objects
+from kvgroups_torch.cuda import replay as cuda_replay
+from kvgroups_torch.cuda import run as cuda_run
 from torch_page_cases import LAYOUTS, as_bytes, as_tensor, make_case, oracle
 
 NAMES = P.all_kernel_names()
@@ -143,7 +148,7 @@ def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
     store = name.split("_")[1] == "store"
     launches.append((name, tuple(grid), p.segs_per_page))
     assert grid[1] == grid[2] == 1 and p.num_runs == 1
-    run, seg_units = p.runs[0], 32 * cuda_path.warp_unroll()
+    run, seg_units = p.runs[0], 32 * cuda_launch.warp_unroll()
     segs, kept = p.segs_per_page, p.kept_per_chunk
     assert segs == -(-run.page_units // seg_units)
     assert p.segs_shift == (segs.bit_length() - 1 if segs & (segs - 1) == 0 else 0xFF)
@@ -237,14 +242,16 @@ def emulated(request, monkeypatch):
             assert threads == P.THREADS
             emulate(P.KvgParams.from_address(self.address), NAMES[function], grid, launches)
 
-    monkeypatch.setattr(cuda_path, "device_state", lambda index: FakeDevice())
-    monkeypatch.setattr(cuda_path, "Launcher", FakeLauncher)
-    monkeypatch.setattr(cuda_path, "current_stream", lambda index: 0)
-    monkeypatch.setattr(cuda_path, "check_object_tensor", lambda t, i, w: None)
-    monkeypatch.setattr(cuda_path, "_to_device", lambda a, i: torch.from_numpy(a.copy()))
-    monkeypatch.setattr(cuda_path, "_to_table", lambda a, i: device_tables.HostTable(a))
-    cuda_path._by_identity.clear()
-    cuda_path._by_value.clear()
+    monkeypatch.setattr(cuda_run, "device_state", lambda index: FakeDevice())
+    monkeypatch.setattr(cuda_launch, "Launcher", FakeLauncher)
+    monkeypatch.setattr(cuda_run, "current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_replay, "current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_objects, "check_object_tensor", lambda t, i, w: None)
+    monkeypatch.setattr(cuda_launch, "_to_device", lambda a, i: torch.from_numpy(a.copy()))
+    monkeypatch.setattr(cuda_objects, "_to_table", lambda a, i: device_tables.HostTable(a))
+    monkeypatch.setattr(cuda_launch, "_to_table", lambda a, i: device_tables.HostTable(a))
+    cuda_launch._by_identity.clear()
+    cuda_launch._by_value.clear()
     return launches, FakeDevice
 
 
@@ -254,7 +261,7 @@ def _run(case, offset_elems=0, per_chunk=False, ids=None):
               for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
     entry = [row.clone() for row in objects] if per_chunk else objects
-    cuda_path.run_plan(case.plan, caches, [entry], 0,
+    cuda_run.run_plan(case.plan, caches, [entry], 0,
                        block_ids=None if ids is None else [ids])
     got = np.stack([o.numpy() for o in entry]) if per_chunk else objects.numpy()
     return [as_bytes(c) for c in caches], got
@@ -326,7 +333,7 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
         np.testing.assert_array_equal(got, want)
 
 
-# The prepared path (kvgroups_core.transfer.api.prepare) through cuda_path.DeviceCaches, with CPU
+# The prepared path (kvgroups_core.transfer.api.prepare) through cuda_run.DeviceCaches, with CPU
 # tensors standing in for the GPU's: its object checks, bindings and launches are the ones a
 # CUDA call runs, and the emulated kernel moves the bytes.
 
@@ -348,7 +355,7 @@ def _emulated_prepare(manager, caches):
     from kvgroups_core.transfer.api import prepare
 
     prepared = prepare(manager, caches, backend="torch")
-    fast = cuda_path.DeviceCaches(prepared._bound.caches, 0)
+    fast = cuda_run.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" = CPU tensors here
     prepared._bound.device_caches = fast
     return prepared
@@ -484,7 +491,8 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
 def device_ids(emulated, monkeypatch):
     from kvgroups_torch.backend import TorchBackend
 
-    monkeypatch.setattr(cuda_path, "_on_device", lambda t, index: True)
+    monkeypatch.setattr(cuda_launch, "_on_device", lambda t, index: True)
+    monkeypatch.setattr(cuda_replay, "_on_device", lambda t, index: True)
 
     def spec(self, x):
         if isinstance(x, torch.Tensor):
@@ -530,7 +538,7 @@ def test_emulated_device_ids_drop_bad_items_and_record_the_first_bad_value(devic
         assert rec[0] == 1 and rec[1] == 12 and rec[4] == 12 and rec[5] == 2
         with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in "
                                                      r"\[0, 12\).*got 12"):
-            cuda_path.raise_recorded(device.err_record, "cuda:0")
+            cuda_device.raise_recorded(device.err_record, "cuda:0")
         assert device.err_record.tolist() == [0] * P.ERR_WORDS  # cleared by the check
 
 
@@ -568,7 +576,7 @@ def test_emulated_device_skip_out_of_range_is_clamped_and_recorded(device_ids):
     for a, b in zip(cache_bytes(fast.kv_caches), cache_bytes(ref.kv_caches)):
         np.testing.assert_array_equal(a, b)
     with pytest.raises(KVGroupsValueError, match=r"skip_first_n_tokens.*\[0, 128\].*got -7"):
-        cuda_path.raise_recorded(device.err_record, "cuda:0")
+        cuda_device.raise_recorded(device.err_record, "cuda:0")
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
@@ -637,7 +645,7 @@ def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated)
 
     launches, _ = emulated
     rng = np.random.default_rng(41)
-    segment = 32 * cuda_path.warp_unroll() * 16
+    segment = 32 * cuda_launch.warp_unroll() * 16
     for hs in (segment // 256, segment // 32, 3 * segment // 64):  # float32 NHD rows: block
         # of 2 tokens x 4 heads x hs words, so a page is 32 * hs bytes
         for direction in ("store", "load"):

@@ -4,7 +4,8 @@ import numpy as np
 import pytest
 import torch
 from cuda_marks import needs_cuda
-from kvgroups_torch import cpu_path, cuda_path
+from kvgroups_torch import cpu as cpu_path
+from kvgroups_torch.cuda import run as cuda_run
 from torch_page_cases import (
     ITEMSIZE,
     LAYOUTS,
@@ -32,7 +33,7 @@ def _execute(impl, plan, caches, objects):
         cpu_path.run_plan(plan, caches, objects)
     else:
         pinned = "staged" if impl == "cuda-staged" else "direct"
-        cuda_path.run_plan(plan, caches, objects, caches[0].device.index, pinned=pinned)
+        cuda_run.run_plan(plan, caches, objects, caches[0].device.index, pinned=pinned)
 
 
 def _objects_tensor(impl, raw, per_chunk=False):

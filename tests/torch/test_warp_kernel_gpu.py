@@ -9,7 +9,7 @@ import pytest
 from cuda_marks import needs_cuda
 from kernel_cases import PageCases, spy_on_kernels
 from kvgroups_cuda import geometry, nvrtc
-from kvgroups_torch import cuda_path
+from kvgroups_torch.cuda import launch as cuda_launch
 
 pytestmark = needs_cuda
 
@@ -66,7 +66,7 @@ def test_out_of_range_device_ids_move_nothing_and_raise_at_the_check(warp, direc
                                    {"KVG_WARP_PREFETCH": 0}])
 def test_measured_tunables_stay_bit_exact(warp, monkeypatch, point):
     monkeypatch.setattr(nvrtc, "TUNING", dict(point))
-    cuda_path.reset_caches()
+    cuda_launch.reset_caches()
     CASES.round_trip(12288, 30, seed=14)
     CASES.round_trip(32768, 20, store_ctas=3, load_ctas=5, seed=15)  # warps loop over units
     assert _used_warp(warp)

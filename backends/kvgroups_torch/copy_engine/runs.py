@@ -1,6 +1,6 @@
 """The byte ranges a group transfer moves, as a list of ``(dst, src, nbytes)`` copies.
 
-The copy-engine path (:mod:`.copy_engine`) hands the GPU's DMA engines one list of plain
+The copy-engine path (:mod:`.batch`) hands the GPU's DMA engines one list of plain
 copies instead of launching a kernel. This module computes that list on the host, from the
 same page model the kernels use (docs/DESIGN.md): per item (chunk, position, block id), per
 plane, per segment run of :func:`~.geometry.group_shape`, per token and piece, one copy of

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
 
-from .copy_runs import copy_bytes
+from .runs import copy_bytes
 
 ENV_DIR = "KVGROUPS_COPY_PATHS_DIR"
 ENV_SWITCH = "KVGROUPS_COPY_PATHS"
@@ -111,7 +111,7 @@ _lock = threading.Lock()
 def _gpu_and_driver(device_index: int) -> tuple[str, int]:
     import torch
 
-    from .copy_engine import driver_version
+    from kvgroups_torch.cuda.driver import driver_version
 
     return torch.cuda.get_device_name(device_index), driver_version()
 

@@ -3,7 +3,7 @@
 ``kvgroups::store_pages`` (mutates the objects) and ``kvgroups::load_pages`` (mutates the
 caches) take the integer handle of a *runner* (the plan's geometry stays on the Python side:
 a :class:`~kvgroups_torch.bound_plan.BoundPlan`, or a plan template the public calls made
-while being traced, :mod:`kvgroups_torch.compiled`) plus the tensors: the caches, the
+while being traced, :mod:`kvgroups_torch.compile.dynamo`) plus the tensors: the caches, the
 objects, one block-id tensor per group transfer (empty when the ids are baked into the
 plan) and the load's device skip. Both ops write in place and return nothing, so their fake
 implementations do nothing and tracing needs no shapes; the ``mutates_args`` annotations

@@ -7,7 +7,7 @@ thin polyfills that hand everything to a ``nonstrict_trace`` function: Dynamo pu
 call in its graph, and AOTAutograd runs the real call on fake tensors. There the core plans
 from abstract descriptors (no data pointers; the ids and a device skip stay fake tensors in
 the plan), and the backend, instead of launching, records one custom op
-(:mod:`kvgroups_torch.ops`) whose handle names a plan *template*: the plan with its per-call
+(:mod:`kvgroups_torch.compile.ops`) whose handle names a plan *template*: the plan with its per-call
 tensors taken out. At run time the op's implementation puts the real id and skip tensors back
 and runs the plan (CUDA: the page-copy kernels, ids read on the device; CPU: ``cpu_path``,
 with eager typed errors). A new chunk count is a new id shape, hence a new trace; new ids of
@@ -74,7 +74,8 @@ class PlanTemplate:
 
     def execute(self, caches: Sequence[torch.Tensor], objects: Sequence[torch.Tensor],
                 block_ids: Sequence[torch.Tensor], skip: Any) -> None:
-        from . import cpu_path, cuda_path
+        from kvgroups_torch import cpu as cpu_path
+        from kvgroups_torch.cuda import run as cuda_run
 
         plan = self.plan
         if self.device_ids:
@@ -88,7 +89,7 @@ class PlanTemplate:
             plan = replace(plan, skip_tokens=skip)
         device = caches[0].device
         if device.type == "cuda":
-            cuda_path.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
+            cuda_run.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
         else:
             cpu_path.run_plan(host_plan(plan), caches, objects)
 

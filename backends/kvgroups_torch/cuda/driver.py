@@ -126,6 +126,14 @@ def check(code: int, what: str) -> None:
 
 
 @functools.cache
+def driver_version() -> int:
+    """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0)."""
+    lib = _libcuda()
+    version = ctypes.c_int()
+    check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
+    return version.value
+
+
 def primary_context(device_index: int) -> int:
     """Handle of the primary context of ``device_index`` (PyTorch's context)."""
     lib = _libcuda()

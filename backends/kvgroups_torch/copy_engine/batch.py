@@ -1,13 +1,13 @@
 """The copy-engine path: a plan's pages moved by the GPU's DMA engines, not by a kernel.
 
-The host computes every group's ``(dst, src, nbytes)`` copies (:mod:`.copy_runs`) and hands
+The host computes every group's ``(dst, src, nbytes)`` copies (:mod:`.runs`) and hands
 them to the driver in one ``cuMemcpyBatchAsync`` call on PyTorch's current stream: no SM is
 used, which leaves the GPU to the forward pass, and the copy engines reach pinned host memory
 at the link's rate. It needs host ids and a host skip (the copy list is built from them), so
 device ids run the kernel (``path="auto"``) or are refused (``path="copy_engine"``).
 
 The driver call is a thin ctypes layer; which groups take it is decided by
-:func:`copy_groups` (the measured table of :mod:`.copy_paths` under ``"auto"``).
+:func:`copy_groups` (the measured table of :mod:`.paths` under ``"auto"``).
 """
 
 from __future__ import annotations
@@ -22,10 +22,10 @@ import torch
 from kvgroups_cuda import params as P
 
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_torch.cuda.driver import _libcuda, check, driver_version, primary_context
 
-from .copy_paths import table_for
-from .copy_runs import group_copies
-from .driver import _libcuda, check, primary_context
+from .paths import table_for
+from .runs import group_copies
 
 # CUmemcpySrcAccessOrder / CUmemLocationType values of cuda.h (CUDA 12.8+).
 _SRC_ACCESS_ORDER_STREAM = 1
@@ -47,14 +47,6 @@ class MemcpyAttributes(ctypes.Structure):
 
     _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
                 ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
-
-
-def driver_version() -> int:
-    """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0)."""
-    lib = _libcuda()
-    version = ctypes.c_int()
-    check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
-    return version.value
 
 
 @functools.cache
@@ -174,7 +166,7 @@ def submit(fn: Any, args: list, stream: int, device_index: int, buf: BatchBuffer
 
 
 def chunk_addresses(binding: Any) -> list[int]:
-    """Address of each chunk's object row of an object binding (``cuda_path.ObjectBinding``)."""
+    """Address of each chunk's object row of an object binding (``kvgroups_torch.cuda.objects.ObjectBinding``)."""
     if binding.mode == P.OBJ_STRIDED:
         return [binding.base + c * binding.stride for c in range(binding.num_chunks)]
     return list(binding.addresses)
@@ -213,7 +205,7 @@ def copy_groups(plan: Any, device_index: int, block_ids: Sequence[Any] | None = 
 
     ``path="kernel"``: none. ``"copy_engine"``: all (device ids or a device skip are
     refused, before anything moves). ``"auto"``: by the measured table of
-    :mod:`.copy_paths` for this GPU, per object group (its groups all take one path, so a
+    :mod:`.paths` for this GPU, per object group (its groups all take one path, so a
     staged pinned object is never half written by each); none without a table, with device
     ids, or while a CUDA graph is being captured. ``on_host(g)`` says whether object group
     ``g`` is in pinned host memory (default: never)."""

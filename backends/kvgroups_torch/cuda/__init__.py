@@ -1,0 +1,2 @@
+"""The CUDA path of the torch backend: per-GPU state, object addressing, launch state, the run
+loops and the replay of validated calls, over the raw driver calls and device tables."""

@@ -1,0 +1,111 @@
+"""Repeated calls of a validated signature: the launches of one plan kept ready on a prepared
+transfer's caches (:class:`PlanRunner`), so a warm call only writes its ids and launches."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from kvgroups_cuda import params as P
+
+from .device import current_stream
+from .launch import _ID_DTYPES, _bind_ids, _on_device, _write_objects, _write_step
+from .objects import ObjectBinding
+from .run import DeviceCaches
+
+
+class PlanRunner:
+    """The launches of one plan on one :class:`DeviceCaches`, ready for the repeated calls of
+    a validated signature (``kvgroups_core.transfer.fast.call_memo``): a call writes its ids (and, when they
+    differ from the last launch's, the objects and the item range) into each group's packed
+    parameters and launches. Built after a call of ``plan`` passed every check; later calls
+    bring ids of the same dtype, shape, device and contiguity as ``sample_ids`` and objects the
+    core validated for ``plan``'s direction and chunk count. Objects that are not device
+    objects bound before (pinned host memory) go to ``fallback`` (the generic runner)."""
+
+    _MAX_OBJECTS = 64  # object signatures kept per runner (an engine cycles a few buffers)
+
+    def __init__(self, fast: DeviceCaches, plan: Any, sample_ids: Any, fallback: Any) -> None:
+        self.fast = fast
+        self.plan = plan
+        self.rows = plan.num_chunks
+        self.index = fast.index
+        self.fallback = fallback
+        # Contiguous int32/int64 tensors on the GPU are read in place: only their address
+        # changes between calls. Anything else (host ids) goes through _bind_ids.
+        self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in _ID_DTYPES \
+            and _on_device(sample_ids, self.index) and sample_ids.is_contiguous()
+        self.ids_mode = P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 \
+            else P.IDS_DEVICE64
+        self._steps: dict[Any, list[tuple]] = {}  # object vector units -> launch list
+        # The core's validated objects signature -> (bindings, launch list): a hit on the
+        # signature of the last call's objects needs neither read again.
+        self._by_objects: dict[Any, tuple[list[ObjectBinding], list[tuple]]] = {}
+
+    def _bind(self, objects: Sequence[Any]) -> tuple[list, list[tuple]] | None:
+        """The device bindings of ``objects`` and the launch list for their alignment; None
+        when they are not device objects bound before (pinned host memory)."""
+        bindings = self.fast.device_bindings(objects, self.rows)
+        if bindings is None:
+            return None
+        units = bindings[0].unit if len(bindings) == 1 else tuple([b.unit for b in bindings])
+        steps = self._steps.get(units)
+        if steps is None:
+            steps = self._steps[units] = self._launch_list(bindings)
+        return bindings, steps
+
+    def _launch_list(self, bindings: list[ObjectBinding]) -> list[tuple]:
+        plan, fast = self.plan, self.fast
+        out = []
+        for group in plan.groups:
+            launch = fast.launch_for(group)
+            unit = bindings[group.object_group_idx].unit
+            key = (plan.direction, group.num_chunks, group.first_item, unit, plan.max_ctas)
+            step = launch._steps.get(key)
+            if step is None:
+                step = launch._steps[key] = launch._step(plan.direction, group, unit,
+                                                         plan.max_ctas)
+            p, launcher, function, grid, needed, num_items = step[:6]
+            if num_items:
+                out.append((launch, p, launcher, function, grid, step, group.first_item,
+                            group.object_group_idx, needed, launch.shape.num_blocks))
+        return out
+
+    def __call__(self, ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
+        """Launch with ``ids`` on ``objects`` (the runner protocol of
+        ``kvgroups_core.transfer.backend.BoundCaches.runner``: ``(None, objects)``, nothing replaced).
+        ``objects_key``: the core's validated signature of ``objects`` (address, dtype, shape
+        and strides of each), so what was bound for it before is bound again."""
+        found = self._by_objects.get(objects_key) if objects_key is not None else None
+        if found is None:
+            found = self._bind(objects)
+            if found is None:
+                return self.fallback(ids, objects)
+            if objects_key is not None:
+                if len(self._by_objects) >= self._MAX_OBJECTS:
+                    self._by_objects.clear()
+                self._by_objects[objects_key] = found
+        bindings, steps = found
+        stream = current_stream(self.index)
+        if self.in_place:
+            address, mode = ids.data_ptr(), self.ids_mode
+        for launch, p, launcher, function, grid, step, first_item, og, needed, nb in steps:
+            objs = bindings[og]
+            if stream not in launch.ready:
+                launch.readable_on(stream)
+            with launch.lock:
+                if self.in_place:
+                    p.ids = address
+                    p.ids_mode = mode
+                    keepalive = None
+                else:
+                    keepalive = _bind_ids(p, ids, needed, nb, self.index)
+                if p.last_objects is not objs:
+                    _write_objects(p, objs)
+                if p.last_step is not step:
+                    _write_step(p, step, first_item)
+                if p.skip_mode:
+                    p.skip_mode = P.SKIP_NONE
+                launcher.launch(function, grid, P.THREADS, stream)
+            del keepalive  # a device copy of host ids is stream-ordered: safe to free now
+        return None, list(objects)
