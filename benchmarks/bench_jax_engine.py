@@ -260,7 +260,7 @@ class Bench:
         jax.block_until_ready([self.caches, *trees])
 
     def emit(self, **record):
-        from kvgroups_jax import pallas_mosaic
+        from kvgroups_jax.lowerings import mosaic as pallas_mosaic
 
         record.update(runtime="jax", placement="device", page_bytes=self.page_bytes,
                       layout=self.args.layout, mosaic_smem_bytes=pallas_mosaic.MAX_SMEM_BYTES,
@@ -383,7 +383,7 @@ class Bench:
 
 def main(argv=None):
     args = parse_args(argv)
-    from kvgroups_jax import pallas_mosaic
+    from kvgroups_jax.lowerings import mosaic as pallas_mosaic
 
     if args.mosaic_smem is not None:
         pallas_mosaic.MAX_SMEM_BYTES = args.mosaic_smem

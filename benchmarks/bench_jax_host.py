@@ -44,6 +44,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from kvgroups_jax import JaxBackend, executor  # noqa: E402
+from kvgroups_jax.lowerings import choice as lowering_choice  # noqa: E402
 
 from kvgroups_core.formats.catalogue import EngineKVFormat  # noqa: E402
 from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
@@ -186,7 +187,7 @@ def main(argv=None) -> None:
                    help="blocks per cache (default: enough for the largest chunk count)")
     p.add_argument("--num-heads", type=int, default=None, help="override the model's KV heads")
     p.add_argument("--head-size", type=int, default=None, help="override the model's head size")
-    p.add_argument("--lowering", default="auto", choices=executor.LOWERINGS)
+    p.add_argument("--lowering", default="auto", choices=lowering_choice.LOWERINGS)
     p.add_argument("--calls", type=int, default=300)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--device", default=None, help="'cpu', 'cuda[:N]' (default: JAX's)")

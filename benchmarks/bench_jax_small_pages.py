@@ -234,7 +234,7 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.pages) - set(SHAPES))
     if unknown:
         p.error(f"--pages: expected sizes from {sorted(SHAPES)}, got {unknown}")
-    from kvgroups_jax import pallas_copy
+    from kvgroups_jax.lowerings import triton as pallas_copy
 
     args.tuning_values = {}
     for item in args.tuning:

@@ -30,8 +30,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 
-from kvgroups_jax import pallas_copy, pallas_mosaic  # noqa: E402
 from kvgroups_jax.geometry import bucket, group_geometry  # noqa: E402
+from kvgroups_jax.lowerings import mosaic as pallas_mosaic  # noqa: E402
+from kvgroups_jax.lowerings import triton as pallas_copy  # noqa: E402
 from kvgroups_jax.views import flat_view, object_unview, object_view, unflat_view  # noqa: E402
 
 from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402

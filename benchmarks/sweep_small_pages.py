@@ -366,7 +366,7 @@ def sweep_torch(args, out: Out) -> None:
 def sweep_jax(args, out: Out) -> None:
     import jax
     import jax.numpy as jnp
-    from kvgroups_jax import pallas_copy
+    from kvgroups_jax.lowerings import triton as pallas_copy
 
     from kvgroups_core import KVLayerGroupsManager, object_nbytes, prepare
     from kvgroups_core.formats.catalogue import EngineKVFormat as F

@@ -10,8 +10,9 @@ lowering, register an instance under another name::
 
 from .backend import JaxBackend
 from .describe import describe_array
-from .executor import LOWERINGS, execute_plan, lower_plan, trace_count
+from .executor import execute_plan, lower_plan, trace_count
 from .foreign import InPlaceCopyWarning, InPlaceWriteLost, import_dlpack
+from .lowerings.choice import LOWERINGS
 
 __all__ = [
     "JaxBackend",

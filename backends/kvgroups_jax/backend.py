@@ -24,8 +24,9 @@ from kvgroups_core.transfer.checks import Memory
 from kvgroups_core.transfer.objects import check_objects
 
 from .describe import describe_array, memory_kind_of
-from .executor import LOWERINGS, execute_plan, writes_every_byte
+from .executor import execute_plan, writes_every_byte
 from .foreign import _IMPORTED, check_in_place, import_dlpack
+from .lowerings.choice import LOWERINGS
 from .sharded import (
     UnknownSharding,
     local_binding,

@@ -26,9 +26,9 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
-from kvgroups_jax import cuda_copy
 from kvgroups_jax.backend import JaxBackend
 from kvgroups_jax.executor import execute_plan
+from kvgroups_jax.lowerings import cuda as cuda_copy
 
 import kvgroups_core as kc
 from kvgroups_core.errors import UnsupportedConfig

@@ -100,7 +100,7 @@ def test_numpy_torch_and_xla_move_blocks_past_2_31_elements():
 def test_xla_index_range_check_refuses_past_int32():
     """The XLA path's guard (run at trace time, before anything is donated): rows of a span
     up to 2**31 - 1, elements up to 2**31 - 1 on the element path."""
-    xla_copy = pytest.importorskip("kvgroups_jax.xla_copy")
+    xla_copy = pytest.importorskip("kvgroups_jax.lowerings.xla")
     from types import SimpleNamespace
 
     big = SimpleNamespace(span=48, unit=1, operand_sizes=(NB * PAGE,))

@@ -62,8 +62,8 @@ def lowered_text_facts(plan, arrays, nbytes) -> dict:
 def run_case(name, layout, dtype, **shape) -> bool:
     import jax
     from checks import run_and_check
-    from kvgroups_jax import pallas_mosaic
     from kvgroups_jax.executor import build_program
+    from kvgroups_jax.lowerings import mosaic as pallas_mosaic
     from layouts import make_group, make_plan
 
     ok = True

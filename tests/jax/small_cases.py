@@ -3,7 +3,7 @@ the pages, a group of one page size, and a fixture body that selects the kernel 
 the items per program of each launch."""
 
 import jax
-from kvgroups_jax import pallas_copy
+from kvgroups_jax.lowerings import triton as pallas_copy
 from layouts import make_group
 
 # (bs, nh, hs) of bf16 pages: 512 B, 1 KiB, 2 KiB per block and plane.

@@ -18,9 +18,9 @@ import pytest
 from checks import reference_transfer
 from kvgroups_cuda import nvrtc
 from kvgroups_cuda import params as P
-from kvgroups_jax import cuda_copy
-from kvgroups_jax.executor import resolve_lowering
 from kvgroups_jax.geometry import group_geometry
+from kvgroups_jax.lowerings import cuda as cuda_copy
+from kvgroups_jax.lowerings.choice import resolve_lowering
 from layouts import make_group, make_plan
 
 from kvgroups_core.errors import UnsupportedConfig

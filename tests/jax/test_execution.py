@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from checks import run_and_check
 from kvgroups_jax import JaxBackend, describe_array, execute_plan, trace_count
-from kvgroups_jax.executor import resolve_lowering
 from kvgroups_jax.geometry import group_geometry
+from kvgroups_jax.lowerings.choice import resolve_lowering
 from layouts import make_group, make_plan
 
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig

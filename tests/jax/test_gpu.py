@@ -47,7 +47,8 @@ def test_gpu_store_and_load_are_bit_exact_and_in_place(layout, dtype, lowering):
 def test_gpu_mla_like_pages_in_three_pieces_are_bit_exact(lowering):
     # DeepSeek's MLA page: 64 tokens x 576 bf16 = 144 rows of 256, more than one shared
     # buffer holds, so Mosaic moves it in three 48-row pieces (not a power of two).
-    from kvgroups_jax import executor, pallas_mosaic
+    from kvgroups_jax import executor
+    from kvgroups_jax.lowerings import mosaic as pallas_mosaic
 
     gpu = jax.devices("gpu")[0]
     for direction in ("store", "load"):
@@ -83,7 +84,7 @@ def test_gpu_load_into_torch_cuda_caches_writes_torch_memory():
 
 def test_gpu_cuda_lowering_on_a_capped_grid_is_bit_exact(monkeypatch):
     # Two CTAs (16 warps) for 192 units: every warp loops over units, as a capped grid does.
-    from kvgroups_jax import cuda_copy
+    from kvgroups_jax.lowerings import cuda as cuda_copy
 
     monkeypatch.setitem(cuda_copy.TUNING, "resident_waves", 1)
     monkeypatch.setattr(cuda_copy, "_num_sms", lambda: 1)

@@ -11,9 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from checks import as_bytes, run_and_check
-from kvgroups_jax import pallas_copy
 from kvgroups_jax.executor import execute_plan
 from kvgroups_jax.geometry import MAX_BOX_ELEMS, group_geometry
+from kvgroups_jax.lowerings import triton as pallas_copy
 from layouts import make_plan
 from small_cases import PAGES, object_nbytes, select_small_kernel, small_group
 
@@ -124,13 +124,14 @@ def test_small_page_kernel_lowers_to_triton_for_an_abstract_h200(small, monkeypa
     from unittest import mock
 
     from kvgroups_jax import executor
+    from kvgroups_jax.lowerings import choice as lowering_choice
 
     arrays, g = small_group(page, layout, direction=direction, nb=64, num_chunks=4, bpc=4,
                             first_item=1 if direction == "load" else 0)
     plan = make_plan(direction, [g], arrays, [object_nbytes(g)])
     caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     objects = [jax.ShapeDtypeStruct((4, object_nbytes(g)), jnp.uint8)]
-    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+    with mock.patch.object(lowering_choice, "_compute_capability", return_value=(9, 0)):
         text = executor.lower_plan(plan, "triton", caches, objects).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert f"kvgroups_{direction}_small_pages" in text

@@ -9,8 +9,8 @@ import jax
 import numpy as np
 import pytest
 from checks import as_bytes, run_and_check
-from kvgroups_jax import pallas_copy
 from kvgroups_jax.executor import execute_plan
+from kvgroups_jax.lowerings import triton as pallas_copy
 from layouts import make_plan
 from small_cases import PAGES, object_nbytes, select_small_kernel, small_group
 

@@ -6,7 +6,7 @@ import json
 import sys
 from pathlib import Path
 
-from kvgroups_jax import pallas_copy
+from kvgroups_jax.lowerings import triton as pallas_copy
 
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "sweep_small_pages.py"
 

@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 from kvgroups_jax import executor
+from kvgroups_jax.lowerings import choice as lowering_choice
 from layouts import LAYOUTS, make_group, make_plan
 
 from kvgroups_core.errors import UnsupportedConfig
@@ -26,7 +27,7 @@ def _lower(layout, direction, lowering, dtype="bfloat16"):
     caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     objects = [jax.ShapeDtypeStruct((2, nbytes), jnp.uint8)]
     # An abstract H200: compute capability 9.0, no GPU needed.
-    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+    with mock.patch.object(lowering_choice, "_compute_capability", return_value=(9, 0)):
         return executor.lower_plan(plan, lowering, caches, objects).as_text()
 
 
@@ -125,7 +126,7 @@ def test_mosaic_kernel_uses_bulk_copies_without_tensor_maps(direction):
     plan = make_plan(direction, [g], arrays, [nbytes])
     caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     objs = [jax.ShapeDtypeStruct((2, nbytes), jnp.uint8)]
-    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+    with mock.patch.object(lowering_choice, "_compute_capability", return_value=(9, 0)):
         text = _mosaic_kernel_text(executor.lower_plan(plan, "mosaic", caches, objs))
     assert "cp.async.bulk.tensor" not in text
     assert "call @mosaic_gpu_init_tma_desc" not in text
@@ -150,14 +151,14 @@ def _geom(layout, nh, hs):
 ])
 def test_auto_lowering_choice(version, cc, layout, nh, hs, expected):
     geom = _geom(layout, nh, hs)
-    with mock.patch.object(executor, "_compute_capability", return_value=cc), \
-            mock.patch.object(executor, "_jax_version", return_value=version):
-        assert executor.resolve_lowering("auto", geom, "gpu") == expected
-        assert executor.resolve_lowering("auto", geom, "cpu") == "xla"
+    with mock.patch.object(lowering_choice, "_compute_capability", return_value=cc), \
+            mock.patch.object(lowering_choice, "_jax_version", return_value=version):
+        assert lowering_choice.resolve_lowering("auto", geom, "gpu") == expected
+        assert lowering_choice.resolve_lowering("auto", geom, "cpu") == "xla"
 
 
 def test_triton_warps_follow_the_box_size():
-    from kvgroups_jax.pallas_copy import default_warps
+    from kvgroups_jax.lowerings.triton import default_warps
 
     assert default_warps(_geom("nhd", 8, 128)) == 8   # one 32 KiB box per page
     assert default_warps(_geom("nhd", 1, 64)) == 4    # 2 KiB pages
@@ -168,7 +169,7 @@ def _lower_fresh_store(layout, lowering):
     nbytes = g.num_planes * g.slots * g.row_bytes
     plan = make_plan("store", [g], arrays, [nbytes])
     caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
-    with mock.patch.object(executor, "_compute_capability", return_value=(9, 0)):
+    with mock.patch.object(lowering_choice, "_compute_capability", return_value=(9, 0)):
         return executor.lower_plan(plan, lowering, caches, [None]).as_text()
 
 

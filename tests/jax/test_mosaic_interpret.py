@@ -15,9 +15,9 @@ import jax
 import numpy as np
 import pytest
 from checks import as_bytes, reference_transfer
-from kvgroups_jax import pallas_mosaic
 from kvgroups_jax.executor import _padded_ids
 from kvgroups_jax.geometry import bucket, group_geometry
+from kvgroups_jax.lowerings import mosaic as pallas_mosaic
 from kvgroups_jax.views import flat_view, object_unview, object_view, unflat_view
 from layouts import make_group, make_plan
 

@@ -806,7 +806,7 @@ KVG_KERNELS_V(1)
 // kernel every operand and result buffer as one pointer parameter, in order, then two pointers
 // of its own; it cannot pass a parameter struct, and the buffers' addresses are known only when
 // the program runs. So an XLA entry point takes the buffers as plain 64-bit words a0..a{M-1}
-// (kvgroups_jax/cuda_copy.py generates one per padded count M, the unused words are zeros)
+// (kvgroups_jax/lowerings/cuda.py generates one per padded count M, the unused words are zeros)
 // after a blob that XLA holds as a constant:
 //   KvgXlaHead, then a KvgParams with every address left 0, then num_planes KvgXlaPlane.
 // Each CTA copies the parameters into shared memory, fills in the addresses from the words

@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvgroups_core.errors import UnsupportedConfig
-
-from .geometry import GroupGeometry
+from kvgroups_jax.geometry import GroupGeometry
 
 #: jaxlib's typed-FFI kernel-call target (jax >= 0.8 registers it with its CUDA plugin).
 CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"
@@ -349,7 +348,7 @@ def launch_spec(direction: str, geom: GroupGeometry, grid_items: int, *, obj_row
 def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, *,
                kernel_group: int = 0, **_):
     """Move one kernel group's pages (arguments and results as
-    :func:`kvgroups_jax.pallas_copy.copy_group`). Traceable; the caller jits and donates the
+    :func:`kvgroups_jax.lowerings.triton.copy_group`). Traceable; the caller jits and donates the
     written operands (caches on load, objects on store), which the results reuse."""
     if len(caches) != len(geom.operand_slots):
         raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got "

@@ -21,7 +21,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
 
-from .geometry import Box, GroupGeometry, chunk_order
+from kvgroups_jax.geometry import Box, GroupGeometry, chunk_order
 
 
 def _offsets(base, box: Box, strides: tuple[int, ...], start: int):
@@ -166,7 +166,7 @@ def items_per_program(geom: GroupGeometry, grid_items: int, num_chunks: int) -> 
     item bucket, and to 1 where the flat object (the kernel indexes it as one array) would
     pass int32 indexing.
     """
-    from .geometry import MAX_BOX_ELEMS, MAX_INDEX
+    from kvgroups_jax.geometry import MAX_BOX_ELEMS, MAX_INDEX
 
     wanted = int(TUNING.get("items_per_program", 1))
     page_bytes = geom.block_size * geom.row * geom.unit

@@ -1,6 +1,6 @@
 """Plain XLA page copy: the fallback for every platform and the baseline the kernels must beat.
 
-Same operands and results as :func:`kvgroups_jax.pallas_copy.copy_group`. When a block-plane is
+Same operands and results as :func:`kvgroups_jax.lowerings.triton.copy_group`. When a block-plane is
 one contiguous span (NHD rows, cross-layer NHD, MLA) it is the engine-natural ``take`` / ``.at[]
 .set`` over ``[rows, span]`` views; otherwise every element is addressed through an index array
 (correct for any layout, slower). Items past the runtime count scatter out of bounds and are
@@ -14,8 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvgroups_core.errors import UnsupportedConfig
-
-from .geometry import MAX_INDEX, GroupGeometry
+from kvgroups_jax.geometry import MAX_INDEX, GroupGeometry
 
 
 def _box_offsets(geom: GroupGeometry) -> tuple[np.ndarray, np.ndarray]:
@@ -56,7 +55,7 @@ def check_index_range(geom: GroupGeometry, n_chunks: int, obj_elems: int, rows: 
 
 def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, **_):
     """Move one kernel group's pages with XLA gathers and scatters (arguments as
-    :func:`kvgroups_jax.pallas_copy.copy_group`)."""
+    :func:`kvgroups_jax.lowerings.triton.copy_group`)."""
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     n_chunks, obj_elems = obj.shape
     rows_ok = _rows_ok(geom, geom.span, obj_elems)

@@ -32,7 +32,7 @@ On the H200 (jax 0.11.2) it is bit-exact and in place for every smoke case
 (``tests/jax/mosaic_smoke.py``, results in ``benchmarks/results/mosaic_smoke_h200.jsonl``) and
 moves 32 KiB pages as fast as the Triton kernel (~0.9 of the device copy rate); 2 KiB pages run
 far slower (one serial TMA round trip per program), so ``"auto"`` uses it for spans of 16 KiB and
-more (``executor.resolve_lowering``). CI lowers it for an abstract H200 on jax 0.10.2
+more (``kvgroups_jax.lowerings.choice.resolve_lowering``). CI lowers it for an abstract H200 on jax 0.10.2
 (``tests/jax/test_lowering.py``) and runs it in the Mosaic GPU interpreter
 (``tests/jax/test_mosaic_interpret.py``).
 
@@ -50,8 +50,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from kvgroups_core.errors import UnsupportedConfig
-
-from .geometry import GroupGeometry, chunk_order
+from kvgroups_jax.geometry import GroupGeometry, chunk_order
 
 #: TMA moves at most 256 elements per box dimension.
 TMA_DIM = 256
@@ -303,7 +302,7 @@ def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=Non
 def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, *,
                interpret=False, **_):
     """Move one kernel group's pages with TMA (arguments and results as
-    :func:`kvgroups_jax.pallas_copy.copy_group`; views are reshaped to 256-wide rows here).
+    :func:`kvgroups_jax.lowerings.triton.copy_group`; views are reshaped to 256-wide rows here).
 
     Traceable; the caller jits and donates the written operands (caches on load, objects on
     store), which the results then reuse. ``interpret`` (``True`` or an ``InterpretGPUParams``)

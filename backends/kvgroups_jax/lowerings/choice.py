@@ -1,0 +1,95 @@
+"""The choice of lowering: which of the copy programs (``cuda``, ``triton``, ``mosaic``,
+``xla``, or Pallas ``interpret`` mode) runs a group geometry on a platform, ``"auto"`` picking
+the fastest that can and explicit requests refused when they cannot run."""
+
+from __future__ import annotations
+
+import jax
+
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_jax.geometry import GroupGeometry, check_kernel_limits
+
+LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret")
+
+
+def _compute_capability() -> tuple[int, int]:
+    cc = getattr(jax.devices()[0], "compute_capability", "0.0")
+    major, _, minor = str(cc).partition(".")
+    return int(major), int(minor or 0)
+
+
+def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
+    """The lowering that runs ``geom`` on ``platform`` (``"auto"`` picks the fastest that can).
+
+    Explicit requests that cannot run raise :class:`UnsupportedConfig`.
+    """
+    if requested not in LOWERINGS:
+        raise KVGroupsValueError(f"lowering: expected one of {LOWERINGS}, got {requested!r}")
+    if requested in ("xla",):
+        return requested
+    if requested == "interpret":
+        check_kernel_limits(geom)
+        return requested
+    gpu = platform in ("gpu", "cuda")
+    if requested in ("cuda", "triton", "mosaic") and not gpu:
+        raise UnsupportedConfig(
+            f"lowering: {requested!r} needs a CUDA GPU, got platform {platform!r}"
+        )
+    if requested == "triton":
+        check_kernel_limits(geom)
+        return requested
+    if requested == "mosaic":
+        _check_mosaic(geom)
+        return requested
+    if requested == "cuda":
+        from .cuda import unsupported_reason
+
+        reason = unsupported_reason(geom)
+        if reason:
+            raise UnsupportedConfig(reason)
+        return requested
+    if not gpu:
+        return "xla"
+    # Hopper and newer on jax >= 0.11 (where the Triton lowering is deprecated and warns on
+    # every call): Mosaic GPU for spans of >= 16 KiB, where it matched Triton on the H200; small
+    # pages stay on Triton (Mosaic: 0.33 of the copy rate at 2 KiB against Triton's 0.5 - 0.9,
+    # benchmarks/results/jax_kernel_sweep_h200.jsonl). Triton covers every other layout.
+    if _prefers_mosaic(geom):
+        return "mosaic"
+    try:
+        check_kernel_limits(geom)
+        return "triton"
+    except UnsupportedConfig:
+        return "xla"
+
+
+#: Smallest block-plane span (bytes) the automatic choice hands to Mosaic GPU.
+MOSAIC_MIN_SPAN_BYTES = 16384
+
+
+def _jax_version() -> tuple[int, int]:
+    major, minor = jax.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _prefers_mosaic(geom: GroupGeometry) -> bool:
+    if _jax_version() < (0, 11) or geom.span is None:
+        return False
+    if geom.span * geom.unit < MOSAIC_MIN_SPAN_BYTES:
+        return False
+    try:
+        _check_mosaic(geom)
+    except UnsupportedConfig:
+        return False
+    return True
+
+
+def _check_mosaic(geom: GroupGeometry) -> None:
+    from .mosaic import mosaic_pieces
+
+    check_kernel_limits(geom)
+    if _compute_capability() < (9, 0):
+        raise UnsupportedConfig(
+            f"lowering: Mosaic GPU needs compute capability >= 9.0, got {_compute_capability()}"
+        )
+    mosaic_pieces(geom)
