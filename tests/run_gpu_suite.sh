@@ -9,14 +9,14 @@
 #                     (bad input included; pairs with the other runtimes too);
 #   sanitizer_jax     memcheck over the jax-gpu conformance run (XLA allocates every buffer on
 #                     its own so an overrun cannot hide in a pool);
-#   sanitizer_mosaic  memcheck over the Mosaic GPU tests of tests/jax/test_gpu.py (the small
+#   sanitizer_mosaic  memcheck over the Mosaic GPU tests of tests/jax_backend/test_gpu.py (the small
 #                     conformance shapes never reach that kernel);
-#   sanitizer_jax_jit memcheck over tests/jax/test_gpu_engine.py: both Pallas lowerings inside
+#   sanitizer_jax_jit memcheck over tests/jax_backend/test_gpu_engine.py: both Pallas lowerings inside
 #                     jax.jit with traced ids, out-of-range ids dropped in the kernels,
 #                     stores that create their objects, vmap;
-#   mosaic_smoke      tests/jax/mosaic_smoke.py: bit-exact and in place per layout, then its
+#   mosaic_smoke      tests/jax_backend/mosaic_smoke.py: bit-exact and in place per layout, then its
 #                     bandwidth beside Triton (JSON lines in mosaic_smoke.jsonl);
-#   memcheck_torch_engine   memcheck over tests/torch/test_torch_engine_gpu.py and test_call_memo_gpu.py (device ids,
+#   memcheck_torch_engine   memcheck over tests/torch_backend/test_torch_engine_gpu.py and test_call_memo_gpu.py (device ids,
 #                     bad ids, device skips, layer-wise, CTA cap, streams, compile; the graph
 #                     tests need the caching allocator, so they run in racecheck only; the
 #                     compile tests are left to gpu_tests: inductor under a sanitizer is slow);
@@ -25,10 +25,10 @@
 #   bench_torch_engine      benchmarks/bench_torch_engine.py (JSON lines in
 #                     bench_torch_engine.jsonl, also copied to $OUT).
 # KVG_GPU_STEPS picks steps (default: all, in that order); KVG_GPU_TEST_PATHS narrows
-# gpu_tests (default "tests/conformance tests/torch tests/jax"). The transfer matrix is
+# gpu_tests (default "tests/conformance tests/torch_backend tests/jax_backend"). The transfer matrix is
 # benchmarks/run_h200.sh, a call of its own; the torch engine-native run fits here:
 #   KVG_GPU_STEPS="gpu_tests memcheck_torch_engine racecheck_torch_engine bench_torch_engine" \
-#   KVG_GPU_TEST_PATHS=tests/torch bash tests/run_gpu_suite.sh Logs go to $WORK; a tarball of them lands in
+#   KVG_GPU_TEST_PATHS=tests/torch_backend bash tests/run_gpu_suite.sh Logs go to $WORK; a tarball of them lands in
 # $OUT. Exit status: the number of failed steps.
 set -u
 OUT=${OUT:-/tmp/kvg_gpu_out}
@@ -59,7 +59,7 @@ cat "$WORK/versions.log"
 
 STEPS=${KVG_GPU_STEPS:-gpu_tests sanitizer_torch sanitizer_jax sanitizer_mosaic sanitizer_jax_jit \
   mosaic_smoke memcheck_torch_engine racecheck_torch_engine bench_torch_engine}
-TEST_PATHS=${KVG_GPU_TEST_PATHS:-tests/conformance tests/torch tests/jax}
+TEST_PATHS=${KVG_GPU_TEST_PATHS:-tests/conformance tests/torch_backend tests/jax_backend}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 wants gpu_tests && step gpu_tests 260 $PYTEST -m gpu $TEST_PATHS
 wants sanitizer_torch && step sanitizer_torch 120 env PYTORCH_NO_CUDA_MEMORY_CACHING=1 \
@@ -67,10 +67,10 @@ wants sanitizer_torch && step sanitizer_torch 120 env PYTORCH_NO_CUDA_MEMORY_CAC
 wants sanitizer_jax && step sanitizer_jax 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
   $SANITIZE $PYTEST tests/conformance -k "jax-gpu"
 wants sanitizer_mosaic && step sanitizer_mosaic 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-  $SANITIZE $PYTEST -m gpu tests/jax/test_gpu.py -k "mosaic or auto"
+  $SANITIZE $PYTEST -m gpu tests/jax_backend/test_gpu.py -k "mosaic or auto"
 wants sanitizer_jax_jit && step sanitizer_jax_jit 150 env XLA_PYTHON_CLIENT_ALLOCATOR=platform \
-  $SANITIZE $PYTEST -m gpu tests/jax/test_gpu_engine.py
-ENGINE_TESTS="tests/torch/test_torch_engine_gpu.py tests/torch/test_call_memo_gpu.py"
+  $SANITIZE $PYTEST -m gpu tests/jax_backend/test_gpu_engine.py
+ENGINE_TESTS="tests/torch_backend/test_torch_engine_gpu.py tests/torch_backend/test_call_memo_gpu.py"
 # Only our page-copy kernels (all named kvg_<direction>_v<V>_<kind>, params.kernel_name) are
 # instrumented: cuBLAS's GEMMs of the overlap test have shared-memory patterns racecheck flags
 # and that are not ours to judge, and the filter keeps both steps fast.
@@ -90,7 +90,7 @@ if wants bench_torch_engine; then
   cp "$WORK/bench_torch_engine.jsonl" "$OUT/" 2>/dev/null
 fi
 if wants mosaic_smoke; then
-  step mosaic_smoke 120 python3 tests/jax/mosaic_smoke.py
+  step mosaic_smoke 120 python3 -m tests.jax_backend.mosaic_smoke
   grep '^{' "$WORK/mosaic_smoke.log" > "$WORK/mosaic_smoke.jsonl"
 fi
 grep -h "ERROR SUMMARY\|RACECHECK SUMMARY" "$WORK"/sanitizer_*.log "$WORK"/*check_torch_engine.log \

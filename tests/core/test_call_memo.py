@@ -58,20 +58,6 @@ def _ids(num_chunks: int, seed: int, dtype=np.int64) -> np.ndarray:
     return np.random.default_rng(seed).permutation(NB)[:num_chunks * BPC].astype(dtype)
 
 
-@pytest.fixture
-def planned(monkeypatch):
-    """How many calls planned (took the full path) so far."""
-    count = [0]
-    real = transfer.plan_call
-
-    def counting(*args, **kw):
-        count[0] += 1
-        return real(*args, **kw)
-
-    monkeypatch.setattr(transfer, "plan_call", counting)
-    return count
-
-
 def _cold(monkeypatch) -> None:
     """Every later call takes the full path (no signature is memoised or looked up)."""
     monkeypatch.setattr(transfer, "call_key", lambda *args, **kw: None)

@@ -6,6 +6,7 @@ device (several CPU devices in a subprocess), objects sharing memory across obje
 from __future__ import annotations
 
 import mmap
+import os
 import subprocess
 import sys
 import textwrap
@@ -138,8 +139,6 @@ def test_jax_arrays_on_another_device_or_deleted_are_refused():
     pytest.importorskip("jax")
     pytest.importorskip("kvgroups_jax")
     code = textwrap.dedent("""
-        import os
-        os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
         import numpy as np, jax, jax.numpy as jnp, kvgroups_core as kc
         from kvgroups_core.tensors import arrays as registry
         from kvgroups_core.formats.catalogue import EngineKVFormat as F
@@ -184,7 +183,9 @@ def test_jax_arrays_on_another_device_or_deleted_are_refused():
             assert np.array_equal(np.asarray(new[0]).view(np.uint16)[:, 2:4], host[0][:, 0:2])
         print("refused")
     """)
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'backends'}", "PATH": "/usr/bin:/bin"}
+    # Eight CPU devices: the flag tests/conftest.py sets, handed to the clean environment.
+    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'backends'}", "PATH": "/usr/bin:/bin",
+           "XLA_FLAGS": os.environ["XLA_FLAGS"]}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             env=env, timeout=300, cwd=ROOT)
     assert result.returncode == 0, (result.stdout, result.stderr[-3000:])

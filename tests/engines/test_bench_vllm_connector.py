@@ -8,10 +8,12 @@ import json
 import os
 
 import pytest
-import torch
-from kvgroups_torch.vllm.host_store import HostChunkStore, supports_layer_subsets
 
-from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager
+torch = pytest.importorskip("torch")
+
+from kvgroups_torch.vllm.host_store import HostChunkStore, supports_layer_subsets  # noqa: E402
+
+from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

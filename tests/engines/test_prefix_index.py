@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from kvgroups_torch.vllm.prefix_index import ChunkIndex, chunk_hashes, consecutive_runs
 
-from kvgroups_core import AttnWindowDesc
+pytest.importorskip("torch")  # kvgroups_torch.vllm
+
+from kvgroups_torch.vllm.prefix_index import ChunkIndex, chunk_hashes, consecutive_runs  # noqa: E402
+
+from kvgroups_core import AttnWindowDesc  # noqa: E402
 
 
 def test_hashes_cover_whole_chunks_and_chain_the_prefix():

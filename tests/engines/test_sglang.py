@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
-import torch
-from kvgroups_torch.sglang import from_sglang_pool, pages_from_token_slots
-from sglang_standins import MHATokenToKVPool, MLATokenToKVPool, SWAKVPool
 
-from kvgroups_core import EngineKVFormat, load, store
+torch = pytest.importorskip("torch")
+
+from kvgroups_torch.sglang import from_sglang_pool, pages_from_token_slots  # noqa: E402
+
+from kvgroups_core import EngineKVFormat, load, store  # noqa: E402
+from tests.support.sglang_standins import MHATokenToKVPool, MLATokenToKVPool, SWAKVPool  # noqa: E402
 
 PS = 64  # page size; chunk 256 = 4 pages
 

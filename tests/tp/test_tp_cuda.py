@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tp_models import (
+
+from kvgroups_core import load, merge_shards, object_nbytes, split_canonical, store
+from tests.support.tp_models import (
     MODELS,
     assert_same_bytes,
     block_ids,
@@ -17,8 +19,6 @@ from tp_models import (
     reference_store,
     shard_caches,
 )
-
-from kvgroups_core import load, merge_shards, object_nbytes, split_canonical, store
 
 torch = pytest.importorskip("torch")
 pytestmark = [pytest.mark.gpu,

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tp_models import (
+
+from kvgroups_core import get_backend, load, merge_shards, split_canonical, store
+from tests.support.tp_models import (
     MODELS,
     assert_same_bytes,
     block_ids,
@@ -16,8 +18,6 @@ from tp_models import (
     reference_store,
     shard_caches,
 )
-
-from kvgroups_core import get_backend, load, merge_shards, split_canonical, store
 
 jax = pytest.importorskip("jax")
 jnp = pytest.importorskip("jax.numpy")

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tp_models import MODELS, block_ids, make_model_caches, manager, shard_caches
 
 from kvgroups_core import (
     EngineGroupInfo,
@@ -24,6 +23,7 @@ from kvgroups_core import (
     split_canonical,
     store,
 )
+from tests.support.tp_models import MODELS, block_ids, make_model_caches, manager, shard_caches
 
 F = EngineKVFormat
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,18 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tp_models import (
+
+from kvgroups_core import (
+    KVGroupsValueError,
+    load,
+    merge_shards,
+    object_nbytes,
+    object_regions,
+    rank_byte_ranges,
+    split_canonical,
+    store,
+)
+from tests.support.tp_models import (
     MODELS,
     assert_same_bytes,
     block_ids,
@@ -17,17 +28,6 @@ from tp_models import (
     shard_caches,
     to_backend,
     to_numpy,
-)
-
-from kvgroups_core import (
-    KVGroupsValueError,
-    load,
-    merge_shards,
-    object_nbytes,
-    object_regions,
-    rank_byte_ranges,
-    split_canonical,
-    store,
 )
 
 torch = pytest.importorskip("torch")

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from tp_models import (
+
+from kvgroups_core import load, merge_shards, split_canonical, store
+from tests.support.tp_models import (
     MODELS,
     assert_same_bytes,
     block_ids,
@@ -18,8 +20,6 @@ from tp_models import (
     to_backend,
     to_numpy,
 )
-
-from kvgroups_core import load, merge_shards, split_canonical, store
 
 torch = pytest.importorskip("torch")
 

@@ -20,7 +20,16 @@ import numpy as np
 import torch
 import torch.distributed as dist
 from kvgroups_torch import check_same_grouping
-from tp_models import (
+
+from kvgroups_core import (
+    KVGroupsValueError,
+    load,
+    merge_shards,
+    object_nbytes,
+    split_canonical,
+    store,
+)
+from tests.support.tp_models import (
     MODELS,
     block_ids,
     leaves,
@@ -30,15 +39,6 @@ from tp_models import (
     reference_store,
     shard_caches,
     to_backend,
-)
-
-from kvgroups_core import (
-    KVGroupsValueError,
-    load,
-    merge_shards,
-    object_nbytes,
-    split_canonical,
-    store,
 )
 
 MODEL = MODELS["hybrid-full-sw-gqa2"]

@@ -20,7 +20,16 @@ if not _vllm_installed():
 import torch  # noqa: E402
 from kvgroups_torch.vllm import from_kv_cache_config, manager_from_kv_cache_config  # noqa: E402
 from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
-from vllm_configs import (  # noqa: E402
+
+from kvgroups_core import (  # noqa: E402
+    EngineGroupInfo,
+    EngineKVFormat,
+    KVLayerGroupsManager,
+    object_nbytes,
+    store,
+)
+from kvgroups_core import load as kv_load  # noqa: E402
+from tests.vllm.vllm_configs import (  # noqa: E402
     BS,
     NB,
     backing,
@@ -33,15 +42,6 @@ from vllm_configs import (  # noqa: E402
     sliding,
     uniform,
 )
-
-from kvgroups_core import (  # noqa: E402
-    EngineGroupInfo,
-    EngineKVFormat,
-    KVLayerGroupsManager,
-    object_nbytes,
-    store,
-)
-from kvgroups_core import load as kv_load  # noqa: E402
 
 CHUNK = 256  # two vLLM CPU blocks of 128 tokens
 

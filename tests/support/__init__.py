@@ -1,0 +1,2 @@
+"""Helpers shared by the test folders (cases, reference checks, markers), imported as
+``tests.support.<module>``."""
