@@ -1,0 +1,1 @@
+"""The conformance cases the kit's plugin runs against a backend."""

@@ -1,2 +1,1 @@
-"""Engine KV formats: the catalogue, the readers of each engine's structure, detection, the
-per-layer byte layout, and contiguous segment runs."""
+"""Engine KV formats: the catalogue, engine readers, detection, layout and segment runs."""

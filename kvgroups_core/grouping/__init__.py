@@ -1,2 +1,1 @@
-"""Grouping: layers grouped by identity, engine groups, attention windows, tensor-parallel
-shards, the manager, and the shape-spec strings."""
+"""Grouping: kernel groups by identity, engine groups, windows, TP shards, manager, shape specs."""

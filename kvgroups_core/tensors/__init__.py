@@ -1,2 +1,1 @@
-"""Tensors: the framework-free dtypes, tensor descriptors, and the array registry (which
-backend handles an array, found without importing its framework; ``describe``)."""
+"""Tensors: dtypes, descriptors and the array registry (framework detection, describe)."""

@@ -1,5 +1,4 @@
-"""The array registry: the registered backends, finding a tensor's framework without importing
-it, and describe().
+"""The array registry: registered backends, framework detection without imports, describe().
 
 A framework is recognised the einops / array-api-compat way: only if its module is already in
 ``sys.modules`` (the user imported it, so it costs nothing) is its array class looked up and

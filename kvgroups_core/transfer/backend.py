@@ -1,8 +1,8 @@
-"""The backend protocol: what a runtime implements to move pages (:class:`Backend`) and its
-hold on one bound set of caches (:class:`BoundCaches`).
+"""The backend protocol: what a runtime implements to move pages, and its hold on caches.
 
-Backends are registered, and found from the tensors, by the array registry
-(:mod:`kvgroups_core.tensors.arrays`), which knows only their :class:`ArrayBackend` part.
+:class:`Backend` and :class:`BoundCaches`. Backends are registered, and found from the tensors,
+by the array registry (:mod:`kvgroups_core.tensors.arrays`), which knows only their
+:class:`~kvgroups_core.tensors.arrays.ArrayBackend` part.
 """
 
 from __future__ import annotations

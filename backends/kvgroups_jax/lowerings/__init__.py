@@ -1,2 +1,4 @@
-"""The copy programs a JAX transfer lowers to, one module per lowering (``cuda``, ``triton``,
-``mosaic``, ``xla``), and the choice between them (``choice``)."""
+"""The copy programs a JAX transfer lowers to, one module per lowering, and their choice.
+
+``cuda``, ``triton``, ``mosaic``, ``xla``; ``choice`` picks one per group geometry.
+"""

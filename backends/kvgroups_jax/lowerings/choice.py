@@ -1,6 +1,8 @@
-"""The choice of lowering: which of the copy programs (``cuda``, ``triton``, ``mosaic``,
-``xla``, or Pallas ``interpret`` mode) runs a group geometry on a platform, ``"auto"`` picking
-the fastest that can and explicit requests refused when they cannot run."""
+"""The choice of lowering: which copy program runs a group geometry on a platform.
+
+``cuda``, ``triton``, ``mosaic``, ``xla`` or Pallas ``interpret`` mode: ``"auto"`` picks the
+fastest that can, and explicit requests that cannot run are refused.
+"""
 
 from __future__ import annotations
 

@@ -1,2 +1,1 @@
-"""``torch.compile`` support: the public calls substituted for Dynamo, and the custom ops a
-transfer becomes inside a compiled graph."""
+"""``torch.compile`` support: Dynamo substitutions of the public calls, and their custom ops."""

@@ -1,6 +1,8 @@
-"""Per-GPU state of the page-copy kernels: architecture, loaded kernels, SM count and the
-device-side error record (read and raised by :func:`check_errors`), and the raw handle of
-PyTorch's current stream."""
+"""Per-GPU state of the page-copy kernels, its error record, and the current stream.
+
+Architecture, loaded kernels, SM count and the device-side error record (read and raised by
+:func:`check_errors`), and the raw handle of PyTorch's current stream.
+"""
 
 from __future__ import annotations
 

@@ -1,6 +1,8 @@
-"""Object addressing for the page-copy kernels: where the chunks of one object group live
-(one strided tensor, inline chunk addresses, or a device table of them), and device stand-ins
-for pinned host objects when they are staged."""
+"""Object addressing for the page-copy kernels, and staging of pinned host objects.
+
+Where the chunks of one object group live (one strided tensor, inline chunk addresses, or a
+device table of them), and device stand-ins for pinned host objects when they are staged.
+"""
 
 from __future__ import annotations
 

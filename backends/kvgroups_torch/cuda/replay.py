@@ -1,5 +1,8 @@
-"""Repeated calls of a validated signature: the launches of one plan kept ready on a prepared
-transfer's caches (:class:`PlanRunner`), so a warm call only writes its ids and launches."""
+"""Repeated calls of a validated signature: one plan's launches kept ready.
+
+The launches of one plan on a prepared transfer's caches (:class:`PlanRunner`), so a warm call
+only writes its ids and launches.
+"""
 
 from __future__ import annotations
 

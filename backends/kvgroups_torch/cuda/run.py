@@ -1,6 +1,9 @@
-"""The run loops: every group of a :class:`~kvgroups_core.transfer.plan.TransferPlan` enqueued
-on the current stream, either from scratch (:func:`run_plan`) or on the bound caches of a
-prepared transfer (:class:`DeviceCaches`), the copy-engine groups batched beside the kernels."""
+"""The run loops: a plan's groups enqueued on the current stream.
+
+Every group of a :class:`~kvgroups_core.transfer.plan.TransferPlan`, either from scratch
+(:func:`run_plan`) or on the bound caches of a prepared transfer (:class:`DeviceCaches`), the
+copy-engine groups batched beside the kernels.
+"""
 
 from __future__ import annotations
 

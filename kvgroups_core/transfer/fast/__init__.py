@@ -1,2 +1,4 @@
-"""The fast path of repeated calls: the call memo of a prepared transfer and the bindings kept
-between one-shot calls. It uses the semantic classes below it and changes no result."""
+"""The fast path of repeated calls: the call memo and the one-shot binding kept for reuse.
+
+It uses the semantic classes below it and changes no result.
+"""
