@@ -7,7 +7,7 @@ engine's own entry points), ``ids`` (``host`` / ``device``), ``runtime``, ``path
 ``direction``, ``placement``, ``chunks``, ``page_bytes``, ``gbps``, ``median_ms`` and
 ``frac_of_ceiling`` (the same run's copy of the same bytes over the call's time). Device ids a
 runtime reads to the host (CPU tensors, concrete JAX arrays) are refused as ``skipped``.
-``--matrix engine`` is the public-call grid for the H200 (benchmarks/run_engine_h200.sh).
+``--matrix engine`` is the public-call grid for one GPU (benchmarks/results/README.md).
 
 Runs a case matrix (``--matrix tiny | headline | full | engine``, or shapes given with ``--models`` /
 ``--spec``) on the selected runtimes and prints one JSON record per line (also appended to

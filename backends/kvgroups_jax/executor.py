@@ -141,7 +141,7 @@ def _run(program: _Program, caches, objects, metas, idss):
         # it XLA folds the view's bitcasts into the caller's fusions, which then read the
         # kernel's flat integer buffer: in a jitted engine step the 32 small reductions over the
         # loaded caches took 13.6 us more on the H200 (0.42 us each), one chunk's transfer
-        # kernels take 40 (benchmarks/results/jax_step_barrier_h200.jsonl). It moves nothing.
+        # kernels take 40 (docs/PERFORMANCE.md). It moves nothing.
         return tuple(jax.lax.optimization_barrier(tuple(caches)))
     return tuple(objects)
 
@@ -208,7 +208,7 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
     # Hopper and newer on jax >= 0.11 (where the Triton lowering is deprecated and warns on
     # every call): Mosaic GPU for spans of >= 16 KiB, where it matched Triton on the H200; small
     # pages stay on Triton (Mosaic: 0.33 of the copy rate at 2 KiB against Triton's 0.5 - 0.9,
-    # benchmarks/results/jax_kernel_sweep_h200.jsonl). Triton covers every other layout.
+    # docs/PERFORMANCE.md). Triton covers every other layout.
     if _prefers_mosaic(geom):
         return "mosaic"
     try:

@@ -29,6 +29,16 @@ def test_every_cited_markdown_file_exists():
     assert missing == []
 
 
+def test_every_cited_benchmark_file_exists():
+    # Scripts and records that left the repository stay in git history, not in citations.
+    missing = []
+    for path in tracked_text_files():
+        for match in re.finditer(r"benchmarks/[\w./-]*\w", path.read_text()):
+            if not (ROOT / match.group(0)).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {match.group(0)}")
+    assert missing == []
+
+
 def test_no_file_points_outside_the_repository():
     pattern = re.compile("(\\.\\./)+" + "shared" + r"\S*|" + "shared" + "/spec" + r"\S*")
     outside = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in tracked_text_files()
