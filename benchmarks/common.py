@@ -1,6 +1,6 @@
 """Helpers shared by the benchmark scripts (not a benchmark itself).
 
-The scripts run as programs (``python benchmarks/bench_x.py``), so this folder is on
+The scripts run as programs (``python benchmarks/<script>``), so this folder is on
 ``sys.path`` and ``from common import ...`` finds this file.
 """
 

@@ -77,3 +77,10 @@ def test_tiny_run_writes_records_naming_the_call(script, tmp_path):
     for record in measured:
         assert isinstance(record.get("call"), str) and record["call"], record
     assert not [r for r in records if r.get("verified") is False or r.get("record") == "error"]
+
+
+def test_the_docs_tables_are_the_ones_the_records_give():
+    for args in (["headline", "--check", "README.md"], ["--check", "docs/PERFORMANCE.md"]):
+        done = subprocess.run([sys.executable, str(BENCHMARKS / "tables.py"), *args],
+                              capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
+        assert done.returncode == 0, done.stderr[-3000:]
