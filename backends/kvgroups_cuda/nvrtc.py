@@ -16,8 +16,10 @@ import functools
 import hashlib
 import importlib
 import io
+import logging
 import os
 import threading
+import time
 from pathlib import Path
 
 from kvgroups_core import __version__ as _package_version
@@ -133,6 +135,7 @@ def compile_cubin(arch: str, small: bool = False) -> bytes:
 
 
 _lock = threading.Lock()
+_log = logging.getLogger("kvgroups.cuda")
 
 
 def _cached(key: str, suffix: str, build) -> bytes:
@@ -152,7 +155,11 @@ def _cached(key: str, suffix: str, build) -> bytes:
     with _lock, FileLock(str(path) + ".lock"):
         if path.is_file():  # another process compiled it while we waited
             return path.read_bytes()
+        # A first use compiles for seconds (tens for the small-page variants): say so.
+        _log.info("compiling %s with NVRTC (first use; cached in %s)", key, folder)
+        started = time.perf_counter()
         data = build()
+        _log.info("compiled %s in %.1f s", key, time.perf_counter() - started)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)  # atomic: readers never see a partial file

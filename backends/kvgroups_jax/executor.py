@@ -17,6 +17,7 @@ on the device, cached by value. What is left per call is the ids array and JAX's
 
 from __future__ import annotations
 
+import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -34,6 +35,7 @@ from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_
 LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret")
 
 _TRACES = {"count": 0}
+_log = logging.getLogger("kvgroups.jax")
 
 
 def trace_count() -> int:
@@ -101,6 +103,9 @@ def _copy_fn(lowering: str):
 
 def _run(program: _Program, caches, objects, metas, idss):
     _TRACES["count"] += 1
+    # Traced once per plan shape; XLA then compiles the program (seconds for Pallas kernels).
+    _log.info("tracing a transfer program: %d kernel group(s), lowerings %s",
+              len(program.geoms), sorted(set(program.lowerings)))
     caches = list(caches)
     objects = list(objects)
     pending = _fresh_objects(program, objects)
