@@ -16,7 +16,6 @@ import functools
 import hashlib
 import importlib
 import io
-import logging
 import os
 import threading
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from kvgroups_core import __version__ as _package_version
 from kvgroups_core.errors import CompileForbidden, KernelCompileError, UnsupportedConfig
+from kvgroups_core.logs import logger
 
 from .params import all_kernel_names, layout_defines
 
@@ -135,7 +135,7 @@ def compile_cubin(arch: str, small: bool = False) -> bytes:
 
 
 _lock = threading.Lock()
-_log = logging.getLogger("kvgroups.cuda")
+_log = logger("cuda")
 
 
 def _cached(key: str, suffix: str, build) -> bytes:

@@ -17,7 +17,6 @@ on the device, cached by value. What is left per call is the ids array and JAX's
 
 from __future__ import annotations
 
-import logging
 import operator
 from dataclasses import dataclass, field
 
@@ -26,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.logs import logger
 
 from . import pallas_copy, xla_copy
 from .geometry import GroupGeometry, bucket, check_kernel_limits, group_geometry
@@ -35,7 +35,7 @@ from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_
 LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret")
 
 _TRACES = {"count": 0}
-_log = logging.getLogger("kvgroups.jax")
+_log = logger("jax")
 
 
 def trace_count() -> int:
