@@ -63,7 +63,7 @@ def cuda_python(module: str):
     except ImportError as exc:
         raise KernelCompileError(
             f"the CUDA kernels need {module} (NVRTC and the CUDA Python bindings): install "
-            f"them with pip install 'kvgroups[cuda]' (from a checkout: '.[torch,cuda]'); "
+            f"them with kvgroups' cuda extra (from a checkout: pip install '.[torch,cuda]'); "
             f"got {type(exc).__name__}: {exc}") from exc
 
 

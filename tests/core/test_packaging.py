@@ -59,3 +59,11 @@ def test_the_changelog_has_this_version_and_every_deprecated_alias():
         assert f"`{new}`" in deprecated, new
     for name in ("kv_layer_groups", "num_groups", "get_slots_per_chunk"):
         assert f"KVLayerGroupsManager.{name}`" in deprecated, name
+
+
+def test_a_missing_cuda_package_names_the_extra_that_installs_it():
+    nvrtc = pytest.importorskip("kvgroups_cuda.nvrtc")
+    from kvgroups_core.errors import KernelCompileError
+
+    with pytest.raises(KernelCompileError, match=r"cuda extra.*\.\[torch,cuda\]"):
+        nvrtc.cuda_python("kvgroups_no_such_cuda_module")
