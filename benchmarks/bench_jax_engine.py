@@ -11,8 +11,7 @@ chunk count (default 1, 4, 16, 64):
   block ids are ``device`` (traced int32 arrays, new ids every call: no retrace) or ``host``
   (NumPy ids baked into the trace). Its transfer time is the median, over ``--repeats`` pairs
   of batches timed back to back (``timing: "paired"``), of the step's time minus the same step
-  without the transfer: pairing cancels the machine's drift between the two (earlier records,
-  without ``timing``, timed all of one, then all of the other).
+  without the transfer: pairing cancels the machine's drift between the two.
 - ``call="store"``: eager ``store(manager, caches, ids)`` without objects (``path="default"``:
   the store creates them) and with donated objects passed in (``path="donated"``);
   ``call="prepared"``: the same through ``prepare(manager, caches).store``.
@@ -26,31 +25,27 @@ also carry device time from a profiler trace (:func:`device_kernels`): the trans
 kernels (``transfer_kernels_device_s``, ``frac_of_ceiling_device`` against the copy's kernel),
 and every kernel of the step with and without the transfer (``frac_of_ceiling_step_device``:
 the copy over the step's device time growth; ``device_growth_us``: where it grew), free of the
-host's dispatch time. JSON lines on stdout and appended to ``--out``. ``--tiny`` runs a few-KiB model on the CPU in seconds (CI).
+host's dispatch time. JSON lines on stdout and appended to ``--out``. ``--tiny`` runs a
+few-KiB model on the CPU in seconds (CI).
+
+    python benchmarks/bench_jax_engine.py --out jax_engine_h200.jsonl
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
 import functools
-import glob
 import json
 import statistics
-import sys
-import tempfile
 import time
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+from common import device_kernels
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-
-from kvgroups_core import KVLayerGroupsManager, detect_format, load, prepare, store  # noqa: E402
+from kvgroups_core import KVLayerGroupsManager, detect_format, load, prepare, store
 
 FULL = dict(layers=32, pages=2048, page_size=16, heads=8, head_dim=128, tokens=256,
             chunks="1,4,16,64")
@@ -68,15 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--target-ms", type=float, default=25.0, help="time per timed batch")
     p.add_argument("--calls", default="jit,store,prepared")
-    p.add_argument("--mosaic-smem", type=int, default=None,
-                   help="pallas_mosaic.MAX_SMEM_BYTES for this run (an A/B of the Mosaic "
-                        "kernel's shared-memory budget per program); records carry it")
     p.add_argument("--weights-mib", type=int, default=0,
                    help="the jitted step also reads this many MiB (a decode step's weight "
                         "stream), so both steps are device-bound; 0: the small step alone")
-    p.add_argument("--compute", choices=("flat", "inplace"), default="flat",
-                   help="the step's own page write (see step_compute; inplace is a diagnostic "
-                        "whose baseline XLA copies)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
     base = TINY if args.tiny else FULL
@@ -150,33 +139,6 @@ def paired(fn_a, fn_b, sync, repeats, target_s):
             statistics.median(a - b for a, b in pairs))
 
 
-def device_kernels(fn, sync, calls=20):
-    """Device seconds per call of ``fn(i)`` by kernel name, from a JAX profiler trace of
-    ``calls`` warmed calls (the accelerator's stream lines; empty where the backend records
-    none, as on the CPU). Kernel durations carry no host time: where a step's wall time
-    subtraction mixes in the host's dispatch, these say what its kernels cost."""
-    fn(0)
-    sync()
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d):
-            for i in range(calls):
-                fn(i)
-            sync()
-        files = glob.glob(f"{d}/**/*.xplane.pb", recursive=True)
-        data = jax.profiler.ProfileData.from_file(files[0])
-    out = collections.Counter()
-    for plane in data.planes:
-        if not plane.name.startswith("/device:"):
-            continue
-        for line in plane.lines:
-            # Module and op summary lines repeat the stream's kernels: count each once.
-            if "XLA" in line.name or "Step" in line.name:
-                continue
-            for ev in line.events:
-                out[ev.name] += ev.duration_ns / 1e9 / calls
-    return dict(out)
-
-
 def copy_program(nbytes, copies=1):
     """``(fn, sync)``: ``fn(i)`` runs ``copies`` device copies of ``nbytes`` each (read + write
     each byte) in one donated program; ``optimization_barrier`` keeps XLA from fusing them."""
@@ -202,36 +164,19 @@ def copy_ceiling(nbytes, repeats, target_s, copies=1):
     return timed(*copy_program(nbytes, copies), repeats, target_s)
 
 
-def step_compute(caches, weights, *, layout, plane_elems, mode="flat"):
-    """The engine-like step's own work (``plane_elems``: one page-plane's elements), plus with
-    ``weights`` a read of that stand-in for the step's weight stream.
-
-    ``mode="flat"`` (the default, every committed figure): one page-plane of every layer read
-    and one written, through flat views of the layers (the same work for either layout). XLA
-    then rewrites and copies all of layer 0 every step (81 + 64 us on the H200), in the step
-    and in its baseline alike, so the subtraction cancels it.
-
-    ``mode="inplace"`` (a diagnostic): page 0 of every layer read and page 1 of layer 0
-    written in the layer's own layout (``[page]`` tpu-inference, ``[0, page]`` vLLM's K half),
-    as a decode step writes its token's K/V. After the transfer's kernels XLA writes that page
-    in place (2 us), but in the baseline, where layer 0 is the step's donated parameter, it
-    still rewrites the whole layer (81 us), so the subtraction undercounts the transfer by
-    that much (``benchmarks/results/jax_step_inplace_h200.jsonl``)."""
+def step_compute(caches, weights, *, plane_elems):
+    """The engine-like step's own work: one page-plane (``plane_elems`` elements) of every
+    layer read and one written, through flat views of the layers (the same work for either
+    layout), plus with ``weights`` a read of that stand-in for the step's weight stream. XLA
+    rewrites all of layer 0 every step, in the step and in its baseline alike, so the
+    subtraction cancels it."""
     n = plane_elems
-    if mode == "flat":
-        total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
-    else:
-        page = (lambda k: (k,)) if layout == "tpu_inference" else (lambda k: (0, k))
-        total = sum(c[page(0)].astype(jnp.float32).sum() for c in caches)
+    total = sum(c.reshape(-1)[:n].astype(jnp.float32).sum() for c in caches)
     if weights is not None:
         total = total + jnp.sum(weights, dtype=jnp.uint32).astype(jnp.float32) * 0.0
-    if mode == "flat":
-        flat = caches[0].reshape(-1)
-        flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
-        first = flat.reshape(caches[0].shape)
-    else:
-        first = caches[0].at[page(1)].set((caches[0][page(1)] + total).astype(caches[0].dtype))
-    return [first] + list(caches[1:])
+    flat = caches[0].reshape(-1)
+    flat = flat.at[n:2 * n].set((flat[n:2 * n] + total).astype(flat.dtype))
+    return [flat.reshape(caches[0].shape)] + list(caches[1:])
 
 
 def weights_for(mib):
@@ -260,10 +205,8 @@ class Bench:
         jax.block_until_ready([self.caches, *trees])
 
     def emit(self, **record):
-        from kvgroups_jax.lowerings import mosaic as pallas_mosaic
-
         record.update(runtime="jax", placement="device", page_bytes=self.page_bytes,
-                      layout=self.args.layout, mosaic_smem_bytes=pallas_mosaic.MAX_SMEM_BYTES,
+                      layout=self.args.layout,
                       backend=jax.default_backend(), jax=jax.__version__)
         print(json.dumps(record), flush=True)
         self.out.append(record)
@@ -283,8 +226,7 @@ class Bench:
         sets = self.ids(chunks)
         traces = {"n": 0}
 
-        compute = functools.partial(step_compute, layout=a.layout, mode=a.compute,
-                                    plane_elems=a.page_size * a.heads * a.head_dim)
+        compute = functools.partial(step_compute, plane_elems=a.page_size * a.heads * a.head_dim)
 
         def with_transfer(caches, objs, load_ids, store_ids, weights):
             traces["n"] += 1
@@ -326,7 +268,7 @@ class Bench:
         per_call = copy_ceiling(nbytes_one, a.repeats, a.target_ms / 1e3, copies=2)
         extra = {"step_s": t_step, "step_without_transfer_s": t_base,
                  "traces": traces["n"], "weights_mib": a.weights_mib,
-                 "compute": a.compute, "timing": "paired",
+                 "timing": "paired",
                  "per_call_ceiling_s": per_call,
                  "frac_of_per_call_ceiling": per_call / transfer}
         if jax.default_backend() == "gpu":
@@ -383,10 +325,6 @@ class Bench:
 
 def main(argv=None):
     args = parse_args(argv)
-    from kvgroups_jax.lowerings import mosaic as pallas_mosaic
-
-    if args.mosaic_smem is not None:
-        pallas_mosaic.MAX_SMEM_BYTES = args.mosaic_smem
     bench = Bench(args)
     bench.emit(call="meta", layers=args.layers, pages=args.pages, page_size=args.page_size,
                heads=args.heads, head_dim=args.head_dim, tokens_per_chunk=args.tokens,

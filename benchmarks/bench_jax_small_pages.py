@@ -16,10 +16,9 @@ Llama-like caches (32 layers, one ``[2, NB, BS, NH, HS]`` bf16 array per layer, 
 uint32 words, the copies separated by ``optimization_barrier`` so XLA cannot fuse them) over the
 transfer's time; medians over ``--repeats`` batches. Every point is verified first: each
 store's objects (jitted and eager) equal the NumPy reference store of the same ids, and each
-load of the objects a store of the same ids made leaves the caches as they were. ``--tuning key=value`` sets
-``pallas_copy.TUNING`` entries (``read_first=0``) for a variant run; records carry them.
+load of the objects a store of the same ids made leaves the caches as they were.
 
-    python benchmarks/bench_jax_small_pages.py --out benchmarks/results/jax_small_pages_h200.jsonl
+    python benchmarks/bench_jax_small_pages.py --out jax_small_pages_h200.jsonl
 
 ``--tiny`` runs the flow on the CPU in seconds (2 layers; figures mean nothing there).
 """
@@ -36,17 +35,22 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
 os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
-import jax  # noqa: E402
+import jax  # noqa: E402  (after the allocator setting above)
 import jax.numpy as jnp  # noqa: E402
 from jax import lax  # noqa: E402
 
-from kvgroups_core import KVLayerGroupsManager, load, object_nbytes, prepare, store  # noqa: E402
-from kvgroups_core.formats.catalogue import EngineKVFormat as F  # noqa: E402
+from kvgroups_core import (  # noqa: E402
+    EngineKVFormat,
+    KVLayerGroupsManager,
+    load,
+    object_nbytes,
+    prepare,
+    store,
+)
 
+F = EngineKVFormat
 CHUNK = 256
 #: (block_size, heads, head_size) of bf16 pages per page size in bytes.
 SHAPES = {512: (16, 1, 16), 1024: (16, 1, 32), 2048: (16, 1, 64), 4096: (16, 2, 64)}
@@ -114,8 +118,7 @@ def run_point(case: Case, chunks: int, args, emit) -> bool:
     nobj = object_nbytes(case.manager, 0)
     nbytes = chunks * nobj
     base = dict(runtime="jax", path="default", placement="device", chunks=chunks,
-                page_bytes=case.page, layers=case.layers, bytes=nbytes,
-                tuning=dict(args.tuning_values))
+                page_bytes=case.page, layers=case.layers, bytes=nbytes)
     ids = case.ids(chunks, args.reps)
     dev_ids = jnp.asarray(ids)
     manager = case.manager
@@ -224,8 +227,6 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=8, help="public calls per jitted program")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--batch-s", type=float, default=0.02)
-    p.add_argument("--tuning", action="append", default=[],
-                   help="pallas_copy.TUNING key=int for this run (repeatable)")
     p.add_argument("--tiny", action="store_true", help="CPU smoke run (2 layers, tiny sizes)")
     args = p.parse_args(argv)
     if args.tiny:
@@ -234,15 +235,6 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.pages) - set(SHAPES))
     if unknown:
         p.error(f"--pages: expected sizes from {sorted(SHAPES)}, got {unknown}")
-    from kvgroups_jax.lowerings import triton as pallas_copy
-
-    args.tuning_values = {}
-    for item in args.tuning:
-        key, _, value = item.partition("=")
-        if key not in pallas_copy.TUNING:
-            p.error(f"--tuning: expected a key of {sorted(pallas_copy.TUNING)}, got {key!r}")
-        args.tuning_values[key] = int(value)
-        pallas_copy.TUNING[key] = int(value)
     out = args.out.open("a") if args.out else None
     ok = True
 

@@ -38,19 +38,21 @@ import time
 from pathlib import Path
 from typing import NamedTuple
 
+import jax
+import jax.numpy as jnp
 import numpy as np
+import torch
+from common import device_kernels
+from kvgroups_jax import JaxBackend
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "backends"), str(ROOT / "benchmarks")]
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import torch  # noqa: E402
-from bench_jax_engine import device_kernels  # noqa: E402
-from kvgroups_jax import JaxBackend  # noqa: E402
-
-from kvgroups_core import EngineKVFormat, KVLayerGroupsManager, load, prepare, store  # noqa: E402
-from kvgroups_core.tensors.arrays import register_backend  # noqa: E402
+from kvgroups_core import (
+    EngineKVFormat,
+    KVLayerGroupsManager,
+    load,
+    prepare,
+    register_backend,
+    store,
+)
 
 FULL = dict(layers=32, blocks=2048, block_size=16, heads=8, head_dim=128, tokens=256,
             chunks="4,16,64", calls_per_program=8, programs=6, lowerings="auto,cuda")

@@ -19,19 +19,18 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
 - ``paths`` (``--paths kernel,copy_engine``): prepared store / load with host ids forced onto
   each ``path=``, over page sizes 1-128 KiB (a Llama-like bf16 NHD cache whose head count and
   block size give the page), 1 / 4 / 16 / 64 / 256 chunks, objects on the GPU and in pinned
-  host memory; each record carries ``path`` and ``sms_used`` (the kernel: the SMs its CTAs
-  occupy; the copy engines: 0), its ceiling is the same run's plain copy of the same bytes
-  (device to device, or over the link for pinned objects). Points moving more than
-  ``--paths-max-bytes`` (and page sizes not started within ``--paths-budget-s``) are
-  recorded as skipped. ``--tune`` first measures and caches the
-  ``path="auto"`` table (``kvgroups_torch.copy_engine.paths.tune_copy_paths``) and emits its points.
+  host memory; each record carries ``path``, and its ceiling is the same run's plain copy of
+  the same bytes (device to device, or over the link for pinned objects: ``link_gbps``).
+  Points moving more than ``--paths-max-bytes`` (and page sizes not started within
+  ``--paths-budget-s``) are recorded as skipped.
 
 CUDA timed with events over batches of back-to-back calls (medians); ``--tiny`` runs a small
-model (small pages, 2 layers) on the CPU with wall-clock timing (the CI smoke test; no graph, no SM cap). One JSON
-object per line to ``--out`` and stdout; fields ``call, ids, runtime, path, direction,
-placement, chunks, page_bytes, gbps, frac_of_ceiling, median`` (ms per call) plus extras;
-``programmatic``: the kernels were launched with programmatic stream serialization
-(``kvgroups_torch/driver.py``; ``KVGROUPS_PROGRAMMATIC_LAUNCH=0`` for the plain launch).
+model (small pages, 2 layers) on the CPU with wall-clock timing (the CI smoke test; no graph,
+no SM cap). One JSON object per line to ``--out`` and stdout; fields ``call, ids, runtime,
+path, direction, placement, chunks, page_bytes, gbps, frac_of_ceiling, median`` (ms per call)
+plus extras::
+
+    python benchmarks/bench_torch_engine.py --out torch_engine_h200.jsonl
 """
 
 from __future__ import annotations
@@ -39,22 +38,16 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
+import kvgroups_torch  # noqa: F401  (compile support is installed on import)
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
-
-import kvgroups_torch  # noqa: E402,F401  (compile support is installed on import)
-from kvgroups_torch.cuda.driver import programmatic_launch  # noqa: E402
-
-import kvgroups_core as kc  # noqa: E402
-from kvgroups_core.grouping.manager import KVLayerGroupsManager  # noqa: E402
-from kvgroups_tools.catalog import MODELS  # noqa: E402
+import kvgroups_core as kc
+from kvgroups_core import EngineKVFormat, KVLayerGroupsManager
+from kvgroups_tools.catalog import MODELS
 
 CHUNK = 256
 
@@ -151,7 +144,6 @@ def record(s: Setup, call: str, ids: str, direction: str, chunks: int, timing: d
     ms = timing["median"]
     return {"call": call, "ids": ids, "runtime": "torch",
             "path": "cuda-kernel" if s.device == "cuda" else "cpu", "direction": direction,
-            "programmatic": s.device == "cuda" and programmatic_launch(0),
             "placement": "device", "chunks": chunks, "page_bytes": s.page_bytes,
             "gbps": 2 * nbytes / ms / 1e6, "frac_of_ceiling": ceiling_ms / ms, **timing,
             "copy_ms": ceiling_ms, "bytes": nbytes, **extra}
@@ -334,13 +326,18 @@ PATH_PAGES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 PATH_CHUNKS = (1, 4, 16, 64, 256)
 
 
+def page_geometry(page_bytes: int) -> tuple[int, int]:
+    """``(block_size, kv_heads)`` of a bf16 NHD page of ``page_bytes`` with 128-wide heads:
+    block 16 from 4 KiB up, fewer tokens per block below."""
+    row = 256  # one bf16 head of 128
+    if page_bytes < 16 * row:
+        return max(1, page_bytes // row), 1
+    return 16, page_bytes // (16 * row)
+
+
 def _nhd_setup(page: int, layers: int, chunks: int, device: str, tiny: bool):
     """A Llama-like NHD cache (128-wide heads) whose pages are ``page`` bytes, with room
     for ``chunks`` chunks of distinct random blocks."""
-    from kvgroups_torch.copy_engine.paths import page_geometry
-
-    from kvgroups_core.formats.catalogue import EngineKVFormat as F
-
     dtype = torch.float16 if tiny else torch.bfloat16
     hs = 128
     bs, nh = page_geometry(page)
@@ -349,25 +346,12 @@ def _nhd_setup(page: int, layers: int, chunks: int, device: str, tiny: bool):
               for _ in range(layers)]
     for c in caches:
         c.view(torch.int16).random_()
-    manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * layers,
+    manager = KVLayerGroupsManager(caches, [EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * layers,
                                    lmcache_tokens_per_chunk=CHUNK)
     return manager, caches, num_blocks, bs, bs * nh * hs * caches[0].element_size()
 
 
-def _kernel_sms(page: int, items: int, planes: int) -> tuple[int, int]:
-    """CTAs of the page-copy launch of this shape and the SMs they occupy (reporting only:
-    the grid rule of ``kvgroups_cuda.geometry``)."""
-    from kvgroups_cuda.geometry import items_per_cta
-
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    ipc = items_per_cta(page, items, planes, sms)
-    ctas = -(-items // ipc) * planes
-    return ctas, min(ctas, sms)
-
-
 def bench_paths(args, timer: Timer, emit) -> None:
-    from kvgroups_torch.copy_engine.paths import page_geometry
-
     cuda = not args.tiny
     device = "cuda" if cuda else "cpu"
     paths = args.paths
@@ -424,16 +408,11 @@ def bench_paths(args, timer: Timer, emit) -> None:
                             def fn(i, ids=ids, objs=objs, path=path, prep=prep):
                                 prep.load(objs[i % 2], ids[i % 4], path=path)
                         t = timer.ms(fn)
-                        # "auto" may take either path: its SMs are not known from outside.
-                        ctas, sms = (_kernel_sms(page_bytes, blocks, 2 * layers)
-                                     if cuda and path == "kernel" else
-                                     (None, None) if path == "auto" else (0, 0))
                         ms = t["median"]
                         emit({**base, "gbps": 2 * moved / ms / 1e6,
                               "link_gbps": moved / ms / 1e6 if pinned else None,
                               "frac_of_ceiling": ceilings[direction] / ms, **t,
-                              "copy_ms": ceilings[direction], "bytes": moved, "ctas": ctas,
-                              "sms_used": sms})
+                              "copy_ms": ceilings[direction], "bytes": moved})
             big = objs = None
         caches = prep = manager = None
 
@@ -449,16 +428,6 @@ def _ceiling_ms(timer: Timer, nbytes: int, device: str, pinned: bool, direction:
     if direction == "store":
         return timer.ms(lambda i: host.copy_(dev, non_blocking=True))["median"]
     return timer.ms(lambda i: dev.copy_(host, non_blocking=True))["median"]
-
-
-def bench_tune(args, emit) -> None:
-    from kvgroups_torch.copy_engine.paths import table_path, tune_copy_paths
-
-    t0 = time.perf_counter()
-    table = tune_copy_paths(on_point=lambda p: emit({"call": "tune", "runtime": "torch",
-                                                     **p.__dict__, "faster": p.faster}))
-    emit({"call": "tune", "runtime": "torch", "table": str(table_path(table.gpu, table.driver)),
-          "points": len(table.points), "seconds": time.perf_counter() - t0})
 
 
 def _csv(kind):
@@ -488,8 +457,6 @@ def main(argv=None) -> None:
     p.add_argument("--paths-max-bytes", type=int, default=2 << 30)
     p.add_argument("--paths-budget-s", type=float, default=600.0,
                    help="page sizes not started by then are recorded as skipped")
-    p.add_argument("--tune", action="store_true",
-                   help="measure and cache the path='auto' table first")
     args = p.parse_args(argv)
     if args.tiny:
         args.chunks, args.iters, args.warmup, args.batch_s = [1, 2], 2, 1, 0.001
@@ -521,8 +488,6 @@ def main(argv=None) -> None:
         bench_compile(s, timer, [1] if args.tiny else [1, 16], args.compiler, emit)
     if "sm_cap" in wanted and s.device == "cuda":
         bench_sm_cap(s, timer, 64, args.max_ctas, emit)
-    if args.tune and s.device == "cuda":
-        bench_tune(args, emit)
     if args.paths or "paths" in wanted:
         args.paths = args.paths or ["kernel", "copy_engine"]
         bench_paths(args, Timer(s.device == "cuda", min(args.iters, args.paths_iters),

@@ -1,39 +1,36 @@
 """Transfer bandwidth of every path (torch CUDA kernels and index ops, Pallas Triton / Mosaic
-GPU, plain XLA, the NumPy reference) against the measured ceilings: ``kvgroups bench`` as a
-script, runnable from a checkout without installing (``backends/`` is put on the path).
+GPU, plain XLA, the NumPy reference) and of the public calls, against the measured ceilings:
+``kvgroups bench`` as a script.
 
-    python benchmarks/bench_transfer.py --matrix full --out benchmarks/results/transfer.jsonl \
-        --plot benchmarks/results/transfer.png
+    python benchmarks/bench_transfer.py --matrix engine --backends torch --out engine_h200.jsonl
+    python benchmarks/bench_transfer.py --tiny          # CPU, seconds (CI)
 
-Options are those of ``kvgroups bench`` (see ``--help``) plus ``--plot PNG``.
+Options are those of ``kvgroups bench`` (see ``--help``); ``--tiny`` is ``--matrix tiny
+--backends numpy,torch-cpu,jax-cpu`` limited to the runtimes installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "backends")]
-
-from kvgroups_tools import cli_bench  # noqa: E402
+from kvgroups_tools import cli_bench
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     cli_bench.add_arguments(parser)
-    parser.add_argument("--plot", type=Path, default=None,
-                        help="also draw the records of --out into this PNG (needs matplotlib)")
+    parser.add_argument("--tiny", action="store_true",
+                        help="the tiny matrix on the CPU runtimes installed (seconds; CI)")
     args = parser.parse_args(argv)
-    status = cli_bench.run(args)
-    if args.plot is not None and args.out is not None:
-        sys.path.insert(0, str(Path(__file__).resolve().parent))
-        import plot_transfer
-
-        status = max(status, plot_transfer.main([str(args.out), "--out", str(args.plot)]))
-    return status
+    if args.tiny:
+        runtimes = ["numpy"] + [f"{name}-cpu" for name in ("torch", "jax")
+                                if importlib.util.find_spec(name) is not None]
+        args = parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--matrix",
+                                  "tiny", "--backends", ",".join(runtimes)])
+    return cli_bench.run(args)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """KVGroupsConnector's save and load path on vLLM-shaped caches, through the connector's own
-calls (``kvgroups_torch.vllm.host_store.HostChunkStore``: the prepared store/load into slot
+calls (``kvgroups_torch.vllm.HostChunkStore``: the prepared store/load into slot
 buffers in host memory, pinned on CUDA).
 
 The caches are what vLLM >= 0.32 registers on a GPU for a Llama-3-8B-like model: 32 layers,
@@ -30,16 +30,11 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
+from kvgroups_torch.vllm import HostChunkStore
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "backends")]  # runs from a checkout, no install
-
-from kvgroups_torch.vllm.host_store import HostChunkStore  # noqa: E402
-
-from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager  # noqa: E402
+from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager
 
 CHUNK = 256
 

@@ -24,6 +24,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="harness for the backend (default: its 'kvgroups.conformance' entry "
                         "point, else the generic harness over Backend.from_numpy/to_numpy)")
     p.add_argument("--report", default=None, metavar="PATH", help="write the report as JSON")
+    p.add_argument("--quiet", action="store_true",
+                   help="only the result lines (pytest -qq); per-test progress is pytest's own")
     p.add_argument("--list-backends", action="store_true",
                    help="print the registered backends and exit")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -40,6 +42,8 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
         out += ["--kvgroups-harness", args.harness]
     if args.report:
         out += ["--kvgroups-report", args.report]
+    if args.quiet:
+        out += ["-qq", "--no-header"]
     return out + list(args.pytest_args)
 
 

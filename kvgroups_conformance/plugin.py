@@ -53,7 +53,8 @@ def pytest_configure(config: pytest.Config) -> None:
         import ml_dtypes  # noqa: F401  (bfloat16 and float8 cases need it)
     except ImportError as exc:
         raise pytest.UsageError("kvgroups conformance: expected ml_dtypes to be installed "
-                                "(pip install 'kvgroups[conformance]'), got none") from exc
+                                "(kvgroups' conformance extra, or pip install ml_dtypes), "
+                                "got none") from exc
     spec = config.getoption("kvgroups_harness")
     if spec and len(names) > 1:
         raise pytest.UsageError("--kvgroups-harness: expected one --kvgroups-backend, got "

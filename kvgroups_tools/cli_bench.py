@@ -7,7 +7,7 @@ engine's own entry points), ``ids`` (``host`` / ``device``), ``runtime``, ``path
 ``direction``, ``placement``, ``chunks``, ``page_bytes``, ``gbps``, ``median_ms`` and
 ``frac_of_ceiling`` (the same run's copy of the same bytes over the call's time). Device ids a
 runtime reads to the host (CPU tensors, concrete JAX arrays) are refused as ``skipped``.
-``--matrix engine`` is the public-call grid for the H200 (benchmarks/run_engine_h200.sh).
+``--matrix engine`` is the public-call grid for one GPU (benchmarks/results/README.md).
 
 Runs a case matrix (``--matrix tiny | headline | full | engine``, or shapes given with ``--models`` /
 ``--spec``) on the selected runtimes and prints one JSON record per line (also appended to
@@ -51,6 +51,7 @@ from .bench_report import (
     sweep_tables,
 )
 from .cli_plan import _int_list
+from .progress import Progress, show_library_logs
 
 
 def _list(text: str) -> list[str]:
@@ -171,10 +172,13 @@ def run(args: argparse.Namespace) -> int:
                 for record in records:
                     emit(record)
         else:
-            runner = BenchRun(build_matrix(args), emit, paths=args.paths,
-                              directions=args.directions, placements=args.placements,
-                              budget_s=args.budget_s, seed=args.seed, log=log, done=done)
-            records = runner.run(backends)
+            show_library_logs(args.quiet)  # e.g. a kernel's first compile
+            with Progress("kvgroups bench", quiet=args.quiet) as progress:
+                runner = BenchRun(build_matrix(args), emit, paths=args.paths,
+                                  directions=args.directions, placements=args.placements,
+                                  budget_s=args.budget_s, seed=args.seed, log=progress.step,
+                                  done=done)
+                records = runner.run(backends)
     finally:
         if out is not None:
             out.close()

@@ -10,6 +10,9 @@ from .catalog import MODELS
 
 def run(args: argparse.Namespace) -> int:
     from .demo import run_demo
+    from .progress import show_library_logs
+
+    show_library_logs()  # on a terminal: a kernel's first compile, which takes seconds
 
     return run_demo(model=args.model, spec=args.spec, layers=args.layers,
                     num_chunks=args.chunks, num_blocks=args.num_blocks,

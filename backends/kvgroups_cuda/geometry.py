@@ -22,10 +22,10 @@ _MAX_PAGE_BYTES = 2**31 - 1
 
 #: The small-page kernels (``kvg_*_small`` in page_copy.cu: several planes and pages per work
 #: unit, one id lookup per item for all of them) serve groups whose page (the largest run's
-#: bytes per block and plane) is at most this many bytes; 0 turns them off. Off: on the H200
-#: sweep (benchmarks/results/small_pages_h200.jsonl) the classic kernel was as fast or faster
-#: at 512 B - 4 KiB once the transfer is device-bound (256 chunks: 0.90-0.94 of the copy, graph
-#: replays 0.93-0.95). After changing it call ``kvgroups_torch.cuda.launch.reset_caches()``.
+#: bytes per block and plane) is at most this many bytes; 0 turns them off. Off: on an H200
+#: sweep (docs/PERFORMANCE.md, "Where the defaults come from") the classic kernel was as fast
+#: or faster at 512 B - 4 KiB once the transfer is device-bound (256 chunks: 0.90-0.94 of the
+#: copy, graph replays 0.93-0.95). After changing it call ``kvgroups_torch.cuda.launch.reset_caches()``.
 SMALL_PAGE_BYTES = 0
 #: Contiguous pages of at least this many bytes whose launch moves 16-byte vectors run the
 #: warp kernels (``kvg_*_v16_warp``: one warp per 8 KiB segment, no barrier, a grid of every

@@ -14,13 +14,16 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import io
 import os
 import threading
+import time
 from pathlib import Path
 
 from kvgroups_core import __version__ as _package_version
 from kvgroups_core.errors import CompileForbidden, KernelCompileError, UnsupportedConfig
+from kvgroups_core.logs import logger
 
 from .params import all_kernel_names, layout_defines
 
@@ -51,10 +54,23 @@ def compile_forbidden() -> bool:
     return os.environ.get(ENV_NO_COMPILE, "").strip().lower() not in ("", "0", "false", "no")
 
 
+def cuda_python(module: str):
+    """``cuda.core`` or ``cuda.bindings.nvrtc``, imported when a kernel is first compiled or
+    loaded; a typed error naming the extra that installs them (``kvgroups[cuda]``: kept out
+    of the ``torch`` extra so CPU-only installs pull no CUDA wheels)."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as exc:
+        raise KernelCompileError(
+            f"the CUDA kernels need {module} (NVRTC and the CUDA Python bindings): install "
+            f"them with kvgroups' cuda extra (from a checkout: pip install '.[torch,cuda]'); "
+            f"got {type(exc).__name__}: {exc}") from exc
+
+
 @functools.cache
 def nvrtc_version() -> str:
     """``"major.minor"`` of the NVRTC library that compiles (part of the cache key)."""
-    from cuda.bindings import nvrtc
+    nvrtc = cuda_python("cuda.bindings.nvrtc")
 
     result, major, minor = nvrtc.nvrtcVersion()
     if int(result) != 0:
@@ -99,7 +115,8 @@ def cache_key(arch: str, small: bool = False) -> str:
 def compile_cubin(arch: str, small: bool = False) -> bytes:
     """Compile every kernel variant for ``arch`` (``small``: every small-page variant) and
     return the cubin (no GPU needed)."""
-    from cuda.core import Program, ProgramOptions
+    core = cuda_python("cuda.core")
+    Program, ProgramOptions = core.Program, core.ProgramOptions
 
     options = ProgramOptions(
         name=_PROGRAM_NAME,
@@ -118,6 +135,7 @@ def compile_cubin(arch: str, small: bool = False) -> bytes:
 
 
 _lock = threading.Lock()
+_log = logger("cuda")
 
 
 def _cached(key: str, suffix: str, build) -> bytes:
@@ -137,7 +155,11 @@ def _cached(key: str, suffix: str, build) -> bytes:
     with _lock, FileLock(str(path) + ".lock"):
         if path.is_file():  # another process compiled it while we waited
             return path.read_bytes()
+        # A first use compiles for seconds (tens for the small-page variants): say so.
+        _log.info("compiling %s with NVRTC (first use; cached in %s)", key, folder)
+        started = time.perf_counter()
         data = build()
+        _log.info("compiled %s in %.1f s", key, time.perf_counter() - started)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
         tmp.write_bytes(data)
         os.replace(tmp, path)  # atomic: readers never see a partial file
@@ -227,7 +249,7 @@ def compile_xla_ptx(arch: str, words: int) -> str:
 
     Straight through ``cuda.bindings.nvrtc``: ``cuda.core`` asks the driver whether it could
     load the PTX, and there may be no driver where this runs (CI)."""
-    from cuda.bindings import nvrtc as _nvrtc
+    _nvrtc = cuda_python("cuda.bindings.nvrtc")
 
     def check(result, what: str, program=None) -> None:
         if int(result) == 0:
@@ -275,7 +297,7 @@ class KernelTable:
     """
 
     def __init__(self, arch: str) -> None:
-        from cuda.core import ObjectCode
+        ObjectCode = cuda_python("cuda.core").ObjectCode
 
         self.arch = arch
         self._object = ObjectCode.from_cubin(get_cubin(arch), name=_PROGRAM_NAME)
@@ -294,8 +316,7 @@ class KernelTable:
             code = self._object
             if name.endswith("_small"):
                 if self._small is None:
-                    from cuda.core import ObjectCode
-
+                    ObjectCode = cuda_python("cuda.core").ObjectCode
                     self._small = ObjectCode.from_cubin(get_cubin(self.arch, small=True),
                                                         name=_PROGRAM_NAME)
                 code = self._small

@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.logs import logger
 
 from .geometry import GroupGeometry, bucket, group_geometry
 from .id_checks import check_block_ids
@@ -34,6 +35,7 @@ from .lowerings.choice import resolve_lowering
 from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
 _TRACES = {"count": 0}
+_log = logger("jax")
 
 
 def trace_count() -> int:
@@ -101,6 +103,9 @@ def _copy_fn(lowering: str):
 
 def _run(program: _Program, caches, objects, metas, idss):
     _TRACES["count"] += 1
+    # Traced once per plan shape; XLA then compiles the program (seconds for Pallas kernels).
+    _log.info("tracing a transfer program: %d kernel group(s), lowerings %s",
+              len(program.geoms), sorted(set(program.lowerings)))
     caches = list(caches)
     objects = list(objects)
     pending = _fresh_objects(program, objects)
@@ -141,7 +146,7 @@ def _run(program: _Program, caches, objects, metas, idss):
         # it XLA folds the view's bitcasts into the caller's fusions, which then read the
         # kernel's flat integer buffer: in a jitted engine step the 32 small reductions over the
         # loaded caches took 13.6 us more on the H200 (0.42 us each), one chunk's transfer
-        # kernels take 40 (benchmarks/results/jax_step_barrier_h200.jsonl). It moves nothing.
+        # kernels take 40 (docs/PERFORMANCE.md). It moves nothing.
         return tuple(jax.lax.optimization_barrier(tuple(caches)))
     return tuple(objects)
 

@@ -5,7 +5,7 @@ module only makes ``jax.experimental.checkify`` name the first bad id. ``checkif
 would do that too, but it puts an error effect on every program that contains it, and a jitted
 function with effects leaves JAX's C++ dispatch path: on the H200 a 32-layer engine step's
 dispatch went from ~0.2 ms to ~1 ms, more than the transfer itself
-(benchmarks/results/README.md, "jit with traced ids").
+(docs/PERFORMANCE.md, "Where the defaults come from").
 
 So the check is a primitive of its own, :data:`block_ids_check_p`: an identity on the ids with
 no effect (plain ``jit`` lowers it to nothing and keeps the fast path), and a checkify rule that

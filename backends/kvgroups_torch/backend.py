@@ -27,7 +27,7 @@ _NUMPY_NATIVE = ("float16", "float32", "float64", "uint8", "int8", "int16", "int
                  "uint16", "uint32", "uint64", "bool")
 
 #: How pinned host objects are reached by default; chosen by measurement (see
-#: ``benchmarks/results/torch_*``): "direct" (kernel through UVA) or "staged".
+#: docs/PERFORMANCE.md): "direct" (kernel through UVA) or "staged".
 DEFAULT_PINNED_MODE = "staged"
 
 

@@ -32,7 +32,7 @@ class Backend(ArrayBackend, abc.ABC):
     def execute(
         self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
     ) -> tuple[list | None, list]:
-        """Run a :class:`~kvgroups_core.plan.TransferPlan`.
+        """Run a :class:`~kvgroups_core.transfer.plan.TransferPlan`.
 
         ``caches`` are the backing tensors in ``plan.tensor_specs`` order; ``objects`` one
         entry per object group (a ``[num_chunks, object_nbytes]`` uint8 array, or a list of

@@ -27,6 +27,7 @@ PACKAGE_DIRS = [
 # its fast path (memo, reuse), so they are the top rung; nothing below imports them.
 CORE_LADDER = [
     "kvgroups_core.errors",
+    "kvgroups_core.logs",
     "kvgroups_core.tensors",
     "kvgroups_core.formats",
     "kvgroups_core.grouping",

@@ -29,6 +29,51 @@ def test_every_cited_markdown_file_exists():
     assert missing == []
 
 
+def test_every_cited_benchmark_file_exists():
+    # Scripts and records that left the repository stay in git history, not in citations.
+    missing = []
+    for path in tracked_text_files():
+        for match in re.finditer(r"benchmarks/[\w./-]*\w", path.read_text()):
+            if not (ROOT / match.group(0)).exists():
+                missing.append(f"{path.relative_to(ROOT)}: {match.group(0)}")
+    assert missing == []
+
+
+#: A block that is not run says so on the line before it, with the reason.
+FRAGMENT = re.compile(r"<!-- fragment: \S.* -->")
+#: Blocks run by a test of their own: docs/INTEGRATION.md's examples (tests/engines), the
+#: README's commands and code (test_readme.py).
+RUN_ELSEWHERE = re.compile(r"<!-- (example \S+.*|demo-command|test-command) -->")
+
+
+def test_every_doc_code_block_runs_in_ci_or_is_marked_a_fragment():
+    unmarked = []
+    for path in tracked_text_files():
+        if path.suffix != ".md":
+            continue
+        lines = path.read_text().splitlines()
+        inside = False
+        for i, line in enumerate(lines):
+            if not line.startswith("```"):
+                continue
+            inside = not inside
+            if not inside:
+                continue
+            lang = line[3:].strip()
+            before = lines[i - 1] if i else ""
+            name = path.relative_to(ROOT)
+            if lang == "text":  # output, diagrams, formulas: not code
+                continue
+            if not lang:
+                unmarked.append(f"{name}:{i + 1}: a block without a language (text?)")
+            elif RUN_ELSEWHERE.fullmatch(before):
+                if before.startswith("<!-- example") and name != Path("docs/INTEGRATION.md"):
+                    unmarked.append(f"{name}:{i + 1}: examples run only in INTEGRATION.md")
+            elif not (FRAGMENT.fullmatch(before) or name == Path("README.md")):
+                unmarked.append(f"{name}:{i + 1}: neither run by a test nor marked a fragment")
+    assert unmarked == []
+
+
 def test_no_file_points_outside_the_repository():
     pattern = re.compile("(\\.\\./)+" + "shared" + r"\S*|" + "shared" + "/spec" + r"\S*")
     outside = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in tracked_text_files()

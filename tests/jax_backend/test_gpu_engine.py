@@ -2,8 +2,8 @@
 the CUDA kernel XLA launches (lowering "cuda"):
 stores that create their objects, traced ids inside jax.jit, out-of-range traced ids dropped
 in the kernels and reported by checkify, vmap over caches, and the public calls inside a
-jitted engine step. Bytes against the NumPy oracle. tests/run_gpu_suite.sh runs this file
-under compute-sanitizer memcheck too (step sanitizer_jax_jit)."""
+jitted engine step. Bytes against the NumPy oracle. scripts/gpu_checks.sh runs this file
+under compute-sanitizer memcheck too (step memcheck_kernels)."""
 
 from dataclasses import replace
 

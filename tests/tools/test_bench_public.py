@@ -3,9 +3,6 @@
 import importlib.util
 import json
 import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -135,21 +132,3 @@ def test_summarize_markdown_prints_the_public_table(records, tmp_path, capsys):
     assert cli.main(["bench", "--summarize", str(path), "--markdown", "--quiet"]) == 0
     out = capsys.readouterr().out
     assert "| runtime | call | ids |" in out and "| layerwise |" in out
-
-
-@pytest.mark.skipif(shutil.which("bash") is None or not installed("torch"),
-                    reason="needs bash and torch")
-def test_the_engine_script_runs_on_the_cpu(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path), KVG_ENGINE_MATRIX="tiny",
-               KVG_ENGINE_TORCH="torch-cpu", KVG_ENGINE_JAX="numpy",  # JAX: above (CI time)
-               KVG_ENGINE_ARGS="--sweeps headline", JAX_PLATFORMS="cpu",
-               CUDA_VISIBLE_DEVICES="", PATH=os.path.dirname(sys.executable) + os.pathsep
-               + os.environ.get("PATH", ""))
-    result = subprocess.run(["bash", "benchmarks/run_engine_h200.sh"], cwd=ROOT, env=env,
-                            capture_output=True, text=True, timeout=300)
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
-    rows = [json.loads(line) for line in (tmp_path / "engine_h200.jsonl").read_text()
-            .splitlines()]
-    assert not [r for r in rows if r["record"] == "error"]
-    assert {r["call"] for r in rows if r["record"] == "transfer"} >= {"prepared", "layerwise"}
-    assert "| runtime | call | ids |" in (tmp_path / "engine_h200.md").read_text()

@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvgroups-tiny"))
     ap.add_argument("--max-tokens", type=int, default=8)
+    ap.add_argument("--stats", action="store_true",
+                    help="turn vLLM's stat logging on and report the kvgroups_* metrics")
     args = ap.parse_args()
     model_dir = build(args.model, os.path.join(args.model_dir, args.model))
 
@@ -78,7 +80,7 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
               enable_prefix_caching=False, max_model_len=2048, kv_cache_memory_bytes=64 << 20,
-              gpu_memory_utilization=0.1, seed=0, **kw)
+              gpu_memory_utilization=0.1, seed=0, disable_log_stats=not args.stats, **kw)
     started = time.time() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, detokenize=False)
     result = {"outputs": {}, "cached": {}, "start_s": started}
@@ -86,6 +88,10 @@ def main() -> None:
         (out,) = llm.generate([TokensPrompt(prompt_token_ids=ids)], params, use_tqdm=False)
         result["outputs"][name] = list(out.outputs[0].token_ids)
         result["cached"][name] = int(out.num_cached_tokens or 0)
+    if args.stats:
+        llm.llm_engine.do_log_stats()  # vLLM's "KV Transfer metrics: ..." line, now
+        result["metrics"] = {m.name: m.value for m in llm.get_metrics()
+                             if m.name.startswith("vllm:kvgroups_")}
     result["total_s"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(result, f)

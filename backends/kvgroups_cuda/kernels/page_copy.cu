@@ -54,10 +54,10 @@ typedef unsigned int kvg_u32;
 #define KVG_SMALL_TILE 256   // small-page kernels: items of one work unit, at most
 #define KVG_SMALL_PLANES 64  // small-page kernels: planes of one work unit, at most
 // Tuning knobs (the host may override them with -D; they are part of the cubin cache key).
-// Defaults from the H200 sweeps of benchmarks/bench_torch_transfer.py --sweep, timed over
-// batches of back-to-back calls (torch_sweep_h200.jsonl): 4 loads in flight per thread beat
-// 8; the L2 256-byte prefetch hint, the read-only load path and a forced 8 CTAs per SM (which
-// spills) measured equal or slower, so they stay off.
+// Defaults from H200 sweeps timed over batches of back-to-back calls (docs/PERFORMANCE.md,
+// "Where the defaults come from"): 4 loads in flight per thread beat 8; the L2 256-byte
+// prefetch hint, the read-only load path and a forced 8 CTAs per SM (which spills) measured
+// equal or slower, so they stay off.
 #ifndef KVG_UNROLL
 #define KVG_UNROLL 4        // 16-byte loads in flight per thread before the first store
 #endif
@@ -74,8 +74,8 @@ typedef unsigned int kvg_u32;
 #define KVG_SMALL_UNROLL 8  // small-page kernels: vector loads in flight per thread
 #endif
 // Warp kernels: 16 vectors per lane (8 KiB segments) at 2 resident CTAs per SM (128
-// registers, no spill) keep 128 KiB per SM in flight. On the H200 (benchmarks/results/
-// torch_warp_h200.jsonl) that matched or beat 4 vectors at 1 or 6 CTAs and 8 at 4 CTAs from
+// registers, no spill) keep 128 KiB per SM in flight. On the H200 (a sweep, see
+// docs/PERFORMANCE.md) that matched or beat 4 vectors at 1 or 6 CTAs and 8 at 4 CTAs from
 // 16 chunks (0.5 % of the copy at 64), and ran one-layer launches as fast as 8 at 4 CTAs.
 #ifndef KVG_WARP_UNROLL
 #define KVG_WARP_UNROLL 16     // warp kernels: 16-byte vectors per lane of one segment
@@ -265,12 +265,12 @@ __device__ __forceinline__ void kvg_wait_for_prior_grid() {
 // programmatically passes griddepcontrol.wait, which waits for this whole grid and its memory,
 // before reading anything (the launch attribute's contract, trigger or not); and triggering
 // only after the wait keeps at most one kernel of a chain waiting.
-// Only the warp kernels do it, the ones it was measured on (one-layer chains in a graph 0.735
-// -> 0.763 of the whole call). At 128 registers two of their CTAs fill an SM, so a waiting CTA
-// only takes a slot a finished one left. The bare kernel of benchmarks/probe_gather_ceiling.py
-// fits three per SM, and there the same trigger cost its one-layer chain 0.82 -> 0.64, likely
-// because the next grid's CTAs crowd onto the SMs that freed first; the classic kernels (up to
-// four per SM) keep the implicit trigger at exit.
+// Only the warp kernels do it, the ones it was measured on (one-layer chains in a graph 0.735 ->
+// 0.763 of the whole call). At 128 registers two of their CTAs fill an SM, so a waiting CTA only
+// takes a slot a finished one left. A bare gather kernel (no checks) fits three per SM, and there
+// the same trigger cost its one-layer chain 0.82 -> 0.64, likely because the next grid's CTAs crowd
+// onto the SMs that freed first; the classic kernels (up to four per SM) keep the implicit trigger
+// at exit.
 __device__ __forceinline__ void kvg_let_next_grid_start() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVG_EARLY_TRIGGER
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -663,12 +663,11 @@ __device__ __forceinline__ kvg_i64 kvg_load_id_l2(const KvgParams& p, kvg_i64 wh
 // that can be resident while a prior kernel runs) prefetch; later ones start with the wait
 // already satisfied and would only double their first reads' L2 requests. Device skips are
 // not read here (the pages before them are fetched for nothing).
-// On the H200 (benchmarks/results/torch_warp_prefetch_ab_h200.jsonl) this took 32 one-layer
-// stores in a graph from 0.761-0.765 to 0.789-0.794 of the whole-model call and 4-chunk stores
-// from 0.941-0.950 to 0.948-0.965 of the copy; a one-chunk store replayed alone in a graph,
-// with no kernel before it to overlap, pays for the look-ups twice (0.934-0.954 -> 0.904-0.927).
-// No better, in the same sweeps (code at 014ab89 and the patches in logs_h200_prefetch/): loads
-// prefetching device objects, every lane prefetching its own lines, evict-last lines, the
+// On the H200 (an A/B, see docs/PERFORMANCE.md) this took 32 one-layer stores in a graph from
+// 0.761-0.765 to 0.789-0.794 of the whole-model call and 4-chunk stores from 0.941-0.950 to
+// 0.948-0.965 of the copy; a one-chunk store replayed alone in a graph, with no kernel before it to
+// overlap, pays for the look-ups twice (0.934-0.954 -> 0.904-0.927). No better, in the same sweeps:
+// loads prefetching device objects, every lane prefetching its own lines, evict-last lines, the
 // trigger before the prefetch, and the first CTAs prefetching for all.
 #ifndef KVG_WARP_PREFETCH
 #define KVG_WARP_PREFETCH 1     // 0 (sweeps only): no prefetch

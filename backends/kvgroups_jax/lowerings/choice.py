@@ -55,7 +55,7 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
     # Hopper and newer on jax >= 0.11 (where the Triton lowering is deprecated and warns on
     # every call): Mosaic GPU for spans of >= 16 KiB, where it matched Triton on the H200; small
     # pages stay on Triton (Mosaic: 0.33 of the copy rate at 2 KiB against Triton's 0.5 - 0.9,
-    # benchmarks/results/jax_kernel_sweep_h200.jsonl). Triton covers every other layout.
+    # docs/PERFORMANCE.md). Triton covers every other layout.
     if _prefers_mosaic(geom):
         return "mosaic"
     try:

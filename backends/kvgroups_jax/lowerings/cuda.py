@@ -82,7 +82,7 @@ def runtime_unavailable() -> str | None:
     try:
         import cuda.bindings.nvrtc  # noqa: F401
     except ImportError as exc:
-        return f"NVRTC (cuda-bindings) is not installed ({exc})"
+        return f"NVRTC (cuda-bindings) is not installed: install kvgroups' cuda extra ({exc})"
     return None
 
 

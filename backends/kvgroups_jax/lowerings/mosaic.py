@@ -29,7 +29,7 @@ piece ``k + 1`` is issued before waiting for piece ``k`` and storing it, so up t
 the previous store are in flight.
 
 On the H200 (jax 0.11.2) it is bit-exact and in place for every smoke case
-(``tests/jax_backend/mosaic_smoke.py``, results in ``benchmarks/results/mosaic_smoke_h200.jsonl``) and
+(``tests/jax_backend/mosaic_smoke.py``) and
 moves 32 KiB pages as fast as the Triton kernel (~0.9 of the device copy rate); 2 KiB pages run
 far slower (one serial TMA round trip per program), so ``"auto"`` uses it for spans of 16 KiB and
 more (``kvgroups_jax.lowerings.choice.resolve_lowering``). CI lowers it for an abstract H200 on jax 0.10.2

@@ -60,7 +60,7 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
 
 
 #: Kernel-shape knobs, read while tracing (so a change needs ``jax.clear_caches()``); the
-#: defaults are the fastest measured on the H200 (benchmarks/sweep_jax_kernel.py).
+#: defaults are the fastest measured on the H200 (docs/PERFORMANCE.md).
 #: ``read_first``: load every box of a program before the first store, so the loads are in
 #: flight together instead of one load-store round trip per box.
 #: ``planes_per_program``: planes one program moves (fewer, larger programs).
@@ -69,7 +69,7 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
 #: ``small_page_bytes`` bytes run the small-page kernel, ``items_per_program`` items (a power of
 #: two) per program with their ids read as one vector; 1 or 0 bytes keep one item per program.
 #: On for block-planes up to 1 KiB, 8 items per program: faster than one item per program in
-#: every such cell of the H200 sweep (benchmarks/results/small_pages_h200.jsonl: 512 B store
+#: every such cell of the H200 sweep (docs/PERFORMANCE.md; 512 B store
 #: 0.15 -> 0.25 of the copy, 1 KiB 0.33 -> 0.41 / 0.46; loads 0.13-0.39 -> 0.14-0.43); 2 KiB
 #: stores gained too but its loads were not measured, so 2 KiB keeps the one-item kernel.
 #: ``chunk_order`` (with ``items_major``): one-item programs go about a chunk at a time, every

@@ -6,6 +6,8 @@
 - ``KVGroupsConnector``: a ``KVConnectorBase_V1`` (hybrid-aware) keeping a prefix cache of
   memory objects in host memory. Select it with ``KVTransferConfig(kv_connector=
   "KVGroupsConnector", kv_connector_module_path="kvgroups_torch.vllm", kv_role="kv_both")``.
+- :class:`HostChunkStore`: the connector's worker side without vLLM (slot buffers in host
+  memory filled and read by prepared calls), public so that benchmarks measure its calls.
 
 The adapter imports no vLLM module (it reads vLLM's objects by their attributes), so it loads
 without vLLM; the connector needs vLLM and is imported on first use.
@@ -16,10 +18,12 @@ from __future__ import annotations
 from typing import Any
 
 from .adapter import VllmKVLayout, from_kv_cache_config, manager_from_kv_cache_config, natural_key
+from .host_store import HostChunkStore
 from .prefix_index import ChunkIndex, chunk_hashes
 
 __all__ = [
     "ChunkIndex",
+    "HostChunkStore",
     "KVGroupsConnector",
     "VllmKVLayout",
     "chunk_hashes",

@@ -49,6 +49,7 @@ from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 from .adapter import VllmKVLayout, from_kv_cache_config
 from .host_store import HostChunkStore
 from .prefix_index import ChunkIndex, chunk_hashes, consecutive_runs
+from .stats import ConnectorCounters, KVGroupsConnectorStats, KVGroupsPromMetrics, log
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -132,7 +133,12 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._layout: VllmKVLayout | None = None
         self._store: HostChunkStore | None = None
         self._save_stream: Any = None  # CUDA: layer-wise saves overlap the forward
-        self.stats = {"loaded_chunks": 0, "saved_chunks": 0, "load_calls": 0, "store_calls": 0}
+        self._counters = ConnectorCounters()
+        self.stats = self._counters.totals  # running totals (stats.COUNTERS)
+        log.info("KVGroupsConnector (%s): capacity %d chunks of %d tokens, %d bytes per chunk "
+                 "in %d object group(s), %.1f MiB of host memory", role.name, self._capacity,
+                 self._chunk, sum(self._object_bytes), len(self._object_bytes),
+                 self._capacity * sum(self._object_bytes) / 2**20)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -163,6 +169,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         hashes = self._hashes(request)[:usable]
         present = self._index.present(hashes, len(self._attn.num_chunks_in_sw))
         hit = int(self._attn.hit_chunks(present)) if hashes else 0
+        self._counters.looked_up(request.request_id, len(hashes), hit)
         new = hit * self._chunk - num_computed_tokens
         if hit == 0 or new <= 0:
             self._pending_hits.pop(request.request_id, None)
@@ -251,6 +258,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             touched.append((req_id, state, computed))
         for req_id, state, computed_after in touched:
             meta.saves.extend(self._saves_for(req_id, state, computed_after, protected))
+        self._counters.evictions(self._index.evictions)
         return meta
 
     def _emit_load(self, meta: KVGroupsConnectorMetadata, req_id: str, state: _Request,
@@ -278,6 +286,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._hash_cache.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
         self._loads_to_send.pop(req_id, None)
+        self._counters.forget(req_id)
 
     # ------------------------------------------------------------------ worker side
 
@@ -294,6 +303,10 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         on_cuda = bool(layout.kv_caches) and layout.kv_caches[0].device.type == "cuda"
         if on_cuda and self._store.layerwise:
             self._save_stream = torch.cuda.Stream(device=layout.kv_caches[0].device)
+        log.info("KVGroupsConnector worker: %d host slots per object group (%s), %d kernel "
+                 "group(s), saves %s", self._capacity,
+                 "pinned" if self._store.pinned else "pageable", layout.manager.num_kernel_groups,
+                 "layer by layer" if self._store.layerwise else "after the forward")
 
     @property
     def _pools(self) -> list[torch.Tensor]:
@@ -308,8 +321,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         meta = self._metadata()
         for item in meta.loads if meta is not None else ():
             self._store.load(item.block_ids, item.slots, item.skip_tokens)
-            self.stats["loaded_chunks"] += len(item.slots)
-            self.stats["load_calls"] += 1
+            self._counters.add("loaded_chunks", len(item.slots))
+            self._counters.add("load_calls")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load was queued before the forward, on the forward's own stream
@@ -325,7 +338,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         with self._on_save_stream():
             for item in meta.saves:
                 self._store.save_layer(item.block_ids, item.slots, layer)
-                self.stats["store_calls"] += 1
+                self._counters.add("store_calls")
 
     @contextmanager
     def _on_save_stream(self):
@@ -344,8 +357,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         for item in meta.saves if meta is not None else ():
             if not self._store.layerwise:
                 self._store.save(item.block_ids, item.slots)
-                self.stats["store_calls"] += 1
-            self.stats["saved_chunks"] += len(item.slots)
+                self._counters.add("store_calls")
+            self._counters.add("saved_chunks", len(item.slots))
         if self._save_stream is not None:
             # Later work on the forward's stream (next step's writes into these blocks, loads
             # from these slots) runs after the saves; the host does not wait.
@@ -353,3 +366,21 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
+
+    # ------------------------------------------------------------------ stats (both sides)
+
+    def get_kv_connector_stats(self) -> KVGroupsConnectorStats | None:
+        stats = KVGroupsConnectorStats(data=self._counters.take())
+        return None if stats.is_empty() else stats
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVGroupsConnectorStats:
+        return KVGroupsConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KVGroupsPromMetrics:
+        return KVGroupsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
