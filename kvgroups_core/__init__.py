@@ -5,6 +5,7 @@ packages ``kvgroups_torch`` and ``kvgroups_jax`` and are found from the tensors 
 """
 
 from .attn_window import AttnWindowDesc
+from .block_runs import BlockRuns, block_runs, coalesce_runs
 from .descriptors import TensorDesc, TensorSpec
 from .detection import detect_format, normalize_and_discover_per_layer_formats
 from .dtypes import DTYPE_MAP, DType
@@ -49,6 +50,9 @@ from .transfer import PreparedTransfer, load, prepare, store
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockRuns",
+    "block_runs",
+    "coalesce_runs",
     "GroupTransfer",
     "OBJECT_LAYOUTS",
     "TPShard",

@@ -31,7 +31,7 @@ from .geometry import GroupGeometry, bucket, check_kernel_limits, group_geometry
 from .id_checks import check_block_ids
 from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
-LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret")
+LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret", "tpu", "tpu-interpret")
 
 _TRACES = {"count": 0}
 
@@ -96,6 +96,10 @@ def _copy_fn(lowering: str):
         from . import cuda_copy
 
         return cuda_copy.copy_group
+    if lowering in ("tpu", "tpu-interpret"):
+        from .lowerings import tpu
+
+        return tpu.copy_group
     return xla_copy.copy_group
 
 
@@ -124,7 +128,7 @@ def _run(program: _Program, caches, objects, metas, idss):
                                   kernel_group=program.kernel_groups[g])
         out = _copy_fn(lowering)(
             program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
-            interpret=lowering == "interpret", num_warps=program.num_warps,
+            interpret=lowering in ("interpret", "tpu-interpret"), num_warps=program.num_warps,
             kernel_group=program.kernel_groups[g] if program.kernel_groups else g,
         )
         if program.direction == "store":
@@ -185,6 +189,8 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
     if requested == "interpret":
         check_kernel_limits(geom)
         return requested
+    if requested in ("tpu", "tpu-interpret") or (requested == "auto" and platform == "tpu"):
+        return _resolve_tpu(requested, geom, platform)
     gpu = platform in ("gpu", "cuda")
     if requested in ("cuda", "triton", "mosaic") and not gpu:
         raise UnsupportedConfig(
@@ -216,6 +222,32 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
         return "triton"
     except UnsupportedConfig:
         return "xla"
+
+
+#: The platform ``execute_plan`` reports for a call traced inside a transformation: the
+#: trace may be lowered for any platform (``.lower(lowering_platforms=("tpu",))`` on a CPU).
+TRACED = "traced"
+
+
+def _resolve_tpu(requested: str, geom: GroupGeometry, platform: str) -> str:
+    """The TPU lowerings: ``"tpu"`` where the program is lowered for a TPU (a TPU device, or a
+    trace whose lowering platform the caller chooses), ``"tpu-interpret"`` anywhere;
+    ``"auto"`` on a TPU takes ``"tpu"`` where a DMA plan fits, else XLA."""
+    from .lowerings.tpu import check_supported
+
+    if requested == "tpu" and platform not in ("tpu", TRACED):
+        raise UnsupportedConfig(
+            f"lowering: 'tpu' compiles for a TPU, got platform {platform!r} (use "
+            "'tpu-interpret' to run the TPU kernels here, or trace the call inside jax.jit "
+            "and lower it with lowering_platforms=('tpu',))"
+        )
+    try:
+        check_supported(geom)
+    except UnsupportedConfig:
+        if requested == "auto":
+            return "xla"
+        raise
+    return "tpu" if requested == "auto" else requested
 
 
 #: Smallest block-plane span (bytes) the automatic choice hands to Mosaic GPU.
@@ -254,14 +286,15 @@ _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max
 _SMALL = 64  # ids up to this many are range-checked through Python ints (cheaper than NumPy)
 
 
-def _padded_ids(block_ids) -> jax.Array | np.ndarray:
+def _padded_ids(block_ids, floor: int = 0) -> jax.Array | np.ndarray:
+    """``block_ids`` as int32, padded to the power-of-two bucket of ``max(len, floor)``."""
     if isinstance(block_ids, jax.Array) and not isinstance(block_ids, np.ndarray):
         n = block_ids.shape[0]
         ids = block_ids
         if ids.dtype.itemsize > 4:  # int64 ids (x64 mode): no wrap-around into a valid block
             ids = jnp.where((ids < 0) | (ids > _INT32_MAX), -1, ids)
         ids = ids.astype(jnp.int32)
-        return jnp.pad(ids, (0, bucket(n) - n))
+        return jnp.pad(ids, (0, bucket(max(n, floor)) - n))
     ids = np.asarray(block_ids)
     n = ids.size
     if ids.dtype != np.int32:
@@ -275,7 +308,7 @@ def _padded_ids(block_ids) -> jax.Array | np.ndarray:
             if lo < _INT32_MIN or hi > _INT32_MAX:
                 raise KVGroupsValueError(f"block_ids: expected int32 values, got range "
                                          f"[{lo}, {hi}]")
-    size = bucket(n)
+    size = bucket(max(n, floor))
     if size == n:
         return ids.astype(np.int32)  # always a copy: the caller may reuse its id array
     out = np.zeros(size, np.int32)
@@ -338,7 +371,7 @@ _METAS: dict[tuple, jax.Array] = {}
 
 
 def _program_for(plan, lowering: str, platform: str, num_warps: int,
-                 fresh: tuple = ()) -> _Program:
+                 fresh: tuple = (), max_chunks: int | None = None) -> _Program:
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
@@ -347,22 +380,22 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int,
     binding share those objects; hand-built plans just miss and build (then JAX's jit cache
     still finds the value-equal program: no new compilation).
     """
-    if type(plan.tensor_specs) is not tuple:
-        return _build_static(plan, lowering, platform, num_warps, fresh)  # mutable: no caching
+    if type(plan.tensor_specs) is not tuple:  # mutable: no caching
+        return _build_static(plan, lowering, platform, num_warps, fresh, max_chunks)
     key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
-           plan.object_nbytes, fresh]
+           plan.object_nbytes, fresh, max_chunks]
     seen: dict[int, int] = {}
     for g in plan.groups:
-        if type(g.planes) is not tuple or type(g.runs) is not tuple:
-            return _build_static(plan, lowering, platform, num_warps, fresh)  # no caching
+        if type(g.planes) is not tuple or type(g.runs) is not tuple:  # no caching
+            return _build_static(plan, lowering, platform, num_warps, fresh, max_chunks)
         slot = seen.setdefault(id(g.block_ids), len(seen))
-        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot,
-                    _on_device(g.block_ids)))
+        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), grid_items(g, max_chunks),
+                    slot, _on_device(g.block_ids)))
     key = tuple(key)
     hit = _PROGRAMS.get(key)
     if hit is not None:
         return hit[0]
-    program = _build_static(plan, lowering, platform, num_warps, fresh)
+    program = _build_static(plan, lowering, platform, num_warps, fresh, max_chunks)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.clear()
     keep = (plan.tensor_specs,) + tuple((g.planes, g.runs) for g in plan.groups)
@@ -371,7 +404,7 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int,
 
 
 def _build_static(plan, lowering: str, platform: str, num_warps: int,
-                  fresh: tuple = ()) -> _Program:
+                  fresh: tuple = (), max_chunks: int | None = None) -> _Program:
     geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
     seen: dict[int, int] = {}
     for group in plan.groups:
@@ -379,12 +412,19 @@ def _build_static(plan, lowering: str, platform: str, num_warps: int,
         geoms.append(geom)
         lowerings.append(resolve_lowering(lowering, geom, platform))
         ogs.append(group.object_group_idx)
-        grids.append(bucket(group.num_items))
+        grids.append(grid_items(group, max_chunks))
         id_slots.append(seen.setdefault(id(group.block_ids), len(seen)))
     return _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
                     num_warps, tuple(id_slots), fresh,
                     tuple(_on_device(g.block_ids) for g in plan.groups),
                     tuple(g.kernel_group_idx for g in plan.groups))
+
+
+def grid_items(group, max_chunks: int | None = None) -> int:
+    """The item bucket of ``group``'s kernel: a power of two holding its items, and with
+    ``max_chunks`` at least ``max_chunks`` chunks' worth (one program for every call size)."""
+    floor = max_chunks * group.kept_per_chunk if max_chunks else 0
+    return bucket(max(group.num_items, floor))
 
 
 def _on_device(ids) -> bool:
@@ -414,7 +454,7 @@ def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
     return meta
 
 
-def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
+def _runtime_args(plan, placement, max_chunks: int | None = None) -> tuple[tuple, tuple]:
     """The call's dynamic arguments: one meta per group, one padded id array per distinct ids
     object (in first-use order, as :func:`_build_static` numbers them)."""
     metas = []
@@ -429,7 +469,7 @@ def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
         ids = g.block_ids
         if id(ids) not in seen:
             seen.add(id(ids))
-            idss.append(_padded_ids(ids))
+            idss.append(_padded_ids(ids, max_chunks * g.blocks_per_chunk if max_chunks else 0))
     return tuple(metas), tuple(idss)
 
 
@@ -446,7 +486,8 @@ def _device_meta(group, skip) -> jax.Array:
     return jnp.stack([first, total - first]).astype(jnp.int32)
 
 
-def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None):
+def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None,
+                 max_chunks: int | None = None):
     """Run ``plan`` on JAX arrays.
 
     Parameters
@@ -458,7 +499,11 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
         On store an entry may be None: the program creates that object itself, as the
         kernel's output when the plan writes all of it (no zero-filled buffer, no fill pass).
     lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
-        "mosaic", "xla" or "interpret" (Pallas interpret mode).
+        "mosaic", "xla", "interpret" (Pallas interpret mode), "tpu" (Mosaic TPU DMAs) or
+        "tpu-interpret" (the same kernels in Pallas' TPU interpret mode).
+    max_chunks : pad the ids and the kernels' item grid to this many chunks, so that every call
+        of up to ``max_chunks`` chunks runs one compiled program (None: power-of-two buckets,
+        one program per bucket). Objects then come from a pool of at least that many rows.
 
     Returns
     -------
@@ -479,8 +524,11 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     caches = tuple(caches)
     objects = tuple(objects)
     platform, placement = _home(caches + objects)
-    program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects))
-    metas, idss = _runtime_args(plan, placement)
+    if lowering == "tpu" and any(isinstance(x, jax.core.Tracer) for x in caches + objects):
+        platform = TRACED  # the caller lowers the trace, for a TPU whatever this machine is
+    program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects),
+                           max_chunks)
+    metas, idss = _runtime_args(plan, placement, max_chunks)
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
     return _load_jit(program, caches, objects, metas, idss), objects
@@ -504,12 +552,12 @@ def _fresh_shapes(plan, objects) -> tuple:
 
 
 def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None,
-                  objects=None):
+                  objects=None, max_chunks: int | None = None):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
     fresh = _fresh_shapes(plan, objects) if objects is not None else ()
-    return (_program_for(plan, lowering, platform, num_warps, fresh),) + _runtime_args(
-        plan, None)
+    return (_program_for(plan, lowering, platform, num_warps, fresh, max_chunks),) + \
+        _runtime_args(plan, None, max_chunks)
 
 
 def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
