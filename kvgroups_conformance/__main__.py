@@ -24,6 +24,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="harness for the backend (default: its 'kvgroups.conformance' entry "
                         "point, else the generic harness over Backend.from_numpy/to_numpy)")
     p.add_argument("--report", default=None, metavar="PATH", help="write the report as JSON")
+    p.add_argument("--cases", default=None, choices=("full", "small"),
+                   help="the case set: 'full' certifies; 'small' runs every format, dtype and "
+                        "feature once (default: what the backend declares, else full)")
     p.add_argument("--list-backends", action="store_true",
                    help="print the registered backends and exit")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -40,6 +43,8 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
         out += ["--kvgroups-harness", args.harness]
     if args.report:
         out += ["--kvgroups-report", args.report]
+    if args.cases:
+        out += ["--kvgroups-cases", args.cases]
     return out + list(args.pytest_args)
 
 

@@ -9,6 +9,7 @@ lowering, register an instance under another name::
 """
 
 from .backend import JaxBackend
+from .buckets import PAD_ID, pad_block_ids
 from .describe import describe_array
 from .executor import LOWERINGS, execute_plan, lower_plan, trace_count
 from .foreign import InPlaceCopyWarning, InPlaceWriteLost, import_dlpack
@@ -16,11 +17,13 @@ from .foreign import InPlaceCopyWarning, InPlaceWriteLost, import_dlpack
 __all__ = [
     "JaxBackend",
     "LOWERINGS",
+    "PAD_ID",
     "InPlaceCopyWarning",
     "InPlaceWriteLost",
     "describe_array",
     "execute_plan",
     "import_dlpack",
     "lower_plan",
+    "pad_block_ids",
     "trace_count",
 ]

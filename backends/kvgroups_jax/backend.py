@@ -52,10 +52,6 @@ class JaxBackend(Backend):
         "mosaic", "xla", "interpret" to force a path
         (register such an instance under its own name: there is no global switch).
     num_warps : warps per Triton program.
-    max_chunks : the largest call (in chunks) one compiled program serves: ids and kernel
-        grids are padded to it, so calls of 1 .. max_chunks chunks share one program (objects
-        from a pool of at least that many rows). None: one program per power-of-two bucket
-        of the item count.
     """
 
     name: ClassVar[str] = "jax"
@@ -64,17 +60,15 @@ class JaxBackend(Backend):
     array_types: ClassVar[tuple[str, ...]] = ("jax.Array", "jax.core.Tracer",
                                               "jax.ShapeDtypeStruct")
 
-    def __init__(self, lowering: str = "auto", num_warps: int | None = None,
-                 max_chunks: int | None = None):
+    def __init__(self, lowering: str = "auto", num_warps: int | None = None):
         if lowering not in LOWERINGS:
             raise KVGroupsValueError(f"lowering: expected one of {LOWERINGS}, got {lowering!r}")
-        if max_chunks is not None and (isinstance(max_chunks, bool)
-                                       or not isinstance(max_chunks, int) or max_chunks < 1):
-            raise KVGroupsValueError(
-                f"max_chunks: expected None or a positive int, got {max_chunks!r}")
         self.lowering = lowering
         self.num_warps = num_warps
-        self.max_chunks = max_chunks
+        if lowering == "tpu-interpret":
+            # Every new plan shape compiles an interpreted program for seconds on a CPU: the
+            # conformance kit runs its small case set unless told otherwise.
+            self.conformance_cases = "small"
 
     def describe(self, x: Any) -> TensorDesc:
         return describe_array(x)
@@ -192,8 +186,7 @@ class JaxBackend(Backend):
                   if k == "pinned_host" else o for g, (o, k) in enumerate(zip(objs, kinds))]
         before = _pointers(arrays) if plan.direction == "load" else []
         new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
-                                            num_warps=self.num_warps,
-                                            max_chunks=self.max_chunks)
+                                            num_warps=self.num_warps)
         new_objs = [
             jax.device_put(n, o.sharding) if k == "pinned_host" and plan.direction == "store"
             else (o if k == "pinned_host" else n)
@@ -208,8 +201,7 @@ class JaxBackend(Backend):
         """Inside a JAX transformation: no buffers to compare or stage, the caller's jit
         decides donation; the program is traced into the caller's."""
         new_caches, new_objs = execute_plan(plan, arrays, objs, lowering=self.lowering,
-                                            num_warps=self.num_warps,
-                                            max_chunks=self.max_chunks)
+                                            num_warps=self.num_warps)
         if plan.direction == "store":
             return None, list(new_objs)
         return list(new_caches), list(new_objs)
@@ -220,8 +212,7 @@ class JaxBackend(Backend):
         load = plan.direction == "load"
         before = _pointers(arrays) if load and check else []
         new_caches, new_objs = execute_plan(plan, arrays, objs, lowering=self.lowering,
-                                            num_warps=self.num_warps,
-                                            max_chunks=self.max_chunks)
+                                            num_warps=self.num_warps)
         if not load:
             return None, list(new_objs)
         if check:
@@ -360,8 +351,7 @@ class _BoundJax(BoundCaches):
         check_shard_objects(self._shards, objs, plan)
         local = localize(plan, self._shard_binding)
         return run_sharded(self._shards, local, self._arrays, objs,
-                           lowering=self.backend.lowering, num_warps=self.backend.num_warps,
-                           max_chunks=self.backend.max_chunks)
+                           lowering=self.backend.lowering, num_warps=self.backend.num_warps)
 
     def _plain_objects(self, plan, objects: Sequence[Any]) -> bool:
         nbytes = plan.object_nbytes

@@ -286,15 +286,14 @@ _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max
 _SMALL = 64  # ids up to this many are range-checked through Python ints (cheaper than NumPy)
 
 
-def _padded_ids(block_ids, floor: int = 0) -> jax.Array | np.ndarray:
-    """``block_ids`` as int32, padded to the power-of-two bucket of ``max(len, floor)``."""
+def _padded_ids(block_ids) -> jax.Array | np.ndarray:
     if isinstance(block_ids, jax.Array) and not isinstance(block_ids, np.ndarray):
         n = block_ids.shape[0]
         ids = block_ids
         if ids.dtype.itemsize > 4:  # int64 ids (x64 mode): no wrap-around into a valid block
             ids = jnp.where((ids < 0) | (ids > _INT32_MAX), -1, ids)
         ids = ids.astype(jnp.int32)
-        return jnp.pad(ids, (0, bucket(max(n, floor)) - n))
+        return jnp.pad(ids, (0, bucket(n) - n))
     ids = np.asarray(block_ids)
     n = ids.size
     if ids.dtype != np.int32:
@@ -308,7 +307,7 @@ def _padded_ids(block_ids, floor: int = 0) -> jax.Array | np.ndarray:
             if lo < _INT32_MIN or hi > _INT32_MAX:
                 raise KVGroupsValueError(f"block_ids: expected int32 values, got range "
                                          f"[{lo}, {hi}]")
-    size = bucket(max(n, floor))
+    size = bucket(n)
     if size == n:
         return ids.astype(np.int32)  # always a copy: the caller may reuse its id array
     out = np.zeros(size, np.int32)
@@ -371,7 +370,7 @@ _METAS: dict[tuple, jax.Array] = {}
 
 
 def _program_for(plan, lowering: str, platform: str, num_warps: int,
-                 fresh: tuple = (), max_chunks: int | None = None) -> _Program:
+                 fresh: tuple = ()) -> _Program:
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
@@ -380,22 +379,22 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int,
     binding share those objects; hand-built plans just miss and build (then JAX's jit cache
     still finds the value-equal program: no new compilation).
     """
-    if type(plan.tensor_specs) is not tuple:  # mutable: no caching
-        return _build_static(plan, lowering, platform, num_warps, fresh, max_chunks)
+    if type(plan.tensor_specs) is not tuple:
+        return _build_static(plan, lowering, platform, num_warps, fresh)  # mutable: no caching
     key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
-           plan.object_nbytes, fresh, max_chunks]
+           plan.object_nbytes, fresh]
     seen: dict[int, int] = {}
     for g in plan.groups:
-        if type(g.planes) is not tuple or type(g.runs) is not tuple:  # no caching
-            return _build_static(plan, lowering, platform, num_warps, fresh, max_chunks)
+        if type(g.planes) is not tuple or type(g.runs) is not tuple:
+            return _build_static(plan, lowering, platform, num_warps, fresh)  # no caching
         slot = seen.setdefault(id(g.block_ids), len(seen))
-        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), grid_items(g, max_chunks),
-                    slot, _on_device(g.block_ids)))
+        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot,
+                    _on_device(g.block_ids)))
     key = tuple(key)
     hit = _PROGRAMS.get(key)
     if hit is not None:
         return hit[0]
-    program = _build_static(plan, lowering, platform, num_warps, fresh, max_chunks)
+    program = _build_static(plan, lowering, platform, num_warps, fresh)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.clear()
     keep = (plan.tensor_specs,) + tuple((g.planes, g.runs) for g in plan.groups)
@@ -404,7 +403,7 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int,
 
 
 def _build_static(plan, lowering: str, platform: str, num_warps: int,
-                  fresh: tuple = (), max_chunks: int | None = None) -> _Program:
+                  fresh: tuple = ()) -> _Program:
     geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
     seen: dict[int, int] = {}
     for group in plan.groups:
@@ -412,19 +411,12 @@ def _build_static(plan, lowering: str, platform: str, num_warps: int,
         geoms.append(geom)
         lowerings.append(resolve_lowering(lowering, geom, platform))
         ogs.append(group.object_group_idx)
-        grids.append(grid_items(group, max_chunks))
+        grids.append(bucket(group.num_items))
         id_slots.append(seen.setdefault(id(group.block_ids), len(seen)))
     return _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
                     num_warps, tuple(id_slots), fresh,
                     tuple(_on_device(g.block_ids) for g in plan.groups),
                     tuple(g.kernel_group_idx for g in plan.groups))
-
-
-def grid_items(group, max_chunks: int | None = None) -> int:
-    """The item bucket of ``group``'s kernel: a power of two holding its items, and with
-    ``max_chunks`` at least ``max_chunks`` chunks' worth (one program for every call size)."""
-    floor = max_chunks * group.kept_per_chunk if max_chunks else 0
-    return bucket(max(group.num_items, floor))
 
 
 def _on_device(ids) -> bool:
@@ -454,7 +446,7 @@ def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
     return meta
 
 
-def _runtime_args(plan, placement, max_chunks: int | None = None) -> tuple[tuple, tuple]:
+def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
     """The call's dynamic arguments: one meta per group, one padded id array per distinct ids
     object (in first-use order, as :func:`_build_static` numbers them)."""
     metas = []
@@ -469,7 +461,7 @@ def _runtime_args(plan, placement, max_chunks: int | None = None) -> tuple[tuple
         ids = g.block_ids
         if id(ids) not in seen:
             seen.add(id(ids))
-            idss.append(_padded_ids(ids, max_chunks * g.blocks_per_chunk if max_chunks else 0))
+            idss.append(_padded_ids(ids))
     return tuple(metas), tuple(idss)
 
 
@@ -486,8 +478,7 @@ def _device_meta(group, skip) -> jax.Array:
     return jnp.stack([first, total - first]).astype(jnp.int32)
 
 
-def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None,
-                 max_chunks: int | None = None):
+def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None):
     """Run ``plan`` on JAX arrays.
 
     Parameters
@@ -501,9 +492,6 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
         "mosaic", "xla", "interpret" (Pallas interpret mode), "tpu" (Mosaic TPU DMAs) or
         "tpu-interpret" (the same kernels in Pallas' TPU interpret mode).
-    max_chunks : pad the ids and the kernels' item grid to this many chunks, so that every call
-        of up to ``max_chunks`` chunks runs one compiled program (None: power-of-two buckets,
-        one program per bucket). Objects then come from a pool of at least that many rows.
 
     Returns
     -------
@@ -526,9 +514,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     platform, placement = _home(caches + objects)
     if lowering == "tpu" and any(isinstance(x, jax.core.Tracer) for x in caches + objects):
         platform = TRACED  # the caller lowers the trace, for a TPU whatever this machine is
-    program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects),
-                           max_chunks)
-    metas, idss = _runtime_args(plan, placement, max_chunks)
+    program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects))
+    metas, idss = _runtime_args(plan, placement)
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
     return _load_jit(program, caches, objects, metas, idss), objects
@@ -552,12 +539,12 @@ def _fresh_shapes(plan, objects) -> tuple:
 
 
 def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None,
-                  objects=None, max_chunks: int | None = None):
+                  objects=None):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
     fresh = _fresh_shapes(plan, objects) if objects is not None else ()
-    return (_program_for(plan, lowering, platform, num_warps, fresh, max_chunks),) + \
-        _runtime_args(plan, None, max_chunks)
+    return (_program_for(plan, lowering, platform, num_warps, fresh),) + _runtime_args(
+        plan, None)
 
 
 def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",

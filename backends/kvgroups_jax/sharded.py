@@ -292,7 +292,7 @@ def check_objects(layout: ShardLayout, objects, plan) -> None:
 
 
 def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *, lowering: str,
-                num_warps, max_chunks: int | None = None):
+                num_warps):
     """Execute ``local_plan`` on every shard under ``jax.shard_map`` (jitted, donated as the
     plain path): ``(new caches or None, objects)``."""
     from . import executor
@@ -301,9 +301,8 @@ def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *,
     if lowering == "tpu" and not isinstance(layout.mesh, jax.sharding.Mesh):
         platform = executor.TRACED  # under jax.jit: the caller lowers it (for a TPU)
     fresh = executor._fresh_shapes(local_plan, objects)
-    program = executor._program_for(local_plan, lowering, platform, num_warps, fresh,
-                                    max_chunks)
-    metas, idss = executor._runtime_args(local_plan, None, max_chunks)
+    program = executor._program_for(local_plan, lowering, platform, num_warps, fresh)
+    metas, idss = executor._runtime_args(local_plan, None)
     fn = _sharded_fn(program, layout, len(local_plan.object_nbytes),
                      tuple(o is None for o in objects))
     given = tuple(o for o in objects if o is not None)

@@ -3,7 +3,7 @@ import pytest
 from checks import run_and_check
 from layouts import DTYPES, LAYOUTS, make_group
 
-LOWERINGS_CPU = ("interpret", "xla")
+LOWERINGS_CPU = ("interpret", "xla", "tpu-interpret")
 
 
 def _object_nbytes(group):

@@ -190,8 +190,30 @@ def copy_group(direction: str, geom: GroupGeometry, grid_items: int, meta: jax.A
             f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
     table = run_table(jnp.asarray(meta, jnp.int32), jnp.asarray(ids, jnp.int32), geom,
                       grid_items)
-    return _dma_copy(direction, geom, grid_items, table, obj, tuple(caches),
-                     interpret=interpret, count_dmas=count_dmas)
+    fresh = isinstance(obj, jax.ShapeDtypeStruct)
+
+    def launch(table, *arrays):
+        given = obj if fresh else arrays[0]
+        return _dma_copy(direction, geom, grid_items, table, given, arrays[0 if fresh else 1:],
+                         interpret=interpret, count_dmas=count_dmas)
+
+    return _one_launch_per_batch_element(launch)(table, *(() if fresh else (obj,)), *caches)
+
+
+def _one_launch_per_batch_element(launch):
+    """``launch`` under ``jax.vmap`` as one launch per batch element (``lax.map``): a batched
+    ``pallas_call`` would block the HBM refs along the batch axis, which DMA kernels on
+    ``pl.ANY`` refs do not take."""
+    batched = jax.custom_batching.custom_vmap(launch)
+
+    @batched.def_vmap
+    def _(axis_size, in_batched, *args):
+        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+                for a, b in zip(args, in_batched)]
+        out = jax.lax.map(lambda xs: launch(*xs), args)
+        return out, jax.tree_util.tree_map(lambda _: True, out)
+
+    return batched
 
 
 def check_supported(geom: GroupGeometry) -> None:
