@@ -26,7 +26,6 @@ from kvgroups_core.validate import Memory
 from .describe import describe_array, memory_kind_of
 from .executor import LOWERINGS, execute_plan, writes_every_byte
 from .foreign import _IMPORTED, check_in_place, import_dlpack
-from .sharded import check_objects as check_shard_objects
 from .sharded import (
     UnknownSharding,
     local_binding,
@@ -36,6 +35,7 @@ from .sharded import (
     sharding_of,
     vouched_shardings,
 )
+from .sharded import check_objects as check_shard_objects
 
 _PINNED = ("pinned", "pinned_host", "cuda_host")
 _UINT8 = np.dtype(np.uint8)

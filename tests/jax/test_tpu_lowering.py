@@ -21,8 +21,8 @@ from layouts import make_group, make_plan
 
 from kvgroups_core import KVLayerGroupsManager, detect_format, load, prepare, store
 from kvgroups_core.block_runs import block_runs
-from kvgroups_core.reference import run_group
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.reference import run_group
 from kvgroups_core.registry import register_backend, registered_backends, unregister_backend
 
 TPU = "jax-tpu-interpret"

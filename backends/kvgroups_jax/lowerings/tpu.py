@@ -27,12 +27,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from ..geometry import GroupGeometry
+from kvgroups_jax.geometry import GroupGeometry
+
 from .tpu_windows import DmaPlan, Family, plan_dmas, window
-
-#: Per run in the SMEM table: chunk, kept position, first block id, block count.
-_RUN_FIELDS = 4
-
 
 def run_table(meta: jax.Array, ids: jax.Array, geom: GroupGeometry, grid_items: int):
     """``[1 + 4 * grid_items]`` int32: the run count, then per run its chunk, kept position,

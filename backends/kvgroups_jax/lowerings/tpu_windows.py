@@ -33,8 +33,7 @@ import math
 from dataclasses import dataclass
 
 from kvgroups_core.errors import UnsupportedConfig
-
-from ..geometry import GroupGeometry
+from kvgroups_jax.geometry import GroupGeometry
 
 #: DMA sites (planes x segments x unrolled loop iterations) one launch may unroll; beyond it a
 #: layout is refused (``"auto"`` then takes the XLA path).
