@@ -1,5 +1,6 @@
-"""kvgroups JAX backend: Pallas page-copy kernels (Triton and Mosaic GPU lowerings), a plain
-XLA fallback, descriptors for JAX arrays and DLPack imports of foreign caches.
+"""kvgroups JAX backend: Pallas page-copy kernels (Triton and Mosaic GPU lowerings, Mosaic TPU
+DMA kernels), a plain XLA fallback, descriptors for JAX arrays and DLPack imports of foreign
+caches.
 
 The core finds this package through its registry (``"jax"``, for ``jax.Array``); to force a
 lowering, register an instance under another name::

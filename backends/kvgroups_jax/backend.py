@@ -47,10 +47,12 @@ class JaxBackend(Backend):
     Parameters
     ----------
     lowering : "auto" (on CUDA GPUs Mosaic GPU for contiguous spans of >= 16 KiB on Hopper with
-        jax >= 0.11, else Triton; XLA beyond int32 indexing and on CPU), or one of "cuda" (the
-        torch backend's CUDA kernel launched by XLA; contiguous spans only), "triton",
-        "mosaic", "xla", "interpret" to force a path
-        (register such an instance under its own name: there is no global switch).
+        jax >= 0.11, else Triton; on TPUs the Mosaic TPU DMA kernels; XLA beyond int32
+        indexing and on CPU), or one of "cuda" (the torch backend's CUDA kernel launched by
+        XLA; contiguous spans only), "triton", "mosaic", "xla", "interpret", "tpu" (the TPU
+        DMA kernels: on a TPU, or traced and lowered for one), "tpu-interpret" (the same in
+        TPU interpret mode, any platform) to force a path (register such an instance under
+        its own name: there is no global switch; "jax-tpu" and "jax-tpu-interpret" are).
     num_warps : warps per Triton program.
     """
 

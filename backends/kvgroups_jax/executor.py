@@ -553,10 +553,11 @@ def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
 
     ``caches`` and ``objects`` may be ``jax.ShapeDtypeStruct`` s. Lowering runs the Triton or
     Mosaic GPU compilers' front ends, which reject non-power-of-two array ops and oversized
-    TMA boxes, so CI catches them on a CPU-only machine. Returns the ``jax.stages.Lowered``.
+    TMA boxes, so CI catches them on a CPU-only machine; ``platform="tpu"`` with
+    ``lowering="tpu"`` lowers the Mosaic TPU DMA kernels. Returns the ``jax.stages.Lowered``.
     """
-    program, metas, idss = build_program(plan, lowering, "gpu", num_warps=num_warps,
-                                         objects=objects)
+    program, metas, idss = build_program(plan, lowering, "tpu" if platform == "tpu" else "gpu",
+                                         num_warps=num_warps, objects=objects)
     fn = _store_jit if plan.direction == "store" else _load_jit
     return fn.trace(program, tuple(caches), tuple(objects), metas, idss).lower(
         lowering_platforms=(platform,)

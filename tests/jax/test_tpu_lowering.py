@@ -247,3 +247,16 @@ def test_explicit_tpu_on_concrete_cpu_arrays_is_refused_and_auto_picks_it_on_a_t
     assert executor.resolve_lowering("tpu", geom, executor.TRACED) == "tpu"
     assert executor.resolve_lowering("tpu-interpret", geom, "cpu") == "tpu-interpret"
     assert executor.resolve_lowering("auto", geom, "cpu") == "xla"
+
+
+def test_lower_plan_lowers_the_tpu_kernels_in_place_without_a_tpu():
+    arrays, g = make_group("hnd", "bfloat16", first_item=1)
+    nbytes = g.num_planes * g.slots * g.row_bytes
+    plan = make_plan("load", [g], arrays, [nbytes])
+    text = executor.lower_plan(plan, "tpu", [jax.ShapeDtypeStruct(a.shape, a.dtype)
+                                             for a in arrays],
+                               [jax.ShapeDtypeStruct((2, nbytes), jnp.uint8)],
+                               platform="tpu").as_text()
+    assert "@tpu_custom_call" in text and "kvgroups_load_pages_tpu" in text
+    main = next(line for line in text.splitlines() if "func.func public @main" in line)
+    assert main.count("tf.aliasing_output") == len(arrays)  # every cache donated, in place
