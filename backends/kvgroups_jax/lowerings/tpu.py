@@ -31,6 +31,7 @@ from kvgroups_jax.geometry import GroupGeometry
 
 from .tpu_windows import DmaPlan, Family, plan_dmas, window
 
+
 def run_table(meta: jax.Array, ids: jax.Array, geom: GroupGeometry, grid_items: int):
     """``[1 + 4 * grid_items]`` int32: the run count, then per run its chunk, kept position,
     first block and length (the first ``count`` entries of each field are used).

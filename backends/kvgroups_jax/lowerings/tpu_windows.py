@@ -16,6 +16,9 @@ The cache views, in order of preference:
    indexer's 128-byte value rows inside 132-byte token rows);
 3. flat: one axis, where only contiguous stretches are windows.
 
+The first view that fits is taken unless another needs over :data:`NATURAL_SLACK` times fewer
+DMAs (a cache's own shape with per-token DMAs against one flat DMA per run).
+
 The object (``[num_chunks, elems]``) is viewed as ``[num_chunks, *chain]`` with a chain of the
 strides its side of the chosen windows needs. A dimension is a window dimension when its
 stride is an axis stride on both sides, the window dimensions are in the same order on both
