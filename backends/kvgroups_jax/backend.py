@@ -200,13 +200,18 @@ class JaxBackend(Backend):
         return list(new_caches), list(new_objs)
 
     def _execute_traced(self, plan, arrays: list, objs: list):
-        """Inside a JAX transformation: no buffers to compare or stage, the caller's jit
-        decides donation; the program is traced into the caller's."""
-        new_caches, new_objs = execute_plan(plan, arrays, objs, lowering=self.lowering,
+        """Inside a JAX transformation: no buffers to compare, the caller's jit decides
+        donation; the program is traced into the caller's. Objects in host memory (their
+        abstract value says so) are staged through device memory as on the eager path."""
+        hosted = [_in_host_memory(o) for o in objs]
+        store = plan.direction == "store"
+        staged = [(None if store and writes_every_byte(plan, g) else _device_space(o))
+                  if h else o for g, (o, h) in enumerate(zip(objs, hosted))]
+        new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
                                             num_warps=self.num_warps)
-        if plan.direction == "store":
-            return None, list(new_objs)
-        return list(new_caches), list(new_objs)
+        if store:
+            return None, [_host_space(n) if h else n for n, h in zip(new_objs, hosted)]
+        return list(new_caches), [o if h else n for n, o, h in zip(new_objs, objs, hosted)]
 
     def _execute_plain(self, plan, arrays: list, objs: list, check: bool = True):
         """Objects in device memory. ``check=False``: the caches are known to be XLA's own
@@ -519,6 +524,26 @@ def _sharding_for(device: str):
     dev = devs[int(index) if index else 0]
     kind = "pinned_host" if pinned and dev.platform != "cpu" else None
     return jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+
+
+def _in_host_memory(x: Any) -> bool:
+    """Whether ``x`` lives in host memory: a pinned_host array, or a tracer whose abstract
+    value is in the host memory space (a pinned_host argument of the caller's jit)."""
+    if x is None:
+        return False
+    if isinstance(x, jax.core.Tracer):
+        space = getattr(getattr(jax, "memory", None), "Space", None)
+        return space is not None and getattr(jax.typeof(x), "memory_space", None) == space.Host
+    return memory_kind_of(x) == "pinned_host"
+
+
+def _device_space(x: Any) -> Any:
+    return jax.device_put(x, jax.memory.Space.Device) if isinstance(x, jax.core.Tracer) \
+        else _to_device(x)
+
+
+def _host_space(x: Any) -> Any:
+    return jax.device_put(x, jax.memory.Space.Host)
 
 
 def _to_device(x: jax.Array) -> jax.Array:

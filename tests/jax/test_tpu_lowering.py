@@ -260,3 +260,49 @@ def test_lower_plan_lowers_the_tpu_kernels_in_place_without_a_tpu():
     assert "@tpu_custom_call" in text and "kvgroups_load_pages_tpu" in text
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert main.count("tf.aliasing_output") == len(arrays)  # every cache donated, in place
+
+
+def test_pinned_host_objects_inside_jit_are_staged_through_device_memory():
+    # The staging is the backend's, whatever the lowering: the TPU kernels are lowered (TPU
+    # interpret mode's host callbacks and memory kinds do not lower together in jax 0.10)
+    # and the bytes are checked through the XLA lowering, inside jax.jit both.
+    rng = np.random.default_rng(8)
+    host = [_bf16(rng, (16, 4, 2, 2, 8)) for _ in range(2)]
+    caches = [jnp.asarray(h) for h in host]
+    fmt, normalized = detect_format(caches, engine="tpu_inference")
+    manager = KVLayerGroupsManager(normalized, fmt, lmcache_tokens_per_chunk=8)
+    pinned = jax.sharding.SingleDeviceSharding(jax.devices()[0], memory_kind="pinned_host")
+    ids = np.array([3, 9, 1, 14])
+    want = store(manager, host, ids, backend="numpy")
+    given = [jax.device_put(jnp.asarray(w), pinned) for w in want]
+    jids = jnp.asarray(ids, jnp.int32)
+    register_backend("jax-cpu-tpu", JaxBackend(lowering="tpu"), replace=True)
+    register_backend("jax-cpu-xla", JaxBackend(lowering="xla"), replace=True)
+    try:
+        def save(kv, objects, ids, backend):
+            return store(manager, kv, ids, objects, layers=[1], backend=backend)
+
+        def restore(kv, objects, ids, backend):
+            return load(manager, objects, kv, ids, backend=backend)
+
+        text = jax.jit(save, static_argnums=3).trace(caches, given, jids, "jax-cpu-tpu").lower(
+            lowering_platforms=("tpu",)).as_text()
+        # The kernel reads and writes device memory: the object goes in and comes back out.
+        assert "@tpu_custom_call" in text
+        assert '_xla_buffer_placement = "device"' in text
+        assert '_xla_buffer_placement = "pinned_host"' in text
+        text = jax.jit(restore, static_argnums=3).trace(caches, given, jids, "jax-cpu-tpu").lower(
+            lowering_platforms=("tpu",)).as_text()
+        assert "@tpu_custom_call" in text and '_xla_buffer_placement = "device"' in text
+        got = jax.jit(save, static_argnums=3)(caches, given, jids, "jax-cpu-xla")
+        assert got[0].sharding.memory_kind == "pinned_host"
+        np.testing.assert_array_equal(np.asarray(got[0]), want[0])
+        out = jax.jit(restore, static_argnums=3)([jnp.zeros_like(c) for c in caches], got,
+                                                 jnp.asarray([0, 2, 4, 6]), "jax-cpu-xla")
+        for o, h in zip(out, host):
+            expect = np.zeros_like(h)
+            expect[[0, 2, 4, 6]] = h[ids]
+            np.testing.assert_array_equal(np.asarray(o).view(np.uint16), expect.view(np.uint16))
+    finally:
+        unregister_backend("jax-cpu-tpu")
+        unregister_backend("jax-cpu-xla")
