@@ -224,8 +224,8 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
         return "xla"
 
 
-#: The platform ``execute_plan`` reports for a call traced inside a transformation: the
-#: trace may be lowered for any platform (``.lower(lowering_platforms=("tpu",))`` on a CPU).
+#: The platform ``execute_plan`` reports for a ``"tpu"`` call traced inside a transformation:
+#: the caller may lower the trace for a TPU on any machine (``lowering_platforms=("tpu",)``).
 TRACED = "traced"
 
 
