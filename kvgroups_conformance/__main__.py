@@ -26,6 +26,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--report", default=None, metavar="PATH", help="write the report as JSON")
     p.add_argument("--quiet", action="store_true",
                    help="only the result lines (pytest -qq); per-test progress is pytest's own")
+    p.add_argument("--cases", default=None, choices=("full", "small"),
+                   help="the case set: 'full' certifies; 'small' runs every format, dtype and "
+                        "feature once (default: what the backend declares, else full)")
     p.add_argument("--list-backends", action="store_true",
                    help="print the registered backends and exit")
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
@@ -44,6 +47,8 @@ def pytest_args(args: argparse.Namespace) -> list[str]:
         out += ["--kvgroups-report", args.report]
     if args.quiet:
         out += ["-qq", "--no-header"]
+    if args.cases:
+        out += ["--kvgroups-cases", args.cases]
     return out + list(args.pytest_args)
 
 

@@ -61,6 +61,11 @@ class Harness:
     #: True when from_numpy keeps a padded array's strides and to_numpy returns the padding
     #: too: the padded-block case then also checks that no padding byte changed.
     keeps_padding: bool = False
+    #: ``"full"`` (the whole matrix) or ``"small"`` (every format, dtype and feature at least
+    #: once: :mod:`kvgroups_conformance.cases`). None: what the backend declares in its
+    #: ``conformance_cases`` attribute (an interpreter whose every new program compiles for
+    #: seconds says ``"small"``), else ``"full"``. ``--cases`` overrides it.
+    cases: str | None = None
 
     # The three operations a backend author may override -----------------------------------
     def from_numpy(self, a: np.ndarray) -> Any:
@@ -77,6 +82,12 @@ class Harness:
         if out.dtype != like.dtype and out.dtype.itemsize == like.dtype.itemsize:
             out = out.view(like.dtype)
         return out
+
+    def case_set(self) -> str:
+        """The cases this harness runs by default: ``"full"`` or ``"small"``."""
+        if self.cases is not None:
+            return self.cases
+        return getattr(get_backend(self.backend), "conformance_cases", "full")
 
     def supports(self, fmt: Any, dtype: str) -> bool:
         """False for a configuration the backend cannot run: the suite then asserts that

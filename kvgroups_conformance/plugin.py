@@ -21,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from kvgroups_conformance.cases import check_case_set, keeps
 from kvgroups_conformance.harness import Harness, harness_for, reference_harness
 from kvgroups_conformance.report import case_record, format_case
 
@@ -28,6 +29,7 @@ from kvgroups_conformance.report import case_record, format_case
 @dataclass
 class _State:
     harnesses: list[Harness]
+    cases: str = "full"
     rows: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -43,6 +45,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "backend's 'kvgroups.conformance' entry point, else the generic one")
     group.addoption("--kvgroups-report", default=None, metavar="PATH",
                     help="also write the conformance report as JSON to PATH")
+    group.addoption("--kvgroups-cases", default=None, choices=("full", "small"),
+                    help="the case set: 'full' (certifies) or 'small' (every format, dtype and "
+                         "feature once); default: what the harness / backend declares")
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -63,7 +68,14 @@ def pytest_configure(config: pytest.Config) -> None:
         harnesses = [harness_for(name, spec) for name in names]
     except Exception as exc:  # a usage error names the backend or harness that is missing
         raise pytest.UsageError(f"kvgroups conformance: {type(exc).__name__}: {exc}") from exc
-    config.stash[_STATE] = _State(harnesses)
+    cases = config.getoption("kvgroups_cases")
+    try:
+        sets = {check_case_set(h.case_set()) for h in harnesses}
+    except Exception as exc:
+        raise pytest.UsageError(f"kvgroups conformance: {type(exc).__name__}: {exc}") from exc
+    if cases is None:  # the largest set any harness asks for
+        cases = "full" if "full" in sets else "small"
+    config.stash[_STATE] = _State(harnesses, cases)
 
 
 def _pairs(harnesses: list[Harness]) -> list:
@@ -86,6 +98,21 @@ def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
         metafunc.parametrize("harness_pair", _pairs(state.harnesses))
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list) -> None:
+    state = config.stash.get(_STATE, None)
+    if state is None or state.cases == "full":
+        return
+    kept, dropped = [], []
+    for item in items:
+        params = dict(getattr(getattr(item, "callspec", None), "params", {}))
+        module = getattr(item, "module", None)
+        name = getattr(item, "originalname", item.name)
+        (kept if keeps(module, name, params) else dropped).append(item)
+    if dropped:
+        config.hook.pytest_deselected(items=dropped)
+        items[:] = kept
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
@@ -100,16 +127,18 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         state.rows.append(case_record(item.nodeid, params, report.outcome, error))
 
 
-def summary(rows: list[dict[str, Any]], harnesses: list[Harness]) -> dict[str, Any]:
+def summary(rows: list[dict[str, Any]], harnesses: list[Harness],
+            cases: str = "full") -> dict[str, Any]:
     """Counts and verdict of a run (what the terminal report and the JSON file say)."""
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "skipped")}
     names = ", ".join(f"{h.id} (backend {h.backend!r})" for h in harnesses)
     conformant = counts["failed"] == 0 and counts["skipped"] == 0 and counts["passed"] > 0
+    which = "" if cases == "full" else f" ({cases} case set)"
     return {"harnesses": [h.id for h in harnesses], "backends": [h.backend for h in harnesses],
-            **counts, "conformant": conformant,
-            "verdict": (f"CONFORMANT: {names} passed all {counts['passed']} cases"
+            **counts, "cases_run": cases, "conformant": conformant,
+            "verdict": (f"CONFORMANT{which}: {names} passed all {counts['passed']} cases"
                         if conformant else
-                        f"NOT CONFORMANT: {names}: {counts['failed']} failed, "
+                        f"NOT CONFORMANT{which}: {names}: {counts['failed']} failed, "
                         f"{counts['skipped']} skipped, {counts['passed']} passed")}
 
 
@@ -117,7 +146,7 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
     state = config.stash.get(_STATE, None)
     if state is None:
         return
-    result = summary(state.rows, state.harnesses)
+    result = summary(state.rows, state.harnesses, state.cases)
     tr = terminalreporter
     tr.section("kvgroups conformance report")
     for row in state.rows:

@@ -43,6 +43,7 @@ from .tensors.descriptors import TensorDesc, TensorSpec
 from .tensors.dtypes import DTYPE_MAP, DType
 from .transfer.api import PreparedTransfer, load, prepare, store
 from .transfer.backend import Backend
+from .transfer.block_runs import BlockRuns, block_runs, coalesce_runs
 from .transfer.objects import Region, object_nbytes, object_regions, region_view
 from .transfer.plan import GroupTransfer, PlaneRef, TransferPlan
 from .transfer.tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
@@ -50,6 +51,9 @@ from .transfer.tp_convert import canonical_nbytes, merge_shards, rank_byte_range
 __version__ = "0.1.0"
 
 __all__ = [
+    "BlockRuns",
+    "block_runs",
+    "coalesce_runs",
     "GroupTransfer",
     "OBJECT_LAYOUTS",
     "TPShard",

@@ -1,5 +1,6 @@
-"""kvgroups JAX backend: Pallas page-copy kernels (Triton and Mosaic GPU lowerings), a plain
-XLA fallback, descriptors for JAX arrays and DLPack imports of foreign caches.
+"""kvgroups JAX backend: Pallas page-copy kernels (Triton and Mosaic GPU lowerings, Mosaic TPU
+DMA kernels), a plain XLA fallback, descriptors for JAX arrays and DLPack imports of foreign
+caches.
 
 The core finds this package through its registry (``"jax"``, for ``jax.Array``); to force a
 lowering, register an instance under another name::
@@ -9,6 +10,7 @@ lowering, register an instance under another name::
 """
 
 from .backend import JaxBackend
+from .buckets import PAD_ID, pad_block_ids
 from .describe import describe_array
 from .executor import execute_plan, lower_plan, trace_count
 from .foreign import InPlaceCopyWarning, InPlaceWriteLost, import_dlpack
@@ -17,11 +19,13 @@ from .lowerings.choice import LOWERINGS
 __all__ = [
     "JaxBackend",
     "LOWERINGS",
+    "PAD_ID",
     "InPlaceCopyWarning",
     "InPlaceWriteLost",
     "describe_array",
     "execute_plan",
     "import_dlpack",
     "lower_plan",
+    "pad_block_ids",
     "trace_count",
 ]

@@ -48,10 +48,12 @@ class JaxBackend(Backend):
     Parameters
     ----------
     lowering : "auto" (on CUDA GPUs Mosaic GPU for contiguous spans of >= 16 KiB on Hopper with
-        jax >= 0.11, else Triton; XLA beyond int32 indexing and on CPU), or one of "cuda" (the
-        torch backend's CUDA kernel launched by XLA; contiguous spans only), "triton",
-        "mosaic", "xla", "interpret" to force a path
-        (register such an instance under its own name: there is no global switch).
+        jax >= 0.11, else Triton; on TPUs the Mosaic TPU DMA kernels; XLA beyond int32
+        indexing and on CPU), or one of "cuda" (the torch backend's CUDA kernel launched by
+        XLA; contiguous spans only), "triton", "mosaic", "xla", "interpret", "tpu" (the TPU
+        DMA kernels: on a TPU, or traced and lowered for one), "tpu-interpret" (the same in
+        TPU interpret mode, any platform) to force a path (register such an instance under
+        its own name: there is no global switch; "jax-tpu" and "jax-tpu-interpret" are).
     num_warps : warps per Triton program.
     """
 
@@ -66,6 +68,10 @@ class JaxBackend(Backend):
             raise KVGroupsValueError(f"lowering: expected one of {LOWERINGS}, got {lowering!r}")
         self.lowering = lowering
         self.num_warps = num_warps
+        if lowering == "tpu-interpret":
+            # Every new plan shape compiles an interpreted program for seconds on a CPU: the
+            # conformance kit runs its small case set unless told otherwise.
+            self.conformance_cases = "small"
 
     def describe(self, x: Any) -> TensorDesc:
         return describe_array(x)
@@ -195,13 +201,18 @@ class JaxBackend(Backend):
         return list(new_caches), list(new_objs)
 
     def _execute_traced(self, plan, arrays: list, objs: list):
-        """Inside a JAX transformation: no buffers to compare or stage, the caller's jit
-        decides donation; the program is traced into the caller's."""
-        new_caches, new_objs = execute_plan(plan, arrays, objs, lowering=self.lowering,
+        """Inside a JAX transformation: no buffers to compare, the caller's jit decides
+        donation; the program is traced into the caller's. Objects in host memory (their
+        abstract value says so) are staged through device memory as on the eager path."""
+        hosted = [_in_host_memory(o) for o in objs]
+        store = plan.direction == "store"
+        staged = [(None if store and writes_every_byte(plan, g) else _device_space(o))
+                  if h else o for g, (o, h) in enumerate(zip(objs, hosted))]
+        new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
                                             num_warps=self.num_warps)
-        if plan.direction == "store":
-            return None, list(new_objs)
-        return list(new_caches), list(new_objs)
+        if store:
+            return None, [_host_space(n) if h else n for n, h in zip(new_objs, hosted)]
+        return list(new_caches), [o if h else n for n, o, h in zip(new_objs, objs, hosted)]
 
     def _execute_plain(self, plan, arrays: list, objs: list, check: bool = True):
         """Objects in device memory. ``check=False``: the caches are known to be XLA's own
@@ -514,6 +525,26 @@ def _sharding_for(device: str):
     dev = devs[int(index) if index else 0]
     kind = "pinned_host" if pinned and dev.platform != "cpu" else None
     return jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
+
+
+def _in_host_memory(x: Any) -> bool:
+    """Whether ``x`` lives in host memory: a pinned_host array, or a tracer whose abstract
+    value is in the host memory space (a pinned_host argument of the caller's jit)."""
+    if x is None:
+        return False
+    if isinstance(x, jax.core.Tracer):
+        space = getattr(getattr(jax, "memory", None), "Space", None)
+        return space is not None and getattr(jax.typeof(x), "memory_space", None) == space.Host
+    return memory_kind_of(x) == "pinned_host"
+
+
+def _device_space(x: Any) -> Any:
+    return jax.device_put(x, jax.memory.Space.Device) if isinstance(x, jax.core.Tracer) \
+        else _to_device(x)
+
+
+def _host_space(x: Any) -> Any:
+    return jax.device_put(x, jax.memory.Space.Host)
 
 
 def _to_device(x: jax.Array) -> jax.Array:

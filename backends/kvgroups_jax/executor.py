@@ -31,7 +31,7 @@ from .geometry import GroupGeometry, bucket, group_geometry
 from .id_checks import check_block_ids
 from .lowerings import triton as pallas_copy
 from .lowerings import xla as xla_copy
-from .lowerings.choice import resolve_lowering
+from .lowerings.choice import TRACED, resolve_lowering
 from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
 _TRACES = {"count": 0}
@@ -98,6 +98,10 @@ def _copy_fn(lowering: str):
         from .lowerings import cuda as cuda_copy
 
         return cuda_copy.copy_group
+    if lowering in ("tpu", "tpu-interpret"):
+        from .lowerings import tpu
+
+        return tpu.copy_group
     return xla_copy.copy_group
 
 
@@ -129,7 +133,7 @@ def _run(program: _Program, caches, objects, metas, idss):
                                   kernel_group=program.kernel_groups[g])
         out = _copy_fn(lowering)(
             program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
-            interpret=lowering == "interpret", num_warps=program.num_warps,
+            interpret=lowering in ("interpret", "tpu-interpret"), num_warps=program.num_warps,
             kernel_group=program.kernel_groups[g] if program.kernel_groups else g,
         )
         if program.direction == "store":
@@ -380,7 +384,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
         On store an entry may be None: the program creates that object itself, as the
         kernel's output when the plan writes all of it (no zero-filled buffer, no fill pass).
     lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
-        "mosaic", "xla" or "interpret" (Pallas interpret mode).
+        "mosaic", "xla", "interpret" (Pallas interpret mode), "tpu" (Mosaic TPU DMAs) or
+        "tpu-interpret" (the same kernels in Pallas' TPU interpret mode).
 
     Returns
     -------
@@ -401,6 +406,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     caches = tuple(caches)
     objects = tuple(objects)
     platform, placement = _home(caches + objects)
+    if lowering == "tpu" and any(isinstance(x, jax.core.Tracer) for x in caches + objects):
+        platform = TRACED  # the caller lowers the trace, for a TPU whatever this machine is
     program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects))
     metas, idss = _runtime_args(plan, placement)
     if direction == "store":
@@ -440,10 +447,11 @@ def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
 
     ``caches`` and ``objects`` may be ``jax.ShapeDtypeStruct`` s. Lowering runs the Triton or
     Mosaic GPU compilers' front ends, which reject non-power-of-two array ops and oversized
-    TMA boxes, so CI catches them on a CPU-only machine. Returns the ``jax.stages.Lowered``.
+    TMA boxes, so CI catches them on a CPU-only machine; ``platform="tpu"`` with
+    ``lowering="tpu"`` lowers the Mosaic TPU DMA kernels. Returns the ``jax.stages.Lowered``.
     """
-    program, metas, idss = build_program(plan, lowering, "gpu", num_warps=num_warps,
-                                         objects=objects)
+    program, metas, idss = build_program(plan, lowering, "tpu" if platform == "tpu" else "gpu",
+                                         num_warps=num_warps, objects=objects)
     fn = _store_jit if plan.direction == "store" else _load_jit
     return fn.trace(program, tuple(caches), tuple(objects), metas, idss).lower(
         lowering_platforms=(platform,)

@@ -72,6 +72,12 @@ class GroupGeometry:
     #: ``object_planes[p]``: plane ``p``'s index inside the group's object region (its
     #: ``PlaneRef.object_plane``; a layer subset moves only some planes of a full region).
     object_planes: tuple[int, ...] = ()
+    #: Each segment run as one strided copy, uncut (``boxes`` are its power-of-two pieces):
+    #: lowerings that copy whole strided windows (the TPU DMAs) read these.
+    segments: tuple["Segment", ...] = ()
+    #: Each operand's shape in view elements (the array's shape, plus a trailing axis when
+    #: the unit is narrower than the dtype): the windows of the TPU DMAs are cut from it.
+    operand_shapes: tuple[tuple[int, ...], ...] = ()
 
     @property
     def num_planes(self) -> int:
@@ -98,6 +104,17 @@ class GroupGeometry:
         """Element offset, inside one chunk's object, of the first row of kept block ``pos``."""
         return self.region_offset + (self.object_plane(plane) * self.slots
                                      + pos * self.block_size) * self.row
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One segment run of a block-plane as a strided copy: ``dims`` are ``(count,
+    cache_stride, obj_stride)`` outer to inner, merged where contiguous on both sides and
+    ending with a dimension of stride 1 on both; offsets as :class:`Box`'s."""
+
+    dims: tuple[tuple[int, int, int], ...]
+    cache_offset: int
+    obj_offset: int
 
 
 def pow2_parts(n: int, cap: int) -> list[tuple[int, int]]:
@@ -192,6 +209,7 @@ def group_geometry(
     sizes = tuple(tensor_specs[s].nbytes // unit for s in slots)
     row = group.row_bytes // unit
     boxes: list[Box] = []
+    segments: list[Segment] = []
     for run in group.runs:
         dims = [
             (group.block_size, run.token_stride // unit, row),
@@ -199,6 +217,10 @@ def group_geometry(
             (run.nbytes // unit, 1, 1),
         ]
         boxes += run_boxes(dims, run.cache_offset // unit, run.obj_offset // unit, max_elems)
+        merged = _merge(list(dims))
+        if not merged or merged[-1][1:] != (1, 1):
+            merged.append((1, 1, 1))
+        segments.append(Segment(tuple(merged), run.cache_offset // unit, run.obj_offset // unit))
     geom = GroupGeometry(
         unit=unit,
         operand_slots=tuple(slots),
@@ -216,8 +238,21 @@ def group_geometry(
         kept_per_chunk=int(group.kept_per_chunk),
         boxes=tuple(boxes),
         object_planes=tuple(getattr(p, "object_plane", i) for i, p in enumerate(group.planes)),
+        segments=tuple(segments),
+        operand_shapes=tuple(_unit_shape(tensor_specs[s], unit) for s in slots),
     )
     return geom
+
+
+def _unit_shape(spec, unit: int) -> tuple[int, ...]:
+    """``spec``'s shape in ``unit``-byte elements (a trailing axis splits wider elements)."""
+    shape = tuple(int(n) for n in spec.shape)
+    itemsize = int(spec.dtype.itemsize)
+    if itemsize > unit:
+        return shape + (itemsize // unit,)
+    if itemsize < unit:  # units wider than the dtype: only the flat extent is meaningful
+        return (spec.nbytes // unit,)
+    return shape
 
 
 def check_kernel_limits(geom: GroupGeometry) -> None:

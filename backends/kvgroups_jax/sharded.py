@@ -298,6 +298,8 @@ def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *,
     from . import executor
 
     platform = _platform(layout.mesh)
+    if lowering == "tpu" and not isinstance(layout.mesh, jax.sharding.Mesh):
+        platform = executor.TRACED  # under jax.jit: the caller lowers it (for a TPU)
     fresh = executor._fresh_shapes(local_plan, objects)
     program = executor._program_for(local_plan, lowering, platform, num_warps, fresh)
     metas, idss = executor._runtime_args(local_plan, None)

@@ -12,6 +12,7 @@ from kvgroups_conformance.caches import (
     expected_object,
     make_caches,
 )
+from kvgroups_conformance.cases import every_nth
 from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
 from kvgroups_conformance.suite.test_roundtrip import declared_unsupported
 from kvgroups_core import describe
@@ -21,6 +22,13 @@ from kvgroups_core.transfer.objects import object_nbytes
 GEOMETRY = dict(nl=2, nb=16, bs=4, nh=2, hs=16)
 CHUNK = 8
 UINT8 = np.zeros(0, np.uint8)
+
+
+def small_case(name: str, params: dict) -> bool:
+    """The small case set: objects handed over for every fourth format (both ways)."""
+    if name == "test_store_with_one_backend_load_with_the_other":
+        return every_nth(params["fmt"], TRANSFER_FORMATS, 4)
+    return True
 
 
 def _summary(manager):

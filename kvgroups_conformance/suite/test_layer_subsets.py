@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from kvgroups_conformance.caches import TRANSFER_FORMATS, all_blocks, expected_object, make_caches
+from kvgroups_conformance.cases import every_nth
 from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
 from kvgroups_conformance.suite.test_roundtrip import declared_unsupported
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
@@ -15,6 +16,13 @@ from kvgroups_core.transfer.objects import object_nbytes, object_regions
 GEOMETRY = dict(nl=3, nb=16, bs=4, nh=2, hs=16)
 CHUNK, CHUNKS = 8, 2
 SUBSETS = [[1], [0, 2]]
+
+
+def small_case(name: str, params: dict) -> bool:
+    """The small case set: every third format, the two subsets taking turns."""
+    k = TRANSFER_FORMATS.index(params["fmt"])
+    return every_nth(params["fmt"], TRANSFER_FORMATS, 3) and \
+        SUBSETS.index(params["layers"]) == (k // 3) % 2
 
 
 def _selected_bytes(manager, og, layers) -> np.ndarray:

@@ -134,8 +134,19 @@ def _load_entry_points() -> None:
     for ep in entry_points(group="kvgroups.backends"):
         if ep.name in _ENTRIES:
             continue
+        if _own_variant(ep):
+            # kvgroups' own backend variants are chosen by name and handle no array type of
+            # their own: registered lazily, since loading one imports its framework.
+            register_backend(ep.name, ep.value)
+            continue
         obj = ep.load()
         register_backend(ep.name, obj, array_types=getattr(obj, "array_types", ()))
+
+
+def _own_variant(ep: Any) -> bool:
+    """Whether entry point ``ep`` is one of kvgroups' own (declared by this distribution)."""
+    dist = getattr(ep, "dist", None)
+    return dist is not None and getattr(dist, "name", None) == "kvgroups"
 
 
 def _resolve_class(qualified: str) -> type | None:

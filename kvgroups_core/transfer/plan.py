@@ -114,6 +114,13 @@ class GroupTransfer:
         where = chunk * self.blocks_per_chunk + (self.blocks_per_chunk - self.kept_per_chunk) + pos
         return chunk, pos, np.asarray(self.block_ids, dtype=np.int64)[where]
 
+    def block_runs(self, first_item: int | None = None, *, num_blocks: int | None = None):
+        """The moved items as runs of consecutive block ids (host ids): see
+        :func:`kvgroups_core.block_runs.block_runs`."""
+        from .block_runs import block_runs
+
+        return block_runs(self, first_item, num_blocks=num_blocks)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TransferPlan:

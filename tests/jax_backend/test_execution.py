@@ -17,7 +17,7 @@ def _nbytes(g):
     return g.num_planes * g.slots * g.row_bytes
 
 
-@pytest.mark.parametrize("lowering", ["interpret", "xla"])
+@pytest.mark.parametrize("lowering", ["interpret", "xla", "tpu-interpret"])
 def test_load_donates_caches_and_writes_in_place(lowering):
     arrays, g = make_group("hnd", "bfloat16")
     caches, objs, new_c, new_o, ptrs, optrs = run_and_check("load", [g], arrays, [_nbytes(g)],
@@ -27,7 +27,7 @@ def test_load_donates_caches_and_writes_in_place(lowering):
     assert not any(o.is_deleted() for o in objs)  # objects are read, not consumed
 
 
-@pytest.mark.parametrize("lowering", ["interpret", "xla"])
+@pytest.mark.parametrize("lowering", ["interpret", "xla", "tpu-interpret"])
 def test_store_donates_objects_and_keeps_caches(lowering):
     arrays, g = make_group("nhd", "float16")
     caches, objs, new_c, new_o, ptrs, optrs = run_and_check("store", [g], arrays, [_nbytes(g)],

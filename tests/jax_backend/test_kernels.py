@@ -4,7 +4,7 @@ import pytest
 from tests.support.jax_checks import run_and_check
 from tests.support.jax_layouts import DTYPES, LAYOUTS, make_group
 
-LOWERINGS_CPU = ("interpret", "xla")
+LOWERINGS_CPU = ("interpret", "xla", "tpu-interpret")
 
 
 def _object_nbytes(group):

@@ -171,3 +171,30 @@ def test_the_reference_harness_checks_real_padding():
     src, _ = build(FMT, dtype="float16", rng=np.random.default_rng(1), pad=40, **GEOMETRY)
     h = reference_harness()
     assert h.keeps_padding and h.from_numpy(src[0]).strides == src[0].strides
+
+
+def test_the_small_case_set_keeps_every_format_and_dtype_and_says_so(tmp_path):
+    (tmp_path / "slow.py").write_text(
+        "from kvgroups_conformance import Harness\n"
+        "class Slow(Harness):\n"
+        "    def __init__(self):\n"
+        "        super().__init__('numpy', 'numpy', cases='small')\n")
+    env = {"PYTHONPATH": f"{tmp_path}:{REPO}:{REPO / 'backends'}", "PATH": "/usr/bin:/bin"}
+    runs = {}
+    for name, extra in (("declared", []), ("forced", ["--cases", "full"])):
+        report = tmp_path / f"{name}.json"
+        proc = subprocess.run(
+            [sys.executable, "-m", "kvgroups_conformance", "--backend", "numpy", "--harness",
+             "slow:Slow", "--report", str(report), *extra, "--", "-q", "-k", "round_trip_moves"],
+            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+        runs[name] = (proc.stdout, json.loads(report.read_text()))
+    out, small = runs["declared"]
+    assert small["cases_run"] == "small" and "CONFORMANT (small case set)" in out
+    pairs = {(r["params"]["fmt"], r["params"]["dtype"]) for r in small["cases"]}
+    assert len({f for f, _ in pairs}) == 15  # every format ...
+    assert {d for _, d in pairs} == {"float16", "bfloat16", "float32", "float8_e4m3fn"}
+    assert len(pairs) == 18  # ... and every dtype, not every combination
+    out, full = runs["forced"]
+    assert full["cases_run"] == "full" and len(full["cases"]) == 60
+    assert "CONFORMANT: numpy" in out

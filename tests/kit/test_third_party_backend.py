@@ -143,3 +143,24 @@ def test_an_off_by_one_in_block_addressing_fails_with_an_actionable_report(tmp_p
     assert len(formats) == sum("canonical" in row["case"] for row in report["cases"])
     assert re.search(r"store: object bytes: first difference at format \w+, dtype bfloat16, "
                      r"layer \d+, plane \d \(\w[^)]*\), block \d+, byte \d+", proc.stdout)
+
+
+def test_the_tpu_kernels_pass_the_kit_in_tpu_interpret_mode(kvgroups_site, tmp_path):
+    # The Pallas TPU kernels (kvgroups_jax, lowering "tpu") in TPU interpret mode on the CPU,
+    # found through kvgroups' own entry point as installed: the command CI certifies them
+    # with. The backend declares the small case set (each case compiles interpreted programs).
+    pytest.importorskip("jax")
+    report = tmp_path / "report.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvgroups_conformance", "--backend", "jax-tpu-interpret",
+         "--report", str(report), "--", "-q"],
+        env=_env(kvgroups_site), cwd=tmp_path, capture_output=True, text=True, timeout=1500)
+    assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-2000:]
+    result = json.loads(report.read_text())
+    assert result["conformant"] and result["backends"] == ["jax-tpu-interpret"]
+    assert result["cases_run"] == "small" and result["skipped"] == 0
+    assert "CONFORMANT (small case set): jax-tpu-interpret" in proc.stdout
+    formats = {row["params"].get("fmt") for row in result["cases"]} - {None}
+    dtypes = {row["params"].get("dtype") for row in result["cases"]}
+    assert len(formats) == 15  # every transfer format and every dtype ran at least once
+    assert {"float16", "bfloat16", "float32", "float8_e4m3fn"} <= dtypes

@@ -12,6 +12,7 @@ from kvgroups_torch.copy_engine.runs import copy_bytes, group_copies, object_pla
 from kvgroups_core.formats.catalogue import EngineKVFormat as F
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import reference
+from kvgroups_core.transfer.block_runs import block_runs
 from kvgroups_core.transfer.planner import bind, plan_call
 from kvgroups_tools.catalog import MODELS
 from tests.support.torch_engine_cases import ids_for
@@ -90,6 +91,23 @@ def test_nhd_pages_are_one_copy_and_consecutive_blocks_merge():
     # Consecutive ids at consecutive positions: one copy per plane for the whole chunk.
     dst, src, sizes = group_copies(group, "store", planes, [fake(5)], np.array([4, 5, 6, 7]))
     assert dst.size == 2 and (sizes == 4 * page).all()
+
+
+def test_contiguous_pages_are_one_copy_per_run_of_consecutive_blocks_and_plane():
+    case = make_case("nhd", "float16", "store", np.random.default_rng(4), num_chunks=2, bpc=4,
+                     kept=4, nl=1)
+    group = case.plan.groups[0]
+    page = group.block_size * group.row_bytes
+    planes = [fake(0) + p.byte_offset for p in group.planes]
+    # Chunk 0: blocks 4-5 and 9-10; chunk 1: 11-13 (not joined to 10: another chunk) and 2.
+    ids = np.array([4, 5, 9, 10, 11, 12, 13, 2])
+    runs = block_runs(group, block_ids=ids)
+    assert runs.count == 4
+    dst, src, sizes = group_copies(group, "store", planes, [fake(5), fake(6)], ids)
+    assert dst.size == runs.count * len(planes)
+    np.testing.assert_array_equal(sizes[:4], np.array([2, 2, 3, 1]) * page)
+    np.testing.assert_array_equal(src[:4], planes[0] + np.array([4, 9, 11, 2])
+                                  * group.block_stride_bytes)
 
 
 def test_hnd_copies_are_pieces_and_the_estimate_says_so():

@@ -1,7 +1,8 @@
 """The choice of lowering: which copy program runs a group geometry on a platform.
 
-``cuda``, ``triton``, ``mosaic``, ``xla`` or Pallas ``interpret`` mode: ``"auto"`` picks the
-fastest that can, and explicit requests that cannot run are refused.
+``cuda``, ``triton``, ``mosaic``, ``xla``, ``tpu`` or the Pallas interpret modes (``interpret``,
+``tpu-interpret``): ``"auto"`` picks the fastest that can, and explicit requests that cannot run
+are refused.
 """
 
 from __future__ import annotations
@@ -11,7 +12,11 @@ import jax
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 from kvgroups_jax.geometry import GroupGeometry, check_kernel_limits
 
-LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret")
+LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret", "tpu", "tpu-interpret")
+
+#: The platform ``execute_plan`` reports for a ``"tpu"`` call traced inside a transformation:
+#: the caller may lower the trace for a TPU on any machine (``lowering_platforms=("tpu",)``).
+TRACED = "traced"
 
 
 def _compute_capability() -> tuple[int, int]:
@@ -32,6 +37,8 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
     if requested == "interpret":
         check_kernel_limits(geom)
         return requested
+    if requested in ("tpu", "tpu-interpret") or (requested == "auto" and platform == "tpu"):
+        return _resolve_tpu(requested, geom, platform)
     gpu = platform in ("gpu", "cuda")
     if requested in ("cuda", "triton", "mosaic") and not gpu:
         raise UnsupportedConfig(
@@ -63,6 +70,27 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
         return "triton"
     except UnsupportedConfig:
         return "xla"
+
+
+def _resolve_tpu(requested: str, geom: GroupGeometry, platform: str) -> str:
+    """The TPU lowerings: ``"tpu"`` where the program is lowered for a TPU (a TPU device, or a
+    trace whose lowering platform the caller chooses), ``"tpu-interpret"`` anywhere;
+    ``"auto"`` on a TPU takes ``"tpu"`` where a DMA plan fits, else XLA."""
+    from .tpu import check_supported
+
+    if requested == "tpu" and platform not in ("tpu", TRACED):
+        raise UnsupportedConfig(
+            f"lowering: 'tpu' compiles for a TPU, got platform {platform!r} (use "
+            "'tpu-interpret' to run the TPU kernels here, or trace the call inside jax.jit "
+            "and lower it with lowering_platforms=('tpu',))"
+        )
+    try:
+        check_supported(geom)
+    except UnsupportedConfig:
+        if requested == "auto":
+            return "xla"
+        raise
+    return "tpu" if requested == "auto" else requested
 
 
 #: Smallest block-plane span (bytes) the automatic choice hands to Mosaic GPU.

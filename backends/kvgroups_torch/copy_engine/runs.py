@@ -2,11 +2,14 @@
 
 The copy-engine path (:mod:`.batch`) hands the GPU's DMA engines one list of plain
 copies instead of launching a kernel. This module computes that list on the host, from the
-same page model the kernels use (docs/DESIGN.md): per item (chunk, position, block id), per
-plane, per segment run of :func:`~.geometry.group_shape`, per token and piece, one copy of
-the piece's bytes between its place in the cache block and its place in the object row.
-Copies that continue each other on both sides (the tokens of an NHD page, the heads of a
-token, consecutive block ids at consecutive positions) are merged into one.
+same page model the kernels use (docs/DESIGN.md). Where a whole page is one byte range on
+both sides and consecutive blocks and positions follow each other (NHD and MLA pages of
+per-layer caches), the items are coalesced into runs of consecutive block ids first
+(:func:`kvgroups_core.block_runs.block_runs`, shared with the TPU lowering): one copy per run
+and plane. Otherwise per item (chunk, position, block id), per plane, per segment run of
+:func:`~.geometry.group_shape`, per token and piece, one copy of the piece's bytes between its
+place in the cache block and its place in the object row; copies that continue each other on
+both sides (the tokens of an NHD page, the heads of a token) are merged into one.
 
 Addresses are plain integers, so the whole computation runs (and is tested) without a GPU:
 ``plane_bases`` and ``chunk_bases`` may be fake addresses of host buffers.
@@ -20,6 +23,7 @@ import numpy as np
 from kvgroups_cuda.geometry import group_shape
 
 from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.transfer.block_runs import block_runs
 from kvgroups_core.transfer.plan import PlaneRef
 
 #: Copies one call may hand the driver per group: beyond it (scattered heads of many
@@ -60,6 +64,24 @@ def _merge(dst: np.ndarray, src: np.ndarray, nbytes: int) -> tuple[np.ndarray, .
     return dst[starts], src[starts], sizes
 
 
+def _run_copies(group: Any, shape: Any, runs: Any, direction: str, planes: np.ndarray,
+                rows: np.ndarray, chunk_bases: np.ndarray) -> tuple[np.ndarray, ...]:
+    """One copy per (plane, run) of whole pages: ``length`` pages that follow each other in
+    the cache (blocks ``src ..``) and in the object (positions ``dst % kept ..``)."""
+    chunk, pos = np.divmod(runs.dst, group.kept_per_chunk)
+    cache = (planes[:, None] + shape.runs[0].cache_offset
+             + (runs.src * shape.block_stride)[None, :])
+    obj = (chunk_bases[chunk] + shape.region_offset + pos * shape.page_obj_stride)[None, :] \
+        + (rows * shape.plane_obj_stride)[:, None]
+    sizes = np.broadcast_to(runs.length * shape.page_bytes, cache.shape)
+    dst, src = (obj, cache) if direction == "store" else (cache, obj)
+    if dst.size > MAX_COPIES:
+        raise UnsupportedConfig(
+            f"path: expected at most {MAX_COPIES} copies per group for 'copy_engine', got "
+            f"{dst.size} (use path='kernel')")
+    return dst.reshape(-1), src.reshape(-1), sizes.reshape(-1).copy()
+
+
 def group_copies(group: Any, direction: str, plane_bases: Sequence[int],
                  chunk_bases: Sequence[int], block_ids: Any = None,
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,12 +106,15 @@ def group_copies(group: Any, direction: str, plane_bases: Sequence[int],
     empty = np.empty(0, dtype=np.int64)
     if start >= total:
         return empty, empty, empty
+    planes = np.asarray(plane_bases, dtype=np.int64)
+    rows = np.asarray([object_plane(p, i) for i, p in enumerate(group.planes)], dtype=np.int64)
+    if shape.contiguous and shape.block_stride == shape.page_bytes == shape.page_obj_stride:
+        return _run_copies(group, shape, block_runs(group, block_ids=ids), direction, planes,
+                           rows, np.asarray(chunk_bases, dtype=np.int64))
     item = np.arange(start, total, dtype=np.int64)
     chunk, pos = np.divmod(item, group.kept_per_chunk)
     bpc, kept = group.blocks_per_chunk, group.kept_per_chunk
     block = np.asarray(ids, dtype=np.int64)[chunk * bpc + (bpc - kept) + pos]
-    planes = np.asarray(plane_bases, dtype=np.int64)
-    rows = np.asarray([object_plane(p, i) for i, p in enumerate(group.planes)], dtype=np.int64)
     # Per (plane, item): the block's address in the cache and the page's in the object.
     cache_page = planes[:, None] + (block * shape.block_stride)[None, :]
     obj_page = (np.asarray(chunk_bases, dtype=np.int64)[chunk] + shape.region_offset
