@@ -93,6 +93,19 @@ def _capturing(cuda: bool) -> bool:
     return cuda and torch.cuda.is_current_stream_capturing()
 
 
+def _event(external: bool) -> Any:
+    """A CUDA event; ``external``: captured as an event record / wait node (PyTorch's
+    ``Event(external=True)``, which older PyTorch lacks: refused with the fix)."""
+    if not external:
+        return torch.cuda.Event()
+    try:
+        return torch.cuda.Event(external=True)
+    except TypeError:
+        raise UnsupportedConfig(
+            "graph_waits / graph_marks: expected a PyTorch whose torch.cuda.Event takes "
+            f"external=True, got {torch.__version__}") from None
+
+
 def _keep_for(stream: Any, objects: Any) -> None:
     """Tell PyTorch's caching allocator that ``stream`` uses the CUDA object tensors, so a
     tensor the engine drops is not handed out again before the side stream is done with it."""
@@ -204,7 +217,7 @@ class LayerwiseLoad:
         self._pending: list[tuple[int, list]] = []  # CPU: (step, transfers) not run yet
         self._events: list = []
         if side.cuda:
-            self._events = [torch.cuda.Event(external=self.graph_waits) for _ in self._steps]
+            self._events = [_event(self.graph_waits) for _ in self._steps]
             if self.graph_waits:
                 if _capturing(True):
                     raise UnsupportedConfig(
@@ -344,7 +357,7 @@ class LayerwiseSave:
         self.graph_marks = bool(graph_marks)
         self._marks: dict[int, Any] = {}
         if side.cuda and self.graph_marks:
-            self._marks = {layer: torch.cuda.Event(external=True) for layer in self.layers}
+            self._marks = {layer: _event(True) for layer in self.layers}
         self._marked: set[int] = set()
 
     @property

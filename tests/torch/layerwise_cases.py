@@ -8,7 +8,7 @@ from kvgroups_torch import check_errors
 import kvgroups_core as kc
 
 LAYERS = 32
-NUM_BLOCKS = 128
+NUM_BLOCKS = 64
 CHUNKS = 4
 
 
