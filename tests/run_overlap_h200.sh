@@ -3,10 +3,11 @@
 #   layerwise_tests   the LayerwiseLoad / LayerwiseSave GPU tests (a captured step of 32
 #                     layer loads + computes equal to the eager step and content-checked, the
 #                     no-wait control, captured saves, waits / marks in a graph captured apart
-#                     from the transfers, no host sync), the CPU semantics tests, the
-#                     connector's step transfers, and the engine tests' side-stream store;
-#   racecheck         compute-sanitizer racecheck over the GPU tests (all but the no-wait
-#                     control, whose race is intended; no cuBLAS GEMM runs in them);
+#                     from the transfers, no host sync), the connector's step transfers on
+#                     the GPU (pinned slots, host ids), the CPU semantics tests, the guide's
+#                     example on CUDA, and the engine tests' side-stream store;
+#   racecheck         compute-sanitizer racecheck over the two GPU test files (all but the
+#                     no-wait control, whose race is intended; no cuBLAS GEMM runs in them);
 #   bench_overlap     benchmarks/bench_overlap.py: the interference curve (GEMM and
 #                     attention beside device-object transfers over max_ctas and the copy
 #                     engine), the 32-layer step with overlapped loads, the host-link figures,
@@ -41,11 +42,12 @@ python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
 cat "$OUT/logs/versions.log"
 
 step layerwise_tests 150 $PYTEST tests/torch/test_layerwise_gpu.py tests/torch/test_layerwise.py \
-  tests/torch/test_connector_pipeline.py \
+  tests/torch/test_connector_pipeline_gpu.py tests/torch/test_connector_pipeline.py \
   "tests/torch/test_torch_engine_gpu.py::test_side_stream_store_overlaps_compute_and_the_engine_waits_on_its_event" \
   "tests/engines/test_integration_doc.py::test_example_runs[layerwise]"
 step racecheck 180 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
-  $PYTEST -m gpu tests/torch/test_layerwise_gpu.py -k "not control"
+  $PYTEST -m gpu tests/torch/test_layerwise_gpu.py tests/torch/test_connector_pipeline_gpu.py \
+  -k "not control"
 step bench_overlap 240 python3 benchmarks/bench_overlap.py --out "$OUT/overlap_h200.jsonl"
 grep -h "RACECHECK SUMMARY\|ERROR SUMMARY" "$OUT/logs/racecheck.log" 2>/dev/null
 python3 - "$OUT/overlap_h200.jsonl" <<'PY' 2>/dev/null
