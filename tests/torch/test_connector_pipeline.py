@@ -114,3 +114,29 @@ def test_saves_equal_the_whole_model_store_whichever_hooks_ran(hooks):
         np.testing.assert_array_equal(pool[4:6].numpy(), w)
     # The next step starts clean: its saves are its own.
     assert steps.finish_step([]) == 0
+
+
+def test_a_step_whose_forward_skipped_waits_makes_later_loads_go_before_the_forward(caplog):
+    manager, caches, store, steps = _setup(seed=10)
+    ids = ids_for(manager, np.random.default_rng(11), 1)
+    steps.start_loads([_item(ids, [0], taken=CHUNK)], hooks_run=True)
+    for layer in (0, 1):  # layers 2 and 3 never wait
+        steps.wait_layer(f"model.layers.{layer}.attn")
+    steps.finish_step([])
+    assert steps.loads is None and "layers [2, 3] were never waited for" in caplog.text
+    want = _want(manager, store, caches, ids, [5])
+    steps.start_loads([_item(ids, [5], taken=CHUNK)], hooks_run=True)
+    for got, w in zip(cache_bytes(caches), want):  # loaded before any wait
+        np.testing.assert_array_equal(got, w)
+    steps.finish_step([])
+
+
+def test_steps_that_wait_for_every_layer_stay_pipelined():
+    manager, caches, store, steps = _setup(seed=12)
+    ids = ids_for(manager, np.random.default_rng(13), 1)
+    for _ in range(2):
+        steps.start_loads([_item(ids, [0], taken=CHUNK)], hooks_run=True)
+        for layer in range(LAYERS):
+            steps.wait_layer(f"model.layers.{layer}.attn")
+        steps.finish_step([])
+        assert steps.loads is not None

@@ -22,6 +22,7 @@ attention ran before its wait computes on stale bytes there as it would race on 
 
 from __future__ import annotations
 
+import logging
 from typing import Any, Sequence
 
 import torch
@@ -29,6 +30,8 @@ import torch
 from kvgroups_torch import LayerwiseLoad, LayerwiseSave
 
 from .host_store import HostChunkStore
+
+logger = logging.getLogger(__name__)
 
 
 def hooks_will_run(forward_context: Any) -> bool:
@@ -79,6 +82,7 @@ class StepTransfers:
         self.loads = LayerwiseLoad(prepared) if per_layer and layerwise_loads else None
         self.saves = LayerwiseSave(prepared) if per_layer else None
         self._saved: dict[int, None] = {}  # layers saved by hooks this step, in order
+        self._waited: set[int] | None = None  # layers waited for in a pipelined step
 
     # ---------------------------------------------------------------- loads
 
@@ -95,6 +99,7 @@ class StepTransfers:
                                          skip_first_n_tokens=item.skip_tokens)
         if pipelined:
             self.loads.start_many(pipelined)
+            self._waited = set()
 
     def _recomputed(self, item: Any) -> bool:
         """The load writes blocks this step also computes: vLLM took fewer tokens than the
@@ -110,8 +115,11 @@ class StepTransfers:
         layer = self.layer_index.get(layer_name)
         if layer is None or layer not in loads.layers:
             loads.finish()  # a layer reading another's KV (sharing), or unknown: wait for all
+            self._waited = set(loads.layers)
             return
         loads.wait(layer)
+        if self._waited is not None:
+            self._waited.add(layer)
 
     # ---------------------------------------------------------------- saves
 
@@ -134,6 +142,16 @@ class StepTransfers:
         number of stores queued here."""
         if self.loads is not None and self.loads.pending:
             self.loads.finish()
+        if self._waited is not None:
+            missed = [layer for layer in self.loads.layers if layer not in self._waited]
+            self._waited = None
+            if missed:
+                # The forward read those layers without waiting for their loads: from now on
+                # every load runs before the forward (this step may have read stale pages).
+                logger.warning(
+                    "kvgroups: layers %s were never waited for (no wait_for_layer_load before "
+                    "their attention); loading before the forward from now on", missed)
+                self.loads = None
         calls = 0
         if saves:
             missing = [] if self.saves is None else \
