@@ -41,14 +41,14 @@ python3 -c "import torch; print('torch', torch.__version__, torch.version.cuda)"
   >> "$OUT/logs/versions.log" 2>&1
 cat "$OUT/logs/versions.log"
 
-step layerwise_tests 150 $PYTEST tests/torch/test_layerwise_gpu.py tests/torch/test_layerwise.py \
+step layerwise_tests 120 $PYTEST tests/torch/test_layerwise_gpu.py tests/torch/test_layerwise.py \
   tests/torch/test_connector_pipeline_gpu.py tests/torch/test_connector_pipeline.py \
   "tests/torch/test_torch_engine_gpu.py::test_side_stream_store_overlaps_compute_and_the_engine_waits_on_its_event" \
   "tests/engines/test_integration_doc.py::test_example_runs[layerwise]"
-step racecheck 180 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
+step racecheck 200 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 9 \
   $PYTEST -m gpu tests/torch/test_layerwise_gpu.py tests/torch/test_connector_pipeline_gpu.py \
   -k "not control"
-step bench_overlap 240 python3 benchmarks/bench_overlap.py --out "$OUT/overlap_h200.jsonl"
+step bench_overlap 210 python3 benchmarks/bench_overlap.py --out "$OUT/overlap_h200.jsonl"
 grep -h "RACECHECK SUMMARY\|ERROR SUMMARY" "$OUT/logs/racecheck.log" 2>/dev/null
 python3 - "$OUT/overlap_h200.jsonl" <<'PY' 2>/dev/null
 import json, sys
