@@ -43,18 +43,23 @@ def test_a_captured_step_of_32_layer_loads_and_computes_equals_the_eager_step(pl
     _forward(step, loads)  # eager, and the warm-up of the capture (kernels, tables)
     step.check()
     assert rec.calls == expected_load_order(list(range(LAYERS)), [step.objects])
+    eager_seen = [x.clone() for x in step.seen]
+    eager_caches = [c.clone() for c in step.caches]
     graph = torch.cuda.CUDAGraph()
     step.reset_caches()
     torch.cuda.synchronize()
     with torch.cuda.graph(graph):
         _forward(step, loads)
-    for seed in (3, 4):  # new bytes to load each replay, the caches back to the old ones
+    for seed in (2, 3, 4):  # the eager step's bytes, then new ones; the caches reset each time
         step.new_objects(seed)
         step.reset_caches()
         for s in step.seen:
             s.zero_()
         graph.replay()
         step.check()
+        if seed == 2:  # the same bytes as the eager step, bit for bit
+            for a, b in zip(step.seen + step.caches, eager_seen + eager_caches):
+                assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 def test_an_eager_step_with_loads_and_saves_never_syncs_the_host():
