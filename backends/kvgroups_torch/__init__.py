@@ -33,6 +33,9 @@ Every call enqueues on PyTorch's current stream and never synchronises. With dev
 prepared ``store`` / ``load`` is capturable in a CUDA graph: a replay reads the id and skip
 tensors' current contents (write new ids in place). ``max_ctas=`` on the calls caps the
 CTAs of each launch (each loops over its share), leaving SMs to concurrent work.
+:class:`LayerwiseLoad` / :class:`LayerwiseSave` (:mod:`kvgroups_torch.layerwise`) queue a
+step's per-layer loads and saves on a side stream with one CUDA event per layer, so each
+layer's compute waits on the GPU for its own layer and a whole step is capturable.
 
 Kernel or copy engine
 ---------------------
@@ -69,11 +72,14 @@ from .cuda.device import check_device_errors, check_errors
 from .cuda.driver import KernelLaunchError
 from .describe import describe_tensor, dtype_of, torch_dtype
 from .distributed import check_same_grouping as check_same_grouping
+from .layerwise import LayerwiseLoad, LayerwiseSave
 from .objects import allocate_objects
 
 __all__ = [
     "DEFAULT_PINNED_MODE",
     "KernelLaunchError",
+    "LayerwiseLoad",
+    "LayerwiseSave",
     "BoundPlan",
     "TorchBackend",
     "__version__",

@@ -43,9 +43,12 @@ def prompts(length: int = 700) -> dict[str, list[int]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", required=True)
-    ap.add_argument("--connector", choices=("none", "kvgroups", "corrupt", "example", "split512"),
+    ap.add_argument("--connector", choices=("none", "kvgroups", "corrupt", "scrambled",
+                                            "unwaited", "example", "split512"),
                     default="none", help="corrupt: the test-only subclass that scrambles what "
-                    "it loads; example: vLLM's own ExampleConnector (disk), for comparison")
+                    "it loads; scrambled / unwaited: the test-only subclasses that scramble the "
+                    "blocks a load fills, before it (unwaited also skips the per-layer waits); "
+                    "example: vLLM's own ExampleConnector (disk), for comparison")
     ap.add_argument("--chunk", type=int, default=256)
     ap.add_argument("--prompt-len", type=int, default=700)
     ap.add_argument("--out", required=True)
@@ -72,8 +75,12 @@ def main() -> None:
             kv_connector_extra_config={"shared_storage_path": tempfile.mkdtemp(),
                                        "load_tokens": 512})
     elif args.connector != "none":
-        name, module = (("KVGroupsConnector", "kvgroups_torch.vllm") if args.connector == "kvgroups"
-                        else ("CorruptingConnector", "corrupt_connector"))
+        name, module = {
+            "kvgroups": ("KVGroupsConnector", "kvgroups_torch.vllm"),
+            "corrupt": ("CorruptingConnector", "corrupt_connector"),
+            "scrambled": ("ScrambledTargetConnector", "scrambled_connector"),
+            "unwaited": ("UnwaitedConnector", "scrambled_connector"),
+        }[args.connector]
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
             kv_connector_extra_config={"capacity_chunks": 64, "chunk_size": args.chunk})

@@ -89,6 +89,20 @@ def test_scrambled_loads_change_the_outputs(tmp_path_factory):
     assert bad["outputs"]["repeat"] != off["outputs"]["repeat"]
 
 
+def test_each_layer_attends_to_its_load_before_and_not_after_its_wait(tmp_path_factory):
+    """The pipelined loads: every block a load fills holds noise until that load runs (on CPU
+    each layer's load runs at its wait_for_layer_load), so equal outputs show each layer's
+    attention ran after its own load; the same run without the waits changes them."""
+    off = run("llama", "none", tmp_path_factory)
+    waited = run("llama", "scrambled", tmp_path_factory)
+    assert waited["cached"]["repeat"] >= 2 * CHUNK
+    assert waited["outputs"] == off["outputs"]
+    unwaited = run("llama", "unwaited", tmp_path_factory)
+    assert unwaited["cached"]["repeat"] >= 2 * CHUNK
+    assert unwaited["outputs"]["first"] == off["outputs"]["first"]  # nothing loaded
+    assert unwaited["outputs"]["repeat"] != off["outputs"]["repeat"]
+
+
 @pytest.fixture(scope="module")
 def mla_runs(tmp_path_factory):
     return (run("deepseek", "kvgroups", tmp_path_factory),

@@ -9,7 +9,9 @@ Select it with::
 
 ``kv_connector_extra_config`` keys: ``chunk_size`` (tokens per cached chunk, default 256, a
 multiple of every group's block size), ``capacity_chunks`` or ``capacity_bytes`` (the host
-cache size; default 1 GiB), ``eviction`` (only ``"lru"``).
+cache size; default 1 GiB), ``eviction`` (only ``"lru"``), ``layerwise_loads`` (default true:
+each layer's load is waited for by that layer only, on the GPU; false: every load finishes
+before the forward).
 
 How a step runs:
 
@@ -22,16 +24,17 @@ How a step runs:
   prompt chunk completed in this step and not cached yet, to slots it allocates, evicting LRU).
 - Worker: ``register_kv_caches`` builds the same manager from the registered tensors,
   binds it once (``prepare``) and allocates one slot buffer per object group
-  (``[capacity, object_nbytes]`` uint8, pinned on CUDA). ``start_load_kv`` loads every hit
-  before the forward; saves go layer by layer from ``save_kv_layer`` when kvgroups has layer
-  subsets (``store(..., layers=[i])``), else as one whole-model store in ``wait_for_save``.
-  On CUDA every copy is queued on the current stream and nothing waits on the host, so the
-  forward pass is never blocked and a block is never reused before its save ran.
+  (``[capacity, object_nbytes]`` uint8, pinned on CUDA). The step's transfers are pipelined
+  with the forward (:mod:`.pipeline`): ``start_load_kv`` queues every hit's load layer by layer
+  on a side stream and ``wait_for_layer_load`` makes the forward wait, on the GPU, for its own
+  layer; ``save_kv_layer`` queues each layer's store on a side stream once the layer wrote
+  its KV; ``wait_for_save`` stores what no hook saved (FULL CUDA-graph replays call no hook)
+  and makes the forward's stream wait for the saves. Nothing waits on the host, and vLLM's
+  FULL graphs stay on (the connector needs no PIECEWISE downgrade).
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -48,6 +51,7 @@ from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 
 from .adapter import VllmKVLayout, from_kv_cache_config
 from .host_store import HostChunkStore
+from .pipeline import StepTransfers, hooks_will_run
 from .prefix_index import ChunkIndex, chunk_hashes, consecutive_runs
 from .stats import ConnectorCounters, KVGroupsConnectorStats, KVGroupsPromMetrics, log
 
@@ -64,12 +68,14 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 
 @dataclass
 class TransferItem:
-    """One request's chunks to move: block ids by vLLM group id, one slot per chunk."""
+    """One request's chunks to move: block ids by vLLM group id, one slot per chunk. A load
+    also carries the tokens vLLM counts as present after it (``taken_tokens``)."""
 
     req_id: str
     block_ids: dict[int, list[int]]
     slots: list[int]
     skip_tokens: int = 0
+    taken_tokens: int | None = None
 
 
 @dataclass
@@ -116,6 +122,11 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
                 f"kv_connector_extra_config['eviction']: expected 'lru', got {eviction!r}"
             )
         self._chunk = int(extra.get("chunk_size", 256))
+        self._layerwise_loads = extra.get("layerwise_loads", True)
+        if not isinstance(self._layerwise_loads, bool):
+            raise KVGroupsValueError(
+                "kv_connector_extra_config['layerwise_loads']: expected true or false, got "
+                f"{self._layerwise_loads!r}")
         # Both processes derive the same grouping from the config: the scheduler needs the
         # windows and object sizes, the worker checks its tensors against the same layout.
         self._plan_layout = from_kv_cache_config(kv_cache_config, None, chunk_size=self._chunk)
@@ -128,11 +139,11 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[int, int]] = {}
         self._hash_cache: dict[str, list[bytes]] = {}
-        self._loads_to_send: dict[str, tuple[int, int, list[int]]] = {}
+        self._loads_to_send: dict[str, tuple[int, int, list[int], int]] = {}
         # worker side
         self._layout: VllmKVLayout | None = None
         self._store: HostChunkStore | None = None
-        self._save_stream: Any = None  # CUDA: layer-wise saves overlap the forward
+        self._steps: StepTransfers | None = None
         self._counters = ConnectorCounters()
         self.stats = self._counters.totals  # running totals (stats.COUNTERS)
         log.info("KVGroupsConnector (%s): capacity %d chunks of %d tokens, %d bytes per chunk "
@@ -190,7 +201,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if any(s is None for s in slots):  # cannot happen: nothing evicts between the calls
             raise KVGroupsValueError(f"request {request.request_id}: hit chunks were evicted")
         self._index.touch(slots)
-        self._loads_to_send[request.request_id] = (hit, computed, slots)
+        self._loads_to_send[request.request_id] = (hit, computed, slots,
+                                                   computed + num_external_tokens)
 
     def _saves_for(self, req_id: str, state: _Request, computed_after: int,
                    protected: set[int]) -> list[TransferItem]:
@@ -266,9 +278,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         load = self._loads_to_send.pop(req_id, None)
         if load is None:
             return
-        hit, computed, slots = load
+        hit, computed, slots, taken = load
         ids = self._plan_layout.block_ids(state.block_ids, hit)
-        meta.loads.append(TransferItem(req_id, ids, slots, computed))
+        meta.loads.append(TransferItem(req_id, ids, slots, computed, taken))
         protected.update(slots)
         state.saved_chunks = hit
 
@@ -300,12 +312,12 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._layout = layout
         self._store = HostChunkStore(layout.manager, layout.kv_caches, self._capacity)
-        on_cuda = bool(layout.kv_caches) and layout.kv_caches[0].device.type == "cuda"
-        if on_cuda and self._store.layerwise:
-            self._save_stream = torch.cuda.Stream(device=layout.kv_caches[0].device)
+        self._steps = StepTransfers(self._store, layout.layer_index, self._chunk,
+                                    layerwise_loads=self._layerwise_loads)
         log.info("KVGroupsConnector worker: %d host slots per object group (%s), %d kernel "
-                 "group(s), saves %s", self._capacity,
+                 "group(s), loads %s, saves %s", self._capacity,
                  "pinned" if self._store.pinned else "pageable", layout.manager.num_kernel_groups,
+                 "layer by layer" if self._layerwise_loads else "before the forward",
                  "layer by layer" if self._store.layerwise else "after the forward")
 
     @property
@@ -319,50 +331,34 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()
-        for item in meta.loads if meta is not None else ():
-            self._store.load(item.block_ids, item.slots, item.skip_tokens)
+        if meta is None or not meta.loads:
+            return
+        self._steps.start_loads(meta.loads, hooks_will_run(forward_context))
+        for item in meta.loads:
             self._counters.add("loaded_chunks", len(item.slots))
             self._counters.add("load_calls")
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # every load was queued before the forward, on the forward's own stream
+        if self._steps is not None:
+            self._steps.wait_layer(layer_name)  # a GPU-side wait: the host goes on
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         meta = self._metadata()
-        if meta is None or not meta.saves or not self._store.layerwise:
+        if meta is None or not meta.saves:
             return
-        if layer_name in self._layout.excluded_layers:
-            return  # its KV is another layer's (sharing) or not needed across chunks
-        layer = self._layout.index_of(layer_name)
-        with self._on_save_stream():
-            for item in meta.saves:
-                self._store.save_layer(item.block_ids, item.slots, layer)
-                self._counters.add("store_calls")
-
-    @contextmanager
-    def _on_save_stream(self):
-        """CUDA: queue a layer's save on a side stream once the forward has written that
-        layer (the side stream waits for the forward's stream), so it overlaps the next
-        layers instead of delaying them. CPU: run in place."""
-        if self._save_stream is None:
-            yield
-            return
-        self._save_stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self._save_stream):
-            yield
+        self._counters.add("store_calls", self._steps.save_layer(layer_name, meta.saves))
 
     def wait_for_save(self) -> None:
         meta = self._metadata()
-        for item in meta.saves if meta is not None else ():
-            if not self._store.layerwise:
-                self._store.save(item.block_ids, item.slots)
-                self._counters.add("store_calls")
+        if self._steps is None:
+            return
+        saves = meta.saves if meta is not None else []
+        # Later work on the forward's stream (next step's writes into these blocks, loads
+        # from these slots) runs after this step's transfers; the host does not wait.
+        self._counters.add("store_calls", self._steps.finish_step(saves))
+        for item in saves:
             self._counters.add("saved_chunks", len(item.slots))
-        if self._save_stream is not None:
-            # Later work on the forward's stream (next step's writes into these blocks, loads
-            # from these slots) runs after the saves; the host does not wait.
-            torch.cuda.current_stream().wait_stream(self._save_stream)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
