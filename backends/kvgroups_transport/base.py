@@ -269,20 +269,23 @@ class Transport(ABC):
 
     def _post(self, op: str, publication: Publication, rank: int, pool_id: str,
               copies: Sequence[Copy], timeout: float) -> TransferHandle:
-        if not 0 <= rank < len(publication.endpoints):
-            raise KVGroupsValueError(
-                f"rank: expected a writer rank in [0, {len(publication.endpoints)}), got {rank}"
-            )
-        nbytes = sum(c.nbytes for c in copies)
-        handle = TransferHandle(request_id=publication.request_id,
-                                peer=_where(publication, rank),
-                                stats=TransferStats(descriptors=len(copies), nbytes=nbytes),
-                                deadline=time.monotonic() + float(timeout))
+        handle = self._handle(publication, rank, len(copies), sum(c.nbytes for c in copies),
+                              timeout)
         if copies:
             self._start(op, publication, rank, pool_id, copies, handle)
         else:
             handle.state = "done"
         return handle
+
+    def _handle(self, publication: Publication, rank: int, descriptors: int, nbytes: int,
+                timeout: float) -> TransferHandle:
+        if not 0 <= rank < len(publication.endpoints):
+            raise KVGroupsValueError(
+                f"rank: expected a writer rank in [0, {len(publication.endpoints)}), got {rank}"
+            )
+        return TransferHandle(request_id=publication.request_id, peer=where(publication, rank),
+                              stats=TransferStats(descriptors=descriptors, nbytes=nbytes),
+                              deadline=time.monotonic() + float(timeout))
 
     def poll(self, handle: TransferHandle) -> bool:
         """True once done. Raises :class:`TransferTimeout` past the deadline (the transfer is
@@ -338,6 +341,7 @@ class Transport(ABC):
         """Release everything (pools, publications, the side channel)."""
 
 
-def _where(publication: Publication, rank: int) -> str:
+def where(publication: Publication, rank: int) -> str:
+    """Writer rank ``rank`` of a publication, for messages."""
     e = publication.endpoints[rank]
     return f"writer rank {rank} at {e.get('host')}:{e.get('port')}"

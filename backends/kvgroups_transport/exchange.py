@@ -132,6 +132,7 @@ class PullJob:
     publication: Publication
     reads: ReadPlan
     first_chunk: int
+    last_chunk: int  # chunks [first_chunk, last_chunk) of the publication move
     chunks: list[list[int]]  # per object group, request chunk indices to move
     pools: dict[int, str]  # source rank -> staging pool id
     slots: list[int]  # staging slot of request chunk first_chunk + i
@@ -139,7 +140,7 @@ class PullJob:
 
     @property
     def num_chunks(self) -> int:
-        return self.publication.num_chunks - self.first_chunk
+        return self.last_chunk - self.first_chunk
 
     @property
     def descriptors(self) -> int:
@@ -180,20 +181,30 @@ class Receiver:
         self._pools: dict[tuple, list[ObjectPool]] = {}
         self._free = list(range(self.capacity))
 
-    def begin(self, publication: Publication, *, first_chunk: int = 0) -> PullJob:
-        """Plan a pull of chunks ``[first_chunk, n)`` and reserve staging slots for them.
-        Checks the fingerprint first: a mismatch raises before anything is reserved."""
+    def begin(self, publication: Publication, *, first_chunk: int = 0,
+              num_chunks: int | None = None) -> PullJob:
+        """Plan a pull of chunks ``[first_chunk, num_chunks)`` (default: every published
+        chunk) and reserve staging slots for them. Checks the fingerprint first: a mismatch
+        raises before anything is reserved."""
         if not isinstance(publication, Publication):
             raise KVGroupsTypeError(
                 f"publication: expected a Publication, got {type(publication).__name__}"
             )
         check_publication(self.manager, publication)
         reads = plan_reads(self.manager, publication.tp_size, publication.object_layout)
-        n = publication.num_chunks
+        arrays = getattr(self.transport, "produces_arrays", False)
+        n = publication.num_chunks if num_chunks is None else int(num_chunks)
+        if not 0 <= n <= publication.num_chunks:
+            raise KVGroupsValueError(
+                f"num_chunks: expected at most the {publication.num_chunks} published chunks, "
+                f"got {n}"
+            )
         chunks = chunks_to_read(self.manager, n, first_chunk)
+        if arrays:  # the transport hands out new arrays: no staging slots
+            return PullJob(publication, reads, first_chunk, n, chunks, {}, [])
         pools = self._staging(reads)
         slots = self._take(n - first_chunk)
-        return PullJob(publication, reads, first_chunk, chunks,
+        return PullJob(publication, reads, first_chunk, n, chunks,
                        {r: pools[i].pool_id for i, r in enumerate(reads.src_ranks)}, slots)
 
     def _staging(self, reads: ReadPlan) -> list[ObjectPool]:
@@ -230,6 +241,8 @@ class Receiver:
         """Post the job's transfers (one per writer rank it reads from); ``layers``: only
         those layers' rows (layer streaming; call once per layer set as they are ready)."""
         pub = job.publication
+        if getattr(self.transport, "produces_arrays", False):
+            return self._pull_arrays(job, layers)
         for r in job.reads.src_ranks:
             copies = []
             for reads, chunks in zip(job.reads.objects, job.chunks):
@@ -240,6 +253,40 @@ class Receiver:
                 copies.extend(pull_copies(reads, r, remote, local, layers))
             job.handles.append(self.transport.pull(pub, r, job.pools[r], copies,
                                                    timeout=self.timeout_s))
+
+    def _pull_arrays(self, job: PullJob, layers: Sequence[int] | None) -> None:
+        if layers is not None:
+            raise UnsupportedConfig(
+                f"layers: expected None with the {self.transport.name!r} transport (whole "
+                "objects only; layer streaming needs 'nixl')"
+            )
+        sizes = [o.src_nbytes for o in job.reads.objects]
+        for r in job.reads.src_ranks:
+            wanted = [(og, c) for og, (reads, chunks) in enumerate(zip(job.reads.objects,
+                                                                        job.chunks))
+                      if r in reads.ranges for c in chunks]
+            job.handles.append(self.transport.pull_objects(
+                job.publication, r, wanted, sizes, reader=self.manager.tp_rank,
+                timeout=self.timeout_s))
+
+    def _stacked(self, job: PullJob, src_rank: int, og: int) -> Any:
+        """Pulled per-chunk arrays of one writer rank as ``[num_chunks, nbytes]`` (chunks a
+        window skips are zeros: the load does not read them)."""
+        arrays = {}
+        for h, r in zip(job.handles, job.reads.src_ranks):
+            if r == src_rank:
+                arrays = h.native or {}
+        nbytes = job.reads.objects[og].src_nbytes
+        rows = []
+        for c in range(job.first_chunk, job.last_chunk):
+            x = arrays.get((og, c))
+            rows.append(x.reshape((1, nbytes)) if x is not None else None)
+        like = next((x for h in job.handles for x in (h.native or {}).values()), None)
+        if like is None:
+            raise KVGroupsValueError("job: expected pulled objects to assemble, got none")
+        xp = like.__array_namespace__()
+        rows = [x if x is not None else xp.zeros((1, nbytes), dtype=xp.uint8) for x in rows]
+        return xp.concat(rows, axis=0)
 
     def poll(self, job: PullJob) -> bool:
         """True once every posted transfer of the job is done (raises on failure)."""
@@ -259,6 +306,9 @@ class Receiver:
         """The reader's objects of chunks ``[first_chunk, n)``, one uint8 ``[n - first_chunk,
         object_nbytes]`` array per object group, for ``load`` (rows of chunks a window
         skips hold no data: the load does not read them)."""
+        if getattr(self.transport, "produces_arrays", False):
+            return [assemble(reads, {r: self._stacked(job, r, og) for r in reads.ranges})
+                    for og, reads in enumerate(job.reads.objects)]
         pools = self._pools[(job.reads.src_tp_size, job.reads.src_object_layout)]
         by_id = {p.pool_id: p for p in pools}
         out = []

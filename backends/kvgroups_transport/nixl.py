@@ -24,14 +24,9 @@ import numpy as np
 
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 
-from .base import Copy, PoolInfo, Publication, TransferHandle, Transport, memory_region
-from .errors import (
-    PeerUnavailable,
-    PublicationReleased,
-    TransportError,
-    TransportUnavailable,
-)
-from .side_channel import PublicationTable, SideChannel, ask
+from .base import Copy, PoolInfo, Publication, TransferHandle, memory_region
+from .errors import PeerUnavailable, PublicationReleased, TransportError, TransportUnavailable
+from .side_channel import SideChannelTransport
 
 _MEM = {"cpu": "DRAM", "cuda": "VRAM"}
 
@@ -66,7 +61,7 @@ class _Peer:
     pools: dict[str, PoolInfo]
 
 
-class NixlTransport(Transport):
+class NixlTransport(SideChannelTransport):
     """Memory objects over NIXL (see the module doc).
 
     Parameters
@@ -97,15 +92,12 @@ class NixlTransport(Transport):
                 f"nixl_backends: expected plugins this NIXL wheel ships "
                 f"({sorted(self._agent.get_plugin_list())}), got {missing}"
             )
-        self.publication_ttl_s = float(publication_ttl_s)
-        self.timeout_s = float(side_channel_timeout_s)
         self._pools: dict[str, _Pool] = {}
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._lingering: list[Any] = []  # handles NIXL could not cancel yet
         self._epoch = 0
         self._metadata = self._agent.get_agent_metadata()
-        self._table = PublicationTable(self.publication_ttl_s)
-        self._side = SideChannel(host, port, self._table, self._hello)
+        self._start_side_channel(host, port, publication_ttl_s, side_channel_timeout_s)
 
     # --- registration and publication (the writer) ----------------------------------
 
@@ -114,9 +106,6 @@ class NixlTransport(Transport):
         return {"transport": self.name, "agent": self.agent_name, "epoch": self._epoch,
                 "metadata": base64.b64encode(self._metadata).decode(),
                 "pools": [p.info.to_dict() for p in list(self._pools.values())]}
-
-    def endpoint(self) -> dict:
-        return {"host": self._side.host, "port": self._side.port}
 
     def register_pool(self, pool_id: str, buffers: Sequence[Any], object_nbytes: Sequence[int]
                       ) -> PoolInfo:
@@ -170,68 +159,19 @@ class NixlTransport(Transport):
             raise KVGroupsValueError(
                 f"pool_id: expected a registered pool ({sorted(self._pools)}), got {pool_id!r}"
             )
-        slots = tuple(int(s) for s in slots)
-        bad = [s for s in slots if not 0 <= s < pool.info.capacity]
-        if bad:
-            raise KVGroupsValueError(
-                f"slots: expected slots in [0, {pool.info.capacity}), got {bad}"
-            )
-        self._table.add(str(request_id), pool_id, slots, layers_ready)
-        return Publication(request_id=str(request_id), transport=self.name, pool_id=pool_id,
-                           slots=slots, chunk_tokens=int(chunk_tokens),
-                           fingerprint=str(fingerprint), tp_size=int(tp_size),
-                           object_layout=str(object_layout),
-                           endpoints=tuple(endpoints or (self.endpoint(),)),
-                           chunk_hashes=tuple(chunk_hashes))
-
-    def mark_ready(self, request_id: str, layers_ready: int | None) -> None:
-        self._table.mark_ready(str(request_id), layers_ready)
-
-    def release(self, request_id: str) -> None:
-        self._table.release(str(request_id))
-
-    def published(self) -> list[str]:
-        """Requests this side still offers (released and expired ones are gone)."""
-        return self._table.live()
+        return self._offer(request_id, pool_id, slots, pool.info.capacity,
+                           chunk_tokens=chunk_tokens, fingerprint=fingerprint, tp_size=tp_size,
+                           object_layout=object_layout, endpoints=endpoints,
+                           chunk_hashes=chunk_hashes, layers_ready=layers_ready)
 
     # --- the reader -----------------------------------------------------------------
-
-    def _status(self, publication: Publication, rank: int) -> dict:
-        e = publication.endpoints[rank]
-        reply = ask(e["host"], e["port"], {"op": "status", "request": publication.request_id,
-                                           "slots": list(publication.slots)}, self.timeout_s)
-        if reply.get("state") != "published":
-            raise PublicationReleased(
-                f"request {publication.request_id!r}: writer rank {rank} at "
-                f"{e['host']}:{e['port']} no longer publishes it (released, expired or never "
-                f"published with these slots)"
-            )
-        return reply
-
-    def layers_ready(self, publication: Publication, rank: int) -> int | None:
-        return self._status(publication, rank).get("layers_ready")
-
-    def release_remote(self, publication: Publication, reader: int = 0, readers: int = 1
-                       ) -> None:
-        msg = {"op": "release", "request": publication.request_id, "reader": int(reader),
-               "readers": int(readers)}
-        for e in publication.endpoints:
-            try:
-                ask(e["host"], e["port"], msg, self.timeout_s)
-            except (PeerUnavailable, TransportError):
-                pass  # a writer that is gone has nothing left to release
 
     def _peer(self, publication: Publication, rank: int) -> _Peer:
         e = publication.endpoints[rank]
         key = (str(e["host"]), int(e["port"]))
         peer = self._peers.get(key)
         if peer is None:
-            hello = ask(key[0], key[1], {"op": "hello"}, self.timeout_s)
-            if hello.get("transport") != self.name:
-                raise TransportError(
-                    f"writer rank {rank} at {key[0]}:{key[1]}: expected a {self.name!r} "
-                    f"transport, got {hello.get('transport')!r}"
-                )
+            hello = self._hello_of(publication, rank)
             for old in [k for k, p in self._peers.items() if p.agent == hello["agent"]]:
                 del self._peers[old]
             try:

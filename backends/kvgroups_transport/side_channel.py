@@ -23,9 +23,10 @@ import socketserver
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
-from .errors import PeerUnavailable, PublicationReleased, TransferTimeout
+from .base import Publication, Transport
+from .errors import PeerUnavailable, PublicationReleased, TransferTimeout, TransportError
 
 _MAX_LINE = 64 << 20
 
@@ -174,3 +175,85 @@ def ask(host: str, port: int, msg: dict, timeout: float) -> dict:
     if "error" in reply:
         raise PeerUnavailable(f"side channel {where}: {reply['error']}")
     return reply
+
+
+class SideChannelTransport(Transport):
+    """What every transport with a side channel shares: the writer's publication table and
+    server, and the reader's questions (status, layers ready, release)."""
+
+    def _start_side_channel(self, host: str, port: int, publication_ttl_s: float,
+                            side_channel_timeout_s: float) -> None:
+        self.publication_ttl_s = float(publication_ttl_s)
+        self.timeout_s = float(side_channel_timeout_s)
+        self._table = PublicationTable(self.publication_ttl_s)
+        self._side = SideChannel(host, port, self._table, self._hello)
+
+    def _hello(self) -> dict:
+        """The transport's own connection data (runs on the side channel's thread)."""
+        raise NotImplementedError
+
+    def endpoint(self) -> dict:
+        return {"host": self._side.host, "port": self._side.port}
+
+    def _offer(self, request_id: str, pool_id: str, slots: Sequence[int], capacity: int, *,
+               chunk_tokens: int, fingerprint: str, tp_size: int, object_layout: str,
+               endpoints: Sequence[dict] | None, chunk_hashes: Sequence[str],
+               layers_ready: int | None) -> Publication:
+        from kvgroups_core.errors import KVGroupsValueError
+
+        slots = tuple(int(s) for s in slots)
+        bad = [s for s in slots if not 0 <= s < capacity]
+        if bad:
+            raise KVGroupsValueError(f"slots: expected slots in [0, {capacity}), got {bad}")
+        self._table.add(str(request_id), pool_id, slots, layers_ready)
+        return Publication(request_id=str(request_id), transport=self.name, pool_id=pool_id,
+                           slots=slots, chunk_tokens=int(chunk_tokens),
+                           fingerprint=str(fingerprint), tp_size=int(tp_size),
+                           object_layout=str(object_layout),
+                           endpoints=tuple(endpoints or (self.endpoint(),)),
+                           chunk_hashes=tuple(chunk_hashes))
+
+    def mark_ready(self, request_id: str, layers_ready: int | None) -> None:
+        self._table.mark_ready(str(request_id), layers_ready)
+
+    def release(self, request_id: str) -> None:
+        self._table.release(str(request_id))
+
+    def published(self) -> list[str]:
+        """Requests this side still offers (released and expired ones are gone)."""
+        return self._table.live()
+
+    def _status(self, publication: Publication, rank: int) -> dict:
+        e = publication.endpoints[rank]
+        reply = ask(e["host"], e["port"], {"op": "status", "request": publication.request_id,
+                                           "slots": list(publication.slots)}, self.timeout_s)
+        if reply.get("state") != "published":
+            raise PublicationReleased(
+                f"request {publication.request_id!r}: writer rank {rank} at "
+                f"{e['host']}:{e['port']} no longer publishes it (released, expired or never "
+                f"published with these slots)"
+            )
+        return reply
+
+    def _hello_of(self, publication: Publication, rank: int) -> dict:
+        e = publication.endpoints[rank]
+        hello = ask(e["host"], e["port"], {"op": "hello"}, self.timeout_s)
+        if hello.get("transport") != self.name:
+            raise TransportError(
+                f"writer rank {rank} at {e['host']}:{e['port']}: expected a {self.name!r} "
+                f"transport, got {hello.get('transport')!r}"
+            )
+        return hello
+
+    def layers_ready(self, publication: Publication, rank: int) -> int | None:
+        return self._status(publication, rank).get("layers_ready")
+
+    def release_remote(self, publication: Publication, reader: int = 0, readers: int = 1
+                       ) -> None:
+        msg = {"op": "release", "request": publication.request_id, "reader": int(reader),
+               "readers": int(readers)}
+        for e in publication.endpoints:
+            try:
+                ask(e["host"], e["port"], msg, self.timeout_s)
+            except (PeerUnavailable, TransportError):
+                pass  # a writer that is gone has nothing left to release

@@ -40,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -48,6 +49,7 @@ from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 
 from .adapter import VllmKVLayout, from_kv_cache_config
 from .host_store import HostChunkStore
+from .pd import PDScheduler, PDWorker, PDWorkerMeta, pd_enabled
 from .prefix_index import ChunkIndex, chunk_hashes, consecutive_runs
 
 if TYPE_CHECKING:
@@ -75,6 +77,8 @@ class TransferItem:
 class KVGroupsConnectorMetadata(KVConnectorMetadata):
     loads: list[TransferItem] = field(default_factory=list)
     saves: list[TransferItem] = field(default_factory=list)
+    pd_publishes: list = field(default_factory=list)  # pd.PublishItem, after this step's saves
+    pd_pulls: list = field(default_factory=list)  # pd.PullItem, started with this step's loads
 
 
 @dataclass
@@ -133,6 +137,18 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._store: HostChunkStore | None = None
         self._save_stream: Any = None  # CUDA: layer-wise saves overlap the forward
         self.stats = {"loaded_chunks": 0, "saved_chunks": 0, "load_calls": 0, "store_calls": 0}
+        # Disaggregated prefill/decode (pd.py): kv_producer / kv_consumer, or kv_both with a
+        # configured transport.
+        kv_role = str(self._kv_transfer_config.kv_role)
+        self._pd_sched: PDScheduler | None = None
+        self._pd_worker: PDWorker | None = None
+        if pd_enabled(kv_role, extra):
+            if role == KVConnectorRole.SCHEDULER:
+                self._pd_sched = PDScheduler(vllm_config, kv_cache_config, kv_role, extra,
+                                             self._chunk)
+            else:
+                self._pd_worker = PDWorker(vllm_config, kv_cache_config, kv_role, extra,
+                                           self._chunk)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -152,9 +168,16 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         self._hashes(request)
+        if self._pd_sched is not None:
+            self._pd_sched.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._pd_sched is not None:
+            offer = self._pd_sched.matched_tokens(request, num_computed_tokens,
+                                                  self._hashes(request))
+            if offer is not None:
+                return offer
         prompt_len = len(request.prompt_token_ids or [])
         if self._attn is None or prompt_len <= self._chunk:
             return 0, False
@@ -172,6 +195,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if self._pd_sched is not None and self._pd_sched.after_alloc(
+                request, blocks, num_external_tokens, self._plan_layout):
+            return
         pending = self._pending_hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or pending is None:
             return
@@ -219,7 +245,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVGroupsConnectorMetadata()
-        protected: set[int] = set()
+        pd = self._pd_sched
+        protected: set[int] = pd.pinned_slots() if pd is not None else set()
         scheduled = scheduler_output.num_scheduled_tokens
         touched: list[tuple[str, _Request, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -250,7 +277,16 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             touched.append((req_id, state, computed))
         for req_id, state, computed_after in touched:
+            if pd is not None and not pd.saves:
+                continue
             meta.saves.extend(self._saves_for(req_id, state, computed_after, protected))
+            if pd is not None:
+                item = pd.publish_item(req_id, state.hashes, self._index, len(state.prompt),
+                                       computed_after)
+                if item is not None:
+                    meta.pd_publishes.append(item)
+        if pd is not None:
+            meta.pd_pulls = pd.take_pulls()
         return meta
 
     def _emit_load(self, meta: KVGroupsConnectorMetadata, req_id: str, state: _Request,
@@ -265,19 +301,26 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         state.saved_chunks = hit
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = self._pd_sched.finished_params(request) if self._pd_sched else None
         self._forget(request.request_id)
-        return False, None
+        return False, params  # the objects live in the host pool: vLLM's blocks free at once
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        self._forget(request.request_id)
-        return False, None
+        return self.request_finished(request, [])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._pd_sched is not None and isinstance(meta, PDWorkerMeta):
+            self._pd_sched.on_released(meta.released)
 
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
         self._hash_cache.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
         self._loads_to_send.pop(req_id, None)
+        if self._pd_sched is not None:
+            self._pd_sched.forget(req_id)
 
     # ------------------------------------------------------------------ worker side
 
@@ -294,6 +337,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         on_cuda = bool(layout.kv_caches) and layout.kv_caches[0].device.type == "cuda"
         if on_cuda and self._store.layerwise:
             self._save_stream = torch.cuda.Stream(device=layout.kv_caches[0].device)
+        if self._pd_worker is not None:
+            self._pd_worker.register(kv_caches, self._store)
 
     @property
     def _pools(self) -> list[torch.Tensor]:
@@ -310,6 +355,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             self._store.load(item.block_ids, item.slots, item.skip_tokens)
             self.stats["loaded_chunks"] += len(item.slots)
             self.stats["load_calls"] += 1
+        if self._pd_worker is not None and meta is not None:
+            self._pd_worker.start_pulls(meta.pd_pulls)  # land in staging, loaded when done
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # every load was queued before the forward, on the forward's own stream
@@ -350,6 +397,21 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             # Later work on the forward's stream (next step's writes into these blocks, loads
             # from these slots) runs after the saves; the host does not wait.
             torch.cuda.current_stream().wait_stream(self._save_stream)
+        if self._pd_worker is not None and meta is not None:
+            self._pd_worker.publish(meta.pd_publishes)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._pd_worker is None:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self._pd_worker.results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._pd_worker.worker_meta() if self._pd_worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._pd_worker is not None:
+            self._pd_worker.close()
