@@ -60,6 +60,7 @@ from tp_models import (
 from kvgroups_core import load, store
 
 CHUNKS = 3
+DEVICE = os.environ.get("KVG_PD_DEVICE", "cpu")  # "cuda": caches and pools in device memory
 EXACT_MODELS = ("mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer")
 TP_MODELS = ("hybrid-full-sw-gqa2", "mla-indexer")
 
@@ -89,9 +90,26 @@ def world_data(model_name: str):
     return model, full, before, ids
 
 
+def host(x):
+    return x.cpu().numpy() if isinstance(x, torch.Tensor) else np.asarray(x)
+
+
 def same(got, want) -> bool:
-    return all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+    return all(np.array_equal(host(g).view(np.uint8), host(w).view(np.uint8))
                for g, w in zip(got, want))
+
+
+def settle() -> None:
+    """Stores on a GPU are queued: readers may only see the bytes once they ran."""
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def torch_caches(structure):
+    """A NumPy structure as torch tensors on DEVICE."""
+    if isinstance(structure, list):
+        return [torch_caches(x) for x in structure]
+    return to_backend(structure, "torch").to(DEVICE)
 
 
 def gather(obj, world):
@@ -115,7 +133,7 @@ def prefill(rank: int, world: int, out: Path, transport_name: str, readers: int)
     stream = []
     for name in names:
         model, full, _, ids = world_data(name)
-        shard = to_backend(shard_caches(model, full, rank, world), "torch")
+        shard = torch_caches(shard_caches(model, full, rank, world))
         m = manager(model, shard, rank, world)
         if world > 1:
             check_same_grouping(m)
@@ -123,6 +141,7 @@ def prefill(rank: int, world: int, out: Path, transport_name: str, readers: int)
         transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
         slots = [5, 6, 7]  # consecutive: one descriptor per object group
         store(m, shard, ids, pool.writable_rows(slots))
+        settle()
         endpoints = gather(transport.endpoint(), world)
         pub = publish(transport, m, f"{name}/whole", pool, slots, endpoints=endpoints)
         partial = publish(transport, m, f"{name}/partial", pool, slots, endpoints=endpoints)
@@ -142,6 +161,7 @@ def prefill(rank: int, world: int, out: Path, transport_name: str, readers: int)
         layers = sorted(i for g in m.kernel_groups for i in g.layer_indices)
         for i, layer in enumerate(layers):
             store(m, shard, ids, pool.writable_rows(slots), layers=[layer])
+            settle()
             transport.mark_ready(f"{name}/stream", i + 1)
             time.sleep(0.2)
     failures = world == readers == 1
@@ -166,7 +186,7 @@ def decode(rank: int, world: int, out: Path, transport_name: str, writers: int) 
     for name in models_for((writers, world)):
         model, full, before, ids = world_data(name)
         canonical = reference_store(model, full, ids)
-        caches = to_backend(shard_caches(model, before, rank, world), "torch")
+        caches = torch_caches(shard_caches(model, before, rank, world))
         m = manager(model, caches, rank, world)
         if world > 1:
             check_same_grouping(m)
@@ -185,7 +205,7 @@ def decode(rank: int, world: int, out: Path, transport_name: str, writers: int) 
                  "chunks": [len(c) for c in job.chunks]}
         rx.end(job)
         # Partial: chunk 0 is already here; only chunks 1 and 2 move.
-        caches = to_backend(shard_caches(model, before, rank, world), "torch")
+        caches = torch_caches(shard_caches(model, before, rank, world))
         m = manager(model, caches, rank, world)
         rx.manager = m
         pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{name}-partial.json")
@@ -211,7 +231,7 @@ def decode(rank: int, world: int, out: Path, transport_name: str, writers: int) 
 
 
 def stream(name, model, rank, world, out, rx, before, ids, canonical) -> dict:
-    caches = to_backend(shard_caches(model, before, rank, world), "torch")
+    caches = torch_caches(shard_caches(model, before, rank, world))
     m = manager(model, caches, rank, world)
     rx.manager = m
     pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{name}-stream.json")
@@ -242,11 +262,12 @@ def stream(name, model, rank, world, out, rx, before, ids, canonical) -> dict:
 def failures_writer(out: Path, transport) -> None:
     """Two more publications for the failure cases: "ok" (kept) and "released"."""
     model, full, _, ids = world_data("hybrid-full-sw-gqa2")
-    shard = to_backend(full, "torch")
+    shard = torch_caches(full)
     m = manager(model, shard)
     pool = ObjectPool.allocate("failures", object_sizes(m), 4, like=shard[0])
     transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
     store(m, shard, ids, pool.writable_rows([0, 1, 2]))
+    settle()
     for rid in ("ok", "released"):
         write_json(out / f"pub-{rid}.json", publish(transport, m, rid, pool, [0, 1, 2]).to_dict())
     transport.release("released")
@@ -257,7 +278,7 @@ def failures_reader(out: Path, transport) -> dict:
     """Mismatch, released, stopped writer (timeout), killed writer (gone), in that order."""
     transport.timeout_s = 2.0
     model, _, before, ids = world_data("hybrid-full-sw-gqa2")
-    caches = to_backend(before, "torch")
+    caches = torch_caches(before)
     m = manager(model, caches)
     rx = Receiver(m, transport, capacity=4, like=caches[0], timeout_s=3.0, name="failures")
     ok = Publication.from_dict(json.loads(wait_for(out / "pub-ok.json").read_text()))
@@ -284,7 +305,7 @@ def failures_reader(out: Path, transport) -> dict:
         if job is not None and job.slots:
             rx.end(job, release_remote=False)
         result[what] = {"error": error, "seconds": time.monotonic() - t0,
-                        "untouched": same([c.numpy() for c in caches], before),
+                        "untouched": same(caches, before),
                         "descriptors": job.descriptors if job else 0}
 
     other = manager(model, caches, lmcache_tokens_per_chunk=2 * model.chunk)

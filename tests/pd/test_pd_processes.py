@@ -4,51 +4,14 @@ layer-streamed pull, and the failure cases (pd_worker.py runs each rank)."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
+from pd_runs import run_pair
 
 pytest.importorskip("torch")
 pytest.importorskip("kvgroups_transport.nixl").import_nixl()  # skips without a NIXL wheel
 
-HERE = Path(__file__).resolve().parent
-ROOT = HERE.parents[1]
-WORKER = HERE / "pd_worker.py"
 MODELS_11 = ("mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer")
 MODELS_TP = ("hybrid-full-sw-gqa2", "mla-indexer")
-
-
-def run_pair(out: Path, writers: int, readers: int, timeout: float = 240) -> dict:
-    out.mkdir()
-    env = dict(os.environ, OMP_NUM_THREADS="1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends"), str(ROOT / "tests" / "tp"),
-                                           os.environ.get("PYTHONPATH", "")]))
-    procs = []
-    for role, world, other in (("prefill", writers, readers), ("decode", readers, writers)):
-        for r in range(world):
-            procs.append(subprocess.Popen(
-                [sys.executable, str(WORKER), role, str(r), str(world), str(out), "nixl", str(other)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = []
-    try:
-        for p in procs[writers:]:  # the writers wait for the readers to release
-            logs.append(p.communicate(timeout=timeout)[0])
-        if (writers, readers) == (1, 1):
-            procs[0].wait(timeout=30)  # the reader killed it (the "peer gone" case)
-        for p in procs[:writers]:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for p, log in zip(procs[writers:], logs):
-        assert p.returncode == 0, f"decode rank failed:\n{log[-4000:]}"
-    return {"decode": [json.loads((out / f"decode-{r}.json").read_text()) for r in range(readers)],
-            "prefill": [json.loads((out / f"prefill-{r}.json").read_text())
-                        for r in range(writers)]}
 
 
 @pytest.fixture(scope="module")
