@@ -44,6 +44,7 @@ from .shape_spec import (
 )
 from .tensor_parallel import OBJECT_LAYOUTS, TPShard
 from .tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
+from .tp_reshard import ReadPlan, assemble, degree_view, plan_reads
 from .transfer import PreparedTransfer, load, prepare, store
 
 __version__ = "0.1.0"
@@ -56,6 +57,10 @@ __all__ = [
     "merge_shards",
     "rank_byte_ranges",
     "split_canonical",
+    "ReadPlan",
+    "assemble",
+    "degree_view",
+    "plan_reads",
     "PlaneRef",
     "PreparedTransfer",
     "Region",

@@ -29,9 +29,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvgroups_core import object_nbytes
+from kvgroups_core import ReadPlan, assemble, object_nbytes, plan_reads
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
-from kvgroups_core.tp_reshard import ReadPlan, assemble, plan_reads
 
 from .base import Publication, TransferHandle, Transport
 from .errors import FingerprintMismatch
