@@ -197,3 +197,22 @@ def test_assemble_refuses_missing_or_misshapen_staging():
     with pytest.raises(KVGroupsValueError, match=r"staged\[1\]"):
         assemble(reads, {0: np.zeros((1, reads.src_nbytes), np.uint8),
                          1: np.zeros((2, reads.src_nbytes), np.uint8)})
+
+
+@pytest.mark.parametrize("layout", ["canonical", "tp_native"])
+@pytest.mark.parametrize("model_name", ["hybrid-full-sw-gqa2", "mla-indexer", "sglang-kv-list"])
+def test_a_degree_view_lays_objects_out_as_a_manager_of_that_degree(model_name, layout):
+    from kvgroups_core import object_regions
+
+    model = MODELS[model_name]
+    full = make_model_caches(model, np.random.default_rng(0))
+    reader = manager(model, shard_caches(model, full, 1, 2), 1, 2)
+    for tp in DEGREES:
+        for r in range(tp):
+            real = manager(model, shard_caches(model, full, r, tp), r, tp, object_layout=layout)
+            view = degree_view(reader, tp, r, layout)
+            for og in range(real.num_object_groups):
+                assert object_regions(view, og) == object_regions(real, og)
+                assert object_nbytes(view, og) == object_nbytes(real, og)
+                assert [view.tp_shard(k) for k in range(real.num_kernel_groups)] == \
+                    [real.tp_shard(k) for k in range(real.num_kernel_groups)]
