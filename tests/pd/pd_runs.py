@@ -14,6 +14,18 @@ ROOT = HERE.parents[1]
 WORKER = HERE / "pd_worker.py"
 
 
+def skip_without_nixl() -> None:
+    """Skip the calling test module when no NIXL wheel can be imported."""
+    import pytest
+    from kvgroups_transport import TransportUnavailable
+    from kvgroups_transport.nixl import import_nixl
+
+    try:
+        import_nixl()
+    except TransportUnavailable as exc:
+        pytest.skip(str(exc), allow_module_level=True)
+
+
 def run_pair(out: Path, writers: int, readers: int, timeout: float = 240,
              device: str = "cpu") -> dict:
     """Start ``writers`` prefill ranks and ``readers`` decode ranks; their JSON results."""

@@ -10,9 +10,10 @@ import json
 from pathlib import Path
 
 import pytest
+from pd_runs import skip_without_nixl
 
 pytest.importorskip("torch")
-pytest.importorskip("kvgroups_transport.nixl").import_nixl()
+skip_without_nixl()
 
 ROOT = Path(__file__).resolve().parents[2]
 

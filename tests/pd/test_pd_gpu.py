@@ -5,10 +5,10 @@ partial and a layer-streamed pull, the failure cases, and a 2 -> 1 tensor-parall
 from __future__ import annotations
 
 import pytest
-from pd_runs import run_pair
+from pd_runs import run_pair, skip_without_nixl
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("kvgroups_transport.nixl").import_nixl()
+skip_without_nixl()
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]

@@ -5,10 +5,10 @@ layer-streamed pull, and the failure cases (pd_worker.py runs each rank)."""
 from __future__ import annotations
 
 import pytest
-from pd_runs import run_pair
+from pd_runs import run_pair, skip_without_nixl
 
 pytest.importorskip("torch")
-pytest.importorskip("kvgroups_transport.nixl").import_nixl()  # skips without a NIXL wheel
+skip_without_nixl()
 
 MODELS_11 = ("mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer")
 MODELS_TP = ("hybrid-full-sw-gqa2", "mla-indexer")

@@ -30,6 +30,7 @@ from kvgroups_transport import (
     publish,
 )
 from kvgroups_transport.base import memory_region
+from pd_runs import skip_without_nixl
 from tp_models import (
     MODELS,
     block_ids,
@@ -41,11 +42,8 @@ from tp_models import (
 
 from kvgroups_core import KVGroupsValueError, load, object_regions, store
 
+skip_without_nixl()
 nixl = pytest.importorskip("kvgroups_transport.nixl")
-try:
-    nixl.import_nixl()
-except TransportUnavailable:
-    pytest.skip("no NIXL wheel installed", allow_module_level=True)
 
 MODEL = MODELS["hybrid-full-sw-gqa2"]  # full attention, a sliding window, a 2-head layer
 
