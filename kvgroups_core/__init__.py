@@ -47,6 +47,7 @@ from .transfer.block_runs import BlockRuns, block_runs, coalesce_runs
 from .transfer.objects import Region, object_nbytes, object_regions, region_view
 from .transfer.plan import GroupTransfer, PlaneRef, TransferPlan
 from .transfer.tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
+from .transfer.tp_reshard import ReadPlan, assemble, degree_view, plan_reads
 
 __version__ = "0.1.0"
 
@@ -61,6 +62,10 @@ __all__ = [
     "merge_shards",
     "rank_byte_ranges",
     "split_canonical",
+    "ReadPlan",
+    "assemble",
+    "degree_view",
+    "plan_reads",
     "PlaneRef",
     "PreparedTransfer",
     "Region",

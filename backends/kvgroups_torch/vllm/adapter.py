@@ -371,6 +371,9 @@ def from_kv_cache_config(
     kv_cache_layout: Any = None,
     chunk_size: int = 256,
     separate_object_groups: bool = True,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    total_num_kv_heads: int | None = None,
 ) -> VllmKVLayout:
     """Build a :class:`VllmKVLayout` from vLLM's ``KVCacheConfig`` and registered caches.
 
@@ -388,6 +391,11 @@ def from_kv_cache_config(
     chunk_size : int, default 256
         Tokens per cache chunk (a multiple of every group's block size).
     separate_object_groups : bool, default True
+    tp_rank, tp_size, total_num_kv_heads : keyword-only
+        This worker's place in its tensor-parallel group and the model's KV heads
+        (``ModelConfig.get_total_num_kv_heads()``); vLLM's config holds one rank's heads, so
+        these make ``manager.fingerprint(across_degrees=True)`` the whole model's, which a
+        prefill and a decode engine of different degrees compare (docs/PD.md).
 
     Raises
     ------
@@ -495,7 +503,9 @@ def from_kv_cache_config(
         # vLLM's group order, not the kernel groups': the manager matches infos by layers.
         infos.sort(key=lambda i: (i.engine_group_id, i.layer_indices))
     manager = KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=chunk_size,
-                                   separate_object_groups=separate_object_groups)
+                                   separate_object_groups=separate_object_groups,
+                                   tp_rank=tp_rank, tp_size=tp_size,
+                                   total_num_kv_heads=total_num_kv_heads if tp_size > 1 else None)
     return VllmKVLayout(manager, caches, layer_names, excluded, block_sizes, num_groups)
 
 

@@ -43,6 +43,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
@@ -51,6 +52,7 @@ from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
 
 from .adapter import VllmKVLayout, from_kv_cache_config
 from .host_store import HostChunkStore
+from .pd import PDScheduler, PDWorker, PDWorkerMeta, pd_enabled
 from .pipeline import StepTransfers, hooks_will_run
 from .prefix_index import ChunkIndex, chunk_hashes, consecutive_runs
 from .stats import ConnectorCounters, KVGroupsConnectorStats, KVGroupsPromMetrics, log
@@ -82,6 +84,8 @@ class TransferItem:
 class KVGroupsConnectorMetadata(KVConnectorMetadata):
     loads: list[TransferItem] = field(default_factory=list)
     saves: list[TransferItem] = field(default_factory=list)
+    pd_publishes: list = field(default_factory=list)  # pd.PublishItem, after this step's saves
+    pd_pulls: list = field(default_factory=list)  # pd.PullItem, started with this step's loads
 
 
 @dataclass
@@ -150,6 +154,18 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
                  "in %d object group(s), %.1f MiB of host memory", role.name, self._capacity,
                  self._chunk, sum(self._object_bytes), len(self._object_bytes),
                  self._capacity * sum(self._object_bytes) / 2**20)
+        # Disaggregated prefill/decode (pd.py): kv_producer / kv_consumer, or kv_both with a
+        # configured transport.
+        kv_role = str(self._kv_transfer_config.kv_role)
+        self._pd_sched: PDScheduler | None = None
+        self._pd_worker: PDWorker | None = None
+        if pd_enabled(kv_role, extra):
+            if role == KVConnectorRole.SCHEDULER:
+                self._pd_sched = PDScheduler(vllm_config, kv_cache_config, kv_role, extra,
+                                             self._chunk)
+            else:
+                self._pd_worker = PDWorker(vllm_config, kv_cache_config, kv_role, extra,
+                                           self._chunk)
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -169,9 +185,16 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def on_new_request(self, request: Request) -> None:
         self._hashes(request)
+        if self._pd_sched is not None:
+            self._pd_sched.on_new_request(request)
 
     def get_num_new_matched_tokens(self, request: Request,
                                    num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._pd_sched is not None:
+            offer = self._pd_sched.matched_tokens(request, num_computed_tokens,
+                                                  self._hashes(request))
+            if offer is not None:
+                return offer
         prompt_len = len(request.prompt_token_ids or [])
         if self._attn is None or prompt_len <= self._chunk:
             return 0, False
@@ -190,6 +213,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
+        if self._pd_sched is not None and self._pd_sched.after_alloc(
+                request, blocks, num_external_tokens, self._plan_layout):
+            return
         pending = self._pending_hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or pending is None:
             return
@@ -238,7 +264,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVGroupsConnectorMetadata()
-        protected: set[int] = set()
+        pd = self._pd_sched
+        protected: set[int] = pd.pinned_slots() if pd is not None else set()
         scheduled = scheduler_output.num_scheduled_tokens
         touched: list[tuple[str, _Request, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
@@ -269,7 +296,16 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             touched.append((req_id, state, computed))
         for req_id, state, computed_after in touched:
+            if pd is not None and not pd.saves:
+                continue
             meta.saves.extend(self._saves_for(req_id, state, computed_after, protected))
+            if pd is not None:
+                item = pd.publish_item(req_id, state.hashes, self._index, len(state.prompt),
+                                       computed_after)
+                if item is not None:
+                    meta.pd_publishes.append(item)
+        if pd is not None:
+            meta.pd_pulls = pd.take_pulls()
         self._counters.evictions(self._index.evictions)
         return meta
 
@@ -285,13 +321,18 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         state.saved_chunks = hit
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
+        params = self._pd_sched.finished_params(request) if self._pd_sched else None
         self._forget(request.request_id)
-        return False, None
+        return False, params  # the objects live in the host pool: vLLM's blocks free at once
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
-        self._forget(request.request_id)
-        return False, None
+        return self.request_finished(request, [])
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        meta = getattr(connector_output, "kv_connector_worker_meta", None)
+        if self._pd_sched is not None and isinstance(meta, PDWorkerMeta):
+            self._pd_sched.on_released(meta.released)
 
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
@@ -299,6 +340,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_hits.pop(req_id, None)
         self._loads_to_send.pop(req_id, None)
         self._counters.forget(req_id)
+        if self._pd_sched is not None:
+            self._pd_sched.forget(req_id)
 
     # ------------------------------------------------------------------ worker side
 
@@ -319,6 +362,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
                  "pinned" if self._store.pinned else "pageable", layout.manager.num_kernel_groups,
                  "layer by layer" if self._layerwise_loads else "before the forward",
                  "layer by layer" if self._store.layerwise else "after the forward")
+        if self._pd_worker is not None:
+            self._pd_worker.register(kv_caches, self._store)
 
     @property
     def _pools(self) -> list[torch.Tensor]:
@@ -331,12 +376,13 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._metadata()
-        if meta is None or not meta.loads:
-            return
-        self._steps.start_loads(meta.loads, hooks_will_run(forward_context))
-        for item in meta.loads:
-            self._counters.add("loaded_chunks", len(item.slots))
-            self._counters.add("load_calls")
+        if meta is not None and meta.loads:
+            self._steps.start_loads(meta.loads, hooks_will_run(forward_context))
+            for item in meta.loads:
+                self._counters.add("loaded_chunks", len(item.slots))
+                self._counters.add("load_calls")
+        if self._pd_worker is not None and meta is not None:
+            self._pd_worker.start_pulls(meta.pd_pulls)  # land in staging, loaded when done
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         if self._steps is not None:
@@ -359,9 +405,24 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._counters.add("store_calls", self._steps.finish_step(saves))
         for item in saves:
             self._counters.add("saved_chunks", len(item.slots))
+        if self._pd_worker is not None and meta is not None:
+            self._pd_worker.publish(meta.pd_publishes)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         return None, None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        if self._pd_worker is None:
+            return super().get_transfer_results(finished_req_ids)
+        done, failed = self._pd_worker.results()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=failed)
+
+    def build_connector_worker_meta(self) -> Any:
+        return self._pd_worker.worker_meta() if self._pd_worker is not None else None
+
+    def shutdown(self) -> None:
+        if self._pd_worker is not None:
+            self._pd_worker.close()
 
     # ------------------------------------------------------------------ stats (both sides)
 

@@ -1,0 +1,35 @@
+"""The errors a transport raises, in kvgroups' one hierarchy (``KVGroupsError``).
+
+Each leaf also subclasses the builtin a caller would catch: a missing optional package is an
+``ImportError``, a peer that is gone a ``ConnectionError``, a pull past its deadline a
+``TimeoutError``, a grouping mismatch a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+from kvgroups_core.errors import KVGroupsError, KVGroupsValueError
+
+
+class TransportUnavailable(KVGroupsError, ImportError):
+    """The package a transport needs is not installed (the message names it)."""
+
+
+class TransportError(KVGroupsError, RuntimeError):
+    """A transfer failed; nothing it was to fill may be used."""
+
+
+class PeerUnavailable(TransportError, ConnectionError):
+    """The other side cannot be reached (gone, never started, or refusing)."""
+
+
+class TransferTimeout(TransportError, TimeoutError):
+    """A transfer or a side-channel request did not finish before its deadline."""
+
+
+class PublicationReleased(TransportError, LookupError):
+    """The publisher no longer holds the request's objects (released, expired or unknown), so
+    their slots may hold other bytes."""
+
+
+class FingerprintMismatch(KVGroupsValueError):
+    """The two sides group the model differently; raised before any byte moves."""
