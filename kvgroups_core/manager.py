@@ -19,7 +19,7 @@ from .engine_groups import (
     as_int,
     get_engine_group_indices,
 )
-from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 from .formats import EngineKVFormat
 from .grouping import (
     KernelGroupIdentity,
@@ -250,6 +250,14 @@ class KVLayerGroupsManager:
         self._object_groups = self._detect_object_groups()
         self._tp_shards = shard_groups(self._kernel_groups, num_layers, total_num_kv_heads,
                                        self._tp_rank, self._tp_size)
+        for k, shard in enumerate(self._tp_shards):
+            if (self._object_layout != "canonical" and shard.conv is not None
+                    and shard.conv.replicated and not shard.conv.fully_replicated):
+                raise UnsupportedConfig(
+                    f"object_layout: kernel group {k} is a conv state with replicated "
+                    "sub-projections, which the tp_native layout cannot place; expected "
+                    "object_layout='canonical'"
+                )
 
     # --- construction helpers ---------------------------------------------------------
 
