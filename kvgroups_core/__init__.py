@@ -24,7 +24,7 @@ from .errors import (
     KVGroupsValueError,
     UnsupportedConfig,
 )
-from .formats import MUST_HAVE_FORMATS, EngineKVFormat
+from .formats import MUST_HAVE_FORMATS, STATE_FORMATS, EngineKVFormat
 from .grouping import (
     EXCLUDED_ENGINE_GROUP,
     KernelGroupIdentity,
@@ -42,6 +42,7 @@ from .shape_spec import (
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
 )
+from .state_layout import conv_format, state_page_offsets
 from .tensor_parallel import OBJECT_LAYOUTS, TPShard
 from .tp_convert import canonical_nbytes, merge_shards, rank_byte_ranges, split_canonical
 from .transfer import PreparedTransfer, load, prepare, store
@@ -85,6 +86,9 @@ __all__ = [
     "slice_block_ids_per_group",
     "DTYPE_MAP",
     "MUST_HAVE_FORMATS",
+    "STATE_FORMATS",
+    "conv_format",
+    "state_page_offsets",
     "Backend",
     "BackendNotFound",
     "CompileForbidden",
