@@ -37,3 +37,14 @@ def test_tiny_cpu_run_writes_every_call_kind_with_its_fields(tmp_path):
         ("host", "store"), ("host", "load"), ("device", "store"), ("device", "load")}
     layerwise = [r for r in rows if r["call"] == "layerwise"]
     assert all(r["calls_per_step"] == 2 and r["frac_of_whole"] > 0 for r in layerwise)
+    # Recurrent state beside attention: a store moves every chunk's snapshot, a load only
+    # the last one (the request's state slot), whatever the chunk count.
+    state = [r for r in rows if r.get("layers") == "state"]
+    assert {(r["ids"], r["direction"], r["chunks"]) for r in state} == {
+        (i, d, c) for i in ("host", "device") for d in ("store", "load") for c in (1, 2)}
+    one = {r["direction"]: r["bytes"] for r in state if r["chunks"] == 1}
+    for r in state:
+        assert r["bytes"] == one[r["direction"]] * (r["chunks"] if r["direction"] == "store"
+                                                     else 1)
+    assert {r["layers"] for r in rows if r.get("model") == "qwen3-next-like"} == {
+        "state", "attention", "all"}
