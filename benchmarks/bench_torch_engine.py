@@ -373,7 +373,7 @@ def bench_state(args, timer: Timer, emit) -> None:
         objs = [[torch.empty((chunks, n), dtype=torch.uint8, device=device) for n in nbytes]
                 for _ in range(2)]
 
-        def ids_for(kind: str) -> list:
+        def ids_for(kind: str, chunks: int = chunks) -> list:
             out = []
             for _ in range(4):
                 per_group = {0: rng.permutation(num_blocks)[:chunks * CHUNK // 16],
@@ -392,10 +392,10 @@ def bench_state(args, timer: Timer, emit) -> None:
                     moved = moved_bytes(plan)
                     ceiling = copy_ms(SimpleNamespace(device=device), timer, moved)
                     if direction == "store":
-                        def fn(i, ids=ids, layers_arg=layers_arg):
+                        def fn(i, ids=ids, objs=objs, layers_arg=layers_arg):
                             prep.store(ids[i % 4], objs[i % 2], layers=layers_arg)
                     else:
-                        def fn(i, ids=ids, layers_arg=layers_arg):
+                        def fn(i, ids=ids, objs=objs, layers_arg=layers_arg):
                             prep.load(objs[i % 2], ids[i % 4], layers=layers_arg)
                     t = timer.ms(fn)
                     ms = t["median"]

@@ -88,7 +88,7 @@ def test_a_load_writes_only_the_last_chunks_snapshot_into_the_request_slot():
     load(dst, objs, dst_caches, {STATE_GROUP: [0, 0, 0, 0, 0, 10],
                                  ATTN_GROUP: [7, 8, 9, 10, 11, 0]}, backend="numpy")
     # State: only slot 10 changed, to the source's slot 8 (the third chunk's snapshot).
-    for layer, (raw, before) in zip((0, 3), zip(dst_raws, before_raws)):
+    for raw, before in zip(dst_raws, before_raws):
         changed = np.flatnonzero(np.any(raw != before, axis=1))
         assert changed.tolist() == [10]
         assert raw[10, SHAPE.state_nbytes:].tolist() == [PAD] * (2048 - SHAPE.state_nbytes)

@@ -69,7 +69,7 @@ def test_a_chunk_cached_without_its_state_snapshot_is_a_miss_at_its_length():
     # LMCache #2863: attention hits reported without the recurrent state garbled outputs.
     idx = ChunkIndex(8)
     hs = [bytes([i]) * 16 for i in range(4)]
-    state, attention = 0, 1  # object groups: the snapshots (window 1), attention (full)
+    state = 0  # object groups: 0 the snapshots (window 1), 1 attention (full)
     desc = AttnWindowDesc([1, -1])
     for c, (h, s) in enumerate(zip(hs, idx.allocate(4))):
         idx.insert(h, s, absent=() if c in (1, 3) else (state,))

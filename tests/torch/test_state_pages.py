@@ -69,7 +69,8 @@ LOAD_IDS = {0: [0, 0, 0, 7], 1: [3, 6, 7, 0]}
 def test_state_pages_round_trip_against_the_reference(device):
     m, src, src_raws = _model(device, 1)
     objs = prepare(m, src).store(STORE_IDS)
-    assert [tuple(o.shape) for o in objs] == [(2, 2 * STATE_BYTES), (2, 2 * 2 * (2 * TPB * 128 * 2))]
+    attn_bytes = 2 * 2 * (2 * TPB * 128 * 2)  # 2 layers x 2 blocks of [2 heads, TPB, K|V]
+    assert [tuple(o.shape) for o in objs] == [(2, 2 * STATE_BYTES), (2, attn_bytes)]
     views = _numpy_views(src)
     ref_m = KVLayerGroupsManager(views, list(m.engine_kv_formats), _infos(),
                                  lmcache_tokens_per_chunk=CHUNK)

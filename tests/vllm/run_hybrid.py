@@ -8,13 +8,13 @@ prefix caching on: the cache is reset before every request, and every block of t
 cache and state pages is overwritten with random values, so every cached token a request
 reports came from the connector and nothing a request reads is left over from an earlier one
 (vLLM hands freed blocks out again, and a stale state block of the same prompt would pass for a
-loaded one). Prefill runs in 512-token steps and vLLM retains a snapshot
-every 512 tokens (``prefix_cache_retention_interval``), so snapshots exist at 512 and 1,024
-tokens, not at 256 or 768: a prompt sharing 768 tokens with a cached one hits three chunks of
-attention KV but only two of state. Scenarios, in order (``*-ref`` is the same
-prompt under a cache salt of its own: nothing cached, the run without any cache):
-``first`` (1,025 tokens), ``repeat``, ``shared768`` (768 tokens of ``first`` and one more) and
-``shared768-ref``, ``shared300`` (one chunk of attention, no snapshot), ``unrelated``. The connector's own view is reported too:
+loaded one). Prefill runs in 512-token steps and vLLM retains a snapshot every 512 tokens
+(``prefix_cache_retention_interval``), so snapshots exist at 512 and 1,024 tokens, not at 256
+or 768: a prompt sharing 768 tokens with a cached one hits three chunks of attention KV but
+only two of state. Scenarios, in order (``*-ref`` is the same prompt under a cache salt of its
+own: nothing cached, the run without any cache): ``first`` (1,025 tokens), ``repeat``,
+``shared768`` (768 tokens of ``first`` and one more) and ``shared768-ref``, ``shared300`` (one
+chunk of attention, no snapshot), ``unrelated``. The connector's own view is reported too:
 after every request, per chunk of ``first``, which object groups its index holds (attention,
 and the state snapshot), and at the end the worker's load/save counts.
 """

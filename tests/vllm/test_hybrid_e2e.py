@@ -41,7 +41,8 @@ def _run(connector: str, tmp_path_factory) -> dict:
                           env=env, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
-        raise AssertionError(f"vLLM hybrid run ({connector}) failed (rc {proc.returncode}):\n{tail}")
+        raise AssertionError(
+            f"vLLM hybrid run ({connector}) failed (rc {proc.returncode}):\n{tail}")
     with open(out) as f:
         return json.load(f)
 
