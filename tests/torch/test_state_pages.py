@@ -127,3 +127,49 @@ def test_state_pages_move_with_device_ids_inside_a_cuda_graph():
     for raw, ref in zip(dst_raws, src_state):
         assert torch.equal(raw[7, :STATE_BYTES], ref[6, :STATE_BYTES])
         assert bool((raw[7, STATE_BYTES:] == PAD).all())
+
+
+def _real_size_round_trip(device, path):
+    """Whole-model GDN states (48 KiB conv + 2 MiB delta memory per slot) beside attention,
+    through ``path`` against the reference on the same bytes."""
+    from kvgroups_tools.catalog import MODELS
+
+    model = MODELS["qwen3-next-like"].build(num_blocks=64, layers=4)
+    gen = torch.Generator().manual_seed(11)
+    host = []
+    for spec in model.kv_caches:
+        t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.name))
+        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
+                                                dtype=torch.uint8, generator=gen))
+        host.append(t)
+    caches = [t.to(device) for t in host]
+    m = KVLayerGroupsManager(caches, list(model.formats), model.engine_group_infos)
+    ids = {0: list(range(31, -1, -1)), 1: [3, 1]}
+    views = _numpy_views(host)
+    ref_m = KVLayerGroupsManager(views, list(model.formats), model.engine_group_infos)
+    want = store(ref_m, views, ids, backend="numpy")
+    prep = prepare(m, caches)
+    got = prep.store(ids, path=path)
+    for g, w in zip(got, want):
+        assert np.array_equal(g.cpu().numpy(), w)
+    before = [t.cpu().clone() for t in caches]
+    prep.load(got, {0: list(range(32, 64)), 1: [0, 4]}, path=path)
+    state = {i for g in m.kernel_groups if g.recurrent_state for i in g.layer_indices}
+    assert len(state) == 6
+    for layer in state:  # slot 4 got the last chunk's snapshot (slot 1); nothing else moved
+        t, old = caches[layer].cpu(), before[layer]
+        rows = (t.view(torch.uint8).reshape(t.shape[0], -1)
+                != old.view(torch.uint8).reshape(t.shape[0], -1)).any(1)
+        assert torch.nonzero(rows).flatten().tolist() == [4]
+        assert torch.equal(t[4].view(torch.uint8), host[layer][1].view(torch.uint8))
+
+
+def test_qwen3_next_size_states_on_the_cpu():
+    _real_size_round_trip("cpu", "auto")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+@pytest.mark.parametrize("path", ["auto", "kernel", "copy_engine"])
+def test_qwen3_next_size_states_on_every_cuda_path(path):
+    _real_size_round_trip("cuda", path)
