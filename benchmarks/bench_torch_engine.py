@@ -16,6 +16,14 @@ run's device-to-device copy of the same bytes (``frac_of_ceiling``):
   a bf16 GEMM on another stream: the store's GB/s alone and beside the GEMM, and the GEMM's
   slowdown (its own event-timed duration beside the stores over its time alone), capped and
   not; ``step_over_gemm`` is the whole step (GEMM and stores joined) over the GEMM alone.
+- ``state`` (``--only state``): recurrent state beside attention (docs/SEMANTICS.md section
+  9) on a Qwen3-Next-like hybrid (``--state-layers`` layers, three Gated DeltaNet : one full
+  attention; per GDN layer a (3, 8192) bf16 conv state and a (32, 128, 128) fp32 delta memory,
+  one snapshot slot per chunk; attention 2 KV heads x 256, block 16): prepared store / load of
+  the state layers alone (``layers="state"``), the attention layers alone and the whole model,
+  host and CUDA ids, 1 / 4 / 16 / 64 chunks. A load writes only the last chunk's snapshot
+  (the request's state slot), so its bytes are the attention chunks plus one snapshot; every
+  record's ``bytes`` is what its plan moves, against the same run's copy of those bytes.
 - ``paths`` (``--paths kernel,copy_engine``): prepared store / load with host ids forced onto
   each ``path=``, over page sizes 1-128 KiB (a Llama-like bf16 NHD cache whose head count and
   block size give the page), 1 / 4 / 16 / 64 / 256 chunks, objects on the GPU and in pinned
@@ -40,6 +48,7 @@ import json
 import statistics
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import kvgroups_torch  # noqa: F401  (compile support is installed on import)
 import numpy as np
@@ -322,6 +331,73 @@ def _side_by_side(s: Setup, ids, objs, a, b, out, side, cap, per_gemm, rounds: i
     return statistics.median(gemm), statistics.median(store)
 
 
+def bench_state(args, timer: Timer, emit) -> None:
+    """Recurrent-state pages beside attention through the prepared calls (see the docstring)."""
+    from kvgroups_tools.bench import call_bytes
+
+    device = "cpu" if args.tiny else "cuda"
+    chunk_counts = (1, 2) if args.tiny else tuple(args.chunks)
+    layers = 4 if args.tiny else args.state_layers
+    # Attention blocks for the most chunks (plus slack); the catalogue gives one snapshot
+    # slot per chunk of them.
+    num_blocks = 2 * max(chunk_counts) * CHUNK // 16 + 16
+    model = MODELS["qwen3-next-like"].build(num_blocks=num_blocks, layers=layers)
+    gen = torch.Generator(device=device).manual_seed(5)
+    caches = []
+    for spec in model.kv_caches:
+        t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.name), device=device)
+        t.view(torch.uint8).random_(generator=gen)
+        caches.append(t)
+    manager = KVLayerGroupsManager(caches, list(model.formats), model.engine_group_infos,
+                                   lmcache_tokens_per_chunk=CHUNK)
+    prep = kc.prepare(manager, caches)
+    state = sorted(i for g in manager.kernel_groups if g.recurrent_state for i in g.layer_indices)
+    attention = sorted(i for g in manager.kernel_groups if not g.recurrent_state
+                       for i in g.layer_indices)
+    slots = min(g.shape_desc.nb for g in manager.kernel_groups if g.recurrent_state)
+    nbytes = [kc.object_nbytes(manager, og) for og in range(manager.num_object_groups)]
+    rng = np.random.default_rng(7)
+    page = max(g.shape_desc.nh * g.shape_desc.hs * g.dtype.itemsize
+               for g in manager.kernel_groups if g.recurrent_state)
+    for chunks in chunk_counts:
+        objs = [[torch.empty((chunks, n), dtype=torch.uint8, device=device) for n in nbytes]
+                for _ in range(2)]
+
+        def ids_for(kind: str, chunks: int = chunks) -> list:
+            out = []
+            for _ in range(4):
+                per_group = {0: rng.permutation(num_blocks)[:chunks * CHUNK // 16],
+                             1: rng.permutation(slots)[:chunks]}
+                out.append({g: torch.from_numpy(v.astype(np.int64)).to(device) if kind == "device"
+                            else v for g, v in per_group.items()})
+            return out
+
+        for kind in ("host", "device"):
+            ids = ids_for(kind)
+            for which, layers_arg in (("state", state), ("attention", attention), ("all", None)):
+                for direction in ("store", "load"):
+                    moved = call_bytes(manager, caches,
+                                       {g: np.asarray(v.cpu() if hasattr(v, "cpu") else v)
+                                        for g, v in ids[0].items()}, direction,
+                                       layers=layers_arg)
+                    ceiling = copy_ms(SimpleNamespace(device=device), timer, moved)
+                    if direction == "store":
+                        def fn(i, ids=ids, objs=objs, layers_arg=layers_arg):
+                            prep.store(ids[i % 4], objs[i % 2], layers=layers_arg)
+                    else:
+                        def fn(i, ids=ids, objs=objs, layers_arg=layers_arg):
+                            prep.load(objs[i % 2], ids[i % 4], layers=layers_arg)
+                    t = timer.ms(fn)
+                    ms = t["median"]
+                    emit({"call": "prepared", "ids": kind, "runtime": "torch",
+                          "path": "cuda-kernel" if device == "cuda" else "cpu",
+                          "direction": direction, "placement": "device", "chunks": chunks,
+                          "page_bytes": page, "layers": which, "model": "qwen3-next-like",
+                          "model_layers": layers, "gbps": 2 * moved / ms / 1e6,
+                          "frac_of_ceiling": ceiling / ms, **t, "copy_ms": ceiling,
+                          "bytes": moved})
+
+
 PATH_PAGES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
 PATH_CHUNKS = (1, 4, 16, 64, 256)
 
@@ -447,7 +523,10 @@ def main(argv=None) -> None:
     p.add_argument("--max-ctas", type=int, default=16)
     p.add_argument("--compiler", default="inductor")
     p.add_argument("--only", nargs="+", default=None,
-                   choices=["prepared", "graph", "layerwise", "compile", "sm_cap", "paths"])
+                   choices=["prepared", "graph", "layerwise", "compile", "sm_cap", "paths",
+                            "state"])
+    p.add_argument("--state-layers", type=int, default=12,
+                   help="layers of the Qwen3-Next-like model of --only state (3 GDN : 1 attn)")
     p.add_argument("--paths", type=_csv(str), default=None,
                    help="run the path sweep with these path= values (kernel,copy_engine)")
     p.add_argument("--paths-pages", type=_csv(int), default=list(PATH_PAGES))
@@ -476,7 +555,7 @@ def main(argv=None) -> None:
 
     default = ["prepared", "graph", "layerwise", "compile", "sm_cap"]
     if args.tiny:
-        default.append("paths")  # the CI smoke test covers the sweep (kernel only on CPU)
+        default += ["paths", "state"]  # the CI smoke test covers them (kernel only on CPU)
     wanted = set(args.only or default)
     if "prepared" in wanted:
         bench_prepared(s, timer, args.chunks, emit)
@@ -488,6 +567,8 @@ def main(argv=None) -> None:
         bench_compile(s, timer, [1] if args.tiny else [1, 16], args.compiler, emit)
     if "sm_cap" in wanted and s.device == "cuda":
         bench_sm_cap(s, timer, 64, args.max_ctas, emit)
+    if "state" in wanted:
+        bench_state(args, timer, emit)
     if args.paths or "paths" in wanted:
         args.paths = args.paths or ["kernel", "copy_engine"]
         bench_paths(args, Timer(s.device == "cuda", min(args.iters, args.paths_iters),

@@ -14,8 +14,9 @@ from .errors import (
     KVGroupsValueError,
     UnsupportedConfig,
 )
-from .formats.catalogue import MUST_HAVE_FORMATS, EngineKVFormat
+from .formats.catalogue import MUST_HAVE_FORMATS, STATE_FORMATS, EngineKVFormat
 from .formats.detection import detect_format, normalize_and_discover_per_layer_formats
+from .formats.state_layout import conv_format, state_page_offsets
 from .grouping.attn_window import AttnWindowDesc
 from .grouping.engine_groups import (
     EngineGroupInfo,
@@ -95,6 +96,9 @@ __all__ = [
     "slice_block_ids_per_group",
     "DTYPE_MAP",
     "MUST_HAVE_FORMATS",
+    "STATE_FORMATS",
+    "conv_format",
+    "state_page_offsets",
     "Backend",
     "BackendNotFound",
     "CompileForbidden",

@@ -147,6 +147,17 @@ def moved_bytes(plan: Any) -> int:
                for g in plan.groups)
 
 
+def call_bytes(manager: Any, kv_caches: Any, block_ids: Any, direction: str, *,
+               layers: Any = None, skip_first_n_tokens: int = 0) -> int:
+    """Payload bytes one public call moves (what its copy ceiling must copy): the call's plan,
+    made from host ids without running it."""
+    from kvgroups_core.transfer.planner import bind, plan_call
+
+    plan = plan_call(bind(manager, kv_caches), block_ids, direction, layers=layers,
+                     skip_first_n_tokens=skip_first_n_tokens)
+    return moved_bytes(plan)
+
+
 def rotation(nbytes: int, l2_bytes: int, limit: int = 8) -> int:
     """Buffer/id sets to rotate so a call's data left the L2 cache since its last use."""
     return int(min(limit, max(1, math.ceil(3 * l2_bytes / max(2 * nbytes, 1)))))

@@ -53,6 +53,51 @@ def _kv_spec(fmt: F, nb: int, bs: int, nh: int, hs: int, dtype: str) -> TensorSp
     return TensorSpec(shapes[fmt], dtype)
 
 
+def _state_slots(num_blocks: int, bs: int, chunk: int = 256) -> int:
+    """Snapshot slots for a cache of ``num_blocks`` attention blocks: one per chunk it holds
+    (plus one, the engine's dummy slot)."""
+    return max(2, num_blocks * bs // chunk + 1)
+
+
+def _recurrent(conv: tuple[int, int], temporal: tuple[int, ...], projections: tuple,
+               period: int, attn_heads: int, head_size: int, bs: int = 16,
+               state_tokens: int = 256):
+    """Recurrent layers (a conv state in vLLM's default "SD" orientation, bf16, and an fp32
+    temporal state) with one full-attention layer every ``period`` layers (docs/SEMANTICS.md
+    section 9). Each recurrent layer registers its conv then its temporal state; attention is
+    engine group 0 (blocks of ``bs`` tokens), the states engine group 1, one snapshot slot per
+    ``state_tokens`` tokens (a slot per 256-token chunk)."""
+    def build(*, num_blocks, layers, dtype, fmt, name):
+        from kvgroups_core.grouping.engine_groups import EngineGroupInfo
+
+        fmt = fmt or F.NL_X_TWO_NB_BS_NH_HS
+        attn = _kv_spec(fmt, num_blocks, bs, attn_heads, head_size, dtype or "bfloat16")
+        slots = _state_slots(num_blocks, bs, state_tokens)
+        conv_spec = TensorSpec((slots, conv[1], conv[0]), "bfloat16")  # (window, channels)
+        temporal_spec = TensorSpec((slots,) + temporal, "float32")
+        caches, formats, attn_layers, convs, temporals = [], [], [], [], []
+        # Shrunk below one period, the last layer stays attention (the pattern's both kinds).
+        attention = {i for i in range(layers) if i % period == period - 1} or {layers - 1}
+        for layer in range(layers):
+            if layer in attention:
+                attn_layers.append(len(caches))
+                caches.append(attn)
+                formats.append(fmt)
+            else:
+                convs.append(len(caches))
+                temporals.append(len(caches) + 1)
+                caches += [conv_spec, temporal_spec]
+                formats += [F.NL_X_NB_CW_CD, F.NL_X_NB_SH_SS]
+        infos = [EngineGroupInfo(1, tuple(convs), state_tokens, recurrent_state=True,
+                                 conv_projections=projections),
+                 EngineGroupInfo(1, tuple(temporals), state_tokens, recurrent_state=True)]
+        if attn_layers:
+            infos.append(EngineGroupInfo(0, tuple(attn_layers), bs))
+        return CacheModel(name, caches, tuple(formats), tuple(infos), bs,
+                          notes=f"{len(convs)} recurrent layers, {slots} state slots")
+    return build
+
+
 def _engine_infos(groups: list[tuple[int, list[int], int, int]]) -> tuple:
     """``(engine_group_id, layers, tokens_per_block, sw)`` rows ordered by first layer."""
     from kvgroups_core.grouping.engine_groups import EngineGroupInfo
@@ -155,6 +200,20 @@ MODELS: dict[str, ModelShape] = {m.name: m for m in (
                "full alternate", 24, _hybrid(8, 64, 128, 2)),
     ModelShape("deepseek-v4-like", "DeepSeek-V4-like compressed mix (docs/SEMANTICS.md section 3)", 4,
                _v4_like),
+    # Recurrent-state hybrids (docs/SEMANTICS.md section 9), whole-model (TP=1) states.
+    ModelShape("qwen3-next-like", "Qwen3-Next-80B-like: 48 layers, Gated DeltaNet (conv "
+               "(3, 8192) bf16 = Q|K|V of 16 key / 32 value heads x 128, delta memory "
+               "(32, 128, 128) fp32) : full attention (2 KV heads x 256) = 3 : 1", 48,
+               _recurrent((8192, 3), (32, 128, 128), ((2048, 16), (2048, 16), (4096, 32)), 4,
+                          2, 256)),
+    ModelShape("nemotron-h-like", "NemotronH-8B-like: Mamba2 (conv (3, 10240) bf16 = x|B|C, 8 "
+               "groups of state 128; SSM (128, 64, 128) fp32) with one attention layer (8 KV "
+               "heads x 128) every 7 layers; 28 layers here (the MLP layers hold no cache)", 28,
+               _recurrent((10240, 3), (128, 64, 128), ((8192, 128), (1024, 8), (1024, 8)), 7,
+                          8, 128)),
+    ModelShape("jamba-like", "Jamba-v0.1-like: 32 layers, Mamba1 (conv (3, 8192) bf16, SSM "
+               "(8192, 16) fp32) : attention (8 KV heads x 128) = 7 : 1", 32,
+               _recurrent((8192, 3), (8192, 16), ((8192, 8192),), 8, 8, 128)),
 )}
 
 

@@ -74,6 +74,7 @@ def plan_summary(manager: KVLayerGroupsManager) -> dict[str, Any]:
             "engine_group": group.engine_group_idx,
             "tokens_per_block": group.tokens_per_block,
             "sw_size_tokens": group.sw_size_tokens,
+            "recurrent_state": group.recurrent_state,
             "slots_per_chunk": manager.get_slots_per_chunk_in_sw(k),
             "region_bytes": region_nbytes(manager, k),
         })
@@ -83,6 +84,7 @@ def plan_summary(manager: KVLayerGroupsManager) -> dict[str, Any]:
             "index": o,
             "kernel_groups": list(group.kernel_group_indices),
             "sw_size_chunks": group.sw_size_chunks,
+            "recurrent_state": group.recurrent_state,
             "object_bytes": object_nbytes(manager, o),
         })
     return {
@@ -100,6 +102,12 @@ def _table(header: list[str], rows: list[list[Any]]) -> list[str]:
     return ["  " + "  ".join(c.rjust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
 
 
+def _window(group: dict[str, Any], window: int) -> str:
+    if group.get("recurrent_state"):
+        return "state"  # one snapshot per chunk (docs/SEMANTICS.md section 9)
+    return "full" if window == -1 else str(window)
+
+
 def format_plan(summary: dict[str, Any]) -> str:
     """A readable table of :func:`plan_summary`'s data."""
     lines = [
@@ -113,14 +121,14 @@ def format_plan(summary: dict[str, Any]) -> str:
         ["#", "layers", "kv", "nb", "bs", "nh", "hs", "dtype", "tpb", "sw tokens", "slots",
          "bytes/chunk"],
         [[g["index"], g["layers"], g["kv_size"], g["nb"], g["bs"], g["nh"], g["hs"], g["dtype"],
-          g["tokens_per_block"], "full" if g["sw_size_tokens"] == -1 else g["sw_size_tokens"],
+          g["tokens_per_block"], _window(g, g["sw_size_tokens"]),
           g["slots_per_chunk"], f"{g['region_bytes']:,}"] for g in summary["kernel_groups"]],
     )
     lines += ["", "object groups"]
     lines += _table(
         ["#", "kernel groups", "window (chunks)", "bytes/chunk object"],
         [[g["index"], ",".join(map(str, g["kernel_groups"])),
-          "full" if g["sw_size_chunks"] == -1 else g["sw_size_chunks"],
+          _window(g, g["sw_size_chunks"]),
           f"{g['object_bytes']:,}"] for g in summary["object_groups"]],
     )
     lines += ["", f"bytes per chunk (all object groups): {summary['bytes_per_chunk']:,}"]

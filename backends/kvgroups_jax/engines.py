@@ -10,16 +10,25 @@
   page_size, head_dim]`` (``key_pages`` / ``value_pages``); a request's pages are a row of
   ``page_state.page_map`` (``num_pages_used`` of them).
 
+- sglang-jax's ``RecurrentStatePool`` (hybrid GDN / linear-attention models, docs/SEMANTICS.md
+  section 9): per recurrent layer a list ``conv_buffers[l]`` of ``[slots, channels, kernel -
+  1]`` conv states and ``recurrent_buffers[l]`` ``[slots, H, D, D]``; each array is one state
+  layer (conv states then the temporal state), beside the attention layers of
+  ``from_sglang_jax`` (``recurrent_pool=``) or alone (:func:`from_sglang_jax_recurrent`).
+  Slot 0 of each data-parallel rank is the dummy slot. The state group's ids are one slot per
+  ``tokens_per_slot`` tokens (default the chunk): the slot holding the state after them.
+
 The adapter views every array in the format the core plans for (tpu-inference arrays as
 ``[NB, BS, NH, 2, HS]``: a reshape that is free for row-major arrays and an identity for
 bfloat16) and returns :class:`JaxEngineLayout`; hand ``layout.kv_caches`` to ``store`` /
-``load`` and turn what ``load`` returns back with :meth:`JaxEngineLayout.to_engine`.
+``load`` and turn what ``load`` returns back with :meth:`JaxEngineLayout.to_engine` (and a
+recurrent pool's arrays with :meth:`JaxEngineLayout.state_to_engine`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import jax.numpy as jnp
@@ -42,13 +51,31 @@ class JaxEngineLayout:
     kv_caches: Any
     engine: str
     engine_shapes: list[tuple[int, ...]]
+    # Manager layers of a recurrent pool's states, and per recurrent layer how many conv
+    # states precede its temporal state.
+    state_layers: list[int] = field(default_factory=list)
+    convs_per_layer: list[int] = field(default_factory=list)
 
     def to_engine(self, kv_caches: Any) -> list:
         """Arrays returned by ``load`` in the engine's own shapes (tpu-inference / sglang-jax:
-        the per-layer list; MaxText: ``[K list, V list]`` unchanged)."""
+        the per-layer list, the attention layers only; MaxText: ``[K list, V list]``
+        unchanged)."""
         if self.engine == "maxtext":
             return kv_caches
-        return [jnp.reshape(x, s) for x, s in zip(kv_caches, self.engine_shapes)]
+        state = set(self.state_layers)
+        attention = [x for i, x in enumerate(kv_caches) if i not in state]
+        return [jnp.reshape(x, s) for x, s in zip(attention, self.engine_shapes)]
+
+    def state_to_engine(self, kv_caches: Any) -> tuple[list, list]:
+        """A recurrent pool's arrays from what ``load`` returns, as ``RecurrentStatePool``
+        keeps them: ``(recurrent_buffers, conv_buffers)`` (its ``replace_buffer`` takes that)."""
+        arrays = [kv_caches[i] for i in self.state_layers]
+        recurrent, conv, pos = [], [], 0
+        for n in self.convs_per_layer:
+            conv.append(arrays[pos:pos + n])
+            recurrent.append(arrays[pos + n])
+            pos += n + 1
+        return recurrent, conv
 
 
 def _manager(caches: Any, fmt: EngineKVFormat, num_layers: int,
@@ -115,10 +142,82 @@ def from_tpu_inference(kv_caches: Sequence[Any], *, layer_groups: Sequence[Seque
 
 def from_sglang_jax(pool: Any, *, windows: Sequence[int] | None = None,
                     layer_groups: Sequence[Sequence[int]] | None = None,
-                    chunk_size: int = 256) -> JaxEngineLayout:
-    """sglang-jax's ``MHATokenToKVPool`` (its ``kv_buffer`` list of fused K/V arrays)."""
-    return from_tpu_inference(pool.kv_buffer, layer_groups=layer_groups, windows=windows,
-                              chunk_size=chunk_size, engine="sglang_jax")
+                    chunk_size: int = 256, recurrent_pool: Any = None,
+                    tokens_per_slot: int | None = None) -> JaxEngineLayout:
+    """sglang-jax's ``MHATokenToKVPool`` (its ``kv_buffer`` list of fused K/V arrays), and
+    with ``recurrent_pool`` a hybrid model's ``RecurrentStatePool`` after it in one manager:
+    its state engine group comes after the attention groups, one slot id per
+    ``tokens_per_slot`` tokens (default the chunk)."""
+    layout = from_tpu_inference(pool.kv_buffer, layer_groups=layer_groups, windows=windows,
+                                chunk_size=chunk_size, engine="sglang_jax")
+    if recurrent_pool is None:
+        return layout
+    state, formats, convs = _recurrent_layers(recurrent_pool)
+    attn = layout.manager
+    state_group = len(layer_groups) if layer_groups else 1  # after the attention groups
+    first = len(layout.kv_caches)
+    caches = list(layout.kv_caches) + state
+    infos = [EngineGroupInfo(engine_group_id=g.engine_group_idx,
+                             layer_indices=tuple(g.layer_indices),
+                             tokens_per_block=g.tokens_per_block, sw_size_tokens=g.sw_size_tokens)
+             for g in attn.kernel_groups]
+    infos += _state_infos(state, formats, state_group, first,
+                          _tokens_per_slot(tokens_per_slot, chunk_size))
+    manager = KVLayerGroupsManager(caches, list(attn.engine_kv_formats) + formats, infos,
+                                   lmcache_tokens_per_chunk=chunk_size)
+    return JaxEngineLayout(manager, caches, "sglang_jax", layout.engine_shapes,
+                           list(range(first, len(caches))), convs)
+
+
+def from_sglang_jax_recurrent(pool: Any, *, chunk_size: int = 256,
+                              tokens_per_slot: int | None = None) -> JaxEngineLayout:
+    """sglang-jax's ``RecurrentStatePool`` alone: one engine group (0) of state slots."""
+    state, formats, convs = _recurrent_layers(pool)
+    infos = _state_infos(state, formats, 0, 0, _tokens_per_slot(tokens_per_slot, chunk_size))
+    manager = KVLayerGroupsManager(state, formats, infos, lmcache_tokens_per_chunk=chunk_size)
+    return JaxEngineLayout(manager, state, "sglang_jax", [], list(range(len(state))), convs)
+
+
+def _recurrent_layers(pool: Any) -> tuple[list, list[EngineKVFormat], list[int]]:
+    """Each recurrent layer's conv states (``[slots, channels, kernel - 1]``, "DS") then its
+    temporal state (``[slots, H, D, D]``), one array each."""
+    recurrent, conv = list(pool.recurrent_buffers), list(pool.conv_buffers)
+    if len(recurrent) != len(conv):
+        raise KVGroupsValueError(
+            f"recurrent_pool: expected one conv_buffers entry per recurrent layer "
+            f"({len(recurrent)}), got {len(conv)}"
+        )
+    arrays, formats, convs = [], [], []
+    for layer, (temporal, states) in enumerate(zip(recurrent, conv)):
+        for i, c in enumerate(states):
+            if c.ndim != 3:
+                raise KVGroupsValueError(
+                    f"recurrent_pool.conv_buffers[{layer}][{i}]: expected [slots, channels, "
+                    f"kernel - 1], got shape {tuple(c.shape)}"
+                )
+            arrays.append(c)
+            formats.append(EngineKVFormat.NL_X_NB_CD_CW)
+        arrays.append(temporal)
+        formats.append(EngineKVFormat.NL_X_NB_SH_SS)
+        convs.append(len(states))
+    return arrays, formats, convs
+
+
+def _state_infos(arrays: list, formats: list[EngineKVFormat], group: int, first: int,
+                 tokens_per_slot: int) -> list[EngineGroupInfo]:
+    """One recurrent-state EngineGroupInfo per kernel group of the state layers."""
+    return [EngineGroupInfo(engine_group_id=group, layer_indices=tuple(first + i for i in layers),
+                            tokens_per_block=tokens_per_slot, recurrent_state=True)
+            for _, layers in group_layers_by_identity(arrays, formats, [group] * len(arrays))]
+
+
+def _tokens_per_slot(value: int | None, chunk: int) -> int:
+    tps = chunk if value is None else int(value)
+    if tps <= 0 or chunk % tps:
+        raise KVGroupsValueError(
+            f"tokens_per_slot: expected a positive divisor of chunk_size {chunk}, got {value!r}"
+        )
+    return tps
 
 
 def from_maxtext(key_pages: Sequence[Any], value_pages: Sequence[Any], *,

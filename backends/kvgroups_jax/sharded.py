@@ -208,10 +208,13 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
 
     local = _local_tree(kv_caches, {id(x): NamedSharding(layout.mesh, spec)
                                     for x, spec in zip(arrays, layout.cache_specs)})
+    # A recurrent-state group keeps its kind (its window is implied); a shard's transfers do
+    # not need its conv sub-projections.
     infos = [EngineGroupInfo(engine_group_id=g.engine_group_idx,
                              layer_indices=list(g.layer_indices),
                              tokens_per_block=g.tokens_per_block,
-                             sw_size_tokens=g.sw_size_tokens)
+                             sw_size_tokens=-1 if g.recurrent_state else g.sw_size_tokens,
+                             recurrent_state=g.recurrent_state)
              for g in manager.kernel_groups]
     what = f"kv_caches sharding PartitionSpec{tuple(layout.cache_specs[0])}"
     try:

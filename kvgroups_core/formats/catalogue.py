@@ -24,8 +24,10 @@ class FormatFacts:
 
     ``axes`` is the axis order of each backing tensor, using NB, BS, NH, HS, CS (packed K/V
     row, acting as the head size), NL (layers, cross-layer tensors only), TWO (the K/V
-    axis), ONE (an axis of size 1) and BSV_BSS (the blocked-scale indexer row area).
-    ``producers`` is documentation.
+    axis), ONE (an axis of size 1) and BSV_BSS (the blocked-scale indexer row area); the
+    recurrent-state formats use CD (conv channels), CW (conv window), SH (state heads) and SS
+    (the rest of one head's state, one or more axes). ``producers`` is documentation.
+    ``recurrent_state`` marks the state formats (docs/SEMANTICS.md section 9).
     """
 
     axes: tuple[str, ...]
@@ -33,6 +35,7 @@ class FormatFacts:
     producers: str
     groupable: bool = True
     must_have: bool = True
+    recurrent_state: bool = False
 
     @property
     def kv_size(self) -> int:
@@ -53,7 +56,7 @@ class FormatFacts:
     def is_mla(self) -> bool:
         """One latent plane per token and no head axis (MLA caches, compressed pools and the
         indexer cache)."""
-        return self.kv_size == 1 and "NH" not in self.axes
+        return self.kv_size == 1 and "NH" not in self.axes and not self.recurrent_state
 
     @property
     def is_hnd(self) -> bool:
@@ -121,6 +124,19 @@ class EngineKVFormat(enum.Enum):
     NL_X_NBBS_ONE_HS = _f(
         "PBS ONE HS", LAYER_LIST, "SGLang MLA (page-folded)", groupable=False, must_have=False
     )
+    # --- recurrent state (one whole state per slot; docs/SEMANTICS.md section 9) ---------
+    NL_X_NB_CD_CW = _f(
+        "NB CD CW", LAYER_LIST, "conv state, DS (vLLM DS layout, SGLang, sglang-jax)",
+        must_have=False, recurrent_state=True,
+    )
+    NL_X_NB_CW_CD = _f(
+        "NB CW CD", LAYER_LIST, "conv state, SD (vLLM default layout)", must_have=False,
+        recurrent_state=True,
+    )
+    NL_X_NB_SH_SS = _f(
+        "NB SH SS", LAYER_LIST, "temporal state (Mamba1/Mamba2 SSM, GDN delta memory)",
+        must_have=False, recurrent_state=True,
+    )
 
     @property
     def facts(self) -> FormatFacts:
@@ -167,6 +183,11 @@ class EngineKVFormat(enum.Enum):
         return self.value.groupable
 
     @property
+    def is_recurrent_state(self) -> bool:
+        """A recurrent-state format (conv or temporal state, one whole state per slot)."""
+        return self.value.recurrent_state
+
+    @property
     def must_have(self) -> bool:
         return self.value.must_have
 
@@ -175,3 +196,4 @@ class EngineKVFormat(enum.Enum):
 
 
 MUST_HAVE_FORMATS = tuple(f for f in EngineKVFormat if f.must_have)
+STATE_FORMATS = tuple(f for f in EngineKVFormat if f.is_recurrent_state)

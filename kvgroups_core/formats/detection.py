@@ -227,6 +227,18 @@ def _per_layer(parsed: _Parsed, groups: list[list[int]], h: Hints) -> tuple[Any,
     return normalized, formats
 
 
+def _refuse_state(h: Any) -> None:
+    # A recurrent state's shape can be any attention layout's (LMCache read a GDN state
+    # (711, 2, 544, 1, 512) as FlashInfer NHD): its format comes from the engine's spec.
+    if h.recurrent_state:
+        raise KVGroupsValueError(
+            "kv_caches: expected attention KV for detection, got hints recurrent_state=True; "
+            "recurrent state layouts are never detected from a shape: declare the state "
+            "format from the engine's spec (NL_X_NB_CD_CW / NL_X_NB_CW_CD / NL_X_NB_SH_SS, "
+            "docs/SEMANTICS.md section 9)"
+        )
+
+
 def detect_format(
     kv_caches: Any, engine: str = "vllm", hints: Mapping[str, Any] | None = None
 ) -> tuple[EngineKVFormat, Any]:
@@ -249,7 +261,8 @@ def detect_format(
         One of :data:`ENGINES` (``"vllm_tpu"`` = ``"tpu_inference"``).
     hints : mapping, optional
         ``kv_layout`` ("NHD" or "HND": the token/head order in memory, default NHD),
-        ``tokens_per_block``, ``num_kv_heads``, ``head_dim``.
+        ``tokens_per_block``, ``num_kv_heads``, ``head_dim``; ``recurrent_state=True`` says
+        the tensors are recurrent state, which is refused (their format is never detected).
 
     Returns
     -------
@@ -264,6 +277,7 @@ def detect_format(
         formats (use :func:`normalize_and_discover_per_layer_formats`).
     """
     h = parse_hints(hints)
+    _refuse_state(h)
     parsed = _parse(kv_caches, engine_name(engine), h)
     if parsed.kind == "cross":
         desc, what, reader = parsed.cross  # type: ignore[misc]
@@ -302,6 +316,7 @@ def normalize_and_discover_per_layer_formats(
         entry per layer. An empty list gives ``([], [])``.
     """
     h = parse_hints(hints)
+    _refuse_state(h)
     parsed = _parse(kv_caches, engine_name(engine), h)
     if parsed.kind == "cross":
         desc, what, reader = parsed.cross  # type: ignore[misc]
@@ -315,7 +330,7 @@ def normalize_and_discover_per_layer_formats(
 
 # --- the catalogue as rows, for docs -------------------------------------------------------
 
-_SHOWN = {"TWO": "2", "ONE": "1", "BSV_BSS": "132"}
+_SHOWN = {"TWO": "2", "ONE": "1", "BSV_BSS": "132", "SS": "SS..."}
 
 
 class FormatRow(NamedTuple):
@@ -343,6 +358,9 @@ def _row(fmt: EngineKVFormat) -> FormatRow:
     pos = {a: f"s{i}" for i, a in enumerate(f.axes)}
     if not f.groupable:
         dims = f"PBS = NB*BS = {pos['PBS']} (no NB/BS)"
+    elif f.recurrent_state:
+        dims = {"CD": "s0, BS=1, NH=CD (s1), HS=CW (s2)", "CW": "s0, BS=1, NH=1, HS=CW*CD",
+                "SH": "s0, BS=1, NH=SH (s1), HS=prod(s2...)"}[f.axes[1]]
     else:
         head = "132" if f.is_indexer else f"CS={pos['CS']}" if "CS" in pos else pos["HS"]
         dims = ", ".join((pos["NB"], pos["BS"], pos.get("NH", "NH=1"), head))
@@ -356,6 +374,8 @@ def _row(fmt: EngineKVFormat) -> FormatRow:
     block = prefix + ", ".join(index) + "]" if index else prefix[:-1]
     if not f.groupable:
         runs = "none: cannot be grouped"
+    elif f.recurrent_state:
+        runs = f"(1, {'*'.join(f.axes[1:])}*e): one slot's whole state, block step stride(0)"
     elif f.is_indexer:
         runs = "values (1, 128) at 0, scales (1, 4) at BS*128; token step 128 / 4"
     elif "NH" in f.axes and "TWO" in f.axes and f.axes.index("TWO") > f.axes.index("NH"):

@@ -37,7 +37,8 @@ ENGINES = ("vllm", "sglang", "trtllm", "tpu_inference", "sglang_jax", "maxtext")
 _ENGINE_ALIASES = {"vllm_tpu": "tpu_inference"}
 
 #: Keys ``hints`` may hold.
-HINT_KEYS = ("kv_layout", "tokens_per_block", "num_kv_heads", "head_dim")
+HINT_KEYS = ("kv_layout", "tokens_per_block", "num_kv_heads", "head_dim", "recurrent_state")
+_SIZE_HINTS = ("tokens_per_block", "num_kv_heads", "head_dim")
 
 # (structure, axes) -> format: a memory order names its format.
 _BY_AXES = {(f.facts.structure, f.facts.axes): f for f in EngineKVFormat}
@@ -55,6 +56,7 @@ class Hints:
     tokens_per_block: int | None = None
     num_kv_heads: int | None = None
     head_dim: int | None = None
+    recurrent_state: bool = False
 
 
 def parse_hints(hints: Any) -> Hints:
@@ -72,15 +74,18 @@ def parse_hints(hints: Any) -> Hints:
         if not isinstance(layout, str) or layout.upper() not in ("NHD", "HND"):
             raise KVGroupsValueError(mismatch("hints['kv_layout']", "'NHD' or 'HND'", layout))
         layout = layout.upper()
+    state = hints.get("recurrent_state")
+    if state is not None and not isinstance(state, bool):
+        raise KVGroupsValueError(mismatch("hints['recurrent_state']", "a bool", state))
     sizes = {}
-    for key in HINT_KEYS[1:]:
+    for key in _SIZE_HINTS:
         value = hints.get(key)
         if value is None:
             continue
         if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value <= 0:
             raise KVGroupsValueError(mismatch(f"hints[{key!r}]", "a positive int", value))
         sizes[key] = int(value)
-    return Hints(layout, **sizes)
+    return Hints(layout, **sizes, recurrent_state=bool(state))
 
 
 def engine_name(engine: Any) -> str:

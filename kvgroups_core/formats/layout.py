@@ -19,6 +19,7 @@ from kvgroups_core.tensors.dtypes import DType
 
 from .catalogue import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
 from .segments import SegmentRun, widest_unit
+from .state_layout import state_layer_fields
 
 #: Blocked-scale indexer rows: 128 bytes of fp8 values and a 4-byte scale per token.
 INDEXER_VALUE_BYTES = 128
@@ -285,6 +286,8 @@ def layer_layout(kv_caches: Any, fmt: EngineKVFormat, layer: int) -> LayerLayout
             "[NB, BS, ...] (detect_format does this given a tokens_per_block hint)"
         )
     tensors, index = layer_tensors(kv_caches, fmt, layer)
+    if fmt.is_recurrent_state:
+        return LayerLayout(**state_layer_fields(fmt, tensors, f"kv_caches layer {layer}"))
     if fmt.is_cross_layer:
         nl = tensors[0].spec.shape[fmt.facts.axes.index("NL")]
         if not 0 <= index < nl:

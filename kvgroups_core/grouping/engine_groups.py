@@ -53,7 +53,14 @@ class EngineGroupInfo:
     sw_size_tokens : int, default -1
         Sliding-window size in tokens, or ``-1`` for full attention.
     recurrent_state : bool, default False
-        The layers hold recurrent (Mamba-like) state rather than attention KV.
+        The layers hold recurrent (Mamba-like) state rather than attention KV: they must be in
+        a state format, and ``tokens_per_block`` is the tokens one state slot id stands for
+        (docs/SEMANTICS.md section 9).
+    conv_projections : sequence of (int, int), default ()
+        For a conv-state group: one ``(channels, units)`` pair per sub-projection of the conv
+        channels in the whole model (Mamba2 ``x | B | C``, GDN ``Q | K | V``), units being the
+        heads or groups the channels are made of. Only tensor-parallel merges and splits use
+        it (``merge_shards`` / ``split_canonical``).
 
     Notes
     -----
@@ -66,6 +73,7 @@ class EngineGroupInfo:
     tokens_per_block: int = 0
     sw_size_tokens: int = -1
     recurrent_state: bool = False
+    conv_projections: tuple[tuple[int, int], ...] = ()
 
     def __post_init__(self) -> None:
         gid = as_int(self.engine_group_id, "engine_group_id")
@@ -95,6 +103,39 @@ class EngineGroupInfo:
         object.__setattr__(self, "tokens_per_block", tpb)
         object.__setattr__(self, "sw_size_tokens", sw)
         object.__setattr__(self, "recurrent_state", bool(self.recurrent_state))
+        projections = check_conv_projections(self.conv_projections)
+        if projections and not self.recurrent_state:
+            raise KVGroupsValueError(
+                "conv_projections: expected only for a recurrent_state=True group (a conv "
+                f"state), got {projections} with recurrent_state=False"
+            )
+        object.__setattr__(self, "conv_projections", projections)
+
+
+def check_conv_projections(value: Any, what: str = "conv_projections") -> tuple:
+    """``((channels, units), ...)``: a conv state's sub-projections in the whole model."""
+    if value is None:
+        return ()
+    if isinstance(value, (str, bytes)) or not hasattr(value, "__iter__"):
+        raise KVGroupsTypeError(
+            f"{what}: expected a sequence of (channels, units) pairs, got {value!r}"
+        )
+    out = []
+    for i, pair in enumerate(value):
+        if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
+            raise KVGroupsTypeError(
+                f"{what}[{i}]: expected a (channels, units) pair, got {pair!r}"
+            )
+        channels = as_int(pair[0], f"{what}[{i}] channels")
+        units = as_int(pair[1], f"{what}[{i}] units")
+        if channels <= 0 or units <= 0 or channels % units:
+            raise KVGroupsValueError(
+                f"{what}[{i}]: expected positive channels made of a whole number of units, "
+                f"got {channels} channels in {units} units"
+            )
+        out.append((channels, units))
+    return tuple(out)
+
 
 
 def get_engine_group_indices(

@@ -111,7 +111,13 @@ class KernelGroupInfo:
     engine_group_idx : int
         The engine group (block-id space) of the layers.
     sw_size_tokens : int
-        Sliding window in tokens, -1 = full attention.
+        Sliding window in tokens, -1 = full attention; ``tokens_per_block`` for a recurrent
+        state group (a window of one block).
+    recurrent_state : bool
+        The layers hold recurrent state (docs/SEMANTICS.md section 9): a block is one state
+        slot and a chunk keeps the snapshot at its end.
+    conv_projections : tuple of (int, int)
+        A conv-state group's sub-projections in the whole model (see ``EngineGroupInfo``).
     """
 
     layer_indices: list[int]
@@ -121,6 +127,8 @@ class KernelGroupInfo:
     tokens_per_block: int = 0
     engine_group_idx: int = 0
     sw_size_tokens: int = -1
+    recurrent_state: bool = False
+    conv_projections: tuple[tuple[int, int], ...] = ()
 
     @property
     def num_layers(self) -> int:
@@ -165,7 +173,8 @@ class KernelGroupInfo:
             f"block_stride_elems={sd.block_stride_elems}), dtype={self.dtype}, format={fmt}, "
             f"tokens_per_block={self.tokens_per_block}, "
             f"slots_per_block={self.slots_per_block}, "
-            f"engine_group_idx={self.engine_group_idx}, sw_size_tokens={self.sw_size_tokens})"
+            f"engine_group_idx={self.engine_group_idx}, sw_size_tokens={self.sw_size_tokens}"
+            + (", recurrent_state=True" if self.recurrent_state else "") + ")"
         )
 
 
@@ -179,10 +188,14 @@ class ObjectGroupInfo:
         Kernel groups in the object, in their memory order.
     sw_size_chunks : int
         Window in chunks shared by the kernel groups, -1 = full attention.
+    recurrent_state : bool
+        The object group holds recurrent-state snapshots (window 1 chunk; docs/SEMANTICS.md
+        section 9).
     """
 
     kernel_group_indices: list[int]
     sw_size_chunks: int = -1
+    recurrent_state: bool = False
 
 
 def normalize_formats(kv_caches: Any, engine_kv_formats: Any) -> tuple[EngineKVFormat, ...]:

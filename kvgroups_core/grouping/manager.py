@@ -12,7 +12,12 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
-from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import (
+    KVGroupsIndexError,
+    KVGroupsTypeError,
+    KVGroupsValueError,
+    UnsupportedConfig,
+)
 from kvgroups_core.formats.catalogue import EngineKVFormat
 from kvgroups_core.formats.layout import LayerLayout, num_layers_of
 
@@ -81,6 +86,54 @@ def _infos_in_group_order(
             )
         ordered.append(info)
     return tuple(ordered)
+
+
+def _check_recurrent(k: int, fmt: EngineKVFormat, layers: list[int],
+                     info: EngineGroupInfo | None) -> bool:
+    """Whether kernel group ``k`` is recurrent state: its format and its engine's info must
+    say so together (docs/SEMANTICS.md section 9), never a shape alone."""
+    state_format = fmt.is_recurrent_state
+    declared = info is not None and info.recurrent_state
+    if state_format and not declared:
+        why = ("no engine_group_infos were given" if info is None else
+               f"its engine group info (engine group {info.engine_group_id}) has "
+               "recurrent_state=False")
+        raise KVGroupsValueError(
+            f"kernel group {k} (layers {layers}): expected an EngineGroupInfo with "
+            f"recurrent_state=True for layers in the state format {fmt.name}, but {why}"
+        )
+    if declared and not state_format:
+        raise KVGroupsValueError(
+            f"kernel group {k} (layers {layers}): engine group info {info.engine_group_id} "
+            f"says recurrent_state=True, expected a state format (NL_X_NB_CD_CW, "
+            f"NL_X_NB_CW_CD or NL_X_NB_SH_SS), got {fmt.name}; a state tensor is never read "
+            "as attention KV"
+        )
+    if not declared:
+        if info is not None and info.conv_projections:
+            raise KVGroupsValueError(
+                f"kernel group {k}: conv_projections given for a group that is not "
+                "recurrent_state"
+            )
+        return False
+    if info.tokens_per_block <= 0:
+        raise KVGroupsValueError(
+            f"kernel group {k} (layers {layers}): expected tokens_per_block > 0 for a "
+            f"recurrent_state group (the tokens one state slot id stands for), got "
+            f"{info.tokens_per_block}"
+        )
+    if info.sw_size_tokens not in (-1, info.tokens_per_block):
+        raise KVGroupsValueError(
+            f"kernel group {k} (layers {layers}): expected sw_size_tokens -1 for a "
+            f"recurrent_state group (its window is one block), got {info.sw_size_tokens}"
+        )
+    if info.conv_projections and fmt not in (EngineKVFormat.NL_X_NB_CD_CW,
+                                             EngineKVFormat.NL_X_NB_CW_CD):
+        raise KVGroupsValueError(
+            f"kernel group {k} (layers {layers}): conv_projections given for {fmt.name}, "
+            "expected them only for a conv state"
+        )
+    return True
 
 
 class KVLayerGroupsManager:
@@ -203,6 +256,14 @@ class KVLayerGroupsManager:
         self._object_groups = self._detect_object_groups()
         self._tp_shards = shard_groups(self._kernel_groups, num_layers, total_num_kv_heads,
                                        self._tp_rank, self._tp_size)
+        for k, shard in enumerate(self._tp_shards):
+            if (self._object_layout != "canonical" and shard.conv is not None
+                    and shard.conv.replicated and not shard.conv.fully_replicated):
+                raise UnsupportedConfig(
+                    f"object_layout: kernel group {k} is a conv state with replicated "
+                    "sub-projections, which the tp_native layout cannot place; expected "
+                    "object_layout='canonical'"
+                )
 
     # --- construction helpers ---------------------------------------------------------
 
@@ -229,6 +290,9 @@ class KVLayerGroupsManager:
         bs = identity.block_size
         tpb = info.tokens_per_block if info is not None and info.tokens_per_block > 0 else bs
         sw = info.sw_size_tokens if info is not None else -1
+        recurrent = _check_recurrent(k, identity.engine_kv_format, layers, info)
+        if recurrent:
+            sw = tpb  # a window of one block: the snapshot at the chunk's end
         self._validate(k, bs, tpb, sw)
         shape_desc = PageBufferShapeDesc(
             kv_size=identity.kv_size,
@@ -249,6 +313,8 @@ class KVLayerGroupsManager:
             tokens_per_block=tpb,
             engine_group_idx=identity.engine_group_idx,
             sw_size_tokens=sw,
+            recurrent_state=recurrent,
+            conv_projections=info.conv_projections if recurrent and info is not None else (),
         )
 
     def _validate(self, k: int, slots_per_block: int, tpb: int, sw: int) -> None:
@@ -270,16 +336,23 @@ class KVLayerGroupsManager:
             )
 
     def _detect_object_groups(self) -> list[ObjectGroupInfo]:
-        if not self._separate_object_groups:
-            return [ObjectGroupInfo(list(range(len(self._kernel_groups))), -1)]
+        # Recurrent-state groups always share one object group of their own (window 1 chunk):
+        # a snapshot is never stored or looked up with attention's windows.
+        state = "recurrent_state"
         chunk = self._lmcache_tokens_per_chunk
-        buckets: dict[int, list[int]] = {}
+        buckets: dict[Any, list[int]] = {}
         for k, group in enumerate(self._kernel_groups):
             sw = group.sw_size_tokens
-            window = -1 if sw == -1 else -(-sw // chunk)  # a sub-chunk window is 1 chunk
-            buckets.setdefault(window, []).append(k)
+            if group.recurrent_state:
+                key: Any = state
+            elif not self._separate_object_groups:
+                key = -1
+            else:
+                key = -1 if sw == -1 else -(-sw // chunk)  # a sub-chunk window is 1 chunk
+            buckets.setdefault(key, []).append(k)
         # Kernel groups are visited in order, so buckets come out ordered by first group.
-        return [ObjectGroupInfo(ks, window) for window, ks in buckets.items()]
+        return [ObjectGroupInfo(ks, 1, recurrent_state=True) if key == state
+                else ObjectGroupInfo(ks, key) for key, ks in buckets.items()]
 
     def _group(self, kernel_group_idx: int) -> KernelGroupInfo:
         k = as_int(kernel_group_idx, "kernel_group_idx")
@@ -352,8 +425,11 @@ class KVLayerGroupsManager:
     def get_subchunk_sw_size_tokens(self, kernel_group_idx: int) -> int:
         """Tokens of each chunk a kernel group stores: the chunk, unless the group's window
         is shorter than a chunk (and full-SW mode is off), then the window."""
-        sw = self._group(kernel_group_idx).sw_size_tokens
+        group = self._group(kernel_group_idx)
+        sw = group.sw_size_tokens
         chunk = self._lmcache_tokens_per_chunk
+        if group.recurrent_state:
+            return min(sw, chunk)  # the last block's snapshot, full-SW mode or not
         if self._full_sw_kv or sw == -1 or sw >= chunk:
             return chunk
         return sw
@@ -401,7 +477,7 @@ class KVLayerGroupsManager:
     def get_attn_desc(self) -> AttnWindowDesc:
         """Each object group's window in chunks (-1 = full attention), in object-group order."""
         if self._full_sw_kv:
-            return AttnWindowDesc([-1] * len(self._object_groups))
+            return AttnWindowDesc([1 if g.recurrent_state else -1 for g in self._object_groups])
         return AttnWindowDesc(
             [g.sw_size_chunks if g.sw_size_chunks >= 1 else -1 for g in self._object_groups]
         )

@@ -37,8 +37,10 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.formats.catalogue import EngineKVFormat
 
 from .engine_groups import as_int
+from .state_tp import ConvSplit, conv_split
 
 CANONICAL = "canonical"
 TP_NATIVE = "tp_native"
@@ -62,10 +64,18 @@ class TPShard:
     total_heads: int
     rank_heads: int
     replicas: int
+    # A conv-state group: its channels split per sub-projection (``total_heads`` and
+    # ``rank_heads`` count channels), or None. ``needs_conv_projections``: a conv-state group
+    # at tp_size > 1 whose engine gave no ``conv_projections`` (it cannot be merged or split).
+    conv: ConvSplit | None = None
+    needs_conv_projections: bool = False
 
     @property
     def num_parts(self) -> int:
-        """Distinct head sets of the group: ``H / h`` (1 for a wholly replicated group)."""
+        """Distinct head sets of the group: ``H / h`` (1 for a wholly replicated group); for a
+        conv state, the distinct rank states (``tp_size``, or 1 when wholly replicated)."""
+        if self.conv is not None:
+            return self.tp_size // self.replicas
         return self.total_heads // self.rank_heads
 
     @property
@@ -131,8 +141,37 @@ def _total_heads_per_layer(total_num_kv_heads: Any, num_layers: int) -> list[int
     return list(values)
 
 
+def _state_shard(k: int, group: Any, rank: int, size: int) -> TPShard:
+    """Recurrent state (docs/SEMANTICS.md section 9): temporal heads split like KV heads; conv
+    channels split per sub-projection."""
+    fmt = group.engine_kv_format
+    sd = group.shape_desc
+    if fmt is EngineKVFormat.NL_X_NB_SH_SS:
+        return TPShard(tp_rank=rank, tp_size=size, total_heads=sd.nh * size, rank_heads=sd.nh,
+                       replicas=1)
+    if not group.conv_projections:
+        h = sd.nh
+        return TPShard(tp_rank=rank, tp_size=size, total_heads=h * size, rank_heads=h,
+                       replicas=1, needs_conv_projections=size > 1)
+    split = conv_split(group.conv_projections, size, sd.nh, sd.hs, sd.element_size,
+                       fmt is EngineKVFormat.NL_X_NB_CD_CW, f"kernel group {k}")
+    return TPShard(tp_rank=rank, tp_size=size, total_heads=sum(split.channels),
+                   rank_heads=sum(split.rank_channels),
+                   replicas=size if split.fully_replicated else 1, conv=split)
+
+
+def canonical_region_nbytes(manager: Any, region: Any) -> int:
+    """Bytes of a rank region's kernel group in the canonical (whole-model) object."""
+    shard = manager.tp_shard(region.kernel_group_idx)
+    if shard.conv is not None:
+        return region.nbytes // shard.conv.rank_row_bytes * shard.conv.canonical_row_bytes
+    return region.nbytes * shard.num_parts
+
+
 def _shard_of_group(k: int, group: Any, totals: list[int | None], rank: int,
                     size: int) -> TPShard:
+    if getattr(group, "recurrent_state", False):
+        return _state_shard(k, group, rank, size)
     fmt = group.engine_kv_format
     h = group.shape_desc.nh
     if not _has_head_axis(fmt):
@@ -204,13 +243,20 @@ def _describe(manager: Any, *, across_degrees: bool) -> dict:
         sd = g.shape_desc
         shard = manager.tp_shard(k)
         fmt = g.engine_kv_format
-        groups.append({
+        # Keys only recurrent-state groups have (others' digests stay as they were).
+        state = {"recurrent_state": True,
+                 "conv_projections": [list(p) for p in g.conv_projections]} \
+            if g.recurrent_state else {}
+        groups.append({**state,
             "layers": list(g.layer_indices),
             "kv_size": sd.kv_size,
             "heads": shard.total_heads if across_degrees else sd.nh,
             "total_heads": shard.total_heads,
             "replicas": None if across_degrees else shard.replicas,
-            "head_size": sd.hs,
+            # A conv state's per-rank row depends on the degree: across degrees, the whole
+            # model's elements per slot.
+            "head_size": (shard.conv.canonical_row_bytes // sd.element_size
+                          if across_degrees and shard.conv is not None else sd.hs),
             "block_size": sd.bs,
             "tokens_per_block": g.tokens_per_block,
             "engine_group": g.engine_group_idx,

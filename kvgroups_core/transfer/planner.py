@@ -26,7 +26,10 @@ from .transfer_path import check_path
 
 
 def _chunk_windows(manager: Any, k: int) -> int:
-    """The kernel group's window in chunks (-1 = full attention), honouring full-SW mode."""
+    """The kernel group's window in chunks (-1 = full attention), honouring full-SW mode
+    (which never applies to recurrent state: a snapshot serves its own position only)."""
+    if manager.kernel_groups[k].recurrent_state:
+        return 1
     if manager.full_sw_kv:
         return -1
     sw = manager.kernel_groups[k].sw_size_tokens

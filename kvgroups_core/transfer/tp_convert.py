@@ -20,7 +20,12 @@ from typing import Any
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.grouping.engine_groups import as_int
-from kvgroups_core.grouping.tensor_parallel import TP_NATIVE, check_managers
+from kvgroups_core.grouping.state_tp import merge_conv, split_conv
+from kvgroups_core.grouping.tensor_parallel import (
+    TP_NATIVE,
+    canonical_region_nbytes,
+    check_managers,
+)
 
 from .objects import object_nbytes, object_regions
 
@@ -176,7 +181,7 @@ _Plan = list
 
 def _merge(chunk_counts: list[int], plans: _Plan) -> list:
     kinds = {type(x).__module__.partition(".")[0] for regions in plans
-             for _, _, parts in regions for x, _ in parts}
+             for region in regions for x, _ in region[2]}
     if len(kinds) > 1:
         raise KVGroupsTypeError(
             f"objects_per_rank: expected arrays of one framework, got {sorted(kinds)}"
@@ -185,10 +190,15 @@ def _merge(chunk_counts: list[int], plans: _Plan) -> list:
     whole: dict[int, Any] = {}  # one replica of each sharded input, however many parts read it
     for chunks, regions in zip(chunk_counts, plans):
         pieces, fresh = [], []
-        for rows, row_bytes, parts in regions:
+        for rows, row_bytes, parts, *conv in regions:
             for x, _ in parts:
                 if id(x) not in whole:
                     whole[id(x)] = _whole(x)
+            if conv:  # a conv state: rank parts joined per sub-projection
+                ranks = [whole[id(x)][:, o:o + rows * row_bytes] for x, o in parts]
+                pieces.append(merge_conv(conv[0], ranks, chunks, rows, _concat))
+                fresh.append(False)
+                continue
             views = [whole[id(x)][:, o:o + rows * row_bytes].reshape((chunks, rows, 1, row_bytes))
                      for x, o in parts]
             merged = _concat(views, axis=2)  # head sets side by side in each token row
@@ -216,7 +226,12 @@ def _from_ranks(managers: list, objects_per_rank: Any) -> tuple[list[int], _Plan
         regions = [object_regions(m, og) for m in managers]
         plan = []
         for i, region in enumerate(regions[0]):
-            shard = ref.tp_shard(region.kernel_group_idx)
+            shard = _convertible_shard(ref, region.kernel_group_idx)
+            if shard.conv is not None:
+                plan.append(_region_rows(region) + (
+                    [(per_rank[r][og], regions[r][i].offset) for r in range(ref.tp_size)],
+                    shard.conv))
+                continue
             owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
             plan.append(_region_rows(region) + (
                 [(per_rank[r][og], regions[r][i].offset) for r in owners],))
@@ -239,7 +254,11 @@ def _side_by_side_rank(manager: Any, objs: list) -> tuple[list[int], _Plan]:
             obj, size * n, f"objects_per_rank[0][{og}] (the {size} shards' objects side by side)"))
         plan = []
         for region in object_regions(manager, og):
-            shard = manager.tp_shard(region.kernel_group_idx)
+            shard = _convertible_shard(manager, region.kernel_group_idx)
+            if shard.conv is not None:
+                plan.append(_region_rows(region) + (
+                    [(obj, r * n + region.offset) for r in range(size)], shard.conv))
+                continue
             owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
             plan.append(_region_rows(region) + ([(obj, r * n + region.offset) for r in owners],))
         plans.append(plan)
@@ -283,10 +302,24 @@ def _side_by_side_mesh(manager: Any, objs: list, shards: set[int]) -> tuple[list
     return chunk_counts, plans
 
 
+def _convertible_shard(manager: Any, kernel_group_idx: int) -> Any:
+    """The group's TPShard, refusing a conv state whose sub-projections are unknown."""
+    shard = manager.tp_shard(kernel_group_idx)
+    if shard.needs_conv_projections:
+        raise KVGroupsValueError(
+            f"manager: kernel group {kernel_group_idx} is a conv state split over "
+            f"{shard.tp_size} ranks, expected its EngineGroupInfo to give conv_projections "
+            "(each sub-projection's channels and units) to merge or split it, got none"
+        )
+    return shard
+
+
 def canonical_nbytes(manager: Any, object_group_idx: int) -> int:
     """Bytes of one chunk's canonical (whole-model) object of ``object_group_idx``."""
-    return sum(r.nbytes * manager.tp_shard(r.kernel_group_idx).num_parts
-               for r in object_regions(manager, object_group_idx))
+    regions = object_regions(manager, object_group_idx)
+    for r in regions:
+        _convertible_shard(manager, r.kernel_group_idx)
+    return sum(canonical_region_nbytes(manager, r) for r in regions)
 
 
 def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
@@ -325,9 +358,18 @@ def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
         pieces, fresh = [], []
         offset = 0
         for region in object_regions(manager, og):
-            shard = manager.tp_shard(region.kernel_group_idx)
+            shard = _convertible_shard(manager, region.kernel_group_idx)
             rows, row_bytes = _region_rows(region)
             parts = shard.num_parts
+            if shard.conv is not None:  # a conv state: cut per sub-projection
+                nbytes = canonical_region_nbytes(manager, region)
+                canonical = full[:, offset:offset + nbytes]
+                offset += nbytes
+                ranks = range(parts) if native else [manager.tp_rank]
+                cut = [split_conv(shard.conv, canonical, chunks, rows, r, _concat) for r in ranks]
+                pieces.append(_concat(cut, axis=1))
+                fresh.append(False)
+                continue
             nbytes = region.nbytes * parts
             whole = full[:, offset:offset + nbytes].reshape((chunks, rows, parts * row_bytes))
             offset += nbytes

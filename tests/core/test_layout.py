@@ -97,7 +97,8 @@ def build(fmt, nb=NB, nl=NL, bs=BS, nh=NH, hs=HS):
     raise AssertionError(fmt)
 
 
-GROUPABLE = [f for f in F if f.groupable]
+# Recurrent-state formats hold one whole state per slot (tests/core/test_recurrent_state.py).
+GROUPABLE = [f for f in F if f.groupable and not f.is_recurrent_state]
 
 
 def page_model_row(layout, kv, block, token):

@@ -41,8 +41,9 @@ def test_every_cited_benchmark_file_exists():
 
 #: A block that is not run says so on the line before it, with the reason.
 FRAGMENT = re.compile(r"<!-- fragment: \S.* -->")
-#: Blocks run by a test of their own: docs/INTEGRATION.md's examples (tests/engines), the
-#: README's commands and code (test_readme.py).
+#: Blocks run by a test of their own: the examples of docs/INTEGRATION.md (tests/engines) and
+#: docs/PD.md (tests/pd), the README's commands and code (test_readme.py).
+EXAMPLE_DOCS = (Path("docs/INTEGRATION.md"), Path("docs/PD.md"))
 RUN_ELSEWHERE = re.compile(r"<!-- (example \S+.*|demo-command|test-command) -->")
 
 
@@ -67,8 +68,8 @@ def test_every_doc_code_block_runs_in_ci_or_is_marked_a_fragment():
             if not lang:
                 unmarked.append(f"{name}:{i + 1}: a block without a language (text?)")
             elif RUN_ELSEWHERE.fullmatch(before):
-                if before.startswith("<!-- example") and name != Path("docs/INTEGRATION.md"):
-                    unmarked.append(f"{name}:{i + 1}: examples run only in INTEGRATION.md")
+                if before.startswith("<!-- example") and name not in EXAMPLE_DOCS:
+                    unmarked.append(f"{name}:{i + 1}: examples run only in {EXAMPLE_DOCS}")
             elif not (FRAGMENT.fullmatch(before) or name == Path("README.md")):
                 unmarked.append(f"{name}:{i + 1}: neither run by a test nor marked a fragment")
     assert unmarked == []

@@ -13,6 +13,7 @@ import jax.numpy as jnp  # noqa: E402
 from kvgroups_jax.engines import (  # noqa: E402
     from_maxtext,
     from_sglang_jax,
+    from_sglang_jax_recurrent,
     from_tpu_inference,
     pages_from_page_map,
 )
@@ -116,3 +117,60 @@ def test_engine_errors_are_typed():
         from_maxtext([jnp.zeros((NH, 4, PS, HD))], [])
     with pytest.raises(IndexError, match="slot"):
         pages_from_page_map(SimpleNamespace(page_map=np.zeros((1, 2)), num_pages_used=[0]), 3)
+
+
+# --- sglang-jax's RecurrentStatePool (GDN states) --------------------------------------------
+
+SLOTS, CH, H, D = 9, 48, 2, 8  # conv [slots, Q|K|V channels, kernel - 1], temporal [slots, H, D, D]
+
+
+def recurrent_pool(rng, layers=2):
+    conv = [[jnp.asarray(rng.standard_normal((SLOTS, CH, 3)), jnp.bfloat16)] for _ in range(layers)]
+    temporal = [jnp.asarray(rng.standard_normal((SLOTS, H, D, D)), jnp.float32)
+                for _ in range(layers)]
+    return SimpleNamespace(recurrent_buffers=temporal, conv_buffers=conv,
+                           linear_recurrent_layer_ids=list(range(layers)))
+
+
+def test_sglang_jax_recurrent_snapshots_round_trip():
+    rng = np.random.default_rng(5)
+    src, dst = recurrent_pool(rng), recurrent_pool(rng)
+    a, b = from_sglang_jax_recurrent(src), from_sglang_jax_recurrent(dst)
+    assert [(g.engine_kv_format, g.recurrent_state) for g in a.manager.kernel_groups] == [
+        (EngineKVFormat.NL_X_NB_CD_CW, True), (EngineKVFormat.NL_X_NB_SH_SS, True)]
+    before_t = [np.asarray(x) for x in dst.recurrent_buffers]
+    objs = store(a.manager, a.kv_caches, [3, 7])  # snapshots after chunks 1 and 2
+    temporal, conv = b.state_to_engine(load(b.manager, objs, b.kv_caches, [0, 5]))
+    for layer in range(2):
+        t = np.asarray(temporal[layer])
+        assert t[5].tobytes() == np.asarray(src.recurrent_buffers[layer])[7].tobytes()
+        assert np.asarray(conv[layer][0])[5].tobytes() == \
+            np.asarray(src.conv_buffers[layer][0])[7].tobytes()
+        rest = [s for s in range(SLOTS) if s != 5]
+        assert t[rest].tobytes() == before_t[layer][rest].tobytes()
+
+
+def test_sglang_jax_kv_and_recurrent_pools_in_one_manager_inside_jit():
+    rng = np.random.default_rng(6)
+    kv = SimpleNamespace(kv_buffer=[tpu_layer(rng, jnp.bfloat16) for _ in range(2)], page_size=PS)
+    layout = from_sglang_jax(kv, recurrent_pool=recurrent_pool(rng))
+    m = layout.manager
+    assert layout.state_layers == [2, 3, 4, 5]
+    assert m.get_attn_desc().num_chunks_in_sw == [-1, 1]
+    ids = {0: [1, 2, 3, 4, 5, 6, 7, 8], 1: [4, 6]}  # two chunks: 4 pages each, one slot each
+    objs = store(m, layout.kv_caches, ids)
+    dst = from_sglang_jax(SimpleNamespace(kv_buffer=[tpu_layer(rng, jnp.bfloat16)
+                                                     for _ in range(2)], page_size=PS),
+                          recurrent_pool=recurrent_pool(rng))
+
+    @jax.jit
+    def step(caches, objects, pages, slots):
+        return load(dst.manager, objects, caches, {0: pages, 1: slots})
+
+    out = step(dst.kv_caches, objs, jnp.asarray([9, 10, 11, 0, 1, 2, 3, 4]), jnp.asarray([0, 8]))
+    temporal, conv = dst.state_to_engine(out)
+    src_t = np.asarray(layout.kv_caches[3])  # layer 0's temporal state
+    assert np.asarray(temporal[0])[8].tobytes() == src_t[6].tobytes()
+    attention = dst.to_engine(out)
+    assert np.asarray(attention[1])[4].tobytes() == \
+        np.asarray(layout.to_engine(layout.kv_caches)[1])[8].tobytes()

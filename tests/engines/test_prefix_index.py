@@ -66,3 +66,31 @@ def test_presence_feeds_the_window_rule():
 def test_bad_capacity_is_a_typed_error():
     with pytest.raises(ValueError, match="capacity_chunks"):
         ChunkIndex(0)
+
+
+def test_a_chunk_cached_without_its_state_snapshot_is_a_miss_at_its_length():
+    # LMCache #2863: attention hits reported without the recurrent state garbled outputs.
+    idx = ChunkIndex(8)
+    hs = [bytes([i]) * 16 for i in range(4)]
+    state = 0  # object groups: 0 the snapshots (window 1), 1 attention (full)
+    desc = AttnWindowDesc([1, -1])
+    for c, (h, s) in enumerate(zip(hs, idx.allocate(4))):
+        idx.insert(h, s, absent=() if c in (1, 3) else (state,))
+    present = idx.present(hs, 2)
+    assert present.tolist() == [[False, True], [True, True], [False, True], [True, True]]
+    assert desc.hit_chunks(present) == 4
+    assert desc.hit_chunks(idx.present(hs[:3], 2)) == 2  # attention for 3 chunks, state for 2
+    assert desc.hit_chunks(idx.present(hs[:1], 2)) == 0
+    idx.mark_present(idx.lookup([hs[2]])[0], [state])  # a later request had the snapshot
+    assert desc.hit_chunks(idx.present(hs[:3], 2)) == 3
+    assert idx.absent(idx.lookup([hs[0]])[0]) == {state}
+
+
+def test_evicting_a_slot_forgets_what_it_lacked():
+    idx = ChunkIndex(1)
+    (s,) = idx.allocate(1)
+    idx.insert(b"a" * 16, s, absent=(0,))
+    (t,) = idx.allocate(1)  # evicts chunk "a"
+    idx.insert(b"b" * 16, t)
+    assert t == s and idx.absent(t) == frozenset()
+    assert idx.present([b"b" * 16], 2).tolist() == [[True, True]]

@@ -6,10 +6,20 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from kvgroups_torch.sglang import from_sglang_pool, pages_from_token_slots  # noqa: E402
+from kvgroups_torch.sglang import (  # noqa: E402
+    from_sglang_mamba_pool,
+    from_sglang_pool,
+    pages_from_token_slots,
+)
 
 from kvgroups_core import EngineKVFormat, load, store  # noqa: E402
-from tests.support.sglang_standins import MHATokenToKVPool, MLATokenToKVPool, SWAKVPool  # noqa: E402
+from tests.support.sglang_standins import (  # noqa: E402
+    MambaPool,
+    MambaPoolHost,
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    SWAKVPool,
+)
 
 PS = 64  # page size; chunk 256 = 4 pages
 
@@ -113,3 +123,64 @@ def test_pool_errors_are_typed():
     layout = from_sglang_pool(swa_pool(0), sliding_window=64)
     with pytest.raises(ValueError, match="swa_slots"):
         layout.block_ids(slots_of([1, 2, 3, 4]))
+
+
+# --- recurrent state: MambaPool and MambaPoolHost ------------------------------------------
+
+CONV, TEMPORAL = (96, 3), (4, 8, 8)  # GDN: [Q|K|V] channels x (kernel - 1); (H, Dv, Dk)
+
+
+def mamba_pool(seed, size=10):
+    return MambaPool(size=size, conv_shapes=[CONV], temporal_shape=TEMPORAL,
+                     num_mamba_layers=3, seed=seed)
+
+
+def state_bytes(pool, layer, slot):
+    """A slot's conv then temporal bytes, read by the pool's own indexing."""
+    if isinstance(pool, MambaPoolHost):
+        pick = (lambda b: b[slot, layer, 0]) if pool.layout != "layer_first" else \
+            (lambda b: b[layer, slot])
+        bufs = pool.conv_buffer + [pool.temporal_buffer]
+    else:
+        pick = lambda b: b[layer, slot]  # noqa: E731
+        bufs = pool.mamba_cache.conv + [pool.mamba_cache.temporal]
+    return torch.cat([pick(b).contiguous().view(torch.uint8).reshape(-1) for b in bufs])
+
+
+@pytest.mark.parametrize("host_layout", ["layer_first", "page_first", "page_first_direct"])
+def test_mamba_snapshots_offload_to_a_host_pool_of_either_layout(host_layout):
+    device = mamba_pool(seed=1)
+    host = MambaPoolHost(mamba_pool(seed=9), size=12, layout=host_layout, seed=3)
+    a, b = from_sglang_mamba_pool(device, chunk_size=256), from_sglang_mamba_pool(host)
+    assert [(g.engine_kv_format, g.recurrent_state, g.tokens_per_block)
+            for g in a.manager.kernel_groups] == [
+        (EngineKVFormat.NL_X_NB_CD_CW, True, 256), (EngineKVFormat.NL_X_NB_SH_SS, True, 256)]
+    # A request whose state after chunks 1, 2, 3 sits in device slots 4, 7, 2 (snapshots).
+    objs = store(a.manager, a.kv_caches, a.block_ids(None, state_slots=[4, 7, 2]))
+    assert objs[0].shape == (3, 3 * (96 * 3 * 2 + 4 * 8 * 8 * 4))
+    before = [state_bytes(host, layer, s) for layer in range(3) for s in range(12)]
+    load(b.manager, objs, b.kv_caches, b.block_ids(None, state_slots=[0, 0, 11]))
+    for layer in range(3):  # the last chunk's snapshot, into host slot 11; nothing else moved
+        assert torch.equal(state_bytes(host, layer, 11), state_bytes(device, layer, 2))
+        for s in range(11):
+            assert torch.equal(state_bytes(host, layer, s), before[layer * 12 + s])
+
+
+def test_a_hybrid_pool_and_its_mamba_pool_form_one_manager():
+    kv = MHATokenToKVPool(size=16 * PS, page_size=PS, dtype=torch.bfloat16, head_num=2,
+                          head_dim=32, layer_num=2, seed=1)
+    states = mamba_pool(seed=2)
+    layout = from_sglang_pool(kv, mamba_pool=states)
+    m = layout.manager
+    assert layout.state_layers == [2, 3, 4, 5, 6, 7]
+    assert [o.recurrent_state for o in m.object_groups] == [False, True]
+    assert m.get_attn_desc().num_chunks_in_sw == [-1, 1]
+    # The attention objects are those of the pool alone (registered per layer here).
+    alone = from_sglang_pool(kv)
+    pages = slots_of([3, 9, 1, 12, 5, 6, 7, 8])
+    both = store(m, layout.kv_caches, layout.block_ids(pages, state_slots=[5, 8]))
+    assert torch.equal(both[0], store(alone.manager, alone.kv_caches, alone.block_ids(pages))[0])
+    with pytest.raises(ValueError, match="one slot per 256 tokens"):
+        layout.block_ids(pages, state_slots=[5])
+    with pytest.raises(ValueError, match="state_slots"):
+        layout.block_ids(pages)

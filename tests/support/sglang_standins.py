@@ -1,6 +1,7 @@
 """Stand-ins for SGLang's KV pools (sglang is not installed here): the attribute names and
 buffer shapes of ``sglang/srt/mem_cache/memory_pool.py`` (MHATokenToKVPool,
-MLATokenToKVPool, SWAKVPool), nothing else. Buffers hold random bytes."""
+MLATokenToKVPool, SWAKVPool, MambaPool) and ``pool_host`` (MambaPoolHost), nothing else.
+Buffers hold random bytes."""
 
 from __future__ import annotations
 
@@ -54,3 +55,43 @@ class SWAKVPool:
             self.layers_mapping[g] = (i, False)
         for i, g in enumerate(swa_attention_layer_ids):
             self.layers_mapping[g] = (i, True)
+
+
+class _MambaState:
+    def __init__(self, conv, temporal):
+        self.conv, self.temporal = conv, temporal
+
+
+class MambaPool:
+    """``mamba_cache.conv`` (one ``[num_mamba_layers, size + 1, *conv_shape]`` per conv state)
+    and ``mamba_cache.temporal`` ``[num_mamba_layers, size + 1, *temporal_shape]``."""
+
+    def __init__(self, size, conv_shapes, temporal_shape, num_mamba_layers,
+                 conv_dtype=torch.bfloat16, temporal_dtype=torch.float32, seed=0):
+        self.size, self.num_mamba_layers, self.device = size, num_mamba_layers, "cpu"
+        gen = torch.Generator().manual_seed(seed)
+        conv = [_rand((num_mamba_layers, size + 1) + tuple(s), conv_dtype, gen)
+                for s in conv_shapes]
+        temporal = _rand((num_mamba_layers, size + 1) + tuple(temporal_shape), temporal_dtype,
+                         gen)
+        self.mamba_cache = _MambaState(conv, temporal)
+
+
+class MambaPoolHost:
+    """``conv_buffer`` (a list) and ``temporal_buffer`` in ``layout``: ``layer_first``
+    ``[num_mamba_layers, size, *shape]`` or ``page_first`` ``[size, num_mamba_layers, 1,
+    *shape]``; ``page_size`` 1."""
+
+    def __init__(self, device_pool, size, layout="layer_first", seed=0):
+        self.device_pool, self.size, self.layout, self.page_size = device_pool, size, layout, 1
+        self.num_mamba_layers = device_pool.num_mamba_layers
+        gen = torch.Generator().manual_seed(seed)
+        L = self.num_mamba_layers
+
+        def alloc(like):
+            shape = tuple(like.shape[2:])
+            dims = (size, L, 1) + shape if layout.startswith("page_first") else (L, size) + shape
+            return _rand(dims, like.dtype, gen)
+
+        self.conv_buffer = [alloc(c) for c in device_pool.mamba_cache.conv]
+        self.temporal_buffer = alloc(device_pool.mamba_cache.temporal)

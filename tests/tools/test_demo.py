@@ -150,3 +150,10 @@ def test_a_jax_load_reports_its_first_call():
     assert rc == 0, out.getvalue()
     line = next(x for x in out.getvalue().splitlines() if x.strip().startswith("load"))
     assert "with jax" in line and "first call" in line and "GB/s" in line
+
+
+@pytest.mark.parametrize("model", ["qwen3-next-like", "nemotron-h-like", "jamba-like"])
+def test_recurrent_state_hybrids_run_from_the_command_line(model, capsys):
+    assert main(["demo", *NUMPY, "--model", model, "--layers", "4", "--chunks", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "verified:" in out and "state" in out

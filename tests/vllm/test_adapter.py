@@ -19,7 +19,6 @@ if not _vllm_installed():
 
 import torch  # noqa: E402
 from kvgroups_torch.vllm import from_kv_cache_config, manager_from_kv_cache_config  # noqa: E402
-from vllm.v1.kv_cache_interface import MambaSpec  # noqa: E402
 
 from kvgroups_core import (  # noqa: E402
     EngineGroupInfo,
@@ -37,6 +36,7 @@ from tests.vllm.vllm_configs import (  # noqa: E402
     chunked,
     config,
     full,
+    gdn,
     mla,
     name,
     sliding,
@@ -212,11 +212,109 @@ def test_block_ids_cut_chunks_per_group_block_size():
 # --- errors -----------------------------------------------------------------------------
 
 def test_unknown_spec_type_names_the_group_and_layer():
-    mamba = MambaSpec(block_size=BS, shapes=((16, 64),), dtypes=(torch.bfloat16,))
+    from vllm.v1.kv_cache_interface import CrossAttentionSpec
+
+    cross = CrossAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     cfg = config([([0, 1], full())])
-    cfg.kv_cache_groups.append(type(cfg.kv_cache_groups[0])([name(2)], mamba))
-    with pytest.raises(NotImplementedError, match=r"kv_cache_groups\[1\].*model.layers.2.*MambaSpec"):
+    cfg.kv_cache_groups.append(type(cfg.kv_cache_groups[0])([name(2)], cross))
+    with pytest.raises(NotImplementedError,
+                       match=r"kv_cache_groups\[1\].*model.layers.2.*CrossAttentionSpec"):
         from_kv_cache_config(cfg, None)
+
+
+# --- recurrent state (MambaSpec, align mode) ----------------------------------------------
+
+PAGE = full().page_size_bytes  # vLLM pads the Mamba page to the attention page
+CONV_BYTES, STATE_BYTES = 3 * 64 * 2, 3 * 64 * 2 + 2 * 16 * 16 * 4
+
+
+def gdn_config(**kw):
+    """Qwen3-Next's pattern: GDN layers 0 and 2 (one Mamba group), attention 1 and 3."""
+    return config([([0, 2], gdn(pad_to=PAGE, **kw)), ([1, 3], full())])
+
+
+def test_a_gdn_hybrid_groups_its_states_by_the_spec():
+    cfg = gdn_config()
+    layout = from_kv_cache_config(cfg, caches(cfg), chunk_size=CHUNK)
+    m = layout.manager
+    assert [(g.layer_indices, g.engine_kv_format, g.recurrent_state, g.tokens_per_block)
+            for g in m.kernel_groups] == [
+        ([0, 3], EngineKVFormat.NL_X_NB_CW_CD, True, BS),
+        ([1, 4], EngineKVFormat.NL_X_NB_SH_SS, True, BS),
+        ([2, 5], EngineKVFormat.NL_X_NB_NH_BS_CS, False, BS)]
+    assert layout.layer_names[:3] == [name(0), name(0), name(1)]
+    assert layout.indices_of(name(2)) == [3, 4] and layout.state_layers == [0, 1, 3, 4]
+    assert layout.state_groups == {0: 0}
+    assert m.get_attn_desc().num_chunks_in_sw == [1, -1]
+    # The unpadded states (2 layers x 2,432 B), and the scheduler's config-only plan agrees.
+    assert object_nbytes(m, 0) == 2 * STATE_BYTES
+    plan = from_kv_cache_config(cfg, None, chunk_size=CHUNK).manager
+    assert [object_nbytes(plan, g) for g in range(2)] == [object_nbytes(m, g) for g in range(2)]
+
+
+def test_gdn_snapshots_round_trip_through_vllms_own_pages():
+    cfg = gdn_config()
+    src, dst = caches(cfg, seed=1), caches(cfg, seed=2)
+    lsrc, ldst = from_kv_cache_config(cfg, src, chunk_size=CHUNK), \
+        from_kv_cache_config(cfg, dst, chunk_size=CHUNK)
+    ids = ([0, 5, 0, 9], [1, 2, 3, 4])  # per vLLM group: chunk c's snapshot in its last block
+    objs = store(lsrc.manager, lsrc.kv_caches, lsrc.block_ids(ids))
+    pages = [src[name(i)][:, 0, 0].view(torch.uint8) for i in (0, 2)]
+    for c, block in enumerate((5, 9)):  # conv of both layers, then temporal of both
+        want = torch.cat([pages[0][block, :CONV_BYTES], pages[1][block, :CONV_BYTES],
+                          pages[0][block, CONV_BYTES:STATE_BYTES],
+                          pages[1][block, CONV_BYTES:STATE_BYTES]])
+        assert torch.equal(objs[0][c], want)
+    before = backing(dst).clone()
+    kv_load(ldst.manager, objs, ldst.kv_caches, ldst.block_ids(([0, 0, 0, 7], [6, 8, 10, 11])))
+    after = backing(dst)
+    allowed = torch.zeros_like(after, dtype=torch.bool)
+    for i in (0, 2):  # each GDN layer's block 7 got the second chunk's snapshot (block 9)
+        page = page_bytes(after, dst, i, 7)
+        assert torch.equal(page[:STATE_BYTES], page_bytes(backing(src), src, i, 9)[:STATE_BYTES])
+        assert torch.equal(page[STATE_BYTES:], page_bytes(before, dst, i, 7)[STATE_BYTES:])
+        start = page_start(dst, i, 7)
+        allowed[start:start + STATE_BYTES] = True
+    for i in (1, 3):
+        for block in (6, 8, 10, 11):
+            start = page_start(dst, i, block)
+            allowed[start:start + PAGE] = True
+    assert not bool((after != before)[~allowed].any())  # nothing else changed, padding included
+
+
+def page_start(kv, i, block):
+    t = kv[name(i)]
+    return (t.storage_offset() + block * t.stride(0)) * t.element_size()
+
+
+def page_bytes(buf, kv, i, block):
+    start = page_start(kv, i, block)
+    return buf[start:start + PAGE]
+
+
+def test_mamba_cache_mode_none_is_refused_naming_it():
+    cfg = config([([0, 2], gdn(pad_to=PAGE, mode="none")), ([1, 3], full())])
+    with pytest.raises(NotImplementedError, match="mamba_cache_mode='none'.*'align'"):
+        from_kv_cache_config(cfg, None, chunk_size=CHUNK)
+
+
+def test_a_mamba_layer_registered_in_an_attention_shape_is_refused_not_read_as_kv():
+    # LMCache #4094: a GDN state tensor (711, 2, 544, 1, 512) passed for FlashInfer NHD.
+    cfg = gdn_config()
+    kv = caches(cfg)
+    kv[name(0)] = torch.zeros((NB, 2, 16, 1, 64), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="unified MambaSpec page.*never read by its shape"):
+        from_kv_cache_config(cfg, kv, chunk_size=CHUNK)
+
+
+def test_the_ds_conv_orientation_reads_channels_first():
+    cfg = config([([0, 2], gdn(conv=(64, 3), pad_to=PAGE)), ([1, 3], full())])
+    layout = from_kv_cache_config(cfg, caches(cfg), chunk_size=CHUNK, conv_layout="DS")
+    g = layout.manager.kernel_groups[0]
+    assert (g.engine_kv_format, g.shape_desc.nh, g.shape_desc.hs) == (
+        EngineKVFormat.NL_X_NB_CD_CW, 64, 3)
+    with pytest.raises(ValueError, match="'DS'.*'SD'"):
+        from_kv_cache_config(cfg, None, chunk_size=CHUNK, conv_layout="XY")
 
 
 def test_a_layer_missing_from_the_registered_dict_is_named():

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 
-MODELS = ("llama", "gemma3", "deepseek")
+MODELS = ("llama", "gemma3", "deepseek", "qwen3_next")
 
 
 def build(kind: str, out_dir: str) -> str:
@@ -33,6 +33,14 @@ def build(kind: str, out_dir: str) -> str:
             kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64,
             first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
             moe_intermediate_size=128))
+    elif kind == "qwen3_next":  # Gated DeltaNet (recurrent state) and full attention alternate
+        model = tf.Qwen3NextForCausalLM(tf.Qwen3NextConfig(
+            **common, num_hidden_layers=4, num_key_value_heads=2, head_dim=64,
+            linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+            linear_value_head_dim=64, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"] * 2, num_experts=4,
+            num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+            decoder_sparse_step=1))
     else:
         raise ValueError(f"kind: expected one of {MODELS}, got {kind!r}")
     model.to(torch.bfloat16).save_pretrained(out_dir)

@@ -4,12 +4,14 @@
 from __future__ import annotations
 
 import torch
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
     ChunkedLocalAttentionSpec,
     FullAttentionSpec,
     KVCacheConfig,
     KVCacheGroupSpec,
     KVCacheTensor,
+    MambaSpec,
     MLAAttentionSpec,
     SlidingWindowSpec,
     UniformTypeKVCacheSpecs,
@@ -42,6 +44,14 @@ def chunked(local: int, heads: int = 2, head: int = 64) -> ChunkedLocalAttention
 
 def mla(latent: int = 96) -> MLAAttentionSpec:
     return MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=latent, dtype=DT)
+
+
+def gdn(conv=(3, 64), temporal=(2, 16, 16), mode="align", pad_to=None) -> MambaSpec:
+    """A Gated DeltaNet state (conv bf16 in vLLM's default SD orientation, temporal f32),
+    padded to ``pad_to`` bytes (vLLM pads Mamba pages to the attention page)."""
+    return MambaSpec(block_size=BS, shapes=(conv, temporal), dtypes=(DT, torch.float32),
+                     page_size_padded=pad_to, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+                     mamba_cache_mode=mode)
 
 
 def uniform(specs: dict) -> UniformTypeKVCacheSpecs:

@@ -25,10 +25,19 @@ vLLM's KV cache groups have separate block tables (one block pool, ids allocated
 so layers of identical shape in two groups are two kernel groups and two launches; they share
 one object group when their windows match. That is what the block tables require, not a
 missed fusion.
+
+Recurrent state (``MambaSpec``, docs/SEMANTICS.md section 9): only ``mamba_cache_mode="align"``
+keeps reusable snapshots (block ``i`` of a request's Mamba group holds the state after token
+``(i + 1) * block_size`` when vLLM kept it). vLLM registers such a layer as one int8 tensor
+``[NB, 1, 1, C]``, its page holding the spec's ``shapes`` back to back in its ``dtypes``
+(padded to the block stride); the adapter views each sub-state as its own manager layer (conv
+in the orientation of ``VLLM_SSM_CONV_STATE_LAYOUT``, "SD" unless it says "DS", then the
+temporal state), by the spec, never by the tensor's shape.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -40,8 +49,10 @@ from kvgroups_core import (
     EngineKVFormat,
     KVLayerGroupsManager,
     TensorSpec,
+    conv_format,
     detect_format,
     group_layers_by_identity,
+    state_page_offsets,
 )
 from kvgroups_core.errors import (
     KVGroupsIndexError,
@@ -57,7 +68,11 @@ MLA_SPECS = ("MLAAttentionSpec",)
 SLIDING_SPECS = ("SlidingWindowSpec",)
 SLIDING_MLA_SPECS = ("SlidingWindowMLASpec",)
 CHUNKED_SPECS = ("ChunkedLocalAttentionSpec",)
-KNOWN_SPECS = FULL_SPECS + MLA_SPECS + SLIDING_SPECS + SLIDING_MLA_SPECS + CHUNKED_SPECS
+STATE_SPECS = ("MambaSpec",)
+KNOWN_SPECS = (FULL_SPECS + MLA_SPECS + SLIDING_SPECS + SLIDING_MLA_SPECS + CHUNKED_SPECS
+               + STATE_SPECS)
+#: Mamba backends whose spec ``shapes`` are (conv state, temporal state).
+CONV_TEMPORAL_TYPES = ("MAMBA1", "MAMBA2", "GDN_ATTN")
 
 _LAYOUT_ALIASES = {"NHD": "NHD", "HND": "HND"}
 
@@ -103,7 +118,7 @@ class LayerSpec:
 
     name: str
     group_id: int
-    kind: str  # "attention" or "mla"
+    kind: str  # "attention", "mla" or "state"
     block_size: int
     window_tokens: int  # -1 = full attention; 0 = needs nothing across a chunk boundary
     spec: Any = field(repr=False, compare=False, default=None)
@@ -141,7 +156,8 @@ def read_layer_specs(kv_cache_config: Any, chunk: int) -> dict[str, LayerSpec]:
     """Every layer of every KV cache group, keyed by layer name.
 
     Raises UnsupportedConfig (a NotImplementedError) naming the group and layer for spec types
-    the adapter does not know (Mamba, cross-attention, ...), and KVGroupsValueError for a layer
+    the adapter does not know (cross-attention, ...) or a MambaSpec it cannot cache (a
+    ``mamba_cache_mode`` other than "align"), and KVGroupsValueError for a layer
     listed in two groups.
     """
     out: dict[str, LayerSpec] = {}
@@ -166,22 +182,127 @@ def read_layer_specs(kv_cache_config: Any, chunk: int) -> dict[str, LayerSpec]:
                     f"kv_cache_groups[{gid}]: layer {name!r} is already in group "
                     f"{out[name].group_id}"
                 )
+            if kind_name in STATE_SPECS:
+                _check_state_spec(gid, name, spec)
+                out[name] = LayerSpec(name, gid, "state", int(spec.block_size), -1, spec)
+                continue
             kind = "mla" if kind_name in MLA_SPECS + SLIDING_MLA_SPECS else "attention"
             out[name] = LayerSpec(name, gid, kind, int(spec.block_size),
                                   _window_tokens(spec, kind_name, chunk), spec)
     return out
 
 
-def _spec_layer(kv_cache_config: Any, lspec: LayerSpec, layout: str) -> tuple[TensorSpec, EngineKVFormat]:
-    """The TensorSpec (and format) of one layer as the adapter would view vLLM's tensor,
-    from the config alone: [B, H, N, C] HND, its [B, N, H, C] NHD view, or MLA [B, N, C]."""
+def _check_state_spec(gid: int, name: str, spec: Any) -> None:
+    """A MambaSpec kvgroups can cache: align mode, one conv and one temporal state."""
+    what = f"kv_cache_groups[{gid}] layer {name!r}"
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UnsupportedConfig(
+            f"{what}: MambaSpec with mamba_cache_mode={mode!r} keeps no reusable state "
+            "snapshots; expected mamba_cache_mode='align' (vLLM's default with prefix caching "
+            "enabled)"
+        )
+    mamba_type = getattr(getattr(spec, "mamba_type", None), "name", str(spec.mamba_type))
+    if mamba_type not in CONV_TEMPORAL_TYPES or len(spec.shapes) != 2:
+        raise UnsupportedConfig(
+            f"{what}: MambaSpec mamba_type {mamba_type} with {len(spec.shapes)} state shapes is "
+            f"not supported (expected one of {', '.join(CONV_TEMPORAL_TYPES)}: a conv state "
+            "and a temporal state)"
+        )
+    if int(getattr(spec, "num_heads", 1)) != 1 or int(getattr(spec, "tokens_per_state", -1)) > 0:
+        raise UnsupportedConfig(
+            f"{what}: MambaSpec with num_heads {spec.num_heads} / tokens_per_state "
+            f"{spec.tokens_per_state} is not supported (expected one whole state per block)"
+        )
+
+
+def _conv_layout(value: Any) -> str:
+    """The conv state orientation: the argument, else vLLM's environment variable, else SD."""
+    layout = value or os.environ.get("VLLM_SSM_CONV_STATE_LAYOUT") or "SD"
+    conv_format(layout, "conv_layout")  # refuses anything but DS / SD
+    return str(layout).upper()
+
+
+def _state_formats(conv_layout: str) -> tuple[EngineKVFormat, EngineKVFormat]:
+    return conv_format(conv_layout), EngineKVFormat.NL_X_NB_SH_SS
+
+
+def _spec_state_layers(kv_cache_config: Any, lspec: LayerSpec,
+                       conv_layout: str) -> list[tuple[TensorSpec, EngineKVFormat]]:
+    """The sub-state TensorSpecs of one MambaSpec layer, from the config alone."""
     spec = lspec.spec
+    tensor = _layer_tensor(kv_cache_config, lspec)
+    num_blocks = (kv_cache_config.num_blocks_of(tensor)
+                  if hasattr(kv_cache_config, "num_blocks_of") else kv_cache_config.num_blocks)
+    stride = int(tensor.block_stride)
+    out = []
+    for shape, dtype, fmt in zip(spec.shapes, spec.dtypes, _state_formats(conv_layout)):
+        item = _itemsize(dtype)
+        rest = _row_major(tuple(int(n) for n in shape))
+        out.append((TensorSpec((num_blocks, *shape), _dtype_name(dtype),
+                               strides=(stride // item, *rest)), fmt))
+    return out
+
+
+def _row_major(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out, step = [], 1
+    for n in reversed(shape):
+        out.append(step)
+        step *= n
+    return tuple(reversed(out))
+
+
+def _state_views(x: Any, lspec: LayerSpec, conv_layout: str) -> list[tuple[Any, EngineKVFormat]]:
+    """One registered MambaSpec layer as its sub-state views (zero-copy).
+
+    vLLM >= 0.26 registers ``[NB, 1, 1, C]`` int8 (the unified page); older versions a list
+    with one tensor per sub-state. Anything else is refused: the spec, not the shape, says
+    what the tensor is (a GDN state can have an attention layout's shape).
+    """
+    spec = lspec.spec
+    formats = _state_formats(conv_layout)
+    if isinstance(x, (list, tuple)):
+        if len(x) != len(spec.shapes) or any(
+                tuple(t.shape[1:]) != tuple(s) for t, s in zip(x, spec.shapes)):
+            raise KVGroupsValueError(
+                f"layer {lspec.name!r}: expected one tensor per MambaSpec shape "
+                f"{[tuple(s) for s in spec.shapes]}, got shapes {[tuple(t.shape) for t in x]}"
+            )
+        return list(zip(x, formats))
+    content = int(spec.state_content_size_bytes)
+    shape = tuple(x.shape)
+    if len(shape) != 4 or shape[1:] != (1, 1, content) or x.element_size() != 1 \
+            or x.stride(3) != 1 or (shape[0] > 1 and x.stride(0) < content):
+        raise KVGroupsValueError(
+            f"layer {lspec.name!r}: expected vLLM's unified MambaSpec page [num_blocks, 1, 1, "
+            f"{content}] of 1-byte elements (the state of shapes "
+            f"{[tuple(s) for s in spec.shapes]}), got {x.dtype} {shape} with strides "
+            f"{tuple(x.stride())}; a state tensor is never read by its shape"
+        )
+    page = x[:, 0, 0, :]
+    views = []
+    offsets = state_page_offsets(spec.shapes, [_dtype_name(d) for d in spec.dtypes],
+                                 f"layer {lspec.name!r}")
+    for (offset, nbytes), sub, dtype, fmt in zip(offsets, spec.shapes, spec.dtypes, formats):
+        view = page[:, offset:offset + nbytes].view(dtype).view(shape[0], *sub)
+        views.append((view, fmt))
+    return views
+
+
+def _layer_tensor(kv_cache_config: Any, lspec: LayerSpec) -> Any:
     tensors = [t for t in kv_cache_config.kv_cache_tensors if lspec.name in t.layers]
     if not tensors:
         raise KVGroupsValueError(
             f"kv_cache_config: layer {lspec.name!r} (group {lspec.group_id}) has no KVCacheTensor"
         )
-    tensor = tensors[0]
+    return tensors[0]
+
+
+def _spec_layer(kv_cache_config: Any, lspec: LayerSpec, layout: str) -> tuple[TensorSpec, EngineKVFormat]:
+    """The TensorSpec (and format) of one layer as the adapter would view vLLM's tensor,
+    from the config alone: [B, H, N, C] HND, its [B, N, H, C] NHD view, or MLA [B, N, C]."""
+    spec = lspec.spec
+    tensor = _layer_tensor(kv_cache_config, lspec)
     num_blocks = (kv_cache_config.num_blocks_of(tensor)
                   if hasattr(kv_cache_config, "num_blocks_of") else kv_cache_config.num_blocks)
     item = _itemsize(spec.dtype)
@@ -274,6 +395,11 @@ class VllmKVLayout:
         that needs nothing across a chunk boundary; a group with transfer disabled).
     group_block_sizes : dict of int to int
         Tokens per block of every vLLM group the manager moves (by vLLM group id).
+    state_groups : dict of int to int
+        The vLLM groups holding recurrent state (``MambaSpec``), each with its
+        ``num_speculative_blocks``.
+    state_layers : list of int
+        Manager indices of the state layers (a recurrent layer's conv and temporal states).
     """
 
     manager: KVLayerGroupsManager
@@ -282,9 +408,21 @@ class VllmKVLayout:
     excluded_layers: dict[str, str]
     group_block_sizes: dict[int, int]
     num_vllm_groups: int
+    state_groups: dict[int, int] = field(default_factory=dict)
+    state_layers: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.layer_index = {name: i for i, name in enumerate(self.layer_names)}
+        # A recurrent layer is several manager layers (its sub-states); a name maps to the
+        # first, indices_of gives them all.
+        self.layer_index: dict[str, int] = {}
+        for i, name in enumerate(self.layer_names):
+            self.layer_index.setdefault(name, i)
+
+    def indices_of(self, layer_name: str) -> list[int]:
+        """Every manager layer of a vLLM layer (one, or a recurrent layer's sub-states)."""
+        first = self.index_of(layer_name)
+        return [i for i in range(first, len(self.layer_names))
+                if self.layer_names[i] == layer_name]
 
     @property
     def chunk_size(self) -> int:
@@ -374,6 +512,7 @@ def from_kv_cache_config(
     tp_rank: int = 0,
     tp_size: int = 1,
     total_num_kv_heads: int | None = None,
+    conv_layout: str | None = None,
 ) -> VllmKVLayout:
     """Build a :class:`VllmKVLayout` from vLLM's ``KVCacheConfig`` and registered caches.
 
@@ -396,11 +535,15 @@ def from_kv_cache_config(
         (``ModelConfig.get_total_num_kv_heads()``); vLLM's config holds one rank's heads, so
         these make ``manager.fingerprint(across_degrees=True)`` the whole model's, which a
         prefill and a decode engine of different degrees compare (docs/PD.md).
+    conv_layout : {"SD", "DS"}, optional
+        The orientation of MambaSpec conv states; default ``VLLM_SSM_CONV_STATE_LAYOUT`` (which
+        vLLM's platforms set), else vLLM's default "SD".
 
     Raises
     ------
     UnsupportedConfig (NotImplementedError)
-        A spec type the adapter does not know, naming the group and layer.
+        A spec type the adapter does not know, naming the group and layer; a MambaSpec whose
+        ``mamba_cache_mode`` is not "align" (naming it), or of an unsupported ``mamba_type``.
     KVGroupsValueError
         A grouped layer missing from ``kv_caches``, a registered layer in no group that shares
         no grouped tensor, a layout that disagrees with the strides, a chunk size that is not a
@@ -410,6 +553,8 @@ def from_kv_cache_config(
         raise KVGroupsValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     layout = _layout_of(kv_cache_layout)
     specs = read_layer_specs(kv_cache_config, chunk_size)
+    state_layout = _conv_layout(conv_layout) if any(
+        ls.kind == "state" for ls in specs.values()) else "SD"
     num_groups = len(kv_cache_config.kv_cache_groups)
     excluded: dict[str, str] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -422,7 +567,10 @@ def from_kv_cache_config(
     if kv_caches is None:
         cfg_layout = layout or _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)) or "HND"
         for name in names:
-            tensors[name] = _spec_layer(kv_cache_config, specs[name], cfg_layout)
+            if specs[name].kind == "state":
+                tensors[name] = _spec_state_layers(kv_cache_config, specs[name], state_layout)
+            else:
+                tensors[name] = _spec_layer(kv_cache_config, specs[name], cfg_layout)
     else:
         if not isinstance(kv_caches, Mapping):
             raise KVGroupsTypeError(
@@ -467,6 +615,8 @@ def from_kv_cache_config(
     per_layer_group: list[int] = []
     block_sizes: dict[int, int] = {}
     windows: dict[int, int] = {}
+    state_groups: dict[int, int] = {}
+    state_layers: list[int] = []
     for name in names:
         lspec = specs[name]
         if name not in tensors:
@@ -480,14 +630,20 @@ def from_kv_cache_config(
                 f"chunk_size: expected a multiple of vLLM group {lspec.group_id}'s block size "
                 f"{lspec.block_size}, got {chunk_size}"
             )
-        if kv_caches is None:
-            x, fmt = tensors[name]
+        if lspec.kind == "state":
+            parts = tensors[name] if kv_caches is None else _state_views(
+                tensors[name], lspec, state_layout)
+            state_groups[lspec.group_id] = int(getattr(lspec.spec, "num_speculative_blocks", 0))
+            state_layers += range(len(caches), len(caches) + len(parts))
+        elif kv_caches is None:
+            parts = [tensors[name]]
         else:
-            x, fmt = _as_kvgroups_layer(tensors[name], lspec, layout, {})
-        layer_names.append(name)
-        caches.append(x)
-        formats.append(fmt)
-        per_layer_group.append(lspec.group_id)
+            parts = [_as_kvgroups_layer(tensors[name], lspec, layout, {})]
+        for x, fmt in parts:
+            layer_names.append(name)
+            caches.append(x)
+            formats.append(fmt)
+            per_layer_group.append(lspec.group_id)
         block_sizes[lspec.group_id] = lspec.block_size
         windows[lspec.group_id] = lspec.window_tokens
 
@@ -499,17 +655,21 @@ def from_kv_cache_config(
                 continue
             infos.append(EngineGroupInfo(engine_group_id=gid, layer_indices=tuple(layers),
                                          tokens_per_block=block_sizes[gid],
-                                         sw_size_tokens=windows[gid]))
+                                         sw_size_tokens=windows[gid],
+                                         recurrent_state=gid in state_groups))
         # vLLM's group order, not the kernel groups': the manager matches infos by layers.
         infos.sort(key=lambda i: (i.engine_group_id, i.layer_indices))
     manager = KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=chunk_size,
                                    separate_object_groups=separate_object_groups,
                                    tp_rank=tp_rank, tp_size=tp_size,
                                    total_num_kv_heads=total_num_kv_heads if tp_size > 1 else None)
-    return VllmKVLayout(manager, caches, layer_names, excluded, block_sizes, num_groups)
+    return VllmKVLayout(manager, caches, layer_names, excluded, block_sizes, num_groups,
+                        state_groups, state_layers)
 
 
 def _tensor_key(t: Any) -> tuple:
+    if isinstance(t, (list, tuple)):  # older vLLM: a recurrent layer's sub-state tensors
+        return tuple(_tensor_key(x) for x in t)
     try:
         return (t.data_ptr(), tuple(t.shape), tuple(t.stride()), str(t.dtype))
     except AttributeError:
@@ -525,9 +685,11 @@ def manager_from_kv_cache_config(
     kv_cache_layout: Any = None,
     chunk_size: int = 256,
     separate_object_groups: bool = True,
+    conv_layout: str | None = None,
 ) -> KVLayerGroupsManager:
     """The manager alone; see :func:`from_kv_cache_config` (its ``kv_caches`` attribute holds
     the tensors in manager layer order, which ``store`` / ``load`` need)."""
     return from_kv_cache_config(kv_cache_config, kv_caches, kv_cache_layout=kv_cache_layout,
                                 chunk_size=chunk_size,
-                                separate_object_groups=separate_object_groups).manager
+                                separate_object_groups=separate_object_groups,
+                                conv_layout=conv_layout).manager

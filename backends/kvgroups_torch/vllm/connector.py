@@ -31,6 +31,16 @@ How a step runs:
   its KV; ``wait_for_save`` stores what no hook saved (FULL CUDA-graph replays call no hook)
   and makes the forward's stream wait for the saves. Nothing waits on the host, and vLLM's
   FULL graphs stay on (the connector needs no PIECEWISE downgrade).
+
+Recurrent state (hybrid models; ``MambaSpec`` in ``mamba_cache_mode="align"``, docs/SEMANTICS.md
+section 9): a chunk's state object is the snapshot after its last token. vLLM hands a
+connector the blocks holding such snapshots in the step that computes them (the scheduler
+output's ``kv_connector_block_state.boundary_state_offloads``); a chunk saved without one is
+recorded with its state missing, so lookups never serve a prefix whose snapshot is missing (an
+attention hit without it is a miss), and a later request that has the snapshot adds it to the
+cached chunk. A load writes the hit's last snapshot into the block vLLM allocated for it and
+into the request's running state block, because vLLM copies the former into the latter before
+the step's loads run.
 """
 
 from __future__ import annotations
@@ -70,14 +80,20 @@ DEFAULT_CAPACITY_BYTES = 1 << 30
 
 @dataclass
 class TransferItem:
-    """One request's chunks to move: block ids by vLLM group id, one slot per chunk. A load
-    also carries the tokens vLLM counts as present after it (``taken_tokens``)."""
+    """One request's chunks to move: block ids by vLLM group id, one slot per chunk.
+
+    A load also carries the tokens vLLM counts as present after it (``taken_tokens``).
+    ``layers``: only these manager layers (a snapshot added to a cached chunk); None: all.
+    ``state_block_ids``: a load's ids with each recurrent-state group's last id replaced by
+    the request's running state block (loaded a second time, state layers only)."""
 
     req_id: str
     block_ids: dict[int, list[int]]
     slots: list[int]
     skip_tokens: int = 0
     taken_tokens: int | None = None
+    layers: list[int] | None = None
+    state_block_ids: dict[int, list[int]] | None = None
 
 
 @dataclass
@@ -138,6 +154,12 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._object_bytes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
         self._capacity = _capacity_chunks(extra, sum(self._object_bytes))
         self._attn = manager.get_attn_desc() if manager.num_object_groups else None
+        # Recurrent state: its object group(s) and vLLM groups (with their block sizes).
+        self._state_ogs = frozenset(g for g, o in enumerate(manager.object_groups)
+                                    if o.recurrent_state)
+        self._state_groups = {gid: self._plan_layout.group_block_sizes[gid]
+                              for gid in self._plan_layout.state_groups}
+        self._state_layers = list(self._plan_layout.state_layers)
         # scheduler side
         self._index = ChunkIndex(self._capacity)
         self._requests: dict[str, _Request] = {}
@@ -220,9 +242,18 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if num_external_tokens <= 0 or pending is None:
             return
         hit, computed = pending
+        taken = computed + num_external_tokens
+        if self._state_groups and taken % self._chunk:
+            # The recurrent state must resume exactly where the loaded prefix ends, and only
+            # chunk ends have snapshots: a partly taken chunk cannot be served correctly.
+            raise KVGroupsValueError(
+                f"request {request.request_id}: vLLM took {num_external_tokens} external "
+                f"tokens after {computed} computed ones, expected a prefix ending on a "
+                f"{self._chunk}-token chunk boundary (recurrent-state snapshots exist only there)"
+            )
         # vLLM may take fewer tokens than offered: load the chunks covering what it took
         # (tokens of a partly taken chunk are recomputed over identical values).
-        hit = min(hit, -(-(computed + num_external_tokens) // self._chunk))
+        hit = min(hit, -(-taken // self._chunk))
         slots = self._index.lookup(self._hashes(request)[:hit])
         if any(s is None for s in slots):  # cannot happen: nothing evicts between the calls
             raise KVGroupsValueError(f"request {request.request_id}: hit chunks were evicted")
@@ -231,35 +262,70 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
                                                    computed + num_external_tokens)
 
     def _saves_for(self, req_id: str, state: _Request, computed_after: int,
-                   protected: set[int]) -> list[TransferItem]:
+                   protected: set[int], snapshots: dict[int, dict[int, int]]) -> list[TransferItem]:
         done = min(computed_after, len(state.prompt)) // self._chunk
         todo = []
+        items = []
         for c in range(state.saved_chunks, done):
             slot = self._index.lookup([state.hashes[c]])[0]
             if slot is None:
                 todo.append(c)
-            else:
-                self._index.touch([slot])
+                continue
+            self._index.touch([slot])
+            if self._index.absent(slot) & self._state_ogs and self._snapshot(c, snapshots):
+                # A chunk cached without its snapshot; this request has it: add it.
+                items.append(TransferItem(req_id, self._chunk_ids(state, [c], snapshots),
+                                          [slot], layers=self._state_layers))
+                self._index.mark_present(slot, self._state_ogs)
         state.saved_chunks = max(state.saved_chunks, done)
         if not todo:
-            return []
+            return items
         slots = self._index.allocate(len(todo), protected)
         todo = todo[:len(slots)]
         for c, s in zip(todo, slots):
-            self._index.insert(state.hashes[c], s)
-        items = []
+            absent = () if self._snapshot(c, snapshots) else self._state_ogs
+            self._index.insert(state.hashes[c], s, absent)
         # One store per run of consecutive slots: each writes into one view of the buffers.
         for pos, first, n in consecutive_runs(slots):
             chunks = todo[pos:pos + n]
-            ids = self._chunk_ids(state, chunks)
+            ids = self._chunk_ids(state, chunks, snapshots)
             items.append(TransferItem(req_id, ids, list(range(first, first + n))))
         return items
 
-    def _chunk_ids(self, state: _Request, chunks: list[int]) -> dict[int, list[int]]:
+    def _snapshot(self, chunk: int, snapshots: dict[int, dict[int, int]]) -> bool:
+        """Whether every recurrent-state group has a snapshot at the chunk's end (always
+        true for a model without state)."""
+        if not self._state_groups:
+            return True
+        have = snapshots.get((chunk + 1) * self._chunk, {})
+        return all(gid in have for gid in self._state_groups)
+
+    def _chunk_ids(self, state: _Request, chunks: list[int],
+                   snapshots: dict[int, dict[int, int]] | None = None) -> dict[int, list[int]]:
+        """Block ids of ``chunks``; a recurrent-state group's last id of a chunk is the block
+        vLLM offered as that chunk's snapshot (its block table may have moved on)."""
         out: dict[int, list[int]] = {}
         for c in chunks:
+            have = (snapshots or {}).get((c + 1) * self._chunk, {})
             for gid, ids in self._plan_layout.block_ids(state.block_ids, 1, c).items():
+                if gid in have:
+                    ids = ids[:-1] + [have[gid]]
                 out.setdefault(gid, []).extend(ids)
+        return out
+
+    def _snapshots(self, scheduler_output: Any) -> dict[str, dict[int, dict[int, int]]]:
+        """This step's snapshot blocks: request -> boundary (tokens) -> vLLM group -> block.
+
+        vLLM offers the exact block of every Mamba "align" state it kept in the step that
+        computed it (``kv_connector_block_state.boundary_state_offloads``, vLLM >= 0.32);
+        without that field no snapshot is known and state is never saved."""
+        block_state = getattr(scheduler_output, "kv_connector_block_state", None)
+        offers = getattr(block_state, "boundary_state_offloads", None) or {}
+        out: dict[str, dict[int, dict[int, int]]] = {}
+        for req_id, entries in offers.items():
+            for gid, block_id, boundary in entries:
+                if gid in self._state_groups and boundary % self._chunk == 0:
+                    out.setdefault(req_id, {}).setdefault(int(boundary), {})[gid] = int(block_id)
         return out
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -267,6 +333,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         pd = self._pd_sched
         protected: set[int] = pd.pinned_slots() if pd is not None else set()
         scheduled = scheduler_output.num_scheduled_tokens
+        snapshots = self._snapshots(scheduler_output) if self._state_groups else {}
         touched: list[tuple[str, _Request, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or [])
@@ -276,8 +343,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
                 self._hash_cache[new.req_id] = hashes
             state = _Request(prompt, hashes, [list(ids) for ids in new.block_ids])
             self._requests[new.req_id] = state
-            self._emit_load(meta, new.req_id, state, protected)
-            touched.append((new.req_id, state, new.num_computed_tokens + scheduled.get(new.req_id, 0)))
+            after = new.num_computed_tokens + scheduled.get(new.req_id, 0)
+            self._emit_load(meta, new.req_id, state, protected, after)
+            touched.append((new.req_id, state, after))
         cached = scheduler_output.scheduled_cached_reqs
         resumed = getattr(cached, "resumed_req_ids", set()) or set()
         for i, req_id in enumerate(cached.req_ids):
@@ -285,20 +353,21 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             if state is None:
                 continue
             new_ids = cached.new_block_ids[i]
+            computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             if req_id in resumed:
                 state.block_ids = [list(ids) for ids in (new_ids or ())]
                 state.saved_chunks = 0
-                self._emit_load(meta, req_id, state, protected)
+                self._emit_load(meta, req_id, state, protected, computed)
             elif new_ids is not None:
                 for g, ids in enumerate(new_ids):
                     if ids:
                         state.block_ids[g].extend(ids)
-            computed = cached.num_computed_tokens[i] + scheduled.get(req_id, 0)
             touched.append((req_id, state, computed))
         for req_id, state, computed_after in touched:
             if pd is not None and not pd.saves:
                 continue
-            meta.saves.extend(self._saves_for(req_id, state, computed_after, protected))
+            meta.saves.extend(self._saves_for(req_id, state, computed_after, protected,
+                                              snapshots.get(req_id, {})))
             if pd is not None:
                 item = pd.publish_item(req_id, state.hashes, self._index, len(state.prompt),
                                        computed_after)
@@ -310,15 +379,33 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         return meta
 
     def _emit_load(self, meta: KVGroupsConnectorMetadata, req_id: str, state: _Request,
-                   protected: set[int]) -> None:
+                   protected: set[int], computed_after: int) -> None:
         load = self._loads_to_send.pop(req_id, None)
         if load is None:
             return
         hit, computed, slots, taken = load
         ids = self._plan_layout.block_ids(state.block_ids, hit)
-        meta.loads.append(TransferItem(req_id, ids, slots, computed, taken))
+        meta.loads.append(TransferItem(req_id, ids, slots, computed, taken,
+                                       state_block_ids=self._running_state_ids(
+                                           state, ids, computed_after)))
         protected.update(slots)
         state.saved_chunks = hit
+
+    def _running_state_ids(self, state: _Request, ids: dict[int, list[int]],
+                           computed_after: int) -> dict[int, list[int]] | None:
+        """``ids`` with each state group's last id replaced by the request's running state
+        block of this step (vLLM's align mode runs the step from block ``cdiv(tokens after
+        the step, block_size) - 1`` and copies the hit's block there before loads run)."""
+        if not self._state_groups or not ids:
+            return None
+        out = dict(ids)
+        for gid, bs in self._state_groups.items():
+            running = -(-computed_after // bs) - 1
+            table = state.block_ids[gid]
+            if not ids.get(gid) or not 0 <= running < len(table):
+                return None
+            out[gid] = ids[gid][:-1] + [int(table[running])]
+        return out
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict | None]:
         params = self._pd_sched.finished_params(request) if self._pd_sched else None
@@ -356,7 +443,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._layout = layout
         self._store = HostChunkStore(layout.manager, layout.kv_caches, self._capacity)
         self._steps = StepTransfers(self._store, layout.layer_index, self._chunk,
-                                    layerwise_loads=self._layerwise_loads)
+                                    layerwise_loads=self._layerwise_loads,
+                                    state_layers=layout.state_layers)
         log.info("KVGroupsConnector worker: %d host slots per object group (%s), %d kernel "
                  "group(s), loads %s, saves %s", self._capacity,
                  "pinned" if self._store.pinned else "pageable", layout.manager.num_kernel_groups,

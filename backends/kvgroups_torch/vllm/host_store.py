@@ -75,13 +75,15 @@ class HostChunkStore:
         index = torch.tensor(slots, dtype=torch.long)
         return [pool.index_select(0, index) for pool in self.pools]
 
-    def load(self, block_ids: Any, slots: list[int], skip_tokens: int = 0) -> None:
-        """Chunks in ``slots`` -> the blocks ``block_ids`` (all layers)."""
-        self.prepared.load(self.rows(slots), block_ids, skip_first_n_tokens=skip_tokens)
+    def load(self, block_ids: Any, slots: list[int], skip_tokens: int = 0,
+             layers: list[int] | None = None) -> None:
+        """Chunks in ``slots`` -> the blocks ``block_ids`` (all layers, or ``layers``)."""
+        self.prepared.load(self.rows(slots), block_ids, skip_first_n_tokens=skip_tokens,
+                           layers=layers)
 
-    def save(self, block_ids: Any, slots: list[int]) -> None:
-        """The blocks ``block_ids`` (all layers) -> consecutive ``slots``."""
-        self.prepared.store(block_ids, self.rows(slots))
+    def save(self, block_ids: Any, slots: list[int], layers: list[int] | None = None) -> None:
+        """The blocks ``block_ids`` (all layers, or ``layers``) -> consecutive ``slots``."""
+        self.prepared.store(block_ids, self.rows(slots), layers=layers)
 
     def save_layer(self, block_ids: Any, slots: list[int], layer: int) -> None:
         """One layer's pages -> its regions of the chunks in ``slots`` (needs layer subsets)."""

@@ -29,7 +29,6 @@ Keys of ``kv_connector_extra_config`` added here (:data:`PD_KEYS`).
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,10 +36,11 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
 from kvgroups_core.errors import KVGroupsError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.logs import logger as kvgroups_logger
 
 from .adapter import from_kv_cache_config
 
-logger = logging.getLogger(__name__)
+logger = kvgroups_logger("vllm")
 
 #: The ``kv_connector_extra_config`` keys of disaggregated prefill/decode, with defaults.
 PD_KEYS: dict[str, Any] = {

@@ -16,22 +16,27 @@
   hook saved (all of it after a FULL graph replay) and makes the forward's stream wait for
   every save, so no block is reused before its save ran.
 
+Recurrent-state layers (hybrid models) have no attention hook: their loads always run before
+the forward, and their saves (and a save item limited to some layers, ``item.layers``) are
+made at ``wait_for_save``. A load item's ``state_block_ids`` writes the snapshot a second time,
+into the request's running state block, also before the forward.
+
 On CPU the loads run at each layer's wait (LayerwiseLoad's CPU semantics), so a layer whose
 attention ran before its wait computes on stale bytes there as it would race on the GPU.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any, Sequence
 
 import torch
 
+from kvgroups_core.logs import logger as kvgroups_logger
 from kvgroups_torch import LayerwiseLoad, LayerwiseSave
 
 from .host_store import HostChunkStore
 
-logger = logging.getLogger(__name__)
+logger = kvgroups_logger("vllm")
 
 
 def hooks_will_run(forward_context: Any) -> bool:
@@ -57,6 +62,16 @@ def slot_rows(pools: Sequence[torch.Tensor], slots: list[int]) -> list:
     return [[pool[s] for s in slots] for pool in pools]
 
 
+def _grouped(manager: Any) -> list[int]:
+    return sorted(layer for group in manager.kernel_groups for layer in group.layer_indices)
+
+
+def _saves_layer(item: Any, layer: int) -> bool:
+    """Whether save ``item`` stores ``layer`` (an item may be limited to some layers)."""
+    layers = getattr(item, "layers", None)
+    return layers is None or layer in layers
+
+
 class StepTransfers:
     """The loads and saves of each step for one set of registered caches.
 
@@ -70,16 +85,23 @@ class StepTransfers:
         Tokens per cached chunk.
     layerwise_loads : bool
         Pipeline the loads (per-layer waits); False loads every hit before the forward.
+    state_layers : sequence of int
+        Manager layers holding recurrent state: vLLM calls no per-layer hook for them.
     """
 
     def __init__(self, store: HostChunkStore, layer_index: dict[str, int], chunk_size: int,
-                 layerwise_loads: bool = True) -> None:
+                 layerwise_loads: bool = True, state_layers: Sequence[int] = ()) -> None:
         self.store = store
         self.layer_index = layer_index
         self.chunk_size = chunk_size
+        self.state_layers = sorted(state_layers)
         prepared = store.prepared
         per_layer = prepared is not None and store.layerwise
-        self.loads = LayerwiseLoad(prepared) if per_layer and layerwise_loads else None
+        self.loads = None
+        if per_layer and layerwise_loads:
+            hooked = [layer for layer in _grouped(prepared.manager)
+                      if layer not in set(self.state_layers)]
+            self.loads = LayerwiseLoad(prepared, layers=hooked) if hooked else None
         self.saves = LayerwiseSave(prepared) if per_layer else None
         self._saved: dict[int, None] = {}  # layers saved by hooks this step, in order
         self._waited: set[int] | None = None  # layers waited for in a pipelined step
@@ -90,13 +112,20 @@ class StepTransfers:
         """Queue the step's loads (``items``: objects with ``block_ids``, ``slots``,
         ``skip_tokens`` and ``taken_tokens``)."""
         pipelined = []
+        prepared = self.store.prepared
         for item in items:
             rows = slot_rows(self.store.pools, item.slots)
             if self.loads is not None and hooks_run and not self._recomputed(item):
                 pipelined.append((rows, item.block_ids, item.skip_tokens))
+                if self.state_layers:  # no hook waits for these: before the forward
+                    prepared.load(rows, item.block_ids, skip_first_n_tokens=item.skip_tokens,
+                                  layers=self.state_layers)
             else:  # before the forward, on its stream
-                self.store.prepared.load(rows, item.block_ids,
-                                         skip_first_n_tokens=item.skip_tokens)
+                prepared.load(rows, item.block_ids, skip_first_n_tokens=item.skip_tokens)
+            state_ids = getattr(item, "state_block_ids", None)
+            if state_ids is not None:  # the snapshot again, into the running state block
+                prepared.load(rows, state_ids, skip_first_n_tokens=item.skip_tokens,
+                              layers=self.state_layers)
         if pipelined:
             self.loads.start_many(pipelined)
             self._waited = set()
@@ -131,10 +160,11 @@ class StepTransfers:
         layer = self.layer_index.get(layer_name)
         if layer is None or layer not in self.saves.layers:
             return 0  # its KV is another layer's (sharing) or not cached
+        mine = [item for item in items if _saves_layer(item, layer)]
         self.saves.save_many(layer, [(item.block_ids, slot_rows(self.store.pools, item.slots))
-                                     for item in items])
+                                     for item in mine])
         self._saved[layer] = None
-        return len(items)
+        return len(mine)
 
     def finish_step(self, saves: Sequence[Any]) -> int:
         """End of the step (``wait_for_save``): loads no wait covered are joined, saves no
@@ -156,16 +186,18 @@ class StepTransfers:
         if saves:
             missing = [] if self.saves is None else \
                 [layer for layer in self.saves.layers if layer not in self._saved]
-            if self.saves is None or len(missing) == len(self.saves.layers):
+            if self.saves is None or not self._saved:
                 for item in saves:  # no hook ran (a FULL graph replay): one call per item
-                    self.store.save(item.block_ids, item.slots)
+                    self.store.save(item.block_ids, item.slots,
+                                    layers=getattr(item, "layers", None))
                     calls += 1
-            else:
+            else:  # the layers no hook saved (state layers among them)
                 for layer in missing:
+                    mine = [item for item in saves if _saves_layer(item, layer)]
                     self.saves.save_many(layer, [(item.block_ids,
                                                   slot_rows(self.store.pools, item.slots))
-                                                 for item in saves])
-                    calls += len(saves)
+                                                 for item in mine])
+                    calls += len(mine)
         if self.saves is not None:
             self.saves.finish()
         self._saved.clear()

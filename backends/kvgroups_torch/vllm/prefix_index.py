@@ -42,7 +42,8 @@ def chunk_hashes(token_ids: Sequence[int], chunk: int, salt: bytes = b"") -> lis
 
 
 class ChunkIndex:
-    """A fixed number of slots, each holding one chunk (every object group of it).
+    """A fixed number of slots, each holding one chunk (every object group of it, except
+    those recorded as absent: a recurrent-state snapshot the engine did not keep).
 
     ``lookup`` is side-effect free (vLLM may ask the same question twice); ``touch`` marks a
     use; ``allocate`` hands out free slots, evicting least recently used ones, never a slot
@@ -59,6 +60,7 @@ class ChunkIndex:
         self._slot_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, bytes] = OrderedDict()  # oldest first
         self._free: list[int] = list(range(capacity_chunks))  # kept sorted
+        self._absent: dict[int, frozenset[int]] = {}  # slot -> object groups it lacks
         self.evictions = 0
 
     def __len__(self) -> int:
@@ -72,10 +74,28 @@ class ChunkIndex:
         return [self._slot_of.get(h) for h in hashes]
 
     def present(self, hashes: Sequence[bytes], num_object_groups: int) -> np.ndarray:
-        """``[len(hashes), num_object_groups]`` booleans for ``AttnWindowDesc.hit_chunks``.
-        A slot holds every object group of its chunk, so a row is all True or all False."""
-        row = np.array([h in self._slot_of for h in hashes], dtype=bool)
-        return np.repeat(row[:, None], max(num_object_groups, 1), axis=1)
+        """``[len(hashes), num_object_groups]`` booleans for ``AttnWindowDesc.hit_chunks``:
+        a cached chunk has every object group but those recorded absent."""
+        out = np.zeros((len(hashes), max(num_object_groups, 1)), dtype=bool)
+        for i, h in enumerate(hashes):
+            slot = self._slot_of.get(h)
+            if slot is not None:
+                out[i] = True
+                for g in self._absent.get(slot, ()):
+                    out[i, g] = False
+        return out
+
+    def absent(self, slot: int) -> frozenset[int]:
+        """The object groups ``slot`` does not hold."""
+        return self._absent.get(slot, frozenset())
+
+    def mark_present(self, slot: int, groups: Iterable[int]) -> None:
+        """``groups`` of ``slot`` now hold their bytes (a snapshot stored later)."""
+        left = self._absent.get(slot, frozenset()) - set(groups)
+        if left:
+            self._absent[slot] = left
+        else:
+            self._absent.pop(slot, None)
 
     def touch(self, slots: Iterable[int]) -> None:
         for s in slots:
@@ -91,6 +111,7 @@ class ChunkIndex:
                 break
             h = self._lru.pop(victim)
             del self._slot_of[h]
+            self._absent.pop(victim, None)
             self._free.append(victim)
             self.evictions += 1
         self._free.sort()
@@ -104,14 +125,20 @@ class ChunkIndex:
             del self._free[start:start + n]
         return taken
 
-    def insert(self, h: bytes, slot: int) -> None:
-        """Record that ``slot`` now holds the chunk ``h`` (most recently used)."""
+    def insert(self, h: bytes, slot: int, absent: Iterable[int] = ()) -> None:
+        """Record that ``slot`` now holds the chunk ``h`` (most recently used), without the
+        object groups in ``absent``."""
         old = self._slot_of.get(h)
         if old is not None and old != slot:
             raise KVGroupsValueError(f"chunk already cached in slot {old}, got slot {slot}")
         self._slot_of[h] = slot
         self._lru[slot] = h
         self._lru.move_to_end(slot)
+        missing = frozenset(absent)
+        if missing:
+            self._absent[slot] = missing
+        else:
+            self._absent.pop(slot, None)
 
 
 def _first_run(sorted_slots: list[int], n: int) -> int | None:
