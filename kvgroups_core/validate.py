@@ -74,6 +74,25 @@ def check_bind_inputs(manager: Any, kv_caches: Any) -> None:
             )
 
 
+def copy_structure(structure: Any) -> Any:
+    """``structure`` with its lists and tuples copied and its leaves shared: one read of the
+    engine's structure, from which a binding and its :class:`CacheGuard` are both derived. A
+    list is copied in one step (``list(x)`` holds the GIL throughout), so another thread
+    replacing entries meanwhile leaves either the old or the new entry, never a binding made
+    of one and a guard of the other."""
+    if type(structure) is list:
+        snap = list(structure)
+        for x in snap:
+            if isinstance(x, (list, tuple)):
+                return [copy_structure(x) if isinstance(x, (list, tuple)) else x for x in snap]
+        return snap
+    if isinstance(structure, (list, tuple)):
+        items = [copy_structure(x) if isinstance(x, (list, tuple)) else x
+                 for x in list(structure)]
+        return items if isinstance(structure, list) else tuple(items)
+    return structure
+
+
 def _snapshot(structure: Any) -> Any:
     """The structure's containers as tuples, leaves as they are (compared by identity)."""
     if isinstance(structure, (list, tuple)):
@@ -143,9 +162,12 @@ class CacheGuard:
     """What a binding was made from, to notice on each call that the caches changed.
 
     ``changed(kv_caches)`` compares the structure's tensors by identity (a flat list: one
-    ``is`` per entry) and each concrete bound tensor's ``(pointer, shape, strides)``; it
-    returns a sentence naming the first change, or None. Abstract (traced) tensors are not
-    fingerprinted.
+    ``is`` per entry) and each concrete bound tensor's fingerprint (the backend's
+    ``buffer_keys``); it returns a sentence naming the first change, or None. Abstract
+    (traced) tensors are not fingerprinted.
+
+    ``kv_caches`` given to the guard is the caller's private copy of the engine's structure
+    (:func:`copy_structure`), the very one the binding was made from: :attr:`source`.
     """
 
     def __init__(self, backend: Any, kv_caches: Any, slots: Sequence[TensorDesc]) -> None:
@@ -160,6 +182,7 @@ class CacheGuard:
         self.objects_memo = None
         self._flat = type(kv_caches) is list and not any(
             isinstance(x, (list, tuple)) for x in kv_caches)
+        self.source = kv_caches  # the structure the binding was made from
         self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
         if slots is not None:
             concrete = [(i, d.obj) for i, d in enumerate(slots)
@@ -178,10 +201,11 @@ class CacheGuard:
         """After a load returned new arrays for the bound ones (JAX), slot for slot: the cheap
         form of :meth:`reset` (same structure, same layouts)."""
         if self._flat and type(kv_caches) is list:
-            self._snap = list(kv_caches)
+            self._snap = self.source = list(kv_caches)
         else:
             self._flat = False
-            self._snap = _snapshot(kv_caches)
+            self.source = copy_structure(kv_caches)
+            self._snap = _snapshot(self.source)
         self._concrete = list(objs)
         self._slot_index = list(range(len(self._concrete)))
         self._where = None
@@ -192,11 +216,14 @@ class CacheGuard:
     def release(self) -> None:
         """Let go of the caches while a one-shot binding waits for its next call
         (:mod:`kvgroups_core.reuse`); the fingerprints stay, to be compared then."""
-        self._snap = self._concrete = None
+        self._snap = self._concrete = self.source = None
 
     def restore(self, kv_caches: Any, objs: Sequence[Any]) -> None:
         """Take back the same structure and tensors (``objs`` in slot order) after
-        :meth:`release`: :meth:`changed` then compares the fingerprints taken before."""
+        :meth:`release`: :meth:`changed` then compares the fingerprints taken before.
+        ``kv_caches`` is the caller's private copy whose leaves were compared with the
+        released ones (:func:`kvgroups_core.reuse.take`)."""
+        self.source = kv_caches
         self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
         self._concrete = [objs[i] for i in self._slot_index]
 
