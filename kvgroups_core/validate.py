@@ -158,6 +158,18 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
     return numpy_keys
 
 
+def _match_function(backend: Any, keys_of: Callable[[list], Any] | None
+                    ) -> Callable[[list, Any], bool] | None:
+    """``match(arrays, keys)``: whether ``arrays`` still have the fingerprints ``keys`` (the
+    backend's ``buffer_keys_match`` when it has a cheaper check than computing them again)."""
+    if keys_of is None:
+        return None
+    found = getattr(backend, "buffer_keys_match", None)
+    if found is not None:
+        return found
+    return lambda xs, keys: keys_of(xs) == keys
+
+
 class CacheGuard:
     """What a binding was made from, to notice on each call that the caches changed.
 
@@ -172,6 +184,7 @@ class CacheGuard:
 
     def __init__(self, backend: Any, kv_caches: Any, slots: Sequence[TensorDesc]) -> None:
         self._keys_of = _keys_function(backend)
+        self._keys_match = _match_function(backend, self._keys_of)
         self.objects_memo: Any = None  # the last passing call's objects (check_call_memory)
         self.backend = backend
         self.reset(kv_caches, [d.obj for d in slots], slots)
@@ -243,14 +256,12 @@ class CacheGuard:
         """The half of :meth:`changed` after the structure's identity check: a sentence
         naming the first bound tensor resized or reallocated in place, or None."""
         keys = self._keys
-        if keys is None:
+        if keys is None or self._keys_match(self._concrete, keys):
             return None
         now = self._keys_of(self._concrete)
-        if now != keys:
-            n = next(i for i, (a, b) in enumerate(zip(keys, now)) if a != b)
-            return (f"the bound tensor of slot {self._slot_index[n]} was resized or "
-                    f"reallocated ({_describe_key(keys[n])} -> {_describe_key(now[n])})")
-        return None
+        n = next((i for i, (a, b) in enumerate(zip(keys, now)) if a != b), 0)
+        return (f"the bound tensor of slot {self._slot_index[n]} was resized or reallocated, "
+                f"or changed in place ({_describe_change(keys[n], now[n])})")
 
     def same_entries(self, kv_caches: Any) -> bool:
         """Whether the structure still holds the bound tensors (identity only: the cheap
@@ -289,7 +300,7 @@ class CacheGuard:
     def watch(self, slots: Sequence[int]) -> tuple[list, Any]:
         """``(tensors, keys)``: the concrete bound tensors of these slots and their current
         fingerprints (``keys`` None when the runtime has none); a call touching only these
-        slots is current while ``keys_of(tensors) == keys`` and :meth:`same_entries`."""
+        slots is current while ``keys_match(tensors, keys)`` and :meth:`same_entries`."""
         where = self._where
         if where is None:
             where = self._where = {slot: n for n, slot in enumerate(self._slot_index)}
@@ -300,6 +311,10 @@ class CacheGuard:
     @property
     def keys_of(self) -> Callable[[list], Any] | None:
         return self._keys_of
+
+    @property
+    def keys_match(self) -> Callable[[list, Any], bool] | None:
+        return self._keys_match
 
     def raise_if_unusable(self) -> None:
         """Raise the backend's typed error for a bound array no call may use any more (a
@@ -333,11 +348,25 @@ class CacheGuard:
 
 def _describe_key(key: Any) -> str:
     if isinstance(key, tuple) and len(key) >= 2:
-        read_only = ", read-only" if len(key) > 2 and not key[-1] else ""
+        read_only = ", read-only" if len(key) > 2 and key[-1] is False else ""
         return f"address {key[0]:#x}, shape {tuple(key[1])}{read_only}"
     if isinstance(key, int):
         return f"address {key:#x}"
     return repr(key)
+
+
+def _describe_change(old: Any, new: Any) -> str:
+    """``"FIELD old -> new, ..."`` for a backend's named fingerprints (torch: address, shape,
+    strides, dtype, requires_grad), else both fingerprints described."""
+    fields = getattr(old, "_fields", None)
+    if fields and getattr(new, "_fields", None) == fields:
+        parts = []
+        for name, a, b in zip(fields, old, new):
+            if a != b:
+                show = (lambda v: f"{v:#x}") if name == "address" else repr
+                parts.append(f"{name} {show(a)} -> {show(b)}")
+        return ", ".join(parts)
+    return f"{_describe_key(old)} -> {_describe_key(new)}"
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -15,6 +15,7 @@ from kvgroups_core.validate import Memory
 
 from . import compiled, copy_engine, cpu_path, cuda_path
 from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
+from .fingerprints import fingerprints, same_fingerprints
 from .objects import allocate_objects
 
 _NUMPY_NATIVE = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
@@ -122,15 +123,15 @@ class TorchBackend(Backend):
         return TorchBoundCaches(self, caches)
 
     def buffer_keys(self, xs: list) -> list:
-        """What a prepared transfer compares per call to notice a reallocated cache
-        (``resize_`` past its storage, ``set_``, ``.data =``): each bound tensor's address.
-        The address alone is what memory safety needs (a storage never shrinks under the same
-        address) and costs a fifth of address plus shape (torch builds a ``Size`` per read)."""
-        try:
-            return list(map(_DATA_PTR, xs))  # all tensors, the usual case: half the cost
-        except TypeError:
-            ptr = _DATA_PTR
-            return [ptr(x) if isinstance(x, torch.Tensor) else None for x in xs]
+        """What a prepared transfer compares per call to notice a cache changed in place
+        (``resize_``, ``set_``, ``.data =``, ``as_strided_``, ``requires_grad_``): each bound
+        tensor's address, shape, strides, dtype and ``requires_grad``
+        (:mod:`kvgroups_torch.fingerprints`)."""
+        return fingerprints(xs)
+
+    #: ``buffer_keys_match(xs, keys)``: whether ``xs`` still have the fingerprints ``keys``
+    #: (the per-call check; a plain function, one call frame less on the hot path).
+    buffer_keys_match = staticmethod(same_fingerprints)
 
     def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
         """Where a tensor's bytes are (``kvgroups_core.validate``); tensors a transfer cannot
