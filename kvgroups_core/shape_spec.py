@@ -23,6 +23,13 @@ from .formats import EngineKVFormat
 from .grouping import KernelGroupInfo, PageBufferShapeDesc
 from .manager import KVLayerGroupsManager
 
+#: The most layers one shape spec may describe (all groups together): far beyond any model,
+#: and small enough that the layer lists a spec expands to stay cheap.
+MAX_SPEC_LAYERS = 1 << 16
+#: Every number of a spec fits int64, so what is derived from it (byte counts) stays a
+#: machine-sized integer.
+MAX_SPEC_NUMBER = (1 << 63) - 1
+
 #: The dtypes a shape spec may name (lower case); the parser accepts no others.
 SPEC_DTYPES: tuple[str, ...] = (
     "float16",
@@ -56,8 +63,9 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
         with ``(`` or lacks ``):`` ("Invalid group spec"); it has not exactly two ``:`` fields
         after the shape ("Invalid group spec"); the dtype is unknown ("Unrecognized dtype");
         a number is not an integer ("Invalid number"); the shape has not five numbers
-        ("Shape must be a 5-tuple"); the layer count is not positive; no group at all
-        ("No valid layer groups").
+        ("Shape must be a 5-tuple"); the layer count is not positive; a size is 2**63 or
+        more ("Invalid number"); the spec's layers exceed :data:`MAX_SPEC_LAYERS` ("Layer count
+        too large"); no group at all ("No valid layer groups").
     """
     if not isinstance(spec_str, str):
         raise KVGroupsTypeError(f"spec_str: expected a str, got {type(spec_str).__name__}")
@@ -107,6 +115,16 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
             raise KVGroupsValueError(
                 f"Layer count must be positive in group spec {part!r}, got {num_layers}"
             )
+        if any(n > MAX_SPEC_NUMBER for n in shape):
+            raise KVGroupsValueError(
+                f"Invalid number in group spec {part!r}: expected sizes below 2**63, got "
+                f"{_short(max(shape))}"
+            )
+        if next_layer + num_layers > MAX_SPEC_LAYERS:
+            raise KVGroupsValueError(
+                f"Layer count too large in group spec {part!r}: expected at most "
+                f"{MAX_SPEC_LAYERS} layers in a spec, got {_short(next_layer + num_layers)}"
+            )
         dtype = DTYPE_MAP[dtype_name]
         kv_size, nb, bs, nh, hs = shape
         shape_desc = PageBufferShapeDesc(
@@ -124,6 +142,14 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
     if not groups:
         raise KVGroupsValueError(f"No valid layer groups found in spec {spec_str!r}")
     return groups
+
+
+def _short(n: int) -> str:
+    """An integer for a message: in full up to 30 digits, else its digit count (a number of
+    thousands of digits cannot even be printed by default)."""
+    if n.bit_length() <= 96:
+        return str(n)
+    return f"a {int(n.bit_length() * 0.30103) + 1}-digit number"
 
 
 def format_kvcache_shape_spec(groups: Sequence[KernelGroupInfo]) -> str:

@@ -243,6 +243,7 @@ class TorchBackend(Backend):
 
     def to_host_ids(self, ids: Any) -> Any:
         if isinstance(ids, torch.Tensor):
+            _check_host_ids(ids)
             return ids.detach().numpy()  # CPU tensors only: CUDA ids are device ids
         return ids
 
@@ -254,8 +255,9 @@ class TorchBackend(Backend):
             return None
         traced = compiled.is_traced(x)  # not is_compiling(): unset in Dynamo's fake runs
         if not traced:
-            if not x.is_cuda:
-                return None  # eager host ids
+            if not x.is_cuda or x.layout is not torch.strided or x.is_nested \
+                    or x.is_quantized:
+                return None  # eager host ids (to_host_ids names what is wrong with others)
             return _NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
         return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
@@ -283,6 +285,28 @@ class TorchBackend(Backend):
 
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_FUNCTIONAL = torch._is_functional_tensor
+
+
+def _check_host_ids(ids: torch.Tensor) -> None:
+    """Host id tensors NumPy can read: strided, with memory on the CPU, of an integer dtype
+    (the core then checks values and rank). What torch itself would refuse is named here."""
+    if ids.is_nested:
+        raise KVGroupsTypeError("expected a 1-D tensor of ints, got a nested tensor")
+    if ids.layout is not torch.strided:
+        raise KVGroupsTypeError(
+            f"expected a dense (strided) tensor of ints, got layout {ids.layout}")
+    if ids.is_quantized:
+        raise KVGroupsTypeError(f"expected a tensor of ints, got quantized {ids.dtype}")
+    if ids.is_meta:
+        raise KVGroupsTypeError("expected a tensor with memory, got a meta tensor")
+    if ids.device.type != "cpu":
+        raise KVGroupsTypeError(
+            f"expected ids on the CPU or int32/int64 ids on the caches' GPU, got {ids.dtype} "
+            f"on {ids.device}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype is torch.bool:
+        raise KVGroupsTypeError(
+            f"expected integer block ids, got a tensor of {ids.dtype} (shape "
+            f"{tuple(ids.shape)})")
 
 
 def _check_usable(t: torch.Tensor, what: str) -> None:
