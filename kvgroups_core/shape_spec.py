@@ -79,19 +79,19 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
             continue
         if not (part.startswith("(") and "):" in part):
             raise KVGroupsValueError(
-                f"Invalid group spec {part!r}: expected '(kv,NB,BS,NH,HS):dtype:layers'"
+                f"Invalid group spec {_quote(part)}: expected '(kv,NB,BS,NH,HS):dtype:layers'"
             )
         shape_end = part.index("):")
         fields = part[shape_end + 2 :].split(":")
         if len(fields) != 2:
             raise KVGroupsValueError(
-                f"Invalid group spec {part!r}: expected exactly two ':' fields (dtype and "
+                f"Invalid group spec {_quote(part)}: expected exactly two ':' fields (dtype and "
                 f"layer count) after the shape, got {len(fields)}"
             )
         dtype_name = fields[0].strip().lower()
         if dtype_name not in SPEC_DTYPES:
             raise KVGroupsValueError(
-                f"Unrecognized dtype {fields[0].strip()!r} in group spec {part!r}: expected "
+                f"Unrecognized dtype {fields[0].strip()!r} in group spec {_quote(part)}: expected "
                 f"one of {list(SPEC_DTYPES)}"
             )
         try:
@@ -99,30 +99,30 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
             num_layers = int(fields[1].strip())
         except ValueError:
             raise KVGroupsValueError(
-                f"Invalid number in group spec {part!r}: expected integers"
+                f"Invalid number in group spec {_quote(part)}: expected integers"
             ) from None
         if len(shape) != 5:
             raise KVGroupsValueError(
-                f"Shape must be a 5-tuple (kv_size,nb,bs,nh,hs) in group spec {part!r}, got "
+                f"Shape must be a 5-tuple (kv_size,nb,bs,nh,hs) in group spec {_quote(part)}, got "
                 f"{len(shape)} numbers"
             )
         if any(n < 0 for n in shape):
             raise KVGroupsValueError(
-                f"Invalid number in group spec {part!r}: expected non-negative sizes, got "
+                f"Invalid number in group spec {_quote(part)}: expected non-negative sizes, got "
                 f"{shape}"
             )
         if num_layers <= 0:
             raise KVGroupsValueError(
-                f"Layer count must be positive in group spec {part!r}, got {num_layers}"
+                f"Layer count must be positive in group spec {_quote(part)}, got {num_layers}"
             )
         if any(n > MAX_SPEC_NUMBER for n in shape):
             raise KVGroupsValueError(
-                f"Invalid number in group spec {part!r}: expected sizes below 2**63, got "
+                f"Invalid number in group spec {_quote(part)}: expected sizes below 2**63, got "
                 f"{_short(max(shape))}"
             )
         if next_layer + num_layers > MAX_SPEC_LAYERS:
             raise KVGroupsValueError(
-                f"Layer count too large in group spec {part!r}: expected at most "
+                f"Layer count too large in group spec {_quote(part)}: expected at most "
                 f"{MAX_SPEC_LAYERS} layers in a spec, got {_short(next_layer + num_layers)}"
             )
         dtype = DTYPE_MAP[dtype_name]
@@ -140,8 +140,13 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
         )
         next_layer += num_layers
     if not groups:
-        raise KVGroupsValueError(f"No valid layer groups found in spec {spec_str!r}")
+        raise KVGroupsValueError(f"No valid layer groups found in spec {_quote(spec_str)}")
     return groups
+
+
+def _quote(text: str) -> str:
+    """A spec (part) for a message, shortened past 80 characters."""
+    return repr(text) if len(text) <= 80 else repr(text[:60] + "...") + f" ({len(text)} chars)"
 
 
 def _short(n: int) -> str:
