@@ -14,8 +14,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .errors import (KVGroupsError, KVGroupsIndexError, KVGroupsTypeError,
-                     KVGroupsValueError)
+from .errors import KVGroupsError, KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 
 DEVICE_ID_DTYPES = ("int32", "int64")
 _INT64_MIN, _INT64_LIMIT = -(2**63), 2**63

@@ -22,7 +22,6 @@ from .engine_groups import EXCLUDED_ENGINE_GROUP
 from .errors import KVGroupsTypeError, KVGroupsValueError
 from .formats import EngineKVFormat
 from .layout import LayerLayout, describe_named, layer_layout, layer_tensors, num_layers_of
-from .registry import describe
 
 __all__ = [
     "EXCLUDED_ENGINE_GROUP",

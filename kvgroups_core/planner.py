@@ -14,8 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from .block_ids import (DEVICE_ID_DTYPES, BlockIds, IdsSpec, describe_value,
-                        normalize_block_ids)
+from .block_ids import DEVICE_ID_DTYPES, BlockIds, IdsSpec, describe_value, normalize_block_ids
 from .descriptors import TensorDesc
 from .errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from .layout import LayerLayout, layer_layout

@@ -50,6 +50,14 @@ def fast_switching():
         sys.setswitchinterval(old)
 
 
+def _replace(start: threading.Event, caches: list, new: list, pause: bool) -> None:
+    start.wait()
+    for i in range(NL):
+        caches[i] = new[i]
+        if pause:
+            time.sleep(0)
+
+
 def _race(kind: str, call, pause: bool) -> int:
     """Trials where the call after the race moved bytes other than the list's tensors'."""
     manager = kc.KVLayerGroupsManager(_arrays(kind, 0), F.NL_X_TWO_NB_BS_NH_HS,
@@ -61,14 +69,7 @@ def _race(kind: str, call, pause: bool) -> int:
         new = _arrays(kind, 2)
         start = threading.Event()
 
-        def replace() -> None:
-            start.wait()
-            for i in range(NL):
-                caches[i] = new[i]
-                if pause:
-                    time.sleep(0)
-
-        thread = threading.Thread(target=replace)
+        thread = threading.Thread(target=_replace, args=(start, caches, new, pause))
         thread.start()
         start.set()
         handle = call(manager, caches, None)

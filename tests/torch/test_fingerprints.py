@@ -17,9 +17,10 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("kvgroups_torch")
 
+from kvgroups_torch import fingerprints as fp  # noqa: E402
+
 import kvgroups_core as kc  # noqa: E402
 from kvgroups_core.formats import EngineKVFormat as F  # noqa: E402
-from kvgroups_torch import fingerprints as fp  # noqa: E402
 
 CHUNK, BS, NB, LAYERS = 8, 4, 8, 2
 SHAPE = (2, NB, BS, 2, 4)
