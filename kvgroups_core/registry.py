@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import abc
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
@@ -243,7 +244,13 @@ class _Entry:
             loader = self.loader
             if isinstance(loader, str):
                 module_name, _, attr = loader.partition(":")
-                loader = getattr(importlib.import_module(module_name), attr)
+                try:
+                    module = importlib.import_module(module_name)
+                except ImportError as exc:  # the backend or its framework is not installed
+                    raise BackendNotFound(
+                        f"backend {self.name!r}: expected {module_name} and the framework it "
+                        f"runs on to be installed, got {type(exc).__name__}: {exc}") from exc
+                loader = getattr(module, attr)
             if isinstance(loader, Backend):
                 self.instance = loader
             else:
@@ -296,6 +303,33 @@ def registered_backends() -> list[str]:
     return list(_ENTRIES)
 
 
+def unavailable_reason(name: str) -> str | None:
+    """Why the backend ``name`` cannot load here (its module or framework is not installed),
+    or None when it can, found without importing a framework: a loaded backend is available;
+    otherwise its ``"module:attr"`` loader's module and the top-level modules of its array
+    types must be installed."""
+    _load_entry_points()
+    entry = _ENTRIES.get(name)
+    if entry is None:
+        return f"no backend is registered as {name!r}"
+    if entry.instance is not None:
+        return None
+    broken = getattr(entry.loader, "unavailable", None)
+    if broken:
+        return broken
+    modules = [q.split(".", 1)[0] for q in entry.array_types]
+    if isinstance(entry.loader, str):
+        modules.insert(0, entry.loader.partition(":")[0])
+    for module in dict.fromkeys(modules):
+        try:
+            found = module in sys.modules or importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"{module} is not installed"
+    return None
+
+
 def get_backend(name: str) -> Backend:
     """The backend registered as ``name``."""
     _load_entry_points()
@@ -318,8 +352,22 @@ def _load_entry_points() -> None:
     for ep in entry_points(group="kvgroups.backends"):
         if ep.name in _ENTRIES:
             continue
-        obj = ep.load()
+        try:
+            obj = ep.load()
+        except Exception as exc:  # noqa: BLE001 - listed, and refused by name when used
+            register_backend(ep.name, _unloadable(ep.name, ep.value, exc))
+            continue
         register_backend(ep.name, obj, array_types=getattr(obj, "array_types", ()))
+
+
+def _unloadable(name: str, value: str, exc: Exception) -> Callable[[], Backend]:
+    """The loader of an entry point that failed to import: raises the typed error."""
+    def load() -> Backend:
+        raise BackendNotFound(
+            f"backend {name!r}: expected its entry point {value} to import, got "
+            f"{type(exc).__name__}: {exc}")
+    load.unavailable = f"its entry point {value} fails to import ({type(exc).__name__})"
+    return load
 
 
 def _resolve_class(qualified: str) -> type | None:

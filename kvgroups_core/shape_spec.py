@@ -219,9 +219,8 @@ def _per_group(values: Sequence[int] | None, n: int, what: str, default: int) ->
     if len(values) == 1:
         return values * n
     if len(values) != n:
-        raise KVGroupsValueError(
-            f"{what}: expected 1 or {n} values (one per spec group), got {len(values)}"
-        )
+        expected = "one value" if n == 1 else f"one value or {n} (one per spec group)"
+        raise KVGroupsValueError(f"{what}: expected {expected}, got {len(values)}")
     return values
 
 
