@@ -239,14 +239,6 @@ def memory_limit(max_memory_gib: float | None, *, available: bool) -> tuple[int 
     return total_memory(), "the host's memory"
 
 
-def gpu_present() -> bool:
-    """Whether an NVIDIA GPU device node exists (read without importing a framework)."""
-    try:
-        return any(re.fullmatch(r"nvidia\d+", n) for n in os.listdir("/dev"))
-    except OSError:
-        return False
-
-
 def _short(n: int) -> str:
     """An int for a message: a number of thousands of digits cannot even be printed."""
     if n.bit_length() <= 96:
