@@ -8,8 +8,9 @@ the manager, and the next one-shot call of that manager takes it back when its c
 same: the same structure, every leaf the very object the parked binding last moved (after a
 JAX load: the arrays it returned). That call then runs exactly as a prepared call does,
 checks included: its ids and objects are validated, and the bound caches' fingerprints
-(torch: addresses; NumPy: address, shape, strides, dtype, writeable) are compared first, so a
-cache resized or reallocated in place is bound afresh (or refused as a first call is). A
+(torch: address, shape, strides, dtype, requires_grad; NumPy: address, shape, strides, dtype,
+writeable) are compared first, so a cache resized, reallocated or re-viewed in place is bound
+afresh (or refused as a first call is). A
 repeated signature takes the transfer's call memo (``kvgroups_core.call_memo``), which keeps
 its signatures while parked and only lets go of the tensors.
 

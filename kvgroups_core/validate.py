@@ -135,9 +135,10 @@ def memory_of(backend: Any, x: Any, what: str = "tensor") -> Memory | None:
 
 
 def _keys_function(backend: Any) -> Callable[[list], Any] | None:
-    """A cheap per-call fingerprint of the bound caches: the backend's ``buffer_keys(arrays)``
-    (torch: pointer and shape of each), for NumPy the same read here; None when the runtime
-    needs none (JAX arrays never change in place: replacement is noticed by identity)."""
+    """The fingerprint of the bound caches: the backend's ``buffer_keys(arrays)`` (torch:
+    address, shape, strides, dtype and requires_grad of each), for NumPy the same read here;
+    None when the runtime needs none (JAX arrays never change in place: replacement is
+    noticed by identity)."""
     if hasattr(backend, "buffer_keys"):
         return backend.buffer_keys
 

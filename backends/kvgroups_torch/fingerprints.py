@@ -81,10 +81,15 @@ def fingerprints(xs: Sequence[Any]) -> Fingerprints:
 
 def same_fingerprints(xs: Sequence[Any], keys: Any) -> bool:
     """Whether ``xs`` still have the fingerprints ``keys`` (from :func:`fingerprints`)."""
-    try:  # the per-call case, kept to a few operations
+    try:  # the per-call case, kept to a few operations (one tensor: a layer's call)
         guard = keys.guard
-        if guard and list(map(_DATA_PTR, xs)) == keys.ptrs and guard.check(*xs):
-            return True
+        if guard:
+            if len(xs) == 1:
+                x = xs[0]
+                if _DATA_PTR(x) == keys.ptrs[0] and guard.check(x):
+                    return True
+            elif list(map(_DATA_PTR, xs)) == keys.ptrs and guard.check(*xs):
+                return True
     except (AttributeError, TypeError, RuntimeError):
         pass  # other keys, or tensors without storage now: the full comparison decides
     return _same_in_full(xs, keys)

@@ -112,3 +112,11 @@ def test_a_new_row_is_all_it_takes_to_add_a_setting():
     with pytest.raises(kc.KVGroupsTypeError, match=r"nixl_backends'\]\[1\]: expected a str"):
         parse_extra_config({"nixl_backends": ["UCX", 3]}, keys=keys)
     assert "side_channel_port" in keys_table(keys)
+
+
+def test_the_integration_guide_shows_the_table():
+    from pathlib import Path
+
+    guide = (Path(__file__).resolve().parents[2] / "docs" / "INTEGRATION.md").read_text()
+    assert keys_table() in guide, "docs/INTEGRATION.md: paste kvgroups_torch.vllm.config." \
+        "keys_table() after <!-- connector-keys -->"
