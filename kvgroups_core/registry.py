@@ -236,7 +236,9 @@ class BoundCaches:
 class _Entry:
     name: str
     loader: "Backend | type[Backend] | Callable[[], Backend] | str"
-    array_types: tuple[str, ...]
+    # None: an entry point's, read from its object when it is first loaded (listing or
+    # naming backends never imports one; see _load_entry_points).
+    array_types: tuple[str, ...] | None
     instance: Backend | None = None
 
     def get(self) -> Backend:
@@ -246,11 +248,14 @@ class _Entry:
                 module_name, _, attr = loader.partition(":")
                 try:
                     module = importlib.import_module(module_name)
-                except ImportError as exc:  # the backend or its framework is not installed
+                    loader = getattr(module, attr)
+                except (ImportError, AttributeError) as exc:  # not installed, or stale
                     raise BackendNotFound(
                         f"backend {self.name!r}: expected {module_name} and the framework it "
                         f"runs on to be installed, got {type(exc).__name__}: {exc}") from exc
-                loader = getattr(module, attr)
+            if self.array_types is None:
+                self.array_types = tuple(getattr(loader, "array_types", ()))
+                _TYPE_CACHE.clear()
             if isinstance(loader, Backend):
                 self.instance = loader
             else:
@@ -314,10 +319,7 @@ def unavailable_reason(name: str) -> str | None:
         return f"no backend is registered as {name!r}"
     if entry.instance is not None:
         return None
-    broken = getattr(entry.loader, "unavailable", None)
-    if broken:
-        return broken
-    modules = [q.split(".", 1)[0] for q in entry.array_types]
+    modules = [q.split(".", 1)[0] for q in entry.array_types or ()]
     if isinstance(entry.loader, str):
         modules.insert(0, entry.loader.partition(":")[0])
     for module in dict.fromkeys(modules):
@@ -352,22 +354,30 @@ def _load_entry_points() -> None:
     for ep in entry_points(group="kvgroups.backends"):
         if ep.name in _ENTRIES:
             continue
-        try:
-            obj = ep.load()
-        except Exception as exc:  # noqa: BLE001 - listed, and refused by name when used
-            register_backend(ep.name, _unloadable(ep.name, ep.value, exc))
+        # Registered by name, imported on first use: naming or listing backends (a command
+        # line's checks) must not import every installed framework.
+        _ENTRIES[ep.name] = _Entry(ep.name, ep.value, None)
+    _TYPE_CACHE.clear()
+
+
+def _resolve_entry_points(x: Any) -> str | None:
+    """For an array type no loaded backend claims: load the entry points whose array types
+    are not known yet, and return the first that claims it (one that fails to load claims
+    nothing; naming it raises its typed error)."""
+    t = type(x)
+    for entry in list(_ENTRIES.values()):
+        if entry.array_types is not None:
             continue
-        register_backend(ep.name, obj, array_types=getattr(obj, "array_types", ()))
-
-
-def _unloadable(name: str, value: str, exc: Exception) -> Callable[[], Backend]:
-    """The loader of an entry point that failed to import: raises the typed error."""
-    def load() -> Backend:
-        raise BackendNotFound(
-            f"backend {name!r}: expected its entry point {value} to import, got "
-            f"{type(exc).__name__}: {exc}")
-    load.unavailable = f"its entry point {value} fails to import ({type(exc).__name__})"
-    return load
+        try:
+            entry.get()
+        except Exception:  # noqa: BLE001 - refused by name when used: get_backend raises
+            entry.array_types = ()
+            continue
+        for qualified in entry.array_types:
+            cls = _resolve_class(qualified)
+            if cls is not None and issubclass(t, cls):
+                return entry.name
+    return None
 
 
 def _resolve_class(qualified: str) -> type | None:
@@ -398,13 +408,15 @@ def framework_of(x: Any) -> str | None:
     _load_entry_points()
     found = None
     for entry in _ENTRIES.values():
-        for qualified in entry.array_types:
+        for qualified in entry.array_types or ():
             cls = _resolve_class(qualified)
             if cls is not None and issubclass(t, cls):
                 found = entry.name
                 break
         if found:
             break
+    if found is None and (hasattr(x, "__dlpack__") or hasattr(x, "shape")):
+        found = _resolve_entry_points(x)
     _TYPE_CACHE[t] = found
     return found
 

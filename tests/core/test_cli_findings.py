@@ -17,6 +17,7 @@ import re
 import subprocess
 import sys
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -189,10 +190,22 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("argv, fake, status, pattern", [c[1:] for c in CASES],
+@pytest.fixture(scope="module")
+def results(fakes, tmp_path_factory) -> dict:
+    """Every case run once, a few at a time (they are short processes; CI has two cores):
+    ``{id: (result, the directory it ran in)}``."""
+    def one(case):
+        cwd = tmp_path_factory.mktemp(case[0])
+        return case[0], (_run(case[1], fakes, case[2], cwd), cwd)
+
+    with ThreadPoolExecutor(max_workers=4) as pool:
+        return dict(pool.map(one, CASES))
+
+
+@pytest.mark.parametrize("name, status, pattern", [(c[0], c[3], c[4]) for c in CASES],
                          ids=[c[0] for c in CASES])
-def test_each_finding(argv, fake, status, pattern, fakes, tmp_path):
-    result = _run(argv, fakes, fake, tmp_path)
+def test_each_finding(name, status, pattern, results):
+    result, cwd = results[name]
     err = result.stderr
     assert result.returncode != 99, f"a framework was imported before the refusal:\n{err}"
     assert "Traceback" not in err, err
@@ -204,7 +217,7 @@ def test_each_finding(argv, fake, status, pattern, fakes, tmp_path):
     if status == 2:
         assert result.stdout == "", result.stdout[-500:]  # refused before anything ran
     assert not Path(MISSING).parents[1].exists()  # nothing created outside the paths given
-    assert list(tmp_path.iterdir()) == []
+    assert list(cwd.iterdir()) == []
 
 
 def test_pinned_objects_on_a_machine_without_a_gpu_end_the_run_with_status_1(fakes, tmp_path):

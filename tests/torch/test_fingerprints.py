@@ -27,10 +27,19 @@ SHAPE = (2, NB, BS, 2, 4)
 IDS = np.array([4, 5])  # one chunk: blocks 4 and 5 (past a cache resized to 3 blocks)
 
 
-def _caches(seed: int = 0) -> list:
+def _caches(seed: int = 0, device: str = "cpu") -> list:
     rng = np.random.default_rng(seed)
     return [torch.from_numpy(rng.integers(-2**15, 2**15, SHAPE, dtype=np.int16))
-            .view(torch.float16).clone() for _ in range(LAYERS)]
+            .view(torch.float16).to(device).clone() for _ in range(LAYERS)]
+
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
+
+
+def _device(name: str) -> str:
+    if name == "cuda" and not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU")
+    return name
 
 
 def _manager() -> kc.KVLayerGroupsManager:
@@ -40,7 +49,7 @@ def _manager() -> kc.KVLayerGroupsManager:
 
 def _storage_bytes(t) -> bytes:
     """Every byte of the tensor's storage (what a stale geometry would write into)."""
-    return bytes(t.untyped_storage())
+    return bytes(t.untyped_storage().cpu())
 
 
 def _shrink(t):
@@ -81,11 +90,13 @@ def _fresh_error(manager, caches, direction, objects):
 @pytest.mark.parametrize("change", sorted(CHANGES))
 @pytest.mark.parametrize("direction", ["store", "load"])
 @pytest.mark.parametrize("how", ["one-shot", "prepared", "prepared-memo"])
-def test_a_cache_changed_in_place_is_refused_as_a_fresh_call_is(change, direction, how):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_cache_changed_in_place_is_refused_as_a_fresh_call_is(change, direction, how, device):
+    device = _device(device)
     manager = _manager()
-    caches = _caches(1)
+    caches = _caches(1, device)
     objects = [torch.from_numpy(np.random.default_rng(2).integers(
-        0, 256, (1, kc.object_nbytes(manager, 0)), dtype=np.uint8))]
+        0, 256, (1, kc.object_nbytes(manager, 0)), dtype=np.uint8)).to(device)]
     prepared = kc.prepare(manager, caches) if how != "one-shot" else None
 
     def call():
@@ -102,12 +113,16 @@ def test_a_cache_changed_in_place_is_refused_as_a_fresh_call_is(change, directio
     if how == "prepared-memo":
         call()  # a second call of the signature: the memo's hit path from now on
     CHANGES[change](caches[0])
+    if device == "cuda":
+        torch.cuda.synchronize()
     before = ([_storage_bytes(c) for c in caches], objects[0].clone())
     want = _fresh_error(manager, caches, direction, [objects[0].clone()])
     with pytest.raises(type(want)) as info:
         call()
     assert isinstance(info.value, (ValueError, TypeError))
     assert str(want) in str(info.value)  # the fresh call's own words (after what changed)
+    if device == "cuda":
+        torch.cuda.synchronize()
     assert [_storage_bytes(c) for c in caches] == before[0], "a cache was written"
     assert torch.equal(objects[0], before[1]), "an object was written"
 
