@@ -49,6 +49,11 @@ from kvgroups_core.transfer.planner import bind, plan_call
 from .bench_matrix import Matrix, Point, Shape
 from .bench_public import Case, Refused, applies, make_call
 
+#: Every path each kit can offer (which of them run depends on the device), and those that
+#: need a GPU: what ``--paths`` is checked against before any kit (framework) is imported.
+KIT_PATHS = {"numpy": ("take", "reference"), "torch": ("index", "cuda", "cuda-staged"),
+             "jax": ("xla", "pallas-triton", "pallas-mosaic", "cuda", "interpret")}
+GPU_PATHS = frozenset({"cuda", "cuda-staged", "pallas-triton", "pallas-mosaic"})
 KIT_MODULES = {"numpy": "kvgroups_tools.bench_kits.numpy_kit",
                "torch": "kvgroups_tools.bench_kits.torch_kit",
                "jax": "kvgroups_tools.bench_kits.jax_kit"}

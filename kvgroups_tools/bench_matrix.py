@@ -252,6 +252,39 @@ def select(matrix: Matrix, sweeps: list[str]) -> Matrix:
 PRESETS = {"tiny": tiny, "headline": headline, "full": full, "engine": engine}
 
 
+def _leaves(structure: object) -> list:
+    if isinstance(structure, (list, tuple)):
+        return [leaf for x in structure for leaf in _leaves(x)]
+    return [structure]
+
+
+def memory_needed(matrix: Matrix) -> tuple[int, str]:
+    """``(bytes, the shape and chunk count)`` of the matrix's largest allocation, from
+    descriptors alone: a shape's caches (at the block count the engine gives them) plus, for
+    its largest point, the objects of one rotation and the ceiling's and the check's copies
+    of as many bytes (the engine measures one shape at a time and frees it after)."""
+    from kvgroups_core.grouping.manager import KVLayerGroupsManager
+    from kvgroups_core.transfer.objects import object_nbytes
+
+    worst, label = 0, ""
+    chunk = matrix.chunk_tokens
+    for shape, points in matrix.shapes():
+        probe = shape.build(1)
+        pm = KVLayerGroupsManager(probe.kv_caches, list(probe.formats),
+                                  probe.engine_group_infos, lmcache_tokens_per_chunk=chunk)
+        bpc = max((pm.calculate_num_blocks(k, chunk) for k in range(pm.num_kernel_groups)),
+                  default=0)
+        chunks = max(p.chunks for p in points)
+        nb = max(matrix.min_blocks, -(-5 * chunks * bpc // 4))
+        specs = _leaves(shape.build(nb).kv_caches)
+        caches = sum(spec.numel * spec.dtype.itemsize for spec in specs)
+        objects = chunks * sum(object_nbytes(pm, og) for og in range(pm.num_object_groups))
+        need = caches + 4 * objects
+        if need > worst:
+            worst, label = need, f"{shape.label} at {chunks} chunks"
+    return worst, label
+
+
 def preset(name: str) -> Matrix:
     try:
         return PRESETS[name]()

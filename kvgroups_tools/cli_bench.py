@@ -41,7 +41,8 @@ from typing import Any, TextIO
 from kvgroups_core.errors import KVGroupsValueError
 
 from . import bench_matrix
-from .bench import KIT_MODULES, BenchRun
+from .bench import GPU_PATHS, KIT_MODULES, KIT_PATHS, BenchRun
+from .bench_matrix import memory_needed
 from .bench_report import (
     SWEEP_TABLES,
     format_summary,
@@ -50,7 +51,21 @@ from .bench_report import (
     summarize,
     sweep_tables,
 )
-from .cli_plan import _int_list
+from .catalog import MODELS
+from .cli_options import (
+    MAX_CHUNKS,
+    MAX_LAYERS,
+    MAX_TOKENS,
+    float_in,
+    int_in,
+    int_list_in,
+    memory_limit,
+    names_in,
+    out_file,
+    refuse,
+    refuse_over_memory,
+    shape_spec,
+)
 from .progress import Progress, show_library_logs
 
 
@@ -132,6 +147,52 @@ def check_backends(items: list[str]) -> None:
                 f"-cuda[:N]) or 'auto', got {item!r}")
 
 
+def _backends_arg(text: str) -> list[str]:
+    items = _list(text)
+    if items == ["auto"]:
+        return items
+    try:
+        check_backends(items)
+    except KVGroupsValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc).removeprefix("backends: ")) from None
+    return items
+
+
+def _on_gpu(item: str) -> bool:
+    """Whether a runtime named on the command line may run on a GPU, decided without importing
+    it: NumPy and ``-cpu`` never do. The others are given the benefit of the doubt (only
+    their kit knows); if nothing of the run applies there, the run ends with status 1,
+    "nothing was measured"."""
+    name, _, device = item.partition("-")
+    return name != "numpy" and device != "cpu"
+
+
+def check_run(args: argparse.Namespace, backends: list[str]) -> None:
+    """What the options ask for must be measurable with these runtimes, and fit in memory:
+    refused naming the option before any runtime is imported."""
+    if args.markdown:
+        refuse("--markdown", "expected it with --summarize FILE... (it formats records; it "
+               "measures nothing), got it alone")
+    gpu = any(_on_gpu(b) for b in backends)
+    if args.placements and not gpu and "device" not in args.placements:
+        refuse("--placements", f"expected 'device' for host runtimes (pinned host objects "
+               f"need CUDA), got {','.join(args.placements)} for {','.join(backends)}")
+    if args.paths:
+        offered = {p for b in backends for p in KIT_PATHS[b.partition("-")[0]]
+                   if _on_gpu(b) or p not in GPU_PATHS}
+        missing = [p for p in args.paths if p not in offered]
+        if missing:
+            refuse("--paths", f"expected paths the runtimes {','.join(backends)} offer here "
+                   f"({', '.join(sorted(offered))}), got {', '.join(missing)}")
+    matrix = build_matrix(args)
+    if not matrix.points and not matrix.manager_layers:
+        refuse("--sweeps", f"expected sweeps with points in the {args.matrix!r} matrix, got "
+               f"{','.join(args.sweeps or [])}")
+    need, where = memory_needed(matrix)
+    limit, what = memory_limit(args.max_memory, available=False)
+    refuse_over_memory("--chunks, --models, --spec, --layers", need, where, limit, what)
+
+
 def run(args: argparse.Namespace) -> int:
     # Inputs first: a bad name or an unreadable file is refused before anything is written.
     raw = read_records(args.summarize) if args.summarize else None
@@ -143,11 +204,14 @@ def run(args: argparse.Namespace) -> int:
             "--backends numpy")
     if args.backends != ["auto"]:
         check_backends(backends)
+    if raw is None:
+        check_run(args, backends)
+    elif args.sweeps and not args.markdown:
+        refuse("--sweeps", "expected it with --markdown when summarizing, got it alone")
     done = read_records(args.resume, "resume") if args.resume else ()
     out: TextIO | None = None
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        out = open(args.out, "a")
+        out = open(args.out, "a")  # its directory exists (checked while parsing)
 
     def emit(record: dict) -> None:
         line = json.dumps(record)
@@ -198,7 +262,17 @@ def run(args: argparse.Namespace) -> int:
     if missing:  # an error, so said even with --quiet
         print(f"kvgroups bench: requested backend(s) not available: {', '.join(missing)}",
               file=sys.stderr)
-    return 1 if bad or missing else 0
+    measured = raw is not None or args.resume or any(
+        r["record"] in ("transfer", "manager") for r in records)
+    if not measured:  # everything skipped: a run that proves nothing is not a pass
+        skipped = sorted({str(r.get("reason")) for r in records if r["record"] == "skipped"})
+        limits = " ".join(f"--{name} {','.join(getattr(args, name))}"
+                          for name in ("placements", "paths") if getattr(args, name))
+        why = "; ".join(skipped) or (f"no point of the {args.matrix!r} matrix applies to "
+                                     f"{','.join(backends)} here" + (f" with {limits}"
+                                                                     if limits else ""))
+        print(f"kvgroups bench: error: nothing was measured (skipped: {why})", file=sys.stderr)
+    return 1 if bad or missing or not measured else 0
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -206,33 +280,48 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     a = parser.add_argument
     a("--matrix", default="headline", choices=sorted(bench_matrix.PRESETS),
       help="case preset (default headline)")
-    a("--backends", type=_list, default=["auto"],
+    a("--backends", type=_backends_arg, default=["auto"],
       help="comma-separated: numpy, torch, jax, torch-cpu, jax-cpu, ... (default auto: the "
       "installed runtimes, plus numpy for the tiny matrix)")
-    a("--paths", type=_list, default=None, help="paths to run (default: each runtime's own)")
-    a("--directions", type=_list, default=["store", "load"])
-    a("--placements", type=_list, default=None, help="device, pinned (default: the matrix's)")
-    a("--sweeps", type=_list, default=None,
+    paths = sorted({p for names in KIT_PATHS.values() for p in names})
+    a("--paths", type=names_in(paths, "paths"), default=None,
+      help="paths to run (default: each runtime's own)")
+    a("--directions", type=names_in(("store", "load"), "directions"), default=["store", "load"])
+    a("--placements", type=names_in(("device", "pinned"), "placements"), default=None,
+      help="device, pinned (default: the matrix's)")
+    a("--sweeps", type=names_in(bench_matrix.SWEEPS, "sweeps"), default=None,
       help=f"only these parts of the matrix: {', '.join(bench_matrix.SWEEPS)}")
-    a("--models", type=_list, default=None, help="catalogue models (replaces the matrix shapes)")
-    a("--spec", action="append", default=None,
+    a("--models", type=names_in(sorted(MODELS), "models"), default=None,
+      help="catalogue models (replaces the matrix shapes)")
+    a("--spec", action="append", type=shape_spec, default=None,
       help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;..." (repeatable; NB is a minimum)')
-    a("--layers", type=_int_list, default=None, help="layer counts for --models")
-    a("--chunks", type=_int_list, default=None, help="chunk counts (default 64)")
-    a("--chunk-tokens", type=int, default=None, help="tokens per chunk (default 256)")
-    a("--repeats", type=int, default=None, help="timed repeats per case (median taken)")
-    a("--warmup", type=int, default=None, help="untimed calls first")
-    a("--target-ms", type=float, default=None, help="batch calls so a repeat lasts this long")
-    a("--max-calls", type=int, default=None, help="most back-to-back calls per repeat")
-    a("--verify-mb", type=float, default=None, help="check bytes against the baseline up to "
-      "this payload size")
-    a("--manager-layers", type=_int_list, default=None, help="manager construction sweep")
-    a("--budget-s", type=float, default=None, help="skip what is left after this many seconds")
-    a("--seed", type=int, default=0)
+    a("--layers", type=int_list_in(1, MAX_LAYERS), default=None, help="layer counts for --models")
+    a("--chunks", type=int_list_in(1, MAX_CHUNKS), default=None,
+      help="chunk counts (default 64)")
+    a("--chunk-tokens", type=int_in(1, MAX_TOKENS), default=None,
+      help="tokens per chunk (default 256)")
+    a("--repeats", type=int_in(1, 1 << 20), default=None,
+      help="timed repeats per case (median taken)")
+    a("--warmup", type=int_in(0, 1 << 20), default=None, help="untimed calls first")
+    a("--target-ms", type=float_in(0), default=None,
+      help="batch calls so a repeat lasts this long")
+    a("--max-calls", type=int_in(1, 1 << 20), default=None,
+      help="most back-to-back calls per repeat")
+    a("--verify-mb", type=float_in(0), default=None, help="check bytes against the baseline up "
+      "to this payload size")
+    a("--manager-layers", type=int_list_in(1, MAX_LAYERS), default=None,
+      help="manager construction sweep")
+    a("--budget-s", type=float_in(0, open_low=True), default=None,
+      help="skip what is left after this many seconds")
+    a("--seed", type=int_in(0, (1 << 32) - 1), default=0)
+    a("--max-memory", type=float_in(0, open_low=True), default=None, metavar="GIB",
+      help="refuse a matrix whose largest shape needs more memory than this (default: the "
+      "host's memory)")
     a("--resume", type=Path, nargs="+", default=None, metavar="FILE",
       help="skip every path and direction of a point that these JSON-lines files already "
       "hold a transfer record for (finish a run a time limit cut)")
-    a("--out", type=Path, default=None, help="also append the JSON lines to this file")
+    a("--out", type=out_file, default=None, help="also append the JSON lines to this file (in "
+      "an existing directory)")
     a("--summarize", type=Path, nargs="+", default=None, metavar="FILE",
       help="only summarize the records of these JSON-lines files")
     a("--markdown", action="store_true", help="with --summarize: print a Markdown table")

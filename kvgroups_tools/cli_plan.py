@@ -13,12 +13,15 @@ import importlib.util
 import json
 from typing import Any
 
+from kvgroups_core.errors import KVGroupsError
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.grouping.shape_spec import (
     format_kvcache_shape_spec,
     manager_from_shape_spec,
     parse_kvcache_shape_spec,
 )
+
+from .cli_options import MAX_TOKENS, in_option_terms, int_in, int_list_in, refuse, shape_spec
 
 
 def layer_ranges(layers: list[int]) -> str:
@@ -136,6 +139,7 @@ def format_plan(summary: dict[str, Any]) -> str:
 
 
 def _int_list(text: str) -> list[int]:
+    """Comma-separated integers (the bench's ``--layers`` / ``--chunks`` bound theirs)."""
     try:
         return [int(v) for v in text.split(",")]
     except ValueError:
@@ -144,15 +148,33 @@ def _int_list(text: str) -> list[int]:
         ) from None
 
 
+#: Where the library's words for the plan's settings come from on the command line.
+PICK = {"lmcache_tokens_per_chunk": "--chunk", "sw_size_tokens": "--sw", "sliding window": "--sw",
+        "tokens_per_block": "--tpb"}
+RENAME = {"lmcache_tokens_per_chunk": "--chunk", "sw_size_tokens": "--sw",
+          "tokens_per_block": "tokens per block", "slots_per_block": "block size"}
+
+
+def _per_group(option: str, values: list[int] | None, groups: int) -> None:
+    if values is not None and len(values) not in (1, groups):
+        expected = "one value" if groups == 1 else f"one value or one per spec group ({groups})"
+        refuse(option, f"expected {expected}, got {len(values)}: {values}")
+
+
 def run(args: argparse.Namespace) -> int:
     groups = parse_kvcache_shape_spec(args.spec)
-    manager = manager_from_shape_spec(
-        groups,
-        lmcache_tokens_per_chunk=args.chunk,
-        separate_object_groups=not args.single_object_group,
-        sw_size_tokens=args.sw,
-        tokens_per_block=args.tpb,
-    )
+    _per_group("--sw", args.sw, len(groups))
+    _per_group("--tpb", args.tpb, len(groups))
+    try:
+        manager = manager_from_shape_spec(
+            groups,
+            lmcache_tokens_per_chunk=args.chunk,
+            separate_object_groups=not args.single_object_group,
+            sw_size_tokens=args.sw,
+            tokens_per_block=args.tpb,
+        )
+    except KVGroupsError as exc:
+        raise in_option_terms(exc, PICK, RENAME, "--spec") from None
     # Echo the spec as understood (canonical form) ahead of the plan.
     summary = {"spec": format_kvcache_shape_spec(groups), **plan_summary(manager)}
     if args.json:
@@ -172,16 +194,18 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--spec", required=True,
-        help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;...", e.g. "(2,1024,16,8,128):bfloat16:32"',
+        "--spec", required=True, type=shape_spec,
+        help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;...", e.g. "(2,1024,16,8,128):bf16:32" '
+        "(spaces and dtype aliases such as bf16, fp16, fp8 allowed)",
     )
-    parser.add_argument("--chunk", type=int, default=256, help="tokens per chunk (default 256)")
+    parser.add_argument("--chunk", type=int_in(1, MAX_TOKENS), default=256,
+                        help="tokens per chunk (default 256)")
     parser.add_argument(
-        "--sw", type=_int_list, default=None,
+        "--sw", type=int_list_in(1, MAX_TOKENS, allowed=(-1,)), default=None,
         help="sliding window in tokens per spec group (-1 = full), comma-separated",
     )
     parser.add_argument(
-        "--tpb", type=_int_list, default=None,
+        "--tpb", type=int_list_in(0, MAX_TOKENS), default=None,
         help="logical tokens per block per spec group (0 = block size), comma-separated",
     )
     parser.add_argument(

@@ -26,6 +26,7 @@ from kvgroups_core.transfer.backend import Backend
 from kvgroups_core.transfer.objects import object_nbytes
 
 from .catalog import CacheModel, get_model
+from .cli_options import available_memory, nbytes_text
 
 
 @dataclass
@@ -153,16 +154,58 @@ def _timed(step: Callable[[], None], sync: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+def build_model(*, model: str = "hybrid-demo", spec: str | None = None,
+                layers: int | None = None, num_chunks: int = 4,
+                num_blocks: int | None = None) -> CacheModel:
+    """The demo's caches as descriptors (nothing allocated): a catalogue model or a spec."""
+    if spec is not None:
+        from kvgroups_core.grouping.shape_spec import caches_from_shape_spec
+
+        caches, formats, infos = caches_from_shape_spec(spec)
+        return CacheModel("spec", caches, tuple(formats), tuple(infos))
+    entry = get_model(model)
+    nb = num_blocks or _default_num_blocks(entry, layers, num_chunks)
+    return entry.build(num_blocks=nb, layers=layers)
+
+
+def memory_needed(cache_model: CacheModel, manager: KVLayerGroupsManager,
+                  num_chunks: int) -> tuple[int, str]:
+    """``(bytes, breakdown)``: about what the demo allocates for ``cache_model``, most of it on
+    the host (the NumPy reference): the caches seven times (the bit patterns, source and
+    destination in both runtimes, the reference's three), the request's objects three times
+    (stored, handed over, the reference's), and the largest tensor's 16-byte-per-element
+    position encoding."""
+    specs: list[TensorSpec] = []
+    _map_specs(cache_model.kv_caches, lambda s, i: specs.append(s), [0])
+    caches = sum(s.numel * s.dtype.itemsize for s in specs)
+    biggest = max((s.numel for s in specs), default=0)
+    objects = num_chunks * sum(object_nbytes(manager, og)
+                               for og in range(manager.num_object_groups))
+    need = 7 * caches + 3 * objects + 16 * biggest
+    return need, f"caches of {nbytes_text(caches)} x 7, objects of {nbytes_text(objects)} x 3"
+
+
+def _backend(name: str, what: str) -> Backend:
+    try:
+        return get_backend(name)
+    except KVGroupsError as exc:
+        text = str(exc)
+        text = text[len("backend: "):] if text.startswith("backend: ") else text
+        raise type(exc)(f"{what}: {text}") from None
+
+
 def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int | None = None,
              num_chunks: int = 4, num_blocks: int | None = None, store_backend: str | None = None,
              load_backend: str | None = None, device: str | None = None,
              batch_chunks: int = 8, corrupt: bool = False, seed: int = 0,
-             out: Any = None) -> int:
+             max_memory: int | None = None, out: Any = None) -> int:
     """Run the demo; returns 0 when every byte checks out, 1 otherwise.
 
-    Every option is checked before any array is made: a bad one raises a typed
-    :class:`~kvgroups_core.errors.KVGroupsError` naming it (the CLI prints it on one line and
-    exits 2)."""
+    Every option is checked before any runtime is loaded or any array is made: a bad one
+    raises a typed :class:`~kvgroups_core.errors.KVGroupsError` naming it (the CLI prints it
+    on one line and exits 2). That includes the memory the run would take
+    (:func:`memory_needed`), against ``max_memory`` bytes (default: the host memory
+    available now)."""
     out = sys.stdout if out is None else out
     _check_positive("num_chunks", num_chunks)
     _check_positive("layers", layers)
@@ -171,23 +214,20 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
     _check_positive("seed", seed, minimum=0)
     if spec is not None and (layers is not None or num_blocks is not None):
         raise KVGroupsValueError(
-            "spec: expected --layers and --num-blocks to be left out (the spec sets both), got "
+            "spec: expected layers and num_blocks to be left out (the shape sets both), got "
             f"layers={layers}, num_blocks={num_blocks}")
-    defaults = default_backends()
-    store_name, load_name = store_backend or defaults[0], load_backend or defaults[1]
-    a_be, b_be = get_backend(store_name), get_backend(load_name)
-    dev_a, dev_b = _check_device(a_be, device), _check_device(b_be, device)
-    if spec is not None:
-        from kvgroups_core.grouping.shape_spec import caches_from_shape_spec
-
-        caches, formats, infos = caches_from_shape_spec(spec)
-        cache_model = CacheModel("spec", caches, tuple(formats), tuple(infos))
-    else:
-        entry = get_model(model)
-        nb = num_blocks or _default_num_blocks(entry, layers, num_chunks)
-        cache_model = entry.build(num_blocks=nb, layers=layers)
+    cache_model = build_model(model=model, spec=spec, layers=layers, num_chunks=num_chunks,
+                              num_blocks=num_blocks)
     manager = KVLayerGroupsManager(cache_model.kv_caches, cache_model.formats,
                                    cache_model.engine_group_infos)
+    need, parts = memory_needed(cache_model, manager, num_chunks)
+    limit = max_memory if max_memory is not None else available_memory()
+    if limit is not None and need > limit:
+        sizes = "num_chunks, num_blocks, layers" if spec is None else "num_chunks, spec"
+        raise KVGroupsValueError(
+            f"{sizes}: expected a demo that fits in memory, got one that needs about "
+            f"{nbytes_text(need)} ({parts}), more than the {nbytes_text(limit)} "
+            f"{'allowed' if max_memory is not None else 'available'}")
     rng = np.random.default_rng(seed)
     engine_groups = sorted({g.engine_group_idx for g in manager.kernel_groups})
     chunk = manager.lmcache_tokens_per_chunk
@@ -206,6 +246,13 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
         return ids
 
     ids_a, ids_b = request_ids(), request_ids()
+
+    # The runtimes last: loading one imports its framework (seconds).
+    defaults = default_backends()
+    store_name, load_name = store_backend or defaults[0], load_backend or defaults[1]
+    a_be = _backend(store_name, "store_backend")
+    b_be = _backend(load_name, "load_backend")
+    dev_a, dev_b = _check_device(a_be, device), _check_device(b_be, device)
 
     from .cli_plan import format_plan, plan_summary
 

@@ -21,6 +21,7 @@ from .cuda import objects as cuda_objects
 from .cuda import replay as cuda_replay
 from .cuda import run as cuda_run
 from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
+from .fingerprints import fingerprints, same_fingerprints
 from .objects import allocate_objects
 
 _NUMPY_NATIVE = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
@@ -128,15 +129,15 @@ class TorchBackend(Backend):
         return TorchBoundCaches(self, caches)
 
     def buffer_keys(self, xs: list) -> list:
-        """What a prepared transfer compares per call to notice a reallocated cache
-        (``resize_`` past its storage, ``set_``, ``.data =``): each bound tensor's address.
-        The address alone is what memory safety needs (a storage never shrinks under the same
-        address) and costs a fifth of address plus shape (torch builds a ``Size`` per read)."""
-        try:
-            return list(map(_DATA_PTR, xs))  # all tensors, the usual case: half the cost
-        except TypeError:
-            ptr = _DATA_PTR
-            return [ptr(x) if isinstance(x, torch.Tensor) else None for x in xs]
+        """What a prepared transfer compares per call to notice a cache changed in place
+        (``resize_``, ``set_``, ``.data =``, ``as_strided_``, ``requires_grad_``): each bound
+        tensor's address, shape, strides, dtype and ``requires_grad``
+        (:mod:`kvgroups_torch.fingerprints`)."""
+        return fingerprints(xs)
+
+    #: ``buffer_keys_match(xs, keys)``: whether ``xs`` still have the fingerprints ``keys``
+    #: (the per-call check; a plain function, one call frame less on the hot path).
+    buffer_keys_match = staticmethod(same_fingerprints)
 
     def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
         """Where a tensor's bytes are (``kvgroups_core.transfer.checks``); tensors a transfer cannot
@@ -248,6 +249,7 @@ class TorchBackend(Backend):
 
     def to_host_ids(self, ids: Any) -> Any:
         if isinstance(ids, torch.Tensor):
+            _check_host_ids(ids)
             return ids.detach().numpy()  # CPU tensors only: CUDA ids are device ids
         return ids
 
@@ -259,8 +261,9 @@ class TorchBackend(Backend):
             return None
         traced = compiled.is_traced(x)  # not is_compiling(): unset in Dynamo's fake runs
         if not traced:
-            if not x.is_cuda:
-                return None  # eager host ids
+            if not x.is_cuda or x.layout is not torch.strided or x.is_nested \
+                    or x.is_quantized:
+                return None  # eager host ids (to_host_ids names what is wrong with others)
             return _NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
         return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
@@ -288,6 +291,28 @@ class TorchBackend(Backend):
 
 _DATA_PTR = torch.Tensor.data_ptr
 _IS_FUNCTIONAL = torch._is_functional_tensor
+
+
+def _check_host_ids(ids: torch.Tensor) -> None:
+    """Host id tensors NumPy can read: strided, with memory on the CPU, of an integer dtype
+    (the core then checks values and rank). What torch itself would refuse is named here."""
+    if ids.is_nested:
+        raise KVGroupsTypeError("expected a 1-D tensor of ints, got a nested tensor")
+    if ids.layout is not torch.strided:
+        raise KVGroupsTypeError(
+            f"expected a dense (strided) tensor of ints, got layout {ids.layout}")
+    if ids.is_quantized:
+        raise KVGroupsTypeError(f"expected a tensor of ints, got quantized {ids.dtype}")
+    if ids.is_meta:
+        raise KVGroupsTypeError("expected a tensor with memory, got a meta tensor")
+    if ids.device.type != "cpu":
+        raise KVGroupsTypeError(
+            f"expected ids on the CPU or int32/int64 ids on the caches' GPU, got {ids.dtype} "
+            f"on {ids.device}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype is torch.bool:
+        raise KVGroupsTypeError(
+            f"expected integer block ids, got a tensor of {ids.dtype} (shape "
+            f"{tuple(ids.shape)})")
 
 
 def _check_usable(t: torch.Tensor, what: str) -> None:

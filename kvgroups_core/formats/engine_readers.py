@@ -105,7 +105,9 @@ def tensor_desc(x: Any, what: str) -> TensorDesc:
     try:
         return describe(x)
     except KVGroupsTypeError as err:
-        raise KVGroupsTypeError(f"{what}: {err}") from err
+        text = str(err)
+        text = text[len("tensor: "):] if text.startswith("tensor: ") else text
+        raise KVGroupsTypeError(f"{what}: {text}") from err
 
 
 def _restrided(d: TensorDesc, shape: Sequence[int], strides: Sequence[int]) -> TensorDesc:

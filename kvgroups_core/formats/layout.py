@@ -198,8 +198,23 @@ def _tensor_layout(
     )
 
 
-def _as_desc(x: Any) -> TensorDesc:
-    return describe(x)
+def describe_named(x: Any, what: str) -> TensorDesc:
+    """``describe(x)``, a refusal naming ``what`` (the place in the cache structure) instead
+    of a bare "tensor"."""
+    try:
+        return describe(x)
+    except KVGroupsTypeError as exc:
+        text = str(exc)
+        text = text[len("tensor: "):] if text.startswith("tensor: ") else text
+        raise KVGroupsTypeError(f"{what}: {text}") from None
+
+
+def _as_desc(x: Any, what: str) -> TensorDesc:
+    if x is None or isinstance(x, (list, tuple, dict, str, bytes, int, float)):
+        raise KVGroupsTypeError(
+            f"{what}: expected a tensor (an object with __dlpack__, or a TensorSpec), got "
+            f"{type(x).__name__}")
+    return describe_named(x, what)
 
 
 def layer_tensors(
@@ -208,8 +223,9 @@ def layer_tensors(
     """The backing tensor(s) of ``layer`` and the layer's index inside them (cross-layer)."""
     structure = fmt.facts.structure
     if structure == CROSS_LAYER:
-        tensor = kv_caches[0] if isinstance(kv_caches, (list, tuple)) else kv_caches
-        return [_as_desc(tensor)], layer
+        if isinstance(kv_caches, (list, tuple)):
+            return [_as_desc(kv_caches[0], f"kv_caches[0] (layer {layer})")], layer
+        return [_as_desc(kv_caches, f"kv_caches (layer {layer})")], layer
     if not isinstance(kv_caches, (list, tuple)):
         raise KVGroupsTypeError(
             f"kv_caches: expected a list for {fmt.name}, got {type(kv_caches).__name__}"
@@ -220,18 +236,21 @@ def layer_tensors(
                 f"kv_caches: expected [K list, V list] for {fmt.name}, got {len(kv_caches)} "
                 "entries"
             )
-        return [_as_desc(kv_caches[0][layer]), _as_desc(kv_caches[1][layer])], 0
+        return [_as_desc(kv_caches[0][layer], f"kv_caches[0][{layer}] (K of layer {layer})"),
+                _as_desc(kv_caches[1][layer], f"kv_caches[1][{layer}] (V of layer {layer})")], 0
     entry = kv_caches[layer]
     if fmt is EngineKVFormat.NL_X_NB_BS_NH_TWO_HS:
-        return [_jax_heads_view(_as_desc(entry), f"kv_caches[{layer}]")], 0
+        what = f"kv_caches[{layer}]"
+        return [_jax_heads_view(_as_desc(entry, f"{what} (layer {layer})"), what)], 0
     if structure == LAYER_PAIR_LIST:
         if not isinstance(entry, (list, tuple)) or len(entry) != 2:
             raise KVGroupsValueError(
                 f"kv_caches[{layer}]: expected a (K, V) pair for {fmt.name}, got {entry!r}"
             )
-        return [_as_desc(entry[0]), _as_desc(entry[1])], 0
+        return [_as_desc(entry[0], f"kv_caches[{layer}][0] (K of layer {layer})"),
+                _as_desc(entry[1], f"kv_caches[{layer}][1] (V of layer {layer})")], 0
     assert structure == LAYER_LIST
-    return [_as_desc(entry)], 0
+    return [_as_desc(entry, f"kv_caches[{layer}] (layer {layer})")], 0
 
 
 def _jax_heads_view(d: TensorDesc, what: str) -> TensorDesc:

@@ -19,8 +19,13 @@ from typing import Any, NamedTuple
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.formats.catalogue import EngineKVFormat
-from kvgroups_core.formats.layout import LayerLayout, layer_layout, layer_tensors, num_layers_of
-from kvgroups_core.tensors.arrays import describe
+from kvgroups_core.formats.layout import (
+    LayerLayout,
+    describe_named,
+    layer_layout,
+    layer_tensors,
+    num_layers_of,
+)
 from kvgroups_core.tensors.dtypes import DType
 
 from .engine_groups import EXCLUDED_ENGINE_GROUP
@@ -288,13 +293,14 @@ def group_by_identity(
     return list(buckets.items())
 
 
-def describe_tree(x: Any) -> Any:
+def describe_tree(x: Any, path: str = "kv_caches") -> Any:
     """The same structure with every tensor described once (descriptors pass through, and
-    ``None`` placeholders, which only excluded layers may use, stay ``None``)."""
+    ``None`` placeholders, which only excluded layers may use, stay ``None``). A leaf that is
+    no tensor is refused naming its place in the structure (``kv_caches[3][1]``)."""
     if isinstance(x, (list, tuple)):
-        items = [describe_tree(item) for item in x]
+        items = [describe_tree(item, f"{path}[{i}]") for i, item in enumerate(x)]
         return tuple(items) if isinstance(x, tuple) else items
-    return None if x is None else describe(x)
+    return None if x is None else describe_named(x, path)
 
 
 def layouts_and_identities(

@@ -178,9 +178,11 @@ class KVLayerGroupsManager:
         group's; layers of one group differ in geometry (block count, padding); per group,
         ``tokens_per_block`` is not a multiple of ``slots_per_block``, the chunk is not a
         multiple of ``tokens_per_block``, or a sub-chunk sliding window is not a multiple of
-        ``tokens_per_block``. Before all of these: ``tp_size < 1``, ``tp_rank`` outside
-        ``[0, tp_size)`` or an unknown ``object_layout``; after them, a shard whose head count
-        does not fit ``tp_size`` (and ``total_num_kv_heads``).
+        ``tokens_per_block``. Before all of these (before the caches are read): a bad
+        ``total_num_kv_heads`` (a count below 1, a non-integer), ``tp_size < 1``, ``tp_rank``
+        outside ``[0, tp_size)`` or an unknown ``object_layout``; after them, a
+        ``total_num_kv_heads`` list whose length is not the layer count and a shard whose head
+        count does not fit ``tp_size`` (and ``total_num_kv_heads``).
     """
 
     def __init__(
@@ -198,7 +200,7 @@ class KVLayerGroupsManager:
         object_layout: str = "canonical",
     ) -> None:
         self._tp_rank, self._tp_size, self._object_layout = check_tp_args(
-            tp_rank, tp_size, object_layout)
+            tp_rank, tp_size, object_layout, total_num_kv_heads)
         self._tp_shards: tuple[TPShard, ...] = ()
         chunk = as_int(lmcache_tokens_per_chunk, "lmcache_tokens_per_chunk")
         if chunk <= 0:

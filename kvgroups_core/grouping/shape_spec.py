@@ -24,6 +24,13 @@ from .engine_groups import EngineGroupInfo
 from .identity import KernelGroupInfo, PageBufferShapeDesc
 from .manager import KVLayerGroupsManager
 
+#: The most layers one shape spec may describe (all groups together): far beyond any model,
+#: and small enough that the layer lists a spec expands to stay cheap.
+MAX_SPEC_LAYERS = 1 << 16
+#: Every number of a spec fits int64, so what is derived from it (byte counts) stays a
+#: machine-sized integer.
+MAX_SPEC_NUMBER = (1 << 63) - 1
+
 #: The dtypes a shape spec may name (lower case); the parser accepts no others.
 SPEC_DTYPES: tuple[str, ...] = (
     "float16",
@@ -57,8 +64,9 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
         with ``(`` or lacks ``):`` ("Invalid group spec"); it has not exactly two ``:`` fields
         after the shape ("Invalid group spec"); the dtype is unknown ("Unrecognized dtype");
         a number is not an integer ("Invalid number"); the shape has not five numbers
-        ("Shape must be a 5-tuple"); the layer count is not positive; no group at all
-        ("No valid layer groups").
+        ("Shape must be a 5-tuple"); the layer count is not positive; a size is 2**63 or
+        more ("Invalid number"); the spec's layers exceed :data:`MAX_SPEC_LAYERS` ("Layer count
+        too large"); no group at all ("No valid layer groups").
     """
     if not isinstance(spec_str, str):
         raise KVGroupsTypeError(f"spec_str: expected a str, got {type(spec_str).__name__}")
@@ -72,19 +80,19 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
             continue
         if not (part.startswith("(") and "):" in part):
             raise KVGroupsValueError(
-                f"Invalid group spec {part!r}: expected '(kv,NB,BS,NH,HS):dtype:layers'"
+                f"Invalid group spec {_quote(part)}: expected '(kv,NB,BS,NH,HS):dtype:layers'"
             )
         shape_end = part.index("):")
         fields = part[shape_end + 2 :].split(":")
         if len(fields) != 2:
             raise KVGroupsValueError(
-                f"Invalid group spec {part!r}: expected exactly two ':' fields (dtype and "
+                f"Invalid group spec {_quote(part)}: expected exactly two ':' fields (dtype and "
                 f"layer count) after the shape, got {len(fields)}"
             )
         dtype_name = fields[0].strip().lower()
         if dtype_name not in SPEC_DTYPES:
             raise KVGroupsValueError(
-                f"Unrecognized dtype {fields[0].strip()!r} in group spec {part!r}: expected "
+                f"Unrecognized dtype {fields[0].strip()!r} in group spec {_quote(part)}: expected "
                 f"one of {list(SPEC_DTYPES)}"
             )
         try:
@@ -92,21 +100,31 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
             num_layers = int(fields[1].strip())
         except ValueError:
             raise KVGroupsValueError(
-                f"Invalid number in group spec {part!r}: expected integers"
+                f"Invalid number in group spec {_quote(part)}: expected integers"
             ) from None
         if len(shape) != 5:
             raise KVGroupsValueError(
-                f"Shape must be a 5-tuple (kv_size,nb,bs,nh,hs) in group spec {part!r}, got "
+                f"Shape must be a 5-tuple (kv_size,nb,bs,nh,hs) in group spec {_quote(part)}, got "
                 f"{len(shape)} numbers"
             )
         if any(n < 0 for n in shape):
             raise KVGroupsValueError(
-                f"Invalid number in group spec {part!r}: expected non-negative sizes, got "
+                f"Invalid number in group spec {_quote(part)}: expected non-negative sizes, got "
                 f"{shape}"
             )
         if num_layers <= 0:
             raise KVGroupsValueError(
-                f"Layer count must be positive in group spec {part!r}, got {num_layers}"
+                f"Layer count must be positive in group spec {_quote(part)}, got {num_layers}"
+            )
+        if any(n > MAX_SPEC_NUMBER for n in shape):
+            raise KVGroupsValueError(
+                f"Invalid number in group spec {_quote(part)}: expected sizes below 2**63, got "
+                f"{_short(max(shape))}"
+            )
+        if next_layer + num_layers > MAX_SPEC_LAYERS:
+            raise KVGroupsValueError(
+                f"Layer count too large in group spec {_quote(part)}: expected at most "
+                f"{MAX_SPEC_LAYERS} layers in a spec, got {_short(next_layer + num_layers)}"
             )
         dtype = DTYPE_MAP[dtype_name]
         kv_size, nb, bs, nh, hs = shape
@@ -123,8 +141,21 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
         )
         next_layer += num_layers
     if not groups:
-        raise KVGroupsValueError(f"No valid layer groups found in spec {spec_str!r}")
+        raise KVGroupsValueError(f"No valid layer groups found in spec {_quote(spec_str)}")
     return groups
+
+
+def _quote(text: str) -> str:
+    """A spec (part) for a message, shortened past 80 characters."""
+    return repr(text) if len(text) <= 80 else repr(text[:60] + "...") + f" ({len(text)} chars)"
+
+
+def _short(n: int) -> str:
+    """An integer for a message: in full up to 30 digits, else its digit count (a number of
+    thousands of digits cannot even be printed by default)."""
+    if n.bit_length() <= 96:
+        return str(n)
+    return f"a {int(n.bit_length() * 0.30103) + 1}-digit number"
 
 
 def format_kvcache_shape_spec(groups: Sequence[KernelGroupInfo]) -> str:
@@ -189,9 +220,8 @@ def _per_group(values: Sequence[int] | None, n: int, what: str, default: int) ->
     if len(values) == 1:
         return values * n
     if len(values) != n:
-        raise KVGroupsValueError(
-            f"{what}: expected 1 or {n} values (one per spec group), got {len(values)}"
-        )
+        expected = "one value" if n == 1 else f"one value or {n} (one per spec group)"
+        raise KVGroupsValueError(f"{what}: expected {expected}, got {len(values)}")
     return values
 
 

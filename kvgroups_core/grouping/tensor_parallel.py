@@ -103,8 +103,11 @@ class TPShard:
         return part * self.replicas
 
 
-def check_tp_args(tp_rank: Any, tp_size: Any, object_layout: Any) -> tuple[int, int, str]:
-    """Validate the manager's tensor-parallel keywords (before anything else is read)."""
+def check_tp_args(tp_rank: Any, tp_size: Any, object_layout: Any,
+                  total_num_kv_heads: Any = None) -> tuple[int, int, str]:
+    """Validate the manager's tensor-parallel keywords (before anything else is read, the
+    caches included; only ``total_num_kv_heads``' length waits for the layer count)."""
+    check_total_heads(total_num_kv_heads)
     size = as_int(tp_size, "tp_size")
     rank = as_int(tp_rank, "tp_rank")
     if size < 1:
@@ -122,23 +125,37 @@ def _has_head_axis(fmt: Any) -> bool:
     return fmt is not None and "NH" in fmt.facts.axes
 
 
+def check_total_heads(total_num_kv_heads: Any) -> list[int] | int | None:
+    """``total_num_kv_heads`` as None, one count, or one count per layer, each >= 1 (the
+    per-layer length is checked once the layers are known)."""
+    if total_num_kv_heads is None:
+        return None
+    if isinstance(total_num_kv_heads, Sequence) and not isinstance(total_num_kv_heads,
+                                                                  (str, bytes)):
+        values = [as_int(h, f"total_num_kv_heads[{i}]") for i, h in enumerate(total_num_kv_heads)]
+        for i, h in enumerate(values):
+            if h < 1:
+                raise KVGroupsValueError(f"total_num_kv_heads[{i}]: expected >= 1, got {h}")
+        return values
+    value = as_int(total_num_kv_heads, "total_num_kv_heads")
+    if value < 1:
+        raise KVGroupsValueError(f"total_num_kv_heads: expected >= 1, got {value}")
+    return value
+
+
 def _total_heads_per_layer(total_num_kv_heads: Any, num_layers: int) -> list[int | None]:
     """One total head count per layer (None: infer from the shard)."""
-    if total_num_kv_heads is None:
+    values = check_total_heads(total_num_kv_heads)
+    if values is None:
         return [None] * num_layers
-    if isinstance(total_num_kv_heads, Sequence) and not isinstance(total_num_kv_heads, str):
-        if len(total_num_kv_heads) != num_layers:
-            raise KVGroupsValueError(
-                f"total_num_kv_heads: expected one head count per layer ({num_layers}), got "
-                f"{len(total_num_kv_heads)}"
-            )
-        values = [as_int(h, f"total_num_kv_heads[{i}]") for i, h in enumerate(total_num_kv_heads)]
-    else:
-        values = [as_int(total_num_kv_heads, "total_num_kv_heads")] * num_layers
-    for i, h in enumerate(values):
-        if h < 1:
-            raise KVGroupsValueError(f"total_num_kv_heads[{i}]: expected >= 1, got {h}")
-    return list(values)
+    if isinstance(values, int):
+        return [values] * num_layers
+    if len(values) != num_layers:
+        raise KVGroupsValueError(
+            f"total_num_kv_heads: expected one head count per layer ({num_layers}), got "
+            f"{len(values)}"
+        )
+    return values
 
 
 def _state_shard(k: int, group: Any, rank: int, size: int) -> TPShard:

@@ -25,6 +25,7 @@ pages is :class:`kvgroups_core.transfer.backend.Backend`; the registry needs onl
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
@@ -51,7 +52,9 @@ class ArrayBackend:
 class _Entry:
     name: str
     loader: "ArrayBackend | type[ArrayBackend] | Callable[[], ArrayBackend] | str"
-    array_types: tuple[str, ...]
+    # None: an entry point's, read from its object when it is first loaded (listing or
+    # naming backends never imports one; see _load_entry_points).
+    array_types: tuple[str, ...] | None
     instance: ArrayBackend | None = None
 
     def get(self) -> ArrayBackend:
@@ -59,7 +62,16 @@ class _Entry:
             loader = self.loader
             if isinstance(loader, str):
                 module_name, _, attr = loader.partition(":")
-                loader = getattr(importlib.import_module(module_name), attr)
+                try:
+                    module = importlib.import_module(module_name)
+                    loader = getattr(module, attr)
+                except (ImportError, AttributeError) as exc:  # not installed, or stale
+                    raise BackendNotFound(
+                        f"backend {self.name!r}: expected {module_name} and the framework it "
+                        f"runs on to be installed, got {type(exc).__name__}: {exc}") from exc
+            if self.array_types is None:
+                self.array_types = tuple(getattr(loader, "array_types", ()))
+                _TYPE_CACHE.clear()
             if isinstance(loader, ArrayBackend):
                 self.instance = loader
             else:
@@ -112,6 +124,30 @@ def registered_backends() -> list[str]:
     return list(_ENTRIES)
 
 
+def unavailable_reason(name: str) -> str | None:
+    """Why the backend ``name`` cannot load here (its module or framework is not installed),
+    or None when it can, found without importing a framework: a loaded backend is available;
+    otherwise its ``"module:attr"`` loader's module and the top-level modules of its array
+    types must be installed."""
+    _load_entry_points()
+    entry = _ENTRIES.get(name)
+    if entry is None:
+        return f"no backend is registered as {name!r}"
+    if entry.instance is not None:
+        return None
+    modules = [q.split(".", 1)[0] for q in entry.array_types or ()]
+    if isinstance(entry.loader, str):
+        modules.insert(0, entry.loader.partition(":")[0])
+    for module in dict.fromkeys(modules):
+        try:
+            found = module in sys.modules or importlib.util.find_spec(module) is not None
+        except (ImportError, ValueError):
+            found = False
+        if not found:
+            return f"{module} is not installed"
+    return None
+
+
 def get_backend(name: str) -> ArrayBackend:
     """The backend registered as ``name``."""
     _load_entry_points()
@@ -134,19 +170,30 @@ def _load_entry_points() -> None:
     for ep in entry_points(group="kvgroups.backends"):
         if ep.name in _ENTRIES:
             continue
-        if _own_variant(ep):
-            # kvgroups' own backend variants are chosen by name and handle no array type of
-            # their own: registered lazily, since loading one imports its framework.
-            register_backend(ep.name, ep.value)
+        # Registered by name, imported on first use: naming or listing backends (a command
+        # line's checks) must not import every installed framework.
+        _ENTRIES[ep.name] = _Entry(ep.name, ep.value, None)
+    _TYPE_CACHE.clear()
+
+
+def _resolve_entry_points(x: Any) -> str | None:
+    """For an array type no loaded backend claims: load the entry points whose array types
+    are not known yet, and return the first that claims it (one that fails to load claims
+    nothing; naming it raises its typed error)."""
+    t = type(x)
+    for entry in list(_ENTRIES.values()):
+        if entry.array_types is not None:
             continue
-        obj = ep.load()
-        register_backend(ep.name, obj, array_types=getattr(obj, "array_types", ()))
-
-
-def _own_variant(ep: Any) -> bool:
-    """Whether entry point ``ep`` is one of kvgroups' own (declared by this distribution)."""
-    dist = getattr(ep, "dist", None)
-    return dist is not None and getattr(dist, "name", None) == "kvgroups"
+        try:
+            entry.get()
+        except Exception:  # noqa: BLE001 - refused by name when used: get_backend raises
+            entry.array_types = ()
+            continue
+        for qualified in entry.array_types:
+            cls = _resolve_class(qualified)
+            if cls is not None and issubclass(t, cls):
+                return entry.name
+    return None
 
 
 def _resolve_class(qualified: str) -> type | None:
@@ -177,13 +224,15 @@ def framework_of(x: Any) -> str | None:
     _load_entry_points()
     found = None
     for entry in _ENTRIES.values():
-        for qualified in entry.array_types:
+        for qualified in entry.array_types or ():
             cls = _resolve_class(qualified)
             if cls is not None and issubclass(t, cls):
                 found = entry.name
                 break
         if found:
             break
+    if found is None and (hasattr(x, "__dlpack__") or hasattr(x, "shape")):
+        found = _resolve_entry_points(x)
     _TYPE_CACHE[t] = found
     return found
 

@@ -16,7 +16,7 @@ from kvgroups_core.tensors.arrays import backend_for_tensors
 from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
 
 from .backend import Backend, BoundCaches
-from .checks import CacheGuard, check_call_memory
+from .checks import CacheGuard, check_call_memory, copy_structure
 from .fast import reuse
 from .fast.call_memo import CallMemo, call_key
 from .objects import check_objects
@@ -136,21 +136,25 @@ class PreparedTransfer:
                             f"binding them again failed: {exc}") from exc
 
     def _bind(self) -> None:
-        binding = bind(self.manager, self.kv_caches)
+        # One read of the structure: the binding and the guard both come from this copy, so
+        # a thread replacing entries meanwhile cannot leave a binding of some old tensors
+        # under a guard that holds the new ones (the next call sees the difference).
+        source = copy_structure(self.kv_caches)
+        binding = bind(self.manager, source)
         self._plans = replace(binding, tensors=())  # shares the plan-shape caches
         self._described = binding
         self._objs = [d.obj for d in binding.tensors]
         self._bound = self.backend.bind_caches(binding.tensors)
-        self._bound.bind_source(self.manager, self.kv_caches)
-        self._guard = CacheGuard(self.backend, self.kv_caches, binding.tensors)
+        self._bound.bind_source(self.manager, source)
+        self._guard = CacheGuard(self.backend, source, binding.tensors)
         self._memo = CallMemo(self.backend, self._plans, self._bound, self._guard)
         self._abstract = any(d.is_abstract for d in binding.tensors)  # never parked
         # A flat list of bound tensors (one per layer, the usual engine structure): the slot
         # of each entry, so a load's results are put in place by index.
         self._positions: list[int] | None = None
-        if type(self.kv_caches) is list:
+        if type(source) is list:
             slot_of = {id(x): k for k, x in enumerate(self._objs)}
-            positions = [slot_of.get(id(x), -1) for x in self.kv_caches]
+            positions = [slot_of.get(id(x), -1) for x in source]
             if -1 not in positions and len(slot_of) == len(self._objs):
                 self._positions = positions
 
@@ -166,12 +170,13 @@ class PreparedTransfer:
         self._memo.release()  # its references to the released tensors (signatures stay)
         return True
 
-    def _restore(self, kv_caches: Any, objs: list) -> None:
-        """Take back the caches :meth:`_release` let go of: ``kv_caches`` is the structure
-        they were released from, ``objs`` its bound tensors in slot order."""
+    def _restore(self, kv_caches: Any, objs: list, source: Any) -> None:
+        """Take back the caches :meth:`_release` let go of: ``kv_caches`` is the engine's
+        structure, ``source`` the private copy of it whose leaves matched the released ones,
+        ``objs`` its bound tensors in slot order."""
         self.kv_caches, self._objs = kv_caches, objs
         self._bound.restore(objs)
-        self._guard.restore(kv_caches, objs)
+        self._guard.restore(source, objs)
 
 
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
@@ -281,7 +286,7 @@ def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
     (nobody else holds it): the call runs it without its lock."""
     parked = reuse.take(manager, kv_caches)
     if parked is not None:
-        entry, leaves, objs = parked
+        entry, leaves, objs, source = parked
         # The leaves are the ones that passed this check before (one framework): the first
         # stands for them all against the objects.
         try:
@@ -290,7 +295,7 @@ def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
             reuse.put_back(manager, entry)
             raise
         if found is entry.prepared.backend:
-            prepared = reuse.restore(entry, kv_caches, objs)
+            prepared = reuse.restore(entry, kv_caches, objs, source)
             if prepared._guard.reallocated() is None:  # take() compared the identities
                 return prepared, entry
             # Changed in place: bound afresh below, refused (if so) as a first call is.

@@ -14,7 +14,12 @@ from typing import Any, Callable
 
 import numpy as np
 
-from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import (
+    KVGroupsError,
+    KVGroupsIndexError,
+    KVGroupsTypeError,
+    KVGroupsValueError,
+)
 
 DEVICE_ID_DTYPES = ("int32", "int64")
 _INT64_MIN, _INT64_LIMIT = -(2**63), 2**63
@@ -65,9 +70,10 @@ def host_id_array(ids: Any, what: str) -> np.ndarray:
     else:
         try:
             arr = np.asarray(ids)
-        except (TypeError, ValueError, OverflowError) as exc:
+        except Exception as exc:  # noqa: BLE001 - a framework's own refusal, typed here
             raise KVGroupsTypeError(
-                f"{what}: expected a 1-D array of ints, got {type(ids).__name__}") from exc
+                f"{what}: expected a 1-D array of ints, got {describe_value(ids)} ({exc})"
+            ) from exc
     if arr.size == 0 and arr.ndim == 1:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
@@ -80,6 +86,26 @@ def host_id_array(ids: Any, what: str) -> np.ndarray:
             raise KVGroupsIndexError(
                 f"{what}: expected block ids that fit int64, got uint64 value {top}")
     return arr.astype(np.int64, copy=False)
+
+
+def describe_value(x: Any) -> str:
+    """A short description of an argument for a message: its type, and the dtype, shape,
+    layout and device an array reports (each only when it can be read)."""
+    parts = [type(x).__name__]
+    for name in ("dtype", "shape", "layout", "device"):
+        try:
+            value = getattr(x, name, None)
+        except Exception:  # noqa: BLE001 - e.g. a nested tensor has no shape
+            continue
+        if value is None or (name == "layout" and str(value) == "torch.strided"):
+            continue
+        if name == "shape":
+            try:
+                value = tuple(value)
+            except TypeError:
+                continue
+        parts.append(f"{name} {value}")
+    return " ".join(parts[:1]) + (f" ({', '.join(parts[1:])})" if len(parts) > 1 else "")
 
 
 def _device_ids(x: Any, spec: tuple[str, tuple[int, ...]], what: str) -> tuple[Any, int]:
@@ -106,7 +132,14 @@ def _one(x: Any, what: str, to_host: Any, ids_spec: IdsSpec | None,
             kinds.add("device")
             return
     if to_host is not None and not _is_host_container(x):
-        x = to_host(x)
+        try:
+            x = to_host(x)
+        except KVGroupsError as exc:  # the backend's words, named as this argument
+            raise type(exc)(f"{what}: {exc}") from exc
+        except Exception as exc:  # noqa: BLE001 - a framework's own refusal, typed here
+            raise KVGroupsTypeError(
+                f"{what}: expected a 1-D array of ints on the host, got {describe_value(x)} "
+                f"({exc})") from exc
     arr = host_id_array(x, what)
     out[key], lengths[key] = arr, len(arr)
     kinds.add("host")

@@ -74,6 +74,25 @@ def check_bind_inputs(manager: Any, kv_caches: Any) -> None:
             )
 
 
+def copy_structure(structure: Any) -> Any:
+    """``structure`` with its lists and tuples copied and its leaves shared: one read of the
+    engine's structure, from which a binding and its :class:`CacheGuard` are both derived. A
+    list is copied in one step (``list(x)`` holds the GIL throughout), so another thread
+    replacing entries meanwhile leaves either the old or the new entry, never a binding made
+    of one and a guard of the other."""
+    if type(structure) is list:
+        snap = list(structure)
+        for x in snap:
+            if isinstance(x, (list, tuple)):
+                return [copy_structure(x) if isinstance(x, (list, tuple)) else x for x in snap]
+        return snap
+    if isinstance(structure, (list, tuple)):
+        items = [copy_structure(x) if isinstance(x, (list, tuple)) else x
+                 for x in list(structure)]
+        return items if isinstance(structure, list) else tuple(items)
+    return structure
+
+
 def _snapshot(structure: Any) -> Any:
     """The structure's containers as tuples, leaves as they are (compared by identity)."""
     if isinstance(structure, (list, tuple)):
@@ -116,9 +135,10 @@ def memory_of(backend: Any, x: Any, what: str = "tensor") -> Memory | None:
 
 
 def _keys_function(backend: Any) -> Callable[[list], Any] | None:
-    """A cheap per-call fingerprint of the bound caches: the backend's ``buffer_keys(arrays)``
-    (torch: pointer and shape of each), for NumPy the same read here; None when the runtime
-    needs none (JAX arrays never change in place: replacement is noticed by identity)."""
+    """The fingerprint of the bound caches: the backend's ``buffer_keys(arrays)`` (torch:
+    address, shape, strides, dtype and requires_grad of each), for NumPy the same read here;
+    None when the runtime needs none (JAX arrays never change in place: replacement is
+    noticed by identity)."""
     if hasattr(backend, "buffer_keys"):
         return backend.buffer_keys
 
@@ -139,17 +159,33 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
     return numpy_keys
 
 
+def _match_function(backend: Any, keys_of: Callable[[list], Any] | None
+                    ) -> Callable[[list, Any], bool] | None:
+    """``match(arrays, keys)``: whether ``arrays`` still have the fingerprints ``keys`` (the
+    backend's ``buffer_keys_match`` when it has a cheaper check than computing them again)."""
+    if keys_of is None:
+        return None
+    found = getattr(backend, "buffer_keys_match", None)
+    if found is not None:
+        return found
+    return lambda xs, keys: keys_of(xs) == keys
+
+
 class CacheGuard:
     """What a binding was made from, to notice on each call that the caches changed.
 
     ``changed(kv_caches)`` compares the structure's tensors by identity (a flat list: one
-    ``is`` per entry) and each concrete bound tensor's ``(pointer, shape, strides)``; it
-    returns a sentence naming the first change, or None. Abstract (traced) tensors are not
-    fingerprinted.
+    ``is`` per entry) and each concrete bound tensor's fingerprint (the backend's
+    ``buffer_keys``); it returns a sentence naming the first change, or None. Abstract
+    (traced) tensors are not fingerprinted.
+
+    ``kv_caches`` given to the guard is the caller's private copy of the engine's structure
+    (:func:`copy_structure`), the very one the binding was made from: :attr:`source`.
     """
 
     def __init__(self, backend: Any, kv_caches: Any, slots: Sequence[TensorDesc]) -> None:
         self._keys_of = _keys_function(backend)
+        self._keys_match = _match_function(backend, self._keys_of)
         self.objects_memo: Any = None  # the last passing call's objects (check_call_memory)
         self.backend = backend
         self.reset(kv_caches, [d.obj for d in slots], slots)
@@ -160,6 +196,7 @@ class CacheGuard:
         self.objects_memo = None
         self._flat = type(kv_caches) is list and not any(
             isinstance(x, (list, tuple)) for x in kv_caches)
+        self.source = kv_caches  # the structure the binding was made from
         self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
         if slots is not None:
             concrete = [(i, d.obj) for i, d in enumerate(slots)
@@ -178,10 +215,11 @@ class CacheGuard:
         """After a load returned new arrays for the bound ones (JAX), slot for slot: the cheap
         form of :meth:`reset` (same structure, same layouts)."""
         if self._flat and type(kv_caches) is list:
-            self._snap = list(kv_caches)
+            self._snap = self.source = list(kv_caches)
         else:
             self._flat = False
-            self._snap = _snapshot(kv_caches)
+            self.source = copy_structure(kv_caches)
+            self._snap = _snapshot(self.source)
         self._concrete = list(objs)
         self._slot_index = list(range(len(self._concrete)))
         self._where = None
@@ -192,11 +230,14 @@ class CacheGuard:
     def release(self) -> None:
         """Let go of the caches while a one-shot binding waits for its next call
         (:mod:`kvgroups_core.transfer.fast.reuse`); the fingerprints stay, to be compared then."""
-        self._snap = self._concrete = None
+        self._snap = self._concrete = self.source = None
 
     def restore(self, kv_caches: Any, objs: Sequence[Any]) -> None:
         """Take back the same structure and tensors (``objs`` in slot order) after
-        :meth:`release`: :meth:`changed` then compares the fingerprints taken before."""
+        :meth:`release`: :meth:`changed` then compares the fingerprints taken before.
+        ``kv_caches`` is the caller's private copy whose leaves were compared with the
+        released ones (:func:`kvgroups_core.transfer.fast.reuse.take`)."""
+        self.source = kv_caches
         self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
         self._concrete = [objs[i] for i in self._slot_index]
 
@@ -216,14 +257,12 @@ class CacheGuard:
         """The half of :meth:`changed` after the structure's identity check: a sentence
         naming the first bound tensor resized or reallocated in place, or None."""
         keys = self._keys
-        if keys is None:
+        if keys is None or self._keys_match(self._concrete, keys):
             return None
         now = self._keys_of(self._concrete)
-        if now != keys:
-            n = next(i for i, (a, b) in enumerate(zip(keys, now)) if a != b)
-            return (f"the bound tensor of slot {self._slot_index[n]} was resized or "
-                    f"reallocated ({_describe_key(keys[n])} -> {_describe_key(now[n])})")
-        return None
+        n = next((i for i, (a, b) in enumerate(zip(keys, now)) if a != b), 0)
+        return (f"the bound tensor of slot {self._slot_index[n]} was resized or reallocated, "
+                f"or changed in place ({_describe_change(keys[n], now[n])})")
 
     def same_entries(self, kv_caches: Any) -> bool:
         """Whether the structure still holds the bound tensors (identity only: the cheap
@@ -262,7 +301,7 @@ class CacheGuard:
     def watch(self, slots: Sequence[int]) -> tuple[list, Any]:
         """``(tensors, keys)``: the concrete bound tensors of these slots and their current
         fingerprints (``keys`` None when the runtime has none); a call touching only these
-        slots is current while ``keys_of(tensors) == keys`` and :meth:`same_entries`."""
+        slots is current while ``keys_match(tensors, keys)`` and :meth:`same_entries`."""
         where = self._where
         if where is None:
             where = self._where = {slot: n for n, slot in enumerate(self._slot_index)}
@@ -273,6 +312,10 @@ class CacheGuard:
     @property
     def keys_of(self) -> Callable[[list], Any] | None:
         return self._keys_of
+
+    @property
+    def keys_match(self) -> Callable[[list, Any], bool] | None:
+        return self._keys_match
 
     def raise_if_unusable(self) -> None:
         """Raise the backend's typed error for a bound array no call may use any more (a
@@ -306,11 +349,25 @@ class CacheGuard:
 
 def _describe_key(key: Any) -> str:
     if isinstance(key, tuple) and len(key) >= 2:
-        read_only = ", read-only" if len(key) > 2 and not key[-1] else ""
+        read_only = ", read-only" if len(key) > 2 and key[-1] is False else ""
         return f"address {key[0]:#x}, shape {tuple(key[1])}{read_only}"
     if isinstance(key, int):
         return f"address {key:#x}"
     return repr(key)
+
+
+def _describe_change(old: Any, new: Any) -> str:
+    """``"FIELD old -> new, ..."`` for a backend's named fingerprints (torch: address, shape,
+    strides, dtype, requires_grad), else both fingerprints described."""
+    fields = getattr(old, "_fields", None)
+    if fields and getattr(new, "_fields", None) == fields:
+        parts = []
+        for name, a, b in zip(fields, old, new):
+            if a != b:
+                show = (lambda v: f"{v:#x}") if name == "address" else repr
+                parts.append(f"{name} {show(a)} -> {show(b)}")
+        return ", ".join(parts)
+    return f"{_describe_key(old)} -> {_describe_key(new)}"
 
 
 def _merge(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:

@@ -18,7 +18,13 @@ from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroups
 from kvgroups_core.formats.layout import LayerLayout, layer_layout
 from kvgroups_core.tensors.descriptors import TensorDesc
 
-from .block_ids import DEVICE_ID_DTYPES, BlockIds, IdsSpec, normalize_block_ids
+from .block_ids import (
+    DEVICE_ID_DTYPES,
+    BlockIds,
+    IdsSpec,
+    describe_value,
+    normalize_block_ids,
+)
 from .checks import check_bind_inputs
 from .objects import object_nbytes, object_regions
 from .plan import Direction, GroupTransfer, PlaneRef, TransferPlan, skip_first_item
@@ -317,6 +323,15 @@ def _skip_arg(skip: Any, ids_spec: IdsSpec | None) -> tuple[Any, bool]:
     """``(skip, on_device)``: a host skip as a Python int, or a device / traced scalar as is."""
     if isinstance(skip, (bool, np.bool_)) or "bool" in str(getattr(skip, "dtype", "")):
         raise KVGroupsTypeError(f"skip_first_n_tokens: expected an int, got {skip!r}")
+    if not isinstance(skip, (int, np.integer)):
+        try:
+            ndim = getattr(skip, "ndim", 0)
+        except Exception:  # noqa: BLE001 - arrays without a rank (nested tensors)
+            ndim = None
+        if ndim != 0:  # a skip is a scalar: one-element arrays are not taken for one
+            raise KVGroupsTypeError(
+                f"skip_first_n_tokens: expected an int or a 0-d integer array, got "
+                f"{describe_value(skip)}")
     if ids_spec is not None and not isinstance(skip, (int, np.integer)):
         spec = ids_spec(skip)
         if spec is not None:
@@ -328,9 +343,10 @@ def _skip_arg(skip: Any, ids_spec: IdsSpec | None) -> tuple[Any, bool]:
             return skip, True
     try:
         return operator.index(skip), False
-    except TypeError:
+    except Exception:  # noqa: BLE001 - floats, strings, tensors that refuse (meta ...)
         raise KVGroupsTypeError(
-            f"skip_first_n_tokens: expected an int, got {type(skip).__name__}") from None
+            f"skip_first_n_tokens: expected an int or a 0-d integer array, got "
+            f"{describe_value(skip)}") from None
 
 
 def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
@@ -340,11 +356,18 @@ def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
     if type(layers) is list and len(layers) == 1 and type(layers[0]) is int \
             and layers[0] in binding.layer_planes:
         return (layers[0],)  # the layer-wise hot path: one known layer per call
-    if isinstance(layers, (str, bytes, Mapping)) or not hasattr(layers, "__iter__"):
+    if isinstance(layers, (str, bytes, Mapping)) or not hasattr(layers, "__iter__") \
+            or getattr(layers, "ndim", 1) == 0:
         raise KVGroupsTypeError(
-            f"layers: expected a sequence of layer indices, got {type(layers).__name__}")
+            f"layers: expected a sequence of layer indices, got {describe_value(layers)}")
     out = []
-    for layer in layers:
+    try:
+        items = list(layers)
+    except Exception as exc:  # noqa: BLE001 - an iterable that refuses to iterate
+        raise KVGroupsTypeError(
+            f"layers: expected a sequence of layer indices, got {describe_value(layers)} "
+            f"({exc})") from exc
+    for layer in items:
         if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
             raise KVGroupsTypeError(
                 f"layers: expected int layer indices, got {type(layer).__name__} {layer!r}")

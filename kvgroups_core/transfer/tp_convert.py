@@ -18,7 +18,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import KVGroupsError, KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.grouping.engine_groups import as_int
 from kvgroups_core.grouping.state_tp import merge_conv, split_conv
 from kvgroups_core.grouping.tensor_parallel import (
@@ -71,8 +71,23 @@ def _join(pieces: list, fresh: list[bool]) -> Any:
     return _concat(pieces, axis=1)
 
 
+def _is_deleted(x: Any) -> bool:
+    """A JAX array that was deleted or donated (a tracer has no buffer to ask about)."""
+    deleted = getattr(x, "is_deleted", None)
+    try:
+        return bool(callable(deleted) and deleted())
+    except Exception:  # noqa: BLE001 - tracers refuse: they are never deleted
+        return False
+
+
 def _check_object(x: Any, nbytes: int, what: str) -> int:
-    """``x`` must be uint8 ``[num_chunks, nbytes]``; returns num_chunks."""
+    """``x`` must be uint8 ``[num_chunks, nbytes]`` with its bytes readable; returns
+    num_chunks."""
+    if _is_deleted(x):
+        raise KVGroupsValueError(
+            f"{what}: expected a live array, got a deleted (or donated) JAX array")
+    if getattr(x, "is_meta", False) is True:
+        raise KVGroupsValueError(f"{what}: expected an array with memory, got a meta tensor")
     dtype = str(getattr(x, "dtype", None)).rpartition(".")[2]
     shape = tuple(getattr(x, "shape", ()))
     if dtype != "uint8" or len(shape) != 2 or shape[1] != nbytes:
@@ -179,13 +194,42 @@ def _check_replicas(managers: list, per_rank: list) -> None:
 _Plan = list
 
 
+def _one_device(arrays: list, what: str) -> None:
+    """Torch tensors of one call on one device (torch refuses to combine others; JAX arrays
+    may sit on several devices of one mesh and are moved by JAX itself)."""
+    devices = {str(x.device) for x in arrays if type(x).__module__.startswith("torch")}
+    if len(devices) > 1:
+        raise KVGroupsValueError(f"{what}: expected tensors on one device, got {sorted(devices)}")
+
+
+def _framework_refusal(what: str, exc: Exception) -> KVGroupsValueError:
+    """A framework's own refusal to slice or combine the arrays, as a typed error naming the
+    argument (everything checkable was checked before; this is what is left)."""
+    return KVGroupsValueError(
+        f"{what}: expected arrays the framework can slice and combine, got a refusal: "
+        f"{type(exc).__name__}: {exc}")
+
+
 def _merge(chunk_counts: list[int], plans: _Plan) -> list:
-    kinds = {type(x).__module__.partition(".")[0] for regions in plans
-             for region in regions for x, _ in region[2]}
+    # A region is (rows, row bytes, parts[, conv split]): its parts are at index 2.
+    arrays = [x for regions in plans for region in regions for x, _ in region[2]]
+    kinds = {type(x).__module__.partition(".")[0] for x in arrays}
     if len(kinds) > 1:
         raise KVGroupsTypeError(
             f"objects_per_rank: expected arrays of one framework, got {sorted(kinds)}"
         )
+    for og, regions in enumerate(plans):  # the arrays one object group's merge combines
+        _one_device([x for region in regions for x, _ in region[2]],
+                    f"objects_per_rank[*][{og}]")
+    try:
+        return _merge_checked(chunk_counts, plans)
+    except (RuntimeError, ValueError) as exc:
+        if isinstance(exc, KVGroupsError):
+            raise
+        raise _framework_refusal("objects_per_rank", exc) from exc
+
+
+def _merge_checked(chunk_counts: list[int], plans: _Plan) -> list:
     out = []
     whole: dict[int, Any] = {}  # one replica of each sharded input, however many parts read it
     for chunks, regions in zip(chunk_counts, plans):
@@ -346,9 +390,19 @@ def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
         layout: the whole TP-native object, the same for every rank of the group (each rank's
         load reads its own byte ranges), so one conversion serves the whole group.
     """
+    s = as_int(shards, "shards")  # before comparing: True == 1
     objects = _check_list(objects, manager.num_object_groups, "objects")
-    if shards != 1:
-        return _split_side_by_side(manager, objects, shards)
+    try:
+        if s != 1:
+            return _split_side_by_side(manager, objects, s)
+        return _split(manager, objects)
+    except (RuntimeError, ValueError) as exc:
+        if isinstance(exc, KVGroupsError):
+            raise
+        raise _framework_refusal("objects", exc) from exc
+
+
+def _split(manager: Any, objects: list) -> list:
     native = manager.object_layout == TP_NATIVE
     chunk_counts = [_check_object(objects[og], canonical_nbytes(manager, og), f"objects[{og}]")
                     for og in range(manager.num_object_groups)]
@@ -390,8 +444,7 @@ def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
     return out
 
 
-def _split_side_by_side(manager: Any, objects: list, shards: Any) -> list:
-    s = as_int(shards, "shards")
+def _split_side_by_side(manager: Any, objects: list, s: int) -> list:
     if s < 1 or manager.tp_size != 1 or manager.object_layout == TP_NATIVE:
         raise KVGroupsValueError(
             f"shards: expected >= 1 with a manager of the global caches (tp_size 1, canonical "

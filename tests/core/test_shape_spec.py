@@ -187,3 +187,17 @@ def test_manager_from_spec_rejects_a_per_group_list_of_the_wrong_length():
 def test_manager_from_spec_rejects_impossible_geometry(spec, match):
     with pytest.raises(KVGroupsValueError, match=match):
         manager_from_shape_spec(spec)
+
+
+@pytest.mark.parametrize("spec, match", [
+    ("(2,4,16,8,128):float16:1000000000000", "Layer count too large"),
+    ("(2,4,16,8,128):float16:40000;(2,4,16,8,128):float16:40000", "Layer count too large"),
+    ("(2," + "9" * 4000 + ",16,8,128):float16:2", "Invalid number"),
+    ("(2,9223372036854775808,16,8,128):float16:2", "below 2\\*\\*63"),
+])
+def test_specs_past_the_bounds_are_refused_cheaply(spec, match):
+    # Refused before any list is built (a 10**12-layer spec raised MemoryError) and with a
+    # message that can be printed (no 4,000-digit number in it).
+    with pytest.raises(KVGroupsValueError, match=match) as info:
+        parse_kvcache_shape_spec(spec)
+    assert len(str(info.value)) < 400

@@ -361,8 +361,8 @@ def test_a_requested_backend_that_is_missing_fails_the_run(tmp_path):
 
 
 @pytest.mark.parametrize("args, start", [
-    (["--backends", "torchh"], "kvgroups bench: error: backends: "),
-    (["--backends", "numpy-tpu"], "kvgroups bench: error: backends: "),
+    (["--backends", "torchh"], "kvgroups bench: error: argument --backends: "),
+    (["--backends", "numpy-tpu"], "kvgroups bench: error: argument --backends: "),
     (["--summarize", "no/such/file.jsonl"], "kvgroups bench: error: summarize: "),
     (["--resume", "no/such/file.jsonl"], "kvgroups bench: error: resume: "),
 ])

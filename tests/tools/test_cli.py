@@ -87,20 +87,15 @@ def test_plan_rejects_an_invalid_window_with_exit_status_two(capsys):
 
 
 def test_plan_rejects_malformed_integer_lists():
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["plan", "--spec", SPEC, "--sw", "a,b"])
-    assert exc.value.code == 2
+    assert cli.main(["plan", "--spec", SPEC, "--sw", "a,b"]) == 2
 
 
 def test_a_subcommand_is_required():
-    with pytest.raises(SystemExit) as exc:
-        cli.main([])
-    assert exc.value.code == 2
+    assert cli.main([]) == 2
 
 
 def test_plan_requires_a_spec():
-    with pytest.raises(SystemExit):
-        cli.main(["plan"])
+    assert cli.main(["plan"]) == 2
 
 
 def test_only_present_subcommand_modules_are_registered(monkeypatch):

@@ -48,12 +48,14 @@ NUMPY = ["--store-backend", "numpy", "--load-backend", "numpy"]
 
 
 @pytest.mark.parametrize("option, value, name", [
-    ("--chunks", "0", "num_chunks"), ("--chunks", "-2", "num_chunks"),
-    ("--layers", "0", "layers"), ("--layers", "-1", "layers"),
-    ("--num-blocks", "0", "num_blocks"), ("--num-blocks", "-64", "num_blocks"),
-    ("--batch-chunks", "0", "batch_chunks"), ("--batch-chunks", "-1", "batch_chunks"),
-    ("--seed", "-1", "seed"), ("--device", "cuda:7", "device"),
-    ("--store-backend", "no-such-runtime", "backend"),
+    ("--chunks", "0", "argument --chunks"), ("--chunks", "-2", "argument --chunks"),
+    ("--layers", "0", "argument --layers"), ("--layers", "-1", "argument --layers"),
+    ("--num-blocks", "0", "argument --num-blocks"),
+    ("--num-blocks", "-64", "argument --num-blocks"),
+    ("--batch-chunks", "0", "argument --batch-chunks"),
+    ("--batch-chunks", "-1", "argument --batch-chunks"),
+    ("--seed", "-1", "argument --seed"), ("--device", "cuda:7", "--device"),
+    ("--store-backend", "no-such-runtime", "--store-backend"),
 ])
 def test_demo_refuses_a_bad_option_in_one_line_with_exit_2(capsys, option, value, name):
     argv = ["demo", *NUMPY, "--layers", "2", option, value]
@@ -66,7 +68,7 @@ def test_demo_refuses_a_bad_option_in_one_line_with_exit_2(capsys, option, value
 
 def test_demo_refuses_layers_or_blocks_next_to_a_spec(capsys):
     assert main(["demo", *NUMPY, "--spec", "(2,64,16,2,64):float16:2", "--layers", "3"]) == 2
-    assert capsys.readouterr().err.startswith("kvgroups demo: error: spec: ")
+    assert capsys.readouterr().err.startswith("kvgroups demo: error: --spec: ")
 
 
 @pytest.mark.parametrize("backend, device", [("torch", "bogus"), ("torch", "cuda:99"),
@@ -79,7 +81,7 @@ def test_demo_refuses_a_device_the_runtime_cannot_use(capsys, backend, device):
     assert main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("kvgroups demo: error: device: "), lines
+    assert len(lines) == 1 and lines[0].startswith("kvgroups demo: error: --device: "), lines
     assert repr(device) in lines[0] and captured.out == ""
 
 

@@ -43,6 +43,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from kvgroups_core import (
     EXCLUDED_ENGINE_GROUP,
     EngineGroupInfo,
@@ -60,6 +62,8 @@ from kvgroups_core.errors import (
     KVGroupsValueError,
     UnsupportedConfig,
 )
+from kvgroups_core.formats.layout import layer_layout
+from kvgroups_core.transfer.block_ids import host_id_array
 
 #: vLLM spec classes the adapter understands, by class name (checked exactly, so a new
 #: subclass with unknown semantics is refused rather than misread).
@@ -137,14 +141,30 @@ def _spec_for_layer(group_id: int, group: Any, name: str) -> Any:
     return spec
 
 
-def _window_tokens(spec: Any, kind_name: str, chunk: int) -> int:
-    bs = int(spec.block_size)
+def _spec_int(spec: Any, attr: str, where: str, minimum: int) -> int:
+    """An int field of a vLLM spec, at least ``minimum`` (a zero block size or chunk, a
+    negative window: vLLM's dataclasses take them; the adapter refuses them by name)."""
+    value = getattr(spec, attr, None)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise KVGroupsTypeError(
+            f"{where}: {type(spec).__name__}.{attr}: expected an int, got {value!r}")
+    if value < minimum:
+        raise KVGroupsValueError(
+            f"{where}: {type(spec).__name__}.{attr}: expected an int >= {minimum}, got {value}")
+    return value
+
+
+def _window_tokens(spec: Any, kind_name: str, chunk: int, where: str) -> int:
+    bs = _spec_int(spec, "block_size", where, 1)
     if kind_name in SLIDING_SPECS + SLIDING_MLA_SPECS:
-        needed = int(spec.sliding_window) - 1 + int(getattr(spec, "extra_retained_tokens", 0))
-        needed = max(needed, 1)
+        window = _spec_int(spec, "sliding_window", where, 1)
+        extra = getattr(spec, "extra_retained_tokens", 0)
+        if extra:
+            extra = _spec_int(spec, "extra_retained_tokens", where, 0)
+        needed = max(window - 1 + extra, 1)
         return -(-needed // bs) * bs if needed < chunk else needed
     if kind_name in CHUNKED_SPECS:
-        local = int(spec.attention_chunk_size)
+        local = _spec_int(spec, "attention_chunk_size", where, 1)
         if chunk % local == 0:
             return 0
         needed = local - 1
@@ -187,8 +207,9 @@ def read_layer_specs(kv_cache_config: Any, chunk: int) -> dict[str, LayerSpec]:
                 out[name] = LayerSpec(name, gid, "state", int(spec.block_size), -1, spec)
                 continue
             kind = "mla" if kind_name in MLA_SPECS + SLIDING_MLA_SPECS else "attention"
-            out[name] = LayerSpec(name, gid, kind, int(spec.block_size),
-                                  _window_tokens(spec, kind_name, chunk), spec)
+            where = f"kv_cache_groups[{gid}] layer {name!r}"
+            window = _window_tokens(spec, kind_name, chunk, where)
+            out[name] = LayerSpec(name, gid, kind, int(spec.block_size), window, spec)
     return out
 
 
@@ -349,9 +370,27 @@ def _is_heads_outer(x: Any) -> bool | None:
     return strides[1] > strides[2]
 
 
+#: Ranks of a registered layer per kind: vLLM >= 0.32's logical [B, H, N, C] view (4), and
+#: the older FlashAttention/FlashInfer K/V tensors (5) or MLA latents [B, N, C] (3).
+_RANKS = {"attention": (4, 5), "mla": (3, 4)}
+
+
 def _as_kvgroups_layer(x: Any, lspec: LayerSpec, layout: str | None, hints: dict) -> tuple[Any, EngineKVFormat]:
-    """One registered layer as (tensor or view, kvgroups format)."""
+    """One registered layer as (tensor or view, kvgroups format), checked against its spec:
+    the worker must read each block as the scheduler plans it from the config alone."""
+    x, fmt = _read_layer(x, lspec, layout, hints)
+    _check_page(x, fmt, lspec)
+    return x, fmt
+
+
+def _read_layer(x: Any, lspec: LayerSpec, layout: str | None, hints: dict) -> tuple[Any, EngineKVFormat]:
     ndim = len(x.shape)
+    if ndim not in _RANKS[lspec.kind]:
+        spec_name = type(lspec.spec).__name__
+        raise KVGroupsValueError(
+            f"kv_caches[{lspec.name!r}]: expected a tensor of rank "
+            f"{' or '.join(map(str, _RANKS[lspec.kind]))} for its {spec_name} (group "
+            f"{lspec.group_id}), got shape {tuple(x.shape)}")
     if ndim != 4:
         # Older vLLM: rank-5 FlashAttention/FlashInfer or rank-3 MLA tensors; the catalogue's
         # detection knows them (NHD unless told HND).
@@ -376,6 +415,27 @@ def _as_kvgroups_layer(x: Any, lspec: LayerSpec, layout: str | None, hints: dict
     if outer:
         return x, EngineKVFormat.NL_X_NB_NH_BS_CS
     return x.permute(0, 2, 1, 3), EngineKVFormat.NL_X_NB_BS_NH_CS
+
+
+def _check_page(x: Any, fmt: EngineKVFormat, lspec: LayerSpec) -> None:
+    """The layer's tensor, read as ``fmt``, holds each block as its spec says: the spec's
+    token rows (states) and its unpadded page bytes. Otherwise the worker's objects would not
+    be the ones the scheduler sized from the config (a rank-3 tensor of a full-attention layer
+    read as MLA latents gave 17,408-byte objects against the scheduler's 32,768)."""
+    spec = lspec.spec
+    lay = layer_layout([x], fmt, 0)
+    got_rows = lay.block_size
+    got_bytes = lay.kv_size * lay.block_size * lay.row_bytes
+    want_rows = int(spec.num_states) if hasattr(spec, "num_states") else lspec.block_size
+    want_bytes = getattr(spec, "real_page_size_bytes", None)
+    if want_bytes is None:
+        want_bytes = getattr(spec, "page_size_bytes", got_bytes)
+    if (got_rows, got_bytes) != (want_rows, int(want_bytes)):
+        raise KVGroupsValueError(
+            f"kv_caches[{lspec.name!r}]: expected blocks of {want_rows} token rows and "
+            f"{int(want_bytes)} bytes as its {type(spec).__name__} (group {lspec.group_id}) "
+            f"says, got shape {tuple(x.shape)} read as {fmt.name}: {got_rows} rows of "
+            f"{got_bytes} bytes")
 
 
 @dataclass
@@ -461,10 +521,13 @@ class VllmKVLayout:
         KVGroupsValueError
             A group the manager moves has no ids, or too few for the chunks asked.
         """
+        num_chunks = _chunk_arg(num_chunks, "num_chunks", allow_none=True)
+        first_chunk = _chunk_arg(first_chunk, "first_chunk", allow_none=False)
         if isinstance(per_group, Mapping):
             lookup = dict(per_group)
             for gid in lookup:
-                if not isinstance(gid, int) or not 0 <= gid < self.num_vllm_groups:
+                if isinstance(gid, bool) or not isinstance(gid, int) \
+                        or not 0 <= gid < self.num_vllm_groups:
                     raise KVGroupsIndexError(
                         f"block_ids: expected vLLM KV cache group ids in [0, "
                         f"{self.num_vllm_groups}), got group {gid!r}"
@@ -487,7 +550,7 @@ class VllmKVLayout:
                 raise KVGroupsValueError(
                     f"block_ids: expected block ids for vLLM KV cache group {gid}, got none"
                 )
-            ids = list(lookup[gid])
+            ids = _group_ids(lookup[gid], gid)
             if num_chunks is not None:
                 per_chunk = chunk // bs
                 lo, hi = first_chunk * per_chunk, (first_chunk + num_chunks) * per_chunk
@@ -498,8 +561,33 @@ class VllmKVLayout:
                         f"{chunk} tokens"
                     )
                 ids = ids[lo:hi]
-            out[gid] = [int(b) for b in ids]
+            out[gid] = ids
         return out
+
+
+def _chunk_arg(value: Any, what: str, *, allow_none: bool) -> int | None:
+    """``num_chunks`` / ``first_chunk``: a non-negative int (a negative one sliced from the
+    end, a bool or float was taken for an int)."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise KVGroupsTypeError(
+            f"{what}: expected a non-negative int{' or None' if allow_none else ''}, got "
+            f"{type(value).__name__} {value!r}")
+    if value < 0:
+        raise KVGroupsValueError(f"{what}: expected a non-negative int, got {int(value)}")
+    return int(value)
+
+
+def _group_ids(ids: Any, gid: int) -> list[int]:
+    """One vLLM group's block ids as Python ints: a sequence (or array) of integers, never
+    floats (1.9 became block 1), bools or digit strings."""
+    what = f"block_ids[{gid}]"
+    if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__len__"):
+        raise KVGroupsTypeError(
+            f"{what}: expected a sequence of block ids, got {type(ids).__name__}")
+    return host_id_array(list(ids) if not isinstance(ids, np.ndarray) else ids,
+                         what).tolist()
 
 
 def from_kv_cache_config(

@@ -7,11 +7,13 @@ Select it with::
                      kv_connector_module_path="kvgroups_torch.vllm", kv_role="kv_both",
                      kv_connector_extra_config={"capacity_chunks": 1024, "chunk_size": 256})
 
-``kv_connector_extra_config`` keys: ``chunk_size`` (tokens per cached chunk, default 256, a
-multiple of every group's block size), ``capacity_chunks`` or ``capacity_bytes`` (the host
-cache size; default 1 GiB), ``eviction`` (only ``"lru"``), ``layerwise_loads`` (default true:
-each layer's load is waited for by that layer only, on the GPU; false: every load finishes
-before the forward).
+``kv_connector_extra_config`` keys (the table in :mod:`kvgroups_torch.vllm.config`, checked at
+engine start: unknown keys and bad values are refused by name): ``chunk_size`` (tokens per
+cached chunk, default 256, a multiple of every group's block size), ``capacity_chunks`` or
+``capacity_bytes`` (the host cache size; default 1 GiB), ``eviction`` (only ``"lru"``),
+``layerwise_loads`` (default true: each layer's load is waited for by that layer only, on the
+GPU; false: every load finishes before the forward), and the prefill/decode keys of
+:mod:`.pd` (docs/PD.md).
 
 How a step runs:
 
@@ -58,9 +60,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from kvgroups_core import object_nbytes
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsValueError
 
 from .adapter import VllmKVLayout, from_kv_cache_config
+from .config import ConnectorConfig, parse_extra_config
 from .host_store import HostChunkStore
 from .pd import PDScheduler, PDWorker, PDWorkerMeta, pd_enabled
 from .pipeline import StepTransfers, hooks_will_run
@@ -74,9 +77,6 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-DEFAULT_CAPACITY_BYTES = 1 << 30
-
 
 @dataclass
 class TransferItem:
@@ -122,11 +122,16 @@ def _salt(request: Any) -> bytes:
     return "\0".join(parts).encode()
 
 
-def _capacity_chunks(extra: dict, bytes_per_chunk: int) -> int:
-    if "capacity_chunks" in extra:
-        return int(extra["capacity_chunks"])
-    capacity = int(extra.get("capacity_bytes", DEFAULT_CAPACITY_BYTES))
-    return max(1, capacity // max(bytes_per_chunk, 1))
+def _capacity_chunks(config: ConnectorConfig, bytes_per_chunk: int) -> int:
+    if config.capacity_chunks is not None:
+        return config.capacity_chunks
+    chunks = config.capacity_bytes // max(bytes_per_chunk, 1)
+    if chunks < 1 and "capacity_bytes" in config.given:
+        raise KVGroupsValueError(
+            f"kv_connector_extra_config['capacity_bytes']: expected at least one chunk "
+            f"({bytes_per_chunk} bytes for this model at chunk_size {config.chunk_size}), got "
+            f"{config.capacity_bytes}")
+    return max(1, chunks)
 
 
 class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
@@ -135,24 +140,19 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
-        extra = dict(self._kv_transfer_config.kv_connector_extra_config or {})
-        eviction = str(extra.get("eviction", "lru")).lower()
-        if eviction != "lru":
-            raise UnsupportedConfig(
-                f"kv_connector_extra_config['eviction']: expected 'lru', got {eviction!r}"
-            )
-        self._chunk = int(extra.get("chunk_size", 256))
-        self._layerwise_loads = extra.get("layerwise_loads", True)
-        if not isinstance(self._layerwise_loads, bool):
-            raise KVGroupsValueError(
-                "kv_connector_extra_config['layerwise_loads']: expected true or false, got "
-                f"{self._layerwise_loads!r}")
+        transfer = self._kv_transfer_config
+        config = parse_extra_config(transfer.kv_connector_extra_config,
+                                    getattr(transfer, "kv_role", "kv_both"))
+        self._config = config
+        self._chunk = config.chunk_size
+        self._layerwise_loads = config.layerwise_loads
+        extra = config
         # Both processes derive the same grouping from the config: the scheduler needs the
         # windows and object sizes, the worker checks its tensors against the same layout.
         self._plan_layout = from_kv_cache_config(kv_cache_config, None, chunk_size=self._chunk)
         manager = self._plan_layout.manager
         self._object_bytes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
-        self._capacity = _capacity_chunks(extra, sum(self._object_bytes))
+        self._capacity = _capacity_chunks(config, sum(self._object_bytes))
         self._attn = manager.get_attn_desc() if manager.num_object_groups else None
         # Recurrent state: its object group(s) and vLLM groups (with their block sizes).
         self._state_ogs = frozenset(g for g, o in enumerate(manager.object_groups)

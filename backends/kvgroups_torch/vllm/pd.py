@@ -58,13 +58,15 @@ CONSUMER_ROLES = ("kv_consumer", "kv_both")
 PARAMS_KEY = "kvgroups"
 
 
-def pd_enabled(role: str, extra: dict) -> bool:
+def pd_enabled(role: str, extra: Any) -> bool:
     """kv_producer / kv_consumer always; kv_both when ``transport`` is configured."""
-    return role in ("kv_producer", "kv_consumer") or (role == "kv_both" and "transport" in extra)
+    return role in ("kv_producer", "kv_consumer") or (
+        role == "kv_both" and extra.get("transport") is not None)
 
 
-def pd_config(extra: dict) -> dict:
-    cfg = {k: extra.get(k, v) for k, v in PD_KEYS.items()}
+def pd_config(extra: Any) -> dict:
+    """The P/D settings of a checked ``kv_connector_extra_config`` (``vllm.config``)."""
+    cfg = {k: v if extra.get(k) is None else extra.get(k) for k, v in PD_KEYS.items()}
     if cfg["transport"] != "nixl":
         raise UnsupportedConfig(
             f"kv_connector_extra_config['transport']: expected 'nixl', got {cfg['transport']!r}"

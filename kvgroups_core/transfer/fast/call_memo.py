@@ -90,7 +90,7 @@ class CallMemo:
         self._binding = binding
         self._bound = bound
         self._guard = guard
-        self._keys_of = guard.keys_of
+        self._keys_match = guard.keys_match
         self._objects_key = getattr(backend, "objects_key", None) or numpy_objects_key
         self._plans: dict[tuple, _Entry] = {}
         self._objects: dict[tuple, bool] = {}
@@ -124,7 +124,7 @@ class CallMemo:
             tensors = self._held.get(entry)
             if tensors is None:
                 tensors = self._held[entry] = self._guard.watch(entry.slots)[0]
-            if self._keys_of(tensors) != entry.keys:
+            if not self._keys_match(tensors, entry.keys):
                 return None  # a touched tensor was reallocated: the full path rebinds or raises
         if type(objects) is not list and type(objects) is not tuple:
             return None

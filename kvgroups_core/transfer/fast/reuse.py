@@ -8,8 +8,9 @@ the manager, and the next one-shot call of that manager takes it back when its c
 same: the same structure, every leaf the very object the parked binding last moved (after a
 JAX load: the arrays it returned). That call then runs exactly as a prepared call does,
 checks included: its ids and objects are validated, and the bound caches' fingerprints
-(torch: addresses; NumPy: address, shape, strides, dtype, writeable) are compared first, so a
-cache resized or reallocated in place is bound afresh (or refused as a first call is). A
+(torch: address, shape, strides, dtype, requires_grad; NumPy: address, shape, strides, dtype,
+writeable) are compared first, so a cache resized, reallocated or re-viewed in place is bound
+afresh (or refused as a first call is). A
 repeated signature takes the transfer's call memo (``kvgroups_core.transfer.fast.call_memo``), which keeps
 its signatures while parked and only lets go of the tensors.
 
@@ -33,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
+from kvgroups_core.transfer.checks import copy_structure
 
 _ATTR = "_one_shot_park"  # the manager's attribute holding its park
 _LOCK = threading.Lock()
@@ -83,12 +85,19 @@ def _structure(tree: Any) -> tuple[Any, list]:
 def park(manager: Any, prepared: Any, entry: "_Park | None" = None) -> None:
     """After a successful one-shot call: keep ``prepared`` for the manager's next one, unless
     its caches cannot be referenced weakly, are descriptors, or are abstract. ``entry``: the
-    park the call was served from (:func:`take`), if any."""
-    kv_caches, objs = prepared.kv_caches, prepared._objs
+    park the call was served from (:func:`take`), if any.
+
+    The park refers to the structure the binding was made from (the guard's private copy),
+    not to the engine's list as it is now: a thread that replaced an entry since then makes
+    the next call miss, instead of parking new leaves over old bound tensors."""
+    objs = prepared._objs
+    guard = getattr(prepared, "_guard", None)
+    kv_caches = guard.source if guard is not None and guard.source is not None \
+        else prepared.kv_caches
     if entry is not None and entry.taken is not None:
         given, given_objs = entry.taken
         entry.taken = None
-        if given is kv_caches and given_objs is objs:
+        if given is prepared.kv_caches and given_objs is objs:
             # The call kept the caches it was given (stores, in-place loads): the same refs.
             if prepared._release():
                 _put(manager, entry)
@@ -147,11 +156,12 @@ def _put(manager: Any, entry: _Park) -> None:
             pass
 
 
-def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list] | None:
+def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list, Any] | None:
     """The manager's park when ``kv_caches`` are the caches it last moved: ``(park, the
-    structure's leaves, the bound tensors in slot order)``, its transfer still released (the
-    caller checks the call's backend, then calls :func:`restore`). None otherwise; the park is
-    taken out either way, so no other thread uses it meanwhile."""
+    structure's leaves, the bound tensors in slot order, the copy of the structure those
+    leaves were read from)``, its transfer still released (the caller checks the call's
+    backend, then calls :func:`restore` with that copy). None otherwise; the park is taken
+    out either way, so no other thread uses it meanwhile."""
     with _LOCK:
         entry = getattr(manager, _ATTR, None)
         if entry is None:
@@ -163,12 +173,17 @@ def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list] | None:
     refs = entry.leaf_refs
     by_id = type(refs[0]) is tuple  # NumPy arrays (see _refs)
     live = None if by_id else [r() for r in refs]
+    # One read of the structure (see validate.copy_structure): what is compared here is what
+    # the guard is given, however other threads change the engine's list meanwhile.
     if entry.flat:
-        if type(kv_caches) is not list or len(kv_caches) != len(refs):
+        if type(kv_caches) is not list:
             return None
-        leaves = kv_caches
+        source = leaves = list(kv_caches)
+        if len(leaves) != len(refs):
+            return None
     else:
-        signature, leaves = _structure(kv_caches)
+        source = copy_structure(kv_caches)
+        signature, leaves = _structure(source)
         if signature != entry.signature:
             return None
     if by_id:
@@ -179,15 +194,16 @@ def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list] | None:
     elif not all(map(operator.is_, leaves, live)):  # a dead reference is None: no leaf
         return None
     if entry.slot_refs is None:
-        return entry, live, live
+        return entry, live, live, source
     objs = [r() for r in entry.slot_refs]
     if any(x is None for x in objs):
         return None
-    return entry, live, objs
+    return entry, live, objs, source
 
 
-def restore(entry: _Park, kv_caches: Any, objs: list) -> Any:
-    """Hand a taken park's transfer its caches back; returns the transfer."""
+def restore(entry: _Park, kv_caches: Any, objs: list, source: Any) -> Any:
+    """Hand a taken park's transfer its caches back (``source``: the copy :func:`take`
+    compared); returns the transfer."""
     entry.taken = (kv_caches, objs)
-    entry.prepared._restore(kv_caches, objs)
+    entry.prepared._restore(kv_caches, objs, source)
     return entry.prepared
