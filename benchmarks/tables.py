@@ -93,7 +93,6 @@ def headline() -> str:
             lambda c, d: baseline(find(engine, backend="jax", default_path=True,
                                        call="prepared", placement="device", chunks=c,
                                        direction=d))),
-        ["LMCache, SGLang, vLLM page-copy kernels", "device copy"] + ["not measured"] * 4,
     ]
     return table(["call", "of the", "1 chunk", "4 chunks", "16 chunks", "64 chunks"], rows)
 

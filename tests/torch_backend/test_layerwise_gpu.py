@@ -7,7 +7,7 @@ the old bytes). The same for layer-wise saves, for waits captured in a graph rep
 eager loads (graph_waits, vLLM's FULL graphs) and for saves after a replay (graph_marks).
 The negative controls (the same step without waits) show the content check sees a race.
 
-compute-sanitizer (tests/run_overlap_h200.sh): racecheck over every test but the controls."""
+compute-sanitizer (scripts/gpu_checks.sh, step racecheck): racecheck over every test but the controls."""
 
 import numpy as np
 import pytest

@@ -2,7 +2,7 @@
 that cannot download (the H200: at most 64 MiB travels with the repository, the whole
 ``nixl-cu13`` wheel is 56 MiB and the checkout about 7 MiB).
 
-    python benchmarks/nixl_subset.py            # -> .whl/nixl_cu13_min.zip (about 12 MiB)
+    python scripts/nixl_subset.py            # -> .whl/nixl_cu13_min.zip (about 12 MiB)
 
 It downloads ``nixl-cu13==1.5.1`` for CPython 3.12 with pip, keeps the Python package, the UCX
 and POSIX plugins and every shared library they load (by their ELF ``NEEDED`` entries,
