@@ -109,7 +109,7 @@ def test_disaggregation_settings_are_checked_by_name():
                          ({"publish_ttl_s": float("nan")}, "publish_ttl_s"),
                          ({"nixl_backends": []}, r"'nixl_backends'\]: expected a list"),
                          ({"layerwise_loads": "yes"}, r"'layerwise_loads'\]: expected true"),
-                         ({"side_chanel_port": 1}, "did you mean 'side_channel_port'")]:
+                         ({"sidechannel_port": 1}, "did you mean 'side_channel_port'")]:
         with pytest.raises(kc.KVGroupsError, match=match):
             parse_extra_config(extra, "kv_consumer")
 
