@@ -143,8 +143,8 @@ def _parse(kv: Any, engine: str, h: Hints) -> _Parsed:
                 raise KVGroupsValueError(mismatch(f"kv_caches[{i}]", "a tensor or a (K, V) pair",
                                                   f"a sequence of {len(x)}"))
             whats = (f"kv_caches[{i}][0]", f"kv_caches[{i}][1]")
-            descs = (tensor_desc(x[0], whats[0]), tensor_desc(x[1], whats[1]))
-            layers.append(_Layer(descs, whats, read_pair_tensor, pair=True))
+            pair_descs = (tensor_desc(x[0], whats[0]), tensor_desc(x[1], whats[1]))
+            layers.append(_Layer(pair_descs, whats, read_pair_tensor, pair=True))
         return _Parsed("layers", layers)
     if any(nested):
         raise KVGroupsValueError(
@@ -184,7 +184,7 @@ def _engine_groups(layer_index_groups: Any, num_layers: int) -> list[list[int]]:
         for i in indices:
             if isinstance(i, bool) or not isinstance(i, numbers.Integral):
                 raise KVGroupsTypeError(mismatch(f"layer_index_groups[{g}]", "ints", repr(i)))
-            if not 0 <= i < num_layers:
+            if not 0 <= int(i) < num_layers:
                 raise KVGroupsValueError(
                     f"layer_index_groups[{g}]: layer {i} is outside registered layer range "
                     f"[0, {num_layers})"

@@ -90,7 +90,7 @@ def parse_hints(hints: Any) -> Hints:
 
 def engine_name(engine: Any) -> str:
     """The canonical engine name (case and ``-``/``_`` insensitive, aliases resolved)."""
-    name = engine.lower().replace("-", "_") if isinstance(engine, str) else None
+    name = engine.lower().replace("-", "_") if isinstance(engine, str) else ""
     name = _ENGINE_ALIASES.get(name, name)
     if name not in ENGINES:
         raise KVGroupsValueError(mismatch("engine", f"one of {list(ENGINES)}", engine))
@@ -261,6 +261,7 @@ def read_trtllm_cross(d: TensorDesc, what: str, h: Hints) -> tuple[EngineKVForma
                          f"rank-4 TRT-LLM pool {d.shape} as [NB, NL, 2, NH, BS, HS]",
                          f"no {', '.join(missing)}")
             )
+        assert nh is not None and bs is not None and hs is not None  # for mypy: none missing
         if d.shape[3] != nh * bs * hs:
             raise KVGroupsValueError(
                 mismatch(f"{what} dim 3", f"num_kv_heads*tokens_per_block*head_dim = "

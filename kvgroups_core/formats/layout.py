@@ -157,7 +157,7 @@ def _tensor_layout(
             )
         nh, hs = 1, INDEXER_ROW_BYTES
         # Inside a block all BS value rows come first, then all BS scales.
-        runs = (
+        runs: tuple[SegmentRun, ...] = (
             SegmentRun(count=1, nbytes=INDEXER_VALUE_BYTES, obj_offset=0, obj_step=0,
                        cache_offset=0, cache_step=0, token_stride=INDEXER_VALUE_BYTES),
             SegmentRun(count=1, nbytes=INDEXER_SCALE_BYTES, obj_offset=INDEXER_VALUE_BYTES,

@@ -131,4 +131,5 @@ class AttnWindowDesc:
             )
         if arr.shape[1] != groups or (arr.ndim == 3 and arr.shape[2] != self.world_size):
             raise KVGroupsValueError(f"present: expected shape {expected}, got {arr.shape}")
-        return arr.all(axis=2) if arr.ndim == 3 else arr
+        # NumPy's stubs type an axis reduction as "scalar or array"; of a 3-D array it is 2-D.
+        return arr.all(axis=2) if arr.ndim == 3 else arr  # type: ignore[return-value]

@@ -103,6 +103,7 @@ def _check_recurrent(k: int, fmt: EngineKVFormat, layers: list[int],
             f"recurrent_state=True for layers in the state format {fmt.name}, but {why}"
         )
     if declared and not state_format:
+        assert info is not None  # for mypy: declared says so
         raise KVGroupsValueError(
             f"kernel group {k} (layers {layers}): engine group info {info.engine_group_id} "
             f"says recurrent_state=True, expected a state format (NL_X_NB_CD_CW, "
@@ -116,6 +117,7 @@ def _check_recurrent(k: int, fmt: EngineKVFormat, layers: list[int],
                 "recurrent_state"
             )
         return False
+    assert info is not None  # for mypy: declared says so
     if info.tokens_per_block <= 0:
         raise KVGroupsValueError(
             f"kernel group {k} (layers {layers}): expected tokens_per_block > 0 for a "
@@ -208,6 +210,7 @@ class KVLayerGroupsManager:
                 f"lmcache_tokens_per_chunk: expected a positive token count, got {chunk}"
             )
         infos = tuple(engine_group_infos or ())
+        info: EngineGroupInfo | None
         for i, info in enumerate(infos):
             if not isinstance(info, EngineGroupInfo):
                 raise KVGroupsTypeError(

@@ -143,7 +143,7 @@ def check_total_heads(total_num_kv_heads: Any) -> list[int] | int | None:
     return value
 
 
-def _total_heads_per_layer(total_num_kv_heads: Any, num_layers: int) -> list[int | None]:
+def _total_heads_per_layer(total_num_kv_heads: Any, num_layers: int) -> Sequence[int | None]:
     """One total head count per layer (None: infer from the shard)."""
     values = check_total_heads(total_num_kv_heads)
     if values is None:
@@ -185,7 +185,7 @@ def canonical_region_nbytes(manager: Any, region: Any) -> int:
     return region.nbytes * shard.num_parts
 
 
-def _shard_of_group(k: int, group: Any, totals: list[int | None], rank: int,
+def _shard_of_group(k: int, group: Any, totals: Sequence[int | None], rank: int,
                     size: int) -> TPShard:
     if getattr(group, "recurrent_state", False):
         return _state_shard(k, group, rank, size)

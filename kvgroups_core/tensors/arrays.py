@@ -189,7 +189,8 @@ def _resolve_entry_points(x: Any) -> str | None:
         except Exception:  # noqa: BLE001 - refused by name when used: get_backend raises
             entry.array_types = ()
             continue
-        for qualified in entry.array_types:
+        # get() has just set array_types (mypy keeps the `is not None` test above)
+        for qualified in entry.array_types:  # type: ignore[attr-defined]
             cls = _resolve_class(qualified)
             if cls is not None and issubclass(t, cls):
                 return entry.name

@@ -10,7 +10,7 @@ from __future__ import annotations
 import ctypes
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
@@ -38,8 +38,14 @@ class TensorSpec:
 
     shape: tuple[int, ...]
     dtype: DType
-    strides: tuple[int, ...] | None = None
+    # The default None (row-major) never outlives __post_init__, which stores the strides.
+    strides: tuple[int, ...] = None  # type: ignore[assignment]
     device: str = "cpu"
+
+    if TYPE_CHECKING:
+        # What the constructor accepts: __post_init__ turns it into the fields' types.
+        def __init__(self, shape: Sequence[int], dtype: object,
+                     strides: Sequence[int] | None = None, device: str = "cpu") -> None: ...
 
     def __post_init__(self) -> None:
         try:
@@ -121,7 +127,7 @@ class TensorDesc:
 
     @property
     def strides(self) -> tuple[int, ...]:
-        return self.spec.strides  # type: ignore[return-value]
+        return self.spec.strides
 
     @property
     def dtype(self) -> DType:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 from kvgroups_core.errors import KVGroupsError
 from kvgroups_core.tensors.arrays import backend_for_tensors
@@ -56,8 +56,9 @@ class PreparedTransfer:
                  ) -> None:
         self.manager = manager
         self.kv_caches = kv_caches
+        # The registry holds transfer backends; ArrayBackend is the part of them it reads.
         self.backend: Backend = backend if isinstance(backend, Backend) else \
-            backend_for_tensors(_leaves(kv_caches), backend)
+            cast(Backend, backend_for_tensors(_leaves(kv_caches), backend))
         self._to_host = self.backend.to_host_ids  # one bound method, not one per call
         # Backends without device ids (the default hook) skip the per-call probe.
         self._ids_spec = None if type(self.backend).device_ids_spec is Backend.device_ids_spec \
@@ -165,7 +166,8 @@ class PreparedTransfer:
         nothing changed, when the backend's hold cannot)."""
         if self._abstract or not self._bound.release():
             return False
-        self.kv_caches = self._objs = self._described = None
+        # None while parked: _restore sets them before anything reads them again.
+        self.kv_caches = self._objs = self._described = None  # type: ignore[assignment]
         self._guard.release()
         self._memo.release()  # its references to the released tensors (signatures stay)
         return True
@@ -300,7 +302,7 @@ def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
                 return prepared, entry
             # Changed in place: bound afresh below, refused (if so) as a first call is.
     found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)
-    return PreparedTransfer(manager, kv_caches, backend=found), None
+    return PreparedTransfer(manager, kv_caches, backend=cast(Backend, found)), None
 
 
 def _park_after_refusal(manager: Any, prepared: PreparedTransfer, entry: Any,

@@ -8,14 +8,17 @@ by the array registry (:mod:`kvgroups_core.tensors.arrays`), which knows only th
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, ClassVar, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
 from kvgroups_core.errors import UnsupportedConfig
 from kvgroups_core.tensors.arrays import ArrayBackend
 from kvgroups_core.tensors.descriptors import TensorDesc
 
 from .objects import check_objects
-from .plan import with_block_ids
+from .plan import TransferPlan, with_block_ids
+
+if TYPE_CHECKING:
+    from kvgroups_core.grouping.manager import KVLayerGroupsManager
 
 
 class Backend(ArrayBackend, abc.ABC):
@@ -30,7 +33,7 @@ class Backend(ArrayBackend, abc.ABC):
 
     @abc.abstractmethod
     def execute(
-        self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
+        self, plan: TransferPlan, caches: Sequence[TensorDesc], objects: Sequence[Any]
     ) -> tuple[list | None, list]:
         """Run a :class:`~kvgroups_core.transfer.plan.TransferPlan`.
 
@@ -43,7 +46,7 @@ class Backend(ArrayBackend, abc.ABC):
 
     @abc.abstractmethod
     def allocate_objects(
-        self, plan: Any, like: TensorDesc, placement: str | None = None
+        self, plan: TransferPlan, like: TensorDesc, placement: str | None = None
     ) -> list:
         """Allocate one ``[num_chunks, object_nbytes]`` uint8 array per object group, on the
         device of ``like`` (or ``placement``: e.g. ``"pinned"`` for pinned host memory)."""
@@ -56,7 +59,8 @@ class Backend(ArrayBackend, abc.ABC):
         self.validate_caches(caches)
         return BoundCaches(self, caches)
 
-    def validate(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
+    def validate(self, plan: TransferPlan, caches: Sequence[TensorDesc],
+                 objects: Sequence[Any]) -> None:
         """Backend-specific checks run before any byte moves: both halves below."""
         self.validate_caches(caches)
         self.validate_objects(plan, caches, objects)
@@ -65,7 +69,7 @@ class Backend(ArrayBackend, abc.ABC):
         """Checks of the bound caches alone (devices, memory kinds); run once per binding."""
         return None
 
-    def validate_objects(self, plan: Any, caches: Sequence[TensorDesc],
+    def validate_objects(self, plan: TransferPlan, caches: Sequence[TensorDesc],
                          objects: Sequence[Any]) -> None:
         """Checks of one call's objects against the (already validated) caches."""
         return None
@@ -162,13 +166,14 @@ class BoundCaches:
         for d in self.caches:
             d.__dict__["obj"] = None
 
-    def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
+    def run(self, plan: TransferPlan, objects: Sequence[Any]) -> tuple[list | None, list]:
         """Validate ``objects`` for ``plan`` and execute it (see :meth:`Backend.execute`)."""
         check_objects(plan, objects, self.backend.shape_of)
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
 
-    def runner(self, plan: Any, block_ids: Any) -> Callable[[Any, Sequence[Any], Any], tuple]:
+    def runner(self, plan: TransferPlan, block_ids: Any
+               ) -> Callable[[Any, Sequence[Any], Any], tuple]:
         """A function ``(block_ids, objects, objects_key) -> (new caches, objects)`` that runs
         ``plan`` again, after a :meth:`run` of it passed, with other ids of the same signature
         (one flat array for every group, int64 NumPy for host ids) and objects of a signature
@@ -189,7 +194,7 @@ class BoundCaches:
 
         return run
 
-    def bind_source(self, manager: Any, kv_caches: Any) -> None:
+    def bind_source(self, manager: KVLayerGroupsManager, kv_caches: Any) -> None:
         """Told by :func:`~kvgroups_core.transfer.api.prepare` after binding: the manager and the
         engine's structure the bound caches came from. Backends that plan again per device
         shard (JAX caches sharded over a mesh) use them; this default ignores them."""
@@ -202,7 +207,7 @@ class BoundCaches:
         valid; False (this default) makes the caller bind them from scratch."""
         return False
 
-    def allocate_objects(self, plan: Any) -> list:
+    def allocate_objects(self, plan: TransferPlan) -> list:
         """New objects for ``plan`` next to the caches (none when nothing is bound)."""
         if not self.caches:
             return []

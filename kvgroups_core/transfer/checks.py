@@ -114,7 +114,7 @@ def _first_change(structure: Any, snap: Any, path: str = "kv_caches") -> str | N
 
 def _numpy_memory(x: np.ndarray) -> Memory:
     start, end = np.lib.array_utils.byte_bounds(x) if hasattr(np.lib, "array_utils") \
-        else np.byte_bounds(x)
+        else np.byte_bounds(x)  # type: ignore[attr-defined]  # NumPy 1.x only
     if x.ndim == 2:
         return Memory(start, end - start, bool(x.flags.writeable), True, x.shape[0],
                       x.strides[0], x.shape[1] * x.itemsize)
@@ -146,7 +146,7 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
         # The whole layout and the writeable flag: an array changed in place (or another
         # array at the same address, see kvgroups_core.transfer.fast.reuse) is bound again, and a load
         # into one made read-only is refused as on a first call.
-        out = []
+        out: list[tuple | None] = []
         for x in xs:
             if isinstance(x, np.ndarray):
                 ai = x.__array_interface__
@@ -223,14 +223,15 @@ class CacheGuard:
         self._concrete = list(objs)
         self._slot_index = list(range(len(self._concrete)))
         self._where = None
-        if self._keys is not None:
-            self._keys = self._keys_of(self._concrete)
+        if self._keys is not None:  # then _keys_of is set (see reset)
+            self._keys = self._keys_of(self._concrete)  # type: ignore[misc]
         self._memory = None
 
     def release(self) -> None:
         """Let go of the caches while a one-shot binding waits for its next call
         (:mod:`kvgroups_core.transfer.fast.reuse`); the fingerprints stay, to be compared then."""
-        self._snap = self._concrete = self.source = None
+        # None while parked: restore sets them before anything reads them again.
+        self._snap = self._concrete = self.source = None  # type: ignore[assignment]
 
     def restore(self, kv_caches: Any, objs: Sequence[Any]) -> None:
         """Take back the same structure and tensors (``objs`` in slot order) after
@@ -257,9 +258,10 @@ class CacheGuard:
         """The half of :meth:`changed` after the structure's identity check: a sentence
         naming the first bound tensor resized or reallocated in place, or None."""
         keys = self._keys
-        if keys is None or self._keys_match(self._concrete, keys):
+        # keys is set only with _keys_of and _keys_match (see reset)
+        if keys is None or self._keys_match(self._concrete, keys):  # type: ignore[misc]
             return None
-        now = self._keys_of(self._concrete)
+        now = self._keys_of(self._concrete)  # type: ignore[misc]
         n = next((i for i, (a, b) in enumerate(zip(keys, now)) if a != b), 0)
         return (f"the bound tensor of slot {self._slot_index[n]} was resized or reallocated, "
                 f"or changed in place ({_describe_change(keys[n], now[n])})")
@@ -461,7 +463,7 @@ def _is_backend_array(backend: Any, x: Any) -> bool:
 
 def _leaves(objects: Sequence[Any]) -> list[tuple[Any, int, int]]:
     """``(array, object group, chunk or -1)`` of every object buffer."""
-    out = []
+    out: list[tuple[Any, int, int]] = []
     for g, entry in enumerate(objects):
         if isinstance(entry, (list, tuple)):
             out.extend((x, g, c) for c, x in enumerate(entry))

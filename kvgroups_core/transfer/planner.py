@@ -58,7 +58,7 @@ def bind_caches(
     group_layouts: list[list[LayerLayout]] = []
     for k, group in enumerate(manager.kernel_groups):
         sd = group.shape_desc
-        layouts = []
+        layouts: list[LayerLayout] = []
         for layer in group.layer_indices:
             lay = layer_layout(kv_caches, formats[layer], layer)
             got = (lay.kv_size, lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size,
@@ -417,7 +417,7 @@ def plan_call(
     bpc = binding.uniform_bpc
     on_device = False
     if flat is not None and bpc and len(flat) % bpc == 0:
-        ids = {binding.flat_group: flat}
+        ids: dict[Any, Any] = {binding.flat_group: flat}  # engine group id -> its ids
         num_chunks = len(flat) // bpc
     elif (device := _flat_device_ids(binding, block_ids, ids_spec)) is not None:
         ids, num_chunks, on_device = {binding.flat_group: block_ids}, device, True

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import replace
-from typing import Any, Sequence
+from typing import Any, Sequence, cast
 
 import numpy as np
 
@@ -36,7 +36,8 @@ def byte_view(desc: TensorDesc, writable: bool) -> np.ndarray:
     if extent == 0:
         return np.zeros(0, dtype=np.uint8)
     raw = (ctypes.c_uint8 * extent).from_address(desc.address)
-    view = np.frombuffer(raw, dtype=np.uint8)
+    # A ctypes array is a buffer; NumPy's stubs name buffer types one by one before 3.12.
+    view = np.frombuffer(raw, dtype=np.uint8)  # type: ignore[call-overload]
     return view
 
 
@@ -147,7 +148,7 @@ def execute_plan(plan: TransferPlan, caches: Sequence[Any], objects: Sequence[An
 
 
 def _leaf_arrays(objects: Any) -> list:
-    out = []
+    out: list = []
     for o in objects:
         out.extend(o if isinstance(o, (list, tuple)) else [o])
     return out
@@ -207,7 +208,7 @@ class NumpyBackend(Backend):
             raise KVGroupsTypeError(
                 f"x: expected a host array or one of a registered backend, got "
                 f"{type(x).__name__} on DLPack device type {device_type}")
-        return np.asarray(owner.to_numpy(x))
+        return np.asarray(cast(Backend, owner).to_numpy(x))  # the registry's are Backends
 
     def validate_objects(self, plan: TransferPlan, caches: Sequence[TensorDesc],
                  objects: Sequence[Any]) -> None:

@@ -268,7 +268,7 @@ def _from_ranks(managers: list, objects_per_rank: Any) -> tuple[list[int], _Plan
             )
         chunk_counts.append(counts.pop())
         regions = [object_regions(m, og) for m in managers]
-        plan = []
+        plan: list[tuple] = []  # (rows, row bytes, parts[, conv split]) per region
         for i, region in enumerate(regions[0]):
             shard = _convertible_shard(ref, region.kernel_group_idx)
             if shard.conv is not None:
@@ -296,7 +296,7 @@ def _side_by_side_rank(manager: Any, objs: list) -> tuple[list[int], _Plan]:
         n = object_nbytes(manager, og)
         chunk_counts.append(_check_object(
             obj, size * n, f"objects_per_rank[0][{og}] (the {size} shards' objects side by side)"))
-        plan = []
+        plan: list[tuple] = []  # (rows, row bytes, parts[, conv split]) per region
         for region in object_regions(manager, og):
             shard = _convertible_shard(manager, region.kernel_group_idx)
             if shard.conv is not None:

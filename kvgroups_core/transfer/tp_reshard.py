@@ -359,7 +359,7 @@ def assemble(reads: ObjectReads, staged: Mapping[int, Any]) -> Any:
         staged arrays' framework and device (TP-native destinations: zero outside this
         rank's ranges).
     """
-    chunks = None
+    chunks: Any = None  # the staged arrays' first dimension (the framework's integer)
     for r in reads.ranges:
         if r not in staged:
             raise KVGroupsValueError(

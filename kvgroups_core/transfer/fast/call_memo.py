@@ -124,7 +124,8 @@ class CallMemo:
             tensors = self._held.get(entry)
             if tensors is None:
                 tensors = self._held[entry] = self._guard.watch(entry.slots)[0]
-            if not self._keys_match(tensors, entry.keys):
+            # entry.keys is recorded only by a guard with fingerprints: keys_match is set
+            if not self._keys_match(tensors, entry.keys):  # type: ignore[misc]
                 return None  # a touched tensor was reallocated: the full path rebinds or raises
         if type(objects) is not list and type(objects) is not tuple:
             return None

@@ -172,7 +172,8 @@ def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list, Any] | None:
         return None
     refs = entry.leaf_refs
     by_id = type(refs[0]) is tuple  # NumPy arrays (see _refs)
-    live = None if by_id else [r() for r in refs]
+    # (None only until the by_id branch below reads the leaves themselves)
+    live: list = None if by_id else [r() for r in refs]  # type: ignore[assignment]
     # One read of the structure (see validate.copy_structure): what is compared here is what
     # the guard is given, however other threads change the engine's list meanwhile.
     if entry.flat:
