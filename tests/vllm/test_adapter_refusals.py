@@ -30,7 +30,7 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     SlidingWindowSpec,
 )
-from vllm_configs import BS, DT, NB, caches, config, full, name  # noqa: E402
+from tests.vllm.vllm_configs import BS, DT, NB, caches, config, full, name  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
 
