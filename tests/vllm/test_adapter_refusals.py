@@ -30,9 +30,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     FullAttentionSpec,
     SlidingWindowSpec,
 )
-from tests.vllm.vllm_configs import BS, DT, NB, caches, config, full, name  # noqa: E402
 
 import kvgroups_core as kc  # noqa: E402
+from tests.vllm.vllm_configs import BS, DT, NB, caches, config, full, name  # noqa: E402
 
 SPEC = dict(num_kv_heads=2, head_size=64, dtype=DT)
 

@@ -26,6 +26,7 @@ def setup():
     from kvgroups_torch.vllm import from_kv_cache_config
     from kvgroups_torch.vllm.pd import PDScheduler, PDWorkerMeta
     from kvgroups_torch.vllm.prefix_index import ChunkIndex, chunk_hashes
+
     from tests.vllm.vllm_configs import config, full, sliding
 
     cfg = config([([0, 2], sliding()), ([1, 3], full())], num_blocks=24)
