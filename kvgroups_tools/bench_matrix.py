@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvgroups_core.errors import KVGroupsValueError
-from kvgroups_core.grouping.shape_spec import _group_tensor, parse_kvcache_shape_spec
+from kvgroups_core.grouping.shape_spec import group_tensor, parse_kvcache_shape_spec
 
 from .bench_public import CALLS, IDS
 from .catalog import CacheModel, get_model
@@ -69,7 +69,7 @@ class Shape:
         caches: list = []
         formats: list = []
         for i, g in enumerate(parse_kvcache_shape_spec(";".join(parts))):
-            fmt, tensor = _group_tensor(g, i)  # the layout manager_from_shape_spec uses
+            fmt, tensor = group_tensor(g, i)  # the layout manager_from_shape_spec uses
             caches += [tensor] * g.shape_desc.nl
             formats += [fmt] * g.shape_desc.nl
         return CacheModel(self.label, caches, tuple(formats), ())

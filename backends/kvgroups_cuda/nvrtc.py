@@ -324,10 +324,7 @@ class KernelTable:
                 kernel = code.get_kernel(name)
             except Exception as exc:
                 raise KernelCompileError(f"loading {name} ({self.arch}): {exc}") from exc
-            raw = getattr(kernel, "handle", None)
-            if raw is None:  # cuda.core < 0.3 spelled it privately
-                raw = kernel._handle
-            found = int(raw)
+            found = int(kernel.handle)
             self._kernels[name] = kernel
             self._handles[name] = found
         return found

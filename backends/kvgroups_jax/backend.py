@@ -25,7 +25,7 @@ from kvgroups_core.transfer.objects import check_objects
 
 from .describe import describe_array, memory_kind_of
 from .executor import execute_plan, writes_every_byte
-from .foreign import _IMPORTED, check_in_place, import_dlpack
+from .foreign import any_imported, check_in_place, import_dlpack
 from .lowerings.choice import LOWERINGS
 from .sharded import (
     UnknownSharding,
@@ -454,7 +454,7 @@ def _plain_sharding(arrays: list) -> Any:
         return None
     if any(x.sharding != sharding for x in arrays):
         return None
-    if _IMPORTED and not _IMPORTED.keys().isdisjoint(_pointers(arrays)):
+    if any_imported(_pointers(arrays)):
         return None  # DLPack imports: loads may need writing back (foreign.check_in_place)
     return sharding
 
@@ -470,7 +470,7 @@ def _pointers(arrays: list) -> list[int]:
 def _check_in_place(plan, before: list[int], arrays: list, new_caches) -> None:
     """:func:`check_in_place`, after a cheap test for its common outcome: no DLPack import
     involved and every result in its input's buffer, when it has nothing to do."""
-    if not (_IMPORTED and not _IMPORTED.keys().isdisjoint(before)):
+    if not any_imported(before):
         try:
             if [y.unsafe_buffer_pointer() for y in new_caches] == before:
                 return

@@ -9,7 +9,7 @@ objects the same way.
 
 Host cost: a call repeats the same plan shape over and over (a prepared binding gives every plan
 the same ``planes`` / ``runs`` / ``tensor_specs`` objects), so the static program is looked up by
-a cheap key of those identities plus a few ints and built once (:func:`_program_for`); the
+a cheap key of those identities plus a few ints and built once (:func:`program_for`); the
 program hashes in O(1) and one plan shape always yields the same program object, so JAX's
 static-argument check is an identity test. The per-call ``(first_item, num_items)`` arrays live
 on the device, cached by value. What is left per call is the ids array and JAX's dispatch.
@@ -105,7 +105,9 @@ def _copy_fn(lowering: str):
     return xla_copy.copy_group
 
 
-def _run(program: _Program, caches, objects, metas, idss):
+def run_program(program: _Program, caches, objects, metas, idss):
+    """The transfer program of ``program`` on these arrays: traced once per plan shape
+    (jitted and donated by :func:`execute_plan`, or mapped over the shards of a mesh)."""
     _TRACES["count"] += 1
     # Traced once per plan shape; XLA then compiles the program (seconds for Pallas kernels).
     _log.info("tracing a transfer program: %d kernel group(s), lowerings %s",
@@ -172,8 +174,8 @@ def _fresh_objects(program: _Program, objects: list) -> dict[int, tuple[int, int
     return pending
 
 
-_store_jit = jax.jit(_run, static_argnums=(0,), donate_argnums=(2,))
-_load_jit = jax.jit(_run, static_argnums=(0,), donate_argnums=(1,))
+_store_jit = jax.jit(run_program, static_argnums=(0,), donate_argnums=(2,))
+_load_jit = jax.jit(run_program, static_argnums=(0,), donate_argnums=(1,))
 
 
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
@@ -263,7 +265,7 @@ _MAX_METAS = 4096
 _METAS: dict[tuple, jax.Array] = {}
 
 
-def _program_for(plan, lowering: str, platform: str, num_warps: int,
+def program_for(plan, lowering: str, platform: str, num_warps: int,
                  fresh: tuple = ()) -> _Program:
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
@@ -340,7 +342,7 @@ def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
     return meta
 
 
-def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
+def runtime_args(plan, placement) -> tuple[tuple, tuple]:
     """The call's dynamic arguments: one meta per group, one padded id array per distinct ids
     object (in first-use order, as :func:`_build_static` numbers them)."""
     metas = []
@@ -408,8 +410,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     platform, placement = _home(caches + objects)
     if lowering == "tpu" and any(isinstance(x, jax.core.Tracer) for x in caches + objects):
         platform = TRACED  # the caller lowers the trace, for a TPU whatever this machine is
-    program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects))
-    metas, idss = _runtime_args(plan, placement)
+    program = program_for(plan, lowering, platform, num_warps, fresh_shapes(plan, objects))
+    metas, idss = runtime_args(plan, placement)
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
     return _load_jit(program, caches, objects, metas, idss), objects
@@ -424,7 +426,7 @@ def writes_every_byte(plan, object_group: int) -> bool:
     return written == plan.object_nbytes[object_group] and written > 0
 
 
-def _fresh_shapes(plan, objects) -> tuple:
+def fresh_shapes(plan, objects) -> tuple:
     """``_Program.fresh``: the shape of each object a store creates (None entries)."""
     if plan.direction != "store" or all(o is not None for o in objects):
         return ()
@@ -436,8 +438,8 @@ def build_program(plan, lowering: str, platform: str, *, num_warps: int | None =
                   objects=None):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
-    fresh = _fresh_shapes(plan, objects) if objects is not None else ()
-    return (_program_for(plan, lowering, platform, num_warps, fresh),) + _runtime_args(
+    fresh = fresh_shapes(plan, objects) if objects is not None else ()
+    return (program_for(plan, lowering, platform, num_warps, fresh),) + runtime_args(
         plan, None)
 
 

@@ -69,6 +69,12 @@ def import_dlpack(x: Any) -> jax.Array:
     return arr
 
 
+def any_imported(pointers: list[int]) -> bool:
+    """Whether any of these buffer pointers is an :func:`import_dlpack` of a live registry
+    entry (such caches may need a CPU load written back: :func:`check_in_place`)."""
+    return bool(_IMPORTED) and not _IMPORTED.keys().isdisjoint(pointers)
+
+
 def _owner_alive(ptr: int) -> bool:
     entry = _IMPORTED.get(ptr)
     if entry is None:

@@ -303,9 +303,9 @@ def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *,
     platform = _platform(layout.mesh)
     if lowering == "tpu" and not isinstance(layout.mesh, jax.sharding.Mesh):
         platform = executor.TRACED  # under jax.jit: the caller lowers it (for a TPU)
-    fresh = executor._fresh_shapes(local_plan, objects)
-    program = executor._program_for(local_plan, lowering, platform, num_warps, fresh)
-    metas, idss = executor._runtime_args(local_plan, None)
+    fresh = executor.fresh_shapes(local_plan, objects)
+    program = executor.program_for(local_plan, lowering, platform, num_warps, fresh)
+    metas, idss = executor.runtime_args(local_plan, None)
     fn = _sharded_fn(program, layout, len(local_plan.object_nbytes),
                      tuple(o is None for o in objects))
     given = tuple(o for o in objects if o is not None)
@@ -333,7 +333,7 @@ def _sharded_fn(program, layout: ShardLayout, num_objects: int, missing: tuple[b
     def body(caches, given, metas, idss):
         it = iter(given)
         objects = [None if m else next(it) for m in missing]
-        return executor._run(program, caches, objects, metas, idss)
+        return executor.run_program(program, caches, objects, metas, idss)
 
     mapped = jax.shard_map(body, mesh=layout.mesh,
                            in_specs=(layout.cache_specs, given_specs, P(), P()),

@@ -20,7 +20,7 @@ from .cuda import device as cuda_device
 from .cuda import objects as cuda_objects
 from .cuda import replay as cuda_replay
 from .cuda import run as cuda_run
-from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
+from .describe import DTYPE_NAMES, describe_tensor, dtype_of, torch_dtype
 from .fingerprints import fingerprints, same_fingerprints
 from .objects import allocate_objects
 
@@ -264,8 +264,8 @@ class TorchBackend(Backend):
             if not x.is_cuda or x.layout is not torch.strided or x.is_nested \
                     or x.is_quantized:
                 return None  # eager host ids (to_host_ids names what is wrong with others)
-            return _NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
-        return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
+            return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
+        return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
     def device_ids_key(self, x: Any) -> Any:
         """Eager CUDA id tensors: dtype, shape, GPU and contiguity (what the planner and the

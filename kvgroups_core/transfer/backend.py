@@ -12,10 +12,9 @@ from typing import Any, Callable, ClassVar, Sequence
 
 from kvgroups_core.errors import UnsupportedConfig
 from kvgroups_core.tensors.arrays import ArrayBackend
-from kvgroups_core.tensors.descriptors import TensorDesc
+from kvgroups_core.tensors.descriptors import TensorDesc, with_objs
 
 from .objects import check_objects
-from .plan import with_block_ids
 
 
 class Backend(ArrayBackend, abc.ABC):
@@ -139,6 +138,22 @@ class BoundCaches:
         self.backend = backend
         self.caches = list(caches)
 
+    @property
+    def caches(self) -> list:
+        """The bound descriptors, in slot order. After :meth:`restore` they are made again
+        when first read (a one-shot call served by a runner never reads them)."""
+        found = self._caches
+        if found is None:
+            found = self._caches = with_objs(self._bare, self._taken)
+            self._taken = None
+        return found
+
+    @caches.setter
+    def caches(self, value: Sequence[TensorDesc]) -> None:
+        self._caches: list | None = list(value)
+        self._bare: list | None = None  # the descriptors without their tensors (released)
+        self._taken: list | None = None  # the tensors restore() took back
+
     def release(self) -> bool:
         """Let go of the bound tensors while the binding waits for the next one-shot call
         (:mod:`kvgroups_core.transfer.fast.reuse`), keeping everything derived from them; :meth:`restore`
@@ -152,15 +167,17 @@ class BoundCaches:
 
     def restore(self, tensors: Sequence[Any]) -> None:
         """Take back the tensors :meth:`release` let go of (the same objects, slot order)."""
-        # The descriptors are this binding's own (made by its bind, never handed out while
-        # released): their ``obj`` is put back rather than 32 descriptors built again.
-        for d, x in zip(self.caches, tensors):
-            d.__dict__["obj"] = x  # the frozen dataclass's field, set as its __init__ does
+        self._taken = list(tensors)
 
     def _release_caches(self) -> None:
-        """:meth:`release` for a class that keeps its tensors only in :attr:`caches`."""
-        for d in self.caches:
-            d.__dict__["obj"] = None
+        """:meth:`release` for a class that keeps its tensors only in :attr:`caches`: the
+        descriptors are kept without them (made once per binding: a restore hands back the
+        same tensors, whose fingerprints the caller compares)."""
+        if self._caches is not None:
+            if self._bare is None:
+                self._bare = with_objs(self._caches, [None] * len(self._caches))
+            self._caches = None
+        self._taken = None
 
     def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         """Validate ``objects`` for ``plan`` and execute it (see :meth:`Backend.execute`)."""
@@ -178,13 +195,13 @@ class BoundCaches:
         was made with. This default puts the ids in the plan and runs it as :meth:`run` does,
         without the object checks when :meth:`run` is this class's own; backends override it
         to keep per-plan launch state."""
-        backend, caches = self.backend, self.caches
+        backend = self.backend
         own_run = type(self).run is BoundCaches.run
 
         def run(ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
-            again = with_block_ids(plan, ids)
+            again = plan.with_block_ids(ids)
             if own_run:
-                return backend.execute(again, caches, objects)
+                return backend.execute(again, self.caches, objects)
             return self.run(again, objects)
 
         return run

@@ -64,11 +64,11 @@ def stub_driver() -> type:
     cuda_launch.Launcher = Launcher
     cuda_run.current_stream = lambda index: 0
     cuda_replay.current_stream = lambda index: 0
-    cuda_launch._on_device = lambda t, index: True
-    cuda_replay._on_device = lambda t, index: True
-    cuda_launch._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
-    cuda_objects._to_table = lambda a, index: device_tables.HostTable(a)
-    cuda_launch._to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_launch.on_device = lambda t, index: True
+    cuda_replay.on_device = lambda t, index: True
+    cuda_launch.to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+    cuda_objects.to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_launch.to_table = lambda a, index: device_tables.HostTable(a)
     return Launcher
 
 

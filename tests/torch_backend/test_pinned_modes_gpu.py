@@ -48,9 +48,9 @@ def _host(tensors):
 def mode(request, monkeypatch):
     monkeypatch.setattr(get_backend("torch"), "pinned", request.param)
     staged = []
-    real = cuda_objects._stage
-    monkeypatch.setattr(cuda_run, "_stage", lambda *a: staged.append(1) or real(*a))
-    monkeypatch.setattr(cuda_objects, "_stage", lambda *a: staged.append(1) or real(*a))
+    real = cuda_objects.stage
+    monkeypatch.setattr(cuda_run, "stage", lambda *a: staged.append(1) or real(*a))
+    monkeypatch.setattr(cuda_objects, "stage", lambda *a: staged.append(1) or real(*a))
     return request.param, staged
 
 

@@ -248,9 +248,9 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(cuda_run, "current_stream", lambda index: 0)
     monkeypatch.setattr(cuda_replay, "current_stream", lambda index: 0)
     monkeypatch.setattr(cuda_objects, "check_object_tensor", lambda t, i, w: None)
-    monkeypatch.setattr(cuda_launch, "_to_device", lambda a, i: torch.from_numpy(a.copy()))
-    monkeypatch.setattr(cuda_objects, "_to_table", lambda a, i: device_tables.HostTable(a))
-    monkeypatch.setattr(cuda_launch, "_to_table", lambda a, i: device_tables.HostTable(a))
+    monkeypatch.setattr(cuda_launch, "to_device", lambda a, i: torch.from_numpy(a.copy()))
+    monkeypatch.setattr(cuda_objects, "to_table", lambda a, i: device_tables.HostTable(a))
+    monkeypatch.setattr(cuda_launch, "to_table", lambda a, i: device_tables.HostTable(a))
     cuda_launch._by_identity.clear()
     cuda_launch._by_value.clear()
     return launches, FakeDevice
@@ -492,8 +492,8 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
 def device_ids(emulated, monkeypatch):
     from kvgroups_torch.backend import TorchBackend
 
-    monkeypatch.setattr(cuda_launch, "_on_device", lambda t, index: True)
-    monkeypatch.setattr(cuda_replay, "_on_device", lambda t, index: True)
+    monkeypatch.setattr(cuda_launch, "on_device", lambda t, index: True)
+    monkeypatch.setattr(cuda_replay, "on_device", lambda t, index: True)
 
     def spec(self, x):
         if isinstance(x, torch.Tensor):

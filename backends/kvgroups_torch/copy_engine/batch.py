@@ -22,7 +22,7 @@ import torch
 from kvgroups_cuda import params as P
 
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
-from kvgroups_torch.cuda.driver import _libcuda, check, driver_version, primary_context
+from kvgroups_torch.cuda.driver import check, driver_version, libcuda, primary_context
 
 from .paths import table_for
 from .runs import group_copies
@@ -56,7 +56,7 @@ def batch_function() -> tuple[Any, bool]:
     CUDA 12.8 added ``cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs,
     numAttrs, failIdx, stream)``; CUDA 13.0 dropped ``failIdx`` and exports that signature as
     ``cuMemcpyBatchAsync_v2`` (the unversioned symbol keeps the 12.8 one)."""
-    lib = _libcuda()
+    lib = libcuda()
     version = driver_version()
     if version < 12080:
         raise UnsupportedConfig(
@@ -152,7 +152,7 @@ def enqueue(pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
 def submit(fn: Any, args: list, stream: int, device_index: int, buf: BatchBuffers) -> None:
     """Call the batched copy in the device's primary context (PyTorch's), restoring the
     thread's current context after."""
-    lib = _libcuda()
+    lib = libcuda()
     context = primary_context(device_index)
     lib.cuCtxGetCurrent(ctypes.byref(buf.current))
     previous = buf.current.value

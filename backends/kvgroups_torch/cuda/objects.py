@@ -84,16 +84,16 @@ def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
     if len(addresses) <= P.INLINE_OBJS:
         return ObjectBinding(P.OBJ_INLINE, addresses=tuple(addresses), unit=unit,
                              num_chunks=len(addresses))
-    table = _to_table(np.asarray(addresses, dtype=np.int64), device_index)
+    table = to_table(np.asarray(addresses, dtype=np.int64), device_index)
     return ObjectBinding(P.OBJ_TABLE, table=table, addresses=tuple(addresses), unit=unit,
                          num_chunks=len(addresses))
 
 
 # Tables kept across calls (plane and object tables), readable from any stream.
-_to_table = device_tables.upload
+to_table = device_tables.upload
 
 
-def _to_device(array: np.ndarray, device_index: int) -> torch.Tensor:
+def to_device(array: np.ndarray, device_index: int) -> torch.Tensor:
     """Host -> device copy ordered on the current stream, without blocking the host (for what
     one launch on that stream reads, such as host ids too many to pass inline)."""
     host = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
@@ -107,7 +107,7 @@ def object_plane(plane: Any, position: int) -> int:
     return position if found is None else found
 
 
-def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
+def region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
     """Byte ranges ``[start, stop)`` of each chunk's object that the plan's groups touch,
     merged: a staged store copies back only these (other bytes stay untouched). Each plane
     owns ``slots * row_bytes`` bytes at its object plane, so a layer-subset plan copies back
@@ -130,13 +130,13 @@ def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
     return merged
 
 
-def _stage(entry: Any, direction: str, device_index: int, spans: list[tuple[int, int]],
+def stage(entry: Any, direction: str, device_index: int, spans: list[tuple[int, int]],
            copies_after: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """Device stand-ins for pinned host objects: the touched regions are copied in before a
     load and out after a store, each copy one contiguous pinned range (asynchronous, and
     capturable in a CUDA graph)."""
     if isinstance(entry, (list, tuple)):
-        return [_stage(t, direction, device_index, spans, copies_after) for t in entry]
+        return [stage(t, direction, device_index, spans, copies_after) for t in entry]
     if not isinstance(entry, torch.Tensor) or entry.is_cuda:
         return entry
     check_object_tensor(entry, device_index, "objects")  # pinned, uint8: before any copy

@@ -12,7 +12,7 @@ import torch
 from kvgroups_cuda import params as P
 
 from .device import current_stream
-from .launch import _ID_DTYPES, _bind_ids, _on_device, _write_objects, _write_step
+from .launch import ID_DTYPES, bind_ids, on_device, write_objects, write_step
 from .objects import ObjectBinding
 from .run import DeviceCaches
 
@@ -35,9 +35,9 @@ class PlanRunner:
         self.index = fast.index
         self.fallback = fallback
         # Contiguous int32/int64 tensors on the GPU are read in place: only their address
-        # changes between calls. Anything else (host ids) goes through _bind_ids.
-        self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in _ID_DTYPES \
-            and _on_device(sample_ids, self.index) and sample_ids.is_contiguous()
+        # changes between calls. Anything else (host ids) goes through bind_ids.
+        self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in ID_DTYPES \
+            and on_device(sample_ids, self.index) and sample_ids.is_contiguous()
         self.ids_mode = P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 \
             else P.IDS_DEVICE64
         self._steps: dict[Any, list[tuple]] = {}  # object vector units -> launch list
@@ -63,11 +63,7 @@ class PlanRunner:
         for group in plan.groups:
             launch = fast.launch_for(group)
             unit = bindings[group.object_group_idx].unit
-            key = (plan.direction, group.num_chunks, group.first_item, unit, plan.max_ctas)
-            step = launch._steps.get(key)
-            if step is None:
-                step = launch._steps[key] = launch._step(plan.direction, group, unit,
-                                                         plan.max_ctas)
+            step = launch.step(plan.direction, group, unit, plan.max_ctas)
             p, launcher, function, grid, needed, num_items = step[:6]
             if num_items:
                 out.append((launch, p, launcher, function, grid, step, group.first_item,
@@ -102,11 +98,11 @@ class PlanRunner:
                     p.ids_mode = mode
                     keepalive = None
                 else:
-                    keepalive = _bind_ids(p, ids, needed, nb, self.index)
+                    keepalive = bind_ids(p, ids, needed, nb, self.index)
                 if p.last_objects is not objs:
-                    _write_objects(p, objs)
+                    write_objects(p, objs)
                 if p.last_step is not step:
-                    _write_step(p, step, first_item)
+                    write_step(p, step, first_item)
                 if p.skip_mode:
                     p.skip_mode = P.SKIP_NONE
                 launcher.launch(function, grid, P.THREADS, stream)

@@ -27,7 +27,7 @@ from .launch import (
     plan_options,
     plane_addresses,
 )
-from .objects import ObjectBinding, _region_spans, _stage, bind_objects
+from .objects import ObjectBinding, bind_objects, region_spans, stage
 
 
 class DeviceCaches:
@@ -201,8 +201,8 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
             entry = objects[g]
             if pinned == "staged" and g not in direct and not (
                     isinstance(entry, torch.Tensor) and entry.is_cuda):
-                spans = _region_spans(plan, g)
-                entry = _stage(entry, direction, device_index, spans, copies_after)
+                spans = region_spans(plan, g)
+                entry = stage(entry, direction, device_index, spans, copies_after)
                 staged.append(entry)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
     skip, max_ctas = plan_options(plan, device_index)

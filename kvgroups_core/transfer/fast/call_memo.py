@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvgroups_core.transfer.checks import CacheGuard, numpy_objects_key
-from kvgroups_core.transfer.planner import _out_of_range
+from kvgroups_core.transfer.planner import ids_out_of_range
 
 _MAX_PLANS = 1024  # signatures: layers x directions x chunk counts x id dtypes
 _MAX_OBJECTS = 64  # object sets (an engine cycles through a few buffers)
@@ -134,7 +134,7 @@ class CallMemo:
         if entry.checks is not None:  # host ids: their values are checked every call
             block_ids = block_ids.astype(np.int64, copy=False)
             for used, num_blocks in entry.checks:
-                if _out_of_range(block_ids[used], num_blocks):
+                if ids_out_of_range(block_ids[used], num_blocks):
                     return None  # the full path raises the precise error
         return entry.run(block_ids, objects, okey)
 
@@ -158,10 +158,9 @@ class CallMemo:
             return  # the planner read the ids otherwise than the key says: never memoised
         checks = None
         if host:
-            sk = binding.skeletons.get((plan.direction, plan.num_chunks, key[3], plan.layers))
-            if sk is None:
+            checks = binding.host_id_checks(plan.direction, plan.num_chunks, key[3], plan.layers)
+            if checks is None:
                 return
-            checks = tuple((used, num_blocks) for _, _, used, num_blocks in sk.checks)
             block_ids = block_ids.astype(np.int64, copy=False)
         slots = tuple(sorted({p.tensor_slot for g in plan.groups for p in g.planes}))
         tensors, keys = self._guard.watch(slots)
