@@ -26,6 +26,7 @@ import numpy as np
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.logs import logger
+from kvgroups_core.transfer.objects import check_objects
 
 from .geometry import GroupGeometry, bucket, group_geometry
 from .id_checks import check_block_ids
@@ -211,26 +212,26 @@ def _padded_ids(block_ids) -> jax.Array | np.ndarray:
     return out
 
 
+def _shape_of(x) -> tuple:
+    """``(dtype name, shape, strides)`` of a JAX value (always row-major) for the core's
+    object rule; a value without a shape reads as its type name and ``[]``."""
+    shape = tuple(getattr(x, "shape", ()))
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * max(int(shape[i]), 1)
+    return str(getattr(x, "dtype", type(x).__name__)), shape, tuple(strides)
+
+
 def _check_objects(plan, objects) -> None:
-    if len(objects) != len(plan.object_nbytes):
-        raise KVGroupsValueError(
-            f"objects: expected {len(plan.object_nbytes)} entries (one per object group), "
-            f"got {len(objects)}"
-        )
-    for k, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
-        if obj is None and plan.direction == "store":
-            continue  # created by the store itself
+    """The core's object rule (a store's None entries are created), and this executor's own
+    limit: one stacked array per object group, never per-chunk buffers."""
+    check_objects(plan, objects, _shape_of, store_creates=True)
+    for k, obj in enumerate(objects):
         if isinstance(obj, (list, tuple)):
             raise KVGroupsTypeError(
-                f"objects[{k}]: expected one [num_chunks, {nbytes}] uint8 jax.Array, got a "
-                f"list of per-chunk buffers (stack them once, outside the transfer)"
-            )
-        shape = tuple(getattr(obj, "shape", ()))
-        if (len(shape) != 2 or shape[1] != nbytes or shape[0] < plan.num_chunks
-                or obj.dtype != np.uint8):
-            raise KVGroupsValueError(
-                f"objects[{k}]: expected uint8 [>= {plan.num_chunks}, {nbytes}], got "
-                f"{getattr(obj, 'dtype', type(obj).__name__)} {list(shape)}"
+                f"objects[{k}]: expected one [num_chunks, {plan.object_nbytes[k]}] uint8 "
+                f"jax.Array, got a list of per-chunk buffers (stack them once, outside the "
+                f"transfer)"
             )
 
 
@@ -382,8 +383,7 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     plan : kvgroups_core.transfer.plan.TransferPlan
     caches : list of jax.Array, the backing tensors in ``plan.tensor_specs`` order.
     objects : list of jax.Array, one uint8 ``[num_chunks, object_nbytes]`` per object group
-        (more rows are allowed: a preallocated pool; only the first ``num_chunks`` are used).
-        On store an entry may be None: the program creates that object itself, as the
+        (the core's object rule). On store an entry may be None: the program creates that object itself, as the
         kernel's output when the plan writes all of it (no zero-filled buffer, no fill pass).
     lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
         "mosaic", "xla", "interpret" (Pallas interpret mode), "tpu" (Mosaic TPU DMAs) or

@@ -117,7 +117,7 @@ class TorchBackend(Backend):
             compiled.record(plan, tensors, objects, self.pinned)
             return None, list(given)
         if device.type == "cuda":
-            cuda_run.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
+            cuda_run.enqueue_plan(plan, caches, objects, device.index, pinned=self.pinned)
         elif device.type == "cpu":
             cpu_path.run_plan(compiled.host_plan(plan), tensors, objects)
         else:
@@ -188,7 +188,7 @@ class TorchBackend(Backend):
                 if device.type == "cuda":
                     if compiled.any_traced([t]):
                         continue  # a fake: its memory kind is checked when the op runs
-                    cuda_objects.check_object_tensor(t, device.index, what)
+                    cuda_objects.check_object_placement(t, device.index, what)
                 elif t.device.type != "cpu":
                     raise KVGroupsValueError(
                         f"{what}: expected a CPU tensor for CPU caches, got {t.device}"

@@ -15,12 +15,14 @@ import numpy as np
 import torch
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.transfer.objects import check_objects
 
 from . import cpu as cpu_path
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
 from .compile import ops
 from .cuda import objects as cuda_objects
 from .cuda import run as cuda_run
+from .describe import shape_of
 
 
 class BoundPlan:
@@ -41,6 +43,9 @@ class BoundPlan:
     def __init__(self, plan: Any, caches: Sequence[Any], objects: Sequence[Any], *,
                  pinned: str = DEFAULT_PINNED_MODE) -> None:
         self.plan = plan
+        # The core's object rule at binding; then this class's own limit: one tensor (or
+        # DLPack producer) per object group, no per-chunk buffers.
+        check_objects(plan, objects, lambda x: shape_of(tensor_of(x, "objects")))
         self.caches = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
         self.objects = [tensor_of(o, f"objects[{i}]") for i, o in enumerate(objects)]
         self.device = cache_device(self.caches)
@@ -114,7 +119,10 @@ class BoundPlan:
                 return
             same = len(objects) == len(self.objects) and all(
                 a is b for a, b in zip(objects, self.objects))
+            # Other objects than the bound ones are checked there (the core's rule).
             cuda_run.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
-                               block_ids=ids, bindings=self._bindings if same else None)
+                              block_ids=ids, bindings=self._bindings if same else None)
         else:
+            if objects is not self.objects:
+                check_objects(self.plan, objects, shape_of)
             cpu_path.run_plan(self.plan, caches, objects, block_ids=ids)

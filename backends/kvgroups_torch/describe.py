@@ -7,6 +7,8 @@ a uint8 view of the same width and strides, then given back their real :class:`D
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvgroups_core.errors import KVGroupsTypeError
@@ -45,6 +47,14 @@ def dtype_of(t: torch.Tensor) -> DType:
             f"tensor dtype: expected one of {sorted(DTYPE_NAMES.values())}, got {t.dtype}"
         )
     return DTYPE_MAP[name]
+
+
+def shape_of(x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """``(dtype name, shape, element strides)`` of a tensor: what the core's object rule reads
+    (``kvgroups_core.transfer.objects.check_objects``); other values are refused, typed."""
+    if not isinstance(x, torch.Tensor):
+        raise KVGroupsTypeError(f"objects: expected torch.Tensor objects, got {type(x).__name__}")
+    return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape), x.stride()
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:

@@ -3,6 +3,7 @@ modes) checked without a GPU: ``cuLaunchKernel`` is replaced by a NumPy emulatio
 page_copy.cu that reads the packed parameters and raw addresses exactly as the kernel does."""
 
 import ctypes
+import re
 
 import numpy as np
 import pytest
@@ -247,7 +248,7 @@ def emulated(request, monkeypatch):
     monkeypatch.setattr(cuda_launch, "Launcher", FakeLauncher)
     monkeypatch.setattr(cuda_run, "current_stream", lambda index: 0)
     monkeypatch.setattr(cuda_replay, "current_stream", lambda index: 0)
-    monkeypatch.setattr(cuda_objects, "check_object_tensor", lambda t, i, w: None)
+    monkeypatch.setattr(cuda_objects, "check_object_placement", lambda t, i, w: None)
     monkeypatch.setattr(cuda_launch, "to_device", lambda a, i: torch.from_numpy(a.copy()))
     monkeypatch.setattr(cuda_objects, "to_table", lambda a, i: device_tables.HostTable(a))
     monkeypatch.setattr(cuda_launch, "to_table", lambda a, i: device_tables.HostTable(a))
@@ -480,6 +481,41 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
         bound.run(torch.from_numpy(ids))
         assert len(launches) == before + 1
         np.testing.assert_array_equal(objects.numpy(), oracle(case, ids=ids)[1])
+
+
+def test_entry_points_that_bypass_the_core_apply_its_object_rule(emulated, monkeypatch):
+    # run_plan and BoundPlan take a plan directly: they refuse bad objects with the very
+    # error of the core's check_objects (one rule, one message), before any launch.
+    from kvgroups_torch import BoundPlan, bound_plan
+    from kvgroups_torch.describe import shape_of
+
+    from kvgroups_core.errors import KVGroupsError
+    from kvgroups_core.transfer.objects import check_objects
+
+    launches, _ = emulated
+    monkeypatch.setattr(bound_plan, "cache_device", lambda caches: torch.device("cuda", 0))
+    case = make_case("hnd", "float16", "store", np.random.default_rng(16), nb=8, bs=2, hs=8,
+                     num_chunks=2, bpc=2, kept=2)
+    caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
+    rows, nbytes = case.objects.shape
+    wide = torch.zeros((rows, 2 * nbytes), dtype=torch.uint8)
+    bad = [
+        torch.zeros((rows, nbytes), dtype=torch.int16),  # dtype
+        torch.zeros((rows + 1, nbytes), dtype=torch.uint8),  # chunks
+        wide[:, ::2],  # rows not contiguous
+        [torch.zeros(nbytes, dtype=torch.uint8), wide[0, ::2]],  # a strided per-chunk buffer
+        [torch.zeros(nbytes, dtype=torch.uint8)],  # too few per-chunk buffers
+    ]
+    for entry in bad:
+        with pytest.raises(KVGroupsError) as core:
+            check_objects(case.plan, [entry], shape_of)
+        want = f"^{re.escape(str(core.value))}$"
+        before = len(launches)
+        with pytest.raises(type(core.value), match=want):
+            cuda_run.run_plan(case.plan, caches, [entry], 0)
+        with pytest.raises(type(core.value), match=want):
+            BoundPlan(case.plan, caches, [entry], pinned="direct")
+        assert len(launches) == before
 
 
 # Device-side ids, skips, layer subsets and the CTA cap through the public prepared calls,
