@@ -15,10 +15,12 @@ from .describe import describe_array
 from .executor import execute_plan, lower_plan, trace_count
 from .foreign import InPlaceCopyWarning, InPlaceWriteLost, import_dlpack
 from .lowerings.choice import LOWERINGS
+from .lowerings.tuning import LoweringTuning
 
 __all__ = [
     "JaxBackend",
     "LOWERINGS",
+    "LoweringTuning",
     "PAD_ID",
     "InPlaceCopyWarning",
     "InPlaceWriteLost",

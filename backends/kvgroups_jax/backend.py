@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
 from kvgroups_core.tensors.descriptors import TensorDesc
 from kvgroups_core.tensors.dtypes import as_dtype
 from kvgroups_core.transfer.backend import Backend, BoundCaches
@@ -27,6 +27,7 @@ from .describe import describe_array, memory_kind_of
 from .executor import execute_plan, writes_every_byte
 from .foreign import any_imported, check_in_place, import_dlpack
 from .lowerings.choice import LOWERINGS
+from .lowerings.tuning import DEFAULT_TUNING, LoweringTuning
 from .sharded import (
     UnknownSharding,
     local_binding,
@@ -55,6 +56,8 @@ class JaxBackend(Backend):
         TPU interpret mode, any platform) to force a path (register such an instance under
         its own name: there is no global switch; "jax-tpu" and "jax-tpu-interpret" are).
     num_warps : warps per Triton program.
+    tuning : the lowerings' launch shapes (:class:`~kvgroups_jax.lowerings.tuning.LoweringTuning`;
+        default the shipped one): part of every program's key, passed to the kernels.
     """
 
     name: ClassVar[str] = "jax"
@@ -63,11 +66,16 @@ class JaxBackend(Backend):
     array_types: ClassVar[tuple[str, ...]] = ("jax.Array", "jax.core.Tracer",
                                               "jax.ShapeDtypeStruct")
 
-    def __init__(self, lowering: str = "auto", num_warps: int | None = None):
+    def __init__(self, lowering: str = "auto", num_warps: int | None = None,
+                 tuning: LoweringTuning | None = None):
         if lowering not in LOWERINGS:
             raise KVGroupsValueError(f"lowering: expected one of {LOWERINGS}, got {lowering!r}")
+        if tuning is not None and not isinstance(tuning, LoweringTuning):
+            raise KVGroupsTypeError(
+                f"tuning: expected a LoweringTuning or None, got {type(tuning).__name__}")
         self.lowering = lowering
         self.num_warps = num_warps
+        self.tuning = tuning or DEFAULT_TUNING
         if lowering == "tpu-interpret":
             # Every new plan shape compiles an interpreted program for seconds on a CPU: the
             # conformance kit runs its small case set unless told otherwise.
@@ -189,7 +197,7 @@ class JaxBackend(Backend):
                   if k == "pinned_host" else o for g, (o, k) in enumerate(zip(objs, kinds))]
         before = _pointers(arrays) if plan.direction == "load" else []
         new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
-                                            num_warps=self.num_warps)
+                                            num_warps=self.num_warps, tuning=self.tuning)
         new_objs = [
             jax.device_put(n, o.sharding) if k == "pinned_host" and plan.direction == "store"
             else (o if k == "pinned_host" else n)
@@ -209,7 +217,7 @@ class JaxBackend(Backend):
         staged = [(None if store and writes_every_byte(plan, g) else _device_space(o))
                   if h else o for g, (o, h) in enumerate(zip(objs, hosted))]
         new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
-                                            num_warps=self.num_warps)
+                                            num_warps=self.num_warps, tuning=self.tuning)
         if store:
             return None, [_host_space(n) if h else n for n, h in zip(new_objs, hosted)]
         return list(new_caches), [o if h else n for n, o, h in zip(new_objs, objs, hosted)]
@@ -220,7 +228,7 @@ class JaxBackend(Backend):
         load = plan.direction == "load"
         before = _pointers(arrays) if load and check else []
         new_caches, new_objs = execute_plan(plan, arrays, objs, lowering=self.lowering,
-                                            num_warps=self.num_warps)
+                                            num_warps=self.num_warps, tuning=self.tuning)
         if not load:
             return None, list(new_objs)
         if check:
@@ -359,7 +367,8 @@ class _BoundJax(BoundCaches):
         check_shard_objects(self._shards, objs, plan)
         local = localize(plan, self._shard_binding)
         return run_sharded(self._shards, local, self._arrays, objs,
-                           lowering=self.backend.lowering, num_warps=self.backend.num_warps)
+                           lowering=self.backend.lowering, num_warps=self.backend.num_warps,
+                           tuning=self.backend.tuning)
 
     def _plain_objects(self, plan, objects: Sequence[Any]) -> bool:
         nbytes = plan.object_nbytes

@@ -33,6 +33,7 @@ from .id_checks import check_block_ids
 from .lowerings import triton as pallas_copy
 from .lowerings import xla as xla_copy
 from .lowerings.choice import TRACED, resolve_lowering
+from .lowerings.tuning import DEFAULT_TUNING, LoweringTuning
 from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
 _TRACES = {"count": 0}
@@ -68,6 +69,8 @@ class _Program:
     #: for checkify) and the group's kernel group index (named in that check's message).
     device_ids: tuple[bool, ...] = ()
     kernel_groups: tuple[int, ...] = ()
+    #: The lowerings' tuning (JaxBackend(tuning=...)): programs of other tunings differ.
+    tuning: LoweringTuning = DEFAULT_TUNING
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -75,7 +78,8 @@ class _Program:
 
     def _key(self) -> tuple:
         return (self.direction, self.geoms, self.lowerings, self.object_groups, self.grid_items,
-                self.num_warps, self.id_slots, self.fresh, self.device_ids, self.kernel_groups)
+                self.num_warps, self.id_slots, self.fresh, self.device_ids, self.kernel_groups,
+                self.tuning)
 
     def __hash__(self) -> int:
         return self._hash
@@ -137,6 +141,7 @@ def run_program(program: _Program, caches, objects, metas, idss):
         out = _copy_fn(lowering)(
             program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
             interpret=lowering in ("interpret", "tpu-interpret"), num_warps=program.num_warps,
+            tuning=program.tuning,
             kernel_group=program.kernel_groups[g] if program.kernel_groups else g,
         )
         if program.direction == "store":
@@ -266,8 +271,8 @@ _MAX_METAS = 4096
 _METAS: dict[tuple, jax.Array] = {}
 
 
-def program_for(plan, lowering: str, platform: str, num_warps: int,
-                 fresh: tuple = ()) -> _Program:
+def program_for(plan, lowering: str, platform: str, num_warps: int, fresh: tuple = (),
+                tuning: LoweringTuning = DEFAULT_TUNING) -> _Program:
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
@@ -277,13 +282,13 @@ def program_for(plan, lowering: str, platform: str, num_warps: int,
     still finds the value-equal program: no new compilation).
     """
     if type(plan.tensor_specs) is not tuple:
-        return _build_static(plan, lowering, platform, num_warps, fresh)  # mutable: no caching
+        return _build_static(plan, lowering, platform, num_warps, fresh, tuning)  # mutable
     key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
-           plan.object_nbytes, fresh]
+           plan.object_nbytes, fresh, tuning]
     seen: dict[int, int] = {}
     for g in plan.groups:
         if type(g.planes) is not tuple or type(g.runs) is not tuple:
-            return _build_static(plan, lowering, platform, num_warps, fresh)  # no caching
+            return _build_static(plan, lowering, platform, num_warps, fresh, tuning)
         slot = seen.setdefault(id(g.block_ids), len(seen))
         key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot,
                     _on_device(g.block_ids)))
@@ -291,7 +296,7 @@ def program_for(plan, lowering: str, platform: str, num_warps: int,
     hit = _PROGRAMS.get(key)
     if hit is not None:
         return hit[0]
-    program = _build_static(plan, lowering, platform, num_warps, fresh)
+    program = _build_static(plan, lowering, platform, num_warps, fresh, tuning)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.clear()
     keep = (plan.tensor_specs,) + tuple((g.planes, g.runs) for g in plan.groups)
@@ -299,8 +304,8 @@ def program_for(plan, lowering: str, platform: str, num_warps: int,
     return program
 
 
-def _build_static(plan, lowering: str, platform: str, num_warps: int,
-                  fresh: tuple = ()) -> _Program:
+def _build_static(plan, lowering: str, platform: str, num_warps: int, fresh: tuple = (),
+                  tuning: LoweringTuning = DEFAULT_TUNING) -> _Program:
     geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
     seen: dict[int, int] = {}
     for group in plan.groups:
@@ -313,7 +318,7 @@ def _build_static(plan, lowering: str, platform: str, num_warps: int,
     return _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
                     num_warps, tuple(id_slots), fresh,
                     tuple(_on_device(g.block_ids) for g in plan.groups),
-                    tuple(g.kernel_group_idx for g in plan.groups))
+                    tuple(g.kernel_group_idx for g in plan.groups), tuning)
 
 
 def _on_device(ids) -> bool:
@@ -375,7 +380,8 @@ def _device_meta(group, skip) -> jax.Array:
     return jnp.stack([first, total - first]).astype(jnp.int32)
 
 
-def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None):
+def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None,
+                 tuning: LoweringTuning = DEFAULT_TUNING):
     """Run ``plan`` on JAX arrays.
 
     Parameters
@@ -388,6 +394,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
         "mosaic", "xla", "interpret" (Pallas interpret mode), "tpu" (Mosaic TPU DMAs) or
         "tpu-interpret" (the same kernels in Pallas' TPU interpret mode).
+    num_warps : warps per Triton program (None: from the page size).
+    tuning : the lowerings' launch shapes (:class:`~kvgroups_jax.lowerings.tuning.LoweringTuning`).
 
     Returns
     -------
@@ -410,7 +418,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     platform, placement = _home(caches + objects)
     if lowering == "tpu" and any(isinstance(x, jax.core.Tracer) for x in caches + objects):
         platform = TRACED  # the caller lowers the trace, for a TPU whatever this machine is
-    program = program_for(plan, lowering, platform, num_warps, fresh_shapes(plan, objects))
+    program = program_for(plan, lowering, platform, num_warps, fresh_shapes(plan, objects),
+                          tuning)
     metas, idss = runtime_args(plan, placement)
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
@@ -435,16 +444,16 @@ def fresh_shapes(plan, objects) -> tuple:
 
 
 def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None,
-                  objects=None):
+                  objects=None, tuning: LoweringTuning = DEFAULT_TUNING):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
     fresh = fresh_shapes(plan, objects) if objects is not None else ()
-    return (program_for(plan, lowering, platform, num_warps, fresh),) + runtime_args(
+    return (program_for(plan, lowering, platform, num_warps, fresh, tuning),) + runtime_args(
         plan, None)
 
 
 def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
-               num_warps: int | None = None):
+               num_warps: int | None = None, tuning: LoweringTuning = DEFAULT_TUNING):
     """Lower ``plan`` for ``platform`` without running it (no GPU needed).
 
     ``caches`` and ``objects`` may be ``jax.ShapeDtypeStruct`` s. Lowering runs the Triton or
@@ -453,7 +462,7 @@ def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
     ``lowering="tpu"`` lowers the Mosaic TPU DMA kernels. Returns the ``jax.stages.Lowered``.
     """
     program, metas, idss = build_program(plan, lowering, "tpu" if platform == "tpu" else "gpu",
-                                         num_warps=num_warps, objects=objects)
+                                         num_warps=num_warps, objects=objects, tuning=tuning)
     fn = _store_jit if plan.direction == "store" else _load_jit
     return fn.trace(program, tuple(caches), tuple(objects), metas, idss).lower(
         lowering_platforms=(platform,)

@@ -30,6 +30,8 @@ from kvgroups_core.errors import UnsupportedConfig
 from kvgroups_core.tensors.descriptors import TensorSpec
 from kvgroups_core.tensors.dtypes import as_dtype
 
+from .lowerings.tuning import DEFAULT_TUNING, LoweringTuning
+
 
 @dataclass(frozen=True)
 class ShardLayout:
@@ -295,7 +297,7 @@ def check_objects(layout: ShardLayout, objects, plan) -> None:
 
 
 def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *, lowering: str,
-                num_warps):
+                num_warps, tuning: LoweringTuning = DEFAULT_TUNING):
     """Execute ``local_plan`` on every shard under ``jax.shard_map`` (jitted, donated as the
     plain path): ``(new caches or None, objects)``."""
     from . import executor
@@ -304,7 +306,7 @@ def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *,
     if lowering == "tpu" and not isinstance(layout.mesh, jax.sharding.Mesh):
         platform = executor.TRACED  # under jax.jit: the caller lowers it (for a TPU)
     fresh = executor.fresh_shapes(local_plan, objects)
-    program = executor.program_for(local_plan, lowering, platform, num_warps, fresh)
+    program = executor.program_for(local_plan, lowering, platform, num_warps, fresh, tuning)
     metas, idss = executor.runtime_args(local_plan, None)
     fn = _sharded_fn(program, layout, len(local_plan.object_nbytes),
                      tuple(o is None for o in objects))

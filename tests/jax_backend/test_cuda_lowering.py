@@ -177,12 +177,14 @@ def test_xla_entry_points_build_with_the_parameters_jaxlib_passes(words):
         nvrtc.xla_words(nvrtc.XLA_WORD_COUNTS[-1] + 1)
 
 
-def test_the_ptx_memo_follows_the_kernel_tuning(monkeypatch, tmp_path):
-    # A sweep that changes the warp unroll packs blobs for it: the PTX must change with it.
+def test_the_ptx_memo_follows_the_isa_override(monkeypatch, tmp_path):
+    # The PTX XLA assembles is memoised per ISA override: changing it gets PTX of that version.
     pytest.importorskip("cuda.bindings.nvrtc")
     monkeypatch.setenv(nvrtc.ENV_CACHE_DIR, str(tmp_path))
-    default = cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings())
-    monkeypatch.setitem(nvrtc.TUNING, "KVG_WARP_UNROLL", 8)
-    tuned = cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings())
-    assert tuned != default
-    assert cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings()) is tuned
+    monkeypatch.setenv(cuda_copy.ENV_PTX_ISA, "8.0")
+    old = cuda_copy._ptx("sm_90", 8, cuda_copy._isa_override())
+    assert re.search(r"^\.version 8\.0$", old, re.M)
+    assert cuda_copy._ptx("sm_90", 8, cuda_copy._isa_override()) is old
+    monkeypatch.setenv(cuda_copy.ENV_PTX_ISA, "8.3")
+    newer = cuda_copy._ptx("sm_90", 8, cuda_copy._isa_override())
+    assert re.search(r"^\.version 8\.3$", newer, re.M) and newer != old

@@ -85,8 +85,8 @@ def test_gpu_load_into_torch_cuda_caches_writes_torch_memory():
 def test_gpu_cuda_lowering_on_a_capped_grid_is_bit_exact(monkeypatch):
     # Two CTAs (16 warps) for 192 units: every warp loops over units, as a capped grid does.
     from kvgroups_jax.lowerings import cuda as cuda_copy
+    from kvgroups_jax.lowerings.tuning import LoweringTuning
 
-    monkeypatch.setitem(cuda_copy.TUNING, "resident_waves", 1)
     monkeypatch.setattr(cuda_copy, "_num_sms", lambda: 1)
     jax.clear_caches()
     gpu = jax.devices("gpu")[0]
@@ -94,6 +94,7 @@ def test_gpu_cuda_lowering_on_a_capped_grid_is_bit_exact(monkeypatch):
         for direction in ("store", "load"):
             arrays, g = make_group("nhd", "bfloat16", nb=64, bs=16, nh=8, hs=128, num_chunks=3,
                                    bpc=4, first_item=2 if direction == "load" else 0)
-            run_and_check(direction, [g], arrays, [_nbytes(g)], lowering="cuda", device=gpu)
+            run_and_check(direction, [g], arrays, [_nbytes(g)], lowering="cuda", device=gpu,
+                          tuning=LoweringTuning(resident_waves=1))
     finally:
         jax.clear_caches()

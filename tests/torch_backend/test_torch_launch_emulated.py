@@ -104,9 +104,6 @@ def _copy_page(p, kind, vec, store, r, plane, chunk, pos, bid):
 
 def emulate(p: P.KvgParams, name: str, grid, launches: list):
     """page_copy.cu, one work unit at a time (threads folded into NumPy slices)."""
-    if name.endswith("_small"):
-        emulate_small(p, name, grid, launches)
-        return
     if name.endswith("_warp"):
         emulate_warp(p, name, grid, launches)
         return
@@ -150,7 +147,7 @@ def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
     store = name.split("_")[1] == "store"
     launches.append((name, tuple(grid), p.segs_per_page))
     assert grid[1] == grid[2] == 1 and p.num_runs == 1
-    run, seg_units = p.runs[0], 32 * cuda_launch.warp_unroll()
+    run, seg_units = p.runs[0], 32 * P.WARP_UNROLL
     segs, kept = p.segs_per_page, p.kept_per_chunk
     assert segs == -(-run.page_units // seg_units)
     assert p.segs_shift == (segs.bit_length() - 1 if segs & (segs - 1) == 0 else 0xFF)
@@ -178,39 +175,6 @@ def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
             src, dst = (cache_page, obj_page) if store else (obj_page, cache_page)
             assert src % 16 == 0 and dst % 16 == 0, "misaligned vector"
             _write(dst + lo, _read(src + lo, hi - lo))
-
-
-def emulate_small(p: P.KvgParams, name: str, grid, launches: list):
-    """kvg_small_copy of page_copy.cu: work units of a tile of items x a group of planes,
-    each item's id looked up once per unit and used for every plane of it."""
-    direction, vec, kind = name.split("_")[1], int(name.split("_")[2][1:]), name.split("_")[3]
-    launches.append((name, tuple(grid), p.items_per_cta, p.planes_per_cta))
-    assert grid[1] == grid[2] == 1
-    ipc, ppc = p.items_per_cta, p.planes_per_cta
-    # What the kernel assumes of the host: power-of-two tiles and plane groups within the
-    # shared arrays, and a unit's vector count inside 32 bits.
-    assert 0 < ipc <= P.SMALL_TILE and ipc & (ipc - 1) == 0
-    assert 0 < ppc <= P.SMALL_PLANES and ppc & (ppc - 1) == 0
-    assert p.num_tiles == -(-p.num_items // ipc)
-    assert all(ppc * ipc * p.runs[z].page_units < 2**32 for z in range(p.num_runs))
-    store = direction == "store"
-    groups = -(-p.num_planes // ppc)
-    num_work = p.num_tiles * groups * p.num_runs
-    for cta in range(grid[0]):
-        for w in range(cta, num_work, grid[0]):
-            tile, rest = w % p.num_tiles, w // p.num_tiles
-            group, z = rest % groups, rest // groups
-            counts = group == 0 and z == 0
-            first = _first_item(p, counts and tile == 0)
-            tile0 = tile * ipc
-            pages = []  # the tile's shared entries: one id lookup per item
-            for it in range(min(ipc, p.num_items - tile0)):
-                item = p.first_item + tile0 + it
-                pages.append(None if item < first else _item_page(p, item, counts))
-            for plane in range(group * ppc, min((group + 1) * ppc, p.num_planes)):
-                for found in pages:
-                    if found is not None:
-                        _copy_page(p, kind, vec, store, p.runs[z], plane, *found)
 
 
 @pytest.fixture(params=["classic", "warp"])
@@ -646,8 +610,7 @@ def test_emulated_cta_cap_loops_over_the_work_with_the_same_bytes(emulated):
     assert launches[-1][1][0] == 3  # the grid: 3 CTAs for every work unit of the launch
     from kvgroups_cuda import geometry
 
-    if not geometry.SMALL_PAGE_BYTES:  # (test_small_pages runs this with its small kernels)
-        assert launches[-1][0].endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0)
+    assert launches[-1][0].endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0)
     for a, b in zip(objects, ref.store(ids)):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -685,7 +648,7 @@ def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated)
 
     launches, _ = emulated
     rng = np.random.default_rng(41)
-    segment = 32 * cuda_launch.warp_unroll() * 16
+    segment = 32 * P.WARP_UNROLL * 16
     for hs in (segment // 256, segment // 32, 3 * segment // 64):  # float32 NHD rows: block
         # of 2 tokens x 4 heads x hs words, so a page is 32 * hs bytes
         for direction in ("store", "load"):
@@ -699,8 +662,8 @@ def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated)
 
 
 def test_warp_selection_and_sizing():
-    # The warp kernels take contiguous 16-byte pages from WARP_MIN_PAGE_BYTES up, never small
-    # pages or runs; a launch whose segments would pass the kernel's 32-bit count is refused
+    # The warp kernels take contiguous 16-byte pages from WARP_MIN_PAGE_BYTES up, never
+    # runs; a launch whose segments would pass the kernel's 32-bit count is refused
     # (None: the classic kernel takes it), and the grid covers every segment with 8 warps/CTA.
     from dataclasses import replace
 
@@ -712,12 +675,10 @@ def test_warp_selection_and_sizing():
     assert nhd.contiguous and nhd.page_bytes == 32768
     hnd = geometry.group_shape(make_case("hnd", "float16", "store", rng, nb=8, bs=2, hs=8,
                                          num_chunks=1, bpc=2, kept=2, region_pad=6).plan.groups[0])
-    assert geometry.uses_warp_kernel(nhd, small=False)
-    assert not geometry.uses_warp_kernel(nhd, small=True)
-    assert not geometry.uses_warp_kernel(hnd, small=False)
-    assert not geometry.uses_warp_kernel(replace(nhd, page_bytes=geometry.WARP_MIN_PAGE_BYTES - 16),
-                                         small=False)
-    assert not geometry.uses_warp_kernel(replace(nhd, unit=8), small=False)
+    assert geometry.uses_warp_kernel(nhd)
+    assert not geometry.uses_warp_kernel(hnd)
+    assert not geometry.uses_warp_kernel(replace(nhd, page_bytes=geometry.WARP_MIN_PAGE_BYTES - 16))
+    assert not geometry.uses_warp_kernel(replace(nhd, unit=8))
     assert geometry.warp_sizing(32768, 1000, 64, 16, 8) == (4, -(-4 * 1000 * 64 // 8))
     assert geometry.warp_sizing(12288, 3, 2, 16, 8) == (2, 2)  # 1.5 segments round up
     assert geometry.warp_sizing(32768, 2**26, 32, 16, 8) is None  # 2**33 segments

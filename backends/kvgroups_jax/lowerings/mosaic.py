@@ -60,9 +60,6 @@ MAX_SMEM_BYTES = 64 * 1024
 #: Shared-memory buffers per program when a span takes more than one piece.
 NUM_BUFFERS = 2
 
-#: Programs go about a chunk at a time (geometry.chunk_order); False: every item of plane 0
-#: first, then plane 1, ... (read while tracing; sweeps only).
-CHUNK_ORDER = True
 _ITEM_AXIS = "item"
 _PLANE_AXIS = "plane"
 
@@ -131,14 +128,10 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
         (obj,), caches = refs[:1], refs[1:1 + num_ops]
     smem, barriers = refs[-2:]
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
-    if CHUNK_ORDER:
-        # The item axis is CUDA's x (started first): walk the grid about a chunk at a time.
-        i, plane_id = chunk_order(
-            lax.axis_index(_ITEM_AXIS) + grid_items * lax.axis_index(_PLANE_AXIS),
-            grid_items, geom.num_planes, kept)
-    else:
-        i = lax.axis_index(_ITEM_AXIS)
-        plane_id = lax.axis_index(_PLANE_AXIS)
+    # The item axis is CUDA's x (started first): walk the grid about a chunk at a time.
+    i, plane_id = chunk_order(
+        lax.axis_index(_ITEM_AXIS) + grid_items * lax.axis_index(_PLANE_AXIS),
+        grid_items, geom.num_planes, kept)
     span_rows = geom.span // TMA_DIM
 
     @pl.when(i < meta_ref[1])

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from kvgroups_cuda import geometry, nvrtc
+from kvgroups_cuda import geometry
 from kvgroups_cuda import params as P
 from kvgroups_cuda.geometry import GroupShape, group_shape, items_per_cta
 
@@ -37,8 +37,8 @@ _INT32_MAX = 2**31 - 1
 
 
 def reset_caches() -> None:
-    """Forget loaded kernels and cached launch state (after changing ``nvrtc.TUNING`` or
-    ``geometry.TARGET_CTA_BYTES``; benchmarks use this)."""
+    """Forget loaded kernels and cached launch state (tests that change
+    ``geometry.WARP_MIN_PAGE_BYTES`` use this)."""
     forget_devices()
     with _cache_lock:
         _by_identity.clear()
@@ -75,20 +75,18 @@ class GroupLaunch:
         self.ready: set[int] = set()
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
-        # (direction, vector, small, warp) -> packed parameters, launcher, kernel handle
-        self._variants: dict[tuple[str, int, bool, bool], tuple[P.KvgParams, Launcher, int]] = {}
-        # Small pages run the kvg_*_small kernels (geometry.SMALL_PAGE_BYTES, read once here).
-        self.small = geometry.uses_small_pages(self.shape.page_bytes)
-        # ... and contiguous pages of 16-byte vectors the warp kernels (WARP_MIN_PAGE_BYTES).
-        self.warp = geometry.uses_warp_kernel(self.shape, self.small)
+        # (direction, vector, warp) -> packed parameters, launcher, kernel handle
+        self._variants: dict[tuple[str, int, bool], tuple[P.KvgParams, Launcher, int]] = {}
+        # Contiguous pages of 16-byte vectors run the warp kernels (WARP_MIN_PAGE_BYTES).
+        self.warp = geometry.uses_warp_kernel(self.shape)
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
-        # (items, first item, warp kernel) -> ipc, tiles, work, ppc, segments per page
-        self._ipc: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {}
+        # (items, first item, warp kernel) -> ipc, tiles, work, segments per page
+        self._ipc: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
         self._steps: dict[tuple, tuple] = {}  # call shape -> what step() returns
 
     def _variant(self, direction: str, vector: int,
                  warp: bool = False) -> tuple[P.KvgParams, Launcher, int]:
-        found = self._variants.get((direction, vector, self.small, warp))
+        found = self._variants.get((direction, vector, warp))
         if found is None:
             shape = self.shape
             p = P.KvgParams()
@@ -113,7 +111,7 @@ class GroupLaunch:
                 r.units_per_token = run.count * r.units_per_piece
                 r.page_units = shape.block_size * r.units_per_token
                 r.shifts = P.pow2_shifts(r.page_units, r.units_per_token, r.units_per_piece)
-            name = P.kernel_name(direction, vector, shape.contiguous, self.small, warp=warp)
+            name = P.kernel_name(direction, vector, shape.contiguous, warp=warp)
             function = self.device.kernels.handle(name)
             # A NumPy window on the inline ids: one casting copy per call, no allocation.
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
@@ -121,7 +119,7 @@ class GroupLaunch:
             # Every page-copy entry point waits for the kernel before it (page_copy.cu).
             found = (p, Launcher(self.device.index, ctypes.addressof(p), programmatic=True),
                      function)
-            self._variants[(direction, vector, self.small, warp)] = found
+            self._variants[(direction, vector, warp)] = found
         return found
 
     def readable_on(self, stream: int) -> None:
@@ -159,7 +157,7 @@ class GroupLaunch:
         num_items = num_chunks * self.kept_per_chunk - group.first_item
         needed = num_chunks * self.blocks_per_chunk
         if num_items <= 0:
-            return (None, None, None, None, needed, 0, 0, 0, 0, 0)
+            return (None, None, None, None, needed, 0, 0, 0, 0)
         if needed > _INT32_MAX:
             raise KVGroupsValueError(
                 f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}")
@@ -171,29 +169,21 @@ class GroupLaunch:
         if sizing is None:
             runs = len(self.shape.runs)
             fit = geometry.warp_sizing(self.shape.page_bytes, num_items, self.num_planes,
-                                       warp_unroll(), P.WARPS_PER_CTA, group.first_item,
+                                       P.WARP_UNROLL, P.WARPS_PER_CTA, group.first_item,
                                        self.kept_per_chunk) if warp else None
             if fit is not None:
-                (segs, work), ipc, tiles, ppc = fit, 0, 0, 0
-            elif self.small:
-                ipc, ppc = geometry.small_page_sizing(self.shape.page_bytes, num_items,
-                                                      self.num_planes, runs, self.device.num_sms)
-                tiles = -(-num_items // ipc)
-                work = tiles * -(-self.num_planes // ppc) * runs
+                (segs, work), ipc, tiles = fit, 0, 0
             else:
                 ipc = items_per_cta(self.shape.page_bytes, num_items, self.num_planes * runs,
                                     self.device.num_sms)
-                ppc, tiles = 0, -(-num_items // ipc)
+                segs, tiles = 0, -(-num_items // ipc)
                 work = tiles * self.num_planes * runs
-            if fit is None:
-                segs = 0
-            sizing = self._ipc[(num_items, group.first_item, warp)] = (ipc, tiles, work, ppc,
-                                                                    segs)
-        ipc, tiles, work, ppc, segs = sizing
+            sizing = self._ipc[(num_items, group.first_item, warp)] = (ipc, tiles, work, segs)
+        ipc, tiles, work, segs = sizing
         grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         with self.lock:
             p, launcher, function = self._variant(direction, vector, warp=segs > 0)
-        return (p, launcher, function, grid, needed, num_items, ipc, tiles, ppc, segs)
+        return (p, launcher, function, grid, needed, num_items, ipc, tiles, segs)
 
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
@@ -241,11 +231,6 @@ class GroupLaunch:
         del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
 
 
-def warp_unroll() -> int:
-    """Vectors per lane of a warp-kernel segment: the cubin's ``KVG_WARP_UNROLL``."""
-    return int(nvrtc.TUNING.get("KVG_WARP_UNROLL", P.WARP_UNROLL))
-
-
 def write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
     """Point ``p`` at ``objects`` (under the launch state's lock)."""
     p.obj_mode = mode = objects.mode
@@ -261,7 +246,7 @@ def write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
 def write_step(p: P.KvgParams, step: tuple, first_item: int) -> None:
     """The item range and tiling of ``step`` (what :meth:`GroupLaunch.step` returned)."""
     p.first_item = first_item
-    p.num_items, p.items_per_cta, p.num_tiles, p.planes_per_cta, segs = step[5:10]
+    p.num_items, p.items_per_cta, p.num_tiles, segs = step[5:9]
     p.segs_per_page = segs
     p.segs_shift = segs.bit_length() - 1 if segs > 0 and segs & (segs - 1) == 0 else 0xFF
     p.last_step = step
