@@ -152,13 +152,12 @@ def run_program(program: _Program, caches, objects, metas, idss):
     for og, shape in pending.items():  # no group of this call writes it (a layer subset)
         objects[og] = jnp.zeros(shape, jnp.uint8)
     # Return only what the transfer wrote: returning a non-donated input makes XLA copy it
-    # (measured on the H200: every cache copied on store, every object on load).
+    # (every cache on a store, every object on a load).
     if program.direction == "load":
         # The barrier hands the caller each cache as an array of its own shape and dtype. Without
         # it XLA folds the view's bitcasts into the caller's fusions, which then read the
-        # kernel's flat integer buffer: in a jitted engine step the 32 small reductions over the
-        # loaded caches took 13.6 us more on the H200 (0.42 us each), one chunk's transfer
-        # kernels take 40 (docs/PERFORMANCE.md). It moves nothing.
+        # kernel's flat integer buffer and slow the engine's own computation over the loaded
+        # caches (docs/PERFORMANCE.md, "Measurements behind the design"). It moves nothing.
         return tuple(jax.lax.optimization_barrier(tuple(caches)))
     return tuple(objects)
 

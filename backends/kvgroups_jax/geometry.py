@@ -16,9 +16,9 @@ from dataclasses import dataclass
 
 from kvgroups_core.errors import UnsupportedConfig
 
-#: Largest box (elements) one kernel op moves. On the H200 boxes of 4096 (4 warps), 8192 and
-#: 16384 (8 warps) copied a 32 KiB page equally fast (docs/PERFORMANCE.md,
-#: "Where the defaults come from"); the largest compiles ~5x faster (fewer ops per program).
+#: Largest box (elements) one kernel op moves: the largest box size that copies as fast as the
+#: smaller ones, and the fastest to compile (fewer ops per program; docs/PERFORMANCE.md,
+#: "Where the defaults come from").
 MAX_BOX_ELEMS = 16384
 
 #: The kernels index with int32: arrays of more elements go to the XLA path.

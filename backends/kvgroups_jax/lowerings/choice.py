@@ -60,9 +60,9 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
     if not gpu:
         return "xla"
     # Hopper and newer on jax >= 0.11 (where the Triton lowering is deprecated and warns on
-    # every call): Mosaic GPU for spans of >= 16 KiB, where it matched Triton on the H200; small
-    # pages stay on Triton (Mosaic: 0.33 of the copy rate at 2 KiB against Triton's 0.5 - 0.9,
-    # docs/PERFORMANCE.md). Triton covers every other layout.
+    # every call): Mosaic GPU for spans of >= 16 KiB, where it matches Triton; small pages stay
+    # on Triton, where Mosaic's one serial TMA round trip per program is far slower
+    # (docs/PERFORMANCE.md). Triton covers every other layout.
     if _prefers_mosaic(geom):
         return "mosaic"
     try:

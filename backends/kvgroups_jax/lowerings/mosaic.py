@@ -28,11 +28,11 @@ cut into pieces that alternate between two buffers, each with its own barrier: t
 piece ``k + 1`` is issued before waiting for piece ``k`` and storing it, so up to two loads and
 the previous store are in flight.
 
-On the H200 (jax 0.11.2) it is bit-exact and in place for every smoke case
-(``tests/jax_backend/mosaic_smoke.py``) and
-moves 32 KiB pages as fast as the Triton kernel (~0.9 of the device copy rate); 2 KiB pages run
-far slower (one serial TMA round trip per program), so ``"auto"`` uses it for spans of 16 KiB and
-more (``kvgroups_jax.lowerings.choice.resolve_lowering``). CI lowers it for an abstract H200 on jax 0.10.2
+Large pages move as fast as with the Triton kernel; small ones far slower (one serial TMA
+round trip per program), so ``"auto"`` uses it for spans of 16 KiB and more
+(``kvgroups_jax.lowerings.choice.resolve_lowering``). On a GPU the smoke run
+(``tests/jax_backend/mosaic_smoke.py``) checks it bit-exact and in place per layout; CI lowers
+it for an abstract compute-capability 9.0 GPU on jax 0.10.2
 (``tests/jax_backend/test_lowering.py``) and runs it in the Mosaic GPU interpreter
 (``tests/jax_backend/test_mosaic_interpret.py``).
 
@@ -98,8 +98,8 @@ def _largest_piece(rows: int, cap_rows: int) -> int:
 
     Any divisor will do: a bulk copy takes any multiple of 16 bytes and a TMA box any extent
     up to 256. An MLA page (576-wide rows, 64 tokens: 144 rows) is then three copies of 48
-    rows, not nine of 16 (each piece is unrolled per operand, so few pieces also compile
-    faster: 10-13 s for DeepSeek-V3's 61 layers in nine pieces on the H200).
+    rows, not nine of 16 (each piece is unrolled per operand, so fewer pieces also compile
+    faster).
     """
     cap = max(1, min(TMA_DIM, cap_rows, rows))
     return next(d for d in range(cap, 0, -1) if rows % d == 0)
@@ -213,8 +213,8 @@ def _bulk_load_options() -> dict:
     ZEROS (the default) Mosaic GPU emits ``cp.async.bulk`` with the byte count clamped to the
     array's end, as it already does for SMEM -> GMEM. The default builds one TMA descriptor per
     source array (33 for a 32-layer store), each initialised on the host at every launch, and
-    the compile time grew with their number: 14 s for a 32-layer store, 49 s for 64 layers on
-    the H200 (jax 0.11.2), against ~1 s for the load, whose one source is the object.
+    the compile time grows with their number (docs/PERFORMANCE.md, "Measurements behind the
+    design").
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -300,7 +300,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
     Traceable; the caller jits and donates the written operands (caches on load, objects on
     store), which the results then reuse. ``interpret`` (``True`` or an ``InterpretGPUParams``)
     runs the kernel in the Mosaic GPU interpreter instead (CPU tests; it does not check TMA
-    limits, lowering for an abstract H200 does).
+    limits, lowering for an abstract compute-capability 9.0 GPU does).
     """
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")

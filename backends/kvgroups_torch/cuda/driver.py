@@ -4,14 +4,13 @@
 ``cuLaunchKernelEx`` with one pre-packed ``KvgParams``, in the device's primary context (the
 one PyTorch uses), on PyTorch's current stream. ``cuLaunchKernelEx`` rather than
 ``cuLaunchKernel`` (drivers from CUDA 11.8) even where no launch attribute is set: its
-geometry travels in a struct written only when it changes, and ctypes converting
-``cuLaunchKernel``'s eleven scalar arguments cost three times the whole call (1.2 against 0.4
-us on a CPU host; 8.3-8.7 against 4.1-5.7 us of host time per launch on the H200's).
+geometry travels in a struct written only when it changes, while ctypes converting
+``cuLaunchKernel``'s eleven scalar arguments costs more than the rest of the call.
 
 On sm_90 and later the page-copy kernels are launched with programmatic stream serialization
 (``cuLaunchKernelEx``): the GPU may set a launch up while the kernel before it on the stream
-drains, which hides most of the 1-2 us between back-to-back kernels (a tenth of a one-chunk
-transfer on the H200). Stream order stays exact because every such kernel's first
+drains, which hides most of the idle time between back-to-back kernels (docs/PERFORMANCE.md
+has both measurements). Stream order stays exact because every such kernel's first
 instruction is ``griddepcontrol.wait`` (``kvgroups_cuda/kernels/page_copy.cu``): it returns only once the
 kernel before it has finished and its writes are visible. Only kernels that wait may be
 launched this way (``programmatic=True``); ``KVGROUPS_PROGRAMMATIC_LAUNCH=0`` turns it off.
