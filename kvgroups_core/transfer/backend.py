@@ -221,6 +221,9 @@ class BoundCaches:
 
     def allocate_objects(self, plan: Any) -> list:
         """New objects for ``plan`` next to the caches (none when nothing is bound)."""
-        if not self.caches:
-            return []
-        return self.backend.allocate_objects(plan, self.caches[0])
+        if type(self).caches is BoundCaches.caches and self._caches is None:
+            # Taken back after a release: describe only the cache the allocation needs.
+            first = with_objs(self._bare[:1], self._taken[:1])
+        else:
+            first = self.caches[:1]
+        return self.backend.allocate_objects(plan, first[0]) if first else []
