@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.formats.segments import SegmentRun, widest_unit
 
 from .params import MAX_RUNS, MAX_TILE
@@ -62,7 +62,7 @@ def is_contiguous_page(group: Any) -> bool:
 def group_shape(group: Any) -> GroupShape:
     """The :class:`GroupShape` of a group transfer."""
     if not 1 <= len(group.runs) <= MAX_RUNS:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"runs: expected 1..{MAX_RUNS} segment runs per kernel group, got {len(group.runs)}"
         )
     bs, row = group.block_size, group.row_bytes
@@ -82,7 +82,7 @@ def group_shape(group: Any) -> GroupShape:
                    run.token_stride]
     page_bytes = max(block_size * run.count * run.nbytes for run in runs)
     if page_bytes > _MAX_PAGE_BYTES:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"page: expected at most {_MAX_PAGE_BYTES} bytes per block and plane, got {page_bytes}"
         )
     return GroupShape(

@@ -3,7 +3,7 @@
 Cubins are cached on disk, keyed by the package version, the target arch (``sm_XY``), the
 NVRTC version, the compile options and a hash of the source, and written under a file lock so
 that concurrent processes compile once. Set ``KVGROUPS_NO_COMPILE=1`` to forbid compiling (a
-missing cubin then raises :class:`~kvgroups_core.errors.CompileForbidden` naming the cache
+missing cubin then raises :class:`~kvgroups_core.errors.CompileForbiddenError` naming the cache
 key); ``KVGROUPS_CACHE_DIR`` overrides the cache folder (default
 ``$XDG_CACHE_HOME/kvgroups/cubin``, i.e. ``~/.cache/kvgroups/cubin``).
 
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from kvgroups_core import __version__ as _package_version
-from kvgroups_core.errors import CompileForbidden, KernelCompileError, UnsupportedConfig
+from kvgroups_core.errors import CompileForbiddenError, KernelCompileError, UnsupportedConfigError
 from kvgroups_core.logs import logger
 
 from .params import all_kernel_names, layout_defines
@@ -136,7 +136,7 @@ def _cached(key: str, suffix: str, build) -> bytes:
     if path.is_file():
         return path.read_bytes()
     if compile_forbidden():
-        raise CompileForbidden(
+        raise CompileForbiddenError(
             f"{ENV_NO_COMPILE} is set and no cached build exists for cache key {key!r} "
             f"(looked for {path}); unset it once, or copy the file there"
         )
@@ -163,7 +163,7 @@ def get_cubin(arch: str) -> bytes:
 
     Raises
     ------
-    CompileForbidden
+    CompileForbiddenError
         ``KVGROUPS_NO_COMPILE`` is set and the cache holds no cubin for this key.
     KernelCompileError
         NVRTC failed.
@@ -185,7 +185,7 @@ def xla_words(buffers: int) -> int:
     for words in XLA_WORD_COUNTS:
         if buffers <= words:
             return words
-    raise UnsupportedConfig(
+    raise UnsupportedConfigError(
         f"buffers: expected at most {XLA_WORD_COUNTS[-1]} buffers in one XLA launch, got "
         f"{buffers}"
     )

@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.tensors.descriptors import TensorDesc
 from kvgroups_core.tensors.dtypes import as_dtype
 from kvgroups_core.transfer.backend import Backend, BoundCaches
@@ -30,6 +30,7 @@ from .lowerings.choice import LOWERINGS
 from .lowerings.tuning import DEFAULT_TUNING, LoweringTuning
 from .sharded import (
     UnknownSharding,
+    check_object_sharding,
     local_binding,
     localize,
     run_sharded,
@@ -37,7 +38,6 @@ from .sharded import (
     sharding_of,
     vouched_shardings,
 )
-from .sharded import check_objects as check_shard_objects
 
 _PINNED = ("pinned", "pinned_host", "cuda_host")
 _UINT8 = np.dtype(np.uint8)
@@ -166,7 +166,7 @@ class JaxBackend(Backend):
                 None if type(o) is NewObject else
                 o if _concrete(o) else _as_array(o) for o in objects]
         if shard_layout(arrays) is not None:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 "kv_caches: sharded caches are moved per shard through prepare(), store() or "
                 "load() (which pass the manager); got a direct backend call"
             )
@@ -358,13 +358,13 @@ class _BoundJax(BoundCaches):
 
     def _run_sharded(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
         if self._shard_binding is None:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 "kv_caches: sharded caches are moved per shard through prepare(), store() or "
                 "load() (which pass the manager); got a direct backend call"
             )
         check_objects(plan, objects, self.backend.shape_of)
         objs = [None if type(o) is NewObject else o for o in objects]
-        check_shard_objects(self._shards, objs, plan)
+        check_object_sharding(self._shards, objs, plan)
         local = localize(plan, self._shard_binding)
         return run_sharded(self._shards, local, self._arrays, objs,
                            lowering=self.backend.lowering, num_warps=self.backend.num_warps,

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.tensors.descriptors import TensorDesc
 from kvgroups_core.tensors.dtypes import as_dtype
 from kvgroups_core.transfer.backend import Backend, BoundCaches
@@ -109,7 +109,7 @@ class TorchBackend(Backend):
         tensors = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
         if plan.path == "copy_engine":
             if device.type != "cuda":
-                raise UnsupportedConfig(
+                raise UnsupportedConfigError(
                     "path: expected 'auto' or 'kernel' for CPU caches ('copy_engine' needs a "
                     "CUDA GPU), got 'copy_engine'")
             copy_engine.refuse_device_ids(plan)
@@ -121,7 +121,7 @@ class TorchBackend(Backend):
         elif device.type == "cpu":
             cpu_path.run_plan(compiled.host_plan(plan), tensors, objects)
         else:
-            raise UnsupportedConfig(f"caches: expected CPU or CUDA tensors, got {device}")
+            raise UnsupportedConfigError(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(given)
 
     def bind_caches(self, caches: Sequence[TensorDesc]) -> BoundCaches:

@@ -16,7 +16,7 @@ from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 from kvgroups_core.formats.catalogue import EngineKVFormat
 from kvgroups_core.formats.layout import LayerLayout, num_layers_of
@@ -265,7 +265,7 @@ class KVLayerGroupsManager:
         for k, shard in enumerate(self._tp_shards):
             if (self._object_layout != "canonical" and shard.conv is not None
                     and shard.conv.replicated and not shard.conv.fully_replicated):
-                raise UnsupportedConfig(
+                raise UnsupportedConfigError(
                     f"object_layout: kernel group {k} is a conv state with replicated "
                     "sub-projections, which the tp_native layout cannot place; expected "
                     "object_layout='canonical'"

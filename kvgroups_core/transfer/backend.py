@@ -10,7 +10,7 @@ from __future__ import annotations
 import abc
 from typing import Any, Callable, ClassVar, Sequence
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.tensors.arrays import ArrayBackend
 from kvgroups_core.tensors.descriptors import TensorDesc, with_objs
 
@@ -104,16 +104,16 @@ class Backend(ArrayBackend, abc.ABC):
         :meth:`default_device`). With ``dtype`` (a DType or name of the same width as ``a``'s),
         ``a`` holds raw bits to be reinterpreted as ``dtype`` (how bfloat16 and float8 travel
         without a NumPy dtype for them)."""
-        raise UnsupportedConfig(f"backend {self.name!r}: from_numpy is not implemented")
+        raise UnsupportedConfigError(f"backend {self.name!r}: from_numpy is not implemented")
 
     def to_numpy(self, x: Any) -> Any:
         """A host NumPy copy of ``x``, bit-exact (same-width unsigned dtype where NumPy has
         no equivalent)."""
-        raise UnsupportedConfig(f"backend {self.name!r}: to_numpy is not implemented")
+        raise UnsupportedConfigError(f"backend {self.name!r}: to_numpy is not implemented")
 
     def import_foreign(self, x: Any) -> Any:
         """Adopt another runtime's array through DLPack, zero-copy where the runtimes allow."""
-        raise UnsupportedConfig(f"backend {self.name!r}: import_foreign is not implemented")
+        raise UnsupportedConfigError(f"backend {self.name!r}: import_foreign is not implemented")
 
     def default_device(self) -> str:
         """Where new arrays go by default (``"cuda"`` when a GPU is usable, else ``"cpu"``)."""

@@ -9,7 +9,7 @@ from kvgroups_jax import JaxBackend, describe_array, execute_plan, trace_count
 from kvgroups_jax.geometry import group_geometry
 from kvgroups_jax.lowerings.choice import resolve_lowering
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 from tests.support.jax_checks import run_and_check
 from tests.support.jax_layouts import make_group, make_plan
 
@@ -89,7 +89,7 @@ def test_explicit_gpu_lowerings_refuse_cpu_with_unsupported_config():
     geom = group_geometry(g, make_plan("store", [g], arrays, [_nbytes(g)]).tensor_specs,
                           _nbytes(g))
     for lowering in ("cuda", "triton", "mosaic"):
-        with pytest.raises(UnsupportedConfig, match="needs a CUDA GPU"):
+        with pytest.raises(UnsupportedConfigError, match="needs a CUDA GPU"):
             resolve_lowering(lowering, geom, "cpu")
     assert resolve_lowering("auto", geom, "cpu") == "xla"
     with pytest.raises(KVGroupsValueError, match="lowering"):

@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from tests.support.jax_checks import run_and_check
 from tests.support.jax_layouts import LAYOUTS, make_group, make_plan
 
@@ -24,13 +24,13 @@ def _nbytes(g):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_store_and_load_are_bit_exact_and_in_place(layout, dtype, lowering):
     if lowering == "mosaic" and layout not in MOSAIC_LAYOUTS:
-        pytest.skip("Mosaic path covers contiguous layouts (others: UnsupportedConfig)")
+        pytest.skip("Mosaic path covers contiguous layouts (others: UnsupportedConfigError)")
     gpu = jax.devices("gpu")[0]
     for direction in ("store", "load"):
         arrays, g = make_group(layout, dtype, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4,
                                first_item=2 if direction == "load" else 0)
         if lowering == "cuda" and layout not in CUDA_LAYOUTS:
-            with pytest.raises(UnsupportedConfig, match="lowering 'cuda'"):
+            with pytest.raises(UnsupportedConfigError, match="lowering 'cuda'"):
                 run_and_check(direction, [g], arrays, [_nbytes(g)], lowering=lowering,
                               device=gpu)
             continue

@@ -7,7 +7,7 @@ import pytest
 from kvgroups_jax import executor
 from kvgroups_jax.lowerings import choice as lowering_choice
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from tests.support.jax_layouts import LAYOUTS, make_group, make_plan
 
 needs_absl = pytest.mark.skipif(
@@ -61,7 +61,7 @@ def test_mosaic_lowering_accepts_contiguous_layouts(layout, direction):
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - set(MOSAIC_LAYOUTS)))
 @needs_absl
 def test_mosaic_refuses_strided_layouts_with_unsupported_config(layout):
-    with pytest.raises(UnsupportedConfig, match="contiguous span"):
+    with pytest.raises(UnsupportedConfigError, match="contiguous span"):
         _lower(layout, "store", "mosaic")
 
 

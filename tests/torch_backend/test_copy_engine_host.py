@@ -16,7 +16,7 @@ from kvgroups_torch.cuda import objects as cuda_objects
 from kvgroups_torch.cuda import run as cuda_run
 
 import kvgroups_core as kc
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 from tests.support.torch_engine_cases import ids_for, model_caches, random_objects
 from tests.support.torch_page_cases import LAYOUTS, make_case, oracle
 from tests.torch_backend.test_torch_launch_emulated import _check, _run, emulated  # noqa: F401  (fixture)
@@ -230,9 +230,9 @@ def test_numpy_refuses_copy_engine_and_torch_cpu_caches_cannot_run_it():
     manager, caches, ids = _store_args("torch")
     objects = random_objects(manager, 1, seed=1)
     before = objects[0].clone()
-    with pytest.raises(UnsupportedConfig, match="path: expected 'auto' or 'kernel' for CPU"):
+    with pytest.raises(UnsupportedConfigError, match="path: expected 'auto' or 'kernel' for CPU"):
         kc.store(manager, caches, ids, objects, path="copy_engine")
-    with pytest.raises(UnsupportedConfig, match="path: "):
+    with pytest.raises(UnsupportedConfigError, match="path: "):
         kc.prepare(manager, caches).load(objects, ids, path="copy_engine")
     assert torch.equal(objects[0], before)
 

@@ -6,7 +6,7 @@ import pytest
 from kvgroups_cuda import nvrtc
 from kvgroups_cuda import params as P
 
-from kvgroups_core.errors import CompileForbidden, KernelCompileError
+from kvgroups_core.errors import CompileForbiddenError, KernelCompileError
 
 pytest.importorskip("cuda.core")
 
@@ -54,9 +54,9 @@ def test_compiles_once_into_the_cache_then_reads_it(cubin_cache, monkeypatch):
 
 def test_no_compile_env_forbids_compiling_and_names_the_key(cubin_cache, monkeypatch):
     monkeypatch.setenv("KVGROUPS_NO_COMPILE", "1")
-    with pytest.raises(CompileForbidden, match=nvrtc.cache_key("sm_90")):
+    with pytest.raises(CompileForbiddenError, match=nvrtc.cache_key("sm_90")):
         nvrtc.get_cubin("sm_90")
-    assert isinstance(CompileForbidden("x"), KernelCompileError)
+    assert isinstance(CompileForbiddenError("x"), KernelCompileError)
 
 
 def test_no_compile_env_still_serves_cached_cubins(cubin_cache, monkeypatch):

@@ -19,7 +19,7 @@ checkify's (``id_checks``), the kernel's error record is a scratch output that i
 
 Where this lowering cannot run (no jaxlib kernel-call support, no ``cuda-core``, a geometry
 the warp kernel does not take), :func:`unsupported_reason` says why; ``lowering="cuda"``
-raises it as :class:`~kvgroups_core.errors.UnsupportedConfig`, ``"auto"`` picks another.
+raises it as :class:`~kvgroups_core.errors.UnsupportedConfigError`, ``"auto"`` picks another.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_jax.geometry import GroupGeometry
 
 from .tuning import DEFAULT_TUNING, LoweringTuning
@@ -186,7 +186,7 @@ def launch_ctas(geom: GroupGeometry, grid_items: int, total_items: int,
     fit = geometry.warp_sizing(page_bytes, items, geom.num_planes, params.WARP_UNROLL,
                                params.WARPS_PER_CTA, 0, kept)
     if fit is None:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"lowering 'cuda': expected fewer than 2**31 work units, got {items} items of "
             f"{geom.num_planes} planes")
     ctas = max(1, min(fit[1], 2**31 - 1))
@@ -311,7 +311,7 @@ def launch_spec(direction: str, geom: GroupGeometry, grid_items: int, *, obj_row
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
     reason = geometry_unsupported(geom)
     if reason:
-        raise UnsupportedConfig(reason)
+        raise UnsupportedConfigError(reason)
     caches = ("cache",) * len(geom.operand_slots)
     if direction == "store":
         operands = ("meta", "ids") + (() if fresh else ("obj",)) + caches
@@ -345,7 +345,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
                          f"{len(caches)}")
     reason = runtime_unavailable()
     if reason:
-        raise UnsupportedConfig(f"lowering 'cuda': {reason}")
+        raise UnsupportedConfigError(f"lowering 'cuda': {reason}")
     rows, elems = obj.shape
     fresh = isinstance(obj, jax.ShapeDtypeStruct)
     ids = jnp.asarray(ids, jnp.int32)

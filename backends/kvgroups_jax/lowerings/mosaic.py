@@ -6,7 +6,7 @@ shared -> global with the TMA unit's bulk copies (``cp.async.bulk``, no tensor m
 :func:`_bulk_load_options`). Caches are viewed as ``[rows, 256]`` and a span as
 ``[span / 256, 256]``, cut into pieces of at most 256 rows (a TMA box's limit, kept so a
 tensor-map copy stays legal too); every offset must then be a whole number of 256-element
-rows. Other layouts raise :class:`~kvgroups_core.errors.UnsupportedConfig` and go to the Triton
+rows. Other layouts raise :class:`~kvgroups_core.errors.UnsupportedConfigError` and go to the Triton
 lowering.
 
 The kernel is an ``mpmd_map`` over a ``plgpu.Mesh`` (``pl.kernel(body, mesh=plgpu.Mesh(...))``,
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_jax.geometry import GroupGeometry, chunk_order
 
 #: TMA moves at most 256 elements per box dimension.
@@ -65,10 +65,10 @@ _PLANE_AXIS = "plane"
 
 
 def mosaic_pieces(geom: GroupGeometry) -> tuple[int, int]:
-    """``(rows_per_copy, copies)`` of a span, or raise UnsupportedConfig."""
+    """``(rows_per_copy, copies)`` of a span, or raise UnsupportedConfigError."""
     span = geom.span
     if span is None:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             "layout: expected one contiguous span per block and plane for Mosaic GPU (NHD-like), "
             f"got {len(geom.boxes)} strided boxes"
         )
@@ -79,7 +79,7 @@ def mosaic_pieces(geom: GroupGeometry) -> tuple[int, int]:
     values.update({f"operand_size[{k}]": s for k, s in enumerate(geom.operand_sizes)})
     for name, value in values.items():
         if value % TMA_DIM:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"{name}: expected a multiple of {TMA_DIM} elements for TMA rows, got {value}"
             )
     rows = span // TMA_DIM
@@ -253,7 +253,7 @@ def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=Non
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError as exc:  # jaxlib without the Mosaic GPU extension
-        raise UnsupportedConfig(f"lowering: Mosaic GPU is not available in this jax ({exc})") \
+        raise UnsupportedConfigError(f"lowering: Mosaic GPU is not available in this jax ({exc})") \
             from exc
 
     rows, copies = mosaic_pieces(geom)
@@ -308,7 +308,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
         raise ValueError(
             f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}"
         )
-    mosaic_pieces(geom)  # raises UnsupportedConfig before tracing anything
+    mosaic_pieces(geom)  # raises UnsupportedConfigError before tracing anything
     n_chunks, elems = obj.shape
     shape3 = (n_chunks, elems // TMA_DIM, TMA_DIM)
     obj3 = jax.ShapeDtypeStruct(shape3, obj.dtype) if isinstance(obj, jax.ShapeDtypeStruct) \

@@ -215,7 +215,7 @@ def _one_launch_per_batch_element(launch):
 
 
 def check_supported(geom: GroupGeometry) -> None:
-    """Raise UnsupportedConfig when no DMA plan fits ``geom`` (see :mod:`.tpu_windows`)."""
+    """Raise UnsupportedConfigError when no DMA plan fits ``geom`` (see :mod:`.tpu_windows`)."""
     plan_dmas(geom)
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import api as transfer
 
@@ -134,7 +134,7 @@ def record(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any], pi
     flat = []
     for g, entry in enumerate(objects):
         if not isinstance(entry, torch.Tensor):
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"objects[{g}]: expected one [num_chunks, nbytes] tensor per object group "
                 f"inside torch.compile, got {type(entry).__name__} (per-chunk buffers are "
                 "eager only)")

@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from kvgroups_cuda import params as P
 
-from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_torch.cuda.driver import check, driver_version, libcuda, primary_context
 
 from .paths import table_for
@@ -59,7 +59,7 @@ def batch_function() -> tuple[Any, bool]:
     lib = libcuda()
     version = driver_version()
     if version < 12080:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"path: expected a CUDA driver >= 12.8 for 'copy_engine' (cuMemcpyBatchAsync), got "
             f"{version // 1000}.{version % 1000 // 10}")
     vp, size, ptr = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
@@ -77,7 +77,7 @@ def available() -> bool:
     """Whether this machine's driver has the batched copy."""
     try:
         batch_function()
-    except (OSError, UnsupportedConfig):
+    except (OSError, UnsupportedConfigError):
         return False
     return True
 
@@ -214,7 +214,7 @@ def copy_groups(plan: Any, device_index: int, block_ids: Sequence[Any] | None = 
         return _NONE
     if path == "copy_engine":
         refuse_device_ids(plan, block_ids)
-        batch_function()  # UnsupportedConfig on drivers without it, before anything moves
+        batch_function()  # UnsupportedConfigError on drivers without it, before anything moves
         return frozenset(range(len(plan.groups)))
     table = table_for(device_index)
     if table is None or _device_ids(plan, block_ids) or torch.cuda.is_current_stream_capturing():

@@ -23,7 +23,7 @@ import functools
 import os
 import sys
 
-from kvgroups_core.errors import KVGroupsError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsError, UnsupportedConfigError
 
 
 class KernelLaunchError(KVGroupsError, RuntimeError):
@@ -34,7 +34,7 @@ class KernelLaunchError(KVGroupsError, RuntimeError):
 def libcuda() -> ctypes.CDLL:
     """The CUDA driver library, loaded once (Linux only)."""
     if not sys.platform.startswith("linux"):
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"platform: expected linux for the CUDA kernels, got {sys.platform}"
         )
     lib = ctypes.CDLL("libcuda.so.1")

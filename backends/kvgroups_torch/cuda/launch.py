@@ -25,7 +25,7 @@ from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 from kvgroups_core.formats.segments import widest_unit
 
@@ -60,7 +60,7 @@ class GroupLaunch:
         self.device = device
         self.num_planes = len(plane_addresses)
         if not 0 < self.num_planes <= 65535:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"planes: expected 1..65535 planes per kernel group, got {self.num_planes}"
             )
         # KvgPlane pairs: cache base, then the object offset of the plane's object rows.
