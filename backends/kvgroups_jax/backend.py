@@ -33,7 +33,7 @@ from .sharded import (
     check_object_sharding,
     local_binding,
     localize,
-    run_sharded,
+    execute_sharded,
     shard_layout,
     sharding_of,
     vouched_shardings,
@@ -350,13 +350,13 @@ class _BoundJax(BoundCaches):
 
     def run(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
         if self._shards is not None:
-            return self._run_sharded(plan, objects)
+            return self._execute_sharded(plan, objects)
         if self._sharding is not None and self._plain_objects(plan, objects):
             objs = [None if type(o) is NewObject else o for o in objects]
             return self.backend._execute_plain(plan, self._arrays, objs, check=not self._owned)
         return super().run(plan, objects)
 
-    def _run_sharded(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
+    def _execute_sharded(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
         if self._shard_binding is None:
             raise UnsupportedConfigError(
                 "kv_caches: sharded caches are moved per shard through prepare(), store() or "
@@ -366,7 +366,7 @@ class _BoundJax(BoundCaches):
         objs = [None if type(o) is NewObject else o for o in objects]
         check_object_sharding(self._shards, objs, plan)
         local = localize(plan, self._shard_binding)
-        return run_sharded(self._shards, local, self._arrays, objs,
+        return execute_sharded(self._shards, local, self._arrays, objs,
                            lowering=self.backend.lowering, num_warps=self.backend.num_warps,
                            tuning=self.backend.tuning)
 

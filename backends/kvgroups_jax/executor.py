@@ -110,7 +110,7 @@ def _copy_fn(lowering: str):
     return xla_copy.copy_group
 
 
-def run_program(program: _Program, caches, objects, metas, idss):
+def program_body(program: _Program, caches, objects, metas, idss):
     """The transfer program of ``program`` on these arrays: traced once per plan shape
     (jitted and donated by :func:`execute_plan`, or mapped over the shards of a mesh)."""
     _TRACES["count"] += 1
@@ -179,8 +179,8 @@ def _fresh_objects(program: _Program, objects: list) -> dict[int, tuple[int, int
     return pending
 
 
-_store_jit = jax.jit(run_program, static_argnums=(0,), donate_argnums=(2,))
-_load_jit = jax.jit(run_program, static_argnums=(0,), donate_argnums=(1,))
+_store_jit = jax.jit(program_body, static_argnums=(0,), donate_argnums=(2,))
+_load_jit = jax.jit(program_body, static_argnums=(0,), donate_argnums=(1,))
 
 
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)

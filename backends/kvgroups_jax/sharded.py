@@ -296,7 +296,7 @@ def check_object_sharding(layout: ShardLayout, objects, plan) -> None:
             )
 
 
-def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *, lowering: str,
+def execute_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *, lowering: str,
                 num_warps, tuning: LoweringTuning = DEFAULT_TUNING):
     """Execute ``local_plan`` on every shard under ``jax.shard_map`` (jitted, donated as the
     plain path): ``(new caches or None, objects)``."""
@@ -335,7 +335,7 @@ def _sharded_fn(program, layout: ShardLayout, num_objects: int, missing: tuple[b
     def body(caches, given, metas, idss):
         it = iter(given)
         objects = [None if m else next(it) for m in missing]
-        return executor.run_program(program, caches, objects, metas, idss)
+        return executor.program_body(program, caches, objects, metas, idss)
 
     mapped = jax.shard_map(body, mesh=layout.mesh,
                            in_specs=(layout.cache_specs, given_specs, P(), P()),

@@ -18,8 +18,8 @@ from .compile import dynamo as compiled
 from .copy_engine import batch as copy_engine
 from .cuda import device as cuda_device
 from .cuda import objects as cuda_objects
-from .cuda import replay as cuda_replay
-from .cuda import run as cuda_run
+from .cuda import repeat as cuda_repeat
+from .cuda import execute as cuda_execute
 from .describe import DTYPE_NAMES, describe_tensor, dtype_of, torch_dtype
 from .fingerprints import fingerprints, same_fingerprints
 from .objects import allocate_objects
@@ -77,7 +77,7 @@ class TorchBackend(Backend):
     Parameters
     ----------
     pinned : {"direct", "staged"}
-        How the kernels reach objects in pinned host memory (see :func:`cuda_run.run_plan`).
+        How the kernels reach objects in pinned host memory (see :func:`cuda_execute.execute_plan`).
     """
 
     name: ClassVar[str] = "torch"
@@ -117,9 +117,9 @@ class TorchBackend(Backend):
             compiled.record(plan, tensors, objects, self.pinned)
             return None, list(given)
         if device.type == "cuda":
-            cuda_run.enqueue_plan(plan, caches, objects, device.index, pinned=self.pinned)
+            cuda_execute.execute_checked_plan(plan, caches, objects, device.index, pinned=self.pinned)
         elif device.type == "cpu":
-            cpu_path.run_plan(compiled.host_plan(plan), tensors, objects)
+            cpu_path.execute_plan(compiled.host_plan(plan), tensors, objects)
         else:
             raise UnsupportedConfigError(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(given)
@@ -328,14 +328,14 @@ def _check_usable(t: torch.Tensor, what: str) -> None:
 class TorchBoundCaches(BoundCaches):
     """The prepared path of :class:`TorchBackend`: for CUDA caches, calls whose objects are
     plain ``[num_chunks, nbytes]`` uint8 tensors on the caches' GPU (the hot case) go through
-    :class:`cuda_run.DeviceCaches`, which keeps the per-cache launch state; every other call
+    :class:`cuda_execute.DeviceCaches`, which keeps the per-cache launch state; every other call
     takes the generic checks and :meth:`TorchBackend.execute`."""
 
     def __init__(self, backend: TorchBackend, caches: Sequence[TensorDesc]) -> None:
         super().__init__(backend, caches)
         device = cache_device(self.caches)
         traced = any(getattr(c, "is_abstract", False) for c in self.caches)
-        self.device_caches = (cuda_run.DeviceCaches(self.caches, device.index)
+        self.device_caches = (cuda_execute.DeviceCaches(self.caches, device.index)
                               if device.type == "cuda" and not traced else None)
 
     def release(self) -> bool:
@@ -353,7 +353,7 @@ class TorchBoundCaches(BoundCaches):
         return super().run(plan, objects)
 
     def runner(self, plan: Any, block_ids: Any) -> Any:
-        """CUDA caches: the plan's launches kept ready (:class:`cuda_replay.PlanRunner`), for
+        """CUDA caches: the plan's launches kept ready (:class:`cuda_repeat.PlanRepeater`), for
         objects on the caches' GPU; other objects (pinned host) take :meth:`run`."""
         generic = super().runner(plan, block_ids)
         fast = self.device_caches
@@ -362,4 +362,4 @@ class TorchBoundCaches(BoundCaches):
         if getattr(plan, "path", "kernel") != "kernel" and copy_engine.copy_groups(plan,
                                                                                   fast.index):
             return generic  # the copy engines take (part of) it: their path decides per call
-        return cuda_replay.PlanRunner(fast, plan, block_ids, generic)
+        return cuda_repeat.PlanRepeater(fast, plan, block_ids, generic)

@@ -21,7 +21,7 @@ from . import cpu as cpu_path
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
 from .compile import ops
 from .cuda import objects as cuda_objects
-from .cuda import run as cuda_run
+from .cuda import execute as cuda_execute
 from .describe import shape_of
 
 
@@ -37,7 +37,7 @@ class BoundPlan:
     objects : sequence of torch.Tensor
         One ``[num_chunks, object_nbytes]`` uint8 tensor per object group (GPU or pinned).
     pinned : {"direct", "staged"}
-        How pinned host objects are reached (see :func:`cuda_run.run_plan`).
+        How pinned host objects are reached (see :func:`cuda_execute.execute_plan`).
     """
 
     def __init__(self, plan: Any, caches: Sequence[Any], objects: Sequence[Any], *,
@@ -51,10 +51,10 @@ class BoundPlan:
         self.device = cache_device(self.caches)
         self.pinned = pinned
         self._bindings: dict[int, cuda_objects.ObjectBinding] | None = None
-        self._device_caches: cuda_run.DeviceCaches | None = None
+        self._device_caches: cuda_execute.DeviceCaches | None = None
         if self.device.type == "cuda":
             index = self.device.index
-            self._device_caches = cuda_run.DeviceCaches(self.caches, index)  # loads kernels
+            self._device_caches = cuda_execute.DeviceCaches(self.caches, index)  # loads kernels
             self._bindings = {
                 g: cuda_objects.bind_objects(o, index, f"objects[{g}]")
                 for g, o in enumerate(self.objects)
@@ -62,7 +62,7 @@ class BoundPlan:
             for group in plan.groups:  # pointer tables and packed parameters, now
                 binding = self._bindings[group.object_group_idx]
                 self._device_caches.launch_for(group).prepare(plan.direction, binding)
-            # Staged pinned objects need their copies every call: only run_plan does those.
+            # Staged pinned objects need their copies every call: only execute_plan does those.
             self._direct = pinned == "direct" or all(o.is_cuda for o in self.objects)
         self.handle = ops.register(self)
 
@@ -120,9 +120,9 @@ class BoundPlan:
             same = len(objects) == len(self.objects) and all(
                 a is b for a, b in zip(objects, self.objects))
             # Other objects than the bound ones are checked there (the core's rule).
-            cuda_run.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
+            cuda_execute.execute_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
                               block_ids=ids, bindings=self._bindings if same else None)
         else:
             if objects is not self.objects:
                 check_objects(self.plan, objects, shape_of)
-            cpu_path.run_plan(self.plan, caches, objects, block_ids=ids)
+            cpu_path.execute_plan(self.plan, caches, objects, block_ids=ids)

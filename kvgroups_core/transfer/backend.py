@@ -128,7 +128,7 @@ class BoundCaches:
     """A backend's hold on one validated set of backing tensors, made by
     :meth:`Backend.bind_caches` for the repeated calls of a prepared transfer.
 
-    :meth:`run` is the whole per-call contract: check the objects, then move the bytes, and
+    :meth:`execute` is the whole per-call contract: check the objects, then move the bytes, and
     raise before moving any byte if the objects are bad. This default runs the backend's
     generic methods; subclasses may do the same work faster but must reject the same input
     with the same errors.
@@ -179,32 +179,32 @@ class BoundCaches:
             self._caches = None
         self._taken = None
 
-    def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
+    def execute(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         """Validate ``objects`` for ``plan`` and execute it (see :meth:`Backend.execute`)."""
         check_objects(plan, objects, self.backend.shape_of)
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
 
-    def runner(self, plan: Any, block_ids: Any) -> Callable[[Any, Sequence[Any], Any], tuple]:
+    def repeater(self, plan: Any, block_ids: Any) -> Callable[[Any, Sequence[Any], Any], tuple]:
         """A function ``(block_ids, objects, objects_key) -> (new caches, objects)`` that runs
-        ``plan`` again, after a :meth:`run` of it passed, with other ids of the same signature
+        ``plan`` again, after a :meth:`execute` of it passed, with other ids of the same signature
         (one flat array for every group, int64 NumPy for host ids) and objects of a signature
         the core has validated (``kvgroups_core.transfer.fast.call_memo``); ``objects_key`` is that
         signature (the backend's ``objects_key`` of ``objects``), which a runner may use to
         find what it derived from the same objects before. ``block_ids`` are the ids ``plan``
-        was made with. This default puts the ids in the plan and runs it as :meth:`run` does,
-        without the object checks when :meth:`run` is this class's own; backends override it
+        was made with. This default puts the ids in the plan and runs it as :meth:`execute` does,
+        without the object checks when :meth:`execute` is this class's own; backends override it
         to keep per-plan launch state."""
         backend = self.backend
-        own_run = type(self).run is BoundCaches.run
+        own_execute = type(self).execute is BoundCaches.execute
 
-        def run(ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
+        def repeat(ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
             again = plan.with_block_ids(ids)
-            if own_run:
+            if own_execute:
                 return backend.execute(again, self.caches, objects)
-            return self.run(again, objects)
+            return self.execute(again, objects)
 
-        return run
+        return repeat
 
     def bind_source(self, manager: Any, kv_caches: Any) -> None:
         """Told by :func:`~kvgroups_core.transfer.api.prepare` after binding: the manager and the
@@ -213,7 +213,7 @@ class BoundCaches:
         return None
 
     def adopt_results(self, new_caches: Sequence[Any]) -> bool:
-        """After :meth:`run` returned new arrays for the bound caches (runtimes that do not
+        """After :meth:`execute` returned new arrays for the bound caches (runtimes that do not
         write in place, like JAX): take them as the bound caches and return True when they
         match the old ones slot for slot (shape, dtype, device), so the caller's binding stays
         valid; False (this default) makes the caller bind them from scratch."""

@@ -148,7 +148,7 @@ class TorchKit:
             tensors = wl.extra.get("tensors")
             if tensors is None:
                 tensors = wl.extra["tensors"] = [tensor_of(s, "slot") for s in wl.slots]
-            cpu_path.run_plan(plan, tensors, wl.objects[r])
+            cpu_path.execute_plan(plan, tensors, wl.objects[r])
         else:
             self._kernels[path].execute(plan, wl.slots, wl.objects[r])
 

@@ -190,7 +190,7 @@ def test_every_allowance_is_still_needed():
 def test_the_walker_reads_every_library_package():
     modules = {_module_name(d, p) for d in PACKAGE_DIRS for p in d.rglob("*.py")}
     assert {"kvgroups_core.transfer.fast.reuse", "kvgroups_core.transfer.fast.call_memo",
-            "kvgroups_torch.cuda.replay", "kvgroups_jax.sharded", "kvgroups_transport.base",
+            "kvgroups_torch.cuda.repeat", "kvgroups_jax.sharded", "kvgroups_transport.base",
             "kvgroups_cuda.nvrtc", "kvgroups_conformance.harness", "kvgroups_tools.cli"
             } <= modules
 

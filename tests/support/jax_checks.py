@@ -8,7 +8,7 @@ import numpy as np
 from kvgroups_jax.executor import execute_plan
 from kvgroups_jax.lowerings.tuning import DEFAULT_TUNING
 
-from kvgroups_core.transfer.reference import run_group
+from kvgroups_core.transfer.reference import execute_group
 from tests.support.jax_layouts import make_plan
 
 
@@ -16,7 +16,7 @@ def reference_transfer(direction, group, caches, objects, object_nbytes) -> None
     """The NumPy oracle (kvgroups_core.transfer.reference) on flat uint8 buffers: ``caches`` one per
     slot, ``objects`` ``[num_chunks * object_nbytes]`` of the group's object group."""
     if group.num_items:
-        run_group(group, direction == "store", caches, objects.reshape(-1, object_nbytes))
+        execute_group(group, direction == "store", caches, objects.reshape(-1, object_nbytes))
 
 
 def as_bytes(x) -> np.ndarray:

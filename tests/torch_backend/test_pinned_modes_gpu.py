@@ -19,7 +19,7 @@ pytestmark = needs_cuda
 
 if torch.cuda.is_available():
     from kvgroups_torch.cuda import objects as cuda_objects
-    from kvgroups_torch.cuda import run as cuda_run
+    from kvgroups_torch.cuda import execute as cuda_execute
 
 CHUNK = 64
 
@@ -49,7 +49,7 @@ def mode(request, monkeypatch):
     monkeypatch.setattr(get_backend("torch"), "pinned", request.param)
     staged = []
     real = cuda_objects.stage
-    monkeypatch.setattr(cuda_run, "stage", lambda *a: staged.append(1) or real(*a))
+    monkeypatch.setattr(cuda_execute, "stage", lambda *a: staged.append(1) or real(*a))
     monkeypatch.setattr(cuda_objects, "stage", lambda *a: staged.append(1) or real(*a))
     return request.param, staged
 

@@ -13,8 +13,8 @@ from kvgroups_torch.cuda import device as cuda_device
 from kvgroups_torch.cuda import device_tables
 from kvgroups_torch.cuda import launch as cuda_launch
 from kvgroups_torch.cuda import objects as cuda_objects
-from kvgroups_torch.cuda import replay as cuda_replay
-from kvgroups_torch.cuda import run as cuda_run
+from kvgroups_torch.cuda import repeat as cuda_repeat
+from kvgroups_torch.cuda import execute as cuda_execute
 
 from tests.support.torch_page_cases import LAYOUTS, as_bytes, as_tensor, make_case, oracle
 
@@ -208,10 +208,10 @@ def emulated(request, monkeypatch):
             assert threads == P.THREADS
             emulate(P.KvgParams.from_address(self.address), NAMES[function], grid, launches)
 
-    monkeypatch.setattr(cuda_run, "device_state", lambda index: FakeDevice())
+    monkeypatch.setattr(cuda_execute, "device_state", lambda index: FakeDevice())
     monkeypatch.setattr(cuda_launch, "Launcher", FakeLauncher)
-    monkeypatch.setattr(cuda_run, "current_stream", lambda index: 0)
-    monkeypatch.setattr(cuda_replay, "current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_execute, "current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_repeat, "current_stream", lambda index: 0)
     monkeypatch.setattr(cuda_objects, "check_object_placement", lambda t, i, w: None)
     monkeypatch.setattr(cuda_launch, "to_device", lambda a, i: torch.from_numpy(a.copy()))
     monkeypatch.setattr(cuda_objects, "to_table", lambda a, i: device_tables.HostTable(a))
@@ -227,7 +227,7 @@ def _run(case, offset_elems=0, per_chunk=False, ids=None):
               for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
     entry = [row.clone() for row in objects] if per_chunk else objects
-    cuda_run.run_plan(case.plan, caches, [entry], 0,
+    cuda_execute.execute_plan(case.plan, caches, [entry], 0,
                        block_ids=None if ids is None else [ids])
     got = np.stack([o.numpy() for o in entry]) if per_chunk else objects.numpy()
     return [as_bytes(c) for c in caches], got
@@ -299,7 +299,7 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
         np.testing.assert_array_equal(got, want)
 
 
-# The prepared path (kvgroups_core.transfer.api.prepare) through cuda_run.DeviceCaches, with CPU
+# The prepared path (kvgroups_core.transfer.api.prepare) through cuda_execute.DeviceCaches, with CPU
 # tensors standing in for the GPU's: its object checks, bindings and launches are the ones a
 # CUDA call runs, and the emulated kernel moves the bytes.
 
@@ -321,7 +321,7 @@ def _emulated_prepare(manager, caches):
     from kvgroups_core.transfer.api import prepare
 
     prepared = prepare(manager, caches, backend="torch")
-    fast = cuda_run.DeviceCaches(prepared._bound.caches, 0)
+    fast = cuda_execute.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" = CPU tensors here
     prepared._bound.device_caches = fast
     return prepared
@@ -448,7 +448,7 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
 
 
 def test_entry_points_that_bypass_the_core_apply_its_object_rule(emulated, monkeypatch):
-    # run_plan and BoundPlan take a plan directly: they refuse bad objects with the very
+    # execute_plan and BoundPlan take a plan directly: they refuse bad objects with the very
     # error of the core's check_objects (one rule, one message), before any launch.
     from kvgroups_torch import BoundPlan, bound_plan
     from kvgroups_torch.describe import shape_of
@@ -476,7 +476,7 @@ def test_entry_points_that_bypass_the_core_apply_its_object_rule(emulated, monke
         want = f"^{re.escape(str(core.value))}$"
         before = len(launches)
         with pytest.raises(type(core.value), match=want):
-            cuda_run.run_plan(case.plan, caches, [entry], 0)
+            cuda_execute.execute_plan(case.plan, caches, [entry], 0)
         with pytest.raises(type(core.value), match=want):
             BoundPlan(case.plan, caches, [entry], pinned="direct")
         assert len(launches) == before
@@ -493,7 +493,7 @@ def device_ids(emulated, monkeypatch):
     from kvgroups_torch.backend import TorchBackend
 
     monkeypatch.setattr(cuda_launch, "on_device", lambda t, index: True)
-    monkeypatch.setattr(cuda_replay, "on_device", lambda t, index: True)
+    monkeypatch.setattr(cuda_repeat, "on_device", lambda t, index: True)
 
     def spec(self, x):
         if isinstance(x, torch.Tensor):

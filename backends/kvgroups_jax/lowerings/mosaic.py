@@ -36,7 +36,7 @@ it for an abstract compute-capability 9.0 GPU on jax 0.10.2
 (``tests/jax_backend/test_lowering.py``) and runs it in the Mosaic GPU interpreter
 (``tests/jax_backend/test_mosaic_interpret.py``).
 
-Reference: :func:`kvgroups_core.transfer.reference.run_group` (the NumPy oracle).
+Reference: :func:`kvgroups_core.transfer.reference.execute_group` (the NumPy oracle).
 """
 
 from __future__ import annotations

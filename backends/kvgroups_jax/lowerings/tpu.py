@@ -15,7 +15,7 @@ table leaves them out, and the executor reports them through checkify
 TPU interpret mode (``pltpu.InterpretParams``: DMA semaphores, in-place aliasing and
 out-of-bounds reads modelled on any platform), which is how CI certifies it without a TPU.
 
-Reference: :func:`kvgroups_core.transfer.reference.run_group` (the NumPy oracle).
+Reference: :func:`kvgroups_core.transfer.reference.execute_group` (the NumPy oracle).
 """
 
 from __future__ import annotations

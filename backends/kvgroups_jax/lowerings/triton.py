@@ -9,7 +9,7 @@ backing array (the plane picks its operand statically under ``pl.when``); the ob
 ``[num_chunks, object_elems]``. Triton rules (docs/DESIGN.md, Backends): power-of-two array ops, no
 scalar prefetch (ids are read inside the kernel), static grid, explicit ``compiler_params``.
 
-Reference: :func:`kvgroups_core.transfer.reference.run_group` (the NumPy oracle).
+Reference: :func:`kvgroups_core.transfer.reference.execute_group` (the NumPy oracle).
 """
 
 from __future__ import annotations

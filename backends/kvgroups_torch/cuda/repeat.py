@@ -1,6 +1,6 @@
 """Repeated calls of a validated signature: one plan's launches kept ready.
 
-The launches of one plan on a prepared transfer's caches (:class:`PlanRunner`), so a warm call
+The launches of one plan on a prepared transfer's caches (:class:`PlanRepeater`), so a warm call
 only writes its ids and launches.
 """
 
@@ -14,10 +14,10 @@ from kvgroups_cuda import params as P
 from .device import current_stream
 from .launch import ID_DTYPES, bind_ids, on_device, write_objects, write_step
 from .objects import ObjectBinding
-from .run import DeviceCaches
+from .execute import DeviceCaches
 
 
-class PlanRunner:
+class PlanRepeater:
     """The launches of one plan on one :class:`DeviceCaches`, ready for the repeated calls of
     a validated signature (``kvgroups_core.transfer.fast.call_memo``): a call writes its ids (and, when they
     differ from the last launch's, the objects and the item range) into each group's packed

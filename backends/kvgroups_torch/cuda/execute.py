@@ -1,7 +1,7 @@
 """The run loops: a plan's groups enqueued on the current stream.
 
 Every group of a :class:`~kvgroups_core.transfer.plan.TransferPlan`, either from scratch
-(:func:`enqueue_plan`, or :func:`run_plan` for a plan that bypassed the core's calls) or on the bound caches of a prepared transfer (:class:`DeviceCaches`), the
+(:func:`execute_checked_plan`, or :func:`execute_plan` for a plan that bypassed the core's calls) or on the bound caches of a prepared transfer (:class:`DeviceCaches`), the
 copy-engine groups batched beside the kernels.
 """
 
@@ -34,7 +34,7 @@ class DeviceCaches:
     """Launch state of one bound set of CUDA caches, for the repeated calls of a prepared
     transfer (``kvgroups_core.transfer.api.PreparedTransfer``).
 
-    :func:`enqueue_plan` redoes per call what depends only on the caches: their addresses, the
+    :func:`execute_checked_plan` redoes per call what depends only on the caches: their addresses, the
     device state, the :class:`GroupLaunch` lookups (hashing every cache address). Here those
     are kept from bind time; a call checks its objects with a few tensor attribute reads (the
     derived :class:`ObjectBinding` is memoised by value, never by tensor identity, so a freed
@@ -108,12 +108,12 @@ class DeviceCaches:
 
     def run(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None = None) -> None:
         """Enqueue every group of ``plan`` with objects already bound (``bindings[g]`` for
-        object group ``g``); ``block_ids`` as for :func:`enqueue_plan`."""
+        object group ``g``); ``block_ids`` as for :func:`execute_checked_plan`."""
         groups = plan.groups
         if getattr(plan, "path", "kernel") != "kernel":
             engine = copy_engine.copy_groups(plan, self.index, block_ids)
             if engine:
-                self._run_mixed(plan, bindings, block_ids, engine)
+                self._execute_mixed(plan, bindings, block_ids, engine)
                 return
         launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
@@ -131,7 +131,7 @@ class DeviceCaches:
                                max_ctas=max_ctas)
 
 
-    def _run_mixed(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None,
+    def _execute_mixed(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None,
                    engine: frozenset[int]) -> None:
         """Groups ``engine`` on the copy engines (one batch), the others as kernels."""
         addresses = self.addresses
@@ -152,23 +152,23 @@ class DeviceCaches:
                                max_ctas=max_ctas)
 
 
-def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
+def execute_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
              *, pinned: str = "direct", block_ids: Sequence[Any] | None = None,
              bindings: dict[int, ObjectBinding] | None = None) -> None:
     """Enqueue every group of ``plan`` on the current stream of ``device_index``: the entry
     point for a plan that did not come through the core's calls (:class:`BoundPlan`, the
     compiled ops), so the objects are checked by the core's object rule first; then
-    :func:`enqueue_plan` (whose parameters these are)."""
+    :func:`execute_checked_plan` (whose parameters these are)."""
     check_objects(plan, objects, shape_of)
-    enqueue_plan(plan, caches, objects, device_index, pinned=pinned, block_ids=block_ids,
+    execute_checked_plan(plan, caches, objects, device_index, pinned=pinned, block_ids=block_ids,
                  bindings=bindings)
 
 
-def enqueue_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
+def execute_checked_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
                  *, pinned: str = "direct", block_ids: Sequence[Any] | None = None,
                  bindings: dict[int, ObjectBinding] | None = None) -> None:
     """Enqueue every group of ``plan`` on the current stream of ``device_index``, its objects
-    checked by the core (``TorchBackend.execute``) or by :func:`run_plan`.
+    checked by the core (``TorchBackend.execute``) or by :func:`execute_plan`.
 
     Parameters
     ----------
