@@ -9,6 +9,7 @@ byte comparison.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import numpy as np
@@ -89,9 +90,9 @@ def block_mismatches(got: Any, formats: Any, want: Blocks, *, what: str,
         actual=int(rows.reshape(-1)[byte]), differing_blocks=len(bad), hint=hint)]
 
 
-def check_blocks(got: Any, formats: Any, want: Blocks, *, what: str,
-                 source: Blocks | None = None,
-                 expected_source: dict[int, int] | None = None) -> None:
+def assert_blocks_match(got: Any, formats: Any, want: Blocks, *, what: str,
+                        source: Blocks | None = None,
+                        expected_source: dict[int, int] | None = None) -> None:
     """:func:`block_mismatches`, raising :class:`~.report.ConformanceFailure`."""
     raise_if_any(block_mismatches(got, formats, want, what=what, source=source,
                                   expected_source=expected_source))
@@ -179,8 +180,21 @@ def object_mismatches(got: Any, want: Any, manager: Any, object_group: int, *, w
         hint=hint)]
 
 
-def check_objects(got: Any, want: Any, manager: Any, object_group: int, *, what: str,
-                  ids: Any = None, source_caches: Any = None, formats: Any = None) -> None:
+def assert_objects_match(got: Any, want: Any, manager: Any, object_group: int, *, what: str,
+                         ids: Any = None, source_caches: Any = None,
+                         formats: Any = None) -> None:
     """:func:`object_mismatches`, raising :class:`~.report.ConformanceFailure`."""
     raise_if_any(object_mismatches(got, want, manager, object_group, what=what, ids=ids,
                                    source_caches=source_caches, formats=formats))
+
+
+#: Old names, deprecated: ``check_*`` also named the core's object rule.
+_RENAMED = {"check_blocks": "assert_blocks_match", "check_objects": "assert_objects_match"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _RENAMED:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    warnings.warn(f"{__name__}.{name} is deprecated: use {_RENAMED[name]}", DeprecationWarning,
+                  stacklevel=2)
+    return globals()[_RENAMED[name]]

@@ -91,7 +91,7 @@ class Harness:
 
     def supports(self, fmt: Any, dtype: str) -> bool:
         """False for a configuration the backend cannot run: the suite then asserts that
-        store raises a NotImplementedError subclass (``UnsupportedConfig``) for it."""
+        store raises a NotImplementedError subclass (``UnsupportedConfigError``) for it."""
         return True
 
     # Defaults built on them -----------------------------------------------------------------
@@ -168,7 +168,7 @@ def harness_for(backend: str, spec: str | None = None) -> Harness:
     backend package's entry point in :data:`HARNESS_ENTRY_POINTS` under the same name is
     used, else the default ``Harness(backend, backend)``.
     """
-    get_backend(backend)  # a clear BackendNotFound, listing what is registered, comes first
+    get_backend(backend)  # a clear BackendNotFoundError, listing what is registered, comes first
     if spec:
         return _instantiate(_load_object(spec), backend)
     for ep in entry_points(group=HARNESS_ENTRY_POINTS):

@@ -4,15 +4,16 @@ Imports no framework, ever (NumPy only). Backends for PyTorch and JAX live in th
 packages ``kvgroups_torch`` and ``kvgroups_jax`` and are found from the tensors you pass.
 """
 
+from . import errors
 from .errors import (
-    BackendNotFound,
-    CompileForbidden,
+    BackendNotFoundError,
+    CompileForbiddenError,
     KernelCompileError,
     KVGroupsError,
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 from .formats.catalogue import MUST_HAVE_FORMATS, STATE_FORMATS, EngineKVFormat
 from .formats.detection import detect_format, normalize_and_discover_per_layer_formats
@@ -100,8 +101,8 @@ __all__ = [
     "conv_format",
     "state_page_offsets",
     "Backend",
-    "BackendNotFound",
-    "CompileForbidden",
+    "BackendNotFoundError",
+    "CompileForbiddenError",
     "DType",
     "EngineKVFormat",
     "KVGroupsError",
@@ -111,7 +112,7 @@ __all__ = [
     "KernelCompileError",
     "TensorDesc",
     "TensorSpec",
-    "UnsupportedConfig",
+    "UnsupportedConfigError",
     "describe",
     "get_backend",
     "register_backend",
@@ -125,4 +126,5 @@ def __getattr__(name: str):
 
     if name in grouping.DEPRECATED_ALIASES:
         return getattr(grouping, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    # The error classes' old names (UnsupportedConfig, BackendNotFound, CompileForbidden).
+    return errors.deprecated_alias(__name__, name, errors.DEPRECATED_ALIASES, vars(errors))

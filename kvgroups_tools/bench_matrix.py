@@ -14,7 +14,7 @@ Presets:
     64 chunks of 256 tokens on random blocks, objects in device and in pinned host memory.
 ``engine``
     The public calls (store, load, prepared, jit, graph, layer-wise; host and device ids)
-    over chunks 1-256, pages 512 B-128 KiB, device and pinned objects: one H200 call.
+    over chunks 1-256, pages 512 B-128 KiB, device and pinned objects: one GPU run.
 ``full``
     The headline, then chunks 1..512, page sizes 1 KiB..128 KiB (heads, head size and block
     size varied), 8..128 layers, pinned objects for a few chunk counts, MLA and hybrid models,
@@ -26,7 +26,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 from kvgroups_core.errors import KVGroupsValueError
-from kvgroups_core.grouping.shape_spec import _group_tensor, parse_kvcache_shape_spec
+from kvgroups_core.grouping.shape_spec import group_tensor, parse_kvcache_shape_spec
 
 from .bench_public import CALLS, IDS
 from .catalog import CacheModel, get_model
@@ -69,7 +69,7 @@ class Shape:
         caches: list = []
         formats: list = []
         for i, g in enumerate(parse_kvcache_shape_spec(";".join(parts))):
-            fmt, tensor = _group_tensor(g, i)  # the layout manager_from_shape_spec uses
+            fmt, tensor = group_tensor(g, i)  # the layout manager_from_shape_spec uses
             caches += [tensor] * g.shape_desc.nl
             formats += [fmt] * g.shape_desc.nl
         return CacheModel(self.label, caches, tuple(formats), ())
@@ -101,8 +101,8 @@ class Matrix:
     repeats: int = 7
     warmup: int = 2
     # Time per repeat: calls are batched up to this. A batch pays its first call's host latency
-    # unhidden; a JAX call donating 32 caches costs 0.3-0.6 ms of dispatch on the H200 host,
-    # which in a 5 ms batch (4 headline calls) counted as ~10% of the device time.
+    # unhidden (a JAX call donating 32 caches dispatches for a good fraction of a millisecond),
+    # so a batch must be long enough for that to be noise.
     target_s: float = 0.025
     max_calls: int = 256
     min_blocks: int = 1024    # cache pool floor, so random pages are spread past the L2 cache
@@ -199,7 +199,7 @@ PAGE_512B = ("page-512B", 16, 1, 16)
 
 
 def engine() -> Matrix:
-    """The public calls on the H200, in about four minutes per runtime. Llama-3-8B-like caches
+    """The public calls on a GPU, in a few minutes per runtime. Llama-3-8B-like caches
     (32 KiB pages) at 64 chunks: every call, ids kind and public path, device and pinned
     objects; chunks 1-16 and 256 through the one-shot, prepared, jit and graph calls
     (layer-wise at 16 and 64: a JAX layer subset is its own program, compiled once each);

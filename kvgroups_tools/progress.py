@@ -84,17 +84,20 @@ class Progress:
         self.note(f"{self.done} steps in {self.elapsed()}")
 
 
+class _CommandHandler(logging.StreamHandler):
+    """The handler :func:`show_library_logs` adds (one per logger, however often called)."""
+
+
 def show_library_logs(quiet: bool = False, stream: TextIO | None = None) -> None:
     """Show the library's ``kvgroups`` log lines at INFO (a kernel's first compile, ...) on
     ``stream`` for the rest of a command, where progress is :func:`wanted`. Idempotent."""
     stream = stream if stream is not None else sys.stderr
     logger = logging.getLogger("kvgroups")
-    if not wanted(stream, quiet) or any(getattr(h, "_kvgroups_cli", False)
+    if not wanted(stream, quiet) or any(isinstance(h, _CommandHandler)
                                         for h in logger.handlers):
         return
-    handler = logging.StreamHandler(stream)
+    handler = _CommandHandler(stream)
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
-    handler._kvgroups_cli = True  # type: ignore[attr-defined]
     logger.addHandler(handler)
     if logger.level == logging.NOTSET or logger.level > logging.INFO:
         logger.setLevel(logging.INFO)

@@ -12,8 +12,8 @@
 #   memcheck_torch     compute-sanitizer memcheck over the torch-cuda conformance run (bad
 #                      input and cross-runtime pairs included), caching allocator off
 #   memcheck_jax       memcheck over the jax-gpu conformance run (XLA allocating each buffer)
-#   memcheck_kernels   memcheck over the engine-native, warp-kernel, small-page, call-memo and
-#                      pinned-mode torch tests (our kvg_* kernels only) and the jitted JAX tests
+#   memcheck_kernels   memcheck over the engine-native, warp-kernel, call-memo and pinned-mode
+#                      torch tests (our kvg_* kernels only) and the jitted JAX tests (small pages)
 #   racecheck          racecheck (shared-memory hazards) over the engine and kernel tests, and
 #                      over the per-layer readiness tests (a captured step of 32 layer loads
 #                      on a side stream, each layer's compute waiting for its own load)
@@ -75,7 +75,7 @@ cat "$WORK/versions.log"
 STEPS=${KVG_GPU_STEPS:-gpu_tests memcheck_torch memcheck_jax memcheck_kernels racecheck mosaic_smoke nixl_probe}
 wants() { [[ " $STEPS " == *" $1 "* ]]; }
 TORCH_KERNEL_TESTS=$(tests_named test_torch_engine_gpu.py test_call_memo_gpu.py \
-  test_pinned_modes_gpu.py test_warp_kernel_gpu.py test_small_pages_gpu.py)
+  test_pinned_modes_gpu.py test_warp_kernel_gpu.py)
 JAX_KERNEL_TESTS=$(tests_named test_gpu_engine.py test_jax_small_pages_gpu.py)
 
 wants gpu_tests && step gpu_tests 240 $PYTEST -m gpu tests

@@ -11,32 +11,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.formats.segments import SegmentRun, widest_unit
 
-from .params import MAX_RUNS, MAX_TILE, SMALL_PLANES, SMALL_TILE
+from .params import MAX_RUNS, MAX_TILE
 
 #: Bytes one CTA aims to move: enough to amortise its start, few enough for many CTAs.
 TARGET_CTA_BYTES = 32768
 _MAX_PAGE_BYTES = 2**31 - 1
 
-#: The small-page kernels (``kvg_*_small`` in page_copy.cu: several planes and pages per work
-#: unit, one id lookup per item for all of them) serve groups whose page (the largest run's
-#: bytes per block and plane) is at most this many bytes; 0 turns them off. Off: on an H200
-#: sweep (docs/PERFORMANCE.md, "Where the defaults come from") the classic kernel was as fast
-#: or faster at 512 B - 4 KiB once the transfer is device-bound (256 chunks: 0.90-0.94 of the
-#: copy, graph replays 0.93-0.95). After changing it call ``kvgroups_torch.cuda.launch.reset_caches()``.
-SMALL_PAGE_BYTES = 0
 #: Contiguous pages of at least this many bytes whose launch moves 16-byte vectors run the
 #: warp kernels (``kvg_*_v16_warp``: one warp per 8 KiB segment, no barrier, a grid of every
 #: segment), the others the classic kernel. The smallest page that fills a segment: below it
-#: lanes of a warp would idle (with 2 KiB segments, 2-4 KiB pages measured no faster than the
-#: classic kernel). 0 turns them off. After changing it call ``kvgroups_torch.cuda.launch.reset_caches()``.
+#: lanes of a warp would idle. (Tests set 0, which turns them off, to run the classic kernel
+#: on the same pages; launch state made before keeps its kernel.)
 WARP_MIN_PAGE_BYTES = 8192
-#: Bytes one small-page work unit aims to move (its tile x plane group).
-SMALL_CTA_BYTES = 65536
-#: Planes one small-page work unit covers at most (a power of two <= params.SMALL_PLANES).
-SMALL_PLANES_PER_CTA = 8
 
 
 @dataclass(frozen=True)
@@ -73,7 +62,7 @@ def is_contiguous_page(group: Any) -> bool:
 def group_shape(group: Any) -> GroupShape:
     """The :class:`GroupShape` of a group transfer."""
     if not 1 <= len(group.runs) <= MAX_RUNS:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"runs: expected 1..{MAX_RUNS} segment runs per kernel group, got {len(group.runs)}"
         )
     bs, row = group.block_size, group.row_bytes
@@ -93,7 +82,7 @@ def group_shape(group: Any) -> GroupShape:
                    run.token_stride]
     page_bytes = max(block_size * run.count * run.nbytes for run in runs)
     if page_bytes > _MAX_PAGE_BYTES:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"page: expected at most {_MAX_PAGE_BYTES} bytes per block and plane, got {page_bytes}"
         )
     return GroupShape(
@@ -119,10 +108,10 @@ def items_per_cta(page_bytes: int, num_items: int, planes_x_runs: int, num_sms: 
     return ipc
 
 
-def uses_warp_kernel(shape: GroupShape, small: bool) -> bool:
+def uses_warp_kernel(shape: GroupShape) -> bool:
     """Whether a group of ``shape`` runs the warp kernels when its launch moves 16-byte
     vectors (the vector width also depends on the objects' alignment, known per call)."""
-    return (shape.contiguous and not small and shape.unit % 16 == 0
+    return (shape.contiguous and shape.unit % 16 == 0
             and 0 < WARP_MIN_PAGE_BYTES <= shape.page_bytes)
 
 
@@ -148,42 +137,3 @@ def warp_sizing(page_bytes: int, num_items: int, num_planes: int, unroll: int,
     if units > WARP_MAX_UNITS:
         return None
     return segs, -(-units // warps_per_cta)
-
-
-def _pow2_floor(n: int) -> int:
-    return 1 << (max(int(n), 1).bit_length() - 1)
-
-
-def uses_small_pages(page_bytes: int) -> bool:
-    """Whether groups with ``page_bytes`` per block and plane run the small-page kernels."""
-    return 0 < page_bytes <= SMALL_PAGE_BYTES
-
-
-def small_page_sizing(page_bytes: int, num_items: int, num_planes: int, num_runs: int,
-                      num_sms: int) -> tuple[int, int]:
-    """``(items_per_cta, planes_per_cta)`` of a small-page launch, both powers of two.
-
-    A unit aims at :data:`SMALL_CTA_BYTES` (at most :data:`SMALL_PLANES_PER_CTA` planes, at most
-    ``SMALL_TILE`` items, no more items than the launch has); while that gives fewer than ~4
-    units per SM, planes are given up first (each keeps its own id lookups cheap), then items.
-    The kernel counts a unit's vectors in 32 bits: ``planes * items * page_units`` stays
-    below 2**31 because ``page_bytes <= SMALL_PAGE_BYTES`` is small (checked).
-    """
-    planes = min(_pow2_floor(SMALL_PLANES_PER_CTA), _pow2_floor(num_planes), SMALL_PLANES)
-    wanted = max(1, SMALL_CTA_BYTES // max(planes * page_bytes, 1))
-    items = min(_pow2_floor(wanted), SMALL_TILE, 1 << (max(num_items, 1) - 1).bit_length())
-
-    def units(i: int, g: int) -> int:
-        return -(-num_items // i) * -(-num_planes // g) * num_runs
-
-    while units(items, planes) < 4 * num_sms and (planes > 1 or items > 1):
-        if planes > 1:
-            planes //= 2
-        else:
-            items //= 2
-    if planes * items * page_bytes >= 2**31:
-        raise UnsupportedConfig(
-            f"small pages: expected a work unit below 2**31 bytes, got {planes} planes x "
-            f"{items} items x {page_bytes} bytes (lower geometry.SMALL_PAGE_BYTES)"
-        )
-    return items, planes

@@ -3,7 +3,7 @@
 Cubins are cached on disk, keyed by the package version, the target arch (``sm_XY``), the
 NVRTC version, the compile options and a hash of the source, and written under a file lock so
 that concurrent processes compile once. Set ``KVGROUPS_NO_COMPILE=1`` to forbid compiling (a
-missing cubin then raises :class:`~kvgroups_core.errors.CompileForbidden` naming the cache
+missing cubin then raises :class:`~kvgroups_core.errors.CompileForbiddenError` naming the cache
 key); ``KVGROUPS_CACHE_DIR`` overrides the cache folder (default
 ``$XDG_CACHE_HOME/kvgroups/cubin``, i.e. ``~/.cache/kvgroups/cubin``).
 
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 
 from kvgroups_core import __version__ as _package_version
-from kvgroups_core.errors import CompileForbidden, KernelCompileError, UnsupportedConfig
+from kvgroups_core.errors import CompileForbiddenError, KernelCompileError, UnsupportedConfigError
 from kvgroups_core.logs import logger
 
 from .params import all_kernel_names, layout_defines
@@ -84,37 +84,28 @@ def _check_arch(arch: str) -> str:
     return arch
 
 
-#: Overrides of the kernel's tuning macros (``KVG_UNROLL``, ``KVG_LOAD_HINT``,
-#: ``KVG_STORE_HINT``); empty means the source's defaults. Benchmarks sweep these.
-TUNING: dict[str, int] = {}
+def _defines() -> list[tuple[str, str]]:
+    return list(layout_defines())
 
 
-def _defines(small: bool = False) -> list[tuple[str, str]]:
-    # ``small``: the cubin of the small-page kernels (``kvg_*_small``), built apart because
-    # they take several times the others' compile time and are off by default.
-    extra = [("KVG_BUILD_SMALL", "1")] if small else []
-    return list(layout_defines()) + extra + [(k, str(v)) for k, v in sorted(TUNING.items())]
-
-
-def option_words(arch: str, small: bool = False) -> tuple[str, ...]:
+def option_words(arch: str) -> tuple[str, ...]:
     """The compile options, spelled as NVRTC flags (they enter the cache key)."""
-    defines = tuple(f"-D{name}={value}" for name, value in _defines(small))
+    defines = tuple(f"-D{name}={value}" for name, value in _defines())
     return (f"-arch={_check_arch(arch)}", f"-std={_STD}", *defines)
 
 
-def cache_key(arch: str, small: bool = False) -> str:
+def cache_key(arch: str) -> str:
     """``page_copy-<version>-<arch>-<hash>``: the cubin's file name without extension."""
     digest = hashlib.sha256()
-    for part in (_package_version, arch, nvrtc_version(), *option_words(arch, small),
+    for part in (_package_version, arch, nvrtc_version(), *option_words(arch),
                  kernel_source()):
         digest.update(part.encode())
         digest.update(b"\0")
     return f"{_PROGRAM_NAME}-{_package_version}-{arch}-{digest.hexdigest()[:20]}"
 
 
-def compile_cubin(arch: str, small: bool = False) -> bytes:
-    """Compile every kernel variant for ``arch`` (``small``: every small-page variant) and
-    return the cubin (no GPU needed)."""
+def compile_cubin(arch: str) -> bytes:
+    """Compile every kernel variant for ``arch`` and return the cubin (no GPU needed)."""
     core = cuda_python("cuda.core")
     Program, ProgramOptions = core.Program, core.ProgramOptions
 
@@ -122,7 +113,7 @@ def compile_cubin(arch: str, small: bool = False) -> bytes:
         name=_PROGRAM_NAME,
         arch=_check_arch(arch),
         std=_STD,
-        define_macro=_defines(small),
+        define_macro=_defines(),
     )
     log = io.StringIO()
     try:
@@ -145,7 +136,7 @@ def _cached(key: str, suffix: str, build) -> bytes:
     if path.is_file():
         return path.read_bytes()
     if compile_forbidden():
-        raise CompileForbidden(
+        raise CompileForbiddenError(
             f"{ENV_NO_COMPILE} is set and no cached build exists for cache key {key!r} "
             f"(looked for {path}); unset it once, or copy the file there"
         )
@@ -155,7 +146,7 @@ def _cached(key: str, suffix: str, build) -> bytes:
     with _lock, FileLock(str(path) + ".lock"):
         if path.is_file():  # another process compiled it while we waited
             return path.read_bytes()
-        # A first use compiles for seconds (tens for the small-page variants): say so.
+        # A first use compiles for seconds: say so.
         _log.info("compiling %s with NVRTC (first use; cached in %s)", key, folder)
         started = time.perf_counter()
         data = build()
@@ -166,18 +157,18 @@ def _cached(key: str, suffix: str, build) -> bytes:
     return data
 
 
-def get_cubin(arch: str, small: bool = False) -> bytes:
-    """The cubin for ``arch`` (``small``: of the small-page kernels) from the disk cache,
-    compiling it (under a file lock) on a miss.
+def get_cubin(arch: str) -> bytes:
+    """The cubin for ``arch`` from the disk cache, compiling it (under a file lock) on a
+    miss.
 
     Raises
     ------
-    CompileForbidden
+    CompileForbiddenError
         ``KVGROUPS_NO_COMPILE`` is set and the cache holds no cubin for this key.
     KernelCompileError
         NVRTC failed.
     """
-    return _cached(cache_key(arch, small), ".cubin", lambda: compile_cubin(arch, small))
+    return _cached(cache_key(arch), ".cubin", lambda: compile_cubin(arch))
 
 
 # XLA entry points (kvgroups_jax, lowering "cuda"): jaxlib's kernel-call custom call passes each
@@ -194,7 +185,7 @@ def xla_words(buffers: int) -> int:
     for words in XLA_WORD_COUNTS:
         if buffers <= words:
             return words
-    raise UnsupportedConfig(
+    raise UnsupportedConfigError(
         f"buffers: expected at most {XLA_WORD_COUNTS[-1]} buffers in one XLA launch, got "
         f"{buffers}"
     )
@@ -228,10 +219,7 @@ def xla_source(words: int) -> str:
 
 
 def _xla_defines() -> list[tuple[str, str]]:
-    # No PDL under XLA: nothing to prefetch ahead of (see page_copy.cu, "Launches from XLA").
-    tuning = {k: v for k, v in TUNING.items() if k.startswith("KVG_WARP")}
-    tuning.update(KVG_BUILD_XLA=1, KVG_WARP_PREFETCH=0)
-    return list(layout_defines()) + [(k, str(v)) for k, v in sorted(tuning.items())]
+    return list(layout_defines()) + [("KVG_BUILD_XLA", "1")]
 
 
 def xla_cache_key(arch: str, words: int) -> str:
@@ -301,7 +289,6 @@ class KernelTable:
 
         self.arch = arch
         self._object = ObjectCode.from_cubin(get_cubin(arch), name=_PROGRAM_NAME)
-        self._small = None  # the small-page kernels' cubin, loaded at their first use
         self._kernels: dict[str, object] = {}  # keeps the Kernel objects (and handles) alive
         self._handles: dict[str, int] = {}
 
@@ -313,37 +300,26 @@ class KernelTable:
                 raise KernelCompileError(
                     f"kernel: expected one of {all_kernel_names()}, got {name!r}"
                 )
-            code = self._object
-            if name.endswith("_small"):
-                if self._small is None:
-                    ObjectCode = cuda_python("cuda.core").ObjectCode
-                    self._small = ObjectCode.from_cubin(get_cubin(self.arch, small=True),
-                                                        name=_PROGRAM_NAME)
-                code = self._small
             try:
-                kernel = code.get_kernel(name)
+                kernel = self._object.get_kernel(name)
             except Exception as exc:
                 raise KernelCompileError(f"loading {name} ({self.arch}): {exc}") from exc
-            raw = getattr(kernel, "handle", None)
-            if raw is None:  # cuda.core < 0.3 spelled it privately
-                raw = kernel._handle
-            found = int(raw)
+            found = int(kernel.handle)
             self._kernels[name] = kernel
             self._handles[name] = found
         return found
 
 
-_tables: dict[tuple, KernelTable] = {}
+_tables: dict[str, KernelTable] = {}
 _tables_lock = threading.Lock()
 
 
 def kernel_table(arch: str) -> KernelTable:
     """The process-wide :class:`KernelTable` of ``arch`` (compiled / loaded once)."""
-    key = (arch, tuple(sorted(TUNING.items())))
-    table = _tables.get(key)
+    table = _tables.get(arch)
     if table is None:
         with _tables_lock:
-            table = _tables.get(key)
+            table = _tables.get(arch)
             if table is None:
-                table = _tables[key] = KernelTable(arch)
+                table = _tables[arch] = KernelTable(arch)
     return table

@@ -20,9 +20,6 @@ THREADS = 256
 WARP_UNROLL = 16
 WARPS_PER_CTA = THREADS // 32
 ERR_WORDS = 8
-#: Largest tile (items) and plane group of one work unit of the small-page kernels.
-SMALL_TILE = 256
-SMALL_PLANES = 64
 
 #: Vector widths a kernel variant exists for, widest first.
 VECTOR_WIDTHS = (16, 8, 4, 2, 1)
@@ -101,7 +98,7 @@ class KvgParams(ctypes.Structure):
         ("skip_mode", _i32),
         ("err_engine_group", _i32),
         ("err_kernel_group", _i32),
-        ("planes_per_cta", _i32),
+        ("reserved", _i32),
         ("segs_per_page", _i32),
         ("segs_shift", _i32),
         ("runs", KvgRun * MAX_RUNS),
@@ -118,29 +115,19 @@ def layout_defines() -> tuple[tuple[str, str], ...]:
     )
 
 
-def kernel_name(direction: str, vector: int, contiguous: bool, small: bool = False,
-                warp: bool = False) -> str:
-    """Entry point of one variant, e.g. ``kvg_store_v16_contig`` (``..._small``: the
-    small-page kernel, several planes and pages per work unit; ``warp``: the one-warp-per-
+def kernel_name(direction: str, vector: int, contiguous: bool, warp: bool = False) -> str:
+    """Entry point of one variant, e.g. ``kvg_store_v16_contig`` (``warp``: the one-warp-per-
     segment kernel of contiguous 16-byte-aligned pages, ``kvg_store_v16_warp``)."""
     if warp:
-        if vector != 16 or not contiguous or small:
+        if vector != 16 or not contiguous:
             raise ValueError("warp kernels: expected contiguous pages of 16-byte vectors")
         return f"kvg_{direction}_v16_warp"
     kind = "contig" if contiguous else "runs"
-    return f"kvg_{direction}_v{vector}_{kind}{'_small' if small else ''}"
+    return f"kvg_{direction}_v{vector}_{kind}"
 
 
-def all_kernel_names(small: bool | None = None) -> list[str]:
-    """Every variant the source defines (the CI test compiles them all); ``small`` True /
-    False: only those of the small-page cubin / of the main one."""
-    names = [
-        kernel_name(d, v, c, sm)
-        for sm in ((False, True) if small is None else (small,))
-        for d in ("store", "load")
-        for v in VECTOR_WIDTHS
-        for c in (True, False)
-    ]
-    if small is not True:
-        names += [kernel_name(d, 16, True, warp=True) for d in ("store", "load")]
-    return names
+def all_kernel_names() -> list[str]:
+    """Every variant the source defines (the CI test compiles them all)."""
+    names = [kernel_name(d, v, c) for d in ("store", "load") for v in VECTOR_WIDTHS
+             for c in (True, False)]
+    return names + [kernel_name(d, 16, True, warp=True) for d in ("store", "load")]

@@ -13,15 +13,17 @@ from .backend import JaxBackend
 from .buckets import PAD_ID, pad_block_ids
 from .describe import describe_array
 from .executor import execute_plan, lower_plan, trace_count
-from .foreign import InPlaceCopyWarning, InPlaceWriteLost, import_dlpack
+from .foreign import InPlaceCopyWarning, InPlaceWriteLostError, import_dlpack
 from .lowerings.choice import LOWERINGS
+from .lowerings.tuning import LoweringTuning
 
 __all__ = [
     "JaxBackend",
     "LOWERINGS",
+    "LoweringTuning",
     "PAD_ID",
     "InPlaceCopyWarning",
-    "InPlaceWriteLost",
+    "InPlaceWriteLostError",
     "describe_array",
     "execute_plan",
     "import_dlpack",
@@ -29,3 +31,12 @@ __all__ = [
     "pad_block_ids",
     "trace_count",
 ]
+
+
+def __getattr__(name: str):
+    # InPlaceWriteLost, the old name of InPlaceWriteLostError: deprecated.
+    from kvgroups_core.errors import deprecated_alias
+
+    from . import foreign
+
+    return deprecated_alias(__name__, name, foreign.DEPRECATED_ALIASES, vars(foreign))

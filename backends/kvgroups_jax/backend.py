@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.tensors.descriptors import TensorDesc
 from kvgroups_core.tensors.dtypes import as_dtype
 from kvgroups_core.transfer.backend import Backend, BoundCaches
@@ -25,18 +25,19 @@ from kvgroups_core.transfer.objects import check_objects
 
 from .describe import describe_array, memory_kind_of
 from .executor import execute_plan, writes_every_byte
-from .foreign import _IMPORTED, check_in_place, import_dlpack
+from .foreign import any_imported, check_in_place, import_dlpack
 from .lowerings.choice import LOWERINGS
+from .lowerings.tuning import DEFAULT_TUNING, LoweringTuning
 from .sharded import (
     UnknownSharding,
+    check_object_sharding,
+    execute_sharded,
     local_binding,
     localize,
-    run_sharded,
     shard_layout,
     sharding_of,
     vouched_shardings,
 )
-from .sharded import check_objects as check_shard_objects
 
 _PINNED = ("pinned", "pinned_host", "cuda_host")
 _UINT8 = np.dtype(np.uint8)
@@ -55,6 +56,8 @@ class JaxBackend(Backend):
         TPU interpret mode, any platform) to force a path (register such an instance under
         its own name: there is no global switch; "jax-tpu" and "jax-tpu-interpret" are).
     num_warps : warps per Triton program.
+    tuning : the lowerings' launch shapes (:class:`~kvgroups_jax.lowerings.tuning.LoweringTuning`;
+        default the shipped one): part of every program's key, passed to the kernels.
     """
 
     name: ClassVar[str] = "jax"
@@ -63,11 +66,16 @@ class JaxBackend(Backend):
     array_types: ClassVar[tuple[str, ...]] = ("jax.Array", "jax.core.Tracer",
                                               "jax.ShapeDtypeStruct")
 
-    def __init__(self, lowering: str = "auto", num_warps: int | None = None):
+    def __init__(self, lowering: str = "auto", num_warps: int | None = None,
+                 tuning: LoweringTuning | None = None):
         if lowering not in LOWERINGS:
             raise KVGroupsValueError(f"lowering: expected one of {LOWERINGS}, got {lowering!r}")
+        if tuning is not None and not isinstance(tuning, LoweringTuning):
+            raise KVGroupsTypeError(
+                f"tuning: expected a LoweringTuning or None, got {type(tuning).__name__}")
         self.lowering = lowering
         self.num_warps = num_warps
+        self.tuning = tuning or DEFAULT_TUNING
         if lowering == "tpu-interpret":
             # Every new plan shape compiles an interpreted program for seconds on a CPU: the
             # conformance kit runs its small case set unless told otherwise.
@@ -158,7 +166,7 @@ class JaxBackend(Backend):
                 None if type(o) is NewObject else
                 o if _concrete(o) else _as_array(o) for o in objects]
         if shard_layout(arrays) is not None:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 "kv_caches: sharded caches are moved per shard through prepare(), store() or "
                 "load() (which pass the manager); got a direct backend call"
             )
@@ -189,7 +197,7 @@ class JaxBackend(Backend):
                   if k == "pinned_host" else o for g, (o, k) in enumerate(zip(objs, kinds))]
         before = _pointers(arrays) if plan.direction == "load" else []
         new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
-                                            num_warps=self.num_warps)
+                                            num_warps=self.num_warps, tuning=self.tuning)
         new_objs = [
             jax.device_put(n, o.sharding) if k == "pinned_host" and plan.direction == "store"
             else (o if k == "pinned_host" else n)
@@ -209,7 +217,7 @@ class JaxBackend(Backend):
         staged = [(None if store and writes_every_byte(plan, g) else _device_space(o))
                   if h else o for g, (o, h) in enumerate(zip(objs, hosted))]
         new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
-                                            num_warps=self.num_warps)
+                                            num_warps=self.num_warps, tuning=self.tuning)
         if store:
             return None, [_host_space(n) if h else n for n, h in zip(new_objs, hosted)]
         return list(new_caches), [o if h else n for n, o, h in zip(new_objs, objs, hosted)]
@@ -220,7 +228,7 @@ class JaxBackend(Backend):
         load = plan.direction == "load"
         before = _pointers(arrays) if load and check else []
         new_caches, new_objs = execute_plan(plan, arrays, objs, lowering=self.lowering,
-                                            num_warps=self.num_warps)
+                                            num_warps=self.num_warps, tuning=self.tuning)
         if not load:
             return None, list(new_objs)
         if check:
@@ -340,26 +348,27 @@ class _BoundJax(BoundCaches):
     def caches(self, value: Sequence[Any]) -> None:
         self._descs = list(value)
 
-    def run(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
+    def execute(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
         if self._shards is not None:
-            return self._run_sharded(plan, objects)
+            return self._execute_sharded(plan, objects)
         if self._sharding is not None and self._plain_objects(plan, objects):
             objs = [None if type(o) is NewObject else o for o in objects]
             return self.backend._execute_plain(plan, self._arrays, objs, check=not self._owned)
-        return super().run(plan, objects)
+        return super().execute(plan, objects)
 
-    def _run_sharded(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
+    def _execute_sharded(self, plan, objects: Sequence[Any]) -> tuple[list | None, list]:
         if self._shard_binding is None:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 "kv_caches: sharded caches are moved per shard through prepare(), store() or "
                 "load() (which pass the manager); got a direct backend call"
             )
         check_objects(plan, objects, self.backend.shape_of)
         objs = [None if type(o) is NewObject else o for o in objects]
-        check_shard_objects(self._shards, objs, plan)
+        check_object_sharding(self._shards, objs, plan)
         local = localize(plan, self._shard_binding)
-        return run_sharded(self._shards, local, self._arrays, objs,
-                           lowering=self.backend.lowering, num_warps=self.backend.num_warps)
+        return execute_sharded(self._shards, local, self._arrays, objs,
+                           lowering=self.backend.lowering, num_warps=self.backend.num_warps,
+                           tuning=self.backend.tuning)
 
     def _plain_objects(self, plan, objects: Sequence[Any]) -> bool:
         nbytes = plan.object_nbytes
@@ -405,8 +414,7 @@ class _BoundJax(BoundCaches):
 
     def allocate_objects(self, plan) -> list:
         # The store's own program creates the objects (the kernels' outputs): allocating and
-        # zero-filling them first cost a fill pass and a separate program per call (0.28 of
-        # the copy rate at 64 chunks on the H200, against 0.90 with objects passed in).
+        # zero-filling them first costs a fill pass and a separate program per call.
         if not plan.num_chunks:  # nothing runs: the empty objects themselves
             return [jnp.zeros((0, n), jnp.uint8) for n in plan.object_nbytes]
         return [NewObject((plan.num_chunks, n)) for n in plan.object_nbytes]
@@ -454,7 +462,7 @@ def _plain_sharding(arrays: list) -> Any:
         return None
     if any(x.sharding != sharding for x in arrays):
         return None
-    if _IMPORTED and not _IMPORTED.keys().isdisjoint(_pointers(arrays)):
+    if any_imported(_pointers(arrays)):
         return None  # DLPack imports: loads may need writing back (foreign.check_in_place)
     return sharding
 
@@ -470,7 +478,7 @@ def _pointers(arrays: list) -> list[int]:
 def _check_in_place(plan, before: list[int], arrays: list, new_caches) -> None:
     """:func:`check_in_place`, after a cheap test for its common outcome: no DLPack import
     involved and every result in its input's buffer, when it has nothing to do."""
-    if not (_IMPORTED and not _IMPORTED.keys().isdisjoint(before)):
+    if not any_imported(before):
         try:
             if [y.unsafe_buffer_pointer() for y in new_caches] == before:
                 return

@@ -9,7 +9,7 @@ objects the same way.
 
 Host cost: a call repeats the same plan shape over and over (a prepared binding gives every plan
 the same ``planes`` / ``runs`` / ``tensor_specs`` objects), so the static program is looked up by
-a cheap key of those identities plus a few ints and built once (:func:`_program_for`); the
+a cheap key of those identities plus a few ints and built once (:func:`program_for`); the
 program hashes in O(1) and one plan shape always yields the same program object, so JAX's
 static-argument check is an identity test. The per-call ``(first_item, num_items)`` arrays live
 on the device, cached by value. What is left per call is the ids array and JAX's dispatch.
@@ -26,12 +26,14 @@ import numpy as np
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.logs import logger
+from kvgroups_core.transfer.objects import check_objects
 
 from .geometry import GroupGeometry, bucket, group_geometry
 from .id_checks import check_block_ids
 from .lowerings import triton as pallas_copy
 from .lowerings import xla as xla_copy
 from .lowerings.choice import TRACED, resolve_lowering
+from .lowerings.tuning import DEFAULT_TUNING, LoweringTuning
 from .views import UINT_OF_WIDTH, flat_view, object_unview, object_view, unflat_view
 
 _TRACES = {"count": 0}
@@ -67,6 +69,8 @@ class _Program:
     #: for checkify) and the group's kernel group index (named in that check's message).
     device_ids: tuple[bool, ...] = ()
     kernel_groups: tuple[int, ...] = ()
+    #: The lowerings' tuning (JaxBackend(tuning=...)): programs of other tunings differ.
+    tuning: LoweringTuning = DEFAULT_TUNING
     _hash: int = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -74,7 +78,8 @@ class _Program:
 
     def _key(self) -> tuple:
         return (self.direction, self.geoms, self.lowerings, self.object_groups, self.grid_items,
-                self.num_warps, self.id_slots, self.fresh, self.device_ids, self.kernel_groups)
+                self.num_warps, self.id_slots, self.fresh, self.device_ids, self.kernel_groups,
+                self.tuning)
 
     def __hash__(self) -> int:
         return self._hash
@@ -105,7 +110,9 @@ def _copy_fn(lowering: str):
     return xla_copy.copy_group
 
 
-def _run(program: _Program, caches, objects, metas, idss):
+def program_body(program: _Program, caches, objects, metas, idss):
+    """The transfer program of ``program`` on these arrays: traced once per plan shape
+    (jitted and donated by :func:`execute_plan`, or mapped over the shards of a mesh)."""
     _TRACES["count"] += 1
     # Traced once per plan shape; XLA then compiles the program (seconds for Pallas kernels).
     _log.info("tracing a transfer program: %d kernel group(s), lowerings %s",
@@ -134,6 +141,7 @@ def _run(program: _Program, caches, objects, metas, idss):
         out = _copy_fn(lowering)(
             program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
             interpret=lowering in ("interpret", "tpu-interpret"), num_warps=program.num_warps,
+            tuning=program.tuning,
             kernel_group=program.kernel_groups[g] if program.kernel_groups else g,
         )
         if program.direction == "store":
@@ -144,13 +152,12 @@ def _run(program: _Program, caches, objects, metas, idss):
     for og, shape in pending.items():  # no group of this call writes it (a layer subset)
         objects[og] = jnp.zeros(shape, jnp.uint8)
     # Return only what the transfer wrote: returning a non-donated input makes XLA copy it
-    # (measured on the H200: every cache copied on store, every object on load).
+    # (every cache on a store, every object on a load).
     if program.direction == "load":
         # The barrier hands the caller each cache as an array of its own shape and dtype. Without
         # it XLA folds the view's bitcasts into the caller's fusions, which then read the
-        # kernel's flat integer buffer: in a jitted engine step the 32 small reductions over the
-        # loaded caches took 13.6 us more on the H200 (0.42 us each), one chunk's transfer
-        # kernels take 40 (docs/PERFORMANCE.md). It moves nothing.
+        # kernel's flat integer buffer and slow the engine's own computation over the loaded
+        # caches (docs/PERFORMANCE.md, "Measurements behind the design"). It moves nothing.
         return tuple(jax.lax.optimization_barrier(tuple(caches)))
     return tuple(objects)
 
@@ -172,8 +179,8 @@ def _fresh_objects(program: _Program, objects: list) -> dict[int, tuple[int, int
     return pending
 
 
-_store_jit = jax.jit(_run, static_argnums=(0,), donate_argnums=(2,))
-_load_jit = jax.jit(_run, static_argnums=(0,), donate_argnums=(1,))
+_store_jit = jax.jit(program_body, static_argnums=(0,), donate_argnums=(2,))
+_load_jit = jax.jit(program_body, static_argnums=(0,), donate_argnums=(1,))
 
 
 _INT32_MIN, _INT32_MAX = int(np.iinfo(np.int32).min), int(np.iinfo(np.int32).max)
@@ -209,26 +216,26 @@ def _padded_ids(block_ids) -> jax.Array | np.ndarray:
     return out
 
 
+def _shape_of(x) -> tuple:
+    """``(dtype name, shape, strides)`` of a JAX value (always row-major) for the core's
+    object rule; a value without a shape reads as its type name and ``[]``."""
+    shape = tuple(getattr(x, "shape", ()))
+    strides = [1] * len(shape)
+    for i in range(len(shape) - 1, 0, -1):
+        strides[i - 1] = strides[i] * max(int(shape[i]), 1)
+    return str(getattr(x, "dtype", type(x).__name__)), shape, tuple(strides)
+
+
 def _check_objects(plan, objects) -> None:
-    if len(objects) != len(plan.object_nbytes):
-        raise KVGroupsValueError(
-            f"objects: expected {len(plan.object_nbytes)} entries (one per object group), "
-            f"got {len(objects)}"
-        )
-    for k, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
-        if obj is None and plan.direction == "store":
-            continue  # created by the store itself
+    """The core's object rule (a store's None entries are created), and this executor's own
+    limit: one stacked array per object group, never per-chunk buffers."""
+    check_objects(plan, objects, _shape_of, store_creates=True)
+    for k, obj in enumerate(objects):
         if isinstance(obj, (list, tuple)):
             raise KVGroupsTypeError(
-                f"objects[{k}]: expected one [num_chunks, {nbytes}] uint8 jax.Array, got a "
-                f"list of per-chunk buffers (stack them once, outside the transfer)"
-            )
-        shape = tuple(getattr(obj, "shape", ()))
-        if (len(shape) != 2 or shape[1] != nbytes or shape[0] < plan.num_chunks
-                or obj.dtype != np.uint8):
-            raise KVGroupsValueError(
-                f"objects[{k}]: expected uint8 [>= {plan.num_chunks}, {nbytes}], got "
-                f"{getattr(obj, 'dtype', type(obj).__name__)} {list(shape)}"
+                f"objects[{k}]: expected one [num_chunks, {plan.object_nbytes[k]}] uint8 "
+                f"jax.Array, got a list of per-chunk buffers (stack them once, outside the "
+                f"transfer)"
             )
 
 
@@ -263,8 +270,8 @@ _MAX_METAS = 4096
 _METAS: dict[tuple, jax.Array] = {}
 
 
-def _program_for(plan, lowering: str, platform: str, num_warps: int,
-                 fresh: tuple = ()) -> _Program:
+def program_for(plan, lowering: str, platform: str, num_warps: int, fresh: tuple = (),
+                tuning: LoweringTuning = DEFAULT_TUNING) -> _Program:
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
@@ -274,13 +281,13 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int,
     still finds the value-equal program: no new compilation).
     """
     if type(plan.tensor_specs) is not tuple:
-        return _build_static(plan, lowering, platform, num_warps, fresh)  # mutable: no caching
+        return _build_static(plan, lowering, platform, num_warps, fresh, tuning)  # mutable
     key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
-           plan.object_nbytes, fresh]
+           plan.object_nbytes, fresh, tuning]
     seen: dict[int, int] = {}
     for g in plan.groups:
         if type(g.planes) is not tuple or type(g.runs) is not tuple:
-            return _build_static(plan, lowering, platform, num_warps, fresh)  # no caching
+            return _build_static(plan, lowering, platform, num_warps, fresh, tuning)
         slot = seen.setdefault(id(g.block_ids), len(seen))
         key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot,
                     _on_device(g.block_ids)))
@@ -288,7 +295,7 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int,
     hit = _PROGRAMS.get(key)
     if hit is not None:
         return hit[0]
-    program = _build_static(plan, lowering, platform, num_warps, fresh)
+    program = _build_static(plan, lowering, platform, num_warps, fresh, tuning)
     if len(_PROGRAMS) >= _MAX_PROGRAMS:
         _PROGRAMS.clear()
     keep = (plan.tensor_specs,) + tuple((g.planes, g.runs) for g in plan.groups)
@@ -296,8 +303,8 @@ def _program_for(plan, lowering: str, platform: str, num_warps: int,
     return program
 
 
-def _build_static(plan, lowering: str, platform: str, num_warps: int,
-                  fresh: tuple = ()) -> _Program:
+def _build_static(plan, lowering: str, platform: str, num_warps: int, fresh: tuple = (),
+                  tuning: LoweringTuning = DEFAULT_TUNING) -> _Program:
     geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
     seen: dict[int, int] = {}
     for group in plan.groups:
@@ -310,7 +317,7 @@ def _build_static(plan, lowering: str, platform: str, num_warps: int,
     return _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
                     num_warps, tuple(id_slots), fresh,
                     tuple(_on_device(g.block_ids) for g in plan.groups),
-                    tuple(g.kernel_group_idx for g in plan.groups))
+                    tuple(g.kernel_group_idx for g in plan.groups), tuning)
 
 
 def _on_device(ids) -> bool:
@@ -340,7 +347,7 @@ def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
     return meta
 
 
-def _runtime_args(plan, placement) -> tuple[tuple, tuple]:
+def runtime_args(plan, placement) -> tuple[tuple, tuple]:
     """The call's dynamic arguments: one meta per group, one padded id array per distinct ids
     object (in first-use order, as :func:`_build_static` numbers them)."""
     metas = []
@@ -372,7 +379,8 @@ def _device_meta(group, skip) -> jax.Array:
     return jnp.stack([first, total - first]).astype(jnp.int32)
 
 
-def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None):
+def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None,
+                 tuning: LoweringTuning = DEFAULT_TUNING):
     """Run ``plan`` on JAX arrays.
 
     Parameters
@@ -380,12 +388,13 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     plan : kvgroups_core.transfer.plan.TransferPlan
     caches : list of jax.Array, the backing tensors in ``plan.tensor_specs`` order.
     objects : list of jax.Array, one uint8 ``[num_chunks, object_nbytes]`` per object group
-        (more rows are allowed: a preallocated pool; only the first ``num_chunks`` are used).
-        On store an entry may be None: the program creates that object itself, as the
+        (the core's object rule). On store an entry may be None: the program creates that object itself, as the
         kernel's output when the plan writes all of it (no zero-filled buffer, no fill pass).
     lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
         "mosaic", "xla", "interpret" (Pallas interpret mode), "tpu" (Mosaic TPU DMAs) or
         "tpu-interpret" (the same kernels in Pallas' TPU interpret mode).
+    num_warps : warps per Triton program (None: from the page size).
+    tuning : the lowerings' launch shapes (:class:`~kvgroups_jax.lowerings.tuning.LoweringTuning`).
 
     Returns
     -------
@@ -408,8 +417,9 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     platform, placement = _home(caches + objects)
     if lowering == "tpu" and any(isinstance(x, jax.core.Tracer) for x in caches + objects):
         platform = TRACED  # the caller lowers the trace, for a TPU whatever this machine is
-    program = _program_for(plan, lowering, platform, num_warps, _fresh_shapes(plan, objects))
-    metas, idss = _runtime_args(plan, placement)
+    program = program_for(plan, lowering, platform, num_warps, fresh_shapes(plan, objects),
+                          tuning)
+    metas, idss = runtime_args(plan, placement)
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
     return _load_jit(program, caches, objects, metas, idss), objects
@@ -424,7 +434,7 @@ def writes_every_byte(plan, object_group: int) -> bool:
     return written == plan.object_nbytes[object_group] and written > 0
 
 
-def _fresh_shapes(plan, objects) -> tuple:
+def fresh_shapes(plan, objects) -> tuple:
     """``_Program.fresh``: the shape of each object a store creates (None entries)."""
     if plan.direction != "store" or all(o is not None for o in objects):
         return ()
@@ -433,16 +443,16 @@ def _fresh_shapes(plan, objects) -> tuple:
 
 
 def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None,
-                  objects=None):
+                  objects=None, tuning: LoweringTuning = DEFAULT_TUNING):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
-    fresh = _fresh_shapes(plan, objects) if objects is not None else ()
-    return (_program_for(plan, lowering, platform, num_warps, fresh),) + _runtime_args(
+    fresh = fresh_shapes(plan, objects) if objects is not None else ()
+    return (program_for(plan, lowering, platform, num_warps, fresh, tuning),) + runtime_args(
         plan, None)
 
 
 def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
-               num_warps: int | None = None):
+               num_warps: int | None = None, tuning: LoweringTuning = DEFAULT_TUNING):
     """Lower ``plan`` for ``platform`` without running it (no GPU needed).
 
     ``caches`` and ``objects`` may be ``jax.ShapeDtypeStruct`` s. Lowering runs the Triton or
@@ -451,7 +461,7 @@ def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
     ``lowering="tpu"`` lowers the Mosaic TPU DMA kernels. Returns the ``jax.stages.Lowered``.
     """
     program, metas, idss = build_program(plan, lowering, "tpu" if platform == "tpu" else "gpu",
-                                         num_warps=num_warps, objects=objects)
+                                         num_warps=num_warps, objects=objects, tuning=tuning)
     fn = _store_jit if plan.direction == "store" else _load_jit
     return fn.trace(program, tuple(caches), tuple(objects), metas, idss).lower(
         lowering_platforms=(platform,)

@@ -8,7 +8,7 @@ call: the input pointer changed and the input was consumed. Caches imported with
 an :class:`InPlaceCopyWarning`: the CPU client also aliases NumPy arrays given to
 ``jax.device_put`` and copies them the same way, where the returned arrays are the result and
 nothing is lost, so pointers alone cannot tell a lost torch write from that; the warning says
-so instead of staying silent. On GPU a copied foreign cache raises :class:`InPlaceWriteLost`.
+so instead of staying silent. On GPU a copied foreign cache raises :class:`InPlaceWriteLostError`.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from kvgroups_core.errors import KVGroupsError
 _IMPORTED: dict[int, tuple[Any, int]] = {}
 
 
-class InPlaceWriteLost(KVGroupsError, RuntimeError):
+class InPlaceWriteLostError(KVGroupsError, RuntimeError):
     """A load into foreign memory landed in a copy that the owner cannot see.
 
     ``caches`` holds the new JAX arrays (with the loaded bytes) in slot order.
@@ -67,6 +67,12 @@ def import_dlpack(x: Any) -> jax.Array:
         owner = x  # not weak-referenceable: keep it alive while registered
     _IMPORTED[ptr] = (owner, owner_ptr)
     return arr
+
+
+def any_imported(pointers: list[int]) -> bool:
+    """Whether any of these buffer pointers is an :func:`import_dlpack` of a live registry
+    entry (such caches may need a CPU load written back: :func:`check_in_place`)."""
+    return bool(_IMPORTED) and not _IMPORTED.keys().isdisjoint(pointers)
 
 
 def _owner_alive(ptr: int) -> bool:
@@ -134,9 +140,19 @@ def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None
             stacklevel=4,
         )
     if lost:
-        raise InPlaceWriteLost(
+        raise InPlaceWriteLostError(
             f"caches {lost}: expected the load to write the donated buffers in place, got new "
             "buffers (the runtime copied memory it does not own); load such caches with their "
             "owner's backend. The loaded arrays are in this error's .caches",
             caches=list(outputs),
         )
+
+
+#: Old names, deprecated (before every error class ended in ``Error``).
+DEPRECATED_ALIASES = {"InPlaceWriteLost": "InPlaceWriteLostError"}
+
+
+def __getattr__(name: str) -> Any:
+    from kvgroups_core.errors import deprecated_alias
+
+    return deprecated_alias(__name__, name, DEPRECATED_ALIASES, globals())

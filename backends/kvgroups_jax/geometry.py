@@ -14,11 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 
-#: Largest box (elements) one kernel op moves. On the H200 boxes of 4096 (4 warps), 8192 and
-#: 16384 (8 warps) copied a 32 KiB page equally fast (docs/PERFORMANCE.md,
-#: "Where the defaults come from"); the largest compiles ~5x faster (fewer ops per program).
+#: Largest box (elements) one kernel op moves: the largest box size that copies as fast as the
+#: smaller ones, and the fastest to compile (fewer ops per program; docs/PERFORMANCE.md,
+#: "Where the defaults come from").
 MAX_BOX_ELEMS = 16384
 
 #: The kernels index with int32: arrays of more elements go to the XLA path.
@@ -256,15 +256,15 @@ def _unit_shape(spec, unit: int) -> tuple[int, ...]:
 
 
 def check_kernel_limits(geom: GroupGeometry) -> None:
-    """Raise :class:`UnsupportedConfig` when the Pallas kernels cannot index ``geom``."""
+    """Raise :class:`UnsupportedConfigError` when the Pallas kernels cannot index ``geom``."""
     for size in geom.operand_sizes:
         if size > MAX_INDEX:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"cache array: expected at most {MAX_INDEX} elements of {geom.unit} bytes for "
                 f"the Pallas kernels (int32 indexing), got {size}"
             )
     if geom.object_row_elems > MAX_INDEX:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"object: expected at most {MAX_INDEX} elements per chunk, got {geom.object_row_elems}"
         )
 

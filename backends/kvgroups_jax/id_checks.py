@@ -3,9 +3,8 @@
 The kernels drop an item whose id is outside ``[0, num_blocks)`` whatever happens here; this
 module only makes ``jax.experimental.checkify`` name the first bad id. ``checkify.debug_check``
 would do that too, but it puts an error effect on every program that contains it, and a jitted
-function with effects leaves JAX's C++ dispatch path: on the H200 a 32-layer engine step's
-dispatch went from ~0.2 ms to ~1 ms, more than the transfer itself
-(docs/PERFORMANCE.md, "Where the defaults come from").
+function with effects leaves JAX's C++ dispatch path, and an engine step's host dispatch then
+costs more than the transfer itself (docs/PERFORMANCE.md, "Measurements behind the design").
 
 So the check is a primitive of its own, :data:`block_ids_check_p`: an identity on the ids with
 no effect (plain ``jit`` lowers it to nothing and keeps the fast path), and a checkify rule that

@@ -12,7 +12,7 @@ axes just repeat the work per replica.
 
 Anything else (a sharded block or layer axis, two sharded axes, caches on different meshes,
 objects sharded differently) would need communication: it is refused with
-:class:`~kvgroups_core.errors.UnsupportedConfig` naming the sharding, never replicated.
+:class:`~kvgroups_core.errors.UnsupportedConfigError` naming the sharding, never replicated.
 """
 
 from __future__ import annotations
@@ -26,9 +26,11 @@ import jax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.tensors.descriptors import TensorSpec
 from kvgroups_core.tensors.dtypes import as_dtype
+
+from .lowerings.tuning import DEFAULT_TUNING, LoweringTuning
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,7 @@ def _vouch(k: int, x, unknown: UnknownSharding, vouched: dict[int, Any]):
     sharding = vouched.get(id(x))
     mesh = unknown.mesh
     if sharding is None:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"kv_caches[{k}]: expected a sharding this call can see, got {unknown} inside "
             "jax.jit (a mesh with Auto axes leaves it to XLA, and moving the pages of a cache "
             "whose sharding is unknown would gather it); build the KVLayerGroupsManager from "
@@ -126,7 +128,7 @@ def _vouch(k: int, x, unknown: UnknownSharding, vouched: dict[int, Any]):
         )
     if (tuple(sharding.mesh.axis_names), tuple(sharding.mesh.axis_sizes)) != (
             tuple(mesh.axis_names), tuple(mesh.axis_sizes)):
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"kv_caches[{k}]: expected the mesh the manager was built on "
             f"({dict(sharding.mesh.shape)}), got a trace over {unknown}"
         )
@@ -137,7 +139,7 @@ def shard_layout(arrays, vouched: dict[int, Any] | None = None) -> ShardLayout |
     """The :class:`ShardLayout` of caches spread over several devices (concrete arrays, or
     tracers whose sharding is visible or that ``vouched`` (:func:`vouched_shardings`) names);
     None when the program runs on one device's values (the plain path). Raises
-    UnsupportedConfig for shardings no collective-free transfer can serve, and for tracers of
+    UnsupportedConfigError for shardings no collective-free transfer can serve, and for tracers of
     an unknown sharding that nothing vouches for."""
     shardings = [sharding_of(x) for x in arrays]
     for k, (x, s) in enumerate(zip(arrays, shardings)):
@@ -147,35 +149,35 @@ def shard_layout(arrays, vouched: dict[int, Any] | None = None) -> ShardLayout |
     if not multi:
         return None
     if len(multi) != len(arrays):
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             "kv_caches: expected every cache on the same mesh, got some on one device and some "
             f"sharded ({_describe_sharding(multi[0])})"
         )
     mesh, specs, entries = None, [], set()
     for k, (x, sharding) in enumerate(zip(arrays, shardings)):
         if not isinstance(sharding, NamedSharding):
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"kv_caches[{k}]: expected a NamedSharding over a mesh (heads split), got "
                 f"{_describe_sharding(sharding)}"
             )
         if mesh is None:
             mesh = sharding.mesh
         elif sharding.mesh != mesh:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"kv_caches[{k}]: expected the mesh of kv_caches[0] ({dict(mesh.shape)}), got "
                 f"{dict(sharding.mesh.shape)}"
             )
         spec = tuple(sharding.spec) + (None,) * (x.ndim - len(sharding.spec))
         split = [e for e in spec if e is not None]
         if len(split) > 1:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"kv_caches[{k}]: expected at most one sharded axis (the KV heads), got "
                 f"PartitionSpec{spec}"
             )
         entries.add(split[0] if split else None)
         specs.append(P(*spec))
     if len(entries) > 1:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"kv_caches: expected every cache's heads split over the same mesh axes, got "
             f"{sorted(map(str, entries))}"
         )
@@ -199,7 +201,7 @@ def _local_tree(tree: Any, shardings: dict[int, Any]) -> Any:
 
 def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayout):
     """The binding of one shard: a manager built from the shards' shapes (same formats, engine
-    groups and chunk size) bound to them. Raises UnsupportedConfig unless the shard differs
+    groups and chunk size) bound to them. Raises UnsupportedConfigError unless the shard differs
     from the whole only in its head count (a split block, layer or head-size axis)."""
     from kvgroups_core.grouping.engine_groups import EngineGroupInfo
     from kvgroups_core.grouping.manager import KVLayerGroupsManager
@@ -223,7 +225,7 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
             lmcache_tokens_per_chunk=manager.lmcache_tokens_per_chunk,
             separate_object_groups=manager.separate_object_groups)
     except Exception as exc:  # noqa: BLE001 - re-raised typed, the cause attached
-        raise UnsupportedConfig(f"{what}: a shard is not a cache of the same format ({exc})") \
+        raise UnsupportedConfigError(f"{what}: a shard is not a cache of the same format ({exc})") \
             from exc
     if manager.full_sw_kv:
         shard_manager.enable_full_sw_kv()
@@ -231,7 +233,7 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
         a, b = g.shape_desc, s.shape_desc
         same = (a.kv_size, a.nl, a.nb, a.bs, a.hs) == (b.kv_size, b.nl, b.nb, b.bs, b.hs)
         if not same or b.nh * layout.shards != a.nh:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"{what}: expected the KV heads split in {layout.shards} (kernel group {k}: "
                 f"{a.nh} heads -> {a.nh // layout.shards} per shard), got a shard of (kv, nl, "
                 f"nb, bs, nh, hs) = {(b.kv_size, b.nl, b.nb, b.bs, b.nh, b.hs)} from "
@@ -242,7 +244,7 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
     for og, n in enumerate(binding.object_nbytes):
         whole = object_nbytes(manager, og)
         if n * layout.shards != whole:  # the global object is the shards' objects side by side
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"{what}: expected object group {og}'s {whole} bytes to split in "
                 f"{layout.shards} shards' objects, got {n} bytes per shard"
             )
@@ -266,7 +268,7 @@ def localize(plan, binding) -> Any:
     return local
 
 
-def check_objects(layout: ShardLayout, objects, plan) -> None:
+def check_object_sharding(layout: ShardLayout, objects, plan) -> None:
     """Given objects must already be sharded as the store makes them (else moving them to
     the shards would be a collective)."""
     want = layout.object_sharding()
@@ -287,15 +289,15 @@ def check_objects(layout: ShardLayout, objects, plan) -> None:
             sharding = getattr(obj, "sharding", None)
             ok = sharding is not None and sharding.is_equivalent_to(want, 2)
         if not ok:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"objects[{k}]: expected uint8 [{plan.num_chunks}, {plan.object_nbytes[k]}] "
                 f"sharded as {want.spec} over the caches' mesh (the store's own objects), got "
                 f"{type(sharding).__name__} {getattr(sharding, 'spec', sharding)}"
             )
 
 
-def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *, lowering: str,
-                num_warps):
+def execute_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *, lowering: str,
+                num_warps, tuning: LoweringTuning = DEFAULT_TUNING):
     """Execute ``local_plan`` on every shard under ``jax.shard_map`` (jitted, donated as the
     plain path): ``(new caches or None, objects)``."""
     from . import executor
@@ -303,9 +305,9 @@ def run_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *,
     platform = _platform(layout.mesh)
     if lowering == "tpu" and not isinstance(layout.mesh, jax.sharding.Mesh):
         platform = executor.TRACED  # under jax.jit: the caller lowers it (for a TPU)
-    fresh = executor._fresh_shapes(local_plan, objects)
-    program = executor._program_for(local_plan, lowering, platform, num_warps, fresh)
-    metas, idss = executor._runtime_args(local_plan, None)
+    fresh = executor.fresh_shapes(local_plan, objects)
+    program = executor.program_for(local_plan, lowering, platform, num_warps, fresh, tuning)
+    metas, idss = executor.runtime_args(local_plan, None)
     fn = _sharded_fn(program, layout, len(local_plan.object_nbytes),
                      tuple(o is None for o in objects))
     given = tuple(o for o in objects if o is not None)
@@ -333,7 +335,7 @@ def _sharded_fn(program, layout: ShardLayout, num_objects: int, missing: tuple[b
     def body(caches, given, metas, idss):
         it = iter(given)
         objects = [None if m else next(it) for m in missing]
-        return executor._run(program, caches, objects, metas, idss)
+        return executor.program_body(program, caches, objects, metas, idss)
 
     mapped = jax.shard_map(body, mesh=layout.mesh,
                            in_specs=(layout.cache_specs, given_specs, P(), P()),

@@ -6,7 +6,7 @@ Moves paged KV-cache blocks between engine caches and memory objects for the cor
 - CUDA tensors: one NVRTC-compiled kernel launch per kernel group (``kvgroups_cuda/kernels/page_copy.cu``,
   compiled at first use and cached on disk, see :mod:`kvgroups_cuda.nvrtc`), on PyTorch's
   current stream, never synchronising. Objects may be in GPU memory or in pinned host memory:
-  by default ("staged", the faster on an H200) the kernel works on a transient device buffer
+  by default ("staged", docs/PERFORMANCE.md) the kernel works on a transient device buffer
   and the touched regions move in one bulk copy each; ``TorchBackend(pinned="direct")`` has
   the kernel read and write pinned memory through UVA instead (no extra device memory).
 - CPU tensors: plain torch byte views with ``index_select`` / ``index_copy_``

@@ -7,7 +7,7 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 import torch
 
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.tensors.descriptors import TensorDesc
 from kvgroups_core.tensors.dtypes import as_dtype
 from kvgroups_core.transfer.backend import Backend, BoundCaches
@@ -17,10 +17,10 @@ from . import cpu as cpu_path
 from .compile import dynamo as compiled
 from .copy_engine import batch as copy_engine
 from .cuda import device as cuda_device
+from .cuda import execute as cuda_execute
 from .cuda import objects as cuda_objects
-from .cuda import replay as cuda_replay
-from .cuda import run as cuda_run
-from .describe import _NAMES, describe_tensor, dtype_of, torch_dtype
+from .cuda import repeat as cuda_repeat
+from .describe import DTYPE_NAMES, describe_tensor, dtype_of, torch_dtype
 from .fingerprints import fingerprints, same_fingerprints
 from .objects import allocate_objects
 
@@ -77,7 +77,7 @@ class TorchBackend(Backend):
     Parameters
     ----------
     pinned : {"direct", "staged"}
-        How the kernels reach objects in pinned host memory (see :func:`cuda_run.run_plan`).
+        How the kernels reach objects in pinned host memory (see :func:`cuda_execute.execute_plan`).
     """
 
     name: ClassVar[str] = "torch"
@@ -109,7 +109,7 @@ class TorchBackend(Backend):
         tensors = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
         if plan.path == "copy_engine":
             if device.type != "cuda":
-                raise UnsupportedConfig(
+                raise UnsupportedConfigError(
                     "path: expected 'auto' or 'kernel' for CPU caches ('copy_engine' needs a "
                     "CUDA GPU), got 'copy_engine'")
             copy_engine.refuse_device_ids(plan)
@@ -117,11 +117,11 @@ class TorchBackend(Backend):
             compiled.record(plan, tensors, objects, self.pinned)
             return None, list(given)
         if device.type == "cuda":
-            cuda_run.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
+            cuda_execute.execute_checked_plan(plan, caches, objects, device.index, pinned=self.pinned)
         elif device.type == "cpu":
-            cpu_path.run_plan(compiled.host_plan(plan), tensors, objects)
+            cpu_path.execute_plan(compiled.host_plan(plan), tensors, objects)
         else:
-            raise UnsupportedConfig(f"caches: expected CPU or CUDA tensors, got {device}")
+            raise UnsupportedConfigError(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(given)
 
     def bind_caches(self, caches: Sequence[TensorDesc]) -> BoundCaches:
@@ -188,7 +188,7 @@ class TorchBackend(Backend):
                 if device.type == "cuda":
                     if compiled.any_traced([t]):
                         continue  # a fake: its memory kind is checked when the op runs
-                    cuda_objects.check_object_tensor(t, device.index, what)
+                    cuda_objects.check_object_placement(t, device.index, what)
                 elif t.device.type != "cpu":
                     raise KVGroupsValueError(
                         f"{what}: expected a CPU tensor for CPU caches, got {t.device}"
@@ -264,8 +264,8 @@ class TorchBackend(Backend):
             if not x.is_cuda or x.layout is not torch.strided or x.is_nested \
                     or x.is_quantized:
                 return None  # eager host ids (to_host_ids names what is wrong with others)
-            return _NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
-        return _NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
+            return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
+        return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
 
     def device_ids_key(self, x: Any) -> Any:
         """Eager CUDA id tensors: dtype, shape, GPU and contiguity (what the planner and the
@@ -328,14 +328,14 @@ def _check_usable(t: torch.Tensor, what: str) -> None:
 class TorchBoundCaches(BoundCaches):
     """The prepared path of :class:`TorchBackend`: for CUDA caches, calls whose objects are
     plain ``[num_chunks, nbytes]`` uint8 tensors on the caches' GPU (the hot case) go through
-    :class:`cuda_run.DeviceCaches`, which keeps the per-cache launch state; every other call
+    :class:`cuda_execute.DeviceCaches`, which keeps the per-cache launch state; every other call
     takes the generic checks and :meth:`TorchBackend.execute`."""
 
     def __init__(self, backend: TorchBackend, caches: Sequence[TensorDesc]) -> None:
         super().__init__(backend, caches)
         device = cache_device(self.caches)
         traced = any(getattr(c, "is_abstract", False) for c in self.caches)
-        self.device_caches = (cuda_run.DeviceCaches(self.caches, device.index)
+        self.device_caches = (cuda_execute.DeviceCaches(self.caches, device.index)
                               if device.type == "cuda" and not traced else None)
 
     def release(self) -> bool:
@@ -343,23 +343,23 @@ class TorchBoundCaches(BoundCaches):
         self._release_caches()
         return True
 
-    def run(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
+    def execute(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         fast = self.device_caches
         if fast is not None:
             bindings = fast.bind_device_objects(plan, objects)
             if bindings is not None:
-                fast.run(plan, bindings)
+                fast.execute(plan, bindings)
                 return None, list(objects)
-        return super().run(plan, objects)
+        return super().execute(plan, objects)
 
-    def runner(self, plan: Any, block_ids: Any) -> Any:
-        """CUDA caches: the plan's launches kept ready (:class:`cuda_replay.PlanRunner`), for
-        objects on the caches' GPU; other objects (pinned host) take :meth:`run`."""
-        generic = super().runner(plan, block_ids)
+    def repeater(self, plan: Any, block_ids: Any) -> Any:
+        """CUDA caches: the plan's launches kept ready (:class:`cuda_repeat.PlanRepeater`), for
+        objects on the caches' GPU; other objects (pinned host) take :meth:`execute`."""
+        generic = super().repeater(plan, block_ids)
         fast = self.device_caches
         if fast is None:
             return generic
         if getattr(plan, "path", "kernel") != "kernel" and copy_engine.copy_groups(plan,
                                                                                   fast.index):
             return generic  # the copy engines take (part of) it: their path decides per call
-        return cuda_replay.PlanRunner(fast, plan, block_ids, generic)
+        return cuda_repeat.PlanRepeater(fast, plan, block_ids, generic)

@@ -15,12 +15,14 @@ import numpy as np
 import torch
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.transfer.objects import check_objects
 
 from . import cpu as cpu_path
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
 from .compile import ops
+from .cuda import execute as cuda_execute
 from .cuda import objects as cuda_objects
-from .cuda import run as cuda_run
+from .describe import shape_of
 
 
 class BoundPlan:
@@ -35,21 +37,24 @@ class BoundPlan:
     objects : sequence of torch.Tensor
         One ``[num_chunks, object_nbytes]`` uint8 tensor per object group (GPU or pinned).
     pinned : {"direct", "staged"}
-        How pinned host objects are reached (see :func:`cuda_run.run_plan`).
+        How pinned host objects are reached (see :func:`cuda_execute.execute_plan`).
     """
 
     def __init__(self, plan: Any, caches: Sequence[Any], objects: Sequence[Any], *,
                  pinned: str = DEFAULT_PINNED_MODE) -> None:
         self.plan = plan
+        # The core's object rule at binding; then this class's own limit: one tensor (or
+        # DLPack producer) per object group, no per-chunk buffers.
+        check_objects(plan, objects, lambda x: shape_of(tensor_of(x, "objects")))
         self.caches = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
         self.objects = [tensor_of(o, f"objects[{i}]") for i, o in enumerate(objects)]
         self.device = cache_device(self.caches)
         self.pinned = pinned
         self._bindings: dict[int, cuda_objects.ObjectBinding] | None = None
-        self._device_caches: cuda_run.DeviceCaches | None = None
+        self._device_caches: cuda_execute.DeviceCaches | None = None
         if self.device.type == "cuda":
             index = self.device.index
-            self._device_caches = cuda_run.DeviceCaches(self.caches, index)  # loads kernels
+            self._device_caches = cuda_execute.DeviceCaches(self.caches, index)  # loads kernels
             self._bindings = {
                 g: cuda_objects.bind_objects(o, index, f"objects[{g}]")
                 for g, o in enumerate(self.objects)
@@ -57,7 +62,7 @@ class BoundPlan:
             for group in plan.groups:  # pointer tables and packed parameters, now
                 binding = self._bindings[group.object_group_idx]
                 self._device_caches.launch_for(group).prepare(plan.direction, binding)
-            # Staged pinned objects need their copies every call: only run_plan does those.
+            # Staged pinned objects need their copies every call: only execute_plan does those.
             self._direct = pinned == "direct" or all(o.is_cuda for o in self.objects)
         self.handle = ops.register(self)
 
@@ -110,11 +115,14 @@ class BoundPlan:
         if self.device.type == "cuda":
             if caches is self.caches and objects is self.objects and self._direct:
                 # Eager :meth:`run`: everything but the ids was bound at construction.
-                self._device_caches.run(self.plan, self._bindings, ids)
+                self._device_caches.execute(self.plan, self._bindings, ids)
                 return
             same = len(objects) == len(self.objects) and all(
                 a is b for a, b in zip(objects, self.objects))
-            cuda_run.run_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
-                               block_ids=ids, bindings=self._bindings if same else None)
+            # Other objects than the bound ones are checked there (the core's rule).
+            cuda_execute.execute_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
+                              block_ids=ids, bindings=self._bindings if same else None)
         else:
-            cpu_path.run_plan(self.plan, caches, objects, block_ids=ids)
+            if objects is not self.objects:
+                check_objects(self.plan, objects, shape_of)
+            cpu_path.execute_plan(self.plan, caches, objects, block_ids=ids)

@@ -114,7 +114,7 @@ def _spans(group: Any, num_buffers: int) -> list[tuple[int, int, int, int, int]]
     return spans
 
 
-def run_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any],
+def execute_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any],
              block_ids: Sequence[Any] | None = None) -> None:
     """Execute ``plan`` with torch ops (in place on ``caches`` or ``objects``).
 

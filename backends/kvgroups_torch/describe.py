@@ -7,13 +7,15 @@ a uint8 view of the same width and strides, then given back their real :class:`D
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from kvgroups_core.errors import KVGroupsTypeError
 from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec, describe_dlpack
 from kvgroups_core.tensors.dtypes import DTYPE_MAP, DType
 
-_NAMES: dict[torch.dtype, str] = {
+DTYPE_NAMES: dict[torch.dtype, str] = {
     torch.float16: "float16",
     torch.bfloat16: "bfloat16",
     torch.float32: "float32",
@@ -29,22 +31,30 @@ _NAMES: dict[torch.dtype, str] = {
 }
 for _name in ("uint16", "uint32", "uint64"):
     if hasattr(torch, _name):
-        _NAMES[getattr(torch, _name)] = _name
+        DTYPE_NAMES[getattr(torch, _name)] = _name
 
 #: Exported as a same-width uint8 view: DLPack support for these varies across torch versions.
 _BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}
 
-_TORCH_OF: dict[str, torch.dtype] = {name: dt for dt, name in _NAMES.items()}
+_TORCH_OF: dict[str, torch.dtype] = {name: dt for dt, name in DTYPE_NAMES.items()}
 
 
 def dtype_of(t: torch.Tensor) -> DType:
     """The :class:`DType` of a torch tensor (``torch.float8_e4m3fn`` -> ``float8_e4m3fn``)."""
-    name = _NAMES.get(t.dtype)
+    name = DTYPE_NAMES.get(t.dtype)
     if name is None:
         raise KVGroupsTypeError(
-            f"tensor dtype: expected one of {sorted(_NAMES.values())}, got {t.dtype}"
+            f"tensor dtype: expected one of {sorted(DTYPE_NAMES.values())}, got {t.dtype}"
         )
     return DTYPE_MAP[name]
+
+
+def shape_of(x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+    """``(dtype name, shape, element strides)`` of a tensor: what the core's object rule reads
+    (``kvgroups_core.transfer.objects.check_objects``); other values are refused, typed."""
+    if not isinstance(x, torch.Tensor):
+        raise KVGroupsTypeError(f"objects: expected torch.Tensor objects, got {type(x).__name__}")
+    return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape), x.stride()
 
 
 def torch_dtype(dtype: DType) -> torch.dtype:

@@ -7,8 +7,8 @@ dtype and shape), ``as_strided_``, ``set_`` and ``requires_grad_`` (a fresh call
 autograd tensors). The fingerprint of a tensor is therefore its address (storage and offset),
 shape, strides, dtype and ``requires_grad``.
 
-Reading all of that from Python costs ~300 ns a tensor (``shape`` and ``stride()`` build new
-objects), six times the address alone, and a whole-model call compares 32-128 tensors. So a
+Reading all of that from Python builds new objects per tensor (``shape`` and ``stride()``),
+several times the cost of the address alone, and a whole-model call compares 32-128 tensors. So a
 :class:`Fingerprints` also carries a fast check: the addresses (one ``map``) and a
 ``TensorGuards`` of torch's own compiler guards, which compares sizes, strides, dtype,
 device, ``requires_grad`` and dispatch keys in C++. A pass of both proves the full

@@ -45,7 +45,7 @@ from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 
 
@@ -101,7 +101,7 @@ def _event(external: bool) -> Any:
     try:
         return torch.cuda.Event(external=True)
     except TypeError:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             "graph_waits / graph_marks: expected a PyTorch whose torch.cuda.Event takes "
             f"external=True, got {torch.__version__}") from None
 
@@ -151,7 +151,7 @@ class _SideStream:
         """Whether the current stream is capturing; refuses mixing capture states in a step."""
         capturing = _capturing(self.cuda)
         if self.issued and capturing != self.issued_in_capture:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"{what}: expected finish() between transfers queued outside and inside a "
                 "CUDA graph capture, got both without it")
         return capturing
@@ -164,7 +164,7 @@ class _SideStream:
         (an event of uncaptured work waited in a capture) or leave the graph without the
         dependency: refused with the fix."""
         if self.issued and _capturing(self.cuda) != self.issued_in_capture:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"{what}: expected the transfers and the wait in the same CUDA graph capture "
                 "(or both eager), got transfers queued "
                 f"{'inside' if self.issued_in_capture else 'outside'} a capture and the wait "
@@ -220,7 +220,7 @@ class LayerwiseLoad:
             self._events = [_event(self.graph_waits) for _ in self._steps]
             if self.graph_waits:
                 if _capturing(True):
-                    raise UnsupportedConfig(
+                    raise UnsupportedConfigError(
                         "LayerwiseLoad(graph_waits=True): expected to be built outside a CUDA "
                         "graph capture, got a capture in progress")
                 # A wait on a never-recorded event is skipped by PyTorch, so a capture before
@@ -251,7 +251,7 @@ class LayerwiseLoad:
             return
         capturing = side.check_issue("start")
         if self.graph_waits and capturing:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 "start: expected to run outside any CUDA graph capture with graph_waits=True "
                 "(the graph's waits bind to the loads of the latest eager start), got a "
                 "capture in progress")
@@ -370,7 +370,7 @@ class LayerwiseSave:
         (in a capture: an external event record node of the graph)."""
         self._check_layer(layer)
         if not self.graph_marks:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 "mark: expected a LayerwiseSave built with graph_marks=True, got one without "
                 "(save() marks the layer itself)")
         if self._side.cuda:
@@ -396,12 +396,12 @@ class LayerwiseSave:
         stream = side.stream
         if self.graph_marks:
             if _capturing(True):
-                raise UnsupportedConfig(
+                raise UnsupportedConfigError(
                     "save: expected to run outside any CUDA graph capture with "
                     "graph_marks=True (it waits for the graph's mark), got a capture in "
                     "progress")
             if layer not in self._marked:
-                raise UnsupportedConfig(
+                raise UnsupportedConfigError(
                     f"save: expected mark({layer}) in the captured forward pass before saving "
                     f"layer {layer} with graph_marks=True, got no mark for it")
         capturing = side.check_issue("save")

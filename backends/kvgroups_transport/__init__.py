@@ -9,7 +9,7 @@ store and load. Transports are optional and imported only when asked for:
 - ``get_transport("jax_transfer", ...)``:
   :class:`kvgroups_transport.jax_transfer.JaxTransferTransport` (``jax.experimental.transfer``).
 
-A missing package raises :class:`TransportUnavailable` (an ``ImportError``) naming it.
+A missing package raises :class:`TransportUnavailableError` (an ``ImportError``) naming it.
 See docs/PD.md.
 """
 
@@ -28,12 +28,12 @@ from .base import (
     Transport,
 )
 from .errors import (
-    FingerprintMismatch,
-    PeerUnavailable,
-    PublicationReleased,
-    TransferTimeout,
+    FingerprintMismatchError,
+    PeerUnavailableError,
+    PublicationReleasedError,
+    TransferTimeoutError,
     TransportError,
-    TransportUnavailable,
+    TransportUnavailableError,
 )
 from .exchange import ObjectPool, PullJob, Receiver, check_publication, object_sizes, publish
 from .plan import chunks_to_read, layer_byte_ranges, nixl_connector_descriptors, pull_copies
@@ -44,21 +44,21 @@ TRANSPORTS = {"nixl": ("kvgroups_transport.nixl", "NixlTransport"),
 __all__ = [
     "TRANSPORTS",
     "Copy",
-    "FingerprintMismatch",
+    "FingerprintMismatchError",
     "MemoryRegion",
     "ObjectPool",
-    "PeerUnavailable",
+    "PeerUnavailableError",
     "PoolInfo",
     "Publication",
-    "PublicationReleased",
+    "PublicationReleasedError",
     "PullJob",
     "Receiver",
     "TransferHandle",
     "TransferStats",
-    "TransferTimeout",
+    "TransferTimeoutError",
     "Transport",
     "TransportError",
-    "TransportUnavailable",
+    "TransportUnavailableError",
     "check_publication",
     "chunks_to_read",
     "get_transport",
@@ -78,3 +78,12 @@ def get_transport(transport: str, /, **kwargs: Any) -> Transport:
         raise KVGroupsValueError(f"transport: expected one of {sorted(TRANSPORTS)}, got {transport!r}")
     module, cls = TRANSPORTS[transport]
     return getattr(importlib.import_module(module), cls)(**kwargs)
+
+
+def __getattr__(name: str) -> Any:
+    # The error classes' old names (TransportUnavailable, PeerUnavailable ...): deprecated.
+    from kvgroups_core.errors import deprecated_alias
+
+    from . import errors
+
+    return deprecated_alias(__name__, name, errors.DEPRECATED_ALIASES, vars(errors))

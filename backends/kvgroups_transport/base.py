@@ -29,7 +29,7 @@ from typing import Any, Sequence
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
-from .errors import TransferTimeout
+from .errors import TransferTimeoutError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -239,7 +239,7 @@ class Transport(ABC):
     @abstractmethod
     def layers_ready(self, publication: Publication, rank: int) -> int | None:
         """How many layers writer rank ``rank`` has published (None: all); raises
-        :class:`PublicationReleased` if it no longer offers the request."""
+        :class:`PublicationReleasedError` if it no longer offers the request."""
 
     @abstractmethod
     def _start(self, op: str, publication: Publication, rank: int, pool_id: str,
@@ -288,13 +288,13 @@ class Transport(ABC):
                               deadline=time.monotonic() + float(timeout))
 
     def poll(self, handle: TransferHandle) -> bool:
-        """True once done. Raises :class:`TransferTimeout` past the deadline (the transfer is
+        """True once done. Raises :class:`TransferTimeoutError` past the deadline (the transfer is
         cancelled) and :class:`TransportError` subclasses on failure; a failed handle stays
         failed."""
         if handle.state == "done":
             return True
         if handle.state == "failed":
-            raise TransferTimeout(f"transfer of request {handle.request_id!r} from "
+            raise TransferTimeoutError(f"transfer of request {handle.request_id!r} from "
                                   f"{handle.peer} already failed")
         try:
             done = self._progress(handle)
@@ -311,7 +311,7 @@ class Transport(ABC):
         if time.monotonic() > handle.deadline:
             handle.state = "failed"
             self._abandon(handle)
-            raise TransferTimeout(
+            raise TransferTimeoutError(
                 f"transfer of request {handle.request_id!r} from {handle.peer}: expected it "
                 f"done within its deadline, got none after "
                 f"{time.monotonic() - handle.started:.3f} s"

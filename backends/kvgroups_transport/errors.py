@@ -7,10 +7,12 @@ Each leaf also subclasses the builtin a caller would catch: a missing optional p
 
 from __future__ import annotations
 
-from kvgroups_core.errors import KVGroupsError, KVGroupsValueError
+from typing import Any
+
+from kvgroups_core.errors import KVGroupsError, KVGroupsValueError, deprecated_alias
 
 
-class TransportUnavailable(KVGroupsError, ImportError):
+class TransportUnavailableError(KVGroupsError, ImportError):
     """The package a transport needs is not installed (the message names it)."""
 
 
@@ -18,18 +20,32 @@ class TransportError(KVGroupsError, RuntimeError):
     """A transfer failed; nothing it was to fill may be used."""
 
 
-class PeerUnavailable(TransportError, ConnectionError):
+class PeerUnavailableError(TransportError, ConnectionError):
     """The other side cannot be reached (gone, never started, or refusing)."""
 
 
-class TransferTimeout(TransportError, TimeoutError):
+class TransferTimeoutError(TransportError, TimeoutError):
     """A transfer or a side-channel request did not finish before its deadline."""
 
 
-class PublicationReleased(TransportError, LookupError):
+class PublicationReleasedError(TransportError, LookupError):
     """The publisher no longer holds the request's objects (released, expired or unknown), so
     their slots may hold other bytes."""
 
 
-class FingerprintMismatch(KVGroupsValueError):
+class FingerprintMismatchError(KVGroupsValueError):
     """The two sides group the model differently; raised before any byte moves."""
+
+
+#: Old names of the error classes (before they all ended in ``Error``), deprecated.
+DEPRECATED_ALIASES = {
+    "TransportUnavailable": "TransportUnavailableError",
+    "PeerUnavailable": "PeerUnavailableError",
+    "TransferTimeout": "TransferTimeoutError",
+    "PublicationReleased": "PublicationReleasedError",
+    "FingerprintMismatch": "FingerprintMismatchError",
+}
+
+
+def __getattr__(name: str) -> Any:
+    return deprecated_alias(__name__, name, DEPRECATED_ALIASES, globals())

@@ -30,10 +30,10 @@ from typing import Any, Sequence
 import numpy as np
 
 from kvgroups_core import ReadPlan, assemble, object_nbytes, plan_reads
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 
 from .base import Publication, TransferHandle, Transport
-from .errors import FingerprintMismatch
+from .errors import FingerprintMismatchError
 from .plan import chunks_to_read, pull_copies
 
 
@@ -69,7 +69,7 @@ class ObjectPool:
                                  for n in object_nbytes])
         if like is None or isinstance(like, np.ndarray):
             return cls(pool_id, [np.empty((capacity, n), np.uint8) for n in object_nbytes])
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"like: expected a torch tensor or a NumPy array to allocate pool buffers like, got "
             f"{type(like).__name__} (JAX caches move with the 'jax_transfer' transport)"
         )
@@ -109,12 +109,12 @@ def publish(transport: Transport, manager: Any, request_id: str, pool: ObjectPoo
 
 def check_publication(manager: Any, publication: Publication, reader: str = "this reader"
                       ) -> None:
-    """The writer's grouping must be the reader's (any TP degree): FingerprintMismatch
+    """The writer's grouping must be the reader's (any TP degree): FingerprintMismatchError
     naming both sides otherwise."""
     mine = manager.fingerprint(across_degrees=True)
     if publication.fingerprint != mine:
         e = publication.endpoints[0] if publication.endpoints else {}
-        raise FingerprintMismatch(
+        raise FingerprintMismatchError(
             f"publication.fingerprint: expected the grouping of {reader} (fingerprint "
             f"{mine[:16]}, chunk {manager.lmcache_tokens_per_chunk} tokens, TP "
             f"{manager.tp_size}), got the writer's fingerprint {publication.fingerprint[:16]} "
@@ -222,7 +222,7 @@ class Receiver:
 
     def _take(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"staging: expected room for {n} chunks, got {len(self._free)} free of "
                 f"{self.capacity} staging slots"
             )
@@ -255,7 +255,7 @@ class Receiver:
 
     def _pull_arrays(self, job: PullJob, layers: Sequence[int] | None) -> None:
         if layers is not None:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"layers: expected None with the {self.transport.name!r} transport (whole "
                 "objects only; layer streaming needs 'nixl')"
             )

@@ -9,7 +9,7 @@ reader's device; :class:`~kvgroups_transport.Receiver` stacks them per source ra
 assembles the reader's objects (any TP pair), which ``kvgroups_core.load`` then takes.
 
 Layer streaming needs byte ranges and is the NIXL transport's (a layer subset here raises
-``UnsupportedConfig``). A pull never blocks: readiness is polled against the deadline, and a
+``UnsupportedConfigError``). A pull never blocks: readiness is polled against the deadline, and a
 pull past it is abandoned (JAX expires it on its own).
 """
 
@@ -19,10 +19,10 @@ import datetime
 import hashlib
 from typing import Any, Sequence
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 
 from .base import Copy, PoolInfo, Publication, TransferHandle
-from .errors import PeerUnavailable, TransportError, TransportUnavailable
+from .errors import PeerUnavailableError, TransportError, TransportUnavailableError
 from .side_channel import SideChannelTransport
 
 
@@ -32,7 +32,7 @@ def import_jax_transfer() -> tuple[Any, Any]:
         import jax
         from jax.experimental import transfer
     except ImportError as exc:
-        raise TransportUnavailable(
+        raise TransportUnavailableError(
             f"transport 'jax_transfer': expected JAX with jax.experimental.transfer "
             f"(pip install 'jax>=0.10'), got {exc}"
         ) from None
@@ -113,7 +113,7 @@ class JaxTransferTransport(SideChannelTransport):
         """As :meth:`Transport.publish`; ``readers``: the reading group's TP degree (each
         reader rank pulls its own copy of what it needs)."""
         if layers_ready is not None:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 "layers_ready: expected None (jax.experimental.transfer moves whole objects; "
                 "layer streaming needs the 'nixl' transport)"
             )
@@ -143,7 +143,7 @@ class JaxTransferTransport(SideChannelTransport):
             try:
                 conn = self._server.connect(hello["address"])
             except Exception as exc:  # noqa: BLE001 - the runtime's own error classes
-                raise PeerUnavailable(f"writer rank {rank} at {hello['address']}: {exc}") \
+                raise PeerUnavailableError(f"writer rank {rank} at {hello['address']}: {exc}") \
                     from exc
             self._connections[hello["address"]] = conn
         return conn
@@ -171,7 +171,7 @@ class JaxTransferTransport(SideChannelTransport):
 
     def _start(self, op: str, publication: Publication, rank: int, pool_id: str,
                copies: Sequence[Copy], handle: TransferHandle) -> None:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             "copies: expected whole objects (pull_objects); jax.experimental.transfer moves "
             "arrays, not byte ranges of registered memory"
         )

@@ -22,10 +22,15 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 
 from .base import Copy, PoolInfo, Publication, TransferHandle, memory_region
-from .errors import PeerUnavailable, PublicationReleased, TransportError, TransportUnavailable
+from .errors import (
+    PeerUnavailableError,
+    PublicationReleasedError,
+    TransportError,
+    TransportUnavailableError,
+)
 from .side_channel import SideChannelTransport
 
 _MEM = {"cpu": "DRAM", "cuda": "VRAM"}
@@ -40,7 +45,7 @@ def import_nixl() -> tuple[Any, Any]:
             continue
         if hasattr(module, "nixl_agent"):
             return module.nixl_agent, module.nixl_agent_config
-    raise TransportUnavailable(
+    raise TransportUnavailableError(
         "transport 'nixl': expected the NIXL Python package (pip install nixl-cu12, or "
         "nixl-cu13 on CUDA 13), got none installed"
     )
@@ -88,7 +93,7 @@ class NixlTransport(SideChannelTransport):
         self._agent = nixl_agent(self.agent_name, config)
         missing = [b for b in self.backends if b not in self._agent.backends]
         if missing:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"nixl_backends: expected plugins this NIXL wheel ships "
                 f"({sorted(self._agent.get_plugin_list())}), got {missing}"
             )
@@ -201,7 +206,7 @@ class NixlTransport(SideChannelTransport):
             peer = self._peer(publication, rank)
             remote = peer.pools.get(publication.pool_id)
         if remote is None:
-            raise PublicationReleased(
+            raise PublicationReleasedError(
                 f"request {publication.request_id!r}: writer rank {rank} has no pool "
                 f"{publication.pool_id!r} registered"
             )
@@ -291,5 +296,5 @@ def _descriptors(pool: PoolInfo, copies: Sequence[Copy], side: str) -> np.ndarra
 def _translate(exc: Exception, peer: str) -> TransportError:
     name = type(exc).__name__
     if "Disconnect" in name or "NotFound" in name or "NotAllowed" in name:
-        return PeerUnavailable(f"transfer from {peer}: the writer is gone ({name})")
+        return PeerUnavailableError(f"transfer from {peer}: the writer is gone ({name})")
     return TransportError(f"transfer from {peer}: NIXL failed ({name}: {exc})")

@@ -11,8 +11,8 @@ Readers ask it three things, one JSON line each way, one connection per question
 
 A publication the reader never releases expires after ``ttl_s``; a released, expired or
 unknown one answers ``"released"``, so a reader never trusts slots that may hold other bytes.
-Every client call has a timeout: a peer that is gone raises :class:`PeerUnavailable`, one that
-does not answer :class:`TransferTimeout`.
+Every client call has a timeout: a peer that is gone raises :class:`PeerUnavailableError`, one that
+does not answer :class:`TransferTimeoutError`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,12 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
 from .base import Publication, Transport
-from .errors import PeerUnavailable, PublicationReleased, TransferTimeout, TransportError
+from .errors import (
+    PeerUnavailableError,
+    PublicationReleasedError,
+    TransferTimeoutError,
+    TransportError,
+)
 
 _MAX_LINE = 64 << 20
 
@@ -58,7 +63,7 @@ class PublicationTable:
         with self._lock:
             entry = self._live.get(request_id)
             if entry is None:
-                raise PublicationReleased(f"request {request_id!r}: not published here")
+                raise PublicationReleasedError(f"request {request_id!r}: not published here")
             entry.layers_ready = layers_ready
 
     def release(self, request_id: str, reader: int | None = None, readers: int = 1) -> bool:
@@ -163,17 +168,18 @@ def ask(host: str, port: int, msg: dict, timeout: float) -> dict:
                     break
                 data += part
     except (socket.timeout, TimeoutError):
-        raise TransferTimeout(
+        raise TransferTimeoutError(
             f"side channel {where}: expected an answer to {msg.get('op')!r} within {timeout} s, "
             "got none"
         ) from None
     except OSError as exc:
-        raise PeerUnavailable(f"side channel {where}: cannot reach the writer ({exc})") from None
+        raise PeerUnavailableError(
+            f"side channel {where}: cannot reach the writer ({exc})") from None
     if not data.endswith(b"\n"):
-        raise PeerUnavailable(f"side channel {where}: the writer closed the connection")
+        raise PeerUnavailableError(f"side channel {where}: the writer closed the connection")
     reply = json.loads(data)
     if "error" in reply:
-        raise PeerUnavailable(f"side channel {where}: {reply['error']}")
+        raise PeerUnavailableError(f"side channel {where}: {reply['error']}")
     return reply
 
 
@@ -228,7 +234,7 @@ class SideChannelTransport(Transport):
         reply = ask(e["host"], e["port"], {"op": "status", "request": publication.request_id,
                                            "slots": list(publication.slots)}, self.timeout_s)
         if reply.get("state") != "published":
-            raise PublicationReleased(
+            raise PublicationReleasedError(
                 f"request {publication.request_id!r}: writer rank {rank} at "
                 f"{e['host']}:{e['port']} no longer publishes it (released, expired or never "
                 f"published with these slots)"
@@ -255,5 +261,5 @@ class SideChannelTransport(Transport):
         for e in publication.endpoints:
             try:
                 ask(e["host"], e["port"], msg, self.timeout_s)
-            except (PeerUnavailable, TransportError):
+            except (PeerUnavailableError, TransportError):
                 pass  # a writer that is gone has nothing left to release

@@ -13,7 +13,7 @@ from kvgroups_conformance.caches import (
     make_caches,
 )
 from kvgroups_conformance.cases import every_nth
-from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
+from kvgroups_conformance.compare import assert_blocks_match, assert_objects_match, moved_blocks
 from kvgroups_conformance.suite.test_roundtrip import declared_unsupported
 from kvgroups_core import describe
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
@@ -64,7 +64,7 @@ def test_store_with_one_backend_load_with_the_other(harness_pair, fmt):
                                          {0: ids_a[c * bpc:(c + 1) * bpc]})
                          for c in range(len(ids_a) // bpc)])
         for h, objects in ((a, objects_a), (b, objects_b)):
-            check_objects(h.to_numpy(objects[og], UINT8), want, manager_a, og,
+            assert_objects_match(h.to_numpy(objects[og], UINT8), want, manager_a, og,
                           what=f"objects stored by {h.id}", ids=ids_a, source_caches=src_np,
                           formats=formats)
 
@@ -73,7 +73,7 @@ def test_store_with_one_backend_load_with_the_other(harness_pair, fmt):
     before = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
     want = moved_blocks(before, all_blocks(dst_np, formats), moved)
-    check_blocks(b.read(dst, dst_np), formats, want,
+    assert_blocks_match(b.read(dst, dst_np), formats, want,
                  what=f"{b.id} loading objects stored by {a.id}", source=before,
                  expected_source=moved)
 

@@ -8,7 +8,7 @@ import pytest
 
 from kvgroups_conformance.caches import TRANSFER_FORMATS, all_blocks, expected_object, make_caches
 from kvgroups_conformance.cases import every_nth
-from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
+from kvgroups_conformance.compare import assert_blocks_match, assert_objects_match, moved_blocks
 from kvgroups_conformance.suite.test_roundtrip import declared_unsupported
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer.objects import object_nbytes, object_regions
@@ -61,7 +61,7 @@ def test_a_layer_subset_moves_only_those_layers(harness, fmt, layers):
         full = np.stack([expected_object(manager, src_np, og, {0: ids_a[c * bpc:(c + 1) * bpc]})
                          for c in range(CHUNKS)])
         want = np.where(_selected_bytes(manager, og, layers)[None, :], full, sentinel[og])
-        check_objects(harness.to_numpy(objects[og], sentinel[og]), want, manager, og,
+        assert_objects_match(harness.to_numpy(objects[og], sentinel[og]), want, manager, og,
                       what=f"store with layers={layers}: object bytes", ids={0: ids_a},
                       source_caches=src_np, formats=formats)
 
@@ -73,6 +73,6 @@ def test_a_layer_subset_moves_only_those_layers(harness, fmt, layers):
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
     want = moved_blocks(before, untouched, moved)
     want = {key: (rows if key[0] in layers else untouched[key]) for key, rows in want.items()}
-    check_blocks(harness.read(dst, dst_np) if isinstance(dst_np, list) else
+    assert_blocks_match(harness.read(dst, dst_np) if isinstance(dst_np, list) else
                  harness.to_numpy(dst, dst_np), formats, want,
                  what=f"load with layers={layers}", source=before, expected_source=moved)

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from kvgroups_conformance.caches import DTYPES, all_blocks, random_bits
-from kvgroups_conformance.compare import check_blocks, check_objects
+from kvgroups_conformance.compare import assert_blocks_match, assert_objects_match
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.tensors.descriptors import TensorSpec
 from kvgroups_core.transfer.api import load, store
@@ -60,12 +60,12 @@ def test_catalogue_models_match_the_numpy_oracle(harness, name):
     src = harness.convert(src_np)
     objects = harness.store(manager, src, ids_a)
     for og, (got, want) in enumerate(zip(objects, want_objects)):
-        check_objects(harness.to_numpy(got, want), want, manager, og,
+        assert_objects_match(harness.to_numpy(got, want), want, manager, og,
                       what=f"{name}: store (expected: the NumPy oracle's objects)", ids=ids_a,
                       source_caches=src_np, formats=model.formats)
     dst = harness.convert(_arrays(model.kv_caches, rng, zero=True))
     dst = harness.load(manager, objects, dst, ids_b, skip=100)
-    check_blocks(harness.read(dst, want_caches), model.formats,
+    assert_blocks_match(harness.read(dst, want_caches), model.formats,
                  all_blocks(want_caches, model.formats),
                  what=f"{name}: load with skip_first_n_tokens=100 (expected: the NumPy oracle's "
                       f"caches)", source=all_blocks(src_np, model.formats))

@@ -3,7 +3,7 @@
 import numpy as np
 
 from kvgroups_conformance.caches import all_blocks, expected_object, make_caches
-from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
+from kvgroups_conformance.compare import assert_blocks_match, assert_objects_match, moved_blocks
 from kvgroups_core.formats.catalogue import EngineKVFormat as F
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer.objects import object_nbytes, region_view
@@ -26,12 +26,12 @@ def test_objects_may_be_separate_per_chunk_buffers(harness):
     per_chunk = out[0]
     got = [harness.to_numpy(per_chunk[c], np.zeros(0, np.uint8)) for c in range(3)]
     want = [expected_object(manager, src_np, 0, {0: ids_a[c * 4:(c + 1) * 4]}) for c in range(3)]
-    check_objects(got, want, manager, 0, what="store into per-chunk buffers: object bytes",
+    assert_objects_match(got, want, manager, 0, what="store into per-chunk buffers: object bytes",
                   ids={0: ids_a}, source_caches=src_np, formats=formats)
     dst = harness.load(manager, [per_chunk], harness.convert(dst_np), ids_b)
     before = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
-    check_blocks(harness.read(dst, dst_np), formats,
+    assert_blocks_match(harness.read(dst, dst_np), formats,
                  moved_blocks(before, all_blocks(dst_np, formats), moved),
                  what="load from per-chunk buffers", source=before, expected_source=moved)
 

@@ -7,9 +7,9 @@ import pytest
 
 from kvgroups_conformance.caches import TRANSFER_FORMATS, all_blocks, expected_object, make_caches
 from kvgroups_conformance.cases import every_nth
-from kvgroups_conformance.compare import check_blocks, check_objects, moved_blocks
+from kvgroups_conformance.compare import assert_blocks_match, assert_objects_match, moved_blocks
 from kvgroups_conformance.report import Mismatch, raise_if_any
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer.objects import object_nbytes
 
@@ -71,7 +71,7 @@ def declared_unsupported(harness, fmt, dtype) -> bool:
     rng = np.random.default_rng(0)
     src_np, formats = make_caches(fmt, dtype=dtype, rng=rng, **GEOMETRY)
     manager = KVLayerGroupsManager(src_np, formats, lmcache_tokens_per_chunk=CHUNK)
-    with pytest.raises(UnsupportedConfig):
+    with pytest.raises(UnsupportedConfigError):
         harness.store(manager, harness.convert(src_np), np.arange(CHUNK // GEOMETRY["bs"]))
     return True
 
@@ -88,10 +88,10 @@ def test_round_trip_moves_blocks_and_leaves_others_untouched(harness, fmt, dtype
         src_blocks = all_blocks(src_np, formats)
         moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
         want = moved_blocks(src_blocks, all_blocks(dst_np, formats), moved)
-        check_blocks(dst_after, formats, want, what=f"store + load (placement {placement})",
+        assert_blocks_match(dst_after, formats, want, what=f"store + load (placement {placement})",
                      source=src_blocks, expected_source=moved)
         # The source is only read.
-        check_blocks(src_after, formats, src_blocks, what="store changed its source caches")
+        assert_blocks_match(src_after, formats, src_blocks, what="store changed its source caches")
 
 
 @pytest.mark.parametrize("fmt", PADDED_FORMATS, ids=lambda f: f.name)
@@ -105,7 +105,7 @@ def test_padded_blocks_round_trip_and_keep_padding(harness, fmt):
     src_blocks = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
     want = moved_blocks(src_blocks, all_blocks(dst_np, formats), moved)
-    check_blocks(dst_after, formats, want, what="store + load of padded blocks",
+    assert_blocks_match(dst_after, formats, want, what="store + load of padded blocks",
                  source=src_blocks, expected_source=moved)
     if not harness.keeps_padding:
         return  # the backend's arrays are unpadded copies: there is no padding to check
@@ -147,5 +147,5 @@ def test_stored_objects_equal_the_canonical_layout(harness, fmt):
         got = harness.to_numpy(objects[og], np.zeros(0, np.uint8))
         want = np.stack([expected_object(manager, src_np, og, {0: ids_a[c * bpc:(c + 1) * bpc]})
                          for c in range(got.shape[0])])
-        check_objects(got, want, manager, og, what="store: object bytes", ids={0: ids_a},
+        assert_objects_match(got, want, manager, og, what="store: object bytes", ids={0: ids_a},
                       source_caches=src_np, formats=formats)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kvgroups_conformance.caches import all_blocks, expected_object, make_caches, token_rows
-from kvgroups_conformance.compare import check_blocks, check_objects
+from kvgroups_conformance.compare import assert_blocks_match, assert_objects_match
 from kvgroups_core.formats.catalogue import EngineKVFormat as F
 from kvgroups_core.grouping.engine_groups import EngineGroupInfo
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
@@ -42,7 +42,7 @@ def _load_and_check(harness, manager, formats, src_np, dst_np, ids, expect, skip
             b = int(ids[layer][i])
             for kv in (0, 1):
                 want[(layer, kv, b)] = source[(layer, kv, b)]
-    check_blocks(harness.read(dst, dst_np), formats, want,
+    assert_blocks_match(harness.read(dst, dst_np), formats, want,
                  what=f"load with skip_first_n_tokens={skip}", source=source,
                  expected_source={int(b): int(b) for layer in expect for b in ids[layer]})
     return objects
@@ -72,7 +72,7 @@ def test_store_writes_every_chunk_of_every_group(harness):
     want = np.stack([expected_object(manager, src_np, 0, {g: ids[g][c * BPC:(c + 1) * BPC]
                                                           for g in (0, 1)})
                      for c in range(CHUNKS)])
-    check_objects(got, want, manager, 0, what="store: object bytes", ids=ids,
+    assert_objects_match(got, want, manager, 0, what="store: object bytes", ids=ids,
                   source_caches=src_np, formats=formats)
 
 
@@ -101,7 +101,7 @@ def test_sub_chunk_window_keeps_the_last_blocks_of_each_chunk(harness):
     want = np.stack([np.concatenate([token_rows(src_np, formats[0], 0, kv, b).reshape(-1)
                                      for kv in (0, 1) for b in kept])
                      for kept in ((13, 14), (17, 18))])
-    check_objects(got, want, manager, 0, what="store of a sub-chunk window: object bytes",
+    assert_objects_match(got, want, manager, 0, what="store of a sub-chunk window: object bytes",
                   ids={0: np.arange(11, 19)}, source_caches=src_np, formats=formats)
 
 

@@ -30,7 +30,7 @@ from kvgroups_core.tensors.arrays import describe
 from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
 
 from .catalogue import CROSS_LAYER, KV_LIST, LAYER_LIST, LAYER_PAIR_LIST, EngineKVFormat
-from .layout import INDEXER_ROW_BYTES, _check_dense
+from .layout import INDEXER_ROW_BYTES, check_dense
 
 #: Engines :func:`detect_format` knows (``"vllm_tpu"`` is an alias of ``"tpu_inference"``).
 ENGINES = ("vllm", "sglang", "trtllm", "tpu_inference", "sglang_jax", "maxtext")
@@ -179,7 +179,7 @@ def _classify(
             f"{what}: expected a memory order among [{'; '.join(known)}], got "
             f"[{' '.join(names)}] (shape {d.shape}, strides {d.strides})"
         )
-    _check_dense(mem, fmt, what)
+    check_dense(mem, fmt, what)
     return fmt, mem
 
 

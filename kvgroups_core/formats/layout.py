@@ -96,7 +96,7 @@ def _check_axes_fit(shape: tuple[int, ...], axes: tuple[str, ...], fmt: EngineKV
             )
 
 
-def _check_dense(desc: TensorDesc, fmt: EngineKVFormat, what: str) -> None:
+def check_dense(desc: TensorDesc, fmt: EngineKVFormat, what: str) -> None:
     """Accept a permutation of a contiguous tensor, with per-block padding on dim 0 when dim 0
     is the block axis and outermost in memory; reject any other strided layout."""
     spec = desc.spec
@@ -136,7 +136,7 @@ def _tensor_layout(
             raise KVGroupsValueError(
                 f"{what}: expected K and V of one dtype, got {first.dtype} and {t.dtype}"
             )
-        _check_dense(t, fmt, what)
+        check_dense(t, fmt, what)
     shape, strides = first.spec.shape, first.spec.strides
     dtype = first.spec.dtype
     e = dtype.itemsize

@@ -16,7 +16,7 @@ from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 from kvgroups_core.formats.catalogue import EngineKVFormat
 from kvgroups_core.formats.layout import LayerLayout, num_layers_of
@@ -187,6 +187,10 @@ class KVLayerGroupsManager:
         count does not fit ``tp_size`` (and ``total_num_kv_heads``).
     """
 
+    #: Where the transfer layer keeps this manager's last one-shot binding for its next
+    #: one-shot call (:mod:`kvgroups_core.transfer.fast.reuse`); the manager never reads it.
+    one_shot_park: Any = None
+
     def __init__(
         self,
         kv_caches: Any,
@@ -223,8 +227,8 @@ class KVLayerGroupsManager:
                 f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}"
             )
         self._full_sw_kv = full_sw_kv
-        # Set when a transfer first binds this manager (kvgroups_core.transfer.checks); from then on
-        # nothing about its layout may change (enable_full_sw_kv refuses).
+        # Set when a transfer first binds this manager (mark_in_use); from then on nothing
+        # about its layout may change (enable_full_sw_kv refuses).
         self._in_use = False
         self._kernel_groups: list[KernelGroupInfo] = []
         self._object_groups: list[ObjectGroupInfo] = []
@@ -264,7 +268,7 @@ class KVLayerGroupsManager:
         for k, shard in enumerate(self._tp_shards):
             if (self._object_layout != "canonical" and shard.conv is not None
                     and shard.conv.replicated and not shard.conv.fully_replicated):
-                raise UnsupportedConfig(
+                raise UnsupportedConfigError(
                     f"object_layout: kernel group {k} is a conv state with replicated "
                     "sub-projections, which the tp_native layout cannot place; expected "
                     "object_layout='canonical'"
@@ -459,7 +463,13 @@ class KVLayerGroupsManager:
         new = copy.copy(self)  # the group lists are never mutated, so sharing them is safe
         new._full_sw_kv = enabled
         new._in_use = False
+        new.one_shot_park = None  # bindings of this manager never serve the new one
         return new
+
+    def mark_in_use(self) -> None:
+        """Called when a transfer first binds this manager: its layout is in use from now on,
+        so :meth:`enable_full_sw_kv` refuses."""
+        self._in_use = True
 
     def enable_full_sw_kv(self) -> None:
         """LMCache's name for switching to full-SW mode in place (see :meth:`with_full_sw_kv`).

@@ -192,7 +192,9 @@ def format_kvcache_shape_spec(groups: Sequence[KernelGroupInfo]) -> str:
     return ";".join(parts)
 
 
-def _group_tensor(group: KernelGroupInfo, i: int) -> tuple[EngineKVFormat, TensorSpec]:
+def group_tensor(group: KernelGroupInfo, i: int) -> tuple[EngineKVFormat, TensorSpec]:
+    """The format and the data-less tensor of spec group ``i`` (``group``): the layout
+    :func:`manager_from_shape_spec` builds each group's layers in."""
     sd = group.shape_desc
     for field in ("nb", "bs", "nh", "hs"):
         if getattr(sd, field) <= 0:
@@ -239,7 +241,7 @@ def caches_from_shape_spec(
     caches: list[TensorSpec] = []
     formats: list[EngineKVFormat] = []
     for i, group in enumerate(groups):
-        fmt, tensor = _group_tensor(group, i)
+        fmt, tensor = group_tensor(group, i)
         caches += [tensor] * group.shape_desc.nl
         formats += [fmt] * group.shape_desc.nl
     infos: list[EngineGroupInfo] = []

@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.formats.catalogue import EngineKVFormat
 
 from .engine_groups import as_int
@@ -196,7 +196,7 @@ def _shard_of_group(k: int, group: Any, totals: Sequence[int | None], rank: int,
         return TPShard(tp_rank=rank, tp_size=size, total_heads=h, rank_heads=h, replicas=size)
     given = {totals[layer] for layer in group.layer_indices}
     if len(given) > 1:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"total_num_kv_heads: kernel group {k} (layers {group.layer_indices}) mixes total "
             f"head counts {sorted(given, key=str)} that one rank shard cannot tell apart; "
             "register those layers in different engine groups"

@@ -30,7 +30,7 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
-from kvgroups_core.errors import BackendNotFound, KVGroupsTypeError
+from kvgroups_core.errors import BackendNotFoundError, KVGroupsTypeError
 
 from .descriptors import TensorDesc, TensorSpec, describe_dlpack
 
@@ -66,7 +66,7 @@ class _Entry:
                     module = importlib.import_module(module_name)
                     loader = getattr(module, attr)
                 except (ImportError, AttributeError) as exc:  # not installed, or stale
-                    raise BackendNotFound(
+                    raise BackendNotFoundError(
                         f"backend {self.name!r}: expected {module_name} and the framework it "
                         f"runs on to be installed, got {type(exc).__name__}: {exc}") from exc
             if self.array_types is None:
@@ -154,7 +154,7 @@ def get_backend(name: str) -> ArrayBackend:
     try:
         entry = _ENTRIES[name]
     except KeyError:
-        raise BackendNotFound(
+        raise BackendNotFoundError(
             f"backend: expected one of {sorted(_ENTRIES)}, got {name!r}"
         ) from None
     return entry.get()
@@ -259,7 +259,7 @@ def backend_for_tensors(tensors: Sequence[Any], explicit: str | None = None) -> 
             f"tensors: expected one framework per call, got {listed}; pass backend= to choose"
         )
     if not names:
-        raise BackendNotFound(
+        raise BackendNotFoundError(
             "tensors: expected framework arrays to infer the backend, got only descriptors; "
             "pass backend="
         )

@@ -151,12 +151,32 @@ class TensorDesc:
         """Address of the first element."""
         return self.data_ptr + self.byte_offset
 
+    def with_obj(self, obj: Any) -> "TensorDesc":
+        """This descriptor of ``obj`` instead of :attr:`obj`, every other field kept (None: a
+        descriptor that keeps nothing alive): see :func:`with_objs`."""
+        return with_objs([self], [obj])[0]
+
     def view(self, spec: TensorSpec, extra_byte_offset: int = 0) -> "TensorDesc":
         """Another view of the same memory (the caller guarantees it stays in bounds)."""
         return TensorDesc(
             spec, self.data_ptr, self.byte_offset + extra_byte_offset, self.obj, self.framework,
             self.abstract, self.placement,
         )
+
+
+def with_objs(descs: Any, objs: Any) -> list[TensorDesc]:
+    """``[d.with_obj(x) for d, x in zip(descs, objs)]``, made without ``__init__``: for tensors
+    let go of and taken back (the very same objects, nothing read from them again), which a
+    prepared one-shot binding does for every bound tensor of a call."""
+    new, put = object.__new__, object.__setattr__
+    out = []
+    for d, x in zip(descs, objs):
+        fields = d.__dict__.copy()
+        fields["obj"] = x
+        made = new(TensorDesc)
+        put(made, "__dict__", fields)
+        out.append(made)
+    return out
 
 
 # --- generic DLPack reading -------------------------------------------------------------

@@ -111,7 +111,7 @@ class PreparedTransfer:
 
     def _run(self, plan: Any, objects: Any) -> tuple:
         try:
-            return self._bound.run(plan, objects)
+            return self._bound.execute(plan, objects)
         except RuntimeError as exc:
             if isinstance(exc, KVGroupsError):
                 raise
@@ -159,11 +159,23 @@ class PreparedTransfer:
             if -1 not in positions and len(slot_of) == len(self._objs):
                 self._positions = positions
 
-    # --- kept between one-shot calls (kvgroups_core.transfer.fast.reuse) -----------------------------
+    # --- kept between one-shot calls (kvgroups_core.transfer.fast.reuse) -----------------
 
-    def _release(self) -> bool:
+    @property
+    def bound_tensors(self) -> list | None:
+        """The bound tensors in slot order (what :attr:`kv_caches` holds now; None while
+        released)."""
+        return self._objs
+
+    @property
+    def bound_structure(self) -> Any:
+        """The private copy of the engine's structure the binding was made from (or last took
+        back): what a kept binding compares the next one-shot call's caches with."""
+        return self._guard.source
+
+    def release_caches(self) -> bool:
         """Let go of every cache tensor, keeping what was derived from them (False, and
-        nothing changed, when the backend's hold cannot)."""
+        nothing changed, when the backend's hold cannot, or the caches are abstract)."""
         if self._abstract or not self._bound.release():
             return False
         # None while parked: _restore sets them before anything reads them again.
@@ -172,13 +184,19 @@ class PreparedTransfer:
         self._memo.release()  # its references to the released tensors (signatures stay)
         return True
 
-    def _restore(self, kv_caches: Any, objs: list, source: Any) -> None:
-        """Take back the caches :meth:`_release` let go of: ``kv_caches`` is the engine's
-        structure, ``source`` the private copy of it whose leaves matched the released ones,
-        ``objs`` its bound tensors in slot order."""
+    def restore_caches(self, kv_caches: Any, objs: list, source: Any) -> None:
+        """Take back the caches :meth:`release_caches` let go of: ``kv_caches`` is the
+        engine's structure, ``source`` the private copy of it whose leaves matched the
+        released ones, ``objs`` its bound tensors in slot order. The next call compares
+        their fingerprints (:meth:`reallocated`) before trusting the binding."""
         self.kv_caches, self._objs = kv_caches, objs
         self._bound.restore(objs)
         self._guard.restore(source, objs)
+
+    def reallocated(self) -> str | None:
+        """A sentence naming the first bound tensor resized, reallocated or changed in place
+        since it was bound, or None (the structure itself is not compared)."""
+        return self._guard.reallocated()
 
 
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
@@ -298,7 +316,7 @@ def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
             raise
         if found is entry.prepared.backend:
             prepared = reuse.restore(entry, kv_caches, objs, source)
-            if prepared._guard.reallocated() is None:  # take() compared the identities
+            if prepared.reallocated() is None:  # take() compared the identities
                 return prepared, entry
             # Changed in place: bound afresh below, refused (if so) as a first call is.
     found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)

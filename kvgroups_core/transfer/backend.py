@@ -10,12 +10,12 @@ from __future__ import annotations
 import abc
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Sequence
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.tensors.arrays import ArrayBackend
-from kvgroups_core.tensors.descriptors import TensorDesc
+from kvgroups_core.tensors.descriptors import TensorDesc, with_objs
 
 from .objects import check_objects
-from .plan import TransferPlan, with_block_ids
+from .plan import TransferPlan
 
 if TYPE_CHECKING:
     from kvgroups_core.grouping.manager import KVLayerGroupsManager
@@ -109,16 +109,16 @@ class Backend(ArrayBackend, abc.ABC):
         :meth:`default_device`). With ``dtype`` (a DType or name of the same width as ``a``'s),
         ``a`` holds raw bits to be reinterpreted as ``dtype`` (how bfloat16 and float8 travel
         without a NumPy dtype for them)."""
-        raise UnsupportedConfig(f"backend {self.name!r}: from_numpy is not implemented")
+        raise UnsupportedConfigError(f"backend {self.name!r}: from_numpy is not implemented")
 
     def to_numpy(self, x: Any) -> Any:
         """A host NumPy copy of ``x``, bit-exact (same-width unsigned dtype where NumPy has
         no equivalent)."""
-        raise UnsupportedConfig(f"backend {self.name!r}: to_numpy is not implemented")
+        raise UnsupportedConfigError(f"backend {self.name!r}: to_numpy is not implemented")
 
     def import_foreign(self, x: Any) -> Any:
         """Adopt another runtime's array through DLPack, zero-copy where the runtimes allow."""
-        raise UnsupportedConfig(f"backend {self.name!r}: import_foreign is not implemented")
+        raise UnsupportedConfigError(f"backend {self.name!r}: import_foreign is not implemented")
 
     def default_device(self) -> str:
         """Where new arrays go by default (``"cuda"`` when a GPU is usable, else ``"cpu"``)."""
@@ -133,15 +133,35 @@ class BoundCaches:
     """A backend's hold on one validated set of backing tensors, made by
     :meth:`Backend.bind_caches` for the repeated calls of a prepared transfer.
 
-    :meth:`run` is the whole per-call contract: check the objects, then move the bytes, and
+    :meth:`execute` is the whole per-call contract: check the objects, then move the bytes, and
     raise before moving any byte if the objects are bad. This default runs the backend's
     generic methods; subclasses may do the same work faster but must reject the same input
     with the same errors.
     """
 
+    _caches: list | None
+    _bare: list | None  # the descriptors without their tensors (released)
+    _taken: list | None  # the tensors restore() took back
+
     def __init__(self, backend: Backend, caches: Sequence[TensorDesc]) -> None:
         self.backend = backend
         self.caches = list(caches)
+
+    @property
+    def caches(self) -> list:
+        """The bound descriptors, in slot order. After :meth:`restore` they are made again
+        when first read (a one-shot call served by a repeater never reads them)."""
+        found = self._caches
+        if found is None:
+            found = self._caches = with_objs(self._bare, self._taken)
+            self._taken = None
+        return found
+
+    @caches.setter
+    def caches(self, value: Sequence[TensorDesc]) -> None:
+        self._caches = list(value)
+        self._bare = None
+        self._taken = None
 
     def release(self) -> bool:
         """Let go of the bound tensors while the binding waits for the next one-shot call
@@ -156,43 +176,45 @@ class BoundCaches:
 
     def restore(self, tensors: Sequence[Any]) -> None:
         """Take back the tensors :meth:`release` let go of (the same objects, slot order)."""
-        # The descriptors are this binding's own (made by its bind, never handed out while
-        # released): their ``obj`` is put back rather than 32 descriptors built again.
-        for d, x in zip(self.caches, tensors):
-            d.__dict__["obj"] = x  # the frozen dataclass's field, set as its __init__ does
+        self._taken = list(tensors)
 
     def _release_caches(self) -> None:
-        """:meth:`release` for a class that keeps its tensors only in :attr:`caches`."""
-        for d in self.caches:
-            d.__dict__["obj"] = None
+        """:meth:`release` for a class that keeps its tensors only in :attr:`caches`: the
+        descriptors are kept without them (made once per binding: a restore hands back the
+        same tensors, whose fingerprints the caller compares)."""
+        if self._caches is not None:
+            if self._bare is None:
+                self._bare = with_objs(self._caches, [None] * len(self._caches))
+            self._caches = None
+        self._taken = None
 
-    def run(self, plan: TransferPlan, objects: Sequence[Any]) -> tuple[list | None, list]:
+    def execute(self, plan: TransferPlan, objects: Sequence[Any]) -> tuple[list | None, list]:
         """Validate ``objects`` for ``plan`` and execute it (see :meth:`Backend.execute`)."""
         check_objects(plan, objects, self.backend.shape_of)
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
 
-    def runner(self, plan: TransferPlan, block_ids: Any
-               ) -> Callable[[Any, Sequence[Any], Any], tuple]:
+    def repeater(self, plan: TransferPlan, block_ids: Any
+                 ) -> Callable[[Any, Sequence[Any], Any], tuple]:
         """A function ``(block_ids, objects, objects_key) -> (new caches, objects)`` that runs
-        ``plan`` again, after a :meth:`run` of it passed, with other ids of the same signature
+        ``plan`` again, after a :meth:`execute` of it passed, with other ids of the same signature
         (one flat array for every group, int64 NumPy for host ids) and objects of a signature
         the core has validated (``kvgroups_core.transfer.fast.call_memo``); ``objects_key`` is that
-        signature (the backend's ``objects_key`` of ``objects``), which a runner may use to
+        signature (the backend's ``objects_key`` of ``objects``), which a repeater may use to
         find what it derived from the same objects before. ``block_ids`` are the ids ``plan``
-        was made with. This default puts the ids in the plan and runs it as :meth:`run` does,
-        without the object checks when :meth:`run` is this class's own; backends override it
+        was made with. This default puts the ids in the plan and runs it as :meth:`execute` does,
+        without the object checks when :meth:`execute` is this class's own; backends override it
         to keep per-plan launch state."""
-        backend, caches = self.backend, self.caches
-        own_run = type(self).run is BoundCaches.run
+        backend = self.backend
+        own_execute = type(self).execute is BoundCaches.execute
 
-        def run(ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
-            again = with_block_ids(plan, ids)
-            if own_run:
-                return backend.execute(again, caches, objects)
-            return self.run(again, objects)
+        def repeat(ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
+            again = plan.with_block_ids(ids)
+            if own_execute:
+                return backend.execute(again, self.caches, objects)
+            return self.execute(again, objects)
 
-        return run
+        return repeat
 
     def bind_source(self, manager: KVLayerGroupsManager, kv_caches: Any) -> None:
         """Told by :func:`~kvgroups_core.transfer.api.prepare` after binding: the manager and the
@@ -201,7 +223,7 @@ class BoundCaches:
         return None
 
     def adopt_results(self, new_caches: Sequence[Any]) -> bool:
-        """After :meth:`run` returned new arrays for the bound caches (runtimes that do not
+        """After :meth:`execute` returned new arrays for the bound caches (runtimes that do not
         write in place, like JAX): take them as the bound caches and return True when they
         match the old ones slot for slot (shape, dtype, device), so the caller's binding stays
         valid; False (this default) makes the caller bind them from scratch."""
@@ -209,6 +231,11 @@ class BoundCaches:
 
     def allocate_objects(self, plan: TransferPlan) -> list:
         """New objects for ``plan`` next to the caches (none when nothing is bound)."""
-        if not self.caches:
-            return []
-        return self.backend.allocate_objects(plan, self.caches[0])
+        bare, taken = self._bare, self._taken
+        if (type(self).caches is BoundCaches.caches and self._caches is None
+                and bare is not None and taken is not None):
+            # Taken back after a release: describe only the cache the allocation needs.
+            first = with_objs(bare[:1], taken[:1])
+        else:
+            first = self.caches[:1]
+        return self.backend.allocate_objects(plan, first[0]) if first else []

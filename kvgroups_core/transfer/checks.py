@@ -50,7 +50,7 @@ class Memory(NamedTuple):
 def check_bind_inputs(manager: Any, kv_caches: Any) -> None:
     """Before binding ``kv_caches`` to ``manager``: one tensor per layer of the manager, and
     the manager marked in use (its layout can no longer change, see ``enable_full_sw_kv``)."""
-    manager._in_use = True
+    manager.mark_in_use()
     formats = manager.engine_kv_formats
     if kv_caches is None or isinstance(kv_caches, (str, bytes, dict)):
         raise KVGroupsTypeError(

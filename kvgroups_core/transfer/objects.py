@@ -131,12 +131,18 @@ def region_view(manager: Any, obj: np.ndarray, kernel_group_idx: int) -> np.ndar
     return piece.view(numpy_dtype(region.dtype)).reshape(arr.shape[:-1] + region.shape)
 
 
-def check_objects(plan: Any, objects: Sequence[Any], shape_of: Any) -> None:
-    """Objects must be one entry per object group: uint8 ``[num_chunks, object_nbytes]`` with
-    contiguous rows, or a list of ``num_chunks`` 1-D uint8 buffers of ``object_nbytes`` each
-    (``plan`` gives ``num_chunks`` and ``object_nbytes``; zero chunks: ``[0, nbytes]``).
+def check_objects(plan: Any, objects: Sequence[Any], shape_of: Any, *,
+                  store_creates: bool = False) -> None:
+    """The one object rule, for every entry point (the core's calls, and backend entry
+    points that take a plan directly): one entry per object group, each a uint8
+    ``[num_chunks, object_nbytes]`` array with contiguous rows, or a list of ``num_chunks``
+    1-D uint8 buffers of ``object_nbytes`` each (``plan`` gives ``num_chunks`` and
+    ``object_nbytes``; zero chunks: ``[0, nbytes]``). Backends add only what concerns their
+    memory (devices, pinned host memory, shardings).
 
     ``shape_of(x) -> (dtype name, shape, strides)`` reads an array (``Backend.shape_of``).
+    ``store_creates``: a None entry of a store is an object the backend creates itself
+    (``kvgroups_jax.execute_plan``).
     """
     if not isinstance(objects, (list, tuple)):
         raise KVGroupsTypeError(
@@ -148,7 +154,10 @@ def check_objects(plan: Any, objects: Sequence[Any], shape_of: Any) -> None:
             f"objects: expected {len(plan.object_nbytes)} entries (one per object group), got "
             f"{len(objects)}"
         )
+    created = store_creates and plan.direction == "store"
     for og, (obj, nbytes) in enumerate(zip(objects, plan.object_nbytes)):
+        if obj is None and created:
+            continue
         if isinstance(obj, (list, tuple)):
             if len(obj) != plan.num_chunks:
                 raise KVGroupsValueError(

@@ -121,6 +121,28 @@ class GroupTransfer:
 
         return block_runs(self, first_item, num_blocks=num_blocks)
 
+    # --- the per-call constructors (the planner's and a repeater's hot path) ----------------
+
+    def shape_fields(self, **changes: Any) -> dict:
+        """Every field but ``block_ids``, with ``changes``: the id-independent part of a
+        transfer, which :meth:`from_shape` completes with a call's ids. ``changes`` must be
+        values as ``__init__`` leaves them (planes with their object planes set)."""
+        fields = dict(vars(self), **changes)
+        del fields["block_ids"]
+        return fields
+
+    @classmethod
+    def from_shape(cls, fields: dict, block_ids: Any) -> "GroupTransfer":
+        """The transfer of :meth:`shape_fields` ``fields`` and ``block_ids``, built without
+        ``__init__`` (nothing to normalise: the fields come from a built transfer)."""
+        values = fields.copy()
+        values["block_ids"] = block_ids
+        return _filled(cls, values)
+
+    def with_block_ids(self, block_ids: Any) -> "GroupTransfer":
+        """This transfer with other ids (of the signature it was validated for)."""
+        return GroupTransfer.from_shape(vars(self), block_ids)
+
 
 @dataclass(frozen=True, kw_only=True)
 class TransferPlan:
@@ -147,21 +169,33 @@ class TransferPlan:
     # torch adds "kernel" and "copy_engine"); checked against ``Backend.transfer_paths``.
     path: str = "auto"
 
+    @classmethod
+    def from_fields(cls, fields: dict) -> "TransferPlan":
+        """The plan holding ``fields`` (every field, values as ``__init__`` leaves them; the
+        dict is taken over), built without ``__init__``: how the planner assembles a call's
+        plan from its cached shape."""
+        return _filled(cls, fields)
 
-def with_block_ids(plan: TransferPlan, block_ids: Any) -> TransferPlan:
-    """``plan`` with ``block_ids`` as every group's ids (a plan of one engine group's flat ids,
-    already validated for these ids' signature): filled in without ``__init__``, as the
-    planner does, since this runs per call."""
-    groups = []
-    for g in plan.groups:
-        new = object.__new__(GroupTransfer)
-        new.__dict__.update(g.__dict__)
-        new.__dict__["block_ids"] = block_ids
-        groups.append(new)
-    out = object.__new__(TransferPlan)
-    out.__dict__.update(plan.__dict__)
-    out.__dict__["groups"] = tuple(groups)
-    return out
+    def with_block_ids(self, block_ids: Any) -> "TransferPlan":
+        """This plan with ``block_ids`` as every group's ids (a plan of one engine group's
+        flat ids, already validated for these ids' signature)."""
+        fields = vars(self).copy()
+        fields["groups"] = tuple([g.with_block_ids(block_ids) for g in self.groups])
+        return _filled(TransferPlan, fields)
+
+
+_new_instance = object.__new__
+_set_attribute = object.__setattr__
+
+
+def _filled(cls: type, fields: dict) -> Any:
+    """An instance of the frozen plan class ``cls`` whose fields are ``fields`` (complete and
+    already normalised), made in one step. This module's per-call constructors use it:
+    ``__init__`` sets a frozen dataclass's fields one ``object.__setattr__`` at a time and runs
+    ``__post_init__``, a sizeable share of a one-chunk call's host time."""
+    new: Any = _new_instance(cls)
+    _set_attribute(new, "__dict__", fields)
+    return new
 
 
 def _identity_max(a: Any, b: int) -> Any:

@@ -152,6 +152,17 @@ class Binding:
     def distinct_engine_groups(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.engine_groups)))
 
+    def host_id_checks(self, direction: Direction, num_chunks: int, skip: Any,
+                       layers: tuple[int, ...] | None) -> tuple[tuple[Any, int], ...] | None:
+        """The id checks of a planned call shape with host ids: ``(used, num_blocks)`` per
+        range, where ``used`` indexes the call's flat int64 ids and every id it picks must be
+        in ``[0, num_blocks)`` (:func:`ids_out_of_range`); None when no call of this shape
+        was planned on this binding."""
+        sk = self.skeletons.get((direction, num_chunks, skip, layers))
+        if sk is None:
+            return None
+        return tuple((used, num_blocks) for _, _, used, num_blocks in sk.checks)
+
 
 def bind(manager: Any, kv_caches: Any) -> Binding:
     """Validate ``kv_caches`` against ``manager`` and precompute the per-group geometry."""
@@ -209,11 +220,12 @@ class _Skeleton:
     filled in, the id ranges to check, and the plan's own fields. Built once per shape; a
     call then only adds its ids."""
 
-    groups: tuple[tuple[dict, int], ...]  # (GroupTransfer fields but block_ids, engine group)
+    groups: tuple[tuple[dict, int], ...]  # (GroupTransfer.shape_fields, engine group)
     checks: tuple[tuple[dict, int, Any, int], ...]  # (group fields, engine group, used, nb)
-    plan: dict
+    plan: dict  # every TransferPlan field, the call's own ones at their defaults
 
 
+_from_shape = GroupTransfer.from_shape  # one attribute lookup less per group and call
 _MAX_SKELETONS = 4096  # layer-wise engines: layers x directions x chunk counts
 _SMALL_IDS = 32
 DEVICE_SKIP = "device"  # the skeleton key of a device / traced skip
@@ -258,9 +270,8 @@ def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: Any
                     skip=skip, lower_bound=first_item, tokens_per_block=template.tokens_per_block,
                     blocks_per_chunk=bpc, kept_per_chunk=kept, total_items=num_chunks * kept,
                     covered_tokens=num_chunks * chunk)
-        fields = dict(template.__dict__, first_item=first_item, num_chunks=num_chunks,
-                      planes=planes)
-        del fields["block_ids"]
+        fields = template.shape_fields(first_item=first_item, num_chunks=num_chunks,
+                                       planes=planes)
         engine_group = binding.engine_groups[k]
         groups.append((fields, engine_group))
         if num_chunks * kept - first_item <= 0:
@@ -277,8 +288,8 @@ def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: Any
             seen.add((engine_group, key, template.num_blocks))
             checks.append((fields, engine_group, used, template.num_blocks))
     plan = dict(direction=direction, num_chunks=num_chunks, object_nbytes=binding.object_nbytes,
-                tensor_specs=binding.tensor_specs, layers=layers, device_ids=False,
-                skip_tokens=None)
+                groups=(), tensor_specs=binding.tensor_specs, device_ids=False,
+                skip_tokens=None, layers=layers, max_ctas=None, path="auto")
     if len(binding.skeletons) >= _MAX_SKELETONS:
         binding.skeletons.clear()
     sk = binding.skeletons[(direction, num_chunks, skip, layers)] = _Skeleton(
@@ -286,7 +297,7 @@ def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: Any
     return sk
 
 
-def _out_of_range(used: np.ndarray, num_blocks: int) -> bool:
+def ids_out_of_range(used: np.ndarray, num_blocks: int) -> bool:
     """Whether any int64 id is outside ``[0, num_blocks)``: one pass, since as uint64 a
     negative id is at least 2**63. Small arrays are cheaper through Python ints."""
     u = used.view(np.uint64)
@@ -409,7 +420,8 @@ def plan_call(
 
     This is the per-call host path of a prepared transfer, so the work that depends only on
     ``(direction, num_chunks, skip_first_n_tokens, layers)`` is cached on the binding, and plan
-    objects are filled from those cached fields instead of going through ``__init__``.
+    objects are made from those cached fields by the plan classes' per-call constructors
+    (:meth:`GroupTransfer.from_shape`, :meth:`TransferPlan.from_fields`).
     """
     if direction != "store" and direction != "load":
         raise KVGroupsValueError(f"direction: expected 'store' or 'load', got {direction!r}")
@@ -455,25 +467,19 @@ def plan_call(
         sk = _skeleton(binding, direction, num_chunks, key_skip, layers)
     if not on_device:
         for fields, engine_group, used, num_blocks in sk.checks:
-            if _out_of_range(ids[engine_group][used], num_blocks):
-                _check_ids(_transfer(fields, ids[engine_group]), engine_group)  # raises
-    transfers = []
-    for fields, engine_group in sk.groups:
-        transfers.append(_transfer(fields, ids[engine_group]))
-    # Frozen dataclasses: fill the instance dict directly (``__init__`` would run
-    # ``object.__setattr__`` per field, a sizeable share of a one-chunk call).
-    plan = object.__new__(TransferPlan)
-    plan.__dict__.update(sk.plan)
-    plan.__dict__["groups"] = tuple(transfers)
+            if ids_out_of_range(ids[engine_group][used], num_blocks):
+                _check_ids(_from_shape(fields, ids[engine_group]), engine_group)  # raises
+    fields = sk.plan.copy()
+    fields["groups"] = tuple([_from_shape(f, ids[engine_group]) for f, engine_group in sk.groups])
     if on_device:
-        plan.__dict__["device_ids"] = True
+        fields["device_ids"] = True
     if skip_on_device:
-        plan.__dict__["skip_tokens"] = skip
+        fields["skip_tokens"] = skip
     if max_ctas is not None:
-        plan.__dict__["max_ctas"] = _check_max_ctas(max_ctas)
+        fields["max_ctas"] = _check_max_ctas(max_ctas)
     if path is not None and path != "auto":
-        plan.__dict__["path"] = check_path(path, paths)
-    return plan
+        fields["path"] = check_path(path, paths)
+    return TransferPlan.from_fields(fields)
 
 
 def _check_max_ctas(max_ctas: Any) -> int:
@@ -483,13 +489,6 @@ def _check_max_ctas(max_ctas: Any) -> int:
     if max_ctas < 1:
         raise KVGroupsValueError(f"max_ctas: expected a positive int or None, got {max_ctas}")
     return int(max_ctas)
-
-
-def _transfer(fields: dict, ids: Any) -> GroupTransfer:
-    new = object.__new__(GroupTransfer)
-    new.__dict__.update(fields)
-    new.__dict__["block_ids"] = ids
-    return new
 
 
 def build_plan(

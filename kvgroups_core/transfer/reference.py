@@ -50,7 +50,7 @@ def _object_rows(obj: Any, chunk: int) -> np.ndarray:
     return row
 
 
-def run_group(t: GroupTransfer, store: bool, caches: Sequence[np.ndarray],
+def execute_group(t: GroupTransfer, store: bool, caches: Sequence[np.ndarray],
               objects: Any, first_item: int | None = None,
               keep: np.ndarray | None = None) -> None:
     """Move the bytes of one kernel group between ``caches`` (1-D byte views, by slot) and
@@ -143,7 +143,7 @@ def execute_plan(plan: TransferPlan, caches: Sequence[Any], objects: Sequence[An
         work.append((t, first, None if ok.all() else ok))
     views = [byte_view(d, writable=not store) for d in descs]
     for t, first, keep in work:
-        run_group(t, store, views, objects[t.object_group_idx], first, keep)
+        execute_group(t, store, views, objects[t.object_group_idx], first, keep)
     return bad
 
 

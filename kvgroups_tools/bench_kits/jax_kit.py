@@ -31,7 +31,7 @@ from kvgroups_jax.executor import execute_plan
 from kvgroups_jax.lowerings import cuda as cuda_copy
 
 import kvgroups_core as kc
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.tensors.arrays import register_backend
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 from kvgroups_tools.bench_public import Refused
@@ -61,13 +61,13 @@ class JaxKit:
         name, _, index = (device or ("cuda" if gpu else "cpu")).partition(":")
         if name in ("cuda", "gpu"):
             if not gpu:
-                raise UnsupportedConfig(f"device: expected a JAX GPU for {device!r}, got "
+                raise UnsupportedConfigError(f"device: expected a JAX GPU for {device!r}, got "
                                         f"platform {jax.default_backend()!r}")
             self.dev, self.device = jax.devices("gpu")[int(index or 0)], "cuda"
         elif name == "cpu":
             self.dev, self.device = jax.devices("cpu")[int(index or 0)], "cpu"
         else:
-            raise UnsupportedConfig(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+            raise UnsupportedConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
         self.sharding = jax.sharding.SingleDeviceSharding(self.dev)
         self._fill = jax.jit(_pattern, static_argnums=(0, 1), out_shardings=self.sharding)
         # What JaxBackend(lowering="auto") runs for the usual layouts.
@@ -252,7 +252,7 @@ class JaxKit:
             else:
                 step = partial(self._place, placement="pinned")
         else:
-            raise UnsupportedConfig(f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
+            raise UnsupportedConfigError(f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
                                     f"'pinned_d2h' (pinned ones on GPU), got {name!r}")
 
         def fn(i: int) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.transfer.reference import NumpyBackend, byte_view
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 from kvgroups_tools.bench_public import Refused
@@ -142,7 +142,8 @@ class NumpyKit:
 
     def ceiling(self, name: str, nbytes: int, rotate: int, **timing: Any) -> Timing:
         if name != "device_copy":
-            raise UnsupportedConfig(f"ceiling: expected 'device_copy' on the host, got {name!r}")
+            raise UnsupportedConfigError(
+                f"ceiling: expected 'device_copy' on the host, got {name!r}")
         src = [np.full(nbytes, i, np.uint8) for i in range(rotate)]
         dst = [np.full(nbytes, 255, np.uint8) for _ in range(rotate)]  # pages touched
         return wall_timer(lambda i: np.copyto(dst[i % rotate], src[i % rotate]), lambda: None,
@@ -155,5 +156,5 @@ class NumpyKit:
 def make_kit(device: str | None = None) -> NumpyKit:
     """The NumPy kit; ``device`` must be None or ``"cpu"``."""
     if device not in (None, "cpu"):
-        raise UnsupportedConfig(f"device: expected 'cpu' for numpy, got {device!r}")
+        raise UnsupportedConfigError(f"device: expected 'cpu' for numpy, got {device!r}")
     return NumpyKit()

@@ -35,7 +35,7 @@ from kvgroups_torch.backend import TorchBackend, tensor_of
 from kvgroups_torch.describe import torch_dtype
 
 import kvgroups_core as kc
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.tensors.arrays import register_backend
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, calls_for, map_specs, wall_timer
 from kvgroups_tools.bench_public import Refused
@@ -63,12 +63,12 @@ class TorchKit:
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise UnsupportedConfig(f"device: expected a usable CUDA GPU for {device!r}, "
+                raise UnsupportedConfigError(f"device: expected a usable CUDA GPU for {device!r}, "
                                         "got none (torch.cuda.is_available() is False)")
             dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None
                                else dev.index)
         elif dev.type != "cpu":
-            raise UnsupportedConfig(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
+            raise UnsupportedConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
         self.dev, self.cuda = dev, dev.type == "cuda"
         self.device = "cuda" if self.cuda else "cpu"
         self.default_path = "cuda" if self.cuda else "index"
@@ -148,7 +148,7 @@ class TorchKit:
             tensors = wl.extra.get("tensors")
             if tensors is None:
                 tensors = wl.extra["tensors"] = [tensor_of(s, "slot") for s in wl.slots]
-            cpu_path.run_plan(plan, tensors, wl.objects[r])
+            cpu_path.execute_plan(plan, tensors, wl.objects[r])
         else:
             self._kernels[path].execute(plan, wl.slots, wl.objects[r])
 
@@ -269,7 +269,7 @@ class TorchKit:
             host = [self._buffer((nbytes,), "pinned", None) for _ in range(rotate)]
             src, dst = (host, dev) if name == "pinned_h2d" else (dev, host)
         else:
-            raise UnsupportedConfig(f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
+            raise UnsupportedConfigError(f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
                                     f"'pinned_d2h' (pinned ones on CUDA), got {name!r}")
         return self.time(lambda i: dst[i % rotate].copy_(src[i % rotate], non_blocking=True),
                          **timing)

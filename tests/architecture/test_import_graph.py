@@ -182,12 +182,12 @@ def test_the_library_graph_is_read_at_all():
     # Guards the tests above against a walker that silently finds nothing.
     graph = import_graph(PACKAGE_DIRS)
     assert {"kvgroups_core.grouping.manager", "kvgroups_core.transfer.api",
-            "kvgroups_torch.cuda.run", "kvgroups_jax.lowerings.choice",
+            "kvgroups_torch.cuda.execute", "kvgroups_jax.lowerings.choice",
             "kvgroups_cuda.nvrtc", "kvgroups_conformance.harness", "kvgroups_tools.cli"} <= set(graph)
     assert "kvgroups_core.errors" in graph["kvgroups_core.grouping.manager"]
     assert "kvgroups_core.transfer.api" in graph["kvgroups_core"]
     assert "kvgroups_core.transfer.fast.call_memo" in graph["kvgroups_core.transfer.api"]
-    assert "kvgroups_torch.copy_engine.batch" in graph["kvgroups_torch.cuda.run"]
+    assert "kvgroups_torch.copy_engine.batch" in graph["kvgroups_torch.cuda.execute"]
     assert "kvgroups_cuda.nvrtc" in graph["kvgroups_torch.cuda.device"]
 
 

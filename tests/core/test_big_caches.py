@@ -105,7 +105,7 @@ def test_xla_index_range_check_refuses_past_int32():
 
     big = SimpleNamespace(span=48, unit=1, operand_sizes=(NB * PAGE,))
     xla_copy.check_index_range(big, 2, PAGE, rows=True)  # NB rows: fine
-    with pytest.raises(kc.UnsupportedConfig, match="elements of 1 bytes"):
+    with pytest.raises(kc.UnsupportedConfigError, match="elements of 1 bytes"):
         xla_copy.check_index_range(big, 2, PAGE, rows=False)
     huge = SimpleNamespace(span=1, unit=1, operand_sizes=(2**31,))
     with pytest.raises(NotImplementedError, match="XLA path"):
@@ -176,7 +176,7 @@ def test_jax_gpu_moves_blocks_past_2_31_elements_or_refuses(lowering):
     arr = build()
     manager = _manager(arr)
     if lowering == "triton":
-        with pytest.raises(kc.UnsupportedConfig, match="int32"):
+        with pytest.raises(kc.UnsupportedConfigError, match="int32"):
             kc.store(manager, [arr], np.array([HIGH, LOW]), backend=name)
         assert not arr.is_deleted()
         return

@@ -185,7 +185,7 @@ CASES = [
     # the library
     ("get-backend-without-torch",
      [sys.executable, "-c", "import kvgroups_core as kc\ntry:\n kc.get_backend('torch')\n"
-      "except kc.BackendNotFound as e:\n import sys; print(e, file=sys.stderr); sys.exit(2)"],
+      "except kc.BackendNotFoundError as e:\n import sys; print(e, file=sys.stderr); sys.exit(2)"],
      "no-torch", 2, r"^backend 'torch': expected kvgroups_torch"),
 ]
 

@@ -21,7 +21,7 @@ from kvgroups_core.transfer import planner as planner_mod
 from kvgroups_core.transfer.objects import object_nbytes, object_regions
 from kvgroups_core.transfer.plan import first_item_for_skip
 from kvgroups_core.transfer.planner import bind, plan_call
-from kvgroups_core.transfer.reference import NumpyBackend, byte_view, execute_plan, run_group
+from kvgroups_core.transfer.reference import NumpyBackend, byte_view, execute_group, execute_plan
 
 CHUNK, BS, NB = 16, 4, 12
 
@@ -513,7 +513,7 @@ def test_out_of_range_device_ids_move_nothing_for_their_items_and_are_reported(d
         keep = bad[eg] == good[eg]  # per engine block id position
         chunk, pos, _ = t.items()
         where = chunk * t.blocks_per_chunk + (t.blocks_per_chunk - t.kept_per_chunk) + pos
-        run_group(t, False, views, objects[t.object_group_idx], None, keep[where])
+        execute_group(t, False, views, objects[t.object_group_idx], None, keep[where])
     got = [np.array(c, copy=True) for c in caches]
     kc.load(manager, objects, got, {g: Dev(v) for g, v in bad.items()}, backend="numpy-device")
     assert device_backend.reported == [{1000, -7}]

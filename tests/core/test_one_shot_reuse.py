@@ -22,7 +22,6 @@ import kvgroups_core as kc
 from kvgroups_core.formats.catalogue import EngineKVFormat as F
 from kvgroups_core.grouping.engine_groups import EngineGroupInfo
 from kvgroups_core.transfer import api as transfer
-from kvgroups_core.transfer.fast import reuse
 
 CHUNK, BS, NB, LAYERS = 16, 4, 32, 4
 SHAPE = (2, NB, BS, 2, 8)
@@ -205,7 +204,7 @@ def test_dropped_caches_are_freed(kind):
     objects = kc.store(manager, caches, ids)
     caches = kc.load(manager, objects, caches, ids)  # JAX: the park holds the results
     kc.store(manager, caches, ids)
-    assert getattr(manager, reuse._ATTR) is not None  # a park exists: the case under test
+    assert manager.one_shot_park is not None  # a park exists: the case under test
     refs = [weakref.ref(c) for c in caches]
     del caches
     gc.collect()
@@ -316,13 +315,13 @@ def test_jit_calls_keep_nothing_and_trace_once():
         ids = np.arange(i * BPC, (i + 1) * BPC)
         out = jitted(caches, jax.numpy.asarray(ids))
         _assert_same([to_np(o) for o in out], _reference_store(host, ids))
-        park = getattr(manager, reuse._ATTR, None)
+        park = manager.one_shot_park
         assert park is None, "a traced call parked a binding"
     assert traces["n"] == 1
     # An eager call parks; a trace over the same (concrete, captured) caches then gives the
     # same bytes, and a new trace (new chunk count) meets no stale tracer.
     kc.store(manager, caches, np.arange(BPC))
-    assert getattr(manager, reuse._ATTR) is not None
+    assert manager.one_shot_park is not None
     ids2 = np.arange(2 * BPC)
     out = jax.jit(lambda i: kc.store(manager, caches, i))(jax.numpy.asarray(ids2))
     _assert_same([to_np(o) for o in out], _reference_store(host, ids2))
@@ -332,7 +331,7 @@ def test_jit_calls_keep_nothing_and_trace_once():
     src = _reference_store(_host_caches(14), np.arange(BPC))
     load = jax.jit(lambda c, o, i: kc.load(manager, o, c, i), donate_argnums=0)
     caches = load(caches, [to_rt(o) for o in src], jax.numpy.asarray(np.arange(BPC)))
-    assert getattr(manager, reuse._ATTR, None) is None
+    assert manager.one_shot_park is None
     host = _reference_load(host, src, np.arange(BPC))
     _assert_same([to_np(c) for c in caches], host)
     _assert_same([to_np(o) for o in kc.store(manager, caches, np.arange(BPC))],
@@ -359,9 +358,9 @@ def test_a_manager_with_a_park_still_pickles_and_copies(binds):
     caches = [a.copy() for a in host]
     manager = _manager(caches)
     kc.store(manager, caches, np.arange(BPC))
-    assert getattr(manager, reuse._ATTR) is not None
+    assert manager.one_shot_park is not None
     for other in (pickle.loads(pickle.dumps(manager)), copy.deepcopy(manager)):
-        assert getattr(other, reuse._ATTR) is None  # no park travels
+        assert other.one_shot_park is None  # no park travels
         _assert_same(kc.store(other, caches, np.arange(BPC)),
                      _reference_store(host, np.arange(BPC)))
     shallow = copy.copy(manager)  # shares the park: never served to the copy

@@ -73,7 +73,7 @@ def test_two_frameworks_in_one_call_raise_type_error_naming_both(fake_backend):
 
 
 def test_unknown_backend_name_is_a_clear_error():
-    with pytest.raises(kc.BackendNotFound, match="nope"):
+    with pytest.raises(kc.BackendNotFoundError, match="nope"):
         registry.get_backend("nope")
 
 

@@ -2,7 +2,7 @@
 
 Needs a Hopper-or-newer GPU visible to JAX. Every case runs store then load through
 :func:`kvgroups_jax.executor.execute_plan` with ``lowering="mosaic"``, compares every byte of
-caches and objects with the NumPy reference (:func:`kvgroups_core.transfer.reference.run_group`)
+caches and objects with the NumPy reference (:func:`kvgroups_core.transfer.reference.execute_group`)
 and checks that the donated buffers were written in place (same ``unsafe_buffer_pointer``,
 inputs deleted). One JSON object per line on stdout; a failing case carries its full traceback
 (also printed to stderr). ``--no-bench`` skips the closing bandwidth comparison with Triton.

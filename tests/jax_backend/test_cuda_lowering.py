@@ -21,7 +21,7 @@ from kvgroups_jax.geometry import group_geometry
 from kvgroups_jax.lowerings import cuda as cuda_copy
 from kvgroups_jax.lowerings.choice import resolve_lowering
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from tests.support.jax_checks import reference_transfer
 from tests.support.jax_layouts import make_group, make_plan
 
@@ -153,10 +153,10 @@ def test_layouts_that_are_not_one_span_are_refused_before_anything_moves(layout)
     plan = make_plan("store", [g], arrays, [nbytes])
     geom = group_geometry(plan.groups[0], plan.tensor_specs, nbytes)
     assert "contiguous" in cuda_copy.geometry_unsupported(geom)
-    with pytest.raises(UnsupportedConfig, match="lowering 'cuda'"):
+    with pytest.raises(UnsupportedConfigError, match="lowering 'cuda'"):
         cuda_copy.launch_spec("store", geom, 4, obj_rows=2, obj_elems=nbytes // geom.unit,
                               fresh=True, ids_len=4)
-    with pytest.raises(UnsupportedConfig, match="needs a CUDA GPU"):
+    with pytest.raises(UnsupportedConfigError, match="needs a CUDA GPU"):
         resolve_lowering("cuda", geom, "cpu")
 
 
@@ -173,16 +173,18 @@ def test_xla_entry_points_build_with_the_parameters_jaxlib_passes(words):
     assert "griddepcontrol" not in ptx  # no PDL under XLA
     assert "cp.async.bulk.prefetch" not in ptx
     assert nvrtc.xla_words(9) == 16 and nvrtc.xla_words(8) == 8
-    with pytest.raises(UnsupportedConfig, match="buffers"):
+    with pytest.raises(UnsupportedConfigError, match="buffers"):
         nvrtc.xla_words(nvrtc.XLA_WORD_COUNTS[-1] + 1)
 
 
-def test_the_ptx_memo_follows_the_kernel_tuning(monkeypatch, tmp_path):
-    # A sweep that changes the warp unroll packs blobs for it: the PTX must change with it.
+def test_the_ptx_memo_follows_the_isa_override(monkeypatch, tmp_path):
+    # The PTX XLA assembles is memoised per ISA override: changing it gets PTX of that version.
     pytest.importorskip("cuda.bindings.nvrtc")
     monkeypatch.setenv(nvrtc.ENV_CACHE_DIR, str(tmp_path))
-    default = cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings())
-    monkeypatch.setitem(nvrtc.TUNING, "KVG_WARP_UNROLL", 8)
-    tuned = cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings())
-    assert tuned != default
-    assert cuda_copy._ptx("sm_90", 8, cuda_copy._build_settings()) is tuned
+    monkeypatch.setenv(cuda_copy.ENV_PTX_ISA, "8.0")
+    old = cuda_copy._ptx("sm_90", 8, cuda_copy._isa_override())
+    assert re.search(r"^\.version 8\.0$", old, re.M)
+    assert cuda_copy._ptx("sm_90", 8, cuda_copy._isa_override()) is old
+    monkeypatch.setenv(cuda_copy.ENV_PTX_ISA, "8.3")
+    newer = cuda_copy._ptx("sm_90", 8, cuda_copy._isa_override())
+    assert re.search(r"^\.version 8\.3$", newer, re.M) and newer != old

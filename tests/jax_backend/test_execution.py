@@ -1,3 +1,4 @@
+import re
 import warnings
 
 import jax
@@ -8,7 +9,7 @@ from kvgroups_jax import JaxBackend, describe_array, execute_plan, trace_count
 from kvgroups_jax.geometry import group_geometry
 from kvgroups_jax.lowerings.choice import resolve_lowering
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 from tests.support.jax_checks import run_and_check
 from tests.support.jax_layouts import make_group, make_plan
 
@@ -88,7 +89,7 @@ def test_explicit_gpu_lowerings_refuse_cpu_with_unsupported_config():
     geom = group_geometry(g, make_plan("store", [g], arrays, [_nbytes(g)]).tensor_specs,
                           _nbytes(g))
     for lowering in ("cuda", "triton", "mosaic"):
-        with pytest.raises(UnsupportedConfig, match="needs a CUDA GPU"):
+        with pytest.raises(UnsupportedConfigError, match="needs a CUDA GPU"):
             resolve_lowering(lowering, geom, "cpu")
     assert resolve_lowering("auto", geom, "cpu") == "xla"
     with pytest.raises(KVGroupsValueError, match="lowering"):
@@ -103,6 +104,34 @@ def test_wrong_object_shape_is_rejected_before_anything_is_donated():
     with pytest.raises(KVGroupsValueError, match=r"objects\[0\]"):
         execute_plan(plan, caches, bad)
     assert not any(c.is_deleted() for c in caches)
+
+
+def test_execute_plan_applies_the_core_object_rule_before_anything_is_donated():
+    # The same rule and message as the core's calls (kvgroups_core.transfer.objects): one
+    # [num_chunks, nbytes] uint8 array per object group; a pool with more rows than the plan's
+    # chunks is refused like any other shape. A store's None is an object it creates.
+    from kvgroups_core.errors import KVGroupsError, KVGroupsTypeError
+    from kvgroups_core.transfer.objects import check_objects
+
+    arrays, g = make_group("nhd", "bfloat16")
+    plan = make_plan("load", [g], arrays, [_nbytes(g)])
+    caches = [jnp.asarray(a) for a in arrays]
+    rows, nbytes = g.num_chunks, _nbytes(g)
+    for bad in ([jnp.zeros((rows + 1, nbytes), jnp.uint8)], [jnp.zeros((rows, nbytes), jnp.int8)],
+                [None], [], [np.zeros((rows, nbytes), np.uint8).tolist()[0]]):
+        with pytest.raises(KVGroupsError) as core:
+            check_objects(plan, bad, lambda x: (str(x.dtype), tuple(x.shape), (nbytes, 1))
+                          if hasattr(x, "shape") else (type(x).__name__, (), ()))
+        with pytest.raises(type(core.value), match=f"^{re.escape(str(core.value))}$"):
+            execute_plan(plan, caches, bad)
+    # The executor's own limit on top: per-chunk buffers, which the rule allows, are refused.
+    per_chunk = [[jnp.zeros((nbytes,), jnp.uint8) for _ in range(rows)]]
+    with pytest.raises(KVGroupsTypeError, match="per-chunk buffers"):
+        execute_plan(plan, caches, per_chunk)
+    assert not any(c.is_deleted() for c in caches)
+    store = make_plan("store", [g], arrays, [_nbytes(g)])
+    _, (created,) = execute_plan(store, caches, [None], lowering="xla")
+    assert created.shape == (rows, nbytes) and created.dtype == jnp.uint8
 
 
 def test_torch_cpu_cache_imported_with_import_dlpack_sees_the_load():

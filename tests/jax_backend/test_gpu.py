@@ -3,7 +3,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from tests.support.jax_checks import run_and_check
 from tests.support.jax_layouts import LAYOUTS, make_group, make_plan
 
@@ -24,13 +24,13 @@ def _nbytes(g):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_gpu_store_and_load_are_bit_exact_and_in_place(layout, dtype, lowering):
     if lowering == "mosaic" and layout not in MOSAIC_LAYOUTS:
-        pytest.skip("Mosaic path covers contiguous layouts (others: UnsupportedConfig)")
+        pytest.skip("Mosaic path covers contiguous layouts (others: UnsupportedConfigError)")
     gpu = jax.devices("gpu")[0]
     for direction in ("store", "load"):
         arrays, g = make_group(layout, dtype, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4,
                                first_item=2 if direction == "load" else 0)
         if lowering == "cuda" and layout not in CUDA_LAYOUTS:
-            with pytest.raises(UnsupportedConfig, match="lowering 'cuda'"):
+            with pytest.raises(UnsupportedConfigError, match="lowering 'cuda'"):
                 run_and_check(direction, [g], arrays, [_nbytes(g)], lowering=lowering,
                               device=gpu)
             continue
@@ -85,8 +85,8 @@ def test_gpu_load_into_torch_cuda_caches_writes_torch_memory():
 def test_gpu_cuda_lowering_on_a_capped_grid_is_bit_exact(monkeypatch):
     # Two CTAs (16 warps) for 192 units: every warp loops over units, as a capped grid does.
     from kvgroups_jax.lowerings import cuda as cuda_copy
+    from kvgroups_jax.lowerings.tuning import LoweringTuning
 
-    monkeypatch.setitem(cuda_copy.TUNING, "resident_waves", 1)
     monkeypatch.setattr(cuda_copy, "_num_sms", lambda: 1)
     jax.clear_caches()
     gpu = jax.devices("gpu")[0]
@@ -94,6 +94,7 @@ def test_gpu_cuda_lowering_on_a_capped_grid_is_bit_exact(monkeypatch):
         for direction in ("store", "load"):
             arrays, g = make_group("nhd", "bfloat16", nb=64, bs=16, nh=8, hs=128, num_chunks=3,
                                    bpc=4, first_item=2 if direction == "load" else 0)
-            run_and_check(direction, [g], arrays, [_nbytes(g)], lowering="cuda", device=gpu)
+            run_and_check(direction, [g], arrays, [_nbytes(g)], lowering="cuda", device=gpu,
+                          tuning=LoweringTuning(resident_waves=1))
     finally:
         jax.clear_caches()

@@ -20,14 +20,14 @@ def _nbytes(g):
 def test_one_plan_shape_gives_one_program_object():
     arrays, g = make_group("nhd", "bfloat16", num_chunks=2)
     plan = make_plan("store", [g], arrays, [_nbytes(g)])
-    p1 = executor._program_for(plan, "xla", "cpu", 4)
+    p1 = executor.program_for(plan, "xla", "cpu", 4)
     # A call of the same shape with other ids (what plan_call makes from one binding).
     other = dataclasses.replace(plan, groups=(dataclasses.replace(g, block_ids=g.block_ids[::-1]),))
-    assert executor._program_for(other, "xla", "cpu", 4) is p1
+    assert executor.program_for(other, "xla", "cpu", 4) is p1
     # Another lowering, or an item count in another bucket, is another program.
-    assert executor._program_for(plan, "interpret", "cpu", 4) != p1
+    assert executor.program_for(plan, "interpret", "cpu", 4) != p1
     fewer = dataclasses.replace(plan, groups=(dataclasses.replace(g, num_chunks=1),))
-    assert executor._program_for(fewer, "xla", "cpu", 4) != p1
+    assert executor.program_for(fewer, "xla", "cpu", 4) != p1
 
 
 def test_programs_of_equal_hand_built_plans_are_equal_and_hash_alike():
@@ -35,8 +35,8 @@ def test_programs_of_equal_hand_built_plans_are_equal_and_hash_alike():
     a = make_plan("load", [g], arrays, [_nbytes(g)])
     arrays, g2 = make_group("hnd", "float16")  # new planes / runs objects, same values
     b = make_plan("load", [g2], arrays, [_nbytes(g2)])
-    pa = executor._program_for(a, "xla", "cpu", 4)
-    pb = executor._program_for(b, "xla", "cpu", 4)
+    pa = executor.program_for(a, "xla", "cpu", 4)
+    pb = executor.program_for(b, "xla", "cpu", 4)
     assert pa is not pb and pa == pb and hash(pa) == hash(pb)
 
 

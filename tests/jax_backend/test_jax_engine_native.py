@@ -211,7 +211,7 @@ def test_out_of_range_traced_ids_through_the_public_store_are_reported(backend_n
 
 def test_jitted_calls_with_traced_ids_carry_no_effect(backend_name):
     # An effect (checkify.debug_check puts one on the program) moves every call of the
-    # engine's jitted step off JAX's C++ dispatch path: ~5x the host time on the H200.
+    # engine's jitted step off JAX's C++ dispatch path (docs/PERFORMANCE.md has the cost).
     from kvgroups_jax import id_checks
 
     from kvgroups_core import load, store

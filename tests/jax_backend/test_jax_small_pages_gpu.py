@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from kvgroups_jax.executor import execute_plan
 from kvgroups_jax.lowerings import triton as pallas_copy
+from kvgroups_jax.lowerings.tuning import LoweringTuning
 
 from kvgroups_core.transfer import reference
 from tests.support.jax_checks import as_bytes, run_and_check
@@ -34,7 +35,8 @@ def test_gpu_small_pages_are_bit_exact_and_in_place(small, page, layout):
                                 kept=3, nl=3, first_item=5 if direction == "load" else 0,
                                 seed=page)
         caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
-            direction, [g], arrays, [object_nbytes(g)], lowering="triton", device=gpu)
+            direction, [g], arrays, [object_nbytes(g)], lowering="triton", device=gpu,
+            tuning=small.tuning)
         if direction == "load":
             assert [c.unsafe_buffer_pointer() for c in new_c] == ptrs
         else:
@@ -48,7 +50,7 @@ def test_gpu_layer_subset(small, direction):
     arrays, g = small_group(1024, direction=direction, nb=64, num_chunks=9, bpc=4, nl=3)
     planes = tuple(replace(p, object_plane=i) for i, p in enumerate(g.planes) if i in (1, 4))
     run_and_check(direction, [replace(g, planes=planes)], arrays, [object_nbytes(g)],
-                  lowering="triton", device=gpu)
+                  lowering="triton", device=gpu, tuning=small.tuning)
     assert small
 
 
@@ -59,7 +61,7 @@ def test_gpu_store_that_creates_its_objects(small):
     want = np.zeros((12, object_nbytes(g)), np.uint8)
     reference.execute_plan(plan, [a.copy() for a in arrays], [want])
     _, objs = execute_plan(plan, [jax.device_put(a, gpu) for a in arrays], [None],
-                           lowering="triton")
+                           lowering="triton", tuning=small.tuning)
     np.testing.assert_array_equal(np.asarray(objs[0]), want)
     assert small
 
@@ -75,7 +77,7 @@ def test_gpu_out_of_range_traced_ids_move_nothing(small, direction):
 
     def step(caches, obj, ids):
         traced = replace(plan, groups=(replace(plan.groups[0], block_ids=ids),))
-        return execute_plan(traced, caches, [obj], lowering="triton")
+        return execute_plan(traced, caches, [obj], lowering="triton", tuning=small.tuning)
 
     new_c, new_o = jax.jit(step)([jax.device_put(a, gpu) for a in arrays],
                                  jax.device_put(obj, gpu), jax.device_put(bad, gpu))
@@ -93,13 +95,11 @@ def test_gpu_out_of_range_traced_ids_move_nothing(small, direction):
 
 
 def test_gpu_small_kernel_is_not_used_when_off(monkeypatch):
-    monkeypatch.setitem(pallas_copy.TUNING, "small_page_bytes", 0)
-    monkeypatch.setitem(pallas_copy.TUNING, "items_per_program", 8)
     seen = []
     monkeypatch.setattr(pallas_copy, "_pallas_copy_small", lambda *a, **k: seen.append(a))
     jax.clear_caches()
     arrays, g = small_group(512, nb=64, num_chunks=4, bpc=4)
     run_and_check("store", [g], arrays, [object_nbytes(g)], lowering="triton",
-                  device=jax.devices("gpu")[0])
+                  device=jax.devices("gpu")[0], tuning=LoweringTuning(small_page_bytes=0))
     assert not seen
     jax.clear_caches()

@@ -1,8 +1,11 @@
+import jax.numpy as jnp
 import numpy as np
 import pytest
+from kvgroups_jax.executor import execute_plan
 
+from kvgroups_core.errors import KVGroupsValueError
 from tests.support.jax_checks import run_and_check
-from tests.support.jax_layouts import DTYPES, LAYOUTS, make_group
+from tests.support.jax_layouts import DTYPES, LAYOUTS, make_group, make_plan
 
 LOWERINGS_CPU = ("interpret", "xla", "tpu-interpret")
 
@@ -67,6 +70,11 @@ def test_no_items_moves_nothing():
     run_and_check("load", [g], arrays, [_object_nbytes(g)], lowering="interpret")
 
 
-def test_object_pool_with_more_rows_than_chunks_is_accepted():
+def test_an_object_pool_with_more_rows_than_chunks_is_refused_as_by_the_core():
+    # One object rule (kvgroups_core.transfer.objects): [num_chunks, nbytes], whoever calls.
     arrays, g = make_group("nhd", "float16")
-    run_and_check("store", [g], arrays, [_object_nbytes(g)], lowering="interpret", num_chunks=4)
+    plan = make_plan("store", [g], arrays, [_object_nbytes(g)])
+    pool = jnp.zeros((g.num_chunks + 2, _object_nbytes(g)), jnp.uint8)
+    with pytest.raises(KVGroupsValueError, match=r"objects\[0\]: expected uint8 \["):
+        execute_plan(plan, [jnp.asarray(a) for a in arrays], [pool], lowering="interpret")
+    assert not pool.is_deleted()

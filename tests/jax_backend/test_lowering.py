@@ -7,7 +7,7 @@ import pytest
 from kvgroups_jax import executor
 from kvgroups_jax.lowerings import choice as lowering_choice
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from tests.support.jax_layouts import LAYOUTS, make_group, make_plan
 
 needs_absl = pytest.mark.skipif(
@@ -61,7 +61,7 @@ def test_mosaic_lowering_accepts_contiguous_layouts(layout, direction):
 @pytest.mark.parametrize("layout", sorted(set(LAYOUTS) - set(MOSAIC_LAYOUTS)))
 @needs_absl
 def test_mosaic_refuses_strided_layouts_with_unsupported_config(layout):
-    with pytest.raises(UnsupportedConfig, match="contiguous span"):
+    with pytest.raises(UnsupportedConfigError, match="contiguous span"):
         _lower(layout, "store", "mosaic")
 
 
@@ -119,7 +119,7 @@ def _mosaic_kernel_text(lowered):
 @pytest.mark.parametrize("direction", ["store", "load"])
 def test_mosaic_kernel_uses_bulk_copies_without_tensor_maps(direction):
     # Every operand a tensor-map copy reads needs a TMA descriptor built on the host at each
-    # launch, and the H200 compile time grew with their number (49 s for a 64-layer store).
+    # launch, and the compile time grows with their number (docs/PERFORMANCE.md).
     # Contiguous spans need none: both directions must be plain cp.async.bulk copies.
     arrays, g = make_group("nhd", "bfloat16", nb=32, bs=16, nh=8, hs=128, num_chunks=2, bpc=4)
     nbytes = g.num_planes * g.slots * g.row_bytes
@@ -200,7 +200,7 @@ def test_mosaic_store_without_objects_makes_the_object_the_kernel_output():
 ])
 def test_load_hands_back_caches_behind_a_barrier_of_their_own_types(layout, lowering):
     # The kernels write flat integer views; without the barrier XLA folds the views' bitcasts
-    # into the caller's fusions, which then read the flat buffer (slower on the H200). The
+    # into the caller's fusions, which then read the flat buffer (slower). The
     # caches leave the load as arrays of their own shape and dtype, through one barrier.
     arrays, _ = make_group(layout, "bfloat16", nb=32, bs=16, nh=8, hs=128)
     text = _lower(layout, "load", lowering)

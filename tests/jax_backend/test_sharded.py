@@ -15,7 +15,7 @@ from jax.sharding import PartitionSpec as P
 from kvgroups_jax import sharded
 
 from kvgroups_core import KVLayerGroupsManager, detect_format, load, prepare, store
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 
 NB, BS, NH, HS, NL, TOKENS = 8, 4, 8, 8, 2, 8
 COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
@@ -109,10 +109,10 @@ def test_a_sharded_block_axis_is_refused_before_anything_is_donated():
     host = _host()
     caches = [jax.device_put(h, sharding) for h in host]
     manager = _manager(caches)
-    with pytest.raises(UnsupportedConfig, match=r"PartitionSpec\('model'.*heads"):
+    with pytest.raises(UnsupportedConfigError, match=r"PartitionSpec\('model'.*heads"):
         store(manager, caches, np.array([1, 5, 2, 6]))
     objs = [jnp.zeros((2, 4096), jnp.uint8)]
-    with pytest.raises(UnsupportedConfig, match="PartitionSpec"):
+    with pytest.raises(UnsupportedConfigError, match="PartitionSpec"):
         load(manager, objs, caches, np.array([1, 5, 2, 6]))
     assert not any(c.is_deleted() for c in caches)
 
@@ -124,7 +124,7 @@ def test_objects_sharded_otherwise_are_refused_not_resharded():
     manager = _manager(caches)
     objs = store(manager, caches, np.array([1, 5, 2, 6]))
     replicated = [jax.device_put(np.asarray(objs[0]), NamedSharding(mesh, P()))]
-    with pytest.raises(UnsupportedConfig, match=r"objects\[0\].*P\(None, 'model'\)"):
+    with pytest.raises(UnsupportedConfigError, match=r"objects\[0\].*P\(None, 'model'\)"):
         load(manager, replicated, caches, np.array([0, 3, 7, 4]))
     assert not any(c.is_deleted() for c in caches)
 
@@ -289,7 +289,7 @@ def test_an_auto_mesh_trace_nothing_vouches_for_is_refused_naming_the_fix():
     # Built from shapes alone: the manager cannot say how the traced caches are sharded.
     manager = _manager([jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches])
     fn = jax.jit(lambda c, ids: store(manager, c, ids))
-    with pytest.raises(UnsupportedConfig, match="Explicit axes") as info:
+    with pytest.raises(UnsupportedConfigError, match="Explicit axes") as info:
         fn(caches, jnp.asarray([1, 5, 2, 6], jnp.int32))
     assert isinstance(info.value, NotImplementedError)
     assert "kv_caches[0]" in str(info.value)
@@ -302,5 +302,5 @@ def test_an_auto_mesh_trace_on_another_mesh_than_the_managers_is_refused():
     other = [jax.device_put(h, NamedSharding(_auto_mesh((2,)), P(None, None, "model")))
              for h in _host(13)]
     fn = jax.jit(lambda c, ids: store(manager, c, ids))
-    with pytest.raises(UnsupportedConfig, match="the mesh the manager was built on"):
+    with pytest.raises(UnsupportedConfigError, match="the mesh the manager was built on"):
         fn(other, jnp.asarray([1, 5, 2, 6], jnp.int32))

@@ -19,10 +19,10 @@ from kvgroups_jax.lowerings import tpu
 from kvgroups_jax.lowerings.tpu_windows import plan_dmas
 
 from kvgroups_core import KVLayerGroupsManager, detect_format, load, prepare, store
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.tensors.arrays import register_backend, registered_backends, unregister_backend
 from kvgroups_core.transfer.block_runs import block_runs
-from kvgroups_core.transfer.reference import run_group
+from kvgroups_core.transfer.reference import execute_group
 from tests.support.jax_layouts import make_group, make_plan
 
 TPU = "jax-tpu-interpret"
@@ -74,7 +74,7 @@ def test_dmas_per_group_transfer_equal_runs_times_planes(layout, ids):
     assert dmas.dmas_per_run() == g.num_planes * per_run
     assert int(count[0]) == runs.count * g.num_planes * per_run
     ref = np.zeros((2, nbytes), np.uint8)
-    run_group(g, True, [a.copy().view(np.uint8).reshape(-1) for a in arrays], ref)
+    execute_group(g, True, [a.copy().view(np.uint8).reshape(-1) for a in arrays], ref)
     np.testing.assert_array_equal(np.asarray(out).view(np.uint8).reshape(2, -1), ref)
 
 
@@ -241,7 +241,7 @@ def test_explicit_tpu_on_concrete_cpu_arrays_is_refused_and_auto_picks_it_on_a_t
     arrays, g = make_group("nhd", "bfloat16")
     plan = make_plan("store", [g], arrays, [g.num_planes * g.slots * g.row_bytes])
     geom = group_geometry(g, plan.tensor_specs, plan.object_nbytes[0])
-    with pytest.raises(UnsupportedConfig, match="'tpu' compiles for a TPU.*tpu-interpret"):
+    with pytest.raises(UnsupportedConfigError, match="'tpu' compiles for a TPU.*tpu-interpret"):
         executor.execute_plan(plan, [jnp.asarray(a) for a in arrays], [None], lowering="tpu")
     assert executor.resolve_lowering("auto", geom, "tpu") == "tpu"
     assert executor.resolve_lowering("tpu", geom, executor.TRACED) == "tpu"

@@ -10,7 +10,7 @@ from kvgroups_jax.geometry import group_geometry
 from kvgroups_jax.lowerings.tpu_windows import View, plan_dmas, window
 
 from kvgroups_core.transfer.block_runs import block_runs
-from kvgroups_core.transfer.reference import run_group
+from kvgroups_core.transfer.reference import execute_group
 from tests.support.jax_layouts import LAYOUTS, make_group, make_plan
 
 UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -30,7 +30,7 @@ def replay(direction, group, arrays, nbytes, seed=0):
     obj = rng.integers(0, 256, (group.num_chunks, nbytes), dtype=np.uint8)
     want_caches = [a.copy().view(np.uint8).reshape(-1) for a in arrays]
     want_obj = obj.copy()
-    run_group(group, direction == "store", want_caches, want_obj)
+    execute_group(group, direction == "store", want_caches, want_obj)
     caches = [a.copy().view(np.uint8).reshape(-1).view(UINT[u]) for a in arrays]
     views = [caches[s].reshape(v.shape) for s, v in zip(geom.operand_slots, dmas.cache_views)]
     o = obj.copy().view(UINT[u]).reshape((group.num_chunks,) + dmas.obj_view.shape)

@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent(
     ids = np.array([3, 7, 1, 12], np.int32)  # two chunks of two blocks
     ref_objs = kc.store(manager(host), host, ids, backend="numpy")
 
-    def check_objects(objs, what):
+    def expect_store_objects(objs, what):
         for got, want in zip(objs, ref_objs):
             if not np.array_equal(np.asarray(got), want):
                 sys.exit(f"{what}: objects differ from the reference")
@@ -57,12 +57,12 @@ SCRIPT = textwrap.dedent(
     def jit_store_closed_caches():
         cs = caches()
         m = manager(cs)
-        check_objects(jax.jit(lambda i: kc.store(m, cs, i))(jnp.asarray(ids)), "jit store")
+        expect_store_objects(jax.jit(lambda i: kc.store(m, cs, i))(jnp.asarray(ids)), "jit store")
 
     def jit_store_traced_caches():
         cs = caches()
         m = manager(cs)
-        check_objects(jax.jit(lambda c, i: kc.store(m, c, i))(cs, jnp.asarray(ids)),
+        expect_store_objects(jax.jit(lambda c, i: kc.store(m, c, i))(cs, jnp.asarray(ids)),
                       "jit store (traced caches)")
 
     def jit_load():
@@ -82,7 +82,7 @@ SCRIPT = textwrap.dedent(
 
     def eager_store():
         cs = caches()
-        check_objects(kc.store(manager(cs), cs, ids), "eager store")
+        expect_store_objects(kc.store(manager(cs), cs, ids), "eager store")
 
     def eager_load():
         cs = caches()
@@ -92,7 +92,7 @@ SCRIPT = textwrap.dedent(
 
     def prepared_store():
         cs = caches()
-        check_objects(kc.prepare(manager(cs), cs).store(ids), "prepared store")
+        expect_store_objects(kc.prepare(manager(cs), cs).store(ids), "prepared store")
 
     def prepared_load():
         cs = caches()

@@ -12,7 +12,7 @@ from kvgroups_conformance.caches import all_blocks, copy_keeping_strides
 from kvgroups_conformance.caches import make_caches as build
 from kvgroups_conformance.compare import block_mismatches, moved_blocks, object_mismatches
 from kvgroups_conformance.report import ConformanceFailure, Mismatch, case_record, format_case
-from kvgroups_core.errors import BackendNotFound
+from kvgroups_core.errors import BackendNotFoundError
 from kvgroups_core.formats.catalogue import EngineKVFormat as F
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer.api import store
@@ -105,7 +105,7 @@ def test_harness_resolution_order():
     assert type(harness_for("numpy")) is Harness and harness_for("numpy").id == "numpy"
     spec = "kvgroups_conformance.harness:reference_harness"
     assert harness_for("numpy", spec).id == "numpy-ref"
-    with pytest.raises(BackendNotFound, match="numpy"):
+    with pytest.raises(BackendNotFoundError, match="numpy"):
         harness_for("no-such-backend")
     with pytest.raises(ValueError, match="module:attribute"):
         harness_for("numpy", "no_colon")
@@ -163,7 +163,7 @@ def test_a_declared_unsupported_config_must_raise_not_implemented(tmp_path):
     failed = [r for r in rows if r["outcome"] == "failed"]
     assert proc.returncode == 1 and len(rows) == 4 and len(failed) == 1, proc.stdout[-3000:]
     assert failed[0]["params"]["dtype"] == "float16"
-    assert "UnsupportedConfig" in failed[0]["error"] or "DID NOT RAISE" in failed[0]["error"]
+    assert "UnsupportedConfigError" in failed[0]["error"] or "DID NOT RAISE" in failed[0]["error"]
     assert reference_harness().supports(FMT, "float16")
 
 

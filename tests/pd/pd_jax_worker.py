@@ -20,9 +20,9 @@ from pathlib import Path
 import jax.numpy as jnp
 import numpy as np
 from kvgroups_transport import (
-    FingerprintMismatch,
+    FingerprintMismatchError,
     Publication,
-    PublicationReleased,
+    PublicationReleasedError,
     Receiver,
     get_transport,
     object_sizes,
@@ -163,7 +163,7 @@ def reader(out: Path) -> None:
         try:
             pull_load(Receiver(m, transport, capacity=4), pub, m, caches, ids)
             result["refusals"][key] = None
-        except (FingerprintMismatch, PublicationReleased) as exc:
+        except (FingerprintMismatchError, PublicationReleasedError) as exc:
             result["refusals"][key] = type(exc).__name__
     write(out / "reader.json", result)
     transport.close()

@@ -34,13 +34,13 @@ import torch
 import torch.distributed as dist
 from kvgroups_torch import check_same_grouping
 from kvgroups_transport import (
-    FingerprintMismatch,
+    FingerprintMismatchError,
     ObjectPool,
-    PeerUnavailable,
+    PeerUnavailableError,
     Publication,
-    PublicationReleased,
+    PublicationReleasedError,
     Receiver,
-    TransferTimeout,
+    TransferTimeoutError,
     get_transport,
     object_sizes,
     publish,
@@ -298,8 +298,8 @@ def failures_reader(out: Path, transport) -> dict:
             error = None
         except Exception as exc:  # noqa: BLE001 - the test reads the class and message
             error = (type(exc).__name__, str(exc))
-            for c in (FingerprintMismatch, PublicationReleased, TransferTimeout,
-                      PeerUnavailable):
+            for c in (FingerprintMismatchError, PublicationReleasedError, TransferTimeoutError,
+                      PeerUnavailableError):
                 if isinstance(exc, c):
                     error = (c.__name__, str(exc))
         if job is not None and job.slots:

@@ -34,10 +34,10 @@ def test_device_memory_moves_bit_exact_between_two_processes(runs, model):
 def test_failures_on_the_gpu_leave_the_caches_untouched(runs):
     (result,) = runs[(1, 1)]["decode"]
     failures = result["failures"]
-    assert failures["mismatch"]["error"][0] == "FingerprintMismatch"
-    assert failures["released"]["error"][0] == "PublicationReleased"
-    assert failures["timeout"]["error"][0] == "TransferTimeout"
-    assert failures["gone"]["error"][0] == "PeerUnavailable"
+    assert failures["mismatch"]["error"][0] == "FingerprintMismatchError"
+    assert failures["released"]["error"][0] == "PublicationReleasedError"
+    assert failures["timeout"]["error"][0] == "TransferTimeoutError"
+    assert failures["gone"]["error"][0] == "PeerUnavailableError"
     assert all(f["untouched"] for f in failures.values())
 
 

@@ -16,7 +16,7 @@ pytest.importorskip("jax")
 pytest.importorskip("kvgroups_jax")
 try:
     pytest.importorskip("kvgroups_transport.jax_transfer").import_jax_transfer()
-except ImportError as exc:  # TransportUnavailable: a JAX without jax.experimental.transfer
+except ImportError as exc:  # TransportUnavailableError: a JAX without jax.experimental.transfer
     pytest.skip(str(exc), allow_module_level=True)
 
 HERE = Path(__file__).resolve().parent
@@ -77,6 +77,6 @@ def test_one_array_per_chunk_and_object_group(run):
 
 def test_refusals_before_anything_moves_and_every_publication_released(run):
     result, writer = run
-    assert result["refusals"] == {"mismatch": "FingerprintMismatch",
-                                  "released": "PublicationReleased"}
+    assert result["refusals"] == {"mismatch": "FingerprintMismatchError",
+                                  "released": "PublicationReleasedError"}
     assert writer["unreleased"] == []

@@ -82,15 +82,15 @@ def failures(runs):
 
 def test_a_fingerprint_mismatch_is_refused_before_any_byte_moves(failures):
     entry = failures["mismatch"]
-    assert entry["error"][0] == "FingerprintMismatch"
+    assert entry["error"][0] == "FingerprintMismatchError"
     assert "fingerprint" in entry["error"][1] and "chunk 128" in entry["error"][1] \
         and "chunk 64" in entry["error"][1]
     assert entry["descriptors"] == 0 and entry["untouched"]
 
 
-@pytest.mark.parametrize(("case", "error"), [("released", "PublicationReleased"),
-                                             ("timeout", "TransferTimeout"),
-                                             ("gone", "PeerUnavailable")])
+@pytest.mark.parametrize(("case", "error"), [("released", "PublicationReleasedError"),
+                                             ("timeout", "TransferTimeoutError"),
+                                             ("gone", "PeerUnavailableError")])
 def test_failed_pulls_raise_and_leave_the_caches_untouched(failures, case, error):
     entry = failures[case]
     assert entry["error"] is not None and entry["error"][0] == error, entry

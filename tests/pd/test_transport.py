@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 from kvgroups_transport import (
     Copy,
-    FingerprintMismatch,
+    FingerprintMismatchError,
     ObjectPool,
-    PeerUnavailable,
+    PeerUnavailableError,
     Publication,
-    PublicationReleased,
+    PublicationReleasedError,
     Receiver,
-    TransportUnavailable,
+    TransportUnavailableError,
     chunks_to_read,
     get_transport,
     layer_byte_ranges,
@@ -179,7 +179,7 @@ def test_a_fingerprint_mismatch_is_refused_before_anything_is_reserved(agents):
     _, _, pub = written(writer, full, ids, [0, 1, 2])
     other = manager(MODEL, before, lmcache_tokens_per_chunk=2 * MODEL.chunk)
     rx = Receiver(other, reader, capacity=2, name=f"s{next(_pools)}")
-    with pytest.raises(FingerprintMismatch) as info:
+    with pytest.raises(FingerprintMismatchError) as info:
         rx.begin(pub)
     message = str(info.value)
     assert pub.fingerprint[:16] in message and other.fingerprint(across_degrees=True)[:16] \
@@ -193,17 +193,17 @@ def test_a_released_or_expired_publication_is_not_pulled(agents):
     full, before, ids = world(5)
     _, _, pub = written(writer, full, ids, [0, 1, 2])
     writer.release(pub.request_id)
-    with pytest.raises(PublicationReleased, match="no longer publishes"):
+    with pytest.raises(PublicationReleasedError, match="no longer publishes"):
         pull_and_load(reader, pub, before, ids)
     short = get_transport("nixl", name="short", publication_ttl_s=0.2)
     try:
         _, _, pub = written(short, full, ids, [0, 1, 2])
         time.sleep(0.4)
-        with pytest.raises(PublicationReleased):
+        with pytest.raises(PublicationReleasedError):
             pull_and_load(reader, pub, before, ids)
         # Slots other than the published ones are not served either.
         _, _, pub = written(short, full, ids, [0, 1, 2])
-        with pytest.raises(PublicationReleased):
+        with pytest.raises(PublicationReleasedError):
             pull_and_load(reader, replace(pub, slots=(1, 2, 3)), before, ids)
     finally:
         short.close()
@@ -215,7 +215,7 @@ def test_a_writer_that_is_gone_raises_peer_unavailable(agents):
     gone = get_transport("nixl", name="gone")
     _, _, pub = written(gone, full, ids, [0, 1, 2])
     gone.close()
-    with pytest.raises(PeerUnavailable) as info:
+    with pytest.raises(PeerUnavailableError) as info:
         pull_and_load(reader, pub, before, ids)
     assert isinstance(info.value, ConnectionError)
 
@@ -287,7 +287,7 @@ def test_unknown_transports_and_missing_packages_are_typed_errors(monkeypatch):
         return real(name, *a, **k)
 
     monkeypatch.setattr(importlib, "import_module", blocked)
-    with pytest.raises(TransportUnavailable, match="pip install nixl-cu12") as info:
+    with pytest.raises(TransportUnavailableError, match="pip install nixl-cu12") as info:
         nixl.import_nixl()
     assert isinstance(info.value, ImportError)
 

@@ -4,6 +4,7 @@ the items per program of each launch."""
 
 import jax
 from kvgroups_jax.lowerings import triton as pallas_copy
+from kvgroups_jax.lowerings.tuning import LoweringTuning
 
 from tests.support.jax_layouts import make_group
 
@@ -11,12 +12,21 @@ from tests.support.jax_layouts import make_group
 PAGES = {512: (16, 1, 16), 1024: (16, 1, 32), 2048: (16, 2, 32)}
 
 
+class SmallKernelLaunches(list):
+    """The items per program of every small-page launch, and the tuning that selects the
+    small-page kernel (pass it to the calls: ``tuning=small.tuning``)."""
+
+    def __init__(self, tuning: LoweringTuning) -> None:
+        super().__init__()
+        self.tuning = tuning
+
+
 def select_small_kernel(monkeypatch, items_per_program: int):
-    """Pages up to 4 KiB take the small-page kernel with ``items_per_program``; yields the
-    items per program of every launch (a fixture body)."""
-    monkeypatch.setitem(pallas_copy.TUNING, "items_per_program", items_per_program)
-    monkeypatch.setitem(pallas_copy.TUNING, "small_page_bytes", 4096)
-    calls = []
+    """Pages up to 4 KiB take the small-page kernel with ``items_per_program`` under the
+    yielded launches' ``tuning``; yields the items per program of every launch (a fixture
+    body)."""
+    calls = SmallKernelLaunches(LoweringTuning(small_page_bytes=4096,
+                                               items_per_program=items_per_program))
     real = pallas_copy._pallas_copy_small
 
     def counted(*args, **kw):
@@ -24,7 +34,7 @@ def select_small_kernel(monkeypatch, items_per_program: int):
         return real(*args, **kw)
 
     monkeypatch.setattr(pallas_copy, "_pallas_copy_small", counted)
-    jax.clear_caches()
+    jax.clear_caches()  # traced again, so the launches are counted
     yield calls
     jax.clear_caches()
 

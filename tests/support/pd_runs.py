@@ -16,12 +16,12 @@ WORKER = ROOT / "tests" / "pd" / "pd_worker.py"
 def skip_without_nixl() -> None:
     """Skip the calling test module when no NIXL wheel can be imported."""
     import pytest
-    from kvgroups_transport import TransportUnavailable
+    from kvgroups_transport import TransportUnavailableError
     from kvgroups_transport.nixl import import_nixl
 
     try:
         import_nixl()
-    except TransportUnavailable as exc:
+    except TransportUnavailableError as exc:
         pytest.skip(str(exc), allow_module_level=True)
 
 

@@ -1,4 +1,4 @@
-"""The GPU test cases of one kernel family (small pages, warp kernels), shared: a spy on the
+"""The GPU test cases of one kernel family (the warp kernels), shared: a spy on the
 kernels the launches pick, float16 caches of one page size, and the scenarios every family
 must pass through the public prepared calls, bit-exact against the NumPy reference.
 

@@ -24,10 +24,10 @@ import time
 import numpy as np
 import torch
 from kvgroups_torch.cuda import device_tables
+from kvgroups_torch.cuda import execute as cuda_execute
 from kvgroups_torch.cuda import launch as cuda_launch
 from kvgroups_torch.cuda import objects as cuda_objects
-from kvgroups_torch.cuda import replay as cuda_replay
-from kvgroups_torch.cuda import run as cuda_run
+from kvgroups_torch.cuda import repeat as cuda_repeat
 
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer.api import prepare
@@ -60,15 +60,15 @@ def stub_driver() -> type:
                 Launcher.launches += 1
 
     device = Device()
-    cuda_run.device_state = lambda index: device
+    cuda_execute.device_state = lambda index: device
     cuda_launch.Launcher = Launcher
-    cuda_run.current_stream = lambda index: 0
-    cuda_replay.current_stream = lambda index: 0
-    cuda_launch._on_device = lambda t, index: True
-    cuda_replay._on_device = lambda t, index: True
-    cuda_launch._to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
-    cuda_objects._to_table = lambda a, index: device_tables.HostTable(a)
-    cuda_launch._to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_execute.current_stream = lambda index: 0
+    cuda_repeat.current_stream = lambda index: 0
+    cuda_launch.on_device = lambda t, index: True
+    cuda_repeat.on_device = lambda t, index: True
+    cuda_launch.to_device = lambda a, index: torch.from_numpy(np.ascontiguousarray(a).copy())
+    cuda_objects.to_table = lambda a, index: device_tables.HostTable(a)
+    cuda_launch.to_table = lambda a, index: device_tables.HostTable(a)
     return Launcher
 
 
@@ -76,7 +76,7 @@ def stubbed_prepared(manager, caches):
     """A prepared torch transfer whose per-call path is the CUDA one, on CPU tensors (CPU id
     tensors taken as device ids)."""
     prepared = prepare(manager, caches, backend="torch")
-    fast = cuda_run.DeviceCaches(prepared._bound.caches, 0)
+    fast = cuda_execute.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" are CPU tensors here
     prepared._bound.device_caches = fast
     prepared._ids_spec = lambda x: (str(x.dtype).rpartition(".")[2], tuple(x.shape)) \

@@ -1,6 +1,6 @@
 """The call memo on the CUDA path's host side, without a GPU: the emulated launches of
 test_torch_launch_emulated (CPU tensors standing in for CUDA ones and for device ids) record
-every packed parameter a launch reads, so a warm call (cuda_replay.PlanRunner) is compared with
+every packed parameter a launch reads, so a warm call (cuda_repeat.PlanRepeater) is compared with
 the cold call of the same inputs field by field: a memo hit can never launch stale params."""
 
 import numpy as np

@@ -1,5 +1,5 @@
 """The call memo (kvgroups_core/transfer/fast/call_memo.py) on a GPU: warm prepared calls with CUDA ids
-(cuda_replay.PlanRunner) follow new ids, new objects and reallocated caches, refuse what a cold
+(cuda_repeat.PlanRepeater) follow new ids, new objects and reallocated caches, refuse what a cold
 call refuses, never synchronise, and capture in a CUDA graph. Skipped cleanly without CUDA."""
 
 import kvgroups_torch

@@ -1,6 +1,6 @@
 """The copy-engine path without a GPU: ``cuMemcpyBatchAsync`` is replaced by an emulation
 that reads the packed host arrays and attributes exactly as the driver does and moves the
-bytes with memmoves, so ``cuda_run.run_plan`` / ``DeviceCaches.run`` run end to end on CPU
+bytes with memmoves, so ``cuda_execute.execute_plan`` / ``DeviceCaches.run`` run end to end on CPU
 tensors; the ``path=`` argument is checked through the public calls; the ``"auto"`` chooser
 is tested with fake tables."""
 
@@ -12,11 +12,11 @@ import pytest
 import torch
 from kvgroups_torch.copy_engine import batch as copy_engine
 from kvgroups_torch.copy_engine import paths as copy_paths
+from kvgroups_torch.cuda import execute as cuda_execute
 from kvgroups_torch.cuda import objects as cuda_objects
-from kvgroups_torch.cuda import run as cuda_run
 
 import kvgroups_core as kc
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 from tests.support.torch_engine_cases import ids_for, model_caches, random_objects
 from tests.support.torch_page_cases import LAYOUTS, make_case, oracle
 from tests.torch_backend.test_torch_launch_emulated import _check, _run, emulated  # noqa: F401  (fixture)
@@ -106,12 +106,12 @@ def test_device_ids_with_copy_engine_are_refused_before_anything_moves(batches, 
     objects = torch.from_numpy(case.objects.copy())
     caches = [torch.from_numpy(c.copy()) for c in case.caches]
     with pytest.raises(KVGroupsValueError, match=r"path: expected host block ids.*device"):
-        cuda_run.run_plan(case.plan, caches, [objects], 0)
+        cuda_execute.execute_plan(case.plan, caches, [objects], 0)
     np.testing.assert_array_equal(objects.numpy(), case.objects)
     skip_plan = replace(case.plan, device_ids=False, direction="load",
                         skip_tokens=torch.tensor(3))
     with pytest.raises(KVGroupsValueError, match=r"path: .*device skip_first_n_tokens"):
-        cuda_run.run_plan(skip_plan, caches, [objects], 0)
+        cuda_execute.execute_plan(skip_plan, caches, [objects], 0)
     assert not batches[0] and not batches[1]
 
 
@@ -120,8 +120,8 @@ def test_prepared_device_caches_run_copy_engine_groups(batches):
                                 num_chunks=2), "copy_engine")
     caches = [torch.from_numpy(c.copy()) for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
-    bound = cuda_run.DeviceCaches(caches, 0)
-    bound.run(case.plan, [cuda_objects.bind_objects(objects, 0, "objects[0]")])
+    bound = cuda_execute.DeviceCaches(caches, 0)
+    bound.execute(case.plan, [cuda_objects.bind_objects(objects, 0, "objects[0]")])
     np.testing.assert_array_equal(objects.numpy(), oracle(case)[1])
     assert batches[1] and not batches[0]
 
@@ -230,9 +230,9 @@ def test_numpy_refuses_copy_engine_and_torch_cpu_caches_cannot_run_it():
     manager, caches, ids = _store_args("torch")
     objects = random_objects(manager, 1, seed=1)
     before = objects[0].clone()
-    with pytest.raises(UnsupportedConfig, match="path: expected 'auto' or 'kernel' for CPU"):
+    with pytest.raises(UnsupportedConfigError, match="path: expected 'auto' or 'kernel' for CPU"):
         kc.store(manager, caches, ids, objects, path="copy_engine")
-    with pytest.raises(UnsupportedConfig, match="path: "):
+    with pytest.raises(UnsupportedConfigError, match="path: "):
         kc.prepare(manager, caches).load(objects, ids, path="copy_engine")
     assert torch.equal(objects[0], before)
 
@@ -272,7 +272,7 @@ def test_auto_splits_a_call_between_the_copy_engine_and_the_kernel(batches, monk
         got = [c.clone() for c in caches]
         launches.clear()
         seen.clear()
-        cuda_run.run_plan(plan, got, objects, 0, pinned="direct")
+        cuda_execute.execute_plan(plan, got, objects, 0, pinned="direct")
         assert len(seen) == 1 and len(launches) == 1  # one batch, one kernel launch
         for o, want in zip(objects, want_objects):
             np.testing.assert_array_equal(o.numpy(), want)
@@ -289,9 +289,9 @@ def test_replacing_host_ids_out_of_range_are_refused_before_anything_moves(batch
     caches = [torch.from_numpy(c.copy()) for c in case.caches]
     for bad in ([0, 1, 2, 20], [0, -1, 2, 3]):
         with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in \[0, 20\)"):
-            cuda_run.run_plan(case.plan, caches, [objects], 0,
+            cuda_execute.execute_plan(case.plan, caches, [objects], 0,
                                block_ids=[torch.tensor(bad)])
     with pytest.raises(KVGroupsValueError, match=r"block_ids\[0\]: expected a 1-D integer"):
-        cuda_run.run_plan(case.plan, caches, [objects], 0, block_ids=[torch.tensor([1, 2])])
+        cuda_execute.execute_plan(case.plan, caches, [objects], 0, block_ids=[torch.tensor([1, 2])])
     np.testing.assert_array_equal(objects.numpy(), case.objects)
     assert not batches[1]

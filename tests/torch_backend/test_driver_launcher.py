@@ -62,7 +62,7 @@ class FakeLib:
 def fake(monkeypatch):
     def make(current, launch_code=0, programmatic=False, major=9, driver_version=13000):
         lib = FakeLib(current, launch_code, major, driver_version)
-        monkeypatch.setattr(driver, "_libcuda", lambda: lib)
+        monkeypatch.setattr(driver, "libcuda", lambda: lib)
         monkeypatch.setattr(driver, "primary_context", lambda index: PRIMARY)
         driver.programmatic_launch.cache_clear()
         return lib, driver.Launcher(0, 0xABC0, programmatic=programmatic)

@@ -12,7 +12,7 @@ from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 from tests.support.torch_engine_cases import (
     cache_bytes,
@@ -202,7 +202,7 @@ def test_bad_arguments_are_refused_with_typed_errors():
     saves = LayerwiseSave(prep)
     with pytest.raises(KVGroupsIndexError, match="layer: expected one of the manager's grouped"):
         saves.save(7, ids, objects)
-    with pytest.raises(UnsupportedConfig, match="mark: expected a LayerwiseSave built with "
+    with pytest.raises(UnsupportedConfigError, match="mark: expected a LayerwiseSave built with "
                                                 "graph_marks=True"):
         saves.mark(0)
     with pytest.raises(KVGroupsTypeError, match="prepared: expected a transfer prepared on "

@@ -14,7 +14,7 @@ import pytest
 import torch
 from kvgroups_torch import LayerwiseLoad, LayerwiseSave
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from tests.support.cuda_marks import needs_cuda
 from tests.support.torch_engine_cases import reference_store
 from tests.support.torch_layerwise_cases import LAYERS, Recording, Step, delay, expected_load_order
@@ -226,14 +226,15 @@ def test_mixing_an_eager_start_with_captured_waits_is_refused_with_the_fix():
     step.new_objects(23)
     loads.start(step.objects, step.ids)
     graph = torch.cuda.CUDAGraph()
-    with pytest.raises(UnsupportedConfig, match="graph_waits=True"):
+    with pytest.raises(UnsupportedConfigError, match="graph_waits=True"):
         with torch.cuda.graph(graph):
             step.compute(0)  # (a graph that is not empty when the capture ends)
             loads.wait(0)
     loads.finish()
     torch.cuda.synchronize()
     waits = LayerwiseLoad(step.prep, graph_waits=True)
-    with pytest.raises(UnsupportedConfig, match="start: expected to run outside any CUDA graph"):
+    with pytest.raises(UnsupportedConfigError,
+                       match="start: expected to run outside any CUDA graph"):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             step.compute(0)
             waits.start(step.objects, step.ids)

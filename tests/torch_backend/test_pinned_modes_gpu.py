@@ -18,8 +18,8 @@ from tests.support.cuda_marks import needs_cuda
 pytestmark = needs_cuda
 
 if torch.cuda.is_available():
+    from kvgroups_torch.cuda import execute as cuda_execute
     from kvgroups_torch.cuda import objects as cuda_objects
-    from kvgroups_torch.cuda import run as cuda_run
 
 CHUNK = 64
 
@@ -48,9 +48,9 @@ def _host(tensors):
 def mode(request, monkeypatch):
     monkeypatch.setattr(get_backend("torch"), "pinned", request.param)
     staged = []
-    real = cuda_objects._stage
-    monkeypatch.setattr(cuda_run, "_stage", lambda *a: staged.append(1) or real(*a))
-    monkeypatch.setattr(cuda_objects, "_stage", lambda *a: staged.append(1) or real(*a))
+    real = cuda_objects.stage
+    monkeypatch.setattr(cuda_execute, "stage", lambda *a: staged.append(1) or real(*a))
+    monkeypatch.setattr(cuda_objects, "stage", lambda *a: staged.append(1) or real(*a))
     return request.param, staged
 
 

@@ -1,4 +1,4 @@
-"""Pinned host objects through the generic CUDA path (``cuda_run.run_plan``: what a call
+"""Pinned host objects through the generic CUDA path (``cuda_execute.execute_checked_plan``: what a call
 with objects outside the caches' GPU takes), on CPU tensors with the emulated kernel of
 test_torch_launch_emulated, for both pinned modes. "staged" device buffers come from a
 stand-in of PyTorch's caching allocator, which hands a freed block to the next request of its
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from kvgroups_torch import backend as torch_backend
-from kvgroups_torch.cuda import run as cuda_run
+from kvgroups_torch.cuda import execute as cuda_execute
 
 import kvgroups_core as kc
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
@@ -89,17 +89,17 @@ def test_pinned_load_of_two_object_groups_matches_the_reference(emulated, cachin
     prep = kc.prepare(manager, caches, backend="torch")
     monkeypatch.setattr(prep.backend, "pinned", pinned)
     # CPU objects stand for pinned ones: not the caches' "GPU" for the prepared fast path
-    # (DeviceCaches, device objects only), so the call takes the generic run_plan.
-    prep._bound.device_caches = fast = cuda_run.DeviceCaches(prep._bound.caches, 0)
+    # (DeviceCaches, device objects only), so the call takes the generic execute_checked_plan.
+    prep._bound.device_caches = fast = cuda_execute.DeviceCaches(prep._bound.caches, 0)
     fast.device = torch.device("cuda", 0)
     monkeypatch.setattr(torch_backend, "cache_device", lambda caches: torch.device("cuda", 0))
     ran = []
-    real_run_plan = cuda_run.run_plan
-    monkeypatch.setattr(cuda_run, "run_plan", lambda *a, **k: ran.append(real_run_plan(*a, **k)))
+    real_enqueue = cuda_execute.execute_checked_plan
+    monkeypatch.setattr(cuda_execute, "execute_checked_plan", lambda *a, **k: ran.append(real_enqueue(*a, **k)))
     before = len(launches)
     prep.load(objects, ids, **kw)
     groups = 1 if "layers" in kw else 2  # layers 0 and 2: the sliding group's alone
-    assert ran and len(launches) - before == groups  # run_plan launched every kernel group
+    assert ran and len(launches) - before == groups  # execute_checked_plan launched every kernel group
     assert len(caching_allocator) == (groups if pinned == "staged" else 0)
     for i, (got, ref) in enumerate(zip(caches, want)):
         np.testing.assert_array_equal(_as_bytes(got), ref.view(np.uint8), err_msg=f"cache {i}")

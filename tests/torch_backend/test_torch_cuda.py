@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 from kvgroups_torch import BoundPlan, check_device_errors
-from kvgroups_torch.cuda import run as cuda_run
+from kvgroups_torch.cuda import execute as cuda_execute
 
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError
 from tests.support.cuda_marks import needs_cuda
@@ -115,7 +115,7 @@ def test_launches_on_the_current_stream():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        cuda_run.run_plan(case.plan, caches, [objects], 0)
+        cuda_execute.execute_plan(case.plan, caches, [objects], 0)
         copy = objects.clone()  # ordered after the kernel only if both are on `stream`
     stream.synchronize()
     _, want_objects = oracle(case)
@@ -131,7 +131,7 @@ def test_runs_from_a_thread_that_never_touched_cuda():
 
     def work():
         try:
-            cuda_run.run_plan(case.plan, caches, [objects], 0)
+            cuda_execute.execute_plan(case.plan, caches, [objects], 0)
             torch.cuda.synchronize()
         except Exception as exc:  # reported below, with the test's own assertion
             errors.append(exc)

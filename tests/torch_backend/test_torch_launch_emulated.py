@@ -3,6 +3,7 @@ modes) checked without a GPU: ``cuLaunchKernel`` is replaced by a NumPy emulatio
 page_copy.cu that reads the packed parameters and raw addresses exactly as the kernel does."""
 
 import ctypes
+import re
 
 import numpy as np
 import pytest
@@ -10,10 +11,10 @@ import torch
 from kvgroups_cuda import params as P
 from kvgroups_torch.cuda import device as cuda_device
 from kvgroups_torch.cuda import device_tables
+from kvgroups_torch.cuda import execute as cuda_execute
 from kvgroups_torch.cuda import launch as cuda_launch
 from kvgroups_torch.cuda import objects as cuda_objects
-from kvgroups_torch.cuda import replay as cuda_replay
-from kvgroups_torch.cuda import run as cuda_run
+from kvgroups_torch.cuda import repeat as cuda_repeat
 
 from tests.support.torch_page_cases import LAYOUTS, as_bytes, as_tensor, make_case, oracle
 
@@ -103,9 +104,6 @@ def _copy_page(p, kind, vec, store, r, plane, chunk, pos, bid):
 
 def emulate(p: P.KvgParams, name: str, grid, launches: list):
     """page_copy.cu, one work unit at a time (threads folded into NumPy slices)."""
-    if name.endswith("_small"):
-        emulate_small(p, name, grid, launches)
-        return
     if name.endswith("_warp"):
         emulate_warp(p, name, grid, launches)
         return
@@ -149,7 +147,7 @@ def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
     store = name.split("_")[1] == "store"
     launches.append((name, tuple(grid), p.segs_per_page))
     assert grid[1] == grid[2] == 1 and p.num_runs == 1
-    run, seg_units = p.runs[0], 32 * cuda_launch.warp_unroll()
+    run, seg_units = p.runs[0], 32 * P.WARP_UNROLL
     segs, kept = p.segs_per_page, p.kept_per_chunk
     assert segs == -(-run.page_units // seg_units)
     assert p.segs_shift == (segs.bit_length() - 1 if segs & (segs - 1) == 0 else 0xFF)
@@ -177,39 +175,6 @@ def emulate_warp(p: P.KvgParams, name: str, grid, launches: list):
             src, dst = (cache_page, obj_page) if store else (obj_page, cache_page)
             assert src % 16 == 0 and dst % 16 == 0, "misaligned vector"
             _write(dst + lo, _read(src + lo, hi - lo))
-
-
-def emulate_small(p: P.KvgParams, name: str, grid, launches: list):
-    """kvg_small_copy of page_copy.cu: work units of a tile of items x a group of planes,
-    each item's id looked up once per unit and used for every plane of it."""
-    direction, vec, kind = name.split("_")[1], int(name.split("_")[2][1:]), name.split("_")[3]
-    launches.append((name, tuple(grid), p.items_per_cta, p.planes_per_cta))
-    assert grid[1] == grid[2] == 1
-    ipc, ppc = p.items_per_cta, p.planes_per_cta
-    # What the kernel assumes of the host: power-of-two tiles and plane groups within the
-    # shared arrays, and a unit's vector count inside 32 bits.
-    assert 0 < ipc <= P.SMALL_TILE and ipc & (ipc - 1) == 0
-    assert 0 < ppc <= P.SMALL_PLANES and ppc & (ppc - 1) == 0
-    assert p.num_tiles == -(-p.num_items // ipc)
-    assert all(ppc * ipc * p.runs[z].page_units < 2**32 for z in range(p.num_runs))
-    store = direction == "store"
-    groups = -(-p.num_planes // ppc)
-    num_work = p.num_tiles * groups * p.num_runs
-    for cta in range(grid[0]):
-        for w in range(cta, num_work, grid[0]):
-            tile, rest = w % p.num_tiles, w // p.num_tiles
-            group, z = rest % groups, rest // groups
-            counts = group == 0 and z == 0
-            first = _first_item(p, counts and tile == 0)
-            tile0 = tile * ipc
-            pages = []  # the tile's shared entries: one id lookup per item
-            for it in range(min(ipc, p.num_items - tile0)):
-                item = p.first_item + tile0 + it
-                pages.append(None if item < first else _item_page(p, item, counts))
-            for plane in range(group * ppc, min((group + 1) * ppc, p.num_planes)):
-                for found in pages:
-                    if found is not None:
-                        _copy_page(p, kind, vec, store, p.runs[z], plane, *found)
 
 
 @pytest.fixture(params=["classic", "warp"])
@@ -243,14 +208,14 @@ def emulated(request, monkeypatch):
             assert threads == P.THREADS
             emulate(P.KvgParams.from_address(self.address), NAMES[function], grid, launches)
 
-    monkeypatch.setattr(cuda_run, "device_state", lambda index: FakeDevice())
+    monkeypatch.setattr(cuda_execute, "device_state", lambda index: FakeDevice())
     monkeypatch.setattr(cuda_launch, "Launcher", FakeLauncher)
-    monkeypatch.setattr(cuda_run, "current_stream", lambda index: 0)
-    monkeypatch.setattr(cuda_replay, "current_stream", lambda index: 0)
-    monkeypatch.setattr(cuda_objects, "check_object_tensor", lambda t, i, w: None)
-    monkeypatch.setattr(cuda_launch, "_to_device", lambda a, i: torch.from_numpy(a.copy()))
-    monkeypatch.setattr(cuda_objects, "_to_table", lambda a, i: device_tables.HostTable(a))
-    monkeypatch.setattr(cuda_launch, "_to_table", lambda a, i: device_tables.HostTable(a))
+    monkeypatch.setattr(cuda_execute, "current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_repeat, "current_stream", lambda index: 0)
+    monkeypatch.setattr(cuda_objects, "check_object_placement", lambda t, i, w: None)
+    monkeypatch.setattr(cuda_launch, "to_device", lambda a, i: torch.from_numpy(a.copy()))
+    monkeypatch.setattr(cuda_objects, "to_table", lambda a, i: device_tables.HostTable(a))
+    monkeypatch.setattr(cuda_launch, "to_table", lambda a, i: device_tables.HostTable(a))
     cuda_launch._by_identity.clear()
     cuda_launch._by_value.clear()
     return launches, FakeDevice
@@ -262,7 +227,7 @@ def _run(case, offset_elems=0, per_chunk=False, ids=None):
               for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
     entry = [row.clone() for row in objects] if per_chunk else objects
-    cuda_run.run_plan(case.plan, caches, [entry], 0,
+    cuda_execute.execute_plan(case.plan, caches, [entry], 0,
                        block_ids=None if ids is None else [ids])
     got = np.stack([o.numpy() for o in entry]) if per_chunk else objects.numpy()
     return [as_bytes(c) for c in caches], got
@@ -334,7 +299,7 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
         np.testing.assert_array_equal(got, want)
 
 
-# The prepared path (kvgroups_core.transfer.api.prepare) through cuda_run.DeviceCaches, with CPU
+# The prepared path (kvgroups_core.transfer.api.prepare) through cuda_execute.DeviceCaches, with CPU
 # tensors standing in for the GPU's: its object checks, bindings and launches are the ones a
 # CUDA call runs, and the emulated kernel moves the bytes.
 
@@ -356,7 +321,7 @@ def _emulated_prepare(manager, caches):
     from kvgroups_core.transfer.api import prepare
 
     prepared = prepare(manager, caches, backend="torch")
-    fast = cuda_run.DeviceCaches(prepared._bound.caches, 0)
+    fast = cuda_execute.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" = CPU tensors here
     prepared._bound.device_caches = fast
     return prepared
@@ -482,6 +447,41 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
         np.testing.assert_array_equal(objects.numpy(), oracle(case, ids=ids)[1])
 
 
+def test_entry_points_that_bypass_the_core_apply_its_object_rule(emulated, monkeypatch):
+    # execute_plan and BoundPlan take a plan directly: they refuse bad objects with the very
+    # error of the core's check_objects (one rule, one message), before any launch.
+    from kvgroups_torch import BoundPlan, bound_plan
+    from kvgroups_torch.describe import shape_of
+
+    from kvgroups_core.errors import KVGroupsError
+    from kvgroups_core.transfer.objects import check_objects
+
+    launches, _ = emulated
+    monkeypatch.setattr(bound_plan, "cache_device", lambda caches: torch.device("cuda", 0))
+    case = make_case("hnd", "float16", "store", np.random.default_rng(16), nb=8, bs=2, hs=8,
+                     num_chunks=2, bpc=2, kept=2)
+    caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
+    rows, nbytes = case.objects.shape
+    wide = torch.zeros((rows, 2 * nbytes), dtype=torch.uint8)
+    bad = [
+        torch.zeros((rows, nbytes), dtype=torch.int16),  # dtype
+        torch.zeros((rows + 1, nbytes), dtype=torch.uint8),  # chunks
+        wide[:, ::2],  # rows not contiguous
+        [torch.zeros(nbytes, dtype=torch.uint8), wide[0, ::2]],  # a strided per-chunk buffer
+        [torch.zeros(nbytes, dtype=torch.uint8)],  # too few per-chunk buffers
+    ]
+    for entry in bad:
+        with pytest.raises(KVGroupsError) as core:
+            check_objects(case.plan, [entry], shape_of)
+        want = f"^{re.escape(str(core.value))}$"
+        before = len(launches)
+        with pytest.raises(type(core.value), match=want):
+            cuda_execute.execute_plan(case.plan, caches, [entry], 0)
+        with pytest.raises(type(core.value), match=want):
+            BoundPlan(case.plan, caches, [entry], pinned="direct")
+        assert len(launches) == before
+
+
 # Device-side ids, skips, layer subsets and the CTA cap through the public prepared calls,
 # on CPU tensors standing in for CUDA ones: TorchBackend keeps them where they are (as it
 # does CUDA tensors), the emulated kernel reads them by address, and the error record is
@@ -492,8 +492,8 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
 def device_ids(emulated, monkeypatch):
     from kvgroups_torch.backend import TorchBackend
 
-    monkeypatch.setattr(cuda_launch, "_on_device", lambda t, index: True)
-    monkeypatch.setattr(cuda_replay, "_on_device", lambda t, index: True)
+    monkeypatch.setattr(cuda_launch, "on_device", lambda t, index: True)
+    monkeypatch.setattr(cuda_repeat, "on_device", lambda t, index: True)
 
     def spec(self, x):
         if isinstance(x, torch.Tensor):
@@ -610,8 +610,7 @@ def test_emulated_cta_cap_loops_over_the_work_with_the_same_bytes(emulated):
     assert launches[-1][1][0] == 3  # the grid: 3 CTAs for every work unit of the launch
     from kvgroups_cuda import geometry
 
-    if not geometry.SMALL_PAGE_BYTES:  # (test_small_pages runs this with its small kernels)
-        assert launches[-1][0].endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0)
+    assert launches[-1][0].endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0)
     for a, b in zip(objects, ref.store(ids)):
         np.testing.assert_array_equal(a.numpy(), b.numpy())
 
@@ -649,7 +648,7 @@ def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated)
 
     launches, _ = emulated
     rng = np.random.default_rng(41)
-    segment = 32 * cuda_launch.warp_unroll() * 16
+    segment = 32 * P.WARP_UNROLL * 16
     for hs in (segment // 256, segment // 32, 3 * segment // 64):  # float32 NHD rows: block
         # of 2 tokens x 4 heads x hs words, so a page is 32 * hs bytes
         for direction in ("store", "load"):
@@ -663,8 +662,8 @@ def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated)
 
 
 def test_warp_selection_and_sizing():
-    # The warp kernels take contiguous 16-byte pages from WARP_MIN_PAGE_BYTES up, never small
-    # pages or runs; a launch whose segments would pass the kernel's 32-bit count is refused
+    # The warp kernels take contiguous 16-byte pages from WARP_MIN_PAGE_BYTES up, never
+    # runs; a launch whose segments would pass the kernel's 32-bit count is refused
     # (None: the classic kernel takes it), and the grid covers every segment with 8 warps/CTA.
     from dataclasses import replace
 
@@ -676,12 +675,10 @@ def test_warp_selection_and_sizing():
     assert nhd.contiguous and nhd.page_bytes == 32768
     hnd = geometry.group_shape(make_case("hnd", "float16", "store", rng, nb=8, bs=2, hs=8,
                                          num_chunks=1, bpc=2, kept=2, region_pad=6).plan.groups[0])
-    assert geometry.uses_warp_kernel(nhd, small=False)
-    assert not geometry.uses_warp_kernel(nhd, small=True)
-    assert not geometry.uses_warp_kernel(hnd, small=False)
-    assert not geometry.uses_warp_kernel(replace(nhd, page_bytes=geometry.WARP_MIN_PAGE_BYTES - 16),
-                                         small=False)
-    assert not geometry.uses_warp_kernel(replace(nhd, unit=8), small=False)
+    assert geometry.uses_warp_kernel(nhd)
+    assert not geometry.uses_warp_kernel(hnd)
+    assert not geometry.uses_warp_kernel(replace(nhd, page_bytes=geometry.WARP_MIN_PAGE_BYTES - 16))
+    assert not geometry.uses_warp_kernel(replace(nhd, unit=8))
     assert geometry.warp_sizing(32768, 1000, 64, 16, 8) == (4, -(-4 * 1000 * 64 // 8))
     assert geometry.warp_sizing(12288, 3, 2, 16, 8) == (2, 2)  # 1.5 segments round up
     assert geometry.warp_sizing(32768, 2**26, 32, 16, 8) is None  # 2**33 segments

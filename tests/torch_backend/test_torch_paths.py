@@ -4,10 +4,10 @@ import numpy as np
 import pytest
 import torch
 from kvgroups_torch import cpu as cpu_path
-from kvgroups_torch.cuda import run as cuda_run
+from kvgroups_torch.cuda import execute as cuda_execute
 
 from kvgroups_core.tensors.descriptors import describe_numpy
-from kvgroups_core.transfer.reference import byte_view, run_group
+from kvgroups_core.transfer.reference import byte_view, execute_group
 from tests.support.cuda_marks import needs_cuda
 from tests.support.torch_page_cases import (
     ITEMSIZE,
@@ -30,10 +30,10 @@ IMPLS = [
 
 def _execute(impl, plan, caches, objects):
     if impl in ("cpu", "cuda-indexing"):
-        cpu_path.run_plan(plan, caches, objects)
+        cpu_path.execute_plan(plan, caches, objects)
     else:
         pinned = "staged" if impl == "cuda-staged" else "direct"
-        cuda_run.run_plan(plan, caches, objects, caches[0].device.index, pinned=pinned)
+        cuda_execute.execute_plan(plan, caches, objects, caches[0].device.index, pinned=pinned)
 
 
 def _objects_tensor(impl, raw, per_chunk=False):
@@ -144,7 +144,7 @@ def test_oracle_agrees_with_the_core_reference(layout):
         caches = [c.copy() for c in case.caches]
         objects = case.objects.copy()
         views = [byte_view(describe_numpy(c), writable=True) for c in caches]
-        run_group(case.plan.groups[0], direction == "store", views, objects)
+        execute_group(case.plan.groups[0], direction == "store", views, objects)
         np.testing.assert_array_equal(objects, want_objects)
         for got, want in zip(caches, want_caches):
             np.testing.assert_array_equal(got, want)

@@ -23,7 +23,7 @@ ROOT = HERE.parents[1]
 WORKER = HERE / "tp_gloo_worker.py"
 
 
-def run_group(world: int, out: Path, canonical_in: Path | None = None) -> list[dict]:
+def execute_group(world: int, out: Path, canonical_in: Path | None = None) -> list[dict]:
     out.mkdir()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends")]),
                OMP_NUM_THREADS="1")
@@ -48,8 +48,8 @@ def run_group(world: int, out: Path, canonical_in: Path | None = None) -> list[d
 @pytest.fixture(scope="module")
 def groups(tmp_path_factory):
     base = tmp_path_factory.mktemp("gloo")
-    four = run_group(4, base / "tp4")
-    two = run_group(2, base / "tp2", canonical_in=base / "tp4" / "canonical.npz")
+    four = execute_group(4, base / "tp4")
+    two = execute_group(2, base / "tp2", canonical_in=base / "tp4" / "canonical.npz")
     return {4: four, 2: two}
 
 

@@ -17,7 +17,7 @@ from kvgroups_core import (
     KVGroupsValueError,
     KVLayerGroupsManager,
     TensorSpec,
-    UnsupportedConfig,
+    UnsupportedConfigError,
     merge_shards,
     object_regions,
     split_canonical,
@@ -142,7 +142,7 @@ def test_shard_that_does_not_fit_the_degree_is_a_value_error(heads, size, total,
 def test_layers_one_shard_cannot_tell_apart_are_unsupported():
     # At TP 4 a 4-head layer and a 2-head layer both leave 1 head per rank: one kernel group
     # on the rank, two in the whole model.
-    with pytest.raises(UnsupportedConfig, match="mixes total head counts"):
+    with pytest.raises(UnsupportedConfigError, match="mixes total head counts"):
         KVLayerGroupsManager(specs((2, 8, 16, 1, 32), 2), F.NL_X_TWO_NB_BS_NH_HS,
                              tp_rank=0, tp_size=4, total_num_kv_heads=[4, 2])
 

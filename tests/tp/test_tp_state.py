@@ -15,7 +15,7 @@ from kvgroups_core import (
     store,
 )
 from kvgroups_core import EngineKVFormat as F
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 
 NB, CHUNK, TPB, W = 10, 8, 4, 3
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -155,7 +155,7 @@ def test_projections_must_fit_the_rank_state_and_the_tp_degree():
         manager(ranks, odd, "DS", 2, 0)
     m2 = mamba2()
     m2_rank = shard(whole_model(m2, "DS", rng), m2, "DS", 2, 0)
-    with pytest.raises(UnsupportedConfig, match="tp_native"):
+    with pytest.raises(UnsupportedConfigError, match="tp_native"):
         manager(m2_rank, m2, "DS", 2, 0, object_layout="tp_native")
 
 

@@ -51,52 +51,16 @@ typedef unsigned int kvg_u32;
 #define KVG_INLINE_OBJS 64
 #define KVG_THREADS 256
 #define KVG_ERR_WORDS 8
-#define KVG_SMALL_TILE 256   // small-page kernels: items of one work unit, at most
-#define KVG_SMALL_PLANES 64  // small-page kernels: planes of one work unit, at most
-// Tuning knobs (the host may override them with -D; they are part of the cubin cache key).
-// Defaults from H200 sweeps timed over batches of back-to-back calls (docs/PERFORMANCE.md,
-// "Where the defaults come from"): 4 loads in flight per thread beat 8; the L2 256-byte
-// prefetch hint, the read-only load path and a forced 8 CTAs per SM (which spills) measured
-// equal or slower, so they stay off.
-#ifndef KVG_UNROLL
-#define KVG_UNROLL 4        // 16-byte loads in flight per thread before the first store
-#endif
-#ifndef KVG_LOAD_HINT
-#define KVG_LOAD_HINT 0     // 1: ld.global.L2::256B (ask L2 to fetch whole 256-byte sectors)
-#endif
-#ifndef KVG_STORE_HINT
-#define KVG_STORE_HINT 0    // 1: st.global.cs (streaming: written once, never re-read here)
-#endif
-#ifndef KVG_LOAD_NC
-#define KVG_LOAD_NC 0       // 1: ld.global.nc.L1::no_allocate (read-only path, no L1 fill)
-#endif
-#ifndef KVG_SMALL_UNROLL
-#define KVG_SMALL_UNROLL 8  // small-page kernels: vector loads in flight per thread
-#endif
-// Warp kernels: 16 vectors per lane (8 KiB segments) at 2 resident CTAs per SM (128
-// registers, no spill) keep 128 KiB per SM in flight. On the H200 (a sweep, see
-// docs/PERFORMANCE.md) that matched or beat 4 vectors at 1 or 6 CTAs and 8 at 4 CTAs from
-// 16 chunks (0.5 % of the copy at 64), and ran one-layer launches as fast as 8 at 4 CTAs.
-#ifndef KVG_WARP_UNROLL
-#define KVG_WARP_UNROLL 16     // warp kernels: 16-byte vectors per lane of one segment
-#endif
-#ifndef KVG_WARP_MIN_BLOCKS
-#define KVG_WARP_MIN_BLOCKS 2  // warp kernels' __launch_bounds__ minimum resident CTAs per SM
-#endif
-#ifndef KVG_PLANE_MAJOR
-#define KVG_PLANE_MAJOR 0       // classic kernels: 1 walks units plane by plane (kvg_page_copy)
-#endif
-#ifndef KVG_WARP_PLANE_MAJOR
-#define KVG_WARP_PLANE_MAJOR 0  // warp kernels: 1 walks units plane by plane (see kvg_warp_copy)
-#endif
-#ifndef KVG_MIN_BLOCKS
-#define KVG_MIN_BLOCKS 1    // __launch_bounds__ minimum resident CTAs per SM (caps registers)
-#endif
-// Warp kernels, 1: each CTA lets the next programmatically launched kernel start once it has
-// passed its own wait (kvg_let_next_grid_start); 0 (sweeps only): only when it exits.
-#ifndef KVG_EARLY_TRIGGER
-#define KVG_EARLY_TRIGGER 1
-#endif
+// Loads in flight: the classic kernel issues KVG_UNROLL 16-byte loads per thread before its
+// first store; the warp kernels KVG_WARP_UNROLL per lane (a segment is 32 lanes x that many
+// vectors, 8 KiB), at KVG_WARP_MIN_BLOCKS resident CTAs per SM (128 registers, no spill), which
+// keeps 128 KiB per SM in flight. The host sizes warp launches with the same count
+// (params.WARP_UNROLL). How these were chosen: docs/PERFORMANCE.md, "Where the defaults come
+// from".
+#define KVG_UNROLL 4
+#define KVG_WARP_UNROLL 16
+#define KVG_WARP_MIN_BLOCKS 2
+#define KVG_MIN_BLOCKS 1    // the classic kernels' __launch_bounds__ minimum (caps registers)
 
 struct KvgRun {
     kvg_i64 cache_offset;
@@ -152,7 +116,7 @@ struct KvgParams {
     int skip_mode;             // 0 none (first_item is exact), 1 device int32, 2 device int64
     int err_engine_group;      // what the error record names for this launch's ids
     int err_kernel_group;
-    int planes_per_cta;        // small-page kernels: planes of one work unit (0 elsewhere)
+    int reserved;              // 0 (kept so the parameter layout stays as it was)
     int segs_per_page;         // warp kernels: segments of 32 * KVG_WARP_UNROLL vectors a page
                                // splits into (0 elsewhere)
     int segs_shift;            // warp kernels: log2(segs_per_page), 0xFF if not a power of two
@@ -187,63 +151,16 @@ __device__ __forceinline__ void kvg_st(kvg_u64 a, typename KvgVec<V>::T v) {
     *reinterpret_cast<typename KvgVec<V>::T*>(a) = v;
 }
 // 16-byte accesses that name the global space: the warp kernels' page addresses come out of
-// memory (plane and object tables), so plain dereferences compile to generic LD / ST. On the
-// H200 the classic kernel timed the same either way (generic 0.909 / 0.908 of the copy at 64
-// chunks, global 0.908 / 0.907); the warp kernels state it. Pinned host objects are global
-// addresses too (mapped through UVA).
-// KVG_WARP_LD_HINT / KVG_WARP_ST_HINT (sweeps only; 0 = plain) name a cache operator: loads
-// 1 = .cs (streaming: evict first), 2 = .L1::no_allocate; stores 1 = .cs.
-#ifndef KVG_WARP_LD_HINT
-#define KVG_WARP_LD_HINT 0
-#endif
-#ifndef KVG_WARP_ST_HINT
-#define KVG_WARP_ST_HINT 0
-#endif
-#if KVG_WARP_LD_HINT == 1
-#define KVG_LDG16 "ld.global.cs.v2.u64"
-#elif KVG_WARP_LD_HINT == 2
-#define KVG_LDG16 "ld.global.L1::no_allocate.v2.u64"
-#else
-#define KVG_LDG16 "ld.global.v2.u64"
-#endif
-#if KVG_WARP_ST_HINT == 1
-#define KVG_STG16 "st.global.cs.v2.u64"
-#else
-#define KVG_STG16 "st.global.v2.u64"
-#endif
+// memory (plane and object tables), so plain dereferences compile to generic LD / ST. Pinned
+// host objects are global addresses too (mapped through UVA).
 __device__ __forceinline__ kvg_v16 kvg_ldg16(kvg_u64 a) {
     kvg_v16 v;
-    asm volatile(KVG_LDG16 " {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
+    asm volatile("ld.global.v2.u64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
     return v;
 }
 __device__ __forceinline__ void kvg_stg16(kvg_u64 a, kvg_v16 v) {
-    asm volatile(KVG_STG16 " [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
+    asm volatile("st.global.v2.u64 [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
 }
-
-// The source of a copy is never written during the launch, so the read-only (non-coherent)
-// path may serve it (KVG_LOAD_NC), without allocating in L1 (every byte is read once).
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && (KVG_LOAD_HINT == 1 || KVG_LOAD_NC == 1)
-template <>
-__device__ __forceinline__ kvg_v16 kvg_ld<16>(kvg_u64 a) {
-    kvg_v16 v;
-#if KVG_LOAD_NC == 1 && KVG_LOAD_HINT == 1
-    asm volatile("ld.global.nc.L1::no_allocate.L2::256B.v2.u64 {%0, %1}, [%2];"
-                 : "=l"(v.a), "=l"(v.b) : "l"(a));
-#elif KVG_LOAD_NC == 1
-    asm volatile("ld.global.nc.L1::no_allocate.v2.u64 {%0, %1}, [%2];"
-                 : "=l"(v.a), "=l"(v.b) : "l"(a));
-#else
-    asm volatile("ld.global.L2::256B.v2.u64 {%0, %1}, [%2];" : "=l"(v.a), "=l"(v.b) : "l"(a));
-#endif
-    return v;
-}
-#endif
-#if KVG_STORE_HINT == 1
-template <>
-__device__ __forceinline__ void kvg_st<16>(kvg_u64 a, kvg_v16 v) {
-    asm volatile("st.global.cs.v2.u64 [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
-}
-#endif
 
 // Every entry point calls this before its first memory access. The host launches these
 // kernels with programmatic stream serialization (driver.py), so one may be set up and
@@ -265,14 +182,12 @@ __device__ __forceinline__ void kvg_wait_for_prior_grid() {
 // programmatically passes griddepcontrol.wait, which waits for this whole grid and its memory,
 // before reading anything (the launch attribute's contract, trigger or not); and triggering
 // only after the wait keeps at most one kernel of a chain waiting.
-// Only the warp kernels do it, the ones it was measured on (one-layer chains in a graph 0.735 ->
-// 0.763 of the whole call). At 128 registers two of their CTAs fill an SM, so a waiting CTA only
-// takes a slot a finished one left. A bare gather kernel (no checks) fits three per SM, and there
-// the same trigger cost its one-layer chain 0.82 -> 0.64, likely because the next grid's CTAs crowd
-// onto the SMs that freed first; the classic kernels (up to four per SM) keep the implicit trigger
-// at exit.
+// Only the warp kernels do it: at 128 registers two of their CTAs fill an SM, so a waiting CTA
+// only takes a slot a finished one left. A kernel with room for more CTAs per SM is slowed by
+// it (the next grid's CTAs crowd onto the SMs that freed first), so the classic kernels (up to
+// four per SM) keep the implicit trigger at exit (docs/PERFORMANCE.md has the measurements).
 __device__ __forceinline__ void kvg_let_next_grid_start() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVG_EARLY_TRIGGER
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
@@ -338,11 +253,6 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
     const int full_work = full_groups * group_tiles * planes_x_runs;
     const int num_work = p.num_tiles * planes_x_runs;
     for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
-#if KVG_PLANE_MAJOR
-        // (sweeps only) every tile of plane 0, then of plane 1, ...
-        const int tile = w % p.num_tiles;
-        const int rest = w / p.num_tiles;
-#else
         // unit w = tile_in_group + group_size * (plane + num_planes * run), group by group;
         // the last group may hold fewer tiles.
         const int group = w < full_work ? w / (group_tiles * planes_x_runs) : full_groups;
@@ -350,7 +260,6 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
         const int in_group = w - group * group_tiles * planes_x_runs;
         const int tile = group * group_tiles + in_group % size;
         const int rest = in_group / size;
-#endif
         const int plane = rest % p.num_planes;
         const int run_idx = rest / p.num_planes;
         const KvgRun& run = p.runs[run_idx];
@@ -433,130 +342,6 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
     }
 }
 
-// Byte offsets of vector unit r of a page, in the cache block and in the object page.
-template <int V, bool CONTIG>
-__device__ __forceinline__ void kvg_unit_offsets(const KvgParams& p, const KvgRun& run,
-                                                 kvg_u32 r, kvg_u32 token_shift,
-                                                 kvg_u32 piece_shift, kvg_i64& c_off,
-                                                 kvg_i64& o_off) {
-    if (CONTIG) {
-        c_off = (kvg_i64)r * V;
-        o_off = c_off;
-        return;
-    }
-    const kvg_u32 t = token_shift != 0xFFu ? r >> token_shift : r / run.units_per_token;
-    const kvg_u32 r2 = r - t * run.units_per_token;
-    const kvg_u32 piece = piece_shift != 0xFFu ? r2 >> piece_shift : r2 / run.units_per_piece;
-    const kvg_u32 wu = r2 - piece * run.units_per_piece;
-    c_off = t * run.token_stride + piece * run.cache_step + (kvg_i64)wu * V;
-    o_off = t * p.row_bytes + piece * run.obj_step + (kvg_i64)wu * V;
-}
-
-// Small pages (a few hundred bytes to a few KiB per block and plane). The kernel above gives
-// a work unit one plane: every unit looks its items' ids up again, and a tile of 512-byte
-// pages is only a couple of loads per thread, so the id load -> address -> copy latency chain
-// is paid per ~32 KiB. Here a work unit is a tile of items_per_cta items (a power of two, at
-// most KVG_SMALL_TILE) times planes_per_cta planes (a power of two, at most
-// KVG_SMALL_PLANES): the tile's ids are read once (one coalesced pass, one item per thread)
-// and serve every plane of the unit, the planes' table entries are staged in shared memory,
-// and each thread issues KVG_SMALL_UNROLL vector loads (spread over several pages) before its
-// first store. Units are numbered w = tile + num_tiles * (plane_group + plane_groups * run);
-// inside a unit, vector k is unit k % page_units of item (k / page_units) % items_per_cta of
-// plane k / (page_units * items_per_cta): consecutive threads walk a page, then the next kept
-// page of the same plane (adjacent in the object). Out-of-range ids, skips and the error
-// record behave as in kvg_page_copy: only units of plane group 0, run 0 report ids.
-template <bool STORE, int V, bool CONTIG>
-__device__ __forceinline__ void kvg_small_copy(const KvgParams& p) {
-    typedef typename KvgVec<V>::T T;
-    // Per item of the tile: id * block_stride + run.cache_offset (-1: not moved), and the
-    // object address of its page in plane 0 of the region (plus the plane's obj_offset).
-    __shared__ kvg_i64 s_cache[KVG_SMALL_TILE];
-    __shared__ kvg_u64 s_obj[KVG_SMALL_TILE];
-    __shared__ KvgPlane s_plane[KVG_SMALL_PLANES];
-
-    const int tile_items = p.items_per_cta;
-    const int tile_shift = __ffs(tile_items) - 1;  // items_per_cta is a power of two
-    const int ppc = p.planes_per_cta;
-    const int plane_groups = (p.num_planes + ppc - 1) / ppc;
-    const int num_work = p.num_tiles * plane_groups * p.num_runs;
-    const KvgPlane* planes = reinterpret_cast<const KvgPlane*>(p.plane_table);
-    for (int w = blockIdx.x; w < num_work; w += gridDim.x) {
-        const int tile = w % p.num_tiles;
-        const int rest = w / p.num_tiles;
-        const int group = rest % plane_groups;
-        const int run_idx = rest / plane_groups;
-        const KvgRun& run = p.runs[run_idx];
-        const bool counts = group == 0 && run_idx == 0;
-        const int tile0 = tile * tile_items;
-        const int n_tile = min(tile_items, p.num_items - tile0);
-        const int plane0 = group * ppc;
-        const int n_planes = min(ppc, p.num_planes - plane0);
-        const int first = kvg_first_item(p, counts && tile == 0 && threadIdx.x == 0);
-
-        for (int t = threadIdx.x; t < n_tile; t += KVG_THREADS) {
-            const int item = p.first_item + tile0 + t;
-            kvg_i64 cache_off = -1;
-            kvg_u64 obj_page = 0;
-            if (item >= first) {
-                const int chunk = item / p.kept_per_chunk;
-                const int pos = item - chunk * p.kept_per_chunk;
-                const kvg_i64 where = (kvg_i64)chunk * p.blocks_per_chunk
-                                      + (p.blocks_per_chunk - p.kept_per_chunk) + pos;
-                const kvg_i64 id = kvg_load_id(p, where);
-                if (id >= 0 && id < p.num_blocks) {
-                    cache_off = id * p.block_stride + run.cache_offset;
-                    obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset
-                               + pos * p.page_obj_stride + run.obj_offset);
-                } else if (counts) {
-                    kvg_report(p, id, p.err_engine_group, p.num_blocks, true);
-                }
-            }
-            s_cache[t] = cache_off;
-            s_obj[t] = obj_page;
-        }
-        for (int t = threadIdx.x; t < n_planes; t += KVG_THREADS) s_plane[t] = planes[plane0 + t];
-        __syncthreads();
-
-        const kvg_u32 page_units = run.page_units;
-        const kvg_u32 page_shift = run.shifts & 0xFFu;
-        const kvg_u32 token_shift = (run.shifts >> 8) & 0xFFu;
-        const kvg_u32 piece_shift = (run.shifts >> 16) & 0xFFu;
-        const kvg_u32 item_mask = (kvg_u32)tile_items - 1u;
-        const kvg_u32 total = n_tile > 0
-            ? (kvg_u32)n_planes * ((kvg_u32)tile_items * page_units) : 0u;
-        for (kvg_u32 k0 = threadIdx.x; k0 < total; k0 += KVG_THREADS * KVG_SMALL_UNROLL) {
-            T v[KVG_SMALL_UNROLL];
-            kvg_u64 dst[KVG_SMALL_UNROLL];
-#pragma unroll
-            for (int s = 0; s < KVG_SMALL_UNROLL; ++s) {
-                const kvg_u32 k = k0 + s * KVG_THREADS;
-                dst[s] = 0;
-                if (k < total) {
-                    const kvg_u32 it = page_shift != 0xFFu ? k >> page_shift : k / page_units;
-                    const kvg_u32 r = k - it * page_units;
-                    const kvg_u32 item = it & item_mask;
-                    const kvg_i64 cache_off = (int)item < n_tile ? s_cache[item] : -1;
-                    if (cache_off >= 0) {
-                        const KvgPlane pl = s_plane[it >> tile_shift];
-                        kvg_i64 c_off, o_off;
-                        kvg_unit_offsets<V, CONTIG>(p, run, r, token_shift, piece_shift,
-                                                    c_off, o_off);
-                        const kvg_u64 c_addr = pl.base + (kvg_u64)(cache_off + c_off);
-                        const kvg_u64 o_addr = s_obj[item] + (kvg_u64)(pl.obj_offset + o_off);
-                        dst[s] = STORE ? o_addr : c_addr;
-                        v[s] = kvg_ld<V>(STORE ? c_addr : o_addr);
-                    }
-                }
-            }
-#pragma unroll
-            for (int s = 0; s < KVG_SMALL_UNROLL; ++s) {
-                if (dst[s] != 0) kvg_st<V>(dst[s], v[s]);
-            }
-        }
-        __syncthreads();  // the next work unit rewrites the tile's shared entries
-    }
-}
-
 // Contiguous pages of 16-byte vectors, one warp per segment. The kernel above stages a tile's
 // page addresses in shared memory behind a barrier and gives each CTA whole pages, so a CTA's
 // loads start only after its id and table lookups, and a launch of a few hundred pages keeps
@@ -614,18 +399,10 @@ __device__ __forceinline__ KvgWarpUnit kvg_warp_unit(const KvgParams& p, const K
     KvgWarpUnit w;
     const kvg_u32 rest = g.segs_shift != 0xFFu ? u >> g.segs_shift : u / g.segs;
     w.seg = u - rest * g.segs;
-#if KVG_WARP_PLANE_MAJOR
-    // (sweeps only) every chunk's pages of plane 0, then of plane 1, ...
-    w.plane = rest / (g.kept * g.rows);
-    const kvg_u32 in_plane = rest - w.plane * (g.kept * g.rows);
-    const kvg_u32 row = in_plane / g.kept;
-    w.pos = in_plane - row * g.kept;
-#else
     const kvg_u32 row = rest / g.planes_x_kept;
     const kvg_u32 in_row = rest - row * g.planes_x_kept;
     w.plane = in_row / g.kept;
     w.pos = in_row - w.plane * g.kept;
-#endif
     w.chunk = g.row0_item / p.kept_per_chunk + (int)row;
     w.item = w.chunk * p.kept_per_chunk + (int)w.pos;
     return w;
@@ -662,18 +439,12 @@ __device__ __forceinline__ kvg_i64 kvg_load_id_l2(const KvgParams& p, kvg_i64 wh
 // an address, so no prefetch leaves the cache tensor. Only CTAs of the first wave (the ones
 // that can be resident while a prior kernel runs) prefetch; later ones start with the wait
 // already satisfied and would only double their first reads' L2 requests. Device skips are
-// not read here (the pages before them are fetched for nothing).
-// On the H200 (an A/B, see docs/PERFORMANCE.md) this took 32 one-layer stores in a graph from
-// 0.761-0.765 to 0.789-0.794 of the whole-model call and 4-chunk stores from 0.941-0.950 to
-// 0.948-0.965 of the copy; a one-chunk store replayed alone in a graph, with no kernel before it to
-// overlap, pays for the look-ups twice (0.934-0.954 -> 0.904-0.927). No better, in the same sweeps:
-// loads prefetching device objects, every lane prefetching its own lines, evict-last lines, the
-// trigger before the prefetch, and the first CTAs prefetching for all.
-#ifndef KVG_WARP_PREFETCH
-#define KVG_WARP_PREFETCH 1     // 0 (sweeps only): no prefetch
-#endif
+// not read here (the pages before them are fetched for nothing). Only stores prefetch: a
+// load's source may be pinned host memory. A one-chunk store replayed alone in a graph, with
+// no kernel before it to overlap, pays for the look-ups twice; docs/PERFORMANCE.md has the
+// trade measured.
 __device__ __forceinline__ void kvg_warp_prefetch_store_source(const KvgParams& p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && KVG_WARP_PREFETCH
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     if ((threadIdx.x & 31) != 0) return;
     kvg_u32 sms;
     asm("mov.u32 %0, %%nsmid;" : "=r"(sms));
@@ -745,32 +516,17 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
 }
 
 // One extern "C" entry point per variant, so the host finds them by plain name:
-// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs} and kvg_{store,load}_v16_warp, or with
-// KVG_BUILD_SMALL=1 (a cubin of its
-// own, built only once a small-page kernel is used: they take several times the others'
-// compile time) kvg_..._{contig,runs}_small.
-#ifndef KVG_BUILD_SMALL
-#define KVG_BUILD_SMALL 0
-#endif
+// kvg_{store,load}_v{16,8,4,2,1}_{contig,runs} and kvg_{store,load}_v16_warp.
 #ifndef KVG_BUILD_XLA
 #define KVG_BUILD_XLA 0  // 1: only the XLA entry points below
 #endif
 #if !KVG_BUILD_XLA
-#if KVG_BUILD_SMALL
-#define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
-    extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
-    kvg_##DIR##_v##V##_##KIND##_small(const __grid_constant__ KvgParams p) {           \
-        kvg_wait_for_prior_grid();                                                     \
-        kvg_small_copy<STORE, V, CONTIG>(p);                                           \
-    }
-#else
 #define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
     extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
     kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {                   \
         kvg_wait_for_prior_grid();                                                     \
         kvg_page_copy<STORE, V, CONTIG>(p);                                            \
     }
-#endif
 
 #define KVG_KERNELS_V(V)                          \
     KVG_KERNEL(store, true, V, contig, true)      \
@@ -779,7 +535,6 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
     KVG_KERNEL(load, false, V, runs, false)
 
 KVG_KERNELS_V(16)
-#if !KVG_BUILD_SMALL
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
 kvg_store_v16_warp(const __grid_constant__ KvgParams p) {
     kvg_warp_prefetch_store_source(p);
@@ -793,7 +548,6 @@ kvg_load_v16_warp(const __grid_constant__ KvgParams p) {
     kvg_let_next_grid_start();
     kvg_warp_copy<false>(p);
 }
-#endif
 KVG_KERNELS_V(8)
 KVG_KERNELS_V(4)
 KVG_KERNELS_V(2)

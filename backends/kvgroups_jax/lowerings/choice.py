@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import jax
 
-from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 from kvgroups_jax.geometry import GroupGeometry, check_kernel_limits
 
 LOWERINGS = ("auto", "cuda", "triton", "mosaic", "xla", "interpret", "tpu", "tpu-interpret")
@@ -28,7 +28,7 @@ def _compute_capability() -> tuple[int, int]:
 def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
     """The lowering that runs ``geom`` on ``platform`` (``"auto"`` picks the fastest that can).
 
-    Explicit requests that cannot run raise :class:`UnsupportedConfig`.
+    Explicit requests that cannot run raise :class:`UnsupportedConfigError`.
     """
     if requested not in LOWERINGS:
         raise KVGroupsValueError(f"lowering: expected one of {LOWERINGS}, got {requested!r}")
@@ -41,7 +41,7 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
         return _resolve_tpu(requested, geom, platform)
     gpu = platform in ("gpu", "cuda")
     if requested in ("cuda", "triton", "mosaic") and not gpu:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"lowering: {requested!r} needs a CUDA GPU, got platform {platform!r}"
         )
     if requested == "triton":
@@ -55,20 +55,20 @@ def resolve_lowering(requested: str, geom: GroupGeometry, platform: str) -> str:
 
         reason = unsupported_reason(geom)
         if reason:
-            raise UnsupportedConfig(reason)
+            raise UnsupportedConfigError(reason)
         return requested
     if not gpu:
         return "xla"
     # Hopper and newer on jax >= 0.11 (where the Triton lowering is deprecated and warns on
-    # every call): Mosaic GPU for spans of >= 16 KiB, where it matched Triton on the H200; small
-    # pages stay on Triton (Mosaic: 0.33 of the copy rate at 2 KiB against Triton's 0.5 - 0.9,
-    # docs/PERFORMANCE.md). Triton covers every other layout.
+    # every call): Mosaic GPU for spans of >= 16 KiB, where it matches Triton; small pages stay
+    # on Triton, where Mosaic's one serial TMA round trip per program is far slower
+    # (docs/PERFORMANCE.md). Triton covers every other layout.
     if _prefers_mosaic(geom):
         return "mosaic"
     try:
         check_kernel_limits(geom)
         return "triton"
-    except UnsupportedConfig:
+    except UnsupportedConfigError:
         return "xla"
 
 
@@ -79,14 +79,14 @@ def _resolve_tpu(requested: str, geom: GroupGeometry, platform: str) -> str:
     from .tpu import check_supported
 
     if requested == "tpu" and platform not in ("tpu", TRACED):
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"lowering: 'tpu' compiles for a TPU, got platform {platform!r} (use "
             "'tpu-interpret' to run the TPU kernels here, or trace the call inside jax.jit "
             "and lower it with lowering_platforms=('tpu',))"
         )
     try:
         check_supported(geom)
-    except UnsupportedConfig:
+    except UnsupportedConfigError:
         if requested == "auto":
             return "xla"
         raise
@@ -109,7 +109,7 @@ def _prefers_mosaic(geom: GroupGeometry) -> bool:
         return False
     try:
         _check_mosaic(geom)
-    except UnsupportedConfig:
+    except UnsupportedConfigError:
         return False
     return True
 
@@ -119,7 +119,7 @@ def _check_mosaic(geom: GroupGeometry) -> None:
 
     check_kernel_limits(geom)
     if _compute_capability() < (9, 0):
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"lowering: Mosaic GPU needs compute capability >= 9.0, got {_compute_capability()}"
         )
     mosaic_pieces(geom)

@@ -19,7 +19,7 @@ checkify's (``id_checks``), the kernel's error record is a scratch output that i
 
 Where this lowering cannot run (no jaxlib kernel-call support, no ``cuda-core``, a geometry
 the warp kernel does not take), :func:`unsupported_reason` says why; ``lowering="cuda"``
-raises it as :class:`~kvgroups_core.errors.UnsupportedConfig`, ``"auto"`` picks another.
+raises it as :class:`~kvgroups_core.errors.UnsupportedConfigError`, ``"auto"`` picks another.
 """
 
 from __future__ import annotations
@@ -35,8 +35,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_jax.geometry import GroupGeometry
+
+from .tuning import DEFAULT_TUNING, LoweringTuning
 
 #: jaxlib's typed-FFI kernel-call target (jax >= 0.8 registers it with its CUDA plugin).
 CUSTOM_CALL_TARGET = "triton_kernel_call_ffi"
@@ -118,12 +120,6 @@ def unsupported_reason(geom: GroupGeometry) -> str | None:
     return f"lowering 'cuda': {runtime}" if runtime else geometry_unsupported(geom)
 
 
-def _warp_unroll() -> int:
-    from kvgroups_cuda import nvrtc, params
-
-    return int(nvrtc.TUNING.get("KVG_WARP_UNROLL", params.WARP_UNROLL))
-
-
 def pack_blob(geom: GroupGeometry, *, kernel_group: int, obj_row_bytes: int,
               total_items: int, first_lo: int, plane_words: tuple[int, ...], meta_word: int,
               ids_word: int, obj_word: int, err_word: int) -> bytes:
@@ -149,7 +145,7 @@ def pack_blob(geom: GroupGeometry, *, kernel_group: int, obj_row_bytes: int,
     p.skip_mode = P.SKIP_NONE
     p.err_kernel_group = kernel_group
     p.err_engine_group = 0
-    segs = -(-(page_bytes // 16) // (32 * _warp_unroll()))
+    segs = -(-(page_bytes // 16) // (32 * P.WARP_UNROLL))
     p.segs_per_page = segs
     p.segs_shift = segs.bit_length() - 1 if segs & (segs - 1) == 0 else 0xFF
     run = p.runs[0]
@@ -168,15 +164,6 @@ def pack_blob(geom: GroupGeometry, *, kernel_group: int, obj_row_bytes: int,
     return bytes(head) + bytes(p) + bytes(planes)
 
 
-#: ``resident_waves``: None sizes the grid at one warp per unit of the largest call; N caps it
-#: at N waves of resident CTAs (two per SM), whose warps then loop over the units. Each CTA of
-#: an XLA launch first stages its parameters (see page_copy.cu), a cost a capped grid pays once
-#: per CTA instead of once per unit; on the H200 1-8 waves measured slower (64-chunk stores
-#: 3692-3754 GB/s against 3870 uncapped), so None. Read while tracing (a change needs
-#: jax.clear_caches()).
-TUNING: dict = {"resident_waves": None}
-
-
 def _num_sms() -> int:
     try:
         return int(getattr(jax.devices("gpu")[0], "core_count", 0)) or 132
@@ -184,42 +171,42 @@ def _num_sms() -> int:
         return 132
 
 
-def launch_ctas(geom: GroupGeometry, grid_items: int, total_items: int) -> int:
+def launch_ctas(geom: GroupGeometry, grid_items: int, total_items: int,
+                resident_waves: int | None = None) -> int:
     """CTAs of a launch: one warp per unit of the largest call the program can see (the kernel
     loops when a call has more, and its idle warps exit at once when it has fewer), or at most
-    ``TUNING["resident_waves"]`` waves of resident CTAs."""
+    ``resident_waves`` waves of resident CTAs (``LoweringTuning.resident_waves``; each CTA
+    first stages its parameters, a cost a capped grid pays once per CTA instead of once per
+    unit)."""
     from kvgroups_cuda import geometry, params
 
     page_bytes = geom.block_size * geom.row * geom.unit
     kept = geom.kept_per_chunk
     items = max(1, min(grid_items + kept - 1, max(total_items, 1)))
-    fit = geometry.warp_sizing(page_bytes, items, geom.num_planes, _warp_unroll(),
+    fit = geometry.warp_sizing(page_bytes, items, geom.num_planes, params.WARP_UNROLL,
                                params.WARPS_PER_CTA, 0, kept)
     if fit is None:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"lowering 'cuda': expected fewer than 2**31 work units, got {items} items of "
             f"{geom.num_planes} planes")
     ctas = max(1, min(fit[1], 2**31 - 1))
-    waves = TUNING.get("resident_waves")
-    if waves:
-        ctas = min(ctas, int(waves) * 2 * _num_sms())  # KVG_WARP_MIN_BLOCKS = 2 per SM
+    if resident_waves:
+        ctas = min(ctas, resident_waves * 2 * _num_sms())  # KVG_WARP_MIN_BLOCKS = 2 per SM
     return ctas
 
 
 @functools.cache
-def _ptx(arch: str, words: int, build: tuple) -> str:
-    """The PTX XLA assembles; ``build`` (the tuning and the ISA override) keys the memo, so a
-    sweep that changes ``nvrtc.TUNING`` gets PTX that matches the blobs it packs."""
+def _ptx(arch: str, words: int, isa: str) -> str:
+    """The PTX XLA assembles; ``isa`` (the ISA override, :func:`_fit_ptx_version` reads it
+    again) keys the memo, so changing the override gets PTX of that version."""
     from kvgroups_cuda import nvrtc
 
-    del build  # read again below from the same settings
+    del isa
     return _fit_ptx_version(nvrtc.get_xla_ptx(arch, words))
 
 
-def _build_settings() -> tuple:
-    from kvgroups_cuda import nvrtc
-
-    return tuple(sorted(nvrtc.TUNING.items())), os.environ.get(ENV_PTX_ISA, "")
+def _isa_override() -> str:
+    return os.environ.get(ENV_PTX_ISA, "")
 
 
 #: Overrides the PTX ISA version written into the PTX XLA assembles (e.g. "9.0").
@@ -273,15 +260,16 @@ def _arch() -> tuple[str, int]:
 
 
 @functools.cache
-def _kernel_call(direction: str, buffers: int, ctas: int, build: tuple) -> bytes:
-    """The serialized kernel call (jaxlib's proto, compressed) of one launch shape and build."""
+def _kernel_call(direction: str, buffers: int, ctas: int, isa: str) -> bytes:
+    """The serialized kernel call (jaxlib's proto, compressed) of one launch shape (``isa``:
+    the PTX ISA override, see :func:`_ptx`)."""
     from kvgroups_cuda import nvrtc, params
 
     lib = _triton_lib()
     arch, cc = _arch()
     words = nvrtc.xla_words(buffers - 1)
     name = nvrtc.xla_entry_name(direction, words)
-    ptx = _ptx(arch, words, build)
+    ptx = _ptx(arch, words, isa)
     warps = params.THREADS // 32
     try:  # jaxlib >= 0.5: (name, warps, ctas per cluster, shared bytes, ptx, ttir, cc)
         kernel = lib.TritonKernel(name, warps, 1, 0, ptx, "", cc)
@@ -315,13 +303,15 @@ class LaunchSpec:
 
 
 def launch_spec(direction: str, geom: GroupGeometry, grid_items: int, *, obj_rows: int,
-                obj_elems: int, fresh: bool, ids_len: int, kernel_group: int = 0) -> LaunchSpec:
-    """The static description of one kernel group's launch (no JAX arrays involved)."""
+                obj_elems: int, fresh: bool, ids_len: int, kernel_group: int = 0,
+                resident_waves: int | None = None) -> LaunchSpec:
+    """The static description of one kernel group's launch (no JAX arrays involved;
+    ``resident_waves`` as for :func:`launch_ctas`)."""
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
     reason = geometry_unsupported(geom)
     if reason:
-        raise UnsupportedConfig(reason)
+        raise UnsupportedConfigError(reason)
     caches = ("cache",) * len(geom.operand_slots)
     if direction == "store":
         operands = ("meta", "ids") + (() if fresh else ("obj",)) + caches
@@ -342,11 +332,11 @@ def launch_spec(direction: str, geom: GroupGeometry, grid_items: int, *, obj_row
                      meta_word=0, ids_word=1, obj_word=obj_word,
                      err_word=len(operands) + len(results) - 1)
     return LaunchSpec(blob, operands, results, aliases,
-                      launch_ctas(geom, int(grid_items), total_items))
+                      launch_ctas(geom, int(grid_items), total_items, resident_waves))
 
 
 def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, *,
-               kernel_group: int = 0, **_):
+               kernel_group: int = 0, tuning: LoweringTuning = DEFAULT_TUNING, **_):
     """Move one kernel group's pages (arguments and results as
     :func:`kvgroups_jax.lowerings.triton.copy_group`). Traceable; the caller jits and donates the
     written operands (caches on load, objects on store), which the results reuse."""
@@ -355,12 +345,13 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
                          f"{len(caches)}")
     reason = runtime_unavailable()
     if reason:
-        raise UnsupportedConfig(f"lowering 'cuda': {reason}")
+        raise UnsupportedConfigError(f"lowering 'cuda': {reason}")
     rows, elems = obj.shape
     fresh = isinstance(obj, jax.ShapeDtypeStruct)
     ids = jnp.asarray(ids, jnp.int32)
     spec = launch_spec(direction, geom, grid_items, obj_rows=rows, obj_elems=elems,
-                       fresh=fresh, ids_len=ids.shape[0], kernel_group=kernel_group)
+                       fresh=fresh, ids_len=ids.shape[0], kernel_group=kernel_group,
+                       resident_waves=tuning.resident_waves)
     given = {"meta": [jnp.asarray(meta, jnp.int32)], "ids": [ids],
              "obj": [] if fresh else [obj], "cache": list(caches)}
     operands = [given[kind].pop(0) for kind in spec.operand_kinds]
@@ -368,7 +359,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
               "cache": [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
               "err": [jax.ShapeDtypeStruct((64,), jnp.uint8)]}  # 8 int64 words, dropped
     results = [shapes[kind].pop(0) for kind in spec.result_kinds]
-    opaque = _kernel_call(direction, spec.buffers, spec.ctas, _build_settings())
+    opaque = _kernel_call(direction, spec.buffers, spec.ctas, _isa_override())
     # vmap: one launch per batch entry (the kernel has no batch axis).
     call = jax.ffi.ffi_call(CUSTOM_CALL_TARGET, results, input_output_aliases=spec.aliases,
                             vmap_method="sequential")

@@ -6,7 +6,7 @@ shared -> global with the TMA unit's bulk copies (``cp.async.bulk``, no tensor m
 :func:`_bulk_load_options`). Caches are viewed as ``[rows, 256]`` and a span as
 ``[span / 256, 256]``, cut into pieces of at most 256 rows (a TMA box's limit, kept so a
 tensor-map copy stays legal too); every offset must then be a whole number of 256-element
-rows. Other layouts raise :class:`~kvgroups_core.errors.UnsupportedConfig` and go to the Triton
+rows. Other layouts raise :class:`~kvgroups_core.errors.UnsupportedConfigError` and go to the Triton
 lowering.
 
 The kernel is an ``mpmd_map`` over a ``plgpu.Mesh`` (``pl.kernel(body, mesh=plgpu.Mesh(...))``,
@@ -28,15 +28,15 @@ cut into pieces that alternate between two buffers, each with its own barrier: t
 piece ``k + 1`` is issued before waiting for piece ``k`` and storing it, so up to two loads and
 the previous store are in flight.
 
-On the H200 (jax 0.11.2) it is bit-exact and in place for every smoke case
-(``tests/jax_backend/mosaic_smoke.py``) and
-moves 32 KiB pages as fast as the Triton kernel (~0.9 of the device copy rate); 2 KiB pages run
-far slower (one serial TMA round trip per program), so ``"auto"`` uses it for spans of 16 KiB and
-more (``kvgroups_jax.lowerings.choice.resolve_lowering``). CI lowers it for an abstract H200 on jax 0.10.2
+Large pages move as fast as with the Triton kernel; small ones far slower (one serial TMA
+round trip per program), so ``"auto"`` uses it for spans of 16 KiB and more
+(``kvgroups_jax.lowerings.choice.resolve_lowering``). On a GPU the smoke run
+(``tests/jax_backend/mosaic_smoke.py``) checks it bit-exact and in place per layout; CI lowers
+it for an abstract compute-capability 9.0 GPU on jax 0.10.2
 (``tests/jax_backend/test_lowering.py``) and runs it in the Mosaic GPU interpreter
 (``tests/jax_backend/test_mosaic_interpret.py``).
 
-Reference: :func:`kvgroups_core.transfer.reference.run_group` (the NumPy oracle).
+Reference: :func:`kvgroups_core.transfer.reference.execute_group` (the NumPy oracle).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_jax.geometry import GroupGeometry, chunk_order
 
 #: TMA moves at most 256 elements per box dimension.
@@ -60,18 +60,15 @@ MAX_SMEM_BYTES = 64 * 1024
 #: Shared-memory buffers per program when a span takes more than one piece.
 NUM_BUFFERS = 2
 
-#: Programs go about a chunk at a time (geometry.chunk_order); False: every item of plane 0
-#: first, then plane 1, ... (read while tracing; sweeps only).
-CHUNK_ORDER = True
 _ITEM_AXIS = "item"
 _PLANE_AXIS = "plane"
 
 
 def mosaic_pieces(geom: GroupGeometry) -> tuple[int, int]:
-    """``(rows_per_copy, copies)`` of a span, or raise UnsupportedConfig."""
+    """``(rows_per_copy, copies)`` of a span, or raise UnsupportedConfigError."""
     span = geom.span
     if span is None:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             "layout: expected one contiguous span per block and plane for Mosaic GPU (NHD-like), "
             f"got {len(geom.boxes)} strided boxes"
         )
@@ -82,7 +79,7 @@ def mosaic_pieces(geom: GroupGeometry) -> tuple[int, int]:
     values.update({f"operand_size[{k}]": s for k, s in enumerate(geom.operand_sizes)})
     for name, value in values.items():
         if value % TMA_DIM:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"{name}: expected a multiple of {TMA_DIM} elements for TMA rows, got {value}"
             )
     rows = span // TMA_DIM
@@ -101,8 +98,8 @@ def _largest_piece(rows: int, cap_rows: int) -> int:
 
     Any divisor will do: a bulk copy takes any multiple of 16 bytes and a TMA box any extent
     up to 256. An MLA page (576-wide rows, 64 tokens: 144 rows) is then three copies of 48
-    rows, not nine of 16 (each piece is unrolled per operand, so few pieces also compile
-    faster: 10-13 s for DeepSeek-V3's 61 layers in nine pieces on the H200).
+    rows, not nine of 16 (each piece is unrolled per operand, so fewer pieces also compile
+    faster).
     """
     cap = max(1, min(TMA_DIM, cap_rows, rows))
     return next(d for d in range(cap, 0, -1) if rows % d == 0)
@@ -131,14 +128,10 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
         (obj,), caches = refs[:1], refs[1:1 + num_ops]
     smem, barriers = refs[-2:]
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
-    if CHUNK_ORDER:
-        # The item axis is CUDA's x (started first): walk the grid about a chunk at a time.
-        i, plane_id = chunk_order(
-            lax.axis_index(_ITEM_AXIS) + grid_items * lax.axis_index(_PLANE_AXIS),
-            grid_items, geom.num_planes, kept)
-    else:
-        i = lax.axis_index(_ITEM_AXIS)
-        plane_id = lax.axis_index(_PLANE_AXIS)
+    # The item axis is CUDA's x (started first): walk the grid about a chunk at a time.
+    i, plane_id = chunk_order(
+        lax.axis_index(_ITEM_AXIS) + grid_items * lax.axis_index(_PLANE_AXIS),
+        grid_items, geom.num_planes, kept)
     span_rows = geom.span // TMA_DIM
 
     @pl.when(i < meta_ref[1])
@@ -220,8 +213,8 @@ def _bulk_load_options() -> dict:
     ZEROS (the default) Mosaic GPU emits ``cp.async.bulk`` with the byte count clamped to the
     array's end, as it already does for SMEM -> GMEM. The default builds one TMA descriptor per
     source array (33 for a 32-layer store), each initialised on the host at every launch, and
-    the compile time grew with their number: 14 s for a 32-layer store, 49 s for 64 layers on
-    the H200 (jax 0.11.2), against ~1 s for the load, whose one source is the object.
+    the compile time grows with their number (docs/PERFORMANCE.md, "Measurements behind the
+    design").
     """
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -260,7 +253,7 @@ def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=Non
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError as exc:  # jaxlib without the Mosaic GPU extension
-        raise UnsupportedConfig(f"lowering: Mosaic GPU is not available in this jax ({exc})") \
+        raise UnsupportedConfigError(f"lowering: Mosaic GPU is not available in this jax ({exc})") \
             from exc
 
     rows, copies = mosaic_pieces(geom)
@@ -307,7 +300,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
     Traceable; the caller jits and donates the written operands (caches on load, objects on
     store), which the results then reuse. ``interpret`` (``True`` or an ``InterpretGPUParams``)
     runs the kernel in the Mosaic GPU interpreter instead (CPU tests; it does not check TMA
-    limits, lowering for an abstract H200 does).
+    limits, lowering for an abstract compute-capability 9.0 GPU does).
     """
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
@@ -315,7 +308,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
         raise ValueError(
             f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}"
         )
-    mosaic_pieces(geom)  # raises UnsupportedConfig before tracing anything
+    mosaic_pieces(geom)  # raises UnsupportedConfigError before tracing anything
     n_chunks, elems = obj.shape
     shape3 = (n_chunks, elems // TMA_DIM, TMA_DIM)
     obj3 = jax.ShapeDtypeStruct(shape3, obj.dtype) if isinstance(obj, jax.ShapeDtypeStruct) \

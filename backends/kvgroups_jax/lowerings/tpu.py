@@ -15,7 +15,7 @@ table leaves them out, and the executor reports them through checkify
 TPU interpret mode (``pltpu.InterpretParams``: DMA semaphores, in-place aliasing and
 out-of-bounds reads modelled on any platform), which is how CI certifies it without a TPU.
 
-Reference: :func:`kvgroups_core.transfer.reference.run_group` (the NumPy oracle).
+Reference: :func:`kvgroups_core.transfer.reference.execute_group` (the NumPy oracle).
 """
 
 from __future__ import annotations
@@ -215,7 +215,7 @@ def _one_launch_per_batch_element(launch):
 
 
 def check_supported(geom: GroupGeometry) -> None:
-    """Raise UnsupportedConfig when no DMA plan fits ``geom`` (see :mod:`.tpu_windows`)."""
+    """Raise UnsupportedConfigError when no DMA plan fits ``geom`` (see :mod:`.tpu_windows`)."""
     plan_dmas(geom)
 
 

@@ -35,7 +35,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_jax.geometry import GroupGeometry
 
 #: DMA sites (planes x segments x unrolled loop iterations) one launch may unroll; beyond it a
@@ -313,13 +313,13 @@ NATURAL_SLACK = 4
 
 @functools.lru_cache(maxsize=256)
 def plan_dmas(geom: GroupGeometry) -> DmaPlan:
-    """The :class:`DmaPlan` of ``geom`` (raises UnsupportedConfig when none fits)."""
+    """The :class:`DmaPlan` of ``geom`` (raises UnsupportedConfigError when none fits)."""
     if not geom.segments:
-        raise UnsupportedConfig("layout: expected segment runs for the TPU lowering, got none")
+        raise UnsupportedConfigError("layout: expected segment runs for the TPU lowering, got none")
     found = [p for p in (_plan_for(geom, kind, views) for kind, views in _cache_views(geom))
              if p is not None]
     if not found:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"layout: expected DMA windows of at most {MAX_DMA_SITES} unrolled copies per "
             f"launch for the TPU lowering, got a group of {geom.num_planes} planes whose pages "
             "need more"

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_jax.geometry import MAX_INDEX, GroupGeometry
 
 
@@ -38,7 +38,7 @@ def _rows_ok(geom: GroupGeometry, span: int | None, obj_elems: int) -> bool:
 
 
 def check_index_range(geom: GroupGeometry, n_chunks: int, obj_elems: int, rows: bool) -> None:
-    """Raise :class:`UnsupportedConfig` (at trace time, before anything runs or is donated)
+    """Raise :class:`UnsupportedConfigError` (at trace time, before anything runs or is donated)
     when an index this path computes would pass int32 (JAX indexes with int32 unless x64 is
     on). The row path indexes rows of ``span`` elements, so it serves caches of up to
     2**31 - 1 rows; the element path up to 2**31 - 1 elements of ``geom.unit`` bytes."""
@@ -47,7 +47,7 @@ def check_index_range(geom: GroupGeometry, n_chunks: int, obj_elems: int, rows: 
     need = max(need, n_chunks * (obj_elems // span) if rows else n_chunks)
     if need > MAX_INDEX:
         what = f"rows of {span * geom.unit} bytes" if rows else f"elements of {geom.unit} bytes"
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"cache array: expected at most {MAX_INDEX} {what} for the XLA path (int32 "
             f"indexing), got {need}"
         )

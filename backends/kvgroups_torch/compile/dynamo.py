@@ -27,7 +27,7 @@ import numpy as np
 import torch
 import torch.utils._pytree as pytree
 
-from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer import api as transfer
 
@@ -75,7 +75,7 @@ class PlanTemplate:
     def execute(self, caches: Sequence[torch.Tensor], objects: Sequence[torch.Tensor],
                 block_ids: Sequence[torch.Tensor], skip: Any) -> None:
         from kvgroups_torch import cpu as cpu_path
-        from kvgroups_torch.cuda import run as cuda_run
+        from kvgroups_torch.cuda import execute as cuda_execute
 
         plan = self.plan
         if self.device_ids:
@@ -89,9 +89,9 @@ class PlanTemplate:
             plan = replace(plan, skip_tokens=skip)
         device = caches[0].device
         if device.type == "cuda":
-            cuda_run.run_plan(plan, caches, objects, device.index, pinned=self.pinned)
+            cuda_execute.execute_plan(plan, caches, objects, device.index, pinned=self.pinned)
         else:
-            cpu_path.run_plan(host_plan(plan), caches, objects)
+            cpu_path.execute_plan(host_plan(plan), caches, objects)
 
 
 _templates: dict[tuple, int] = {}
@@ -134,7 +134,7 @@ def record(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any], pi
     flat = []
     for g, entry in enumerate(objects):
         if not isinstance(entry, torch.Tensor):
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"objects[{g}]: expected one [num_chunks, nbytes] tensor per object group "
                 f"inside torch.compile, got {type(entry).__name__} (per-chunk buffers are "
                 "eager only)")

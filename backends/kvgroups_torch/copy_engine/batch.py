@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from kvgroups_cuda import params as P
 
-from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfig
-from kvgroups_torch.cuda.driver import _libcuda, check, driver_version, primary_context
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsValueError, UnsupportedConfigError
+from kvgroups_torch.cuda.driver import check, driver_version, libcuda, primary_context
 
 from .paths import table_for
 from .runs import group_copies
@@ -56,10 +56,10 @@ def batch_function() -> tuple[Any, bool]:
     CUDA 12.8 added ``cuMemcpyBatchAsync(dsts, srcs, sizes, count, attrs, attrsIdxs,
     numAttrs, failIdx, stream)``; CUDA 13.0 dropped ``failIdx`` and exports that signature as
     ``cuMemcpyBatchAsync_v2`` (the unversioned symbol keeps the 12.8 one)."""
-    lib = _libcuda()
+    lib = libcuda()
     version = driver_version()
     if version < 12080:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"path: expected a CUDA driver >= 12.8 for 'copy_engine' (cuMemcpyBatchAsync), got "
             f"{version // 1000}.{version % 1000 // 10}")
     vp, size, ptr = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
@@ -77,7 +77,7 @@ def available() -> bool:
     """Whether this machine's driver has the batched copy."""
     try:
         batch_function()
-    except (OSError, UnsupportedConfig):
+    except (OSError, UnsupportedConfigError):
         return False
     return True
 
@@ -152,7 +152,7 @@ def enqueue(pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
 def submit(fn: Any, args: list, stream: int, device_index: int, buf: BatchBuffers) -> None:
     """Call the batched copy in the device's primary context (PyTorch's), restoring the
     thread's current context after."""
-    lib = _libcuda()
+    lib = libcuda()
     context = primary_context(device_index)
     lib.cuCtxGetCurrent(ctypes.byref(buf.current))
     previous = buf.current.value
@@ -214,7 +214,7 @@ def copy_groups(plan: Any, device_index: int, block_ids: Sequence[Any] | None = 
         return _NONE
     if path == "copy_engine":
         refuse_device_ids(plan, block_ids)
-        batch_function()  # UnsupportedConfig on drivers without it, before anything moves
+        batch_function()  # UnsupportedConfigError on drivers without it, before anything moves
         return frozenset(range(len(plan.groups)))
     table = table_for(device_index)
     if table is None or _device_ids(plan, block_ids) or torch.cuda.is_current_stream_capturing():

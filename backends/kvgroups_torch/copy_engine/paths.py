@@ -176,8 +176,8 @@ def tune_copy_paths(device: Any = None, *, page_sizes: Sequence[int] = PAGE_SIZE
     prepared call with host ids runs with ``path="kernel"`` and ``path="copy_engine"``
     (medians of ``iters`` CUDA-event timings). With ``save`` the table is written to
     :func:`table_path` and used by ``"auto"`` from now on in this process. ``on_point(point)``
-    is called after each measurement (benchmarks print them). Takes a minute or two on an
-    H200 with the defaults.
+    is called after each measurement (benchmarks print them). Takes a minute or two with the
+    defaults.
     """
     import numpy as np
     import torch

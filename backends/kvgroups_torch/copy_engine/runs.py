@@ -22,7 +22,7 @@ from typing import Any, Sequence
 import numpy as np
 from kvgroups_cuda.geometry import group_shape
 
-from kvgroups_core.errors import UnsupportedConfig
+from kvgroups_core.errors import UnsupportedConfigError
 from kvgroups_core.transfer.block_runs import block_runs
 from kvgroups_core.transfer.plan import PlaneRef
 
@@ -76,7 +76,7 @@ def _run_copies(group: Any, shape: Any, runs: Any, direction: str, planes: np.nd
     sizes = np.broadcast_to(runs.length * shape.page_bytes, cache.shape)
     dst, src = (obj, cache) if direction == "store" else (cache, obj)
     if dst.size > MAX_COPIES:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"path: expected at most {MAX_COPIES} copies per group for 'copy_engine', got "
             f"{dst.size} (use path='kernel')")
     return dst.reshape(-1), src.reshape(-1), sizes.reshape(-1).copy()
@@ -121,7 +121,7 @@ def group_copies(group: Any, direction: str, plane_bases: Sequence[int],
                 + pos * shape.page_obj_stride)[None, :] + (rows * shape.plane_obj_stride)[:, None]
     count = planes.size * item.size * sum(shape.block_size * r.count for r in shape.runs)
     if count > MAX_COPIES * 8:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"path: expected at most {MAX_COPIES * 8} pieces per group for 'copy_engine', got "
             f"{count} (scattered pieces: use path='kernel')")
     dsts, srcs, sizes = [], [], []
@@ -142,7 +142,7 @@ def group_copies(group: Any, direction: str, plane_bases: Sequence[int],
         sizes.append(n)
     out = tuple(np.concatenate(x) if len(x) > 1 else x[0] for x in (dsts, srcs, sizes))
     if out[0].size > MAX_COPIES:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"path: expected at most {MAX_COPIES} copies per group for 'copy_engine', got "
             f"{out[0].size} (scattered pieces: use path='kernel')")
     return out

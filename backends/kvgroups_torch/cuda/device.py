@@ -37,9 +37,6 @@ class DeviceState:
 
 
 _devices: dict[int, DeviceState] = {}
-
-
-_devices: dict[int, DeviceState] = {}
 _devices_lock = threading.Lock()
 
 
@@ -51,6 +48,12 @@ def device_state(index: int) -> DeviceState:
             if state is None:
                 state = _devices[index] = DeviceState(index)
     return state
+
+
+def forget_devices() -> None:
+    """Drop every per-GPU state (its kernels are loaded again at the next use)."""
+    with _devices_lock:
+        _devices.clear()
 
 
 def check_device_errors(device: torch.device | int | str | None = None) -> None:

@@ -4,14 +4,13 @@
 ``cuLaunchKernelEx`` with one pre-packed ``KvgParams``, in the device's primary context (the
 one PyTorch uses), on PyTorch's current stream. ``cuLaunchKernelEx`` rather than
 ``cuLaunchKernel`` (drivers from CUDA 11.8) even where no launch attribute is set: its
-geometry travels in a struct written only when it changes, and ctypes converting
-``cuLaunchKernel``'s eleven scalar arguments cost three times the whole call (1.2 against 0.4
-us on a CPU host; 8.3-8.7 against 4.1-5.7 us of host time per launch on the H200's).
+geometry travels in a struct written only when it changes, while ctypes converting
+``cuLaunchKernel``'s eleven scalar arguments costs more than the rest of the call.
 
 On sm_90 and later the page-copy kernels are launched with programmatic stream serialization
 (``cuLaunchKernelEx``): the GPU may set a launch up while the kernel before it on the stream
-drains, which hides most of the 1-2 us between back-to-back kernels (a tenth of a one-chunk
-transfer on the H200). Stream order stays exact because every such kernel's first
+drains, which hides most of the idle time between back-to-back kernels (docs/PERFORMANCE.md
+has both measurements). Stream order stays exact because every such kernel's first
 instruction is ``griddepcontrol.wait`` (``kvgroups_cuda/kernels/page_copy.cu``): it returns only once the
 kernel before it has finished and its writes are visible. Only kernels that wait may be
 launched this way (``programmatic=True``); ``KVGROUPS_PROGRAMMATIC_LAUNCH=0`` turns it off.
@@ -24,7 +23,7 @@ import functools
 import os
 import sys
 
-from kvgroups_core.errors import KVGroupsError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsError, UnsupportedConfigError
 
 
 class KernelLaunchError(KVGroupsError, RuntimeError):
@@ -32,9 +31,10 @@ class KernelLaunchError(KVGroupsError, RuntimeError):
 
 
 @functools.cache
-def _libcuda() -> ctypes.CDLL:
+def libcuda() -> ctypes.CDLL:
+    """The CUDA driver library, loaded once (Linux only)."""
     if not sys.platform.startswith("linux"):
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"platform: expected linux for the CUDA kernels, got {sys.platform}"
         )
     lib = ctypes.CDLL("libcuda.so.1")
@@ -97,7 +97,7 @@ def programmatic_launch(device_index: int) -> bool:
     not "0"."""
     if os.environ.get("KVGROUPS_PROGRAMMATIC_LAUNCH", "1") == "0":
         return False
-    lib = _libcuda()
+    lib = libcuda()
     if not hasattr(lib, "cuLaunchKernelEx"):
         return False
     version = ctypes.c_int()
@@ -112,7 +112,7 @@ def programmatic_launch(device_index: int) -> bool:
 
 
 def _error_text(code: int) -> str:
-    lib = _libcuda()
+    lib = libcuda()
     name, text = ctypes.c_char_p(), ctypes.c_char_p()
     lib.cuGetErrorName(code, ctypes.byref(name))
     lib.cuGetErrorString(code, ctypes.byref(text))
@@ -128,7 +128,7 @@ def check(code: int, what: str) -> None:
 @functools.cache
 def driver_version() -> int:
     """``cuDriverGetVersion`` (e.g. 13000 for CUDA 13.0)."""
-    lib = _libcuda()
+    lib = libcuda()
     version = ctypes.c_int()
     check(lib.cuDriverGetVersion(ctypes.byref(version)), "cuDriverGetVersion")
     return version.value
@@ -136,7 +136,7 @@ def driver_version() -> int:
 
 def primary_context(device_index: int) -> int:
     """Handle of the primary context of ``device_index`` (PyTorch's context)."""
-    lib = _libcuda()
+    lib = libcuda()
     dev = ctypes.c_int()
     check(lib.cuDeviceGet(ctypes.byref(dev), device_index), f"cuDeviceGet({device_index})")
     ctx = ctypes.c_void_p()
@@ -151,7 +151,7 @@ class _InContext:
         self._ctx = primary_context(device_index)
 
     def __enter__(self) -> None:
-        lib = _libcuda()
+        lib = libcuda()
         current = ctypes.c_void_p()
         check(lib.cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
         self._previous = current.value
@@ -160,7 +160,7 @@ class _InContext:
 
     def __exit__(self, *exc: object) -> None:
         if self._previous != self._ctx:
-            _libcuda().cuCtxSetCurrent(self._previous)
+            libcuda().cuCtxSetCurrent(self._previous)
 
 
 _CAPTURE_STATUS_NONE = 0  # CU_STREAM_CAPTURE_STATUS_NONE
@@ -172,7 +172,7 @@ def stream_is_capturing(device_index: int, stream: int) -> bool:
     (an invalidated capture counts: nothing may be queued outside it either)."""
     status = ctypes.c_int()
     with _InContext(device_index):
-        check(_libcuda().cuStreamIsCapturing(stream, ctypes.byref(status)),
+        check(libcuda().cuStreamIsCapturing(stream, ctypes.byref(status)),
               "cuStreamIsCapturing")
     return status.value != _CAPTURE_STATUS_NONE
 
@@ -184,7 +184,7 @@ def stream_wait_event(device_index: int, stream: int, event: int, *, external: b
     accepts)."""
     flags = _EVENT_WAIT_EXTERNAL if external else 0
     with _InContext(device_index):
-        check(_libcuda().cuStreamWaitEvent(stream, event, flags), "cuStreamWaitEvent")
+        check(libcuda().cuStreamWaitEvent(stream, event, flags), "cuStreamWaitEvent")
 
 
 class Launcher:
@@ -203,7 +203,7 @@ class Launcher:
 
     def __init__(self, device_index: int, params_address: int, *,
                  programmatic: bool = False) -> None:
-        self._lib = lib = _libcuda()
+        self._lib = lib = libcuda()
         self._ctx = primary_context(device_index)
         self._current = ctypes.c_void_p()
         # Bound once: a launch is a few microseconds of host time, and building the byref

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 
 import numpy as np
 import torch
-from kvgroups_cuda import geometry, nvrtc
+from kvgroups_cuda import geometry
 from kvgroups_cuda import params as P
 from kvgroups_cuda.geometry import GroupShape, group_shape, items_per_cta
 
@@ -25,22 +25,22 @@ from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 from kvgroups_core.formats.segments import widest_unit
 
-from .device import DeviceState, _devices, _devices_lock
+from .device import DeviceState, forget_devices
 from .driver import Launcher
-from .objects import ObjectBinding, _to_device, _to_table, object_plane
+from .objects import ObjectBinding, object_plane, to_device, to_table
 
 _INT32_MAX = 2**31 - 1
 
 
 def reset_caches() -> None:
-    """Forget loaded kernels and cached launch state (after changing ``nvrtc.TUNING`` or
-    ``geometry.TARGET_CTA_BYTES``; benchmarks use this)."""
-    with _devices_lock, _cache_lock:
-        _devices.clear()
+    """Forget loaded kernels and cached launch state (tests that change
+    ``geometry.WARP_MIN_PAGE_BYTES`` use this)."""
+    forget_devices()
+    with _cache_lock:
         _by_identity.clear()
         _by_value.clear()
 
@@ -60,7 +60,7 @@ class GroupLaunch:
         self.device = device
         self.num_planes = len(plane_addresses)
         if not 0 < self.num_planes <= 65535:
-            raise UnsupportedConfig(
+            raise UnsupportedConfigError(
                 f"planes: expected 1..65535 planes per kernel group, got {self.num_planes}"
             )
         # KvgPlane pairs: cache base, then the object offset of the plane's object rows.
@@ -68,27 +68,25 @@ class GroupLaunch:
         table = np.empty((self.num_planes, 2), dtype=np.int64)
         table[:, 0] = np.asarray(plane_addresses, dtype=np.uint64).view(np.int64)
         table[:, 1] = [object_plane(plane, p) * stride for p, plane in enumerate(group.planes)]
-        self.plane_table = _to_table(table.reshape(-1), device.index)
+        self.plane_table = to_table(table.reshape(-1), device.index)
         # The tables every launch of this state reads, and the streams whose launches may
         # read them as they are (device_tables.DeviceTable.readable_on did its part there).
         self.tables = (self.plane_table, device.err_table)
         self.ready: set[int] = set()
         self.base_unit = widest_unit([self.shape.unit, *plane_addresses])
         self.lock = threading.Lock()
-        # (direction, vector, small, warp) -> packed parameters, launcher, kernel handle
-        self._variants: dict[tuple[str, int, bool, bool], tuple[P.KvgParams, Launcher, int]] = {}
-        # Small pages run the kvg_*_small kernels (geometry.SMALL_PAGE_BYTES, read once here).
-        self.small = geometry.uses_small_pages(self.shape.page_bytes)
-        # ... and contiguous pages of 16-byte vectors the warp kernels (WARP_MIN_PAGE_BYTES).
-        self.warp = geometry.uses_warp_kernel(self.shape, self.small)
+        # (direction, vector, warp) -> packed parameters, launcher, kernel handle
+        self._variants: dict[tuple[str, int, bool], tuple[P.KvgParams, Launcher, int]] = {}
+        # Contiguous pages of 16-byte vectors run the warp kernels (WARP_MIN_PAGE_BYTES).
+        self.warp = geometry.uses_warp_kernel(self.shape)
         self._vectors: dict[int, int] = {}  # object alignment -> vector width
-        # (items, first item, warp kernel) -> ipc, tiles, work, ppc, segments per page
-        self._ipc: dict[tuple[int, int, bool], tuple[int, int, int, int, int]] = {}
-        self._steps: dict[tuple, tuple] = {}  # call shape -> what _step returns
+        # (items, first item, warp kernel) -> ipc, tiles, work, segments per page
+        self._ipc: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
+        self._steps: dict[tuple, tuple] = {}  # call shape -> what step() returns
 
     def _variant(self, direction: str, vector: int,
                  warp: bool = False) -> tuple[P.KvgParams, Launcher, int]:
-        found = self._variants.get((direction, vector, self.small, warp))
+        found = self._variants.get((direction, vector, warp))
         if found is None:
             shape = self.shape
             p = P.KvgParams()
@@ -113,7 +111,7 @@ class GroupLaunch:
                 r.units_per_token = run.count * r.units_per_piece
                 r.page_units = shape.block_size * r.units_per_token
                 r.shifts = P.pow2_shifts(r.page_units, r.units_per_token, r.units_per_piece)
-            name = P.kernel_name(direction, vector, shape.contiguous, self.small, warp=warp)
+            name = P.kernel_name(direction, vector, shape.contiguous, warp=warp)
             function = self.device.kernels.handle(name)
             # A NumPy window on the inline ids: one casting copy per call, no allocation.
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
@@ -121,7 +119,7 @@ class GroupLaunch:
             # Every page-copy entry point waits for the kernel before it (page_copy.cu).
             found = (p, Launcher(self.device.index, ctypes.addressof(p), programmatic=True),
                      function)
-            self._variants[(direction, vector, self.small, warp)] = found
+            self._variants[(direction, vector, warp)] = found
         return found
 
     def readable_on(self, stream: int) -> None:
@@ -138,6 +136,20 @@ class GroupLaunch:
             vector = widest_unit([self.base_unit, objects.unit])
             self._variant(direction, vector, warp=self.warp and vector == 16)
 
+    def step(self, direction: str, group: Any, unit: int, max_ctas: int | None) -> tuple:
+        """What a launch of ``group`` with objects of vector ``unit`` needs beside its ids,
+        objects and skip: ``(params, launcher, kernel, grid, ids needed, items, ...)`` (items
+        0: nothing to move; the rest is :func:`write_step`'s). Computed once per call shape
+        (an engine's layer-wise calls repeat a few shapes many times per step)."""
+        key = (direction, group.num_chunks, group.first_item, unit, max_ctas)
+        found = self._steps.get(key)
+        if found is None:
+            found = self._step(direction, group, unit, max_ctas)
+            if len(self._steps) >= 256:
+                self._steps.clear()
+            self._steps[key] = found
+        return found
+
     def _step(self, direction: str, group: Any, unit: int, max_ctas: int | None) -> tuple:
         """What a launch of this shape needs beside its ids, objects and skip: the packed
         parameters of its variant and its sizing (``num_items`` 0: nothing to move)."""
@@ -145,7 +157,7 @@ class GroupLaunch:
         num_items = num_chunks * self.kept_per_chunk - group.first_item
         needed = num_chunks * self.blocks_per_chunk
         if num_items <= 0:
-            return (None, None, None, None, needed, 0, 0, 0, 0, 0)
+            return (None, None, None, None, needed, 0, 0, 0, 0)
         if needed > _INT32_MAX:
             raise KVGroupsValueError(
                 f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}")
@@ -157,29 +169,21 @@ class GroupLaunch:
         if sizing is None:
             runs = len(self.shape.runs)
             fit = geometry.warp_sizing(self.shape.page_bytes, num_items, self.num_planes,
-                                       warp_unroll(), P.WARPS_PER_CTA, group.first_item,
+                                       P.WARP_UNROLL, P.WARPS_PER_CTA, group.first_item,
                                        self.kept_per_chunk) if warp else None
             if fit is not None:
-                (segs, work), ipc, tiles, ppc = fit, 0, 0, 0
-            elif self.small:
-                ipc, ppc = geometry.small_page_sizing(self.shape.page_bytes, num_items,
-                                                      self.num_planes, runs, self.device.num_sms)
-                tiles = -(-num_items // ipc)
-                work = tiles * -(-self.num_planes // ppc) * runs
+                (segs, work), ipc, tiles = fit, 0, 0
             else:
                 ipc = items_per_cta(self.shape.page_bytes, num_items, self.num_planes * runs,
                                     self.device.num_sms)
-                ppc, tiles = 0, -(-num_items // ipc)
+                segs, tiles = 0, -(-num_items // ipc)
                 work = tiles * self.num_planes * runs
-            if fit is None:
-                segs = 0
-            sizing = self._ipc[(num_items, group.first_item, warp)] = (ipc, tiles, work, ppc,
-                                                                    segs)
-        ipc, tiles, work, ppc, segs = sizing
+            sizing = self._ipc[(num_items, group.first_item, warp)] = (ipc, tiles, work, segs)
+        ipc, tiles, work, segs = sizing
         grid = (work if max_ctas is None or max_ctas >= work else max_ctas, 1, 1)
         with self.lock:
             p, launcher, function = self._variant(direction, vector, warp=segs > 0)
-        return (p, launcher, function, grid, needed, num_items, ipc, tiles, ppc, segs)
+        return (p, launcher, function, grid, needed, num_items, ipc, tiles, segs)
 
     def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
                block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
@@ -191,16 +195,10 @@ class GroupLaunch:
         ``max_ctas`` caps the CTAs of the launch (they loop over the work). An out-of-range
         id is reported against the group's ``engine_group_idx``.
         """
-        # Everything that follows from the call's shape is looked up once per shape: an
-        # engine's layer-wise calls repeat a few shapes many times per step.
         num_chunks, first_item = group.num_chunks, group.first_item
-        key = (direction, num_chunks, first_item, objects.unit, max_ctas)
-        step = self._steps.get(key)
+        step = self._steps.get((direction, num_chunks, first_item, objects.unit, max_ctas))
         if step is None:
-            step = self._step(direction, group, objects.unit, max_ctas)
-            if len(self._steps) >= 256:
-                self._steps.clear()
-            self._steps[key] = step
+            step = self.step(direction, group, objects.unit, max_ctas)
         p, launcher, function, grid, needed, num_items = step[:6]
         if not num_items:
             return
@@ -214,15 +212,15 @@ class GroupLaunch:
         if objects.table is not None:
             objects.table.readable_on(stream)
         with self.lock:
-            keepalive = _bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
+            keepalive = bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
             # Fields equal to the last launch's are not written again (ctypes writes are
             # the bulk of a launch's host time): the bindings are memoised by value, so the
             # same object buffer comes back as the same binding; every write to ``p`` goes
             # through here, under the lock.
             if p.last_objects is not objects:
-                _write_objects(p, objects)
+                write_objects(p, objects)
             if p.last_step is not step:
-                _write_step(p, step, first_item)
+                write_step(p, step, first_item)
             if skip is None:
                 if p.skip_mode:
                     p.skip_mode = P.SKIP_NONE
@@ -233,12 +231,7 @@ class GroupLaunch:
         del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
 
 
-def warp_unroll() -> int:
-    """Vectors per lane of a warp-kernel segment: the cubin's ``KVG_WARP_UNROLL``."""
-    return int(nvrtc.TUNING.get("KVG_WARP_UNROLL", P.WARP_UNROLL))
-
-
-def _write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
+def write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
     """Point ``p`` at ``objects`` (under the launch state's lock)."""
     p.obj_mode = mode = objects.mode
     if mode == P.OBJ_STRIDED:
@@ -250,10 +243,10 @@ def _write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
     p.last_objects = objects
 
 
-def _write_step(p: P.KvgParams, step: tuple, first_item: int) -> None:
-    """The item range and tiling of ``step`` (what :meth:`GroupLaunch._step` returned)."""
+def write_step(p: P.KvgParams, step: tuple, first_item: int) -> None:
+    """The item range and tiling of ``step`` (what :meth:`GroupLaunch.step` returned)."""
     p.first_item = first_item
-    p.num_items, p.items_per_cta, p.num_tiles, p.planes_per_cta, segs = step[5:10]
+    p.num_items, p.items_per_cta, p.num_tiles, segs = step[5:9]
     p.segs_per_page = segs
     p.segs_shift = segs.bit_length() - 1 if segs > 0 and segs & (segs - 1) == 0 else 0xFF
     p.last_step = step
@@ -277,7 +270,7 @@ class DeviceSkip:
 def device_skip(skip: torch.Tensor, mul: int, div: int, limit: int,
                 device_index: int) -> DeviceSkip:
     """Check a device skip's static facts (one int32/int64 element on the caches' GPU)."""
-    if not _on_device(skip, device_index):
+    if not on_device(skip, device_index):
         raise KVGroupsValueError(
             f"skip_first_n_tokens: expected a tensor on cuda:{device_index}, got {skip.device}"
         )
@@ -290,12 +283,12 @@ def device_skip(skip: torch.Tensor, mul: int, div: int, limit: int,
     return DeviceSkip(skip, mode, skip.data_ptr(), mul, max(div, 1), limit)
 
 
-def _on_device(t: torch.Tensor, device_index: int) -> bool:
+def on_device(t: torch.Tensor, device_index: int) -> bool:
     """Whether ``t`` lives on the launch's GPU (the CPU launch emulation replaces this)."""
     return t.is_cuda and t.get_device() == device_index
 
 
-def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
+def bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
     """Point ``p`` at the block ids: a CUDA tensor is read in place (graph capturable); host
     ids go inline into the parameters when they fit, else to the device."""
     if type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu" \
@@ -305,15 +298,15 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
         p.inline_view[:needed] = ids[:needed]
         p.ids_mode = P.IDS_INLINE32
         return None
-    if type(ids) is torch.Tensor and ids.is_cuda and ids.dtype in _ID_DTYPES \
+    if type(ids) is torch.Tensor and ids.is_cuda and ids.dtype in ID_DTYPES \
             and ids.get_device() == device_index and ids.is_contiguous() \
             and ids.numel() >= needed:
         # Device ids read in place (the common case, checks ordered cheapest first).
         p.ids = ids.data_ptr()
         p.ids_mode = P.IDS_DEVICE32 if ids.dtype is torch.int32 else P.IDS_DEVICE64
         return ids
-    if isinstance(ids, torch.Tensor) and (ids.is_cuda or _on_device(ids, device_index)):
-        if not _on_device(ids, device_index):
+    if isinstance(ids, torch.Tensor) and (ids.is_cuda or on_device(ids, device_index)):
+        if not on_device(ids, device_index):
             raise KVGroupsValueError(
                 f"block_ids: expected a tensor on cuda:{device_index}, got {ids.device}"
             )
@@ -340,27 +333,15 @@ def _bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
         p.inline_view[:needed] = host[:needed].astype(np.int32, copy=False)
         p.ids_mode = P.IDS_INLINE32
         return None
-    dev = _to_device(host[:needed].astype(np.int64, copy=False), device_index)
+    dev = to_device(host[:needed].astype(np.int64, copy=False), device_index)
     p.ids = dev.data_ptr()
     p.ids_mode = P.IDS_DEVICE64
     return dev
 
 
-_ID_DTYPES = (torch.int32, torch.int64)
-
-
-_ID_DTYPES = (torch.int32, torch.int64)
-_CACHE_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
-
-
+ID_DTYPES = (torch.int32, torch.int64)
 _CACHE_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
 _by_identity: OrderedDict[tuple, tuple[Any, Any, GroupLaunch]] = OrderedDict()
-
-
-_by_identity: OrderedDict[tuple, tuple[Any, Any, GroupLaunch]] = OrderedDict()
-_by_value: OrderedDict[tuple, GroupLaunch] = OrderedDict()
-
-
 _by_value: OrderedDict[tuple, GroupLaunch] = OrderedDict()
 _cache_lock = threading.Lock()
 

@@ -13,10 +13,7 @@ import numpy as np
 import torch
 from kvgroups_cuda import params as P
 
-from kvgroups_core.errors import (
-    KVGroupsTypeError,
-    KVGroupsValueError,
-)
+from kvgroups_core.errors import KVGroupsValueError
 from kvgroups_core.formats.segments import widest_unit
 
 from . import device_tables
@@ -35,10 +32,10 @@ class ObjectBinding:
     num_chunks: int = 0
 
 
-def check_object_tensor(t: torch.Tensor, device_index: int, what: str) -> None:
-    """Objects the kernels may touch: uint8, on ``device_index`` or in pinned host memory."""
-    if t.dtype != torch.uint8:
-        raise KVGroupsTypeError(f"{what}: expected a uint8 tensor, got {t.dtype}")
+def check_object_placement(t: torch.Tensor, device_index: int, what: str) -> None:
+    """The kernels' guard on an object's memory: on ``device_index`` or in pinned host memory
+    (the object rule itself, uint8 ``[num_chunks, nbytes]`` with contiguous rows, is the core's
+    ``check_objects``, which every entry point runs first)."""
     if t.is_cuda:
         if t.get_device() != device_index:
             raise KVGroupsValueError(
@@ -54,46 +51,33 @@ def check_object_tensor(t: torch.Tensor, device_index: int, what: str) -> None:
 
 
 def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
-    """Object addressing of one object group: a ``[num_chunks, nbytes]`` uint8 tensor, or a
-    sequence of ``num_chunks`` 1-D uint8 tensors anywhere on the device or pinned host."""
+    """Object addressing of one object group, checked by the core's ``check_objects``: a
+    ``[num_chunks, nbytes]`` uint8 tensor, or a sequence of ``num_chunks`` 1-D uint8
+    tensors, anywhere on the device or in pinned host memory."""
     if isinstance(entry, torch.Tensor):
-        check_object_tensor(entry, device_index, what)
-        if entry.dim() != 2 or (entry.shape[1] > 1 and entry.stride(1) != 1):
-            raise KVGroupsValueError(
-                f"{what}: expected a [num_chunks, nbytes] tensor with contiguous rows, got "
-                f"shape {tuple(entry.shape)} strides {entry.stride()}"
-            )
+        check_object_placement(entry, device_index, what)
         base, stride = entry.data_ptr(), entry.stride(0)
         unit = widest_unit([base, stride] if entry.shape[0] > 1 else [base])
         return ObjectBinding(P.OBJ_STRIDED, base=base, stride=stride, unit=unit,
                              num_chunks=entry.shape[0])
-    if not isinstance(entry, (list, tuple)):
-        raise KVGroupsTypeError(
-            f"{what}: expected a torch.Tensor or a list of per-chunk tensors, got "
-            f"{type(entry).__name__}"
-        )
     addresses = []
     for c, t in enumerate(entry):
-        if not isinstance(t, torch.Tensor):
-            raise KVGroupsTypeError(f"{what}[{c}]: expected a torch.Tensor, got {type(t).__name__}")
-        check_object_tensor(t, device_index, f"{what}[{c}]")
-        if not t.is_contiguous():
-            raise KVGroupsValueError(f"{what}[{c}]: expected a contiguous buffer, got strides {t.stride()}")
+        check_object_placement(t, device_index, f"{what}[{c}]")
         addresses.append(t.data_ptr())
     unit = widest_unit(addresses)
     if len(addresses) <= P.INLINE_OBJS:
         return ObjectBinding(P.OBJ_INLINE, addresses=tuple(addresses), unit=unit,
                              num_chunks=len(addresses))
-    table = _to_table(np.asarray(addresses, dtype=np.int64), device_index)
+    table = to_table(np.asarray(addresses, dtype=np.int64), device_index)
     return ObjectBinding(P.OBJ_TABLE, table=table, addresses=tuple(addresses), unit=unit,
                          num_chunks=len(addresses))
 
 
 # Tables kept across calls (plane and object tables), readable from any stream.
-_to_table = device_tables.upload
+to_table = device_tables.upload
 
 
-def _to_device(array: np.ndarray, device_index: int) -> torch.Tensor:
+def to_device(array: np.ndarray, device_index: int) -> torch.Tensor:
     """Host -> device copy ordered on the current stream, without blocking the host (for what
     one launch on that stream reads, such as host ids too many to pass inline)."""
     host = torch.from_numpy(np.ascontiguousarray(array)).pin_memory()
@@ -107,7 +91,7 @@ def object_plane(plane: Any, position: int) -> int:
     return position if found is None else found
 
 
-def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
+def region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
     """Byte ranges ``[start, stop)`` of each chunk's object that the plan's groups touch,
     merged: a staged store copies back only these (other bytes stay untouched). Each plane
     owns ``slots * row_bytes`` bytes at its object plane, so a layer-subset plan copies back
@@ -130,16 +114,16 @@ def _region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
     return merged
 
 
-def _stage(entry: Any, direction: str, device_index: int, spans: list[tuple[int, int]],
+def stage(entry: Any, direction: str, device_index: int, spans: list[tuple[int, int]],
            copies_after: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
     """Device stand-ins for pinned host objects: the touched regions are copied in before a
     load and out after a store, each copy one contiguous pinned range (asynchronous, and
     capturable in a CUDA graph)."""
     if isinstance(entry, (list, tuple)):
-        return [_stage(t, direction, device_index, spans, copies_after) for t in entry]
+        return [stage(t, direction, device_index, spans, copies_after) for t in entry]
     if not isinstance(entry, torch.Tensor) or entry.is_cuda:
         return entry
-    check_object_tensor(entry, device_index, "objects")  # pinned, uint8: before any copy
+    check_object_placement(entry, device_index, "objects")  # pinned: before any copy
     staging = torch.empty(entry.shape, dtype=entry.dtype, device=f"cuda:{device_index}")
     row = entry.shape[-1]
     if entry.is_contiguous() and spans == [(0, row)]:

@@ -60,7 +60,7 @@ from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
-    UnsupportedConfig,
+    UnsupportedConfigError,
 )
 from kvgroups_core.formats.layout import layer_layout
 from kvgroups_core.transfer.block_ids import host_id_array
@@ -175,7 +175,7 @@ def _window_tokens(spec: Any, kind_name: str, chunk: int, where: str) -> int:
 def read_layer_specs(kv_cache_config: Any, chunk: int) -> dict[str, LayerSpec]:
     """Every layer of every KV cache group, keyed by layer name.
 
-    Raises UnsupportedConfig (a NotImplementedError) naming the group and layer for spec types
+    Raises UnsupportedConfigError (a NotImplementedError) naming the group and layer for spec types
     the adapter does not know (cross-attention, ...) or a MambaSpec it cannot cache (a
     ``mamba_cache_mode`` other than "align"), and KVGroupsValueError for a layer
     listed in two groups.
@@ -193,7 +193,7 @@ def read_layer_specs(kv_cache_config: Any, chunk: int) -> dict[str, LayerSpec]:
             spec = _spec_for_layer(gid, group, name)
             kind_name = type(spec).__name__
             if kind_name not in KNOWN_SPECS:
-                raise UnsupportedConfig(
+                raise UnsupportedConfigError(
                     f"kv_cache_groups[{gid}] layer {name!r}: spec type {kind_name} is not "
                     f"supported (expected one of {', '.join(KNOWN_SPECS)})"
                 )
@@ -218,20 +218,20 @@ def _check_state_spec(gid: int, name: str, spec: Any) -> None:
     what = f"kv_cache_groups[{gid}] layer {name!r}"
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode != "align":
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"{what}: MambaSpec with mamba_cache_mode={mode!r} keeps no reusable state "
             "snapshots; expected mamba_cache_mode='align' (vLLM's default with prefix caching "
             "enabled)"
         )
     mamba_type = getattr(getattr(spec, "mamba_type", None), "name", str(spec.mamba_type))
     if mamba_type not in CONV_TEMPORAL_TYPES or len(spec.shapes) != 2:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"{what}: MambaSpec mamba_type {mamba_type} with {len(spec.shapes)} state shapes is "
             f"not supported (expected one of {', '.join(CONV_TEMPORAL_TYPES)}: a conv state "
             "and a temporal state)"
         )
     if int(getattr(spec, "num_heads", 1)) != 1 or int(getattr(spec, "tokens_per_state", -1)) > 0:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"{what}: MambaSpec with num_heads {spec.num_heads} / tokens_per_state "
             f"{spec.tokens_per_state} is not supported (expected one whole state per block)"
         )
@@ -332,7 +332,7 @@ def _spec_layer(kv_cache_config: Any, lspec: LayerSpec, layout: str) -> tuple[Te
     content_bytes = int(spec.state_content_size_bytes)
     block_stride = int(tensor.block_stride)
     if content_bytes % item or block_stride % item:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"layer {lspec.name!r}: content {content_bytes} B or block stride {block_stride} B "
             f"is not a whole number of {_dtype_name(spec.dtype)} elements"
         )
@@ -355,7 +355,7 @@ def _check_content(lspec: LayerSpec, content: int) -> None:
     head_size = int(spec.head_size)
     head_size_v = int(getattr(spec, "head_size_v", head_size) or head_size)
     if head_size_v != head_size or content != 2 * head_size:
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"layer {lspec.name!r}: expected K and V of {head_size} elements side by side "
             f"(content {2 * head_size}), got content {content} with head_size_v {head_size_v}"
         )
@@ -629,7 +629,7 @@ def from_kv_cache_config(
 
     Raises
     ------
-    UnsupportedConfig (NotImplementedError)
+    UnsupportedConfigError (NotImplementedError)
         A spec type the adapter does not know, naming the group and layer; a MambaSpec whose
         ``mamba_cache_mode`` is not "align" (naming it), or of an unsupported ``mamba_type``.
     KVGroupsValueError

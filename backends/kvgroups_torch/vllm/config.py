@@ -20,7 +20,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
 
 #: Where the settings come from, for messages.
 WHERE = "kv_connector_extra_config"
@@ -198,7 +198,7 @@ def check_role(role: Any) -> str:
         raise KVGroupsValueError(f"kv_role: expected one of {sorted(ROLES)}, got {role!r}")
     why = ROLES[role]
     if why is not None:
-        raise UnsupportedConfig(f"kv_role: expected 'kv_both', got {role!r}: {why}")
+        raise UnsupportedConfigError(f"kv_role: expected 'kv_both', got {role!r}: {why}")
     return role
 
 

@@ -35,7 +35,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
 
-from kvgroups_core.errors import KVGroupsError, KVGroupsValueError, UnsupportedConfig
+from kvgroups_core.errors import KVGroupsError, KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.logs import logger as kvgroups_logger
 
 from .adapter import from_kv_cache_config
@@ -68,7 +68,7 @@ def pd_config(extra: Any) -> dict:
     """The P/D settings of a checked ``kv_connector_extra_config`` (``vllm.config``)."""
     cfg = {k: v if extra.get(k) is None else extra.get(k) for k, v in PD_KEYS.items()}
     if cfg["transport"] != "nixl":
-        raise UnsupportedConfig(
+        raise UnsupportedConfigError(
             f"kv_connector_extra_config['transport']: expected 'nixl', got {cfg['transport']!r}"
         )
     if isinstance(cfg["nixl_backends"], str):

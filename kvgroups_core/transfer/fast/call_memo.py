@@ -8,8 +8,8 @@ so a call whose signature passed before needs none of that work again:
 - the plan signature ``(direction, ids, layers, skip, max_ctas)``, where ``ids`` is the host
   ids' dtype and shape, or the backend's :meth:`~kvgroups_core.transfer.backend.Backend.device_ids_key`
   of device ids (dtype, shape, device: a plan never depends on device id values), maps to the
-  plan, the bound tensors its planes touch (with their fingerprints) and the backend's runner
-  of that plan (:meth:`~kvgroups_core.transfer.backend.BoundCaches.runner`);
+  plan, the bound tensors its planes touch (with their fingerprints) and the backend's repeater
+  of that plan (:meth:`~kvgroups_core.transfer.backend.BoundCaches.repeater`);
 - the objects signature (type, identity, address, dtype, shape, strides and writability of
   each object: :func:`~kvgroups_core.transfer.checks.objects_key`) is remembered per direction and
   chunk count once the objects passed every check, so the layer-wise calls of one request
@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from kvgroups_core.transfer.checks import CacheGuard, numpy_objects_key
-from kvgroups_core.transfer.planner import _out_of_range
+from kvgroups_core.transfer.planner import ids_out_of_range
 
 _MAX_PLANS = 1024  # signatures: layers x directions x chunk counts x id dtypes
 _MAX_OBJECTS = 64  # object sets (an engine cycles through a few buffers)
@@ -80,7 +80,7 @@ class _Entry:
         self.slots = slots  # the bound tensor slots the plan's planes touch
         self.positions = positions  # where a flat structure holds them (None: check it whole)
         self.keys = keys  # their fingerprints when recorded (None: no fingerprints)
-        self.run = run  # BoundCaches.runner(plan, ...)
+        self.run = run  # BoundCaches.repeater(plan, ...)
 
 
 class CallMemo:
@@ -113,7 +113,7 @@ class CallMemo:
 
     def call(self, key: tuple, block_ids: Any, objects: Any, kv_caches: Any,
              fingerprints_checked: bool = False) -> Any:
-        """Run a call of a recorded signature: the runner's result, or None (a miss: nothing
+        """Run a call of a recorded signature: the repeater's result, or None (a miss: nothing
         has moved, the caller takes the full path). ``fingerprints_checked``: the caller has
         just compared every bound tensor's fingerprint with the binding's (a one-shot call
         taking its binding back does), so the touched ones need no second look."""
@@ -135,7 +135,7 @@ class CallMemo:
         if entry.checks is not None:  # host ids: their values are checked every call
             block_ids = block_ids.astype(np.int64, copy=False)
             for used, num_blocks in entry.checks:
-                if _out_of_range(block_ids[used], num_blocks):
+                if ids_out_of_range(block_ids[used], num_blocks):
                     return None  # the full path raises the precise error
         return entry.run(block_ids, objects, okey)
 
@@ -159,10 +159,9 @@ class CallMemo:
             return  # the planner read the ids otherwise than the key says: never memoised
         checks = None
         if host:
-            sk = binding.skeletons.get((plan.direction, plan.num_chunks, key[3], plan.layers))
-            if sk is None:
+            checks = binding.host_id_checks(plan.direction, plan.num_chunks, key[3], plan.layers)
+            if checks is None:
                 return
-            checks = tuple((used, num_blocks) for _, _, used, num_blocks in sk.checks)
             block_ids = block_ids.astype(np.int64, copy=False)
         slots = tuple(sorted({p.tensor_slot for g in plan.groups for p in g.planes}))
         tensors, keys = self._guard.watch(slots)
@@ -171,5 +170,5 @@ class CallMemo:
             self._held = {}
         entry = self._plans[key] = _Entry(scope, checks, slots,
                                           self._guard.positions_of(tensors), keys,
-                                          self._bound.runner(plan, block_ids))
+                                          self._bound.repeater(plan, block_ids))
         self._held[entry] = tensors

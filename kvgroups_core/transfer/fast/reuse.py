@@ -15,7 +15,7 @@ repeated signature takes the transfer's call memo (``kvgroups_core.transfer.fast
 its signatures while parked and only lets go of the tensors.
 
 Parking holds no cache alive: the parked transfer lets go of every tensor
-(``PreparedTransfer._release``) and the park keeps weak references (NumPy arrays: their ids,
+(``PreparedTransfer.release_caches``) and the park keeps weak references (NumPy arrays: their ids,
 see :func:`_refs`); an engine that drops its caches frees them, and the park then misses.
 A manager keeps one park (its last caches); a call takes it out under a lock, so two threads
 never share one. A refused call (bad ids or objects: nothing moved) puts it back; any other
@@ -36,7 +36,6 @@ import numpy as np
 from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
 from kvgroups_core.transfer.checks import copy_structure
 
-_ATTR = "_one_shot_park"  # the manager's attribute holding its park
 _LOCK = threading.Lock()
 
 
@@ -90,22 +89,22 @@ def park(manager: Any, prepared: Any, entry: "_Park | None" = None) -> None:
     The park refers to the structure the binding was made from (the guard's private copy),
     not to the engine's list as it is now: a thread that replaced an entry since then makes
     the next call miss, instead of parking new leaves over old bound tensors."""
-    objs = prepared._objs
-    guard = getattr(prepared, "_guard", None)
-    kv_caches = guard.source if guard is not None and guard.source is not None \
-        else prepared.kv_caches
+    objs = prepared.bound_tensors
+    kv_caches = prepared.bound_structure
+    if kv_caches is None:
+        kv_caches = prepared.kv_caches
     if entry is not None and entry.taken is not None:
         given, given_objs = entry.taken
         entry.taken = None
         if given is prepared.kv_caches and given_objs is objs:
             # The call kept the caches it was given (stores, in-place loads): the same refs.
-            if prepared._release():
+            if prepared.release_caches():
                 _put(manager, entry)
             return
         # A JAX load returned new arrays in the same structure: new references only.
         leaves = kv_caches if entry.flat else _structure(kv_caches)[1]
         refs = _refs(leaves, objs)
-        if refs is not None and prepared._release():
+        if refs is not None and prepared.release_caches():
             entry.leaf_refs, entry.slot_refs = refs
             _put(manager, entry)
         return
@@ -118,7 +117,7 @@ def park(manager: Any, prepared: Any, entry: "_Park | None" = None) -> None:
     if not leaves or any(isinstance(x, (TensorDesc, TensorSpec)) for x in leaves):
         return
     refs = _refs(leaves, objs)
-    if refs is not None and prepared._release():
+    if refs is not None and prepared.release_caches():
         _put(manager, _Park(prepared, flat, signature, *refs))
 
 
@@ -151,7 +150,7 @@ def put_back(manager: Any, entry: _Park) -> None:
 def _put(manager: Any, entry: _Park) -> None:
     with _LOCK:
         try:
-            setattr(manager, _ATTR, entry)
+            manager.one_shot_park = entry
         except AttributeError:  # a manager that takes no attributes: nothing kept
             pass
 
@@ -163,10 +162,10 @@ def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list, Any] | None:
     backend, then calls :func:`restore` with that copy). None otherwise; the park is taken
     out either way, so no other thread uses it meanwhile."""
     with _LOCK:
-        entry = getattr(manager, _ATTR, None)
+        entry = getattr(manager, "one_shot_park", None)
         if entry is None:
             return None
-        setattr(manager, _ATTR, None)
+        manager.one_shot_park = None
     prepared = entry.prepared
     if prepared.manager is not manager:  # a copy of the manager shares its attributes
         return None
@@ -206,5 +205,5 @@ def restore(entry: _Park, kv_caches: Any, objs: list, source: Any) -> Any:
     """Hand a taken park's transfer its caches back (``source``: the copy :func:`take`
     compared); returns the transfer."""
     entry.taken = (kv_caches, objs)
-    entry.prepared._restore(kv_caches, objs, source)
+    entry.prepared.restore_caches(kv_caches, objs, source)
     return entry.prepared

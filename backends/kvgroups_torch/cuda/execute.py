@@ -1,7 +1,7 @@
 """The run loops: a plan's groups enqueued on the current stream.
 
 Every group of a :class:`~kvgroups_core.transfer.plan.TransferPlan`, either from scratch
-(:func:`run_plan`) or on the bound caches of a prepared transfer (:class:`DeviceCaches`), the
+(:func:`execute_checked_plan`, or :func:`execute_plan` for a plan that bypassed the core's calls) or on the bound caches of a prepared transfer (:class:`DeviceCaches`), the
 copy-engine groups batched beside the kernels.
 """
 
@@ -12,11 +12,11 @@ from typing import Any, Sequence
 import torch
 from kvgroups_cuda import params as P
 
-from kvgroups_core.errors import (
-    KVGroupsValueError,
-)
+from kvgroups_core.errors import KVGroupsValueError
 from kvgroups_core.formats.segments import widest_unit
+from kvgroups_core.transfer.objects import check_objects
 from kvgroups_torch.copy_engine import batch as copy_engine
+from kvgroups_torch.describe import shape_of
 
 from .device import current_stream, device_state
 from .launch import (
@@ -27,14 +27,14 @@ from .launch import (
     plan_options,
     plane_addresses,
 )
-from .objects import ObjectBinding, _region_spans, _stage, bind_objects
+from .objects import ObjectBinding, bind_objects, region_spans, stage
 
 
 class DeviceCaches:
     """Launch state of one bound set of CUDA caches, for the repeated calls of a prepared
     transfer (``kvgroups_core.transfer.api.PreparedTransfer``).
 
-    :func:`run_plan` redoes per call what depends only on the caches: their addresses, the
+    :func:`execute_checked_plan` redoes per call what depends only on the caches: their addresses, the
     device state, the :class:`GroupLaunch` lookups (hashing every cache address). Here those
     are kept from bind time; a call checks its objects with a few tensor attribute reads (the
     derived :class:`ObjectBinding` is memoised by value, never by tensor identity, so a freed
@@ -54,10 +54,11 @@ class DeviceCaches:
 
     def bind_device_objects(self, plan: Any, objects: Any) -> list[ObjectBinding] | None:
         """One binding per object group when every object is a uint8 ``[num_chunks, nbytes]``
-        tensor with contiguous rows on this GPU: the checks of the core's ``check_objects``
-        and :meth:`TorchBackend.validate_objects` for that case. None for anything else
-        (pinned host, per-chunk buffers, a wrong shape ...): the caller then runs the generic
-        checks, which raise the precise errors, and the generic path."""
+        tensor with contiguous rows on this GPU (the hot case, recognised rather than checked:
+        it is what the core's ``check_objects`` and :meth:`TorchBackend.validate_objects`
+        accept there). None for anything else (pinned host, per-chunk buffers, a wrong shape
+        ...): the caller then runs those checks, which raise the precise errors, and the
+        generic path."""
         sizes = plan.object_nbytes
         if type(objects) not in (list, tuple) or len(objects) != len(sizes):
             return None
@@ -105,14 +106,14 @@ class DeviceCaches:
             self._launches[id(group.planes)] = hit
         return hit[2]
 
-    def run(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None = None) -> None:
+    def execute(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None = None) -> None:
         """Enqueue every group of ``plan`` with objects already bound (``bindings[g]`` for
-        object group ``g``); ``block_ids`` as for :func:`run_plan`."""
+        object group ``g``); ``block_ids`` as for :func:`execute_checked_plan`."""
         groups = plan.groups
         if getattr(plan, "path", "kernel") != "kernel":
             engine = copy_engine.copy_groups(plan, self.index, block_ids)
             if engine:
-                self._run_mixed(plan, bindings, block_ids, engine)
+                self._execute_mixed(plan, bindings, block_ids, engine)
                 return
         launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
@@ -130,7 +131,7 @@ class DeviceCaches:
                                max_ctas=max_ctas)
 
 
-    def _run_mixed(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None,
+    def _execute_mixed(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None,
                    engine: frozenset[int]) -> None:
         """Groups ``engine`` on the copy engines (one batch), the others as kernels."""
         addresses = self.addresses
@@ -151,10 +152,23 @@ class DeviceCaches:
                                max_ctas=max_ctas)
 
 
-def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
+def execute_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
              *, pinned: str = "direct", block_ids: Sequence[Any] | None = None,
              bindings: dict[int, ObjectBinding] | None = None) -> None:
-    """Enqueue every group of ``plan`` on the current stream of ``device_index``.
+    """Enqueue every group of ``plan`` on the current stream of ``device_index``: the entry
+    point for a plan that did not come through the core's calls (:class:`BoundPlan`, the
+    compiled ops), so the objects are checked by the core's object rule first; then
+    :func:`execute_checked_plan` (whose parameters these are)."""
+    check_objects(plan, objects, shape_of)
+    execute_checked_plan(plan, caches, objects, device_index, pinned=pinned, block_ids=block_ids,
+                 bindings=bindings)
+
+
+def execute_checked_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
+                 *, pinned: str = "direct", block_ids: Sequence[Any] | None = None,
+                 bindings: dict[int, ObjectBinding] | None = None) -> None:
+    """Enqueue every group of ``plan`` on the current stream of ``device_index``, its objects
+    checked by the core (``TorchBackend.execute``) or by :func:`execute_plan`.
 
     Parameters
     ----------
@@ -201,8 +215,8 @@ def run_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_in
             entry = objects[g]
             if pinned == "staged" and g not in direct and not (
                     isinstance(entry, torch.Tensor) and entry.is_cuda):
-                spans = _region_spans(plan, g)
-                entry = _stage(entry, direction, device_index, spans, copies_after)
+                spans = region_spans(plan, g)
+                entry = stage(entry, direction, device_index, spans, copies_after)
                 staged.append(entry)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
     skip, max_ctas = plan_options(plan, device_index)

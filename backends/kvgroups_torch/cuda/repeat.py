@@ -1,6 +1,6 @@
 """Repeated calls of a validated signature: one plan's launches kept ready.
 
-The launches of one plan on a prepared transfer's caches (:class:`PlanRunner`), so a warm call
+The launches of one plan on a prepared transfer's caches (:class:`PlanRepeater`), so a warm call
 only writes its ids and launches.
 """
 
@@ -12,21 +12,21 @@ import torch
 from kvgroups_cuda import params as P
 
 from .device import current_stream
-from .launch import _ID_DTYPES, _bind_ids, _on_device, _write_objects, _write_step
+from .execute import DeviceCaches
+from .launch import ID_DTYPES, bind_ids, on_device, write_objects, write_step
 from .objects import ObjectBinding
-from .run import DeviceCaches
 
 
-class PlanRunner:
+class PlanRepeater:
     """The launches of one plan on one :class:`DeviceCaches`, ready for the repeated calls of
     a validated signature (``kvgroups_core.transfer.fast.call_memo``): a call writes its ids (and, when they
     differ from the last launch's, the objects and the item range) into each group's packed
     parameters and launches. Built after a call of ``plan`` passed every check; later calls
     bring ids of the same dtype, shape, device and contiguity as ``sample_ids`` and objects the
     core validated for ``plan``'s direction and chunk count. Objects that are not device
-    objects bound before (pinned host memory) go to ``fallback`` (the generic runner)."""
+    objects bound before (pinned host memory) go to ``fallback`` (the generic repeater)."""
 
-    _MAX_OBJECTS = 64  # object signatures kept per runner (an engine cycles a few buffers)
+    _MAX_OBJECTS = 64  # object signatures kept per repeater (an engine cycles a few buffers)
 
     def __init__(self, fast: DeviceCaches, plan: Any, sample_ids: Any, fallback: Any) -> None:
         self.fast = fast
@@ -35,9 +35,9 @@ class PlanRunner:
         self.index = fast.index
         self.fallback = fallback
         # Contiguous int32/int64 tensors on the GPU are read in place: only their address
-        # changes between calls. Anything else (host ids) goes through _bind_ids.
-        self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in _ID_DTYPES \
-            and _on_device(sample_ids, self.index) and sample_ids.is_contiguous()
+        # changes between calls. Anything else (host ids) goes through bind_ids.
+        self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in ID_DTYPES \
+            and on_device(sample_ids, self.index) and sample_ids.is_contiguous()
         self.ids_mode = P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 \
             else P.IDS_DEVICE64
         self._steps: dict[Any, list[tuple]] = {}  # object vector units -> launch list
@@ -63,11 +63,7 @@ class PlanRunner:
         for group in plan.groups:
             launch = fast.launch_for(group)
             unit = bindings[group.object_group_idx].unit
-            key = (plan.direction, group.num_chunks, group.first_item, unit, plan.max_ctas)
-            step = launch._steps.get(key)
-            if step is None:
-                step = launch._steps[key] = launch._step(plan.direction, group, unit,
-                                                         plan.max_ctas)
+            step = launch.step(plan.direction, group, unit, plan.max_ctas)
             p, launcher, function, grid, needed, num_items = step[:6]
             if num_items:
                 out.append((launch, p, launcher, function, grid, step, group.first_item,
@@ -75,8 +71,8 @@ class PlanRunner:
         return out
 
     def __call__(self, ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
-        """Launch with ``ids`` on ``objects`` (the runner protocol of
-        ``kvgroups_core.transfer.backend.BoundCaches.runner``: ``(None, objects)``, nothing replaced).
+        """Launch with ``ids`` on ``objects`` (the repeater protocol of
+        ``kvgroups_core.transfer.backend.BoundCaches.repeater``: ``(None, objects)``, nothing replaced).
         ``objects_key``: the core's validated signature of ``objects`` (address, dtype, shape
         and strides of each), so what was bound for it before is bound again."""
         found = self._by_objects.get(objects_key) if objects_key is not None else None
@@ -102,11 +98,11 @@ class PlanRunner:
                     p.ids_mode = mode
                     keepalive = None
                 else:
-                    keepalive = _bind_ids(p, ids, needed, nb, self.index)
+                    keepalive = bind_ids(p, ids, needed, nb, self.index)
                 if p.last_objects is not objs:
-                    _write_objects(p, objs)
+                    write_objects(p, objs)
                 if p.last_step is not step:
-                    _write_step(p, step, first_item)
+                    write_step(p, step, first_item)
                 if p.skip_mode:
                     p.skip_mode = P.SKIP_NONE
                 launcher.launch(function, grid, P.THREADS, stream)
