@@ -38,6 +38,37 @@ def storage_view(t: torch.Tensor, unit: int) -> torch.Tensor:
     return torch.empty(0, dtype=_ELEMENT[unit], device=t.device).set_(t.untyped_storage())
 
 
+def _view_end(t: torch.Tensor) -> int:
+    """Bytes from the start of ``t``'s storage to just past its last element."""
+    end = byte_offset_in_storage(t)
+    if t.numel():
+        end += (sum((n - 1) * s for n, s in zip(t.shape, t.stride())) + 1) * t.element_size()
+    return end
+
+
+def _check_storages(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any]) -> None:
+    """Raise before any byte moves when a tensor reaches past its storage's end.
+
+    The views below span the whole storage, so a storage shrunk in place after its tensor was
+    bound (``untyped_storage().resize_``, which keeps the data pointer on the CPU) would fail
+    only at the first plane beyond the new end, after earlier groups had moved their bytes."""
+    named: list[tuple[str, torch.Tensor]] = []
+    slots = {p.tensor_slot for g in plan.groups if g.num_items > 0 for p in g.planes}
+    named += [(f"caches[{s}]", caches[s]) for s in sorted(slots)]
+    for og, entry in enumerate(objects):
+        if isinstance(entry, torch.Tensor):
+            named.append((f"objects[{og}]", entry))
+        elif isinstance(entry, (list, tuple)):
+            named += [(f"objects[{og}][{c}]", x) for c, x in enumerate(entry)
+                      if isinstance(x, torch.Tensor)]
+    for what, t in named:
+        need, have = _view_end(t), t.untyped_storage().nbytes()
+        if need > have:
+            raise KVGroupsValueError(
+                f"{what}: expected a storage of at least {need} bytes (the tensor's offset, "
+                f"shape and strides), got {have} bytes (was the storage resized in place?)")
+
+
 def _item_ids(group: Any, ids: Any, device: torch.device) -> torch.Tensor:
     """Block ids of the moved items, in item order, as an int64 tensor on ``device``."""
     if ids is None:
@@ -130,6 +161,7 @@ def execute_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[An
         One block-id array per group of ``plan`` replacing ``group.block_ids``.
     """
     store = plan.direction == "store"
+    _check_storages(plan, caches, objects)
     for i, group in enumerate(plan.groups):
         if group.num_items <= 0:
             continue

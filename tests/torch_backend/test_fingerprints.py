@@ -178,3 +178,32 @@ def test_every_change_alters_the_fingerprint(change):
     CHANGES[change](x)
     assert not fp.same_fingerprints([x], keys)
     assert fp.fingerprints([x]) != keys
+
+
+@pytest.mark.parametrize("direction", ["store", "load"])
+@pytest.mark.parametrize("api", ["one-shot", "prepared"])
+def test_storage_shrunk_in_place_is_refused_before_any_byte_moves(direction, api):
+    # Two dtypes: two kernel groups, the second layer's in the second. Its storage shrunk in
+    # place (the data pointer kept on the CPU) must be refused before the first group moves.
+    caches = [_caches(1)[0], _caches(2)[1].view(torch.int16)]
+    m = kc.KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * LAYERS,
+                                lmcache_tokens_per_chunk=CHUNK)
+    assert m.num_kernel_groups == 2
+    objects = kc.store(m, caches, IDS)
+    prepared = kc.prepare(m, caches)
+    call = {("one-shot", "store"): lambda: kc.store(m, caches, IDS, objects),
+            ("one-shot", "load"): lambda: kc.load(m, objects, caches, IDS),
+            ("prepared", "store"): lambda: prepared.store(IDS, objects),
+            ("prepared", "load"): lambda: prepared.load(objects, IDS)}[api, direction]
+    call()  # warm: the binding is made (and parked for the one-shot call)
+    for c in caches:
+        c.view(torch.int16).add_(1)
+    objects[0].add_(3)
+    before = [c.clone() for c in caches] + [o.clone() for o in objects]
+    storage = caches[1].untyped_storage()
+    storage.resize_(storage.nbytes() // 2)
+    with pytest.raises(kc.KVGroupsValueError, match=r"caches\[1\]: expected a storage of at "
+                       r"least \d+ bytes .*got \d+ bytes"):
+        call()
+    assert torch.equal(caches[0].view(torch.int16), before[0].view(torch.int16))  # NaN bits
+    assert torch.equal(objects[0], before[2])
