@@ -152,6 +152,46 @@ def test_compiled_calls_with_out_of_range_cpu_ids_raise_typed_before_any_byte_mo
         np.testing.assert_array_equal(got, want)
 
 
+def _chain(exc):
+    """``exc`` and every exception it was raised from or during."""
+    seen = []
+    while exc is not None and len(seen) < 16:
+        seen.append(exc)
+        exc = exc.__cause__ or exc.__context__
+    return seen
+
+
+@pytest.mark.parametrize("fullgraph", [False, True])
+@pytest.mark.parametrize("case", ["float ids", "2-D ids", "unknown path"])
+def test_compiled_calls_refused_at_trace_time_keep_the_typed_error(case, fullgraph):
+    # A typed error raised while Dynamo traces: without fullgraph Dynamo runs the call eagerly
+    # and the error is the caller's; with fullgraph=True Dynamo reports every error of its
+    # trace as its own ``Unsupported``, raised from ours. Either way nothing moves.
+    torch._dynamo.reset()
+    manager, caches = model_caches("llama3-8b", seed=14)
+    prep = kc.prepare(manager, caches)
+    ids, kw, error = {"float ids": (torch.arange(8.0), {}, kc.KVGroupsTypeError),
+                      "2-D ids": (torch.arange(8).reshape(2, 4), {}, kc.KVGroupsTypeError),
+                      "unknown path": (torch.arange(8), {"path": "bogus"},
+                                       kc.KVGroupsValueError)}[case]
+    objects = random_objects(manager, 2, seed=15)
+    before = object_bytes(objects)
+
+    @torch.compile(fullgraph=fullgraph, backend="aot_eager")
+    def save(ids, objects):
+        prep.store(ids, objects, **kw)
+        return objects[0]
+
+    with pytest.raises(Exception) as info:
+        save(ids, objects)
+    typed = [e for e in _chain(info.value) if isinstance(e, kc.KVGroupsError)]
+    assert typed and isinstance(typed[0], error), _chain(info.value)
+    if not fullgraph:
+        assert info.value is typed[0]
+    for got, want in zip(object_bytes(objects), before):
+        np.testing.assert_array_equal(got, want)
+
+
 def test_compile_plans_at_trace_time_without_reading_data():
     # A trace never reads a FakeTensor's data: the planner works from abstract descriptors.
     from kvgroups_torch.describe import describe_tensor
