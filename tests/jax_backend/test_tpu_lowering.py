@@ -178,6 +178,40 @@ def test_heads_sharded_caches_move_per_shard_under_shard_map():
         assert o.sharding == sharding
 
 
+@pytest.mark.skipif(len(jax.devices("cpu")) < 2, reason="needs 2 CPU devices (conftest sets 8)")
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_engine_shard_map_with_a_per_shard_manager(check_vma):
+    # The engine's own shard_map (check_vma=True is its default): the TPU kernel's outputs
+    # vary over the mesh axes its operands vary over, as the shard_map checks.
+    mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
+    heads = P(None, None, "model", None, None)
+    rng = np.random.default_rng(8)
+    host = [_bf16(rng, (8, 4, 4, 2, 8)) for _ in range(2)]
+    caches = [jax.device_put(h, NamedSharding(mesh, heads)) for h in host]
+    local = [np.ascontiguousarray(h[:, :, :2]) for h in host]
+    fmt, normalized = detect_format(local, engine="tpu_inference")
+    manager = KVLayerGroupsManager(normalized, fmt, lmcache_tokens_per_chunk=8)
+    ids = jnp.array([1, 5, 2, 6])
+
+    def step(cs, ids):
+        objs = store(manager, cs, ids, backend=TPU)
+        return objs[0], load(manager, objs, cs, ids[::-1], backend=TPU)
+
+    obj, out = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=([heads, heads], P()),
+                                     out_specs=(P(None, "model"), [heads, heads]),
+                                     check_vma=check_vma))(caches, ids)
+    got = np.asarray(obj)
+    half = got.shape[1] // 2
+    for r in range(2):
+        shard = [np.ascontiguousarray(h[:, :, 2 * r:2 * r + 2]) for h in host]
+        want = store(manager, shard, np.asarray(ids), backend="numpy")[0]
+        np.testing.assert_array_equal(got[:, r * half:(r + 1) * half], want)
+    for o, h in zip(out, host):
+        want = h.copy()
+        want[[6, 2, 5, 1]] = h[[1, 5, 2, 6]]
+        np.testing.assert_array_equal(np.asarray(o).view(np.uint16), want.view(np.uint16))
+
+
 def test_pinned_host_objects_are_staged_through_device_memory():
     rng = np.random.default_rng(6)
     host = [_bf16(rng, (16, 4, 2, 2, 8)) for _ in range(3)]
