@@ -20,7 +20,8 @@ the timer stops; the median and p10/p90 in microseconds. On a CPU the copy itsel
 figure (tiny at the default sizes). One JSON object per line on stdout and appended to
 ``--out``::
 
-    python benchmarks/bench_host_cost.py --device cuda --runtimes torch,jax --out host_cost_h200.jsonl
+    python benchmarks/bench_host_cost.py --device cuda --runtimes torch,jax --out
+    host_cost_h200.jsonl
 """
 
 from __future__ import annotations
@@ -40,8 +41,12 @@ BLOCK_SIZE = 16
 
 
 def stats(times: list[float]) -> dict:
-    return {"us_median": statistics.median(times), "us_p10": float(np.percentile(times, 10)),
-            "us_p90": float(np.percentile(times, 90)), "calls": len(times)}
+    return {
+        "us_median": statistics.median(times),
+        "us_p10": float(np.percentile(times, 10)),
+        "us_p90": float(np.percentile(times, 90)),
+        "calls": len(times),
+    }
 
 
 def timed_together(fns, sync, calls: int, warmup: int) -> list[dict]:
@@ -89,13 +94,23 @@ def bench_runtime(args, name: str, emit) -> None:
     # Two cache sets of one manager, the prepared calls' and the one-shot calls' (a JAX load
     # consumes the caches it is given, so the two cannot share them).
     caches = {"prepared": [make(a) for a in host], "oneshot": [make(a) for a in host]}
-    manager = KVLayerGroupsManager(caches["oneshot"], EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
-                                   lmcache_tokens_per_chunk=CHUNK_TOKENS)
+    manager = KVLayerGroupsManager(
+        caches["oneshot"],
+        EngineKVFormat.NL_X_TWO_NB_BS_NH_HS,
+        lmcache_tokens_per_chunk=CHUNK_TOKENS,
+    )
     ids = rng.permutation(args.num_blocks)[: args.chunks * CHUNK_TOKENS // BLOCK_SIZE]
     prepared = prepare(manager, caches["prepared"])
     objects = {"prepared": prepared.store(ids), "oneshot": store(manager, caches["oneshot"], ids)}
-    common = {"runtime": name, "ids": "host", "placement": "device", "layers": args.layers,
-              "chunks": args.chunks, "cache_shape": list(shape), "device": args.device}
+    common = {
+        "runtime": name,
+        "ids": "host",
+        "placement": "device",
+        "layers": args.layers,
+        "chunks": args.chunks,
+        "cache_shape": list(shape),
+        "device": args.device,
+    }
 
     def sync():
         wait((caches, objects))
@@ -105,8 +120,10 @@ def bench_runtime(args, name: str, emit) -> None:
             objects["prepared"] = prepared.store(ids, objects["prepared"] if given else None)
 
         def o():
-            objects["oneshot"] = store(manager, caches["oneshot"], ids,
-                                       objects["oneshot"] if given else None)
+            objects["oneshot"] = store(
+                manager, caches["oneshot"], ids, objects["oneshot"] if given else None
+            )
+
         return p, o
 
     def loads():
@@ -119,28 +136,51 @@ def bench_runtime(args, name: str, emit) -> None:
             out = load(manager, objects["oneshot"], caches["oneshot"], ids)
             if returns_new:
                 caches["oneshot"] = out
+
         return p, o
 
-    for direction, given, fns in (("store", False, stores(False)), ("store", True, stores(True)),
-                                  ("load", True, loads())):
+    for direction, given, fns in (
+        ("store", False, stores(False)),
+        ("store", True, stores(True)),
+        ("load", True, loads()),
+    ):
         pair = timed_together(fns, sync, args.calls, args.warmup)
         for call, timing in zip(("prepared", direction), pair):
-            emit({"call": call, "direction": direction,
-                  "objects": "given" if given else "created", **common, **timing})
+            emit(
+                {
+                    "call": call,
+                    "direction": direction,
+                    "objects": "given" if given else "created",
+                    **common,
+                    **timing,
+                }
+            )
 
     def one_layer():
         objects["prepared"] = prepared.store(ids, objects["prepared"], layers=[0])
 
     (timing,) = timed_together([one_layer], sync, args.calls, args.warmup)
-    emit({"call": "layerwise", "direction": "store", "objects": "given", "layers_per_call": 1,
-          **common, **timing})
+    emit(
+        {
+            "call": "layerwise",
+            "direction": "store",
+            "objects": "given",
+            "layers_per_call": 1,
+            **common,
+            **timing,
+        }
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--runtimes", default="torch,jax,numpy")
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"),
-                   help="where torch and JAX keep the caches (NumPy: always the host)")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        choices=("cpu", "cuda"),
+        help="where torch and JAX keep the caches (NumPy: always the host)",
+    )
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--chunks", type=int, default=1)
     p.add_argument("--num-blocks", type=int, default=64)

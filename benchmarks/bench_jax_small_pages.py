@@ -80,6 +80,7 @@ def timed(fn, repeats: int, batch_s: float) -> tuple[float, float]:
 
 def copy_program(nbytes: int, reps: int):
     """``reps`` copies of ``nbytes`` in one jitted, donated program (unfused)."""
+
     def copies(x):
         for _ in range(reps):
             x = lax.optimization_barrier(x + 1)
@@ -97,15 +98,19 @@ class Case:
         self.num_blocks = 2 * max_chunks * self.bpc
         key = jax.random.PRNGKey(seed)
         shape = (2, self.num_blocks, bs, nh, hs)
-        self.caches = [jax.random.bits(jax.random.fold_in(key, layer), shape, jnp.uint16)
-                       .view(jnp.bfloat16) for layer in range(layers)]
-        self.manager = KVLayerGroupsManager(self.caches, [F.NL_X_TWO_NB_BS_NH_HS] * layers,
-                                            lmcache_tokens_per_chunk=CHUNK)
+        self.caches = [
+            jax.random.bits(jax.random.fold_in(key, layer), shape, jnp.uint16).view(jnp.bfloat16)
+            for layer in range(layers)
+        ]
+        self.manager = KVLayerGroupsManager(
+            self.caches, [F.NL_X_TWO_NB_BS_NH_HS] * layers, lmcache_tokens_per_chunk=CHUNK
+        )
         self.rng = np.random.default_rng(seed)
 
     def ids(self, chunks: int, count: int) -> np.ndarray:
-        return np.stack([self.rng.permutation(self.num_blocks)[: chunks * self.bpc]
-                         for _ in range(count)]).astype(np.int32)
+        return np.stack(
+            [self.rng.permutation(self.num_blocks)[: chunks * self.bpc] for _ in range(count)]
+        ).astype(np.int32)
 
 
 def reference_store(case: Case, caches, ids: np.ndarray) -> np.ndarray:
@@ -117,8 +122,15 @@ def reference_store(case: Case, caches, ids: np.ndarray) -> np.ndarray:
 def run_point(case: Case, chunks: int, args, emit) -> bool:
     nobj = object_nbytes(case.manager, 0)
     nbytes = chunks * nobj
-    base = dict(runtime="jax", path="default", placement="device", chunks=chunks,
-                page_bytes=case.page, layers=case.layers, bytes=nbytes)
+    base = dict(
+        runtime="jax",
+        path="default",
+        placement="device",
+        chunks=chunks,
+        page_bytes=case.page,
+        layers=case.layers,
+        bytes=nbytes,
+    )
     ids = case.ids(chunks, args.reps)
     dev_ids = jnp.asarray(ids)
     manager = case.manager
@@ -149,12 +161,18 @@ def run_point(case: Case, chunks: int, args, emit) -> bool:
     same = [jnp.asarray(np.stack([ids[-1]] * args.reps))]
     before = [np.asarray(c).view(np.uint16) for c in case.caches]  # bits: NaN payloads
     case.caches = jit_load(case.caches, objects, same[0])
-    ok_load = all(np.array_equal(np.asarray(c).view(np.uint16), b)
-                  for c, b in zip(case.caches, before))
+    ok_load = all(
+        np.array_equal(np.asarray(c).view(np.uint16), b) for c, b in zip(case.caches, before)
+    )
     del before
     if not (ok_store and ok_load):
-        emit(record="error", **base, call="jit", verified=False,
-             error=f"store matches the reference: {ok_store}; load round trip: {ok_load}")
+        emit(
+            record="error",
+            **base,
+            call="jit",
+            verified=False,
+            error=f"store matches the reference: {ok_store}; load round trip: {ok_load}",
+        )
         return False
 
     # --- ceiling: the same bytes copied reps times in one program, and once eagerly -----------
@@ -167,8 +185,13 @@ def run_point(case: Case, chunks: int, args, emit) -> bool:
 
     copy_s, _ = timed(copy_fn, args.repeats, args.batch_s)
     copy_one = copy_s / args.reps
-    emit(record="ceiling", **base, what=f"jit {args.reps} x (x + 1) on uint32, unfused",
-         median_s=copy_one, gbps=2 * nbytes / copy_one / 1e9)
+    emit(
+        record="ceiling",
+        **base,
+        what=f"jit {args.reps} x (x + 1) on uint32, unfused",
+        median_s=copy_one,
+        gbps=2 * nbytes / copy_one / 1e9,
+    )
 
     # --- jit: reps public calls in one compiled program ------------------------------------
     held = {"objects": objects}
@@ -184,10 +207,22 @@ def run_point(case: Case, chunks: int, args, emit) -> bool:
     for direction, fn in (("store", store_fn), ("load", load_fn)):
         total, host = timed(fn, args.repeats, args.batch_s)
         per = total / args.reps
-        emit(record="transfer", **base, call="jit", ids="device", direction=direction,
-             reps=args.reps, median_s=per, gbps=2 * nbytes / per / 1e9,
-             frac_of_ceiling=copy_one / per, ceiling_s=copy_one, dispatch_s=host / args.reps,
-             host_bound=host >= 0.9 * total, first_call_s=compile_s, verified=True)
+        emit(
+            record="transfer",
+            **base,
+            call="jit",
+            ids="device",
+            direction=direction,
+            reps=args.reps,
+            median_s=per,
+            gbps=2 * nbytes / per / 1e9,
+            frac_of_ceiling=copy_one / per,
+            ceiling_s=copy_one,
+            dispatch_s=host / args.reps,
+            host_bound=host >= 0.9 * total,
+            first_call_s=compile_s,
+            verified=True,
+        )
 
     # --- prepared eager calls, host ids ----------------------------------------------------
     prep = prepare(manager, case.caches)
@@ -197,20 +232,30 @@ def run_point(case: Case, chunks: int, args, emit) -> bool:
     # every cache bit as it was.
     bits = [np.asarray(c).view(np.uint16) for c in prep.kv_caches]
     prep.load(eager_objs[0], ids[0])
-    verified["load"] = all(np.array_equal(np.asarray(c).view(np.uint16), b)
-                           for c, b in zip(prep.kv_caches, bits))
+    verified["load"] = all(
+        np.array_equal(np.asarray(c).view(np.uint16), b) for c, b in zip(prep.kv_caches, bits)
+    )
     del bits
     calls = {
         "store": lambda i: prep.store(ids[i % args.reps]),
-        "load": lambda i: prep.load(eager_objs[i % len(eager_objs)],
-                                    ids[i % len(eager_objs)]),
+        "load": lambda i: prep.load(eager_objs[i % len(eager_objs)], ids[i % len(eager_objs)]),
     }
     for direction, fn in calls.items():
         total, host = timed(fn, args.repeats, args.batch_s)
-        emit(record="transfer", **base, call="prepared", ids="host", direction=direction,
-             median_s=total, gbps=2 * nbytes / total / 1e9, frac_of_ceiling=copy_one / total,
-             ceiling_s=copy_one, dispatch_s=host, host_bound=host >= 0.9 * total,
-             verified=verified[direction])
+        emit(
+            record="transfer",
+            **base,
+            call="prepared",
+            ids="host",
+            direction=direction,
+            median_s=total,
+            gbps=2 * nbytes / total / 1e9,
+            frac_of_ceiling=copy_one / total,
+            ceiling_s=copy_one,
+            dispatch_s=host,
+            host_bound=host >= 0.9 * total,
+            verified=verified[direction],
+        )
     case.caches = list(prep.kv_caches)
     return all(verified.values())
 

@@ -45,9 +45,7 @@ FULL, SLIDING, LATENT = 0, 1, 2
 
 def layer_kinds(num_layers: int) -> list[int]:
     """Gemma-3-like 5 sliding : 1 full, with an MLA-like latent layer every 8th layer."""
-    return [
-        LATENT if i % 8 == 7 else FULL if i % 6 == 5 else SLIDING for i in range(num_layers)
-    ]
+    return [LATENT if i % 8 == 7 else FULL if i % 6 == 5 else SLIDING for i in range(num_layers)]
 
 
 def build_inputs(num_layers: int, kind: str) -> tuple[list, list, list[EngineGroupInfo]]:
@@ -117,17 +115,30 @@ def measure(num_layers: int, kind: str, repeats: int, budget_ms: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--layers", type=lambda s: [int(v) for v in s.split(",")],
-                        default=[32, 64, 128, 256, 512, 1024],
-                        help="comma-separated layer counts (default 32,...,1024)")
-    parser.add_argument("--inputs", default="specs,numpy",
-                        help="comma-separated input kinds: specs, numpy (default both)")
+    parser.add_argument(
+        "--layers",
+        type=lambda s: [int(v) for v in s.split(",")],
+        default=[32, 64, 128, 256, 512, 1024],
+        help="comma-separated layer counts (default 32,...,1024)",
+    )
+    parser.add_argument(
+        "--inputs",
+        default="specs,numpy",
+        help="comma-separated input kinds: specs, numpy (default both)",
+    )
     parser.add_argument("--repeats", type=int, default=21, help="timed runs per point")
-    parser.add_argument("--budget-ms", type=float, default=50.0,
-                        help="construction budget for the largest model (default 50 ms)")
+    parser.add_argument(
+        "--budget-ms",
+        type=float,
+        default=50.0,
+        help="construction budget for the largest model (default 50 ms)",
+    )
     parser.add_argument("--out", type=Path, default=None, help="append JSON lines here")
-    parser.add_argument("--tiny", action="store_true",
-                        help="a seconds-long smoke run (32 and 64 layers, 3 repeats; CI)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="a seconds-long smoke run (32 and 64 layers, 3 repeats; CI)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
         args.layers, args.repeats = [32, 64], 3
@@ -144,8 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     largest = max(args.layers)
     over = [r for r in rows if r["layers"] == largest and not r["within_budget"]]
     for r in over:
-        print(f"over budget: {r['input']} {r['layers']} layers: {r['median_ms']} ms "
-              f"> {r['budget_ms']} ms", file=sys.stderr)
+        print(
+            f"over budget: {r['input']} {r['layers']} layers: {r['median_ms']} ms "
+            f"> {r['budget_ms']} ms",
+            file=sys.stderr,
+        )
     return 1 if over else 0
 
 

@@ -81,8 +81,7 @@ class Bench:
         self.cuda = self.s.device == "cuda"
         self.timer = Timer(self.cuda, args.iters, args.warmup, args.batch_s)
         self.side = torch.cuda.Stream() if self.cuda else None
-        self.sms = torch.cuda.get_device_properties(0).multi_processor_count if self.cuda \
-            else None
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count if self.cuda else None
 
     def event(self):
         return torch.cuda.Event(enable_timing=True) if self.cuda else WallEvent()
@@ -94,8 +93,9 @@ class Bench:
         if self.cuda:
             torch.cuda.synchronize()
 
-    def together(self, transfer, n_t: int, compute, n_k: int, rounds: int,
-                 compute_first: bool = False) -> dict:
+    def together(
+        self, transfer, n_t: int, compute, n_k: int, rounds: int, compute_first: bool = False
+    ) -> dict:
         """Medians of the transfer's and the compute's time per call, ``n_t`` transfers on
         the side stream and ``n_k`` computes on the main stream, started together (both wait
         for a gate kernel). ``compute_first``: the computes are enqueued first (where the
@@ -131,8 +131,11 @@ class Bench:
                 per_t.append(t_ms / n_t)
                 per_k.append(k_ms / n_k)
                 covered.append((t_ms, k_ms))
-        return {"transfer_ms": statistics.median(per_t), "compute_ms": statistics.median(per_k),
-                "windows_ms": covered[len(covered) // 2]}
+        return {
+            "transfer_ms": statistics.median(per_t),
+            "compute_ms": statistics.median(per_k),
+            "windows_ms": covered[len(covered) // 2],
+        }
 
 
 # ------------------------------------------------------------------------ compute kernels
@@ -145,7 +148,7 @@ def gemm_kernel(b: Bench):
     y = torch.randn(n, n, device=b.s.device, dtype=dtype)
     out = torch.empty_like(x)
     name = f"gemm_{str(dtype).split('.')[-1]}_{n}^3"
-    return name, lambda i: torch.matmul(x, y, out=out), 2 * n ** 3
+    return name, lambda i: torch.matmul(x, y, out=out), 2 * n**3
 
 
 def attention_kernel(b: Bench):
@@ -156,8 +159,11 @@ def attention_kernel(b: Bench):
     k = torch.randn(batch, heads, ctx, dim, device=b.s.device, dtype=dtype)
     v = torch.randn_like(k)
     sdpa = torch.nn.functional.scaled_dot_product_attention
-    return (f"sdpa_decode_b{batch}_h{heads}_ctx{ctx}", lambda i: sdpa(q, k, v),
-            2 * k.numel() * k.element_size())
+    return (
+        f"sdpa_decode_b{batch}_h{heads}_ctx{ctx}",
+        lambda i: sdpa(q, k, v),
+        2 * k.numel() * k.element_size(),
+    )
 
 
 # ------------------------------------------------------------------------ interference
@@ -178,10 +184,16 @@ def transfers(b: Bench, chunks: int):
 
     for direction in ("store", "load"):
         for cap in caps:
-            out.append(("kernel", direction, cap, "kernel",
-                        call(direction, dev_ids, max_ctas=cap)))
-        out.append(("copy_engine", direction, None, "copy_engine",
-                    call(direction, host_ids, path="copy_engine")))
+            out.append(("kernel", direction, cap, "kernel", call(direction, dev_ids, max_ctas=cap)))
+        out.append(
+            (
+                "copy_engine",
+                direction,
+                None,
+                "copy_engine",
+                call(direction, host_ids, path="copy_engine"),
+            )
+        )
     nbytes = s.moved_bytes(chunks)
     src = torch.empty(nbytes, dtype=torch.uint8, device=s.device)
     dst = [torch.empty_like(src) for _ in range(2)]
@@ -198,11 +210,20 @@ def bench_interference(b: Bench, chunks: int) -> list[dict]:
     kernels = [gemm_kernel(b), attention_kernel(b)]
     alone_k = {name: b.timer.ms(fn)["median"] for name, fn, _ in kernels}
     for label, direction, cap, path, fn in transfers(b, chunks):
-        base = {"call": "copy_" if label == "copy_" else f"prepared.{direction}",
-                "ids": "host" if path == "copy_engine" else "device", "runtime": "torch",
-                "path": path, "direction": direction, "placement": "device",
-                "max_ctas": cap, "sms": b.sms, "chunks": chunks, "page_bytes": s.page_bytes,
-                "bytes": nbytes, "copy_ms": ceiling}
+        base = {
+            "call": "copy_" if label == "copy_" else f"prepared.{direction}",
+            "ids": "host" if path == "copy_engine" else "device",
+            "runtime": "torch",
+            "path": path,
+            "direction": direction,
+            "placement": "device",
+            "max_ctas": cap,
+            "sms": b.sms,
+            "chunks": chunks,
+            "page_bytes": s.page_bytes,
+            "bytes": nbytes,
+            "copy_ms": ceiling,
+        }
         if path == "copy_engine" and not b.cuda:
             b.emit({**base, "skipped": "the copy engine needs a CUDA GPU"})
             continue
@@ -225,16 +246,25 @@ def bench_interference(b: Bench, chunks: int) -> list[dict]:
             # the transfers moved in that time.
             lost = (slowdown - 1) * k_ms * n_k
             moved = nbytes * n_k * k_ms * slowdown / cover_k["transfer_ms"]
-            row = {**base, "compute": name, "compute_work": work, "median": t_ms,
-                   "gbps": 2 * nbytes / t_ms / 1e6, "frac_of_ceiling": ceiling / t_ms,
-                   "compute_alone_ms": k_ms, "compute_concurrent_ms": cover_k["compute_ms"],
-                   "compute_slowdown": slowdown, "transfer_concurrent_ms": t_conc,
-                   "concurrent_gbps": 2 * nbytes / t_conc / 1e6,
-                   "concurrent_frac_of_copy": ceiling / t_conc,
-                   "lost_compute_us_per_gib": 1e3 * lost / (moved / 2**30) if moved else None,
-                   "transfers_per_window": [n_t, n_t2], "computes_per_window": [n_k, n_k2],
-                   "covered": cover_t["windows_ms"][0] <= cover_t["windows_ms"][1]
-                   and cover_k["windows_ms"][0] >= cover_k["windows_ms"][1]}
+            row = {
+                **base,
+                "compute": name,
+                "compute_work": work,
+                "median": t_ms,
+                "gbps": 2 * nbytes / t_ms / 1e6,
+                "frac_of_ceiling": ceiling / t_ms,
+                "compute_alone_ms": k_ms,
+                "compute_concurrent_ms": cover_k["compute_ms"],
+                "compute_slowdown": slowdown,
+                "transfer_concurrent_ms": t_conc,
+                "concurrent_gbps": 2 * nbytes / t_conc / 1e6,
+                "concurrent_frac_of_copy": ceiling / t_conc,
+                "lost_compute_us_per_gib": 1e3 * lost / (moved / 2**30) if moved else None,
+                "transfers_per_window": [n_t, n_t2],
+                "computes_per_window": [n_k, n_k2],
+                "covered": cover_t["windows_ms"][0] <= cover_t["windows_ms"][1]
+                and cover_k["windows_ms"][0] >= cover_k["windows_ms"][1],
+            }
             b.emit(row)
             rows.append(row)
     return rows
@@ -249,8 +279,9 @@ def _pick(rows: list[dict]) -> dict | None:
     if goal:
         return max(goal, key=lambda r: r["concurrent_frac_of_copy"])
     costed = [r for r in fast if r["lost_compute_us_per_gib"] is not None]
-    return min(costed, key=lambda r: (r["lost_compute_us_per_gib"], r["max_ctas"] or 10**9),
-               default=None)
+    return min(
+        costed, key=lambda r: (r["lost_compute_us_per_gib"], r["max_ctas"] or 10**9), default=None
+    )
 
 
 def choose_default(b: Bench, rows: list[dict]) -> None:
@@ -262,16 +293,32 @@ def choose_default(b: Bench, rows: list[dict]) -> None:
     for d in ("store", "load"):
         chosen = _pick([r for r in gemm if r["direction"] == d])
         by_direction[d] = None if chosen is None else chosen["max_ctas"] or "uncapped"
-    goal = [r for r in gemm if r["concurrent_frac_of_copy"] >= 0.5
-            and r["compute_slowdown"] <= 1.10]
-    b.emit({"call": "overlap_default", "runtime": "torch", "rule": _pick.__doc__.strip(),
+    goal = [
+        r for r in gemm if r["concurrent_frac_of_copy"] >= 0.5 and r["compute_slowdown"] <= 1.10
+    ]
+    b.emit(
+        {
+            "call": "overlap_default",
+            "runtime": "torch",
+            "rule": _pick.__doc__.strip(),
             "max_ctas": None if pick is None else pick["max_ctas"] or "uncapped",
-            "picked": None if pick is None else {k: pick[k] for k in (
-                "direction", "concurrent_frac_of_copy", "compute_slowdown",
-                "lost_compute_us_per_gib")},
-            "by_direction": by_direction, "goal_met": bool(goal),
+            "picked": None
+            if pick is None
+            else {
+                k: pick[k]
+                for k in (
+                    "direction",
+                    "concurrent_frac_of_copy",
+                    "compute_slowdown",
+                    "lost_compute_us_per_gib",
+                )
+            },
+            "by_direction": by_direction,
+            "goal_met": bool(goal),
             "goal": ">= 0.5 of the copy, GEMM slowed <= 10 %",
-            "meeting_goal": sorted({(r["direction"], r["max_ctas"] or 0) for r in goal})})
+            "meeting_goal": sorted({(r["direction"], r["max_ctas"] or 0) for r in goal}),
+        }
+    )
 
 
 # ------------------------------------------------------------------------ step
@@ -288,12 +335,15 @@ def bench_step(b: Bench) -> None:
     def gemm():
         torch.matmul(x, w, out=out)
 
-    for placement, chunks in (("device", 2 if args.tiny else 64),
-                              ("pinned", 1 if args.tiny else 16)):
+    for placement, chunks in (
+        ("device", 2 if args.tiny else 64),
+        ("pinned", 1 if args.tiny else 16),
+    ):
         if placement == "pinned" and not b.cuda:
             placement = "host"  # plain CPU memory: the same calls, no link
-        caps = (None,) if args.tiny else ((None, 8, 16, 33) if placement == "device"
-                                          else (None, 16))
+        caps = (
+            (None,) if args.tiny else ((None, 8, 16, 33) if placement == "device" else (None, 16))
+        )
         _step_case(b, placement, chunks, caps, gemm, [m, k, n])
 
 
@@ -302,9 +352,14 @@ def _step_case(b: Bench, placement: str, chunks: int, caps, gemm, shape) -> None
     layers = s.layers
     ids = s.ids(chunks, "device")[0]
     first = ids[: s.bpc]  # each layer's attention stand-in reads its first loaded chunk
-    objs = [torch.empty((chunks, kc.object_nbytes(s.manager, 0)), dtype=torch.uint8,
-                        device=s.device if placement == "device" else "cpu",
-                        pin_memory=placement == "pinned")]
+    objs = [
+        torch.empty(
+            (chunks, kc.object_nbytes(s.manager, 0)),
+            dtype=torch.uint8,
+            device=s.device if placement == "device" else "cpu",
+            pin_memory=placement == "pinned",
+        )
+    ]
     objs[0].random_(0, 256)
     seen = [None] * layers
 
@@ -334,13 +389,27 @@ def _step_case(b: Bench, placement: str, chunks: int, caps, gemm, shape) -> None
     load_alone = b.timer.ms(lambda i: s.prep.load(objs, ids))["median"]
     compute_ms = times["compute"]
     for cap in caps:
-        b.emit({"call": "LayerwiseLoad", "runtime": "torch", "placement": placement,
-                "chunks": chunks, "layers": layers, "max_ctas": cap, "graph": b.cuda,
-                "page_bytes": s.page_bytes, "bytes": s.moved_bytes(chunks),
-                "median": times[cap], "compute_ms": compute_ms, "serial_ms": times["serial"],
-                "load_alone_ms": load_alone, "fits": load_alone < compute_ms,
+        b.emit(
+            {
+                "call": "LayerwiseLoad",
+                "runtime": "torch",
+                "placement": placement,
+                "chunks": chunks,
+                "layers": layers,
+                "max_ctas": cap,
+                "graph": b.cuda,
+                "page_bytes": s.page_bytes,
+                "bytes": s.moved_bytes(chunks),
+                "median": times[cap],
+                "compute_ms": compute_ms,
+                "serial_ms": times["serial"],
+                "load_alone_ms": load_alone,
+                "fits": load_alone < compute_ms,
                 "overlap_over_compute": times[cap] / compute_ms,
-                "serial_over_compute": times["serial"] / compute_ms, "gemm": shape})
+                "serial_over_compute": times["serial"] / compute_ms,
+                "gemm": shape,
+            }
+        )
 
 
 def _step_ms(b: Bench, fn) -> float:
@@ -368,16 +437,27 @@ def bench_host_link(b: Bench) -> None:
     nbytes = s.moved_bytes(chunks)
     pinned = b.cuda
     placement = "pinned" if pinned else "host"
-    objs = [[torch.empty((chunks, kc.object_nbytes(s.manager, 0)), dtype=torch.uint8,
-                         pin_memory=pinned)] for _ in range(2)]
+    objs = [
+        [
+            torch.empty(
+                (chunks, kc.object_nbytes(s.manager, 0)), dtype=torch.uint8, pin_memory=pinned
+            )
+        ]
+        for _ in range(2)
+    ]
     ids = s.ids(2 * chunks, "device")[0]
-    store_ids, load_ids = ids[: chunks * s.bpc], ids[chunks * s.bpc:]
+    store_ids, load_ids = ids[: chunks * s.bpc], ids[chunks * s.bpc :]
     host_ids = s.ids(chunks, "host")[0]
     dev = torch.empty(nbytes, dtype=torch.uint8, device=s.device)
     dev2 = torch.empty_like(dev)
     host = [torch.empty(nbytes, dtype=torch.uint8, pin_memory=pinned) for _ in range(2)]
-    base = {"runtime": "torch", "placement": placement, "chunks": chunks,
-            "page_bytes": s.page_bytes, "bytes": nbytes}
+    base = {
+        "runtime": "torch",
+        "placement": placement,
+        "chunks": chunks,
+        "page_bytes": s.page_bytes,
+        "bytes": nbytes,
+    }
 
     def store(i):
         s.prep.store(store_ids, objs[0])
@@ -391,49 +471,79 @@ def bench_host_link(b: Bench) -> None:
     def h2d(i):
         dev2.copy_(host[1], non_blocking=pinned)
 
-    alone = {name: b.timer.ms(fn)["median"] for name, fn in
-             (("store", store), ("load", load), ("d2h", d2h), ("h2d", h2d))}
+    alone = {
+        name: b.timer.ms(fn)["median"]
+        for name, fn in (("store", store), ("load", load), ("d2h", d2h), ("h2d", h2d))
+    }
     rounds = max(3, args.rounds)
     both = b.together(store, 1, load, 1, rounds)
     copies = b.together(d2h, 1, h2d, 1, rounds)
     both_ms = max(both["windows_ms"])
     copies_ms = max(copies["windows_ms"])
-    b.emit({**base, "call": "prepared.store+prepared.load", "streams": 2,
-            "store_alone_ms": alone["store"], "load_alone_ms": alone["load"],
-            "store_concurrent_ms": both["transfer_ms"], "load_concurrent_ms": both["compute_ms"],
-            "median": both_ms, "sum_link_gbps": 2 * nbytes / both_ms / 1e6,
-            "copies_ms": copies_ms, "copies_sum_link_gbps": 2 * nbytes / copies_ms / 1e6,
+    b.emit(
+        {
+            **base,
+            "call": "prepared.store+prepared.load",
+            "streams": 2,
+            "store_alone_ms": alone["store"],
+            "load_alone_ms": alone["load"],
+            "store_concurrent_ms": both["transfer_ms"],
+            "load_concurrent_ms": both["compute_ms"],
+            "median": both_ms,
+            "sum_link_gbps": 2 * nbytes / both_ms / 1e6,
+            "copies_ms": copies_ms,
+            "copies_sum_link_gbps": 2 * nbytes / copies_ms / 1e6,
             "frac_of_copies": copies_ms / both_ms,
             "store_frac_of_d2h": alone["d2h"] / alone["store"],
-            "load_frac_of_h2d": alone["h2d"] / alone["load"]})
+            "load_frac_of_h2d": alone["h2d"] / alone["load"],
+        }
+    )
     name, compute, work = gemm_kernel(b)
     k_ms = b.timer.ms(compute)["median"]
     caps = (None,) if args.tiny else (4, 16, None)
     settings = [("kernel", cap) for cap in caps] + [("copy_engine", None)]
     for path, cap in settings:
-        row = {**base, "call": "prepared.store", "direction": "store", "path": path,
-               "ids": "host" if path == "copy_engine" else "device", "max_ctas": cap,
-               "compute": name, "compute_work": work}
+        row = {
+            **base,
+            "call": "prepared.store",
+            "direction": "store",
+            "path": path,
+            "ids": "host" if path == "copy_engine" else "device",
+            "max_ctas": cap,
+            "compute": name,
+            "compute_work": work,
+        }
         if path == "copy_engine" and not b.cuda:
             b.emit({**row, "skipped": "the copy engine needs a CUDA GPU"})
             continue
         if path == "copy_engine":
+
             def fn(i):
                 s.prep.store(host_ids, objs[0], path="copy_engine")
         else:
+
             def fn(i, cap=cap):
                 s.prep.store(store_ids, objs[0], max_ctas=cap)
+
         t_ms = b.timer.ms(fn)["median"]
         n_k = max(1, round((1.0 if args.tiny else args.window_ms) / k_ms))
         n_t = max(1, math.ceil(1.5 * n_k * k_ms / t_ms))
         cover_k = b.together(fn, n_t, compute, n_k, args.rounds)
         n_k2 = max(1, math.ceil(3 * t_ms / k_ms))
         cover_t = b.together(fn, 1, compute, n_k2, args.rounds, compute_first=True)
-        b.emit({**row, "median": t_ms, "link_gbps": nbytes / t_ms / 1e6,
-                "frac_of_link": alone["d2h"] / t_ms, "d2h_ms": alone["d2h"],
-                "compute_alone_ms": k_ms, "compute_slowdown": cover_k["compute_ms"] / k_ms,
+        b.emit(
+            {
+                **row,
+                "median": t_ms,
+                "link_gbps": nbytes / t_ms / 1e6,
+                "frac_of_link": alone["d2h"] / t_ms,
+                "d2h_ms": alone["d2h"],
+                "compute_alone_ms": k_ms,
+                "compute_slowdown": cover_k["compute_ms"] / k_ms,
                 "transfer_concurrent_ms": cover_t["transfer_ms"],
-                "concurrent_frac_of_link": alone["d2h"] / cover_t["transfer_ms"]})
+                "concurrent_frac_of_link": alone["d2h"] / cover_t["transfer_ms"],
+            }
+        )
 
 
 # ------------------------------------------------------------------------ main
@@ -443,13 +553,18 @@ def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=None, help="append JSON lines here")
     p.add_argument("--tiny", action="store_true", help="small CPU run (CI smoke test)")
-    p.add_argument("--only", nargs="+", default=None,
-                   choices=["interference", "step", "host_link", "default"])
+    p.add_argument(
+        "--only", nargs="+", default=None, choices=["interference", "step", "host_link", "default"]
+    )
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--num-blocks", type=int, default=4096)
     p.add_argument("--chunks", type=int, default=16, help="chunks per interference transfer")
-    p.add_argument("--window-ms", type=float, default=10.0,
-                   help="about how long each side-by-side measurement runs")
+    p.add_argument(
+        "--window-ms",
+        type=float,
+        default=10.0,
+        help="about how long each side-by-side measurement runs",
+    )
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--warmup", type=int, default=3)
@@ -469,12 +584,24 @@ def main(argv=None) -> None:
             sink.flush()
 
     b = Bench(args, emit)
-    emit({"call": "overlap_setup", "runtime": "torch", "device": b.s.device,
-          "gpu": torch.cuda.get_device_name() if b.cuda else None, "torch": torch.__version__,
-          "layers": b.s.layers, "num_blocks": b.s.num_blocks, "page_bytes": b.s.page_bytes})
+    emit(
+        {
+            "call": "overlap_setup",
+            "runtime": "torch",
+            "device": b.s.device,
+            "gpu": torch.cuda.get_device_name() if b.cuda else None,
+            "torch": torch.__version__,
+            "layers": b.s.layers,
+            "num_blocks": b.s.num_blocks,
+            "page_bytes": b.s.page_bytes,
+        }
+    )
     wanted = set(args.only or ("interference", "step", "host_link", "default"))
-    sections = [("interference", lambda: bench_interference(b, args.chunks)),
-                ("step", lambda: bench_step(b)), ("host_link", lambda: bench_host_link(b))]
+    sections = [
+        ("interference", lambda: bench_interference(b, args.chunks)),
+        ("step", lambda: bench_step(b)),
+        ("host_link", lambda: bench_host_link(b)),
+    ]
     rows = []
     for name, run in sections:
         if name not in wanted and not (name == "interference" and "default" in wanted):
@@ -488,8 +615,7 @@ def main(argv=None) -> None:
             continue
         if name == "interference":
             rows = out
-        emit({"call": f"overlap_{name}", "runtime": "torch",
-              "seconds": time.perf_counter() - t0})
+        emit({"call": f"overlap_{name}", "runtime": "torch", "seconds": time.perf_counter() - t0})
     if "default" in wanted and rows:
         choose_default(b, rows)
     if sink:

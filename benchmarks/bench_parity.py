@@ -54,10 +54,30 @@ from kvgroups_core import (
     store,
 )
 
-FULL = dict(layers=32, blocks=2048, block_size=16, heads=8, head_dim=128, tokens=256,
-            chunks="4,16,64", calls_per_program=8, programs=6, lowerings="auto,cuda")
-TINY = dict(layers=2, blocks=64, block_size=4, heads=2, head_dim=8, tokens=8,
-            chunks="1,2", calls_per_program=2, programs=2, lowerings="auto")
+FULL = dict(
+    layers=32,
+    blocks=2048,
+    block_size=16,
+    heads=8,
+    head_dim=128,
+    tokens=256,
+    chunks="4,16,64",
+    calls_per_program=8,
+    programs=6,
+    lowerings="auto,cuda",
+)
+TINY = dict(
+    layers=2,
+    blocks=64,
+    block_size=4,
+    heads=2,
+    head_dim=8,
+    tokens=8,
+    chunks="1,2",
+    calls_per_program=2,
+    programs=2,
+    lowerings="auto",
+)
 FORMAT = EngineKVFormat.NL_X_TWO_NB_BS_NH_HS
 
 
@@ -120,17 +140,22 @@ class Parity:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         shape = (2, args.blocks, args.block_size, args.heads, args.head_dim)
-        make = jax.jit(lambda k: jax.lax.bitcast_convert_type(
-            jax.random.bits(k, shape, jnp.uint16), jnp.bfloat16))
+        make = jax.jit(
+            lambda k: jax.lax.bitcast_convert_type(
+                jax.random.bits(k, shape, jnp.uint16), jnp.bfloat16
+            )
+        )
         self.jcaches = [make(jax.random.PRNGKey(i)) for i in range(args.layers)]
         self.tcaches = [torch.from_dlpack(c).clone() for c in self.jcaches]
         self.device = self.tcaches[0].device
         self.cuda = self.device.type == "cuda"
         formats = [FORMAT] * args.layers
-        self.jmanager = KVLayerGroupsManager(self.jcaches, formats,
-                                             lmcache_tokens_per_chunk=args.tokens)
-        self.tmanager = KVLayerGroupsManager(self.tcaches, formats,
-                                             lmcache_tokens_per_chunk=args.tokens)
+        self.jmanager = KVLayerGroupsManager(
+            self.jcaches, formats, lmcache_tokens_per_chunk=args.tokens
+        )
+        self.tmanager = KVLayerGroupsManager(
+            self.tcaches, formats, lmcache_tokens_per_chunk=args.tokens
+        )
         self.prep = prepare(self.tmanager, self.tcaches)
         self.bpc = args.tokens // args.block_size
         self.page_bytes = args.block_size * args.heads * args.head_dim * 2
@@ -143,9 +168,15 @@ class Parity:
             torch.cuda.synchronize(self.device)
 
     def emit(self, **record) -> None:
-        record.update(placement="device", ids="device", page_bytes=self.page_bytes,
-                      layers=self.args.layers, jax=jax.__version__, torch=torch.__version__,
-                      device=torch.cuda.get_device_name(self.device) if self.cuda else "cpu")
+        record.update(
+            placement="device",
+            ids="device",
+            page_bytes=self.page_bytes,
+            layers=self.args.layers,
+            jax=jax.__version__,
+            torch=torch.__version__,
+            device=torch.cuda.get_device_name(self.device) if self.cuda else "cpu",
+        )
         print(json.dumps(record), flush=True)
         self.out.append(record)
 
@@ -157,13 +188,14 @@ class Parity:
             for _ in range(n * calls):
                 dst.copy_(src)
             self.sync()
+
         return per_call_seconds(batch, calls, self.args.repeats)
 
     def run(self, chunks: int) -> None:
         a = self.args
         k, programs = a.calls_per_program, a.programs
         calls = k * programs
-        ids = np.stack([self.rng.permutation(a.blocks)[:chunks * self.bpc] for _ in range(k)])
+        ids = np.stack([self.rng.permutation(a.blocks)[: chunks * self.bpc] for _ in range(k)])
         ids = ids.astype(np.int32)
         tids = [torch.from_numpy(row).to(self.device) for row in ids]
         tobjs = self.prep.store(tids[-1])
@@ -179,14 +211,21 @@ class Parity:
                         else:
                             self.prep.load(tobjs, row)
                 self.sync()
+
             return batch
 
         torch_s = {}
         for direction in ("store", "load"):
             torch_s[direction] = per_call_seconds(torch_batch(direction), calls, a.repeats)
-            self.emit(runtime="torch", call="prepared", path="cuda-kernel" if self.cuda else "cpu",
-                      direction=direction, chunks=chunks, **self.figures(
-                          torch_s[direction], nbytes, copy), calls_per_batch=calls)
+            self.emit(
+                runtime="torch",
+                call="prepared",
+                path="cuda-kernel" if self.cuda else "cpu",
+                direction=direction,
+                chunks=chunks,
+                **self.figures(torch_s[direction], nbytes, copy),
+                calls_per_batch=calls,
+            )
         # The torch loads wrote the blocks of ids into tcaches: the JAX load chain below starts
         # from the same contents, so both end equal.
         jids = jnp.asarray(ids)
@@ -210,21 +249,27 @@ class Parity:
                 caches = load(m, objs, caches, ids[i], backend=name)
             return caches
 
-        steps = {"store": jax.jit(store_chain, donate_argnums=0),
-                 "load": jax.jit(load_chain, donate_argnums=0)}
+        steps = {
+            "store": jax.jit(store_chain, donate_argnums=0),
+            "load": jax.jit(load_chain, donate_argnums=0),
+        }
         objs = store(m, self.jcaches, jids[k - 1], backend=name)
         # Each chain donates its own buffers: the store chain a copy of the objects the load
         # chain reads, the load chain a copy of the caches (what torch's caches held before
         # its loads).
-        held = {"store": [jnp.array(o, copy=True) for o in objs],
-                "load": [jnp.array(c, copy=True) for c in self.jcaches]}
+        held = {
+            "store": [jnp.array(o, copy=True) for o in objs],
+            "load": [jnp.array(c, copy=True) for c in self.jcaches],
+        }
         fixed = {"store": self.jcaches, "load": objs}
         # The store chain's last call writes the same objects as torch's store of ids[k - 1],
         # and the load chain ends with the caches the torch loads left.
         held["store"] = steps["store"](held["store"], fixed["store"], jids)
         held["load"] = steps["load"](held["load"], fixed["load"], jids)
-        verified = {"store": same_bytes(held["store"], tobjs),
-                    "load": same_bytes(held["load"], self.tcaches)}
+        verified = {
+            "store": same_bytes(held["store"], tobjs),
+            "load": same_bytes(held["load"], self.tcaches),
+        }
         for direction in ("store", "load"):
             step = steps[direction]
 
@@ -237,29 +282,46 @@ class Parity:
                 jax.block_until_ready(held[direction])
 
             seconds = per_call_seconds(batch, k * programs, a.repeats)
-            kernels = device_kernels(one, lambda d=direction: jax.block_until_ready(held[d]),
-                                     calls=programs)
+            kernels = device_kernels(
+                one, lambda d=direction: jax.block_until_ready(held[d]), calls=programs
+            )
             extra = {}
             if kernels:
-                extra = dict(device_ms=sum(kernels.values()) / k * 1e3,
-                             kernel_ms=sum(v for n, v in kernels.items()
-                                           if n.startswith("kvg")) / k * 1e3)
+                extra = dict(
+                    device_ms=sum(kernels.values()) / k * 1e3,
+                    kernel_ms=sum(v for n, v in kernels.items() if n.startswith("kvg")) / k * 1e3,
+                )
             self.failed |= not verified[direction]
-            self.emit(runtime="jax", call="jit", path=lowering, direction=direction,
-                      chunks=chunks, **self.figures(seconds, nbytes, copy),
-                      frac_of_torch=torch_s[direction].seconds / seconds.seconds,
-                      frac_of_torch_wall=torch_s[direction].wall / seconds.wall,
-                      calls_per_program=k, programs_in_flight=programs,
-                      verified=verified[direction], backend=jax.default_backend(), **extra)
+            self.emit(
+                runtime="jax",
+                call="jit",
+                path=lowering,
+                direction=direction,
+                chunks=chunks,
+                **self.figures(seconds, nbytes, copy),
+                frac_of_torch=torch_s[direction].seconds / seconds.seconds,
+                frac_of_torch_wall=torch_s[direction].wall / seconds.wall,
+                calls_per_program=k,
+                programs_in_flight=programs,
+                verified=verified[direction],
+                backend=jax.default_backend(),
+                **extra,
+            )
         # From here on the JAX caches are what torch's loads left (the next chunk count's
         # stores read equal bytes in both runtimes).
         self.jcaches = held["load"]
 
     @staticmethod
     def figures(t: Timing, nbytes: int, copy: Timing) -> dict:
-        return dict(median=t.seconds * 1e3, wall_ms=t.wall * 1e3,
-                    gbps=2 * nbytes / t.seconds / 1e9, bytes=nbytes, copy_ms=copy.seconds * 1e3,
-                    frac_of_ceiling=copy.seconds / t.seconds, steady_state=t.steady and copy.steady)
+        return dict(
+            median=t.seconds * 1e3,
+            wall_ms=t.wall * 1e3,
+            gbps=2 * nbytes / t.seconds / 1e9,
+            bytes=nbytes,
+            copy_ms=copy.seconds * 1e3,
+            frac_of_ceiling=copy.seconds / t.seconds,
+            steady_state=t.steady and copy.steady,
+        )
 
 
 def main(argv=None) -> int:

@@ -78,28 +78,44 @@ def caches_and_manager(model: str, s: dict, blocks: int, seed: int):
     gen = torch.Generator().manual_seed(seed)
     caches = []
     for _ in range(s["layers"]):
-        x = torch.randint(-2**15, 2**15, (blocks, BS, s["heads"], 2 * s["head"]), generator=gen,
-                          dtype=torch.int16).view(torch.bfloat16)
+        x = torch.randint(
+            -(2**15),
+            2**15,
+            (blocks, BS, s["heads"], 2 * s["head"]),
+            generator=gen,
+            dtype=torch.int16,
+        ).view(torch.bfloat16)
         caches.append(x.to(s["device"]))
     layers = list(range(s["layers"]))
     if model == "llama":
-        infos = [EngineGroupInfo(engine_group_id=0, layer_indices=tuple(layers),
-                                 tokens_per_block=BS)]
+        infos = [
+            EngineGroupInfo(engine_group_id=0, layer_indices=tuple(layers), tokens_per_block=BS)
+        ]
     else:  # even layers full attention, odd layers a sliding window (two engine groups)
-        infos = [EngineGroupInfo(engine_group_id=0, layer_indices=tuple(layers[0::2]),
-                                 tokens_per_block=BS),
-                 EngineGroupInfo(engine_group_id=1, layer_indices=tuple(layers[1::2]),
-                                 tokens_per_block=BS, sw_size_tokens=WINDOW)]
-    manager = KVLayerGroupsManager(caches, EngineKVFormat.NL_X_NB_BS_NH_CS, infos,
-                                   lmcache_tokens_per_chunk=CHUNK)
+        infos = [
+            EngineGroupInfo(
+                engine_group_id=0, layer_indices=tuple(layers[0::2]), tokens_per_block=BS
+            ),
+            EngineGroupInfo(
+                engine_group_id=1,
+                layer_indices=tuple(layers[1::2]),
+                tokens_per_block=BS,
+                sw_size_tokens=WINDOW,
+            ),
+        ]
+    manager = KVLayerGroupsManager(
+        caches, EngineKVFormat.NL_X_NB_BS_NH_CS, infos, lmcache_tokens_per_chunk=CHUNK
+    )
     return caches, manager
 
 
 def block_ids(manager, n: int, blocks: int, seed: int) -> dict:
     gen = torch.Generator().manual_seed(seed)
     per = n * CHUNK // BS
-    return {g.engine_group_idx: torch.randperm(blocks, generator=gen)[:per].tolist()
-            for g in manager.kernel_groups}
+    return {
+        g.engine_group_idx: torch.randperm(blocks, generator=gen)[:per].tolist()
+        for g in manager.kernel_groups
+    }
 
 
 # --- the writer process ---------------------------------------------------------------------
@@ -114,21 +130,21 @@ def writer(args: argparse.Namespace) -> None:
     pubs = {}
     for model in ("llama", "hybrid"):
         caches, manager = caches_and_manager(model, s, blocks, seed=1)
-        pool = ObjectPool.allocate(f"pool-{model}", object_sizes(manager), 2 * top,
-                                   like=caches[0])
+        pool = ObjectPool.allocate(f"pool-{model}", object_sizes(manager), 2 * top, like=caches[0])
         transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
         for n in s["chunks"]:
             ids = block_ids(manager, n, blocks, seed=n)
             store(manager, caches, ids, pool.writable_rows(range(n)))
             scattered = list(range(2 * n - 2, -1, -2))  # descending, every other slot
             for c, slot in enumerate(scattered):
-                one = {g: i[c * CHUNK // BS:(c + 1) * CHUNK // BS] for g, i in ids.items()}
+                one = {g: i[c * CHUNK // BS : (c + 1) * CHUNK // BS] for g, i in ids.items()}
                 store(manager, caches, one, pool.writable_rows([slot]))
             if caches[0].is_cuda:
                 torch.cuda.synchronize()
             for kind, slots in (("consecutive", list(range(n))), ("scattered", scattered)):
-                pubs[f"{model}-{kind}-{n}"] = publish(transport, manager, f"{model}/{kind}/{n}",
-                                                     pool, slots).to_dict()
+                pubs[f"{model}-{kind}-{n}"] = publish(
+                    transport, manager, f"{model}/{kind}/{n}", pool, slots
+                ).to_dict()
     (out / "ready.json").write_text(json.dumps(pubs))
     while not (out / "stop").exists():
         time.sleep(0.05)
@@ -168,9 +184,12 @@ def measure(rx, prepared, pub, ids, first, layers, reps, device, sync) -> dict:
         if prepared is not None:
             prepared.load(rx.objects(job), ids, layers=layers)
         rx.end(job, release_remote=False)
-        seen.update(descriptors=job.descriptors, posted=job.posted_descriptors,
-                    nbytes=job.nbytes,
-                    transfer_us=max(h.stats.seconds for h in job.handles) * 1e6)
+        seen.update(
+            descriptors=job.descriptors,
+            posted=job.posted_descriptors,
+            nbytes=job.nbytes,
+            transfer_us=max(h.stats.seconds for h in job.handles) * 1e6,
+        )
 
     once()  # warm-up: handshake, registration, first-call binding
     transfers = []
@@ -181,12 +200,16 @@ def measure(rx, prepared, pub, ids, first, layers, reps, device, sync) -> dict:
 
     t = median_us(timed, reps, sync)
     ceiling = copy_ceiling_us(max(seen["nbytes"], 1), device, reps, sync)
-    return dict(descriptors=seen["descriptors"], posted_descriptors=seen["posted"],
-                bytes=seen["nbytes"], time_us=round(t, 1),
-                transfer_us=round(statistics.median(transfers), 1),
-                gbps=round(seen["nbytes"] / t / 1e3, 3),
-                ceiling_gbps=round(seen["nbytes"] / ceiling / 1e3, 3),
-                frac_of_ceiling=round(ceiling / t, 3))
+    return dict(
+        descriptors=seen["descriptors"],
+        posted_descriptors=seen["posted"],
+        bytes=seen["nbytes"],
+        time_us=round(t, 1),
+        transfer_us=round(statistics.median(transfers), 1),
+        gbps=round(seen["nbytes"] / t / 1e3, 3),
+        ceiling_gbps=round(seen["nbytes"] / ceiling / 1e3, 3),
+        frac_of_ceiling=round(ceiling / t, 3),
+    )
 
 
 def reader(args: argparse.Namespace, pubs: dict) -> list[dict]:
@@ -201,33 +224,69 @@ def reader(args: argparse.Namespace, pubs: dict) -> list[dict]:
         caches, manager = caches_and_manager(model, s, blocks, seed=2)
         prepared = prepare(manager, caches)
         rx = Receiver(manager, transport, capacity=top, like=caches[0], name=f"stage-{model}")
-        base = dict(model=model, transport="nixl", layers=s["layers"],
-                    memory="VRAM" if device == "cuda" else "DRAM",
-                    object_groups=manager.num_object_groups,
-                    ucx_tls=os.environ.get("UCX_TLS", "default"))
+        base = dict(
+            model=model,
+            transport="nixl",
+            layers=s["layers"],
+            memory="VRAM" if device == "cuda" else "DRAM",
+            object_groups=manager.num_object_groups,
+            ucx_tls=os.environ.get("UCX_TLS", "default"),
+        )
         for n in s["chunks"]:
             ids = block_ids(manager, n, blocks, seed=n)
             baseline = nixl_connector_descriptors(n * CHUNK // BS, s["layers"])
 
-            def run(kind, first=0, load=False, layers=None, n=n, ids=ids, rx=rx,
-                    prepared=prepared, model=model):
+            def run(
+                kind,
+                first=0,
+                load=False,
+                layers=None,
+                n=n,
+                ids=ids,
+                rx=rx,
+                prepared=prepared,
+                model=model,
+            ):
                 pub = Publication.from_dict(pubs[f"{model}-{kind}-{n}"])
-                later = {g: i[first * CHUNK // BS:] for g, i in ids.items()}
-                return measure(rx, prepared if load else None, pub, later, first, layers,
-                               s["reps"], device, sync)
+                later = {g: i[first * CHUNK // BS :] for g, i in ids.items()}
+                return measure(
+                    rx,
+                    prepared if load else None,
+                    pub,
+                    later,
+                    first,
+                    layers,
+                    s["reps"],
+                    device,
+                    sync,
+                )
 
-            cases = {"pull": run("consecutive"), "pull_scattered": run("scattered"),
-                     "pull_partial": run("consecutive", first=n - 1),
-                     "pull_load": run("consecutive", load=True),
-                     "first_layer": run("consecutive", load=True, layers=[0])}
-            calls = {"pull": "Receiver.begin+pull+wait", "pull_scattered":
-                     "Receiver.begin+pull+wait", "pull_partial": "Receiver.begin+pull+wait",
-                     "pull_load": "Receiver.begin+pull+wait+PreparedTransfer.load",
-                     "first_layer": "Receiver.pull(layers=[0])+wait+load(layers=[0])"}
+            cases = {
+                "pull": run("consecutive"),
+                "pull_scattered": run("scattered"),
+                "pull_partial": run("consecutive", first=n - 1),
+                "pull_load": run("consecutive", load=True),
+                "first_layer": run("consecutive", load=True, layers=[0]),
+            }
+            calls = {
+                "pull": "Receiver.begin+pull+wait",
+                "pull_scattered": "Receiver.begin+pull+wait",
+                "pull_partial": "Receiver.begin+pull+wait",
+                "pull_load": "Receiver.begin+pull+wait+PreparedTransfer.load",
+                "first_layer": "Receiver.pull(layers=[0])+wait+load(layers=[0])",
+            }
             for case, rec in cases.items():
-                records.append(dict(base, case=case, call=calls[case], chunks=n,
-                                    tokens=n * CHUNK, nixl_connector_descriptors=baseline,
-                                    **rec))
+                records.append(
+                    dict(
+                        base,
+                        case=case,
+                        call=calls[case],
+                        chunks=n,
+                        tokens=n * CHUNK,
+                        nixl_connector_descriptors=baseline,
+                        **rec,
+                    )
+                )
             records[-1]["whole_request_us"] = cases["pull_load"]["time_us"]
     transport.close()
     return records

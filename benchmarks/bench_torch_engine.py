@@ -83,8 +83,10 @@ class Timer:
         times, i = [], self.warmup + 1
         for _ in range(self.iters):
             if self.cuda:
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(
-                    enable_timing=True)
+                start, end = (
+                    torch.cuda.Event(enable_timing=True),
+                    torch.cuda.Event(enable_timing=True),
+                )
                 start.record()
             t = time.perf_counter()
             for _ in range(calls):
@@ -96,8 +98,12 @@ class Timer:
                 times.append(start.elapsed_time(end) / calls)
             else:
                 times.append((time.perf_counter() - t) * 1e3 / calls)
-        return {"median": statistics.median(times), "ms_min": min(times),
-                "ms_max": max(times), "calls_per_batch": calls}
+        return {
+            "median": statistics.median(times),
+            "ms_min": min(times),
+            "ms_max": max(times),
+            "calls_per_batch": calls,
+        }
 
 
 class Setup:
@@ -105,8 +111,9 @@ class Setup:
         self.device = "cpu" if args.tiny else "cuda"
         layers, num_blocks = (2, 64) if args.tiny else (args.layers, args.num_blocks)
         name = "small-pages" if args.tiny else "llama3-8b"
-        model = MODELS[name].build(num_blocks=num_blocks, layers=layers,
-                                   dtype="float16" if args.tiny else "bfloat16")
+        model = MODELS[name].build(
+            num_blocks=num_blocks, layers=layers, dtype="float16" if args.tiny else "bfloat16"
+        )
         gen = torch.Generator(device=self.device).manual_seed(0)
         self.caches = []
         for spec in model.kv_caches:
@@ -114,8 +121,9 @@ class Setup:
             t = torch.empty(spec.shape, dtype=dtype, device=self.device)
             t.view(torch.int16).random_(generator=gen)
             self.caches.append(t)
-        self.manager = KVLayerGroupsManager(self.caches, list(model.formats),
-                                            lmcache_tokens_per_chunk=CHUNK)
+        self.manager = KVLayerGroupsManager(
+            self.caches, list(model.formats), lmcache_tokens_per_chunk=CHUNK
+        )
         self.prep = kc.prepare(self.manager, self.caches)
         self.layers = layers
         self.num_blocks = num_blocks
@@ -134,8 +142,9 @@ class Setup:
 
     def objects(self, chunks: int, rotate: int = 2) -> list:
         n = kc.object_nbytes(self.manager, 0)
-        return [[torch.empty((chunks, n), dtype=torch.uint8, device=self.device)]
-                for _ in range(rotate)]
+        return [
+            [torch.empty((chunks, n), dtype=torch.uint8, device=self.device)] for _ in range(rotate)
+        ]
 
     def moved_bytes(self, chunks: int) -> int:
         return chunks * kc.object_nbytes(self.manager, 0)
@@ -147,15 +156,34 @@ def copy_ms(s: Setup, timer: Timer, nbytes: int) -> float:
     return timer.ms(lambda i: dst[i % 2].copy_(src))["median"]
 
 
-def record(s: Setup, call: str, ids: str, direction: str, chunks: int, timing: dict,
-           ceiling_ms: float, **extra) -> dict:
+def record(
+    s: Setup,
+    call: str,
+    ids: str,
+    direction: str,
+    chunks: int,
+    timing: dict,
+    ceiling_ms: float,
+    **extra,
+) -> dict:
     nbytes = s.moved_bytes(chunks)
     ms = timing["median"]
-    return {"call": call, "ids": ids, "runtime": "torch",
-            "path": "cuda-kernel" if s.device == "cuda" else "cpu", "direction": direction,
-            "placement": "device", "chunks": chunks, "page_bytes": s.page_bytes,
-            "gbps": 2 * nbytes / ms / 1e6, "frac_of_ceiling": ceiling_ms / ms, **timing,
-            "copy_ms": ceiling_ms, "bytes": nbytes, **extra}
+    return {
+        "call": call,
+        "ids": ids,
+        "runtime": "torch",
+        "path": "cuda-kernel" if s.device == "cuda" else "cpu",
+        "direction": direction,
+        "placement": "device",
+        "chunks": chunks,
+        "page_bytes": s.page_bytes,
+        "gbps": 2 * nbytes / ms / 1e6,
+        "frac_of_ceiling": ceiling_ms / ms,
+        **timing,
+        "copy_ms": ceiling_ms,
+        "bytes": nbytes,
+        **extra,
+    }
 
 
 def bench_prepared(s: Setup, timer: Timer, chunk_counts, emit) -> None:
@@ -170,11 +198,17 @@ def bench_prepared(s: Setup, timer: Timer, chunk_counts, emit) -> None:
             emit(record(s, "prepared", kind, "load", chunks, t, ceiling))
         if chunks in (1, 16):
             ids = s.ids(chunks, "device")
-            t = timer.ms(lambda i, ids=ids, objs=objs: kc.store(
-                s.manager, s.caches, ids[i % len(ids)], objs[i % 2]))
+            t = timer.ms(
+                lambda i, ids=ids, objs=objs: kc.store(
+                    s.manager, s.caches, ids[i % len(ids)], objs[i % 2]
+                )
+            )
             emit(record(s, "store", "device", "store", chunks, t, ceiling))
-            t = timer.ms(lambda i, ids=ids, objs=objs: kc.load(
-                s.manager, objs[i % 2], s.caches, ids[i % len(ids)]))
+            t = timer.ms(
+                lambda i, ids=ids, objs=objs: kc.load(
+                    s.manager, objs[i % 2], s.caches, ids[i % len(ids)]
+                )
+            )
             emit(record(s, "load", "device", "load", chunks, t, ceiling))
 
 
@@ -216,8 +250,19 @@ def bench_layerwise(s: Setup, timer: Timer, chunks: int, emit) -> None:
                 s.prep.store(ids[i % len(ids)], objs[i % 2], layers=[layer])
 
         t = timer.ms(per_layer)
-        emit(record(s, "layerwise", kind, "store", chunks, t, ceiling, calls_per_step=s.layers,
-                    frac_of_whole=whole["median"] / t["median"]))
+        emit(
+            record(
+                s,
+                "layerwise",
+                kind,
+                "store",
+                chunks,
+                t,
+                ceiling,
+                calls_per_step=s.layers,
+                frac_of_whole=whole["median"] / t["median"],
+            )
+        )
 
         def per_layer_load(i, ids=ids):
             for layer in range(s.layers):
@@ -226,15 +271,28 @@ def bench_layerwise(s: Setup, timer: Timer, chunks: int, emit) -> None:
         if kind == "device" and s.device == "cuda":
             bench_layerwise_graph(s, timer, chunks, ids[0], objs[0], whole, ceiling, emit)
 
-        whole_load = timer.ms(lambda i, ids=ids, objs=objs: s.prep.load(
-            objs[i % 2], ids[i % len(ids)]))
+        whole_load = timer.ms(
+            lambda i, ids=ids, objs=objs: s.prep.load(objs[i % 2], ids[i % len(ids)])
+        )
         t = timer.ms(per_layer_load)
-        emit(record(s, "layerwise", kind, "load", chunks, t, ceiling, calls_per_step=s.layers,
-                     frac_of_whole=whole_load["median"] / t["median"]))
+        emit(
+            record(
+                s,
+                "layerwise",
+                kind,
+                "load",
+                chunks,
+                t,
+                ceiling,
+                calls_per_step=s.layers,
+                frac_of_whole=whole_load["median"] / t["median"],
+            )
+        )
 
 
-def bench_layerwise_graph(s: Setup, timer: Timer, chunks: int, ids, objs, whole: dict,
-                          ceiling: float, emit) -> None:
+def bench_layerwise_graph(
+    s: Setup, timer: Timer, chunks: int, ids, objs, whole: dict, ceiling: float, emit
+) -> None:
     """The 32 layer-wise stores as an engine runs them inside its captured forward pass:
     one CUDA graph holding every call (no host work per call on replay)."""
     side = torch.cuda.Stream()
@@ -248,8 +306,20 @@ def bench_layerwise_graph(s: Setup, timer: Timer, chunks: int, ids, objs, whole:
         for layer in range(s.layers):
             s.prep.store(ids, objs, layers=[layer])
     t = timer.ms(lambda i: graph.replay())
-    emit(record(s, "layerwise", "device", "store", chunks, t, ceiling, calls_per_step=s.layers,
-                frac_of_whole=whole["median"] / t["median"], graph=True))
+    emit(
+        record(
+            s,
+            "layerwise",
+            "device",
+            "store",
+            chunks,
+            t,
+            ceiling,
+            calls_per_step=s.layers,
+            frac_of_whole=whole["median"] / t["median"],
+            graph=True,
+        )
+    )
 
 
 def bench_compile(s: Setup, timer: Timer, chunk_counts, backend: str, emit) -> None:
@@ -266,8 +336,19 @@ def bench_compile(s: Setup, timer: Timer, chunk_counts, backend: str, emit) -> N
         timer.sync()
         first_s = time.perf_counter() - t0
         t = timer.ms(lambda i, ids=ids, objs=objs: compiled(s.prep, ids[i % len(ids)], objs[i % 2]))
-        emit(record(s, "compile", "device", "store", chunks, t, ceiling, compiler=backend,
-                    first_call_s=first_s))
+        emit(
+            record(
+                s,
+                "compile",
+                "device",
+                "store",
+                chunks,
+                t,
+                ceiling,
+                compiler=backend,
+                first_call_s=first_s,
+            )
+        )
 
 
 def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> None:
@@ -280,8 +361,9 @@ def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> No
     side = torch.cuda.Stream()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for cap in (max_ctas, None):
-        alone = timer.ms(lambda i, cap=cap: s.prep.store(ids[i % len(ids)], objs[i % 2],
-                                                          max_ctas=cap))
+        alone = timer.ms(
+            lambda i, cap=cap: s.prep.store(ids[i % len(ids)], objs[i % 2], max_ctas=cap)
+        )
         # Side by side: each timed step is one GEMM on the main stream and, on the side
         # stream, as many stores as fit in it (both streams joined at the end of the step).
         per_gemm = max(1, int(gemm_alone["median"] / alone["median"]))
@@ -296,15 +378,27 @@ def bench_sm_cap(s: Setup, timer: Timer, chunks: int, max_ctas: int, emit) -> No
 
         step = timer.ms(both)
         gemm_ms, store_ms = _side_by_side(s, ids, objs, a, b, out, side, cap, per_gemm)
-        emit(record(s, "sm_cap", "device", "store", chunks, alone, ceiling,
-                    max_ctas=cap, sms=sms, gemm_alone_ms=gemm_alone["median"],
-                    step_ms=step["median"], stores_per_gemm=per_gemm,
-                    step_over_gemm=step["median"] / gemm_alone["median"],
-                    gemm_concurrent_ms=gemm_ms,
-                    gemm_slowdown=gemm_ms / gemm_alone["median"],
-                    concurrent_store_ms=store_ms,
-                    concurrent_store_gbps=2 * s.moved_bytes(chunks) * per_gemm
-                    / store_ms / 1e6))
+        emit(
+            record(
+                s,
+                "sm_cap",
+                "device",
+                "store",
+                chunks,
+                alone,
+                ceiling,
+                max_ctas=cap,
+                sms=sms,
+                gemm_alone_ms=gemm_alone["median"],
+                step_ms=step["median"],
+                stores_per_gemm=per_gemm,
+                step_over_gemm=step["median"] / gemm_alone["median"],
+                gemm_concurrent_ms=gemm_ms,
+                gemm_slowdown=gemm_ms / gemm_alone["median"],
+                concurrent_store_ms=store_ms,
+                concurrent_store_gbps=2 * s.moved_bytes(chunks) * per_gemm / store_ms / 1e6,
+            )
+        )
 
 
 def _side_by_side(s: Setup, ids, objs, a, b, out, side, cap, per_gemm, rounds: int = 15):
@@ -348,54 +442,91 @@ def bench_state(args, timer: Timer, emit) -> None:
         t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.name), device=device)
         t.view(torch.uint8).random_(generator=gen)
         caches.append(t)
-    manager = KVLayerGroupsManager(caches, list(model.formats), model.engine_group_infos,
-                                   lmcache_tokens_per_chunk=CHUNK)
+    manager = KVLayerGroupsManager(
+        caches, list(model.formats), model.engine_group_infos, lmcache_tokens_per_chunk=CHUNK
+    )
     prep = kc.prepare(manager, caches)
     state = sorted(i for g in manager.kernel_groups if g.recurrent_state for i in g.layer_indices)
-    attention = sorted(i for g in manager.kernel_groups if not g.recurrent_state
-                       for i in g.layer_indices)
+    attention = sorted(
+        i for g in manager.kernel_groups if not g.recurrent_state for i in g.layer_indices
+    )
     slots = min(g.shape_desc.nb for g in manager.kernel_groups if g.recurrent_state)
     nbytes = [kc.object_nbytes(manager, og) for og in range(manager.num_object_groups)]
     rng = np.random.default_rng(7)
-    page = max(g.shape_desc.nh * g.shape_desc.hs * g.dtype.itemsize
-               for g in manager.kernel_groups if g.recurrent_state)
+    page = max(
+        g.shape_desc.nh * g.shape_desc.hs * g.dtype.itemsize
+        for g in manager.kernel_groups
+        if g.recurrent_state
+    )
     for chunks in chunk_counts:
-        objs = [[torch.empty((chunks, n), dtype=torch.uint8, device=device) for n in nbytes]
-                for _ in range(2)]
+        objs = [
+            [torch.empty((chunks, n), dtype=torch.uint8, device=device) for n in nbytes]
+            for _ in range(2)
+        ]
 
         def ids_for(kind: str, chunks: int = chunks) -> list:
             out = []
             for _ in range(4):
-                per_group = {0: rng.permutation(num_blocks)[:chunks * CHUNK // 16],
-                             1: rng.permutation(slots)[:chunks]}
-                out.append({g: torch.from_numpy(v.astype(np.int64)).to(device) if kind == "device"
-                            else v for g, v in per_group.items()})
+                per_group = {
+                    0: rng.permutation(num_blocks)[: chunks * CHUNK // 16],
+                    1: rng.permutation(slots)[:chunks],
+                }
+                out.append(
+                    {
+                        g: torch.from_numpy(v.astype(np.int64)).to(device)
+                        if kind == "device"
+                        else v
+                        for g, v in per_group.items()
+                    }
+                )
             return out
 
         for kind in ("host", "device"):
             ids = ids_for(kind)
             for which, layers_arg in (("state", state), ("attention", attention), ("all", None)):
                 for direction in ("store", "load"):
-                    moved = call_bytes(manager, caches,
-                                       {g: np.asarray(v.cpu() if hasattr(v, "cpu") else v)
-                                        for g, v in ids[0].items()}, direction,
-                                       layers=layers_arg)
+                    moved = call_bytes(
+                        manager,
+                        caches,
+                        {
+                            g: np.asarray(v.cpu() if hasattr(v, "cpu") else v)
+                            for g, v in ids[0].items()
+                        },
+                        direction,
+                        layers=layers_arg,
+                    )
                     ceiling = copy_ms(SimpleNamespace(device=device), timer, moved)
                     if direction == "store":
+
                         def fn(i, ids=ids, objs=objs, layers_arg=layers_arg):
                             prep.store(ids[i % 4], objs[i % 2], layers=layers_arg)
                     else:
+
                         def fn(i, ids=ids, objs=objs, layers_arg=layers_arg):
                             prep.load(objs[i % 2], ids[i % 4], layers=layers_arg)
+
                     t = timer.ms(fn)
                     ms = t["median"]
-                    emit({"call": "prepared", "ids": kind, "runtime": "torch",
-                          "path": "cuda-kernel" if device == "cuda" else "cpu",
-                          "direction": direction, "placement": "device", "chunks": chunks,
-                          "page_bytes": page, "layers": which, "model": "qwen3-next-like",
-                          "model_layers": layers, "gbps": 2 * moved / ms / 1e6,
-                          "frac_of_ceiling": ceiling / ms, **t, "copy_ms": ceiling,
-                          "bytes": moved})
+                    emit(
+                        {
+                            "call": "prepared",
+                            "ids": kind,
+                            "runtime": "torch",
+                            "path": "cuda-kernel" if device == "cuda" else "cpu",
+                            "direction": direction,
+                            "placement": "device",
+                            "chunks": chunks,
+                            "page_bytes": page,
+                            "layers": which,
+                            "model": "qwen3-next-like",
+                            "model_layers": layers,
+                            "gbps": 2 * moved / ms / 1e6,
+                            "frac_of_ceiling": ceiling / ms,
+                            **t,
+                            "copy_ms": ceiling,
+                            "bytes": moved,
+                        }
+                    )
 
 
 PATH_PAGES = (1024, 2048, 4096, 8192, 16384, 32768, 65536, 131072)
@@ -418,12 +549,14 @@ def _nhd_setup(page: int, layers: int, chunks: int, device: str, tiny: bool):
     hs = 128
     bs, nh = page_geometry(page)
     num_blocks = max(64, 2 * chunks * CHUNK // bs)
-    caches = [torch.empty((2, num_blocks, bs, nh, hs), dtype=dtype, device=device)
-              for _ in range(layers)]
+    caches = [
+        torch.empty((2, num_blocks, bs, nh, hs), dtype=dtype, device=device) for _ in range(layers)
+    ]
     for c in caches:
         c.view(torch.int16).random_()
-    manager = KVLayerGroupsManager(caches, [EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * layers,
-                                   lmcache_tokens_per_chunk=CHUNK)
+    manager = KVLayerGroupsManager(
+        caches, [EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * layers, lmcache_tokens_per_chunk=CHUNK
+    )
     return manager, caches, num_blocks, bs, bs * nh * hs * caches[0].element_size()
 
 
@@ -439,56 +572,100 @@ def bench_paths(args, timer: Timer, emit) -> None:
     t0 = time.perf_counter()
     for page in pages:
         if time.perf_counter() - t0 > args.paths_budget_s:
-            emit({"call": "prepared", "ids": "host", "runtime": "torch", "path": paths[0],
-                  "page_bytes": page, "skipped": f"past --paths-budget-s {args.paths_budget_s}"})
+            emit(
+                {
+                    "call": "prepared",
+                    "ids": "host",
+                    "runtime": "torch",
+                    "path": paths[0],
+                    "page_bytes": page,
+                    "skipped": f"past --paths-budget-s {args.paths_budget_s}",
+                }
+            )
             continue
         bs = page_geometry(page)[0]
-        fits = [c for c in chunk_counts
-                if c * 2 * layers * CHUNK // bs * page <= args.paths_max_bytes]
+        fits = [
+            c for c in chunk_counts if c * 2 * layers * CHUNK // bs * page <= args.paths_max_bytes
+        ]
         for chunks in sorted(set(chunk_counts) - set(fits)):
             for placement in placements:
-                emit({"call": "prepared", "ids": "host", "runtime": "torch", "path": paths[0],
-                      "placement": placement, "chunks": chunks, "page_bytes": page,
-                      "skipped": f"moves more than --paths-max-bytes {args.paths_max_bytes}"})
+                emit(
+                    {
+                        "call": "prepared",
+                        "ids": "host",
+                        "runtime": "torch",
+                        "path": paths[0],
+                        "placement": placement,
+                        "chunks": chunks,
+                        "page_bytes": page,
+                        "skipped": f"moves more than --paths-max-bytes {args.paths_max_bytes}",
+                    }
+                )
         if not fits:
             continue
-        manager, caches, num_blocks, bs, page_bytes = _nhd_setup(page, layers, max(fits),
-                                                                 device, args.tiny)
+        manager, caches, num_blocks, bs, page_bytes = _nhd_setup(
+            page, layers, max(fits), device, args.tiny
+        )
         prep = kc.prepare(manager, caches)
         nbytes = kc.object_nbytes(manager, 0)
         for placement in placements:
             pinned = placement == "pinned"
-            big = [torch.empty((max(fits), nbytes), dtype=torch.uint8,
-                               device="cpu" if pinned else device, pin_memory=pinned)
-                   for _ in range(2)]
+            big = [
+                torch.empty(
+                    (max(fits), nbytes),
+                    dtype=torch.uint8,
+                    device="cpu" if pinned else device,
+                    pin_memory=pinned,
+                )
+                for _ in range(2)
+            ]
             for chunks in fits:
                 moved = chunks * nbytes
                 blocks = chunks * CHUNK // bs
                 ids = [rng.permutation(num_blocks)[:blocks] for _ in range(4)]
                 objs = [[b[:chunks]] for b in big]
-                ceilings = {d: _ceiling_ms(timer, moved, device, pinned, d)
-                            for d in ("store", "load")}
+                ceilings = {
+                    d: _ceiling_ms(timer, moved, device, pinned, d) for d in ("store", "load")
+                }
                 for path in paths:
                     for direction in ("store", "load"):
-                        base = {"call": "prepared", "ids": "host", "runtime": "torch",
-                                "path": path, "direction": direction, "placement": placement,
-                                "chunks": chunks, "page_bytes": page_bytes, "layers": layers,
-                                "device": device}
+                        base = {
+                            "call": "prepared",
+                            "ids": "host",
+                            "runtime": "torch",
+                            "path": path,
+                            "direction": direction,
+                            "placement": placement,
+                            "chunks": chunks,
+                            "page_bytes": page_bytes,
+                            "layers": layers,
+                            "device": device,
+                        }
                         if path == "copy_engine" and not cuda:
                             emit({**base, "skipped": "the copy engine needs a CUDA GPU"})
                             continue
                         if direction == "store":
+
                             def fn(i, ids=ids, objs=objs, path=path, prep=prep):
                                 prep.store(ids[i % 4], objs[i % 2], path=path)
                         else:
+
                             def fn(i, ids=ids, objs=objs, path=path, prep=prep):
                                 prep.load(objs[i % 2], ids[i % 4], path=path)
+
                         t = timer.ms(fn)
                         ms = t["median"]
-                        emit({**base, "gbps": 2 * moved / ms / 1e6,
-                              "link_gbps": moved / ms / 1e6 if pinned else None,
-                              "frac_of_ceiling": ceilings[direction] / ms, **t,
-                              "copy_ms": ceilings[direction], "bytes": moved})
+                        emit(
+                            {
+                                **base,
+                                "gbps": 2 * moved / ms / 1e6,
+                                "link_gbps": moved / ms / 1e6 if pinned else None,
+                                "frac_of_ceiling": ceilings[direction] / ms,
+                                **t,
+                                "copy_ms": ceilings[direction],
+                                "bytes": moved,
+                            }
+                        )
             big = objs = None
         caches = prep = manager = None
 
@@ -522,20 +699,35 @@ def main(argv=None) -> None:
     p.add_argument("--batch-s", type=float, default=0.025)
     p.add_argument("--max-ctas", type=int, default=16)
     p.add_argument("--compiler", default="inductor")
-    p.add_argument("--only", nargs="+", default=None,
-                   choices=["prepared", "graph", "layerwise", "compile", "sm_cap", "paths",
-                            "state"])
-    p.add_argument("--state-layers", type=int, default=12,
-                   help="layers of the Qwen3-Next-like model of --only state (3 GDN : 1 attn)")
-    p.add_argument("--paths", type=_csv(str), default=None,
-                   help="run the path sweep with these path= values (kernel,copy_engine)")
+    p.add_argument(
+        "--only",
+        nargs="+",
+        default=None,
+        choices=["prepared", "graph", "layerwise", "compile", "sm_cap", "paths", "state"],
+    )
+    p.add_argument(
+        "--state-layers",
+        type=int,
+        default=12,
+        help="layers of the Qwen3-Next-like model of --only state (3 GDN : 1 attn)",
+    )
+    p.add_argument(
+        "--paths",
+        type=_csv(str),
+        default=None,
+        help="run the path sweep with these path= values (kernel,copy_engine)",
+    )
     p.add_argument("--paths-pages", type=_csv(int), default=list(PATH_PAGES))
     p.add_argument("--paths-chunks", type=_csv(int), default=list(PATH_CHUNKS))
     p.add_argument("--paths-layers", type=int, default=4)
     p.add_argument("--paths-iters", type=int, default=5)
     p.add_argument("--paths-max-bytes", type=int, default=2 << 30)
-    p.add_argument("--paths-budget-s", type=float, default=600.0,
-                   help="page sizes not started by then are recorded as skipped")
+    p.add_argument(
+        "--paths-budget-s",
+        type=float,
+        default=600.0,
+        help="page sizes not started by then are recorded as skipped",
+    )
     args = p.parse_args(argv)
     if args.tiny:
         args.chunks, args.iters, args.warmup, args.batch_s = [1, 2], 2, 1, 0.001
@@ -571,8 +763,11 @@ def main(argv=None) -> None:
         bench_state(args, timer, emit)
     if args.paths or "paths" in wanted:
         args.paths = args.paths or ["kernel", "copy_engine"]
-        bench_paths(args, Timer(s.device == "cuda", min(args.iters, args.paths_iters),
-                                args.warmup, args.batch_s), emit)
+        bench_paths(
+            args,
+            Timer(s.device == "cuda", min(args.iters, args.paths_iters), args.warmup, args.batch_s),
+            emit,
+        )
     if sink:
         sink.close()
 

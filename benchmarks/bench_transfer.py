@@ -19,17 +19,29 @@ from kvgroups_tools import cli_bench
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     cli_bench.add_arguments(parser)
-    parser.add_argument("--tiny", action="store_true",
-                        help="the tiny matrix on the CPU runtimes installed (seconds; CI)")
+    parser.add_argument(
+        "--tiny",
+        action="store_true",
+        help="the tiny matrix on the CPU runtimes installed (seconds; CI)",
+    )
     args = parser.parse_args(argv)
     if args.tiny:
-        runtimes = ["numpy"] + [f"{name}-cpu" for name in ("torch", "jax")
-                                if importlib.util.find_spec(name) is not None]
-        args = parser.parse_args([*(argv if argv is not None else sys.argv[1:]), "--matrix",
-                                  "tiny", "--backends", ",".join(runtimes)])
+        runtimes = ["numpy"] + [
+            f"{name}-cpu" for name in ("torch", "jax") if importlib.util.find_spec(name) is not None
+        ]
+        args = parser.parse_args(
+            [
+                *(argv if argv is not None else sys.argv[1:]),
+                "--matrix",
+                "tiny",
+                "--backends",
+                ",".join(runtimes),
+            ]
+        )
     return cli_bench.run(args)
 
 

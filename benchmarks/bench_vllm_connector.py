@@ -49,6 +49,7 @@ def vllm_caches(layers: int, blocks: int, bs: int, heads: int, head: int, device
 
 def timer(device: str):
     if device == "cuda":
+
         def run(fn, reps):
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             times = []
@@ -60,6 +61,7 @@ def timer(device: str):
                 times.append(start.elapsed_time(end) * 1e3)
             return statistics.median(times)
     else:
+
         def run(fn, reps):
             times = []
             for _ in range(reps):
@@ -67,6 +69,7 @@ def timer(device: str):
                 fn()
                 times.append((time.perf_counter() - t0) * 1e6)
             return statistics.median(times)
+
     return run
 
 
@@ -101,19 +104,25 @@ def main(argv: list[str] | None = None) -> int:
     blocks = max(chunks) * per_chunk * 2 + 8
     caches = vllm_caches(layers, blocks, bs, heads, head, device)
     fmt = EngineKVFormat.NL_X_NB_BS_NH_CS
-    info = EngineGroupInfo(engine_group_id=0, layer_indices=tuple(range(layers)),
-                           tokens_per_block=bs)
+    info = EngineGroupInfo(
+        engine_group_id=0, layer_indices=tuple(range(layers)), tokens_per_block=bs
+    )
     manager = KVLayerGroupsManager(caches, fmt, [info], lmcache_tokens_per_chunk=CHUNK)
     store = HostChunkStore(manager, caches, capacity=max(chunks))
     page_bytes = bs * heads * 2 * head * 2
     measure = timer(device)
     gen = torch.Generator().manual_seed(0)
-    base = dict(ids="host", runtime="torch", path="cuda" if device == "cuda" else "cpu",
-                placement="pinned" if store.pinned else "cpu", layers=layers,
-                page_bytes=page_bytes)
+    base = dict(
+        ids="host",
+        runtime="torch",
+        path="cuda" if device == "cuda" else "cpu",
+        placement="pinned" if store.pinned else "cpu",
+        layers=layers,
+        page_bytes=page_bytes,
+    )
     records = []
     for n in chunks:
-        ids = {0: torch.randperm(blocks, generator=gen)[:n * per_chunk].tolist()}
+        ids = {0: torch.randperm(blocks, generator=gen)[: n * per_chunk].tolist()}
         slots = list(range(n))
         nbytes = n * sum(store.object_bytes)
         calls = {
@@ -121,20 +130,39 @@ def main(argv: list[str] | None = None) -> int:
             "load": ("load", lambda ids=ids, slots=slots: store.load(ids, slots)),
         }
         if store.layerwise:
-            calls["layerwise"] = ("store", lambda ids=ids, slots=slots: [
-                store.save_layer(ids, slots, layer) for layer in range(layers)])
+            calls["layerwise"] = (
+                "store",
+                lambda ids=ids, slots=slots: [
+                    store.save_layer(ids, slots, layer) for layer in range(layers)
+                ],
+            )
         for call, (direction, fn) in calls.items():
             fn()  # warm-up (first-call binding and kernel load)
             t = measure(fn, reps)
             c = ceiling_us(nbytes, direction, device, measure, reps)
-            rec = dict(base, call=call, direction=direction, chunks=n, bytes=nbytes,
-                       time_us=round(t, 2), gbps=round(2 * nbytes / t / 1e3, 3),
-                       ceiling_gbps=round(2 * nbytes / c / 1e3, 3),
-                       frac_of_ceiling=round(c / t, 3))
+            rec = dict(
+                base,
+                call=call,
+                direction=direction,
+                chunks=n,
+                bytes=nbytes,
+                time_us=round(t, 2),
+                gbps=round(2 * nbytes / t / 1e3, 3),
+                ceiling_gbps=round(2 * nbytes / c / 1e3, 3),
+                frac_of_ceiling=round(c / t, 3),
+            )
             records.append(rec)
         if not store.layerwise:
-            records.append(dict(base, call="layerwise", direction="store", chunks=n,
-                                bytes=nbytes, skipped="kvgroups has no layers= on store yet"))
+            records.append(
+                dict(
+                    base,
+                    call="layerwise",
+                    direction="store",
+                    chunks=n,
+                    bytes=nbytes,
+                    skipped="kvgroups has no layers= on store yet",
+                )
+            )
     for rec in records:
         print(json.dumps(rec), flush=True)
     if args.out:

@@ -34,8 +34,9 @@ class JsonLines:
             self.out = None
 
 
-def device_kernels(fn: Callable[[int], Any], sync: Callable[[], Any],
-                   calls: int = 20) -> dict[str, float]:
+def device_kernels(
+    fn: Callable[[int], Any], sync: Callable[[], Any], calls: int = 20
+) -> dict[str, float]:
     """Device seconds per call of ``fn(i)`` by kernel name, from a JAX profiler trace of
     ``calls`` warmed calls (the accelerator's stream lines; empty where the backend records
     none, as on the CPU). Kernel durations carry no host time: where a step's wall-time

@@ -67,32 +67,84 @@ def headline() -> str:
     """README: store / load at 1-64 chunks, both runtimes, device and pinned host objects."""
     torch = records("torch_engine_h200.jsonl")
     parity = records("parity_h200.jsonl")
-    engine = [r for r in records("engine_h200.jsonl") if r.get("record") == "transfer"
-              and r.get("page_bytes") == 32768 and r.get("layers") == 32]
+    engine = [
+        r
+        for r in records("engine_h200.jsonl")
+        if r.get("record") == "transfer" and r.get("page_bytes") == 32768 and r.get("layers") == 32
+    ]
 
     def row(label, bound, get):
         return [label, bound] + [pair(lambda d, c=c: get(c, d)) for c in CHUNKS]
 
     rows = [
-        row("torch `prepare(...).store` / `.load`, CUDA ids", "device copy",
-            lambda c, d: find(torch, call="prepared", ids="device", chunks=c, direction=d)),
-        row("JAX, public calls inside `jax.jit`, traced ids", "device copy",
-            lambda c, d: find(parity, run=1, runtime="jax", path="auto", chunks=c,
-                              direction=d)),
-        row("torch prepared, objects in pinned host memory", "host link",
-            lambda c, d: find(engine, backend="torch", path="cuda-staged", call="prepared",
-                              ids="device", placement="pinned", chunks=c, direction=d)),
-        row("JAX prepared, objects in pinned host memory", "host link",
-            lambda c, d: find(engine, backend="jax", default_path=True, call="prepared",
-                              placement="pinned", chunks=c, direction=d)),
-        row("plain torch: `index_select` / `index_copy_`", "device copy",
-            lambda c, d: baseline(find(engine, backend="torch", path="cuda", call="prepared",
-                                       ids="device", placement="device", chunks=c,
-                                       direction=d))),
-        row("plain XLA: `take` / `.at[].set`", "device copy",
-            lambda c, d: baseline(find(engine, backend="jax", default_path=True,
-                                       call="prepared", placement="device", chunks=c,
-                                       direction=d))),
+        row(
+            "torch `prepare(...).store` / `.load`, CUDA ids",
+            "device copy",
+            lambda c, d: find(torch, call="prepared", ids="device", chunks=c, direction=d),
+        ),
+        row(
+            "JAX, public calls inside `jax.jit`, traced ids",
+            "device copy",
+            lambda c, d: find(parity, run=1, runtime="jax", path="auto", chunks=c, direction=d),
+        ),
+        row(
+            "torch prepared, objects in pinned host memory",
+            "host link",
+            lambda c, d: find(
+                engine,
+                backend="torch",
+                path="cuda-staged",
+                call="prepared",
+                ids="device",
+                placement="pinned",
+                chunks=c,
+                direction=d,
+            ),
+        ),
+        row(
+            "JAX prepared, objects in pinned host memory",
+            "host link",
+            lambda c, d: find(
+                engine,
+                backend="jax",
+                default_path=True,
+                call="prepared",
+                placement="pinned",
+                chunks=c,
+                direction=d,
+            ),
+        ),
+        row(
+            "plain torch: `index_select` / `index_copy_`",
+            "device copy",
+            lambda c, d: baseline(
+                find(
+                    engine,
+                    backend="torch",
+                    path="cuda",
+                    call="prepared",
+                    ids="device",
+                    placement="device",
+                    chunks=c,
+                    direction=d,
+                )
+            ),
+        ),
+        row(
+            "plain XLA: `take` / `.at[].set`",
+            "device copy",
+            lambda c, d: baseline(
+                find(
+                    engine,
+                    backend="jax",
+                    default_path=True,
+                    call="prepared",
+                    placement="device",
+                    chunks=c,
+                    direction=d,
+                )
+            ),
+        ),
     ]
     return table(["call", "of the", "1 chunk", "4 chunks", "16 chunks", "64 chunks"], rows)
 
@@ -102,33 +154,47 @@ def torch_calls() -> str:
     rs = records("torch_engine_h200.jsonl")
 
     def row(label, **want):
-        return [label] + [pair(lambda d, c=c: find(rs, chunks=c, direction=d, **want))
-                          for c in CHUNKS]
+        return [label] + [
+            pair(lambda d, c=c: find(rs, chunks=c, direction=d, **want)) for c in CHUNKS
+        ]
 
-    return table(["call (device objects)", "1 chunk", "4 chunks", "16 chunks", "64 chunks"], [
-        row("`prepare(...).store` / `.load`, CUDA ids", call="prepared", ids="device"),
-        row("`prepare(...).store` / `.load`, NumPy ids", call="prepared", ids="host"),
-        row("one-shot `store(...)` / `load(...)`, CUDA ids", call=lambda v: v in ("store",
-                                                                              "load")),
-        row("prepared store replayed from a CUDA graph", call="graph",
-            new_ids_each_replay=None),
-        row("the same, new ids copied in before each replay", call="graph",
-            new_ids_each_replay=True),
-        row("`torch.compile(fullgraph=True)` step calling the prepared store", call="compile"),
-    ])
+    return table(
+        ["call (device objects)", "1 chunk", "4 chunks", "16 chunks", "64 chunks"],
+        [
+            row("`prepare(...).store` / `.load`, CUDA ids", call="prepared", ids="device"),
+            row("`prepare(...).store` / `.load`, NumPy ids", call="prepared", ids="host"),
+            row(
+                "one-shot `store(...)` / `load(...)`, CUDA ids",
+                call=lambda v: v in ("store", "load"),
+            ),
+            row(
+                "prepared store replayed from a CUDA graph", call="graph", new_ids_each_replay=None
+            ),
+            row(
+                "the same, new ids copied in before each replay",
+                call="graph",
+                new_ids_each_replay=True,
+            ),
+            row("`torch.compile(fullgraph=True)` step calling the prepared store", call="compile"),
+        ],
+    )
 
 
 def torch_layerwise() -> str:
     """PERFORMANCE: 32 one-layer calls of a 16-chunk transfer against the whole-model call."""
     rs = records("torch_engine_h200.jsonl")
     rows = []
-    for label, want in (("eager, CUDA ids", dict(ids="device", graph=None)),
-                        ("eager, NumPy ids", dict(ids="host", graph=None)),
-                        ("captured in one CUDA graph", dict(ids="device", graph=True))):
+    for label, want in (
+        ("eager, CUDA ids", dict(ids="device", graph=None)),
+        ("eager, NumPy ids", dict(ids="host", graph=None)),
+        ("captured in one CUDA graph", dict(ids="device", graph=True)),
+    ):
         get = lambda d, w=want: find(rs, call="layerwise", direction=d, **w)  # noqa: E731
         rows.append([label, pair(get, "frac_of_whole"), pair(get)])
-    return table(["32 `layers=[l]` calls, store / load", "of the whole-model call",
-                  "of the device copy"], rows)
+    return table(
+        ["32 `layers=[l]` calls, store / load", "of the whole-model call", "of the device copy"],
+        rows,
+    )
 
 
 def jax_step() -> str:
@@ -140,18 +206,40 @@ def jax_step() -> str:
     def row(label, group, key, **want):
         return [label] + [frac(find(group, chunks=c, **want), key) for c in CHUNKS]
 
-    return table(["JAX (tpu-inference pages, 64 KiB)", "1 chunk", "4 chunks", "16 chunks",
-                  "64 chunks"], [
-        row("step's device-time growth, traced ids", one, "frac_of_ceiling_step_device",
-            call="jit", ids="device"),
-        row("the same, NumPy ids", one, "frac_of_ceiling_step_device", call="jit", ids="host"),
-        row("the same step streaming 1 GiB of weights", weights,
-            "frac_of_ceiling_step_device", call="jit", ids="device"),
-        row("the transfer's two kernels alone", one, "frac_of_ceiling_device", call="jit",
-            ids="device"),
-        row("eager `store(manager, caches, ids)` (creates its objects)", one,
-            "frac_of_ceiling", call="store", path="default"),
-    ])
+    return table(
+        ["JAX (tpu-inference pages, 64 KiB)", "1 chunk", "4 chunks", "16 chunks", "64 chunks"],
+        [
+            row(
+                "step's device-time growth, traced ids",
+                one,
+                "frac_of_ceiling_step_device",
+                call="jit",
+                ids="device",
+            ),
+            row("the same, NumPy ids", one, "frac_of_ceiling_step_device", call="jit", ids="host"),
+            row(
+                "the same step streaming 1 GiB of weights",
+                weights,
+                "frac_of_ceiling_step_device",
+                call="jit",
+                ids="device",
+            ),
+            row(
+                "the transfer's two kernels alone",
+                one,
+                "frac_of_ceiling_device",
+                call="jit",
+                ids="device",
+            ),
+            row(
+                "eager `store(manager, caches, ids)` (creates its objects)",
+                one,
+                "frac_of_ceiling",
+                call="store",
+                path="default",
+            ),
+        ],
+    )
 
 
 def small_pages() -> str:
@@ -159,64 +247,108 @@ def small_pages() -> str:
     rs = [r for r in records("jax_small_pages_h200.jsonl") if r.get("record") == "transfer"]
     rows = []
     for page in (512, 1024, 2048, 4096):
-        rows.append([f"{page} B" if page < 1024 else f"{page // 1024} KiB"] + [
-            pair(lambda d, pg=page, call=call: find(rs, page_bytes=pg, call=call, direction=d))
-            for call in ("jit", "prepared")])
+        rows.append(
+            [f"{page} B" if page < 1024 else f"{page // 1024} KiB"]
+            + [
+                pair(lambda d, pg=page, call=call: find(rs, page_bytes=pg, call=call, direction=d))
+                for call in ("jit", "prepared")
+            ]
+        )
     return table(["page", "inside `jax.jit`, traced ids", "prepared, NumPy ids"], rows)
 
 
 def paths() -> str:
     """PERFORMANCE: ``path="kernel"`` against ``path="copy_engine"`` by page size."""
-    rs = [r for r in records("torch_copy_paths_h200.jsonl")
-          if r.get("chunks") == 64 and not r.get("skipped")]
+    rs = [
+        r
+        for r in records("torch_copy_paths_h200.jsonl")
+        if r.get("chunks") == 64 and not r.get("skipped")
+    ]
     rows = []
     for page in sorted({r["page_bytes"] for r in rs}):
-        rows.append([f"{page // 1024} KiB"] + [
-            pair(lambda d, pg=page, p=path, pl=placement: find(rs, page_bytes=pg, path=p,
-                                                               placement=pl, direction=d))
-            for placement in ("device", "pinned") for path in ("kernel", "copy_engine")])
-    return table(["page", "device: kernel", "device: copy engine", "pinned: kernel",
-                  "pinned: copy engine"], rows)
+        rows.append(
+            [f"{page // 1024} KiB"]
+            + [
+                pair(
+                    lambda d, pg=page, p=path, pl=placement: find(
+                        rs, page_bytes=pg, path=p, placement=pl, direction=d
+                    )
+                )
+                for placement in ("device", "pinned")
+                for path in ("kernel", "copy_engine")
+            ]
+        )
+    return table(
+        ["page", "device: kernel", "device: copy engine", "pinned: kernel", "pinned: copy engine"],
+        rows,
+    )
 
 
 def connector() -> str:
     """PERFORMANCE: KVGroupsConnector's save and load into pinned host slots."""
     rs = records("vllm_connector_h200.jsonl")
     chunks = sorted({r["chunks"] for r in rs})
-    return table(["HostChunkStore call"] + [f"{c} chunk{'s' * (c > 1)}" for c in chunks], [
-        [label] + [frac(find(rs, call=call, chunks=c)) for c in chunks]
-        for label, call in (("whole-model save", "store"), ("whole-model load", "load"),
-                            ("32 per-layer saves", "layerwise"))])
+    return table(
+        ["HostChunkStore call"] + [f"{c} chunk{'s' * (c > 1)}" for c in chunks],
+        [
+            [label] + [frac(find(rs, call=call, chunks=c)) for c in chunks]
+            for label, call in (
+                ("whole-model save", "store"),
+                ("whole-model load", "load"),
+                ("32 per-layer saves", "layerwise"),
+            )
+        ],
+    )
 
 
 def manager() -> str:
     """PERFORMANCE: manager construction (host CPU), milliseconds."""
     rs = records("manager_h200.jsonl")
     layers = sorted({r["layers"] for r in rs})
-    return table(["input"] + [f"{n} layers" for n in layers], [
-        [kind] + [f"{find(rs, input=kind, layers=n)['median_ms']:.1f} ms" for n in layers]
-        for kind in ("specs", "numpy")])
+    return table(
+        ["input"] + [f"{n} layers" for n in layers],
+        [
+            [kind] + [f"{find(rs, input=kind, layers=n)['median_ms']:.1f} ms" for n in layers]
+            for kind in ("specs", "numpy")
+        ],
+    )
 
 
-TABLES = {"headline": headline, "torch_calls": torch_calls, "torch_layerwise": torch_layerwise,
-          "jax_step": jax_step, "small_pages": small_pages, "paths": paths,
-          "connector": connector, "manager": manager}
+TABLES = {
+    "headline": headline,
+    "torch_calls": torch_calls,
+    "torch_layerwise": torch_layerwise,
+    "jax_step": jax_step,
+    "small_pages": small_pages,
+    "paths": paths,
+    "connector": connector,
+    "manager": manager,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("names", nargs="*", choices=[[], *TABLES], default=[],
-                   help="tables to print (default all)")
-    p.add_argument("--check", nargs="+", type=Path, metavar="DOC",
-                   help="exit 1 unless every table appears verbatim in one of these files")
+    p.add_argument(
+        "names", nargs="*", choices=[[], *TABLES], default=[], help="tables to print (default all)"
+    )
+    p.add_argument(
+        "--check",
+        nargs="+",
+        type=Path,
+        metavar="DOC",
+        help="exit 1 unless every table appears verbatim in one of these files",
+    )
     args = p.parse_args(argv)
     names = args.names or list(TABLES)
     if args.check:
         text = "\n".join(path.read_text() for path in args.check)
         stale = [name for name in names if TABLES[name]() not in text]
         for name in stale:
-            print(f"tables.py: table {name!r} is not in {', '.join(map(str, args.check))} "
-                  f"as the records give it:\n{TABLES[name]()}\n", file=sys.stderr)
+            print(
+                f"tables.py: table {name!r} is not in {', '.join(map(str, args.check))} "
+                f"as the records give it:\n{TABLES[name]()}\n",
+                file=sys.stderr,
+            )
         return 1 if stale else 0
     for name in names:
         print(f"<!-- {name} -->\n{TABLES[name]()}\n")

@@ -12,5 +12,11 @@ makes the backend's arrays from NumPy arrays, reads them back and names the back
 from .harness import HARNESS_ENTRY_POINTS, Harness, harness_for, reference_harness
 from .report import ConformanceFailure, Mismatch
 
-__all__ = ["HARNESS_ENTRY_POINTS", "ConformanceFailure", "Harness", "Mismatch", "harness_for",
-           "reference_harness"]
+__all__ = [
+    "HARNESS_ENTRY_POINTS",
+    "ConformanceFailure",
+    "Harness",
+    "Mismatch",
+    "harness_for",
+    "reference_harness",
+]

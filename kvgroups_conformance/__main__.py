@@ -27,32 +27,59 @@ def _parser() -> argparse.ArgumentParser:
     from kvgroups_core import __version__
 
     p = _Parser(
-        prog=PROG,
-        description="Run the kvgroups conformance suite against a registered backend.")
+        prog=PROG, description="Run the kvgroups conformance suite against a registered backend."
+    )
     p.add_argument("--version", action="version", version=f"kvgroups {__version__}")
-    p.add_argument("--backend", action="append", default=[], metavar="NAME",
-                   help="registered backend name (entry point group 'kvgroups.backends'); "
-                        "repeatable")
-    p.add_argument("--harness", default=None, metavar="MODULE:ATTR",
-                   help="harness for the backend (default: its 'kvgroups.conformance' entry "
-                        "point, else the generic harness over Backend.from_numpy/to_numpy)")
+    p.add_argument(
+        "--backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="registered backend name (entry point group 'kvgroups.backends'); repeatable",
+    )
+    p.add_argument(
+        "--harness",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="harness for the backend (default: its 'kvgroups.conformance' entry "
+        "point, else the generic harness over Backend.from_numpy/to_numpy)",
+    )
     p.add_argument("--report", default=None, metavar="PATH", help="write the report as JSON")
-    p.add_argument("--quiet", action="store_true",
-                   help="only the result lines (pytest -qq); per-test progress is pytest's own")
-    p.add_argument("--cases", default=None, choices=("full", "small"),
-                   help="the case set: 'full' certifies; 'small' runs every format, dtype and "
-                        "feature once (default: what the backend declares, else full)")
-    p.add_argument("--list-backends", action="store_true",
-                   help="print the registered backends (those that cannot load marked) and "
-                        "exit")
+    p.add_argument(
+        "--quiet",
+        action="store_true",
+        help="only the result lines (pytest -qq); per-test progress is pytest's own",
+    )
+    p.add_argument(
+        "--cases",
+        default=None,
+        choices=("full", "small"),
+        help="the case set: 'full' certifies; 'small' runs every format, dtype and "
+        "feature once (default: what the backend declares, else full)",
+    )
+    p.add_argument(
+        "--list-backends",
+        action="store_true",
+        help="print the registered backends (those that cannot load marked) and exit",
+    )
     p.add_argument("pytest_args", nargs="*", help="extra pytest arguments (after --)")
     return p
 
 
 def pytest_args(args: argparse.Namespace) -> list[str]:
     """The pytest command line the kit runs (exposed for tests and for copying by hand)."""
-    out = ["-c", os.devnull, "--rootdir", os.getcwd(), "-p", "no:cacheprovider",
-           "-p", "kvgroups_conformance.plugin", "--pyargs", "kvgroups_conformance.suite"]
+    out = [
+        "-c",
+        os.devnull,
+        "--rootdir",
+        os.getcwd(),
+        "-p",
+        "no:cacheprovider",
+        "-p",
+        "kvgroups_conformance.plugin",
+        "--pyargs",
+        "kvgroups_conformance.suite",
+    ]
     for name in args.backend:
         out += ["--kvgroups-backend", name]
     if args.harness:
@@ -98,13 +125,14 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.report is not None:
         parent = os.path.dirname(os.path.abspath(args.report))
         if not os.path.isdir(parent) or os.path.isdir(args.report):
-            parser.error(f"--report: expected a file in an existing directory, got "
-                         f"{args.report!r}")
+            parser.error(f"--report: expected a file in an existing directory, got {args.report!r}")
     try:
         import pytest  # noqa: F401 - the suite's runner
     except ImportError as exc:
-        parser.error(f"expected pytest to run the suite (pip install 'kvgroups[conformance]'), "
-                     f"got {type(exc).__name__}: {exc}")
+        parser.error(
+            f"expected pytest to run the suite (pip install 'kvgroups[conformance]'), "
+            f"got {type(exc).__name__}: {exc}"
+        )
     for name in args.backend:
         why = _why_not_loadable(name)
         if why is not None:

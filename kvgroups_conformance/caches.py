@@ -33,26 +33,45 @@ TRANSFER_FORMATS = tuple(f for f in F if f.must_have)
 
 
 def _size(axis: str, nl: int, nb: int, bs: int, nh: int, hs: int) -> int:
-    return {"NB": nb, "BS": bs, "NH": nh, "HS": hs, "CS": hs, "NL": nl, "TWO": 2, "ONE": 1,
-            "BSV_BSS": 132}[axis]
+    return {
+        "NB": nb,
+        "BS": bs,
+        "NH": nh,
+        "HS": hs,
+        "CS": hs,
+        "NL": nl,
+        "TWO": 2,
+        "ONE": 1,
+        "BSV_BSS": 132,
+    }[axis]
 
 
-def random_bits(shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator,
-                padded_extra: int = 0) -> np.ndarray:
+def random_bits(
+    shape: tuple[int, ...], dtype: np.dtype, rng: np.random.Generator, padded_extra: int = 0
+) -> np.ndarray:
     """Random bit patterns (NaN payloads included) of ``dtype``; with ``padded_extra`` the
     blocks (dim 0) are padded by that many elements, filled with a 0xA5 sentinel."""
     bits = f"uint{dtype.itemsize * 8}"
     inner = int(np.prod(shape[1:]))
-    raw = rng.integers(0, 2 ** (dtype.itemsize * 8), size=(shape[0], inner + padded_extra),
-                       dtype=np.uint64).astype(bits)
+    raw = rng.integers(
+        0, 2 ** (dtype.itemsize * 8), size=(shape[0], inner + padded_extra), dtype=np.uint64
+    ).astype(bits)
     if padded_extra:
         raw[:, inner:] = np.frombuffer(b"\xa5" * dtype.itemsize, dtype=bits)[0]
     base = raw.view(dtype)
-    view = base[:, :inner].reshape(shape) if not padded_extra else np.lib.stride_tricks.as_strided(
-        base, shape=shape,
-        strides=(base.strides[0],) + tuple(
-            s * dtype.itemsize for s in np.cumprod((list(shape[1:]) + [1])[::-1])[::-1][1:]),
-        writeable=True)
+    view = (
+        base[:, :inner].reshape(shape)
+        if not padded_extra
+        else np.lib.stride_tricks.as_strided(
+            base,
+            shape=shape,
+            strides=(base.strides[0],)
+            + tuple(
+                s * dtype.itemsize for s in np.cumprod((list(shape[1:]) + [1])[::-1])[::-1][1:]
+            ),
+            writeable=True,
+        )
+    )
     return view
 
 
@@ -65,12 +84,22 @@ def copy_keeping_strides(a: np.ndarray) -> np.ndarray:
         raise ValueError(f"a: expected non-negative strides, got {a.strides}")
     extent = sum((n - 1) * s for n, s in zip(a.shape, a.strides)) // a.itemsize + 1
     flat = np.lib.stride_tricks.as_strided(a, shape=(extent,), strides=(a.itemsize,)).copy()
-    return np.lib.stride_tricks.as_strided(flat, shape=a.shape, strides=a.strides,
-                                           writeable=True)
+    return np.lib.stride_tricks.as_strided(flat, shape=a.shape, strides=a.strides, writeable=True)
 
 
-def make_caches(fmt: F, *, nl: int, nb: int, bs: int, nh: int, hs: int, dtype: str,
-                rng: np.random.Generator, pad: int = 0, zero: bool = False):
+def make_caches(
+    fmt: F,
+    *,
+    nl: int,
+    nb: int,
+    bs: int,
+    nh: int,
+    hs: int,
+    dtype: str,
+    rng: np.random.Generator,
+    pad: int = 0,
+    zero: bool = False,
+):
     """Caches of ``fmt`` as NumPy arrays: ``(structure, formats_per_layer)``."""
     np_dtype = np.dtype(np.uint8) if fmt.is_indexer else DTYPES[dtype]
     axes = fmt.facts.axes
@@ -124,7 +153,7 @@ def token_rows(caches, fmt: F, layer: int, kv: int, block: int) -> np.ndarray:
         blk = np.ascontiguousarray(arr[block]).reshape(-1)
         bs = arr.shape[1]
         values = blk[: bs * 128].reshape(bs, 128)
-        scales = blk[bs * 128: bs * 132].reshape(bs, 4)
+        scales = blk[bs * 128 : bs * 132].reshape(bs, 4)
         return np.concatenate([values, scales], axis=1)
     index = tuple(select.get(a, slice(None)) for a in axes)
     rest = [a for a in axes if a not in select]
@@ -150,7 +179,7 @@ def expected_object(manager, caches, og: int, chunk_ids: dict[int, np.ndarray]) 
         bpc = manager.calculate_num_blocks(k, chunk)
         kept = manager.calculate_num_blocks(k, manager.get_subchunk_sw_size_tokens(k))
         assert len(ids) == bpc
-        kept_ids = ids[bpc - kept:]
+        kept_ids = ids[bpc - kept :]
         for kv in range(group.shape_desc.kv_size):
             for layer in group.layer_indices:
                 for b in kept_ids:

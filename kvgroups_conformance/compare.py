@@ -33,26 +33,38 @@ def _dtype_of(caches: Any, fmt: Any, layer: int) -> str:
     return plane_tensor(caches, fmt, layer, 0)[0].dtype.name
 
 
-def _source_hint(rows: np.ndarray, layer: int, kv: int, expected_block: int | None,
-                 source: Blocks | None) -> str:
+def _source_hint(
+    rows: np.ndarray, layer: int, kv: int, expected_block: int | None, source: Blocks | None
+) -> str:
     if not rows.any():
         return "the block holds only zeros: it was not written"
     if source is None:
         return ""
-    matches = [b for (lay, k, b), r in source.items()
-               if lay == layer and k == kv and np.array_equal(r, rows)]
+    matches = [
+        b
+        for (lay, k, b), r in source.items()
+        if lay == layer and k == kv and np.array_equal(r, rows)
+    ]
     if not matches or expected_block in matches:
         return ""
     named = ", ".join(str(b) for b in matches[:4])
     if expected_block is None:
         return f"it holds the bytes of source block {named}"
-    return (f"it holds the bytes of source block {named} instead of block "
-            f"{expected_block} (an error in block addressing)")
+    return (
+        f"it holds the bytes of source block {named} instead of block "
+        f"{expected_block} (an error in block addressing)"
+    )
 
 
-def block_mismatches(got: Any, formats: Any, want: Blocks, *, what: str,
-                     source: Blocks | None = None,
-                     expected_source: dict[int, int] | None = None) -> list[Mismatch]:
+def block_mismatches(
+    got: Any,
+    formats: Any,
+    want: Blocks,
+    *,
+    what: str,
+    source: Blocks | None = None,
+    expected_source: dict[int, int] | None = None,
+) -> list[Mismatch]:
     """Compare the blocks of cache structure ``got`` (NumPy) with ``want``; one mismatch
     (the first differing block, with the count of all) or none.
 
@@ -72,37 +84,64 @@ def block_mismatches(got: Any, formats: Any, want: Blocks, *, what: str,
     origin = (expected_source or {}).get(block)
     if wanted.any() or origin is not None:
         hint = _source_hint(rows, layer, kv, origin, source)
-        elsewhere = [b for (lay, k, b), r in got_blocks.items()
-                     if lay == layer and k == kv and b != block and np.array_equal(r, wanted)]
+        elsewhere = [
+            b
+            for (lay, k, b), r in got_blocks.items()
+            if lay == layer and k == kv and b != block and np.array_equal(r, wanted)
+        ]
         if elsewhere and wanted.any():
             hint += ("; " if hint else "") + (
                 f"its expected bytes were written to block {elsewhere[0]} instead (an error "
-                f"in block addressing)")
+                f"in block addressing)"
+            )
     else:
         hint = "the block should have stayed untouched (all zeros) but was written"
         if source is not None:
             found = _source_hint(rows, layer, kv, None, source)
             hint += f"; {found}" if found else ""
-    return [Mismatch(
-        what=what, format=fmt.name, dtype=_dtype_of(got, fmt, layer), layer=layer, plane=kv,
-        plane_name=plane_name(kv, fmt.kv_size), block=block, byte=byte,
-        token=byte // rows.shape[1], expected=int(wanted.reshape(-1)[byte]),
-        actual=int(rows.reshape(-1)[byte]), differing_blocks=len(bad), hint=hint)]
+    return [
+        Mismatch(
+            what=what,
+            format=fmt.name,
+            dtype=_dtype_of(got, fmt, layer),
+            layer=layer,
+            plane=kv,
+            plane_name=plane_name(kv, fmt.kv_size),
+            block=block,
+            byte=byte,
+            token=byte // rows.shape[1],
+            expected=int(wanted.reshape(-1)[byte]),
+            actual=int(rows.reshape(-1)[byte]),
+            differing_blocks=len(bad),
+            hint=hint,
+        )
+    ]
 
 
-def assert_blocks_match(got: Any, formats: Any, want: Blocks, *, what: str,
-                        source: Blocks | None = None,
-                        expected_source: dict[int, int] | None = None) -> None:
+def assert_blocks_match(
+    got: Any,
+    formats: Any,
+    want: Blocks,
+    *,
+    what: str,
+    source: Blocks | None = None,
+    expected_source: dict[int, int] | None = None,
+) -> None:
     """:func:`block_mismatches`, raising :class:`~.report.ConformanceFailure`."""
-    raise_if_any(block_mismatches(got, formats, want, what=what, source=source,
-                                  expected_source=expected_source))
+    raise_if_any(
+        block_mismatches(
+            got, formats, want, what=what, source=source, expected_source=expected_source
+        )
+    )
 
 
 def moved_blocks(source: Blocks, before: Blocks, moved: dict[int, int]) -> Blocks:
     """The blocks a destination should hold after a load: ``before`` everywhere except the
     destination blocks of ``moved`` (destination -> source block), which hold the source's."""
-    return {(layer, kv, b): (source[(layer, kv, moved[b])] if b in moved else rows)
-            for (layer, kv, b), rows in before.items()}
+    return {
+        (layer, kv, b): (source[(layer, kv, moved[b])] if b in moved else rows)
+        for (layer, kv, b), rows in before.items()
+    }
 
 
 def _as_chunks(objects: Any) -> np.ndarray:
@@ -123,9 +162,17 @@ def _block_of(manager: Any, k: int, chunk: int, pos: int, ids: Any) -> int | Non
     return int(np.asarray(group_ids)[where]) if where < len(group_ids) else None
 
 
-def object_mismatches(got: Any, want: Any, manager: Any, object_group: int, *, what: str,
-                      ids: Any = None, source_caches: Any = None,
-                      formats: Any = None) -> list[Mismatch]:
+def object_mismatches(
+    got: Any,
+    want: Any,
+    manager: Any,
+    object_group: int,
+    *,
+    what: str,
+    ids: Any = None,
+    source_caches: Any = None,
+    formats: Any = None,
+) -> list[Mismatch]:
     """Compare one object group's objects (``[num_chunks, nbytes]`` uint8, or a list of
     per-chunk buffers) with ``want``; one mismatch (the first wrong byte) or none.
 
@@ -135,9 +182,21 @@ def object_mismatches(got: Any, want: Any, manager: Any, object_group: int, *, w
     """
     got_b, want_b = _as_chunks(got), _as_chunks(want)
     if got_b.shape != want_b.shape:
-        return [Mismatch(what=f"{what}: object shape {got_b.shape}, expected {want_b.shape}",
-                         format="-", dtype="uint8", layer=-1, plane=-1, plane_name="-",
-                         block=None, byte=0, token=0, expected=0, actual=0)]
+        return [
+            Mismatch(
+                what=f"{what}: object shape {got_b.shape}, expected {want_b.shape}",
+                format="-",
+                dtype="uint8",
+                layer=-1,
+                plane=-1,
+                plane_name="-",
+                block=None,
+                byte=0,
+                token=0,
+                expected=0,
+                actual=0,
+            )
+        ]
     diff = got_b != want_b
     if not diff.any():
         return []
@@ -158,34 +217,69 @@ def object_mismatches(got: Any, want: Any, manager: Any, object_group: int, *, w
     # Count the (chunk, plane, block position) units that differ, over the whole group.
     units = 0
     for r in object_regions(manager, object_group):
-        part = diff[:, r.offset:r.offset + r.nbytes]
+        part = diff[:, r.offset : r.offset + r.nbytes]
         rbs = manager.kernel_groups[r.kernel_group_idx].shape_desc.bs
-        units += (int(part.reshape(part.shape[0], -1, rbs * r.row_bytes).any(axis=2).sum())
-                  if r.shape[2] % rbs == 0 else int(part.any(axis=1).sum()))
+        units += (
+            int(part.reshape(part.shape[0], -1, rbs * r.row_bytes).any(axis=2).sum())
+            if r.shape[2] % rbs == 0
+            else int(part.any(axis=1).sum())
+        )
     hint = ""
     if source_caches is not None and formats is not None:
-        got_rows = got_b[chunk, region.offset + (plane * slots + pos * bs) * row_bytes:][
-            : bs * row_bytes].reshape(bs, row_bytes)
+        got_rows = got_b[chunk, region.offset + (plane * slots + pos * bs) * row_bytes :][
+            : bs * row_bytes
+        ].reshape(bs, row_bytes)
         fmt = list(formats)[layer]
         nb = plane_tensor(source_caches, fmt, layer, kv)[0].shape[fmt.facts.axes.index("NB")]
-        source = {(layer, kv, b): token_rows(source_caches, fmt, layer, kv, b)
-                  for b in range(nb)}
+        source = {(layer, kv, b): token_rows(source_caches, fmt, layer, kv, b) for b in range(nb)}
         hint = _source_hint(got_rows, layer, kv, block, source)
     fmt_name = group.engine_kv_format.name if group.engine_kv_format is not None else "?"
-    return [Mismatch(
-        what=what, format=fmt_name, dtype=group.dtype.name, layer=layer, plane=kv,
-        plane_name=plane_name(kv, kv_size), block=block, byte=token * row_bytes + u,
-        token=token, expected=int(want_b[chunk, offset]), actual=int(got_b[chunk, offset]),
-        differing_blocks=units, object_group=object_group, chunk=chunk, object_byte=offset,
-        hint=hint)]
+    return [
+        Mismatch(
+            what=what,
+            format=fmt_name,
+            dtype=group.dtype.name,
+            layer=layer,
+            plane=kv,
+            plane_name=plane_name(kv, kv_size),
+            block=block,
+            byte=token * row_bytes + u,
+            token=token,
+            expected=int(want_b[chunk, offset]),
+            actual=int(got_b[chunk, offset]),
+            differing_blocks=units,
+            object_group=object_group,
+            chunk=chunk,
+            object_byte=offset,
+            hint=hint,
+        )
+    ]
 
 
-def assert_objects_match(got: Any, want: Any, manager: Any, object_group: int, *, what: str,
-                         ids: Any = None, source_caches: Any = None,
-                         formats: Any = None) -> None:
+def assert_objects_match(
+    got: Any,
+    want: Any,
+    manager: Any,
+    object_group: int,
+    *,
+    what: str,
+    ids: Any = None,
+    source_caches: Any = None,
+    formats: Any = None,
+) -> None:
     """:func:`object_mismatches`, raising :class:`~.report.ConformanceFailure`."""
-    raise_if_any(object_mismatches(got, want, manager, object_group, what=what, ids=ids,
-                                   source_caches=source_caches, formats=formats))
+    raise_if_any(
+        object_mismatches(
+            got,
+            want,
+            manager,
+            object_group,
+            what=what,
+            ids=ids,
+            source_caches=source_caches,
+            formats=formats,
+        )
+    )
 
 
 #: Old names, deprecated: ``check_*`` also named the core's object rule.
@@ -195,6 +289,7 @@ _RENAMED = {"check_blocks": "assert_blocks_match", "check_objects": "assert_obje
 def __getattr__(name: str) -> Any:
     if name not in _RENAMED:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    warnings.warn(f"{__name__}.{name} is deprecated: use {_RENAMED[name]}", DeprecationWarning,
-                  stacklevel=2)
+    warnings.warn(
+        f"{__name__}.{name} is deprecated: use {_RENAMED[name]}", DeprecationWarning, stacklevel=2
+    )
     return globals()[_RENAMED[name]]

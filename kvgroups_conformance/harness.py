@@ -95,8 +95,9 @@ class Harness:
         return True
 
     # Defaults built on them -----------------------------------------------------------------
-    def zeros_objects(self, nbytes: tuple[int, ...], num_chunks: int,
-                      placement: str | None) -> list:
+    def zeros_objects(
+        self, nbytes: tuple[int, ...], num_chunks: int, placement: str | None
+    ) -> list:
         """One zeroed ``[num_chunks, n]`` uint8 object array per object group."""
         return [self.from_numpy(np.zeros((num_chunks, n), np.uint8)) for n in nbytes]
 
@@ -108,8 +109,15 @@ class Harness:
         return store(manager, caches, ids, objects, backend=self.backend, layers=layers)
 
     def load(self, manager, objects, caches, ids, skip=0, layers=None):
-        return load(manager, objects, caches, ids, skip_first_n_tokens=skip,
-                    backend=self.backend, layers=layers)
+        return load(
+            manager,
+            objects,
+            caches,
+            ids,
+            skip_first_n_tokens=skip,
+            backend=self.backend,
+            layers=layers,
+        )
 
     # Structure helpers ------------------------------------------------------------------------
     def convert(self, structure: Any) -> Any:
@@ -156,8 +164,9 @@ def _load_object(spec: str) -> Any:
 def _instantiate(obj: Any, backend: str) -> Harness:
     harness = obj() if callable(obj) and not isinstance(obj, Harness) else obj
     if not isinstance(harness, Harness):
-        raise TypeError(f"harness for {backend!r}: expected a Harness, got "
-                        f"{type(harness).__name__}")
+        raise TypeError(
+            f"harness for {backend!r}: expected a Harness, got {type(harness).__name__}"
+        )
     return harness
 
 

@@ -38,16 +38,33 @@ _STATE = pytest.StashKey[_State]()
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("kvgroups-conformance", "kvgroups conformance kit")
-    group.addoption("--kvgroups-backend", action="append", default=[], metavar="NAME",
-                    help="registered kvgroups backend to certify (repeatable)")
-    group.addoption("--kvgroups-harness", default=None, metavar="MODULE:ATTR",
-                    help="harness (class, instance or factory) for the backend; default: the "
-                         "backend's 'kvgroups.conformance' entry point, else the generic one")
-    group.addoption("--kvgroups-report", default=None, metavar="PATH",
-                    help="also write the conformance report as JSON to PATH")
-    group.addoption("--kvgroups-cases", default=None, choices=("full", "small"),
-                    help="the case set: 'full' (certifies) or 'small' (every format, dtype and "
-                         "feature once); default: what the harness / backend declares")
+    group.addoption(
+        "--kvgroups-backend",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="registered kvgroups backend to certify (repeatable)",
+    )
+    group.addoption(
+        "--kvgroups-harness",
+        default=None,
+        metavar="MODULE:ATTR",
+        help="harness (class, instance or factory) for the backend; default: the "
+        "backend's 'kvgroups.conformance' entry point, else the generic one",
+    )
+    group.addoption(
+        "--kvgroups-report",
+        default=None,
+        metavar="PATH",
+        help="also write the conformance report as JSON to PATH",
+    )
+    group.addoption(
+        "--kvgroups-cases",
+        default=None,
+        choices=("full", "small"),
+        help="the case set: 'full' (certifies) or 'small' (every format, dtype and "
+        "feature once); default: what the harness / backend declares",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -57,13 +74,16 @@ def pytest_configure(config: pytest.Config) -> None:
     try:
         import ml_dtypes  # noqa: F401  (bfloat16 and float8 cases need it)
     except ImportError as exc:
-        raise pytest.UsageError("kvgroups conformance: expected ml_dtypes to be installed "
-                                "(kvgroups' conformance extra, or pip install ml_dtypes), "
-                                "got none") from exc
+        raise pytest.UsageError(
+            "kvgroups conformance: expected ml_dtypes to be installed "
+            "(kvgroups' conformance extra, or pip install ml_dtypes), "
+            "got none"
+        ) from exc
     spec = config.getoption("kvgroups_harness")
     if spec and len(names) > 1:
-        raise pytest.UsageError("--kvgroups-harness: expected one --kvgroups-backend, got "
-                                f"{len(names)}")
+        raise pytest.UsageError(
+            f"--kvgroups-harness: expected one --kvgroups-backend, got {len(names)}"
+        )
     try:
         harnesses = [harness_for(name, spec) for name in names]
     except Exception as exc:  # a usage error names the backend or harness that is missing
@@ -127,19 +147,27 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         state.rows.append(case_record(item.nodeid, params, report.outcome, error))
 
 
-def summary(rows: list[dict[str, Any]], harnesses: list[Harness],
-            cases: str = "full") -> dict[str, Any]:
+def summary(
+    rows: list[dict[str, Any]], harnesses: list[Harness], cases: str = "full"
+) -> dict[str, Any]:
     """Counts and verdict of a run (what the terminal report and the JSON file say)."""
     counts = {k: sum(r["outcome"] == k for r in rows) for k in ("passed", "failed", "skipped")}
     names = ", ".join(f"{h.id} (backend {h.backend!r})" for h in harnesses)
     conformant = counts["failed"] == 0 and counts["skipped"] == 0 and counts["passed"] > 0
     which = "" if cases == "full" else f" ({cases} case set)"
-    return {"harnesses": [h.id for h in harnesses], "backends": [h.backend for h in harnesses],
-            **counts, "cases_run": cases, "conformant": conformant,
-            "verdict": (f"CONFORMANT{which}: {names} passed all {counts['passed']} cases"
-                        if conformant else
-                        f"NOT CONFORMANT{which}: {names}: {counts['failed']} failed, "
-                        f"{counts['skipped']} skipped, {counts['passed']} passed")}
+    return {
+        "harnesses": [h.id for h in harnesses],
+        "backends": [h.backend for h in harnesses],
+        **counts,
+        "cases_run": cases,
+        "conformant": conformant,
+        "verdict": (
+            f"CONFORMANT{which}: {names} passed all {counts['passed']} cases"
+            if conformant
+            else f"NOT CONFORMANT{which}: {names}: {counts['failed']} failed, "
+            f"{counts['skipped']} skipped, {counts['passed']} passed"
+        ),
+    }
 
 
 def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pytest.Config) -> None:

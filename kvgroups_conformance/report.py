@@ -41,17 +41,23 @@ class Mismatch:
     hint: str = ""
 
     def describe(self) -> str:
-        where = (f"format {self.format}, dtype {self.dtype}, layer {self.layer}, "
-                 f"plane {self.plane} ({self.plane_name}), "
-                 f"block {'?' if self.block is None else self.block}, byte {self.byte} "
-                 f"(token {self.token})")
+        where = (
+            f"format {self.format}, dtype {self.dtype}, layer {self.layer}, "
+            f"plane {self.plane} ({self.plane_name}), "
+            f"block {'?' if self.block is None else self.block}, byte {self.byte} "
+            f"(token {self.token})"
+        )
         found = ""
         if self.object_group is not None:
-            found = (f" [object group {self.object_group}, chunk {self.chunk}, "
-                     f"object byte {self.object_byte}]")
-        text = (f"{self.what}: first difference at {where}{found}: expected "
-                f"0x{self.expected:02x}, got 0x{self.actual:02x}; "
-                f"{self.differing_blocks} block(s) differ")
+            found = (
+                f" [object group {self.object_group}, chunk {self.chunk}, "
+                f"object byte {self.object_byte}]"
+            )
+        text = (
+            f"{self.what}: first difference at {where}{found}: expected "
+            f"0x{self.expected:02x}, got 0x{self.actual:02x}; "
+            f"{self.differing_blocks} block(s) differ"
+        )
         return f"{text}; {self.hint}" if self.hint else text
 
     def as_dict(self) -> dict[str, Any]:
@@ -72,11 +78,15 @@ def raise_if_any(mismatches: list[Mismatch]) -> None:
         raise ConformanceFailure(mismatches)
 
 
-def case_record(nodeid: str, params: dict[str, Any], outcome: str,
-                error: BaseException | None) -> dict[str, Any]:
+def case_record(
+    nodeid: str, params: dict[str, Any], outcome: str, error: BaseException | None
+) -> dict[str, Any]:
     """One JSON-ready row of the kit's report: the case, its parameters, what went wrong."""
-    row: dict[str, Any] = {"case": nodeid, "outcome": outcome,
-                           "params": {k: _plain(v) for k, v in params.items()}}
+    row: dict[str, Any] = {
+        "case": nodeid,
+        "outcome": outcome,
+        "params": {k: _plain(v) for k, v in params.items()},
+    }
     if isinstance(error, ConformanceFailure):
         row["mismatches"] = [m.as_dict() for m in error.mismatches]
     elif error is not None:

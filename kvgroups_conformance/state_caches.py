@@ -42,8 +42,10 @@ class HybridShape:
 
     @property
     def state_nbytes(self) -> int:
-        return (math.prod(self.conv) * DTYPES[self.conv_dtype].itemsize
-                + math.prod(self.temporal) * DTYPES[self.temporal_dtype].itemsize)
+        return (
+            math.prod(self.conv) * DTYPES[self.conv_dtype].itemsize
+            + math.prod(self.temporal) * DTYPES[self.temporal_dtype].itemsize
+        )
 
 
 def state_pages(shape: HybridShape, rng: np.random.Generator, zero: bool = False):
@@ -84,9 +86,11 @@ def hybrid_infos(formats, tokens_per_block: int) -> list[EngineGroupInfo]:
     conv = tuple(i for i, f in enumerate(formats) if f in (F.NL_X_NB_CD_CW, F.NL_X_NB_CW_CD))
     temporal = tuple(i for i, f in enumerate(formats) if f is F.NL_X_NB_SH_SS)
     attn = tuple(i for i, f in enumerate(formats) if not f.is_recurrent_state)
-    return [EngineGroupInfo(STATE_GROUP, conv, tokens_per_block, recurrent_state=True),
-            EngineGroupInfo(STATE_GROUP, temporal, tokens_per_block, recurrent_state=True),
-            EngineGroupInfo(ATTN_GROUP, attn, tokens_per_block)]
+    return [
+        EngineGroupInfo(STATE_GROUP, conv, tokens_per_block, recurrent_state=True),
+        EngineGroupInfo(STATE_GROUP, temporal, tokens_per_block, recurrent_state=True),
+        EngineGroupInfo(ATTN_GROUP, attn, tokens_per_block),
+    ]
 
 
 def slot_bytes(arr: np.ndarray, slot: int) -> np.ndarray:
@@ -98,7 +102,9 @@ def expected_state_object(manager, caches, chunk_last_slot: int) -> np.ndarray:
     """The state object group's object for a chunk whose last state id is
     ``chunk_last_slot``: every state kernel group in order, its layers in order."""
     og = next(o for o in manager.object_groups if o.recurrent_state)
-    parts = [slot_bytes(caches[layer], chunk_last_slot)
-             for k in og.kernel_group_indices
-             for layer in manager.kernel_groups[k].layer_indices]
+    parts = [
+        slot_bytes(caches[layer], chunk_last_slot)
+        for k in og.kernel_group_indices
+        for layer in manager.kernel_groups[k].layer_indices
+    ]
     return np.concatenate(parts)

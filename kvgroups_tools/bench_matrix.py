@@ -64,8 +64,10 @@ class Shape:
         parts = []
         for g in groups:
             sd = g.shape_desc
-            parts.append(f"({sd.kv_size},{max(sd.nb, num_blocks)},{sd.bs},{sd.nh},{sd.hs}):"
-                         f"{g.dtype.name}:{sd.nl}")
+            parts.append(
+                f"({sd.kv_size},{max(sd.nb, num_blocks)},{sd.bs},{sd.nh},{sd.hs}):"
+                f"{g.dtype.name}:{sd.nl}"
+            )
         caches: list = []
         formats: list = []
         for i, g in enumerate(parse_kvcache_shape_spec(";".join(parts))):
@@ -105,7 +107,7 @@ class Matrix:
     # so a batch must be long enough for that to be noise.
     target_s: float = 0.025
     max_calls: int = 256
-    min_blocks: int = 1024    # cache pool floor, so random pages are spread past the L2 cache
+    min_blocks: int = 1024  # cache pool floor, so random pages are spread past the L2 cache
     verify_bytes: int = 256 << 20  # headline points are always checked
     # Public calls measured at every point (kvgroups_tools.bench_public), with these ids.
     calls: tuple[str, ...] = CALLS
@@ -122,10 +124,19 @@ class Matrix:
             old = points.get((p.chunks, p.placement))
             if old is not None:
                 sweeps = old.sweeps + tuple(s for s in p.sweeps if s not in old.sweeps)
-                calls = None if old.calls is None or p.calls is None else \
-                    old.calls + tuple(c for c in p.calls if c not in old.calls)
-                p = replace(p, shape=shape, sweeps=sweeps, headline=old.headline or p.headline,
-                            calls=calls, all_paths=old.all_paths or p.all_paths)
+                calls = (
+                    None
+                    if old.calls is None or p.calls is None
+                    else old.calls + tuple(c for c in p.calls if c not in old.calls)
+                )
+                p = replace(
+                    p,
+                    shape=shape,
+                    sweeps=sweeps,
+                    headline=old.headline or p.headline,
+                    calls=calls,
+                    all_paths=old.all_paths or p.all_paths,
+                )
             points[(p.chunks, p.placement)] = p
         return [(shape, list(points.values())) for shape, points in groups.values()]
 
@@ -135,9 +146,14 @@ HEADLINE_CHUNKS = 64
 
 #: Page sizes (bytes per block per plane, bf16) from 1 KiB to 128 KiB: (label, bs, nh, hs).
 PAGE_SHAPES = (
-    ("page-1KiB", 16, 1, 32), ("page-2KiB", 16, 1, 64), ("page-4KiB", 16, 2, 64),
-    ("page-8KiB", 16, 4, 64), ("page-16KiB", 16, 8, 64), ("page-32KiB", 16, 8, 128),
-    ("page-64KiB", 32, 8, 128), ("page-128KiB", 64, 8, 128),
+    ("page-1KiB", 16, 1, 32),
+    ("page-2KiB", 16, 1, 64),
+    ("page-4KiB", 16, 2, 64),
+    ("page-8KiB", 16, 4, 64),
+    ("page-16KiB", 16, 8, 64),
+    ("page-32KiB", 16, 8, 128),
+    ("page-64KiB", 32, 8, 128),
+    ("page-128KiB", 64, 8, 128),
 )
 
 
@@ -154,21 +170,34 @@ def tiny() -> Matrix:
             # Public calls at the first point only: CI time (each is a few compiles in JAX).
             Point(small, 1, "device", ("chunks",), calls=()),
             Point(small, 1, "pinned", ("chunks",), calls=()),
-            Point(_page_shape("page-4KiB", 16, 2, 64, layers=2), 1, "device", ("page",),
-                  calls=()),
-            Point(Shape("small-pages", model="small-pages", layers=4), 1, "device",
-                  ("layers",), calls=()),
+            Point(_page_shape("page-4KiB", 16, 2, 64, layers=2), 1, "device", ("page",), calls=()),
+            Point(
+                Shape("small-pages", model="small-pages", layers=4),
+                1,
+                "device",
+                ("layers",),
+                calls=(),
+            ),
         ),
-        manager_models=("small-pages",), manager_layers=(4, 16),
-        repeats=3, warmup=1, target_s=0.0, max_calls=1, min_blocks=0, verify_bytes=64 << 20,
+        manager_models=("small-pages",),
+        manager_layers=(4, 16),
+        repeats=3,
+        warmup=1,
+        target_s=0.0,
+        max_calls=1,
+        min_blocks=0,
+        verify_bytes=64 << 20,
     )
 
 
 def headline() -> Matrix:
-    return Matrix("headline", (
-        Point(LLAMA, HEADLINE_CHUNKS, "device", ("chunks", "page", "layers"), headline=True),
-        Point(LLAMA, HEADLINE_CHUNKS, "pinned", ("chunks",), headline=True),
-    ))
+    return Matrix(
+        "headline",
+        (
+            Point(LLAMA, HEADLINE_CHUNKS, "device", ("chunks", "page", "layers"), headline=True),
+            Point(LLAMA, HEADLINE_CHUNKS, "pinned", ("chunks",), headline=True),
+        ),
+    )
 
 
 def full() -> Matrix:
@@ -183,15 +212,26 @@ def full() -> Matrix:
         points.append(Point(LLAMA, c, "device", ("chunks",)))
     for label, bs, nh, hs in PAGE_SHAPES:
         if label != "page-32KiB":  # the headline shape is that point
-            points.append(Point(_page_shape(label, bs, nh, hs), HEADLINE_CHUNKS, "device",
-                                ("page",)))
+            points.append(
+                Point(_page_shape(label, bs, nh, hs), HEADLINE_CHUNKS, "device", ("page",))
+            )
     for layers in (8, 16, 64, 128):
-        points.append(Point(Shape("llama3-8b", model="llama3-8b", layers=layers),
-                            HEADLINE_CHUNKS, "device", ("layers",)))
+        points.append(
+            Point(
+                Shape("llama3-8b", model="llama3-8b", layers=layers),
+                HEADLINE_CHUNKS,
+                "device",
+                ("layers",),
+            )
+        )
     for model in ("deepseek-v3", "gpt-oss-120b", "gemma3-27b"):
         points.append(Point(Shape(model, model=model), 16, "device", ("models",)))
-    return Matrix("full", tuple(points), manager_models=("llama3-8b", "gemma3-27b"),
-                  manager_layers=(8, 32, 128, 512, 1024))
+    return Matrix(
+        "full",
+        tuple(points),
+        manager_models=("llama3-8b", "gemma3-27b"),
+        manager_layers=(8, 32, 128, 512, 1024),
+    )
 
 
 #: 512 B pages, below the 1 KiB of PAGE_SHAPES.
@@ -210,25 +250,39 @@ def engine() -> Matrix:
     cuts the 8 GiB point first (it has its own caches, built last)."""
     whole = ("store", "load", "prepared", "jit", "graph")
     step = ("prepared", "jit", "graph")
-    points = [Point(LLAMA, HEADLINE_CHUNKS, "device", ("chunks", "page", "calls"),
-                    all_paths=True),
-              Point(LLAMA, HEADLINE_CHUNKS, "pinned", ("chunks", "calls"), all_paths=True)]
+    points = [
+        Point(LLAMA, HEADLINE_CHUNKS, "device", ("chunks", "page", "calls"), all_paths=True),
+        Point(LLAMA, HEADLINE_CHUNKS, "pinned", ("chunks", "calls"), all_paths=True),
+    ]
     for c in (1, 4, 16):
-        points.append(Point(LLAMA, c, "device", ("chunks",),
-                            calls=whole + (("layerwise",) if c == 16 else ())))
+        points.append(
+            Point(
+                LLAMA, c, "device", ("chunks",), calls=whole + (("layerwise",) if c == 16 else ())
+            )
+        )
     for c in (1, 16):
         points.append(Point(LLAMA, c, "pinned", ("chunks",), calls=step))
     for label, bs, nh, hs in (PAGE_512B,) + PAGE_SHAPES:
         if label != "page-32KiB":  # the Llama shape is that page
-            points.append(Point(_page_shape(label, bs, nh, hs), HEADLINE_CHUNKS, "device",
-                                ("page",), calls=step))
+            points.append(
+                Point(
+                    _page_shape(label, bs, nh, hs), HEADLINE_CHUNKS, "device", ("page",), calls=step
+                )
+            )
     for label, bs, nh, hs in (PAGE_512B,) + PAGE_SHAPES[:2]:
-        points.append(Point(_page_shape(label, bs, nh, hs), 4, "device", ("page",),
-                            calls=step))
+        points.append(Point(_page_shape(label, bs, nh, hs), 4, "device", ("page",), calls=step))
     big = Shape("llama3-8b-256", model="llama3-8b", layers=32)  # 8 GiB objects: last
     points.append(Point(big, 256, "device", ("chunks",), calls=whole))
-    return Matrix("engine", tuple(points), internal=False, repeats=5, warmup=2,
-                  target_s=0.01, max_calls=64, verify_bytes=128 << 20)
+    return Matrix(
+        "engine",
+        tuple(points),
+        internal=False,
+        repeats=5,
+        warmup=2,
+        target_s=0.01,
+        max_calls=64,
+        verify_bytes=128 << 20,
+    )
 
 
 SWEEPS = ("headline", "chunks", "page", "layers", "models", "calls", "manager")
@@ -241,12 +295,18 @@ def select(matrix: Matrix, sweeps: list[str]) -> Matrix:
     unknown = [s for s in sweeps if s not in SWEEPS]
     if unknown:
         raise KVGroupsValueError(f"sweeps: expected names from {SWEEPS}, got {unknown}")
-    points = tuple(p for p in matrix.points
-                   if (("headline" in sweeps) if p.headline else set(p.sweeps) & set(sweeps)))
+    points = tuple(
+        p
+        for p in matrix.points
+        if (("headline" in sweeps) if p.headline else set(p.sweeps) & set(sweeps))
+    )
     keep = "manager" in sweeps
-    return replace(matrix, points=points,
-                   manager_models=matrix.manager_models if keep else (),
-                   manager_layers=matrix.manager_layers if keep else ())
+    return replace(
+        matrix,
+        points=points,
+        manager_models=matrix.manager_models if keep else (),
+        manager_layers=matrix.manager_layers if keep else (),
+    )
 
 
 PRESETS = {"tiny": tiny, "headline": headline, "full": full, "engine": engine}
@@ -270,10 +330,15 @@ def memory_needed(matrix: Matrix) -> tuple[int, str]:
     chunk = matrix.chunk_tokens
     for shape, points in matrix.shapes():
         probe = shape.build(1)
-        pm = KVLayerGroupsManager(probe.kv_caches, list(probe.formats),
-                                  probe.engine_group_infos, lmcache_tokens_per_chunk=chunk)
-        bpc = max((pm.calculate_num_blocks(k, chunk) for k in range(pm.num_kernel_groups)),
-                  default=0)
+        pm = KVLayerGroupsManager(
+            probe.kv_caches,
+            list(probe.formats),
+            probe.engine_group_infos,
+            lmcache_tokens_per_chunk=chunk,
+        )
+        bpc = max(
+            (pm.calculate_num_blocks(k, chunk) for k in range(pm.num_kernel_groups)), default=0
+        )
         chunks = max(p.chunks for p in points)
         nb = max(matrix.min_blocks, -(-5 * chunks * bpc // 4))
         specs = _leaves(shape.build(nb).kv_caches)
@@ -289,18 +354,27 @@ def preset(name: str) -> Matrix:
     try:
         return PRESETS[name]()
     except KeyError:
-        raise KVGroupsValueError(f"matrix: expected one of {sorted(PRESETS)}, got {name!r}") \
-            from None
+        raise KVGroupsValueError(
+            f"matrix: expected one of {sorted(PRESETS)}, got {name!r}"
+        ) from None
 
 
-def custom(base: Matrix, *, models: list[str] | None, specs: list[str] | None,
-           layers: list[int] | None, chunks: list[int] | None,
-           placements: list[str] | None) -> Matrix:
+def custom(
+    base: Matrix,
+    *,
+    models: list[str] | None,
+    specs: list[str] | None,
+    layers: list[int] | None,
+    chunks: list[int] | None,
+    placements: list[str] | None,
+) -> Matrix:
     """``base``'s settings with its points replaced by models x layers (plus specs) x chunks x
     placements; ``None`` keeps the headline's value for that axis."""
-    shapes = [Shape(m, model=m, layers=n)
-              for m in (models or ([] if specs else ["llama3-8b"]))
-              for n in (layers or [None])]
+    shapes = [
+        Shape(m, model=m, layers=n)
+        for m in (models or ([] if specs else ["llama3-8b"]))
+        for n in (layers or [None])
+    ]
     shapes += [Shape(s, spec=s) for s in specs or []]
     for s in shapes:
         if s.model is not None:
@@ -312,8 +386,10 @@ def custom(base: Matrix, *, models: list[str] | None, specs: list[str] | None,
             raise KVGroupsValueError(f"chunks: expected counts >= 1, got {c}")
     points = tuple(
         Point(s, c, p, (), headline=(i == 0 and j == 0))
-        for i, s in enumerate(shapes) for j, c in enumerate(chunks or [HEADLINE_CHUNKS])
+        for i, s in enumerate(shapes)
+        for j, c in enumerate(chunks or [HEADLINE_CHUNKS])
         for p in placements or ["device", "pinned"]
     )
-    return replace(base, name=f"{base.name}+custom", points=points, manager_models=(),
-                   manager_layers=())
+    return replace(
+        base, name=f"{base.name}+custom", points=points, manager_models=(), manager_layers=()
+    )

@@ -72,8 +72,11 @@ def check_device_ids(case: Case, ids: Any) -> None:
     leaf = next(iter(ids.values())) if isinstance(ids, dict) else ids
     backend = backend_for_tensors(case.wl.caches[:1], case.backend)
     if backend.device_ids_spec(leaf) is None:
-        raise Refused(f"ids: the {getattr(backend, 'name', backend)} backend reads {type(leaf).__name__} ids to the "
-                      "host (they are host ids here)")
+        raise Refused(
+            f"ids: the {getattr(backend, 'name', backend)} backend reads "
+            f"{type(leaf).__name__} ids to the "
+            "host (they are host ids here)"
+        )
 
 
 def eager_call(case: Case, call: str) -> Callable[[int], None]:
@@ -83,26 +86,32 @@ def eager_call(case: Case, call: str) -> Callable[[int], None]:
     store = case.direction == "store"
     if call in ("store", "load"):
         if store:
+
             def fn(i: int) -> None:
                 r = i % n
                 wl.objects[r] = list(kc.store(m, wl.caches, ids[r], wl.objects[r], backend=be))
         else:
+
             def fn(i: int) -> None:
                 r = i % n
                 adopt(wl, kc.load(m, wl.objects[r], wl.caches, ids[r], backend=be))
+
         return fn
     prep = kc.prepare(m, wl.caches, backend=be)
     layer_sets = [[k] for k in range(case.layers)] if call == "layerwise" else [None]
     if store:
+
         def fn(i: int) -> None:
             r = i % n
             for layers in layer_sets:
                 wl.objects[r] = list(prep.store(ids[r], wl.objects[r], layers=layers))
     else:
+
         def fn(i: int) -> None:
             r = i % n
             for layers in layer_sets:
                 adopt(wl, prep.load(wl.objects[r], ids[r], layers=layers))
+
     return fn
 
 

@@ -29,9 +29,7 @@ SUBCOMMANDS: tuple[str, ...] = ("plan", "demo", "bench")
 
 def available_subcommands() -> list[str]:
     """The subcommands whose module is present."""
-    return [
-        name for name in SUBCOMMANDS if importlib.util.find_spec(f"{__package__}.cli_{name}")
-    ]
+    return [name for name in SUBCOMMANDS if importlib.util.find_spec(f"{__package__}.cli_{name}")]
 
 
 def build_parser() -> argparse.ArgumentParser:

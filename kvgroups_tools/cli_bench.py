@@ -9,7 +9,8 @@ engine's own entry points), ``ids`` (``host`` / ``device``), ``runtime``, ``path
 runtime reads to the host (CPU tensors, concrete JAX arrays) are refused as ``skipped``.
 ``--matrix engine`` is the public-call grid for one GPU (benchmarks/results/README.md).
 
-Runs a case matrix (``--matrix tiny | headline | full | engine``, or shapes given with ``--models`` /
+Runs a case matrix (``--matrix tiny | headline | full | engine``, or shapes given with ``--models``
+/
 ``--spec``) on the selected runtimes and prints one JSON record per line (also appended to
 ``--out``): ``ceiling`` records (device copy, pinned host copies), one ``transfer`` record per
 (backend, path, direction, placement, shape, chunks) with the median time, GB/s (bytes read +
@@ -86,9 +87,14 @@ def auto_backends(matrix: str) -> list[str]:
 def build_matrix(args: argparse.Namespace) -> bench_matrix.Matrix:
     matrix = bench_matrix.preset(args.matrix)
     if args.models or args.spec or args.layers or args.chunks:
-        matrix = bench_matrix.custom(matrix, models=args.models, specs=args.spec,
-                                     layers=args.layers, chunks=args.chunks,
-                                     placements=args.placements)
+        matrix = bench_matrix.custom(
+            matrix,
+            models=args.models,
+            specs=args.spec,
+            layers=args.layers,
+            chunks=args.chunks,
+            placements=args.placements,
+        )
     if args.sweeps is not None:
         matrix = bench_matrix.select(matrix, args.sweeps)
     changes: dict[str, Any] = {}
@@ -115,7 +121,8 @@ def read_records(paths: list[Path], option: str = "summarize") -> list[dict]:
         except OSError as exc:
             raise KVGroupsValueError(
                 f"{option}: expected a readable JSON-lines file, got {str(path)!r} "
-                f"({exc.strerror or type(exc).__name__})") from None
+                f"({exc.strerror or type(exc).__name__})"
+            ) from None
         for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
@@ -124,11 +131,13 @@ def read_records(paths: list[Path], option: str = "summarize") -> list[dict]:
             except json.JSONDecodeError as exc:
                 raise KVGroupsValueError(
                     f"{option}: expected one JSON object per line, got {str(path)!r} line "
-                    f"{number}: {exc.msg}") from None
+                    f"{number}: {exc.msg}"
+                ) from None
             if not isinstance(record, dict) or "record" not in record:
                 raise KVGroupsValueError(
                     f"{option}: expected bench records (objects with a 'record' field), got "
-                    f"{str(path)!r} line {number}: {line[:60]!r}")
+                    f"{str(path)!r} line {number}: {line[:60]!r}"
+                )
             records.append(record)
     return records
 
@@ -140,11 +149,15 @@ def check_backends(items: list[str]) -> None:
         raise KVGroupsValueError("backends: expected at least one name, got none")
     for item in items:
         name, _, device = item.partition("-")
-        if name not in KIT_MODULES or device not in ("", "cpu", "cuda", "gpu") and not \
-                device.startswith("cuda:"):
+        if (
+            name not in KIT_MODULES
+            or device not in ("", "cpu", "cuda", "gpu")
+            and not device.startswith("cuda:")
+        ):
             raise KVGroupsValueError(
                 f"backends: expected names from {sorted(KIT_MODULES)} (optionally -cpu / "
-                f"-cuda[:N]) or 'auto', got {item!r}")
+                f"-cuda[:N]) or 'auto', got {item!r}"
+            )
 
 
 def _backends_arg(text: str) -> list[str]:
@@ -171,23 +184,39 @@ def check_run(args: argparse.Namespace, backends: list[str]) -> None:
     """What the options ask for must be measurable with these runtimes, and fit in memory:
     refused naming the option before any runtime is imported."""
     if args.markdown:
-        refuse("--markdown", "expected it with --summarize FILE... (it formats records; it "
-               "measures nothing), got it alone")
+        refuse(
+            "--markdown",
+            "expected it with --summarize FILE... (it formats records; it "
+            "measures nothing), got it alone",
+        )
     gpu = any(_on_gpu(b) for b in backends)
     if args.placements and not gpu and "device" not in args.placements:
-        refuse("--placements", f"expected 'device' for host runtimes (pinned host objects "
-               f"need CUDA), got {','.join(args.placements)} for {','.join(backends)}")
+        refuse(
+            "--placements",
+            f"expected 'device' for host runtimes (pinned host objects "
+            f"need CUDA), got {','.join(args.placements)} for {','.join(backends)}",
+        )
     if args.paths:
-        offered = {p for b in backends for p in KIT_PATHS[b.partition("-")[0]]
-                   if _on_gpu(b) or p not in GPU_PATHS}
+        offered = {
+            p
+            for b in backends
+            for p in KIT_PATHS[b.partition("-")[0]]
+            if _on_gpu(b) or p not in GPU_PATHS
+        }
         missing = [p for p in args.paths if p not in offered]
         if missing:
-            refuse("--paths", f"expected paths the runtimes {','.join(backends)} offer here "
-                   f"({', '.join(sorted(offered))}), got {', '.join(missing)}")
+            refuse(
+                "--paths",
+                f"expected paths the runtimes {','.join(backends)} offer here "
+                f"({', '.join(sorted(offered))}), got {', '.join(missing)}",
+            )
     matrix = build_matrix(args)
     if not matrix.points and not matrix.manager_layers:
-        refuse("--sweeps", f"expected sweeps with points in the {args.matrix!r} matrix, got "
-               f"{','.join(args.sweeps or [])}")
+        refuse(
+            "--sweeps",
+            f"expected sweeps with points in the {args.matrix!r} matrix, got "
+            f"{','.join(args.sweeps or [])}",
+        )
     need, where = memory_needed(matrix)
     limit, what = memory_limit(args.max_memory, available=False)
     refuse_over_memory("--chunks, --models, --spec, --layers", need, where, limit, what)
@@ -201,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         raise KVGroupsValueError(
             f"backends: expected an installed runtime for 'auto' on the {args.matrix!r} "
             "matrix (torch or jax with its kvgroups backend), got none; name one, e.g. "
-            "--backends numpy")
+            "--backends numpy"
+        )
     if args.backends != ["auto"]:
         check_backends(backends)
     if raw is None:
@@ -238,10 +268,17 @@ def run(args: argparse.Namespace) -> int:
         else:
             show_library_logs(args.quiet)  # e.g. a kernel's first compile
             with Progress("kvgroups bench", quiet=args.quiet) as progress:
-                runner = BenchRun(build_matrix(args), emit, paths=args.paths,
-                                  directions=args.directions, placements=args.placements,
-                                  budget_s=args.budget_s, seed=args.seed, log=progress.step,
-                                  done=done)
+                runner = BenchRun(
+                    build_matrix(args),
+                    emit,
+                    paths=args.paths,
+                    directions=args.directions,
+                    placements=args.placements,
+                    budget_s=args.budget_s,
+                    seed=args.seed,
+                    log=progress.step,
+                    done=done,
+                )
                 records = runner.run(backends)
     finally:
         if out is not None:
@@ -251,26 +288,40 @@ def run(args: argparse.Namespace) -> int:
             log(format_summary(r))
     errors = [r for r in records if r["record"] == "error"]
     if errors:
-        log(f"{len(errors)} error record(s): " + "; ".join(
-            f"{r.get('backend')} {r.get('path', r.get('stage'))}: {r['error_type']}"
-            for r in errors[:8]))
+        log(
+            f"{len(errors)} error record(s): "
+            + "; ".join(
+                f"{r.get('backend')} {r.get('path', r.get('stage'))}: {r['error_type']}"
+                for r in errors[:8]
+            )
+        )
     bad = [r for r in records if r.get("verified") is False]
     # A runtime that was asked for by name but could not be loaded fails the run (the
     # others still ran and are recorded).
-    missing = [r["backend"] for r in records
-               if r["record"] == "error" and r.get("stage") == "load kit"]
+    missing = [
+        r["backend"] for r in records if r["record"] == "error" and r.get("stage") == "load kit"
+    ]
     if missing:  # an error, so said even with --quiet
-        print(f"kvgroups bench: requested backend(s) not available: {', '.join(missing)}",
-              file=sys.stderr)
-    measured = raw is not None or args.resume or any(
-        r["record"] in ("transfer", "manager") for r in records)
+        print(
+            f"kvgroups bench: requested backend(s) not available: {', '.join(missing)}",
+            file=sys.stderr,
+        )
+    measured = (
+        raw is not None
+        or args.resume
+        or any(r["record"] in ("transfer", "manager") for r in records)
+    )
     if not measured:  # everything skipped: a run that proves nothing is not a pass
         skipped = sorted({str(r.get("reason")) for r in records if r["record"] == "skipped"})
-        limits = " ".join(f"--{name} {','.join(getattr(args, name))}"
-                          for name in ("placements", "paths") if getattr(args, name))
-        why = "; ".join(skipped) or (f"no point of the {args.matrix!r} matrix applies to "
-                                     f"{','.join(backends)} here" + (f" with {limits}"
-                                                                     if limits else ""))
+        limits = " ".join(
+            f"--{name} {','.join(getattr(args, name))}"
+            for name in ("placements", "paths")
+            if getattr(args, name)
+        )
+        why = "; ".join(skipped) or (
+            f"no point of the {args.matrix!r} matrix applies to "
+            f"{','.join(backends)} here" + (f" with {limits}" if limits else "")
+        )
         print(f"kvgroups bench: error: nothing was measured (skipped: {why})", file=sys.stderr)
     return 1 if bad or missing or not measured else 0
 
@@ -278,52 +329,124 @@ def run(args: argparse.Namespace) -> int:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``kvgroups bench`` (shared with ``benchmarks/bench_transfer.py``)."""
     a = parser.add_argument
-    a("--matrix", default="headline", choices=sorted(bench_matrix.PRESETS),
-      help="case preset (default headline)")
-    a("--backends", type=_backends_arg, default=["auto"],
-      help="comma-separated: numpy, torch, jax, torch-cpu, jax-cpu, ... (default auto: the "
-      "installed runtimes, plus numpy for the tiny matrix)")
+    a(
+        "--matrix",
+        default="headline",
+        choices=sorted(bench_matrix.PRESETS),
+        help="case preset (default headline)",
+    )
+    a(
+        "--backends",
+        type=_backends_arg,
+        default=["auto"],
+        help="comma-separated: numpy, torch, jax, torch-cpu, jax-cpu, ... (default auto: the "
+        "installed runtimes, plus numpy for the tiny matrix)",
+    )
     paths = sorted({p for names in KIT_PATHS.values() for p in names})
-    a("--paths", type=names_in(paths, "paths"), default=None,
-      help="paths to run (default: each runtime's own)")
+    a(
+        "--paths",
+        type=names_in(paths, "paths"),
+        default=None,
+        help="paths to run (default: each runtime's own)",
+    )
     a("--directions", type=names_in(("store", "load"), "directions"), default=["store", "load"])
-    a("--placements", type=names_in(("device", "pinned"), "placements"), default=None,
-      help="device, pinned (default: the matrix's)")
-    a("--sweeps", type=names_in(bench_matrix.SWEEPS, "sweeps"), default=None,
-      help=f"only these parts of the matrix: {', '.join(bench_matrix.SWEEPS)}")
-    a("--models", type=names_in(sorted(MODELS), "models"), default=None,
-      help="catalogue models (replaces the matrix shapes)")
-    a("--spec", action="append", type=shape_spec, default=None,
-      help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;..." (repeatable; NB is a minimum)')
+    a(
+        "--placements",
+        type=names_in(("device", "pinned"), "placements"),
+        default=None,
+        help="device, pinned (default: the matrix's)",
+    )
+    a(
+        "--sweeps",
+        type=names_in(bench_matrix.SWEEPS, "sweeps"),
+        default=None,
+        help=f"only these parts of the matrix: {', '.join(bench_matrix.SWEEPS)}",
+    )
+    a(
+        "--models",
+        type=names_in(sorted(MODELS), "models"),
+        default=None,
+        help="catalogue models (replaces the matrix shapes)",
+    )
+    a(
+        "--spec",
+        action="append",
+        type=shape_spec,
+        default=None,
+        help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;..." (repeatable; NB is a minimum)',
+    )
     a("--layers", type=int_list_in(1, MAX_LAYERS), default=None, help="layer counts for --models")
-    a("--chunks", type=int_list_in(1, MAX_CHUNKS), default=None,
-      help="chunk counts (default 64)")
-    a("--chunk-tokens", type=int_in(1, MAX_TOKENS), default=None,
-      help="tokens per chunk (default 256)")
-    a("--repeats", type=int_in(1, 1 << 20), default=None,
-      help="timed repeats per case (median taken)")
+    a("--chunks", type=int_list_in(1, MAX_CHUNKS), default=None, help="chunk counts (default 64)")
+    a(
+        "--chunk-tokens",
+        type=int_in(1, MAX_TOKENS),
+        default=None,
+        help="tokens per chunk (default 256)",
+    )
+    a(
+        "--repeats",
+        type=int_in(1, 1 << 20),
+        default=None,
+        help="timed repeats per case (median taken)",
+    )
     a("--warmup", type=int_in(0, 1 << 20), default=None, help="untimed calls first")
-    a("--target-ms", type=float_in(0), default=None,
-      help="batch calls so a repeat lasts this long")
-    a("--max-calls", type=int_in(1, 1 << 20), default=None,
-      help="most back-to-back calls per repeat")
-    a("--verify-mb", type=float_in(0), default=None, help="check bytes against the baseline up "
-      "to this payload size")
-    a("--manager-layers", type=int_list_in(1, MAX_LAYERS), default=None,
-      help="manager construction sweep")
-    a("--budget-s", type=float_in(0, open_low=True), default=None,
-      help="skip what is left after this many seconds")
+    a("--target-ms", type=float_in(0), default=None, help="batch calls so a repeat lasts this long")
+    a(
+        "--max-calls",
+        type=int_in(1, 1 << 20),
+        default=None,
+        help="most back-to-back calls per repeat",
+    )
+    a(
+        "--verify-mb",
+        type=float_in(0),
+        default=None,
+        help="check bytes against the baseline up to this payload size",
+    )
+    a(
+        "--manager-layers",
+        type=int_list_in(1, MAX_LAYERS),
+        default=None,
+        help="manager construction sweep",
+    )
+    a(
+        "--budget-s",
+        type=float_in(0, open_low=True),
+        default=None,
+        help="skip what is left after this many seconds",
+    )
     a("--seed", type=int_in(0, (1 << 32) - 1), default=0)
-    a("--max-memory", type=float_in(0, open_low=True), default=None, metavar="GIB",
-      help="refuse a matrix whose largest shape needs more memory than this (default: the "
-      "host's memory)")
-    a("--resume", type=Path, nargs="+", default=None, metavar="FILE",
-      help="skip every path and direction of a point that these JSON-lines files already "
-      "hold a transfer record for (finish a run a time limit cut)")
-    a("--out", type=out_file, default=None, help="also append the JSON lines to this file (in "
-      "an existing directory)")
-    a("--summarize", type=Path, nargs="+", default=None, metavar="FILE",
-      help="only summarize the records of these JSON-lines files")
+    a(
+        "--max-memory",
+        type=float_in(0, open_low=True),
+        default=None,
+        metavar="GIB",
+        help="refuse a matrix whose largest shape needs more memory than this (default: the "
+        "host's memory)",
+    )
+    a(
+        "--resume",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="skip every path and direction of a point that these JSON-lines files already "
+        "hold a transfer record for (finish a run a time limit cut)",
+    )
+    a(
+        "--out",
+        type=out_file,
+        default=None,
+        help="also append the JSON lines to this file (in an existing directory)",
+    )
+    a(
+        "--summarize",
+        type=Path,
+        nargs="+",
+        default=None,
+        metavar="FILE",
+        help="only summarize the records of these JSON-lines files",
+    )
     a("--markdown", action="store_true", help="with --summarize: print a Markdown table")
     a("--quiet", action="store_true", help="no progress lines on stderr")
 
@@ -331,8 +454,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def add_parser(subparsers: Any) -> argparse.ArgumentParser:
     """Register ``kvgroups bench``."""
     parser = subparsers.add_parser(
-        "bench", help="transfer bandwidth against the hardware ceiling and plain baselines",
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "bench",
+        help="transfer bandwidth against the hardware ceiling and plain baselines",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add_arguments(parser)
     parser.set_defaults(func=run)
     return parser

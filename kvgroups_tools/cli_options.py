@@ -38,8 +38,10 @@ class OneLineParser(argparse.ArgumentParser):
 
 # --- argparse types ------------------------------------------------------------------------
 
+
 def int_in(low: int, high: int) -> Callable[[str], int]:
     """An int in ``[low, high]``."""
+
     def parse(text: str) -> int:
         try:
             value = int(text)
@@ -47,28 +49,37 @@ def int_in(low: int, high: int) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
         if not low <= value <= high:
             raise argparse.ArgumentTypeError(
-                f"expected an integer in [{low}, {high:,}], got {_short(value)}")
+                f"expected an integer in [{low}, {high:,}], got {_short(value)}"
+            )
         return value
+
     parse.__name__ = "integer"
     return parse
 
 
-def float_in(low: float, high: float | None = None, *, open_low: bool = False
-             ) -> Callable[[str], float]:
+def float_in(
+    low: float, high: float | None = None, *, open_low: bool = False
+) -> Callable[[str], float]:
     """A finite float ``>= low`` (``> low`` with ``open_low``), ``<= high`` when given."""
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"expected a number, got {text!r}") from None
         too_low = value <= low if open_low else value < low
-        if value != value or value in (float("inf"), float("-inf")) or too_low or (
-                high is not None and value > high):
+        if (
+            value != value
+            or value in (float("inf"), float("-inf"))
+            or too_low
+            or (high is not None and value > high)
+        ):
             bound = f"> {low}" if open_low else f">= {low}"
             if high is not None:
                 bound += f" and <= {high}"
             raise argparse.ArgumentTypeError(f"expected a number {bound}, got {text!r}")
         return value
+
     parse.__name__ = "number"
     return parse
 
@@ -80,23 +91,25 @@ def int_list_in(low: int, high: int, *, allowed: Sequence[int] = ()) -> Callable
     def parse(text: str) -> list[int]:
         items = [t.strip() for t in text.split(",")]
         if not text.strip() or any(not t for t in items):
-            raise argparse.ArgumentTypeError(
-                f"expected comma-separated integers, got {text!r}")
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
         out = []
         for t in items:
             try:
                 value = int(t)
             except ValueError:
                 raise argparse.ArgumentTypeError(
-                    f"expected comma-separated integers, got {text!r}") from None
+                    f"expected comma-separated integers, got {text!r}"
+                ) from None
             out.append(value if value in allowed else one(t))
         return out
+
     parse.__name__ = "integer list"
     return parse
 
 
 def names_in(choices: Sequence[str], what: str = "names") -> Callable[[str], list]:
     """Comma-separated names, each one of ``choices``."""
+
     def parse(text: str) -> list[str]:
         items = [t.strip() for t in text.split(",") if t.strip()]
         if not items:
@@ -104,18 +117,30 @@ def names_in(choices: Sequence[str], what: str = "names") -> Callable[[str], lis
         unknown = [t for t in items if t not in choices]
         if unknown:
             raise argparse.ArgumentTypeError(
-                f"expected {what} from {list(choices)}, got {', '.join(map(repr, unknown))}")
+                f"expected {what} from {list(choices)}, got {', '.join(map(repr, unknown))}"
+            )
         return items
+
     parse.__name__ = what
     return parse
 
 
 #: Dtype spellings accepted on the command line, as the shape-spec parser names them.
 DTYPE_ALIASES = {
-    "bf16": "bfloat16", "fp16": "float16", "f16": "float16", "half": "float16",
-    "fp32": "float32", "f32": "float32", "float": "float32", "u8": "uint8",
-    "fp8": "float8_e4m3fn", "fp8_e4m3": "float8_e4m3fn", "e4m3": "float8_e4m3fn",
-    "float8_e4m3": "float8_e4m3fn", "fp8_e5m2": "float8_e5m2", "e5m2": "float8_e5m2",
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "f16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "f32": "float32",
+    "float": "float32",
+    "u8": "uint8",
+    "fp8": "float8_e4m3fn",
+    "fp8_e4m3": "float8_e4m3fn",
+    "e4m3": "float8_e4m3fn",
+    "float8_e4m3": "float8_e4m3fn",
+    "fp8_e5m2": "float8_e5m2",
+    "e5m2": "float8_e5m2",
 }
 
 
@@ -155,7 +180,8 @@ def out_file(text: str) -> Path:
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(
             f"expected a file in an existing directory, got {text!r} ({str(parent)!r} does "
-            "not exist)")
+            "not exist)"
+        )
     if not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"expected a writable directory, got {text!r}")
     return path
@@ -166,13 +192,15 @@ out_file.__name__ = "file path"
 
 # --- errors in the command line's terms ------------------------------------------------------
 
+
 def refuse(option: str, message: str) -> NoReturn:
     """Raise the typed error the ``kvgroups`` command prints as ``OPTION: MESSAGE`` (exit 2)."""
     raise KVGroupsValueError(f"{option}: {message}")
 
 
-def in_option_terms(exc: KVGroupsError, pick: dict[str, str], rename: dict[str, str],
-                    default: str) -> KVGroupsError:
+def in_option_terms(
+    exc: KVGroupsError, pick: dict[str, str], rename: dict[str, str], default: str
+) -> KVGroupsError:
     """``exc`` said in the options' words: the library's argument names replaced by
     ``rename`` (``lmcache_tokens_per_chunk`` -> ``--chunk``, ``slots_per_block`` -> ``block
     size``; whole identifiers only), prefixed with the option of the first phrase of ``pick``
@@ -189,6 +217,7 @@ def in_option_terms(exc: KVGroupsError, pick: dict[str, str], rename: dict[str, 
 
 
 # --- memory ----------------------------------------------------------------------------------
+
 
 def available_memory() -> int | None:
     """Bytes of host memory available now (Linux ``MemAvailable``), None when unknown."""
@@ -220,13 +249,17 @@ def nbytes_text(n: float) -> str:
     return f"{n / 1024:,.1f} KiB"
 
 
-def refuse_over_memory(option: str, need: int, parts: str, limit: int | None,
-                       limit_text: str) -> None:
+def refuse_over_memory(
+    option: str, need: int, parts: str, limit: int | None, limit_text: str
+) -> None:
     """Refuse (naming ``option``) when ``need`` bytes exceed ``limit``."""
     if limit is not None and need > limit:
-        refuse(option, f"expected sizes that fit in memory, got a run that needs about "
-               f"{nbytes_text(need)} ({parts}), more than {limit_text} "
-               f"({nbytes_text(limit)}); give smaller sizes or --max-memory GIB")
+        refuse(
+            option,
+            f"expected sizes that fit in memory, got a run that needs about "
+            f"{nbytes_text(need)} ({parts}), more than {limit_text} "
+            f"({nbytes_text(limit)}); give smaller sizes or --max-memory GIB",
+        )
 
 
 def memory_limit(max_memory_gib: float | None, *, available: bool) -> tuple[int | None, str]:

@@ -63,33 +63,37 @@ def plan_summary(manager: KVLayerGroupsManager) -> dict[str, Any]:
     kernel_groups = []
     for k, group in enumerate(manager.kernel_groups):
         sd = group.shape_desc
-        kernel_groups.append({
-            "index": k,
-            "layers": layer_ranges(group.layer_indices),
-            "num_layers": group.num_layers,
-            "format": group.engine_kv_format.name if group.engine_kv_format else None,
-            "kv_size": sd.kv_size,
-            "nb": sd.nb,
-            "bs": sd.bs,
-            "nh": sd.nh,
-            "hs": sd.hs,
-            "dtype": group.dtype.name,
-            "engine_group": group.engine_group_idx,
-            "tokens_per_block": group.tokens_per_block,
-            "sw_size_tokens": group.sw_size_tokens,
-            "recurrent_state": group.recurrent_state,
-            "slots_per_chunk": manager.get_slots_per_chunk_in_sw(k),
-            "region_bytes": region_nbytes(manager, k),
-        })
+        kernel_groups.append(
+            {
+                "index": k,
+                "layers": layer_ranges(group.layer_indices),
+                "num_layers": group.num_layers,
+                "format": group.engine_kv_format.name if group.engine_kv_format else None,
+                "kv_size": sd.kv_size,
+                "nb": sd.nb,
+                "bs": sd.bs,
+                "nh": sd.nh,
+                "hs": sd.hs,
+                "dtype": group.dtype.name,
+                "engine_group": group.engine_group_idx,
+                "tokens_per_block": group.tokens_per_block,
+                "sw_size_tokens": group.sw_size_tokens,
+                "recurrent_state": group.recurrent_state,
+                "slots_per_chunk": manager.get_slots_per_chunk_in_sw(k),
+                "region_bytes": region_nbytes(manager, k),
+            }
+        )
     object_groups = []
     for o, group in enumerate(manager.object_groups):
-        object_groups.append({
-            "index": o,
-            "kernel_groups": list(group.kernel_group_indices),
-            "sw_size_chunks": group.sw_size_chunks,
-            "recurrent_state": group.recurrent_state,
-            "object_bytes": object_nbytes(manager, o),
-        })
+        object_groups.append(
+            {
+                "index": o,
+                "kernel_groups": list(group.kernel_group_indices),
+                "sw_size_chunks": group.sw_size_chunks,
+                "recurrent_state": group.recurrent_state,
+                "object_bytes": object_nbytes(manager, o),
+            }
+        )
     return {
         "chunk_tokens": manager.lmcache_tokens_per_chunk,
         "num_layers": len(manager.engine_kv_formats),
@@ -121,18 +125,50 @@ def format_plan(summary: dict[str, Any]) -> str:
         "kernel groups",
     ]
     lines += _table(
-        ["#", "layers", "kv", "nb", "bs", "nh", "hs", "dtype", "tpb", "sw tokens", "slots",
-         "bytes/chunk"],
-        [[g["index"], g["layers"], g["kv_size"], g["nb"], g["bs"], g["nh"], g["hs"], g["dtype"],
-          g["tokens_per_block"], _window(g, g["sw_size_tokens"]),
-          g["slots_per_chunk"], f"{g['region_bytes']:,}"] for g in summary["kernel_groups"]],
+        [
+            "#",
+            "layers",
+            "kv",
+            "nb",
+            "bs",
+            "nh",
+            "hs",
+            "dtype",
+            "tpb",
+            "sw tokens",
+            "slots",
+            "bytes/chunk",
+        ],
+        [
+            [
+                g["index"],
+                g["layers"],
+                g["kv_size"],
+                g["nb"],
+                g["bs"],
+                g["nh"],
+                g["hs"],
+                g["dtype"],
+                g["tokens_per_block"],
+                _window(g, g["sw_size_tokens"]),
+                g["slots_per_chunk"],
+                f"{g['region_bytes']:,}",
+            ]
+            for g in summary["kernel_groups"]
+        ],
     )
     lines += ["", "object groups"]
     lines += _table(
         ["#", "kernel groups", "window (chunks)", "bytes/chunk object"],
-        [[g["index"], ",".join(map(str, g["kernel_groups"])),
-          _window(g, g["sw_size_chunks"]),
-          f"{g['object_bytes']:,}"] for g in summary["object_groups"]],
+        [
+            [
+                g["index"],
+                ",".join(map(str, g["kernel_groups"])),
+                _window(g, g["sw_size_chunks"]),
+                f"{g['object_bytes']:,}",
+            ]
+            for g in summary["object_groups"]
+        ],
     )
     lines += ["", f"bytes per chunk (all object groups): {summary['bytes_per_chunk']:,}"]
     return "\n".join(lines)
@@ -149,10 +185,18 @@ def _int_list(text: str) -> list[int]:
 
 
 #: Where the library's words for the plan's settings come from on the command line.
-PICK = {"lmcache_tokens_per_chunk": "--chunk", "sw_size_tokens": "--sw", "sliding window": "--sw",
-        "tokens_per_block": "--tpb"}
-RENAME = {"lmcache_tokens_per_chunk": "--chunk", "sw_size_tokens": "--sw",
-          "tokens_per_block": "tokens per block", "slots_per_block": "block size"}
+PICK = {
+    "lmcache_tokens_per_chunk": "--chunk",
+    "sw_size_tokens": "--sw",
+    "sliding window": "--sw",
+    "tokens_per_block": "--tpb",
+}
+RENAME = {
+    "lmcache_tokens_per_chunk": "--chunk",
+    "sw_size_tokens": "--sw",
+    "tokens_per_block": "tokens per block",
+    "slots_per_block": "block size",
+}
 
 
 def _per_group(option: str, values: list[int] | None, groups: int) -> None:
@@ -194,22 +238,30 @@ def add_parser(subparsers: Any) -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
-        "--spec", required=True, type=shape_spec,
+        "--spec",
+        required=True,
+        type=shape_spec,
         help='shape spec "(kv,NB,BS,NH,HS):dtype:layers;...", e.g. "(2,1024,16,8,128):bf16:32" '
         "(spaces and dtype aliases such as bf16, fp16, fp8 allowed)",
     )
-    parser.add_argument("--chunk", type=int_in(1, MAX_TOKENS), default=256,
-                        help="tokens per chunk (default 256)")
     parser.add_argument(
-        "--sw", type=int_list_in(1, MAX_TOKENS, allowed=(-1,)), default=None,
+        "--chunk", type=int_in(1, MAX_TOKENS), default=256, help="tokens per chunk (default 256)"
+    )
+    parser.add_argument(
+        "--sw",
+        type=int_list_in(1, MAX_TOKENS, allowed=(-1,)),
+        default=None,
         help="sliding window in tokens per spec group (-1 = full), comma-separated",
     )
     parser.add_argument(
-        "--tpb", type=int_list_in(0, MAX_TOKENS), default=None,
+        "--tpb",
+        type=int_list_in(0, MAX_TOKENS),
+        default=None,
         help="logical tokens per block per spec group (0 = block size), comma-separated",
     )
     parser.add_argument(
-        "--single-object-group", action="store_true",
+        "--single-object-group",
+        action="store_true",
         help="store every kernel group in one object (no separation by window)",
     )
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")

@@ -44,8 +44,11 @@ class StepResult:
 
 def default_backends() -> tuple[str, str]:
     """Store with torch and load with JAX when both are installed, else stay on NumPy."""
-    have = [name for name, module in (("torch", "kvgroups_torch"), ("jax", "kvgroups_jax"))
-            if importlib.util.find_spec(module) and importlib.util.find_spec(name)]
+    have = [
+        name
+        for name, module in (("torch", "kvgroups_torch"), ("jax", "kvgroups_jax"))
+        if importlib.util.find_spec(module) and importlib.util.find_spec(name)
+    ]
     if len(have) == 2:
         return "torch", "jax"
     if have:
@@ -77,8 +80,10 @@ def position_encoded(spec: TensorSpec, salt: int) -> np.ndarray:
 
 def _structure_arrays(model: CacheModel, fill: bool) -> Any:
     """NumPy arrays for every distinct spec position (shared specs get their own arrays)."""
+
     def make(spec: TensorSpec, i: int) -> np.ndarray:
         return position_encoded(spec, i) if fill else np.zeros(spec.shape, _numpy_dtype(spec))
+
     return _map_specs(model.kv_caches, make, [0])
 
 
@@ -88,8 +93,7 @@ def _convert(structure: Any, backend: Backend, device: str | None, model: CacheM
     _map_specs(model.kv_caches, lambda s, i: flat_specs.append(s), [0])
     arrays: list[np.ndarray] = []
     _map_specs(structure, lambda a, i: arrays.append(a), [0])
-    converted = iter([backend.from_numpy(a, device, s.dtype)
-                      for a, s in zip(arrays, flat_specs)])
+    converted = iter([backend.from_numpy(a, device, s.dtype) for a, s in zip(arrays, flat_specs)])
     return _map_specs(structure, lambda a, i: next(converted), [0])
 
 
@@ -133,7 +137,8 @@ def _check_device(backend: Backend, device: str | None) -> str:
         cause = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise KVGroupsValueError(
             f"device: expected a device backend {backend.name!r} can use, got {where!r} "
-            f"({type(exc).__name__}: {cause})") from None
+            f"({type(exc).__name__}: {cause})"
+        ) from None
     return where
 
 
@@ -154,9 +159,14 @@ def _timed(step: Callable[[], None], sync: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
-def build_model(*, model: str = "hybrid-demo", spec: str | None = None,
-                layers: int | None = None, num_chunks: int = 4,
-                num_blocks: int | None = None) -> CacheModel:
+def build_model(
+    *,
+    model: str = "hybrid-demo",
+    spec: str | None = None,
+    layers: int | None = None,
+    num_chunks: int = 4,
+    num_blocks: int | None = None,
+) -> CacheModel:
     """The demo's caches as descriptors (nothing allocated): a catalogue model or a spec."""
     if spec is not None:
         from kvgroups_core.grouping.shape_spec import caches_from_shape_spec
@@ -168,8 +178,9 @@ def build_model(*, model: str = "hybrid-demo", spec: str | None = None,
     return entry.build(num_blocks=nb, layers=layers)
 
 
-def memory_needed(cache_model: CacheModel, manager: KVLayerGroupsManager,
-                  num_chunks: int) -> tuple[int, str]:
+def memory_needed(
+    cache_model: CacheModel, manager: KVLayerGroupsManager, num_chunks: int
+) -> tuple[int, str]:
     """``(bytes, breakdown)``: about what the demo allocates for ``cache_model``, most of it on
     the host (the NumPy reference): the caches seven times (the bit patterns, source and
     destination in both runtimes, the reference's three), the request's objects three times
@@ -179,8 +190,9 @@ def memory_needed(cache_model: CacheModel, manager: KVLayerGroupsManager,
     _map_specs(cache_model.kv_caches, lambda s, i: specs.append(s), [0])
     caches = sum(s.numel * s.dtype.itemsize for s in specs)
     biggest = max((s.numel for s in specs), default=0)
-    objects = num_chunks * sum(object_nbytes(manager, og)
-                               for og in range(manager.num_object_groups))
+    objects = num_chunks * sum(
+        object_nbytes(manager, og) for og in range(manager.num_object_groups)
+    )
     need = 7 * caches + 3 * objects + 16 * biggest
     return need, f"caches of {nbytes_text(caches)} x 7, objects of {nbytes_text(objects)} x 3"
 
@@ -190,15 +202,26 @@ def _backend(name: str, what: str) -> Backend:
         return get_backend(name)
     except KVGroupsError as exc:
         text = str(exc)
-        text = text[len("backend: "):] if text.startswith("backend: ") else text
+        text = text[len("backend: ") :] if text.startswith("backend: ") else text
         raise type(exc)(f"{what}: {text}") from None
 
 
-def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int | None = None,
-             num_chunks: int = 4, num_blocks: int | None = None, store_backend: str | None = None,
-             load_backend: str | None = None, device: str | None = None,
-             batch_chunks: int = 8, corrupt: bool = False, seed: int = 0,
-             max_memory: int | None = None, out: Any = None) -> int:
+def run_demo(
+    *,
+    model: str = "hybrid-demo",
+    spec: str | None = None,
+    layers: int | None = None,
+    num_chunks: int = 4,
+    num_blocks: int | None = None,
+    store_backend: str | None = None,
+    load_backend: str | None = None,
+    device: str | None = None,
+    batch_chunks: int = 8,
+    corrupt: bool = False,
+    seed: int = 0,
+    max_memory: int | None = None,
+    out: Any = None,
+) -> int:
     """Run the demo; returns 0 when every byte checks out, 1 otherwise.
 
     Every option is checked before any runtime is loaded or any array is made: a bad one
@@ -215,11 +238,14 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
     if spec is not None and (layers is not None or num_blocks is not None):
         raise KVGroupsValueError(
             "spec: expected layers and num_blocks to be left out (the shape sets both), got "
-            f"layers={layers}, num_blocks={num_blocks}")
-    cache_model = build_model(model=model, spec=spec, layers=layers, num_chunks=num_chunks,
-                              num_blocks=num_blocks)
-    manager = KVLayerGroupsManager(cache_model.kv_caches, cache_model.formats,
-                                   cache_model.engine_group_infos)
+            f"layers={layers}, num_blocks={num_blocks}"
+        )
+    cache_model = build_model(
+        model=model, spec=spec, layers=layers, num_chunks=num_chunks, num_blocks=num_blocks
+    )
+    manager = KVLayerGroupsManager(
+        cache_model.kv_caches, cache_model.formats, cache_model.engine_group_infos
+    )
     need, parts = memory_needed(cache_model, manager, num_chunks)
     limit = max_memory if max_memory is not None else available_memory()
     if limit is not None and need > limit:
@@ -227,7 +253,8 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
         raise KVGroupsValueError(
             f"{sizes}: expected a demo that fits in memory, got one that needs about "
             f"{nbytes_text(need)} ({parts}), more than the {nbytes_text(limit)} "
-            f"{'allowed' if max_memory is not None else 'available'}")
+            f"{'allowed' if max_memory is not None else 'available'}"
+        )
     rng = np.random.default_rng(seed)
     engine_groups = sorted({g.engine_group_idx for g in manager.kernel_groups})
     chunk = manager.lmcache_tokens_per_chunk
@@ -241,7 +268,8 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
             if need > nb:
                 raise KVGroupsValueError(
                     f"num_chunks: {num_chunks} chunks need {need} blocks of engine group {g}, "
-                    f"which has {nb}")
+                    f"which has {nb}"
+                )
             ids[g] = rng.permutation(nb)[:need].astype(np.int64)
         return ids
 
@@ -256,17 +284,23 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
 
     from .cli_plan import format_plan, plan_summary
 
-    print(f"kvgroups demo: {cache_model.name}, {num_chunks} chunks of "
-          f"{manager.lmcache_tokens_per_chunk} tokens; store with {store_name} ({dev_a}), load "
-          f"with {load_name} ({dev_b})", file=out)
+    print(
+        f"kvgroups demo: {cache_model.name}, {num_chunks} chunks of "
+        f"{manager.lmcache_tokens_per_chunk} tokens; store with {store_name} ({dev_a}), load "
+        f"with {load_name} ({dev_b})",
+        file=out,
+    )
     print(format_plan(plan_summary(manager)), file=out)
 
     src_bits = _structure_arrays(cache_model, fill=True)
     src = _convert(src_bits, a_be, dev_a, cache_model)
     dst = _convert(_structure_arrays(cache_model, fill=False), b_be, dev_b, cache_model)
     total_bytes = sum(object_nbytes(manager, og) for og in range(manager.num_object_groups))
-    print(f"\nmoving {num_chunks} chunks x {total_bytes:,} bytes = "
-          f"{num_chunks * total_bytes / 1e6:,.1f} MB per direction", file=out)
+    print(
+        f"\nmoving {num_chunks} chunks x {total_bytes:,} bytes = "
+        f"{num_chunks * total_bytes / 1e6:,.1f} MB per direction",
+        file=out,
+    )
 
     steps = []
     # Store in batches of chunks (a progress bar when there is more than one batch).
@@ -276,15 +310,17 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
         out_ids = {}
         for g, v in ids.items():
             per = len(v) // num_chunks
-            out_ids[g] = v[lo * per: hi * per]
+            out_ids[g] = v[lo * per : hi * per]
         return out_ids
 
     # A first call of each direction runs alone and is reported apart: it compiles (JAX jit,
     # NVRTC) and touches memory for the first time, which is not bandwidth. The timed calls
     # then redo it (a store makes new objects; a load writes the same bytes again).
     first_lo, first_hi = batches[0]
-    first_store = _timed(lambda: store(manager, src, batch_ids(ids_a, first_lo, first_hi),
-                                       backend=store_name), a_be.synchronize)
+    first_store = _timed(
+        lambda: store(manager, src, batch_ids(ids_a, first_lo, first_hi), backend=store_name),
+        a_be.synchronize,
+    )
     stored: list[list] = []
 
     def store_all() -> None:
@@ -293,8 +329,15 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
             if len(batches) > 1:
                 _progress(hi, num_chunks, "store", out)
 
-    steps.append(StepResult("store", store_name, _timed(store_all, a_be.synchronize),
-                            2 * num_chunks * total_bytes, first_store))
+    steps.append(
+        StepResult(
+            "store",
+            store_name,
+            _timed(store_all, a_be.synchronize),
+            2 * num_chunks * total_bytes,
+            first_store,
+        )
+    )
 
     # Hand the objects to the other runtime (DLPack, zero-copy where possible).
     handed = [[b_be.import_foreign(o) for o in objs] for objs in stored]
@@ -317,8 +360,15 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
             if len(batches) > 1:
                 _progress(hi, num_chunks, "load", out)
 
-    steps.append(StepResult("load", load_name, _timed(load_all, b_be.synchronize),
-                            2 * num_chunks * total_bytes, first_load))
+    steps.append(
+        StepResult(
+            "load",
+            load_name,
+            _timed(load_all, b_be.synchronize),
+            2 * num_chunks * total_bytes,
+            first_load,
+        )
+    )
 
     # The oracle: the same transfers on NumPy.
     ref = get_backend("numpy")
@@ -346,18 +396,26 @@ def run_demo(*, model: str = "hybrid-demo", spec: str | None = None, layers: int
 
     print("", file=out)
     for s in steps:
-        print(f"  {s.name:5s} with {s.backend:6s}: {s.seconds * 1e3:9.2f} ms  "
-              f"{s.gb_per_s:8.2f} GB/s (bytes read + written); first call "
-              f"{s.first_seconds * 1e3:.2f} ms (compiles, first touch: not in the bandwidth)",
-              file=out)
+        print(
+            f"  {s.name:5s} with {s.backend:6s}: {s.seconds * 1e3:9.2f} ms  "
+            f"{s.gb_per_s:8.2f} GB/s (bytes read + written); first call "
+            f"{s.first_seconds * 1e3:.2f} ms (compiles, first touch: not in the bandwidth)",
+            file=out,
+        )
     expected = num_chunks * total_bytes
     if object_bytes != expected:  # nothing (or not all) moved: there is nothing to verify
-        print(f"\nFAILED: the transfers produced {object_bytes:,} object bytes, expected "
-              f"{expected:,}", file=out)
+        print(
+            f"\nFAILED: the transfers produced {object_bytes:,} object bytes, expected "
+            f"{expected:,}",
+            file=out,
+        )
         return 1
     if bad:
         print(f"\nFAILED: {bad:,} of {checked:,} bytes differ from the NumPy reference", file=out)
         return 1
-    print(f"\nverified: {checked:,} bytes (objects and every destination cache byte) match the "
-          "NumPy reference", file=out)
+    print(
+        f"\nverified: {checked:,} bytes (objects and every destination cache byte) match the "
+        "NumPy reference",
+        file=out,
+    )
     return 0

@@ -49,8 +49,14 @@ class Progress:
         Print nothing (the command's ``--quiet``).
     """
 
-    def __init__(self, label: str, total: int | None = None, *, quiet: bool = False,
-                 stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        label: str,
+        total: int | None = None,
+        *,
+        quiet: bool = False,
+        stream: TextIO | None = None,
+    ) -> None:
         self.label, self.total = label, total
         self.stream = stream if stream is not None else sys.stderr
         self.enabled = wanted(self.stream, quiet)
@@ -68,8 +74,9 @@ class Progress:
     def step(self, text: str) -> None:
         """One step finished; ``text`` says which."""
         self.done += 1
-        count = (f"{self.done:>{len(str(self.total))}}/{self.total}" if self.total
-                 else str(self.done))
+        count = (
+            f"{self.done:>{len(str(self.total))}}/{self.total}" if self.total else str(self.done)
+        )
         self._write(f"[{count} {self.elapsed():>5}] {text}")
 
     def note(self, text: str) -> None:
@@ -93,8 +100,7 @@ def show_library_logs(quiet: bool = False, stream: TextIO | None = None) -> None
     ``stream`` for the rest of a command, where progress is :func:`wanted`. Idempotent."""
     stream = stream if stream is not None else sys.stderr
     logger = logging.getLogger("kvgroups")
-    if not wanted(stream, quiet) or any(isinstance(h, _CommandHandler)
-                                        for h in logger.handlers):
+    if not wanted(stream, quiet) or any(isinstance(h, _CommandHandler) for h in logger.handlers):
         return
     handler = _CommandHandler(stream)
     handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))

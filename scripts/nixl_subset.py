@@ -29,8 +29,9 @@ SKIP_UCX = re.compile(r"perftest|_ib|rdmacm|mlx5|efa|gdr")
 
 
 def needed(path: Path) -> list[str]:
-    out = subprocess.run(["readelf", "-d", str(path)], capture_output=True, text=True,
-                         check=True).stdout
+    out = subprocess.run(
+        ["readelf", "-d", str(path)], capture_output=True, text=True, check=True
+    ).stdout
     return re.findall(r"\(NEEDED\).*\[(.*)\]", out)
 
 
@@ -44,8 +45,9 @@ def subset(unpacked: Path, tag: str) -> list[Path]:
     start = list((unpacked / pkg).glob("*.so"))
     for plugins in (unpacked / libs / "nixl", unpacked / f".{pkg}.mesonpy.libs" / "plugins"):
         start += [plugins / name for name in ("libplugin_UCX.so", "libplugin_POSIX.so")]
-    start += [p for p in (unpacked / libs / "ucx").glob("*.so.0.0.0")
-              if not SKIP_UCX.search(p.name)]
+    start += [
+        p for p in (unpacked / libs / "ucx").glob("*.so.0.0.0") if not SKIP_UCX.search(p.name)
+    ]
     seen: set[Path] = set()
     todo = [p for p in start if p.exists()]
     while todo:
@@ -54,8 +56,9 @@ def subset(unpacked: Path, tag: str) -> list[Path]:
             seen.add(path)
             todo += [index[name] for name in needed(path) if name in index]
     files = {p.relative_to(unpacked) for p in seen}
-    files |= {p.relative_to(unpacked) for p in (unpacked / pkg).iterdir()
-              if p.suffix in (".py", ".typed")}
+    files |= {
+        p.relative_to(unpacked) for p in (unpacked / pkg).iterdir() if p.suffix in (".py", ".typed")
+    }
     return sorted(files)
 
 
@@ -69,10 +72,25 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory() as tmp:
-        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps",
-                        "--only-binary=:all:", "--python-version", args.python,
-                        "--platform", "manylinux_2_28_x86_64", "-d", tmp,
-                        f"nixl-{args.tag}=={args.version}"], check=True)
+        subprocess.run(
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "-q",
+                "--no-deps",
+                "--only-binary=:all:",
+                "--python-version",
+                args.python,
+                "--platform",
+                "manylinux_2_28_x86_64",
+                "-d",
+                tmp,
+                f"nixl-{args.tag}=={args.version}",
+            ],
+            check=True,
+        )
         (wheel,) = Path(tmp).glob("*.whl")
         unpacked = Path(tmp) / "unpacked"
         with zipfile.ZipFile(wheel) as z:
@@ -83,9 +101,11 @@ def main(argv: list[str] | None = None) -> int:
             for rel in files:
                 z.write(unpacked / rel, str(rel))
         raw = sum((unpacked / rel).stat().st_size for rel in files)
-        print(f"{target}: {len(files)} files, {raw / 2**20:.1f} MiB unpacked, "
-              f"{target.stat().st_size / 2**20:.1f} MiB zipped (wheel "
-              f"{wheel.stat().st_size / 2**20:.1f} MiB)")
+        print(
+            f"{target}: {len(files)} files, {raw / 2**20:.1f} MiB unpacked, "
+            f"{target.stat().st_size / 2**20:.1f} MiB zipped (wheel "
+            f"{wheel.stat().st_size / 2**20:.1f} MiB)"
+        )
     return 0
 
 

@@ -55,8 +55,12 @@ def is_contiguous_page(group: Any) -> bool:
     run = group.runs[0]
     row = run.count * run.nbytes
     pieces_packed = run.count == 1 or (run.cache_step == run.nbytes and run.obj_step == run.nbytes)
-    return (pieces_packed and row == group.row_bytes and run.obj_offset == 0
-            and (run.token_stride == row or group.block_size == 1))
+    return (
+        pieces_packed
+        and row == group.row_bytes
+        and run.obj_offset == 0
+        and (run.token_stride == row or group.block_size == 1)
+    )
 
 
 def group_shape(group: Any) -> GroupShape:
@@ -69,17 +73,31 @@ def group_shape(group: Any) -> GroupShape:
     contiguous = is_contiguous_page(group)
     if contiguous:
         page = bs * row
-        runs = (SegmentRun(count=1, nbytes=page, obj_offset=0, obj_step=0,
-                           cache_offset=group.runs[0].cache_offset, cache_step=0,
-                           token_stride=0),)
+        runs = (
+            SegmentRun(
+                count=1,
+                nbytes=page,
+                obj_offset=0,
+                obj_step=0,
+                cache_offset=group.runs[0].cache_offset,
+                cache_step=0,
+                token_stride=0,
+            ),
+        )
         block_size = 1
     else:
         runs = tuple(group.runs)
         block_size = bs
     values = [group.unit_bytes, group.region_offset, row, group.block_stride_bytes]
     for run in runs:
-        values += [run.nbytes, run.obj_offset, run.obj_step, run.cache_offset, run.cache_step,
-                   run.token_stride]
+        values += [
+            run.nbytes,
+            run.obj_offset,
+            run.obj_step,
+            run.cache_offset,
+            run.cache_step,
+            run.token_stride,
+        ]
     page_bytes = max(block_size * run.count * run.nbytes for run in runs)
     if page_bytes > _MAX_PAGE_BYTES:
         raise UnsupportedConfigError(
@@ -111,17 +129,22 @@ def items_per_cta(page_bytes: int, num_items: int, planes_x_runs: int, num_sms: 
 def uses_warp_kernel(shape: GroupShape) -> bool:
     """Whether a group of ``shape`` runs the warp kernels when its launch moves 16-byte
     vectors (the vector width also depends on the objects' alignment, known per call)."""
-    return (shape.contiguous and shape.unit % 16 == 0
-            and 0 < WARP_MIN_PAGE_BYTES <= shape.page_bytes)
+    return shape.contiguous and shape.unit % 16 == 0 and 0 < WARP_MIN_PAGE_BYTES <= shape.page_bytes
 
 
 #: Work units (segments) a warp-kernel launch may have: the kernel counts them in 32 bits.
 WARP_MAX_UNITS = 2**31 - 1
 
 
-def warp_sizing(page_bytes: int, num_items: int, num_planes: int, unroll: int,
-                warps_per_cta: int, first_item: int = 0,
-                kept_per_chunk: int = 1) -> tuple[int, int] | None:
+def warp_sizing(
+    page_bytes: int,
+    num_items: int,
+    num_planes: int,
+    unroll: int,
+    warps_per_cta: int,
+    first_item: int = 0,
+    kept_per_chunk: int = 1,
+) -> tuple[int, int] | None:
     """``(segs_per_page, ctas)`` of a warp-kernel launch (one warp per segment of
     ``32 * unroll`` 16-byte vectors of every page), or None when its units would not fit the
     kernel's 32-bit count (the classic kernel takes it).

@@ -64,7 +64,8 @@ def cuda_python(module: str):
         raise KernelCompileError(
             f"the CUDA kernels need {module} (NVRTC and the CUDA Python bindings): install "
             f"them with kvgroups' cuda extra (from a checkout: pip install '.[torch,cuda]'); "
-            f"got {type(exc).__name__}: {exc}") from exc
+            f"got {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 @functools.cache
@@ -97,8 +98,7 @@ def option_words(arch: str) -> tuple[str, ...]:
 def cache_key(arch: str) -> str:
     """``page_copy-<version>-<arch>-<hash>``: the cubin's file name without extension."""
     digest = hashlib.sha256()
-    for part in (_package_version, arch, nvrtc_version(), *option_words(arch),
-                 kernel_source()):
+    for part in (_package_version, arch, nvrtc_version(), *option_words(arch), kernel_source()):
         digest.update(part.encode())
         digest.update(b"\0")
     return f"{_PROGRAM_NAME}-{_package_version}-{arch}-{digest.hexdigest()[:20]}"
@@ -186,8 +186,7 @@ def xla_words(buffers: int) -> int:
         if buffers <= words:
             return words
     raise UnsupportedConfigError(
-        f"buffers: expected at most {XLA_WORD_COUNTS[-1]} buffers in one XLA launch, got "
-        f"{buffers}"
+        f"buffers: expected at most {XLA_WORD_COUNTS[-1]} buffers in one XLA launch, got {buffers}"
     )
 
 
@@ -204,18 +203,19 @@ def xla_entry_source(direction: str, words: int) -> str:
     store = {"store": "true", "load": "false"}[direction]
     params = ", ".join(f"kvg_u64 a{i}" for i in range(words))
     stage = " ".join(f"w[{i}] = a{i};" for i in range(words))
-    return (f'extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)\n'
-            f"{xla_entry_name(direction, words)}(const char* blob, {params}, "
-            f"kvg_u64 jaxlib_scratch, kvg_u64 jaxlib_profile) {{\n"
-            f"    __shared__ kvg_u64 w[{words}];\n"
-            f"    if (threadIdx.x == 0) {{ {stage} }}\n"
-            f"    kvg_xla_warp_copy<{store}>(blob, w);\n}}\n")
+    return (
+        f'extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)\n'
+        f"{xla_entry_name(direction, words)}(const char* blob, {params}, "
+        f"kvg_u64 jaxlib_scratch, kvg_u64 jaxlib_profile) {{\n"
+        f"    __shared__ kvg_u64 w[{words}];\n"
+        f"    if (threadIdx.x == 0) {{ {stage} }}\n"
+        f"    kvg_xla_warp_copy<{store}>(blob, w);\n}}\n"
+    )
 
 
 def xla_source(words: int) -> str:
     """The source of the XLA build for ``words``: the kernels plus its two entry points."""
-    return kernel_source() + "\n" + "".join(xla_entry_source(d, words)
-                                              for d in ("store", "load"))
+    return kernel_source() + "\n" + "".join(xla_entry_source(d, words) for d in ("store", "load"))
 
 
 def _xla_defines() -> list[tuple[str, str]]:
@@ -250,14 +250,18 @@ def compile_xla_ptx(arch: str, words: int) -> str:
             log = buf.decode(errors="replace")
         raise KernelCompileError(
             f"NVRTC failed to compile the XLA entry points ({words} words) for {arch}: "
-            f"{what} returned {result!r}\n{log}")
+            f"{what} returned {result!r}\n{log}"
+        )
 
-    result, program = _nvrtc.nvrtcCreateProgram(xla_source(words).encode(),
-                                                 f"{_PROGRAM_NAME}_xla.cu".encode(), 0, [], [])
+    result, program = _nvrtc.nvrtcCreateProgram(
+        xla_source(words).encode(), f"{_PROGRAM_NAME}_xla.cu".encode(), 0, [], []
+    )
     check(result, "nvrtcCreateProgram")
     try:
-        options = [f"-arch={_check_arch(arch).replace('sm_', 'compute_')}".encode(),
-                   f"-std={_STD}".encode()]
+        options = [
+            f"-arch={_check_arch(arch).replace('sm_', 'compute_')}".encode(),
+            f"-std={_STD}".encode(),
+        ]
         options += [f"-D{n}={v}".encode() for n, v in _xla_defines()]
         (result,) = _nvrtc.nvrtcCompileProgram(program, len(options), options)
         check(result, "nvrtcCompileProgram", program)
@@ -273,8 +277,9 @@ def compile_xla_ptx(arch: str, words: int) -> str:
 
 def get_xla_ptx(arch: str, words: int) -> str:
     """:func:`compile_xla_ptx` through the disk cache (same rules as :func:`get_cubin`)."""
-    return _cached(xla_cache_key(arch, words), ".ptx",
-                   lambda: compile_xla_ptx(arch, words).encode()).decode()
+    return _cached(
+        xla_cache_key(arch, words), ".ptx", lambda: compile_xla_ptx(arch, words).encode()
+    ).decode()
 
 
 class KernelTable:

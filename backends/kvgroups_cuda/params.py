@@ -128,6 +128,10 @@ def kernel_name(direction: str, vector: int, contiguous: bool, warp: bool = Fals
 
 def all_kernel_names() -> list[str]:
     """Every variant the source defines (the CI test compiles them all)."""
-    names = [kernel_name(d, v, c) for d in ("store", "load") for v in VECTOR_WIDTHS
-             for c in (True, False)]
+    names = [
+        kernel_name(d, v, c)
+        for d in ("store", "load")
+        for v in VECTOR_WIDTHS
+        for c in (True, False)
+    ]
     return names + [kernel_name(d, 16, True, warp=True) for d in ("store", "load")]

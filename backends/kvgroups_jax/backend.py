@@ -63,16 +63,24 @@ class JaxBackend(Backend):
     name: ClassVar[str] = "jax"
     # Tracers (inside jax.jit, shard_map, vmap) are not jax.Array subclasses: named apart;
     # ShapeDtypeStructs describe abstractly (a manager built from shapes alone).
-    array_types: ClassVar[tuple[str, ...]] = ("jax.Array", "jax.core.Tracer",
-                                              "jax.ShapeDtypeStruct")
+    array_types: ClassVar[tuple[str, ...]] = (
+        "jax.Array",
+        "jax.core.Tracer",
+        "jax.ShapeDtypeStruct",
+    )
 
-    def __init__(self, lowering: str = "auto", num_warps: int | None = None,
-                 tuning: LoweringTuning | None = None):
+    def __init__(
+        self,
+        lowering: str = "auto",
+        num_warps: int | None = None,
+        tuning: LoweringTuning | None = None,
+    ):
         if lowering not in LOWERINGS:
             raise KVGroupsValueError(f"lowering: expected one of {LOWERINGS}, got {lowering!r}")
         if tuning is not None and not isinstance(tuning, LoweringTuning):
             raise KVGroupsTypeError(
-                f"tuning: expected a LoweringTuning or None, got {type(tuning).__name__}")
+                f"tuning: expected a LoweringTuning or None, got {type(tuning).__name__}"
+            )
         self.lowering = lowering
         self.num_warps = num_warps
         self.tuning = tuning or DEFAULT_TUNING
@@ -134,8 +142,7 @@ class JaxBackend(Backend):
             listed = ", ".join(f"{dev} (bound array {i})" for dev, i in devices.items())
             raise KVGroupsValueError(f"kv_caches: expected arrays on one device, got {listed}")
 
-    def validate_objects(self, plan, caches: Sequence[TensorDesc],
-                         objects: Sequence[Any]) -> None:
+    def validate_objects(self, plan, caches: Sequence[TensorDesc], objects: Sequence[Any]) -> None:
         """Objects are live and on the caches' device (or in pinned_host memory)."""
         devices = set()
         for c in caches:
@@ -143,7 +150,7 @@ class JaxBackend(Backend):
             if _concrete(x):
                 devices.update(x.devices())
         for k, obj in enumerate(objects):
-            for part in (obj if isinstance(obj, (list, tuple)) else [obj]):
+            for part in obj if isinstance(obj, (list, tuple)) else [obj]:
                 x = part.obj if isinstance(part, TensorDesc) else part
                 if not _concrete(x):
                     continue
@@ -162,9 +169,16 @@ class JaxBackend(Backend):
         # Another runtime's tensors (torch, NumPy ...) are adopted through DLPack, zero-copy;
         # a CPU load into them is written back (see foreign.check_in_place).
         arrays = [c if _concrete(c) else _as_array(c) for c in caches]
-        objs = [[_adopt(p) for p in o] if isinstance(o, (list, tuple)) else
-                None if type(o) is NewObject else
-                o if _concrete(o) else _as_array(o) for o in objects]
+        objs = [
+            [_adopt(p) for p in o]
+            if isinstance(o, (list, tuple))
+            else None
+            if type(o) is NewObject
+            else o
+            if _concrete(o)
+            else _as_array(o)
+            for o in objects
+        ]
         if shard_layout(arrays) is not None:
             raise UnsupportedConfigError(
                 "kv_caches: sharded caches are moved per shard through prepare(), store() or "
@@ -173,8 +187,10 @@ class JaxBackend(Backend):
         # Per-chunk buffers are stacked into one [num_chunks, nbytes] array (a copy of the
         # objects, never of the caches) and split again for the result.
         chunked = [isinstance(o, (list, tuple)) for o in objs]
-        objs = [jnp.stack([c.obj if isinstance(c, TensorDesc) else c for c in o]) if ch else o
-                for o, ch in zip(objs, chunked)]
+        objs = [
+            jnp.stack([c.obj if isinstance(c, TensorDesc) else c for c in o]) if ch else o
+            for o, ch in zip(objs, chunked)
+        ]
         new_caches, new_objs = self._execute(plan, arrays, objs)
         new_objs = [list(n) if ch else n for n, ch in zip(new_objs, chunked)]
         if plan.direction == "load":
@@ -193,13 +209,24 @@ class JaxBackend(Backend):
         # the kernel creates the device object (one trip over the link, not two); a layer
         # subset keeps the other regions, so those objects are copied in first.
         store = plan.direction == "store"
-        staged = [(None if store and writes_every_byte(plan, g) else _to_device(o))
-                  if k == "pinned_host" else o for g, (o, k) in enumerate(zip(objs, kinds))]
+        staged = [
+            (None if store and writes_every_byte(plan, g) else _to_device(o))
+            if k == "pinned_host"
+            else o
+            for g, (o, k) in enumerate(zip(objs, kinds))
+        ]
         before = _pointers(arrays) if plan.direction == "load" else []
-        new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
-                                            num_warps=self.num_warps, tuning=self.tuning)
+        new_caches, new_objs = execute_plan(
+            plan,
+            arrays,
+            staged,
+            lowering=self.lowering,
+            num_warps=self.num_warps,
+            tuning=self.tuning,
+        )
         new_objs = [
-            jax.device_put(n, o.sharding) if k == "pinned_host" and plan.direction == "store"
+            jax.device_put(n, o.sharding)
+            if k == "pinned_host" and plan.direction == "store"
             else (o if k == "pinned_host" else n)
             for n, o, k in zip(new_objs, objs, kinds)
         ]
@@ -214,10 +241,18 @@ class JaxBackend(Backend):
         abstract value says so) are staged through device memory as on the eager path."""
         hosted = [_in_host_memory(o) for o in objs]
         store = plan.direction == "store"
-        staged = [(None if store and writes_every_byte(plan, g) else _device_space(o))
-                  if h else o for g, (o, h) in enumerate(zip(objs, hosted))]
-        new_caches, new_objs = execute_plan(plan, arrays, staged, lowering=self.lowering,
-                                            num_warps=self.num_warps, tuning=self.tuning)
+        staged = [
+            (None if store and writes_every_byte(plan, g) else _device_space(o)) if h else o
+            for g, (o, h) in enumerate(zip(objs, hosted))
+        ]
+        new_caches, new_objs = execute_plan(
+            plan,
+            arrays,
+            staged,
+            lowering=self.lowering,
+            num_warps=self.num_warps,
+            tuning=self.tuning,
+        )
         if store:
             return None, [_host_space(n) if h else n for n, h in zip(new_objs, hosted)]
         return list(new_caches), [o if h else n for n, o, h in zip(new_objs, objs, hosted)]
@@ -227,8 +262,9 @@ class JaxBackend(Backend):
         buffers (outputs of an earlier load), which donation reuses in place."""
         load = plan.direction == "load"
         before = _pointers(arrays) if load and check else []
-        new_caches, new_objs = execute_plan(plan, arrays, objs, lowering=self.lowering,
-                                            num_warps=self.num_warps, tuning=self.tuning)
+        new_caches, new_objs = execute_plan(
+            plan, arrays, objs, lowering=self.lowering, num_warps=self.num_warps, tuning=self.tuning
+        )
         if not load:
             return None, list(new_objs)
         if check:
@@ -237,8 +273,11 @@ class JaxBackend(Backend):
 
     def allocate_objects(self, plan, like: TensorDesc, placement: str | None = None) -> list:
         x = like.obj if isinstance(like, TensorDesc) else like
-        device = next(iter(x.devices())) if isinstance(x, jax.Array) and not isinstance(
-            x, jax.core.Tracer) else jax.devices()[0]
+        device = (
+            next(iter(x.devices()))
+            if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+            else jax.devices()[0]
+        )
         kind = "pinned_host" if placement in _PINNED else None
         if placement is not None and placement not in _PINNED + ("device",):
             raise KVGroupsValueError(
@@ -277,8 +316,9 @@ class JaxBackend(Backend):
                     f"{a.dtype}, got {target} ({target.itemsize} bytes)"
                 )
             if target != x.dtype:
-                x = jax.jit(lambda v: jax.lax.bitcast_convert_type(v, target),
-                            out_shardings=sharding)(x)
+                x = jax.jit(
+                    lambda v: jax.lax.bitcast_convert_type(v, target), out_shardings=sharding
+                )(x)
         return x
 
     def to_numpy(self, x: Any) -> Any:
@@ -326,9 +366,11 @@ class _BoundJax(BoundCaches):
         # shard can move its own pages; the shard binding needs the manager (bind_source),
         # and so do tracers whose sharding only the manager knows (an Auto-axes mesh).
         self._unknown = self._sharding is None and any(
-            isinstance(sharding_of(x), UnknownSharding) for x in self._arrays)
-        self._shards = shard_layout(self._arrays) if self._sharding is None and \
-            not self._unknown else None
+            isinstance(sharding_of(x), UnknownSharding) for x in self._arrays
+        )
+        self._shards = (
+            shard_layout(self._arrays) if self._sharding is None and not self._unknown else None
+        )
         self._shard_binding = None
         self._all_concrete = self._sharding is not None or all(map(_concrete, self._arrays))
 
@@ -366,9 +408,15 @@ class _BoundJax(BoundCaches):
         objs = [None if type(o) is NewObject else o for o in objects]
         check_object_sharding(self._shards, objs, plan)
         local = localize(plan, self._shard_binding)
-        return execute_sharded(self._shards, local, self._arrays, objs,
-                           lowering=self.backend.lowering, num_warps=self.backend.num_warps,
-                           tuning=self.backend.tuning)
+        return execute_sharded(
+            self._shards,
+            local,
+            self._arrays,
+            objs,
+            lowering=self.backend.lowering,
+            num_warps=self.backend.num_warps,
+            tuning=self.backend.tuning,
+        )
 
     def _plain_objects(self, plan, objects: Sequence[Any]) -> bool:
         nbytes = plan.object_nbytes
@@ -380,8 +428,12 @@ class _BoundJax(BoundCaches):
                 if obj.shape != (rows, n):
                     return False
                 continue
-            if not (_concrete(obj) and obj.dtype == _UINT8 and obj.shape == (rows, n)
-                    and obj.sharding == sharding):
+            if not (
+                _concrete(obj)
+                and obj.dtype == _UINT8
+                and obj.shape == (rows, n)
+                and obj.sharding == sharding
+            ):
                 return False
         return True
 
@@ -404,7 +456,8 @@ class _BoundJax(BoundCaches):
         if not self._all_concrete:
             return False  # traced (a load's results inside a transformation): never kept
         if self._shard_binding is not None and any(
-                d.obj is not None for d in self._shard_binding.tensors):
+            d.obj is not None for d in self._shard_binding.tensors
+        ):
             return False
         self._arrays = self._descs = None
         return True
@@ -457,8 +510,10 @@ def _plain_sharding(arrays: list) -> Any:
     if not arrays or not all(_concrete(x) and not x.is_deleted() for x in arrays):
         return None
     sharding = arrays[0].sharding
-    if not isinstance(sharding, jax.sharding.SingleDeviceSharding) or \
-            sharding.memory_kind not in (None, "device"):
+    if not isinstance(sharding, jax.sharding.SingleDeviceSharding) or sharding.memory_kind not in (
+        None,
+        "device",
+    ):
         return None
     if any(x.sharding != sharding for x in arrays):
         return None
@@ -485,8 +540,10 @@ def _check_in_place(plan, before: list[int], arrays: list, new_caches) -> None:
         except Exception:  # traced results: the full check sorts them out
             pass
     # As _pointer reads them (0: skipped); the inputs are donated by now, their metadata stays.
-    before = [p if _concrete(x) and x.size and len(x.sharding.device_set) == 1 else 0
-              for p, x in zip(before, arrays)]
+    before = [
+        p if _concrete(x) and x.size and len(x.sharding.device_set) == 1 else 0
+        for p, x in zip(before, arrays)
+    ]
     check_in_place(plan, before, arrays, list(new_caches))
 
 
@@ -507,8 +564,13 @@ def _owned_copy(sharding: Any) -> Any:
 
 
 def _pointer(x: Any) -> int:
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.size \
-            and len(x.devices()) == 1 and not x.is_deleted():
+    if (
+        isinstance(x, jax.Array)
+        and not isinstance(x, jax.core.Tracer)
+        and x.size
+        and len(x.devices()) == 1
+        and not x.is_deleted()
+    ):
         return int(x.unsafe_buffer_pointer())
     return 0
 
@@ -523,13 +585,11 @@ def _sharding_for(device: str):
             if pinned:
                 devs = jax.devices("cpu")
             else:
-                raise KVGroupsValueError(f"device: expected 'cpu' (no GPU visible), got "
-                                         f"{device!r}")
+                raise KVGroupsValueError(f"device: expected 'cpu' (no GPU visible), got {device!r}")
     elif name == "cpu":
         devs = jax.devices("cpu")
     else:
-        raise KVGroupsValueError(f"device: expected 'cpu', 'cuda[:N]' or 'pinned', got "
-                                 f"{device!r}")
+        raise KVGroupsValueError(f"device: expected 'cpu', 'cuda[:N]' or 'pinned', got {device!r}")
     dev = devs[int(index) if index else 0]
     kind = "pinned_host" if pinned and dev.platform != "cpu" else None
     return jax.sharding.SingleDeviceSharding(dev, memory_kind=kind)
@@ -547,8 +607,11 @@ def _in_host_memory(x: Any) -> bool:
 
 
 def _device_space(x: Any) -> Any:
-    return jax.device_put(x, jax.memory.Space.Device) if isinstance(x, jax.core.Tracer) \
+    return (
+        jax.device_put(x, jax.memory.Space.Device)
+        if isinstance(x, jax.core.Tracer)
         else _to_device(x)
+    )
 
 
 def _host_space(x: Any) -> Any:

@@ -33,7 +33,8 @@ def pad_block_ids(ids, max_chunks: int, blocks_per_chunk: int) -> jax.Array:
     if ids.ndim != 1 or ids.shape[0] > size:
         raise KVGroupsValueError(
             f"ids: expected a 1-D array of at most {size} block ids ({max_chunks} chunks of "
-            f"{blocks_per_chunk}), got shape {tuple(ids.shape)}")
+            f"{blocks_per_chunk}), got shape {tuple(ids.shape)}"
+        )
     return jnp.pad(ids.astype(jnp.int32), (0, size - ids.shape[0]), constant_values=PAD_ID)
 
 

@@ -20,8 +20,9 @@ def device_string(device: Any, memory_kind: str | None = None) -> str:
     """Our device spelling (``"cpu"``, ``"cuda:0"``, ``"cuda_host"``) of a JAX device."""
     platform = getattr(device, "platform", "cpu")
     if memory_kind in ("pinned_host", "unpinned_host"):
-        return "cuda_host" if platform in ("gpu", "cuda") and memory_kind == "pinned_host" \
-            else "cpu"
+        return (
+            "cuda_host" if platform in ("gpu", "cuda") and memory_kind == "pinned_host" else "cpu"
+        )
     if platform in ("gpu", "cuda"):
         hw = getattr(device, "local_hardware_id", None)
         return f"cuda:{device.id if hw is None else hw}"
@@ -56,15 +57,15 @@ def describe_array(x: Any) -> TensorDesc:
     """
     if not (hasattr(x, "shape") and hasattr(x, "dtype")):
         raise KVGroupsTypeError(
-            f"tensor: expected a jax.Array, a tracer or a ShapeDtypeStruct, got "
-            f"{type(x).__name__}"
+            f"tensor: expected a jax.Array, a tracer or a ShapeDtypeStruct, got {type(x).__name__}"
         )
     spec_dtype = as_dtype(x.dtype)
     concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     if concrete and not x.is_deleted() and len(x.devices()) == 1:  # deleted: shape only
         device = next(iter(x.devices()))
-        spec = TensorSpec(tuple(x.shape), spec_dtype, None, device_string(device,
-                                                                           memory_kind_of(x)))
+        spec = TensorSpec(
+            tuple(x.shape), spec_dtype, None, device_string(device, memory_kind_of(x))
+        )
         ptr = x.unsafe_buffer_pointer() if x.size else 0
         return TensorDesc(spec, int(ptr), 0, x, "jax")
     # Tracers, ShapeDtypeStructs and sharded arrays: no single buffer to point at. A concrete

@@ -72,15 +72,21 @@ class JaxEngineLayout:
         arrays = [kv_caches[i] for i in self.state_layers]
         recurrent, conv, pos = [], [], 0
         for n in self.convs_per_layer:
-            conv.append(arrays[pos:pos + n])
+            conv.append(arrays[pos : pos + n])
             recurrent.append(arrays[pos + n])
             pos += n + 1
         return recurrent, conv
 
 
-def _manager(caches: Any, fmt: EngineKVFormat, num_layers: int,
-             layer_groups: Sequence[Sequence[int]] | None, windows: Sequence[int] | None,
-             tokens_per_block: int, chunk: int) -> KVLayerGroupsManager:
+def _manager(
+    caches: Any,
+    fmt: EngineKVFormat,
+    num_layers: int,
+    layer_groups: Sequence[Sequence[int]] | None,
+    windows: Sequence[int] | None,
+    tokens_per_block: int,
+    chunk: int,
+) -> KVLayerGroupsManager:
     """One EngineGroupInfo per kernel group: the engine's block spaces and windows (tokens)."""
     groups = [list(g) for g in layer_groups] if layer_groups else [list(range(num_layers))]
     windows = list(windows) if windows is not None else [-1] * len(groups)
@@ -104,14 +110,25 @@ def _manager(caches: Any, fmt: EngineKVFormat, num_layers: int,
         sw = int(windows[gid])
         if 0 < sw < chunk:  # a sub-chunk window is stored as whole pages
             sw = -(-sw // tokens_per_block) * tokens_per_block
-        infos.append(EngineGroupInfo(engine_group_id=gid, layer_indices=tuple(layers),
-                                     tokens_per_block=tokens_per_block, sw_size_tokens=sw))
+        infos.append(
+            EngineGroupInfo(
+                engine_group_id=gid,
+                layer_indices=tuple(layers),
+                tokens_per_block=tokens_per_block,
+                sw_size_tokens=sw,
+            )
+        )
     return KVLayerGroupsManager(caches, fmt, infos, lmcache_tokens_per_chunk=chunk)
 
 
-def from_tpu_inference(kv_caches: Sequence[Any], *, layer_groups: Sequence[Sequence[int]] | None = None,
-                       windows: Sequence[int] | None = None, chunk_size: int = 256,
-                       engine: str = "tpu_inference") -> JaxEngineLayout:
+def from_tpu_inference(
+    kv_caches: Sequence[Any],
+    *,
+    layer_groups: Sequence[Sequence[int]] | None = None,
+    windows: Sequence[int] | None = None,
+    chunk_size: int = 256,
+    engine: str = "tpu_inference",
+) -> JaxEngineLayout:
     """tpu-inference / sglang-jax per-layer arrays (see the module docstring).
 
     ``layer_groups``: the layer indices of each engine group (vLLM KV cache group), None = one
@@ -140,16 +157,26 @@ def from_tpu_inference(kv_caches: Sequence[Any], *, layer_groups: Sequence[Seque
     return JaxEngineLayout(manager, views, engine, shapes)
 
 
-def from_sglang_jax(pool: Any, *, windows: Sequence[int] | None = None,
-                    layer_groups: Sequence[Sequence[int]] | None = None,
-                    chunk_size: int = 256, recurrent_pool: Any = None,
-                    tokens_per_slot: int | None = None) -> JaxEngineLayout:
+def from_sglang_jax(
+    pool: Any,
+    *,
+    windows: Sequence[int] | None = None,
+    layer_groups: Sequence[Sequence[int]] | None = None,
+    chunk_size: int = 256,
+    recurrent_pool: Any = None,
+    tokens_per_slot: int | None = None,
+) -> JaxEngineLayout:
     """sglang-jax's ``MHATokenToKVPool`` (its ``kv_buffer`` list of fused K/V arrays), and
     with ``recurrent_pool`` a hybrid model's ``RecurrentStatePool`` after it in one manager:
     its state engine group comes after the attention groups, one slot id per
     ``tokens_per_slot`` tokens (default the chunk)."""
-    layout = from_tpu_inference(pool.kv_buffer, layer_groups=layer_groups, windows=windows,
-                                chunk_size=chunk_size, engine="sglang_jax")
+    layout = from_tpu_inference(
+        pool.kv_buffer,
+        layer_groups=layer_groups,
+        windows=windows,
+        chunk_size=chunk_size,
+        engine="sglang_jax",
+    )
     if recurrent_pool is None:
         return layout
     state, formats, convs = _recurrent_layers(recurrent_pool)
@@ -157,20 +184,29 @@ def from_sglang_jax(pool: Any, *, windows: Sequence[int] | None = None,
     state_group = len(layer_groups) if layer_groups else 1  # after the attention groups
     first = len(layout.kv_caches)
     caches = list(layout.kv_caches) + state
-    infos = [EngineGroupInfo(engine_group_id=g.engine_group_idx,
-                             layer_indices=tuple(g.layer_indices),
-                             tokens_per_block=g.tokens_per_block, sw_size_tokens=g.sw_size_tokens)
-             for g in attn.kernel_groups]
-    infos += _state_infos(state, formats, state_group, first,
-                          _tokens_per_slot(tokens_per_slot, chunk_size))
-    manager = KVLayerGroupsManager(caches, list(attn.engine_kv_formats) + formats, infos,
-                                   lmcache_tokens_per_chunk=chunk_size)
-    return JaxEngineLayout(manager, caches, "sglang_jax", layout.engine_shapes,
-                           list(range(first, len(caches))), convs)
+    infos = [
+        EngineGroupInfo(
+            engine_group_id=g.engine_group_idx,
+            layer_indices=tuple(g.layer_indices),
+            tokens_per_block=g.tokens_per_block,
+            sw_size_tokens=g.sw_size_tokens,
+        )
+        for g in attn.kernel_groups
+    ]
+    infos += _state_infos(
+        state, formats, state_group, first, _tokens_per_slot(tokens_per_slot, chunk_size)
+    )
+    manager = KVLayerGroupsManager(
+        caches, list(attn.engine_kv_formats) + formats, infos, lmcache_tokens_per_chunk=chunk_size
+    )
+    return JaxEngineLayout(
+        manager, caches, "sglang_jax", layout.engine_shapes, list(range(first, len(caches))), convs
+    )
 
 
-def from_sglang_jax_recurrent(pool: Any, *, chunk_size: int = 256,
-                              tokens_per_slot: int | None = None) -> JaxEngineLayout:
+def from_sglang_jax_recurrent(
+    pool: Any, *, chunk_size: int = 256, tokens_per_slot: int | None = None
+) -> JaxEngineLayout:
     """sglang-jax's ``RecurrentStatePool`` alone: one engine group (0) of state slots."""
     state, formats, convs = _recurrent_layers(pool)
     infos = _state_infos(state, formats, 0, 0, _tokens_per_slot(tokens_per_slot, chunk_size))
@@ -203,12 +239,19 @@ def _recurrent_layers(pool: Any) -> tuple[list, list[EngineKVFormat], list[int]]
     return arrays, formats, convs
 
 
-def _state_infos(arrays: list, formats: list[EngineKVFormat], group: int, first: int,
-                 tokens_per_slot: int) -> list[EngineGroupInfo]:
+def _state_infos(
+    arrays: list, formats: list[EngineKVFormat], group: int, first: int, tokens_per_slot: int
+) -> list[EngineGroupInfo]:
     """One recurrent-state EngineGroupInfo per kernel group of the state layers."""
-    return [EngineGroupInfo(engine_group_id=group, layer_indices=tuple(first + i for i in layers),
-                            tokens_per_block=tokens_per_slot, recurrent_state=True)
-            for _, layers in group_layers_by_identity(arrays, formats, [group] * len(arrays))]
+    return [
+        EngineGroupInfo(
+            engine_group_id=group,
+            layer_indices=tuple(first + i for i in layers),
+            tokens_per_block=tokens_per_slot,
+            recurrent_state=True,
+        )
+        for _, layers in group_layers_by_identity(arrays, formats, [group] * len(arrays))
+    ]
 
 
 def _tokens_per_slot(value: int | None, chunk: int) -> int:
@@ -220,8 +263,9 @@ def _tokens_per_slot(value: int | None, chunk: int) -> int:
     return tps
 
 
-def from_maxtext(key_pages: Sequence[Any], value_pages: Sequence[Any], *,
-                 chunk_size: int = 256) -> JaxEngineLayout:
+def from_maxtext(
+    key_pages: Sequence[Any], value_pages: Sequence[Any], *, chunk_size: int = 256
+) -> JaxEngineLayout:
     """MaxText's per-layer ``key_pages`` / ``value_pages`` ``[heads, pages, page_size, dim]``."""
     ks, vs = list(key_pages), list(value_pages)
     if len(ks) != len(vs):
@@ -236,8 +280,9 @@ def from_maxtext(key_pages: Sequence[Any], value_pages: Sequence[Any], *,
             )
     caches = [ks, vs]
     page = int(ks[0].shape[2]) if ks else 1
-    manager = _manager(caches, EngineKVFormat.TWO_X_NL_X_NH_NB_BS_HS, len(ks), None, None, page,
-                       chunk_size)
+    manager = _manager(
+        caches, EngineKVFormat.TWO_X_NL_X_NH_NB_BS_HS, len(ks), None, None, page, chunk_size
+    )
     return JaxEngineLayout(manager, caches, "maxtext", [])
 
 
@@ -249,4 +294,4 @@ def pages_from_page_map(page_state: Any, slot: int) -> list[int]:
         raise KVGroupsIndexError(
             f"slot: expected 0 <= slot < {page_map.shape[0]} page groups, got {slot}"
         )
-    return page_map[slot, :int(used[slot])].astype(np.int64).tolist()
+    return page_map[slot, : int(used[slot])].astype(np.int64).tolist()

@@ -1,4 +1,5 @@
-"""Run a :class:`~kvgroups_core.transfer.plan.TransferPlan` with JAX: one jitted program per plan shape.
+"""Execute a :class:`~kvgroups_core.transfer.plan.TransferPlan` with JAX: one jitted program per
+plan shape.
 
 The static part of a call (each group's :class:`~kvgroups_core.geometry.GroupGeometry`, the
 lowering, the item and id buckets) is the jit key; block ids and item counts are runtime
@@ -77,9 +78,19 @@ class _Program:
         object.__setattr__(self, "_hash", hash(self._key()))
 
     def _key(self) -> tuple:
-        return (self.direction, self.geoms, self.lowerings, self.object_groups, self.grid_items,
-                self.num_warps, self.id_slots, self.fresh, self.device_ids, self.kernel_groups,
-                self.tuning)
+        return (
+            self.direction,
+            self.geoms,
+            self.lowerings,
+            self.object_groups,
+            self.grid_items,
+            self.num_warps,
+            self.id_slots,
+            self.fresh,
+            self.device_ids,
+            self.kernel_groups,
+            self.tuning,
+        )
 
     def __hash__(self) -> int:
         return self._hash
@@ -115,8 +126,11 @@ def program_body(program: _Program, caches, objects, metas, idss):
     (jitted and donated by :func:`execute_plan`, or mapped over the shards of a mesh)."""
     _TRACES["count"] += 1
     # Traced once per plan shape; XLA then compiles the program (seconds for Pallas kernels).
-    _log.info("tracing a transfer program: %d kernel group(s), lowerings %s",
-              len(program.geoms), sorted(set(program.lowerings)))
+    _log.info(
+        "tracing a transfer program: %d kernel group(s), lowerings %s",
+        len(program.geoms),
+        sorted(set(program.lowerings)),
+    )
     caches = list(caches)
     objects = list(objects)
     pending = _fresh_objects(program, objects)
@@ -133,14 +147,25 @@ def program_body(program: _Program, caches, objects, metas, idss):
         ids = idss[program.id_slots[g]] if program.id_slots else idss[g]
         if program.device_ids and program.device_ids[g]:
             # Reported under checkify only (no effect on plain jit: see id_checks).
-            ids = check_block_ids(ids, metas[g], num_blocks=geom.num_blocks,
-                                  kept=geom.kept_per_chunk,
-                                  blocks_per_chunk=geom.blocks_per_chunk,
-                                  grid_items=program.grid_items[g],
-                                  kernel_group=program.kernel_groups[g])
+            ids = check_block_ids(
+                ids,
+                metas[g],
+                num_blocks=geom.num_blocks,
+                kept=geom.kept_per_chunk,
+                blocks_per_chunk=geom.blocks_per_chunk,
+                grid_items=program.grid_items[g],
+                kernel_group=program.kernel_groups[g],
+            )
         out = _copy_fn(lowering)(
-            program.direction, geom, program.grid_items[g], metas[g], ids, obj, views,
-            interpret=lowering in ("interpret", "tpu-interpret"), num_warps=program.num_warps,
+            program.direction,
+            geom,
+            program.grid_items[g],
+            metas[g],
+            ids,
+            obj,
+            views,
+            interpret=lowering in ("interpret", "tpu-interpret"),
+            num_warps=program.num_warps,
             tuning=program.tuning,
             kernel_group=program.kernel_groups[g] if program.kernel_groups else g,
         )
@@ -170,8 +195,11 @@ def _fresh_objects(program: _Program, objects: list) -> dict[int, tuple[int, int
     for og, shape in enumerate(program.fresh):
         if shape is None:
             continue
-        written = sum(geom.num_planes * geom.slots * geom.row * geom.unit
-                      for geom, o in zip(program.geoms, program.object_groups) if o == og)
+        written = sum(
+            geom.num_planes * geom.slots * geom.row * geom.unit
+            for geom, o in zip(program.geoms, program.object_groups)
+            if o == og
+        )
         if written == shape[1] and written:
             pending[og] = shape
         else:
@@ -206,8 +234,9 @@ def _padded_ids(block_ids) -> jax.Array | np.ndarray:
             else:
                 lo, hi = int(ids.min()), int(ids.max())
             if lo < _INT32_MIN or hi > _INT32_MAX:
-                raise KVGroupsValueError(f"block_ids: expected int32 values, got range "
-                                         f"[{lo}, {hi}]")
+                raise KVGroupsValueError(
+                    f"block_ids: expected int32 values, got range [{lo}, {hi}]"
+                )
     size = bucket(n)
     if size == n:
         return ids.astype(np.int32)  # always a copy: the caller may reuse its id array
@@ -259,8 +288,16 @@ def _home(arrays) -> tuple[str, object]:
 
 #: Every GroupTransfer field the geometry and program read, besides planes, runs and the ids.
 _GROUP_STATIC = operator.attrgetter(
-    "object_group_idx", "region_offset", "row_bytes", "block_size", "slots",
-    "block_stride_bytes", "num_blocks", "itemsize", "unit_bytes", "blocks_per_chunk",
+    "object_group_idx",
+    "region_offset",
+    "row_bytes",
+    "block_size",
+    "slots",
+    "block_stride_bytes",
+    "num_blocks",
+    "itemsize",
+    "unit_bytes",
+    "blocks_per_chunk",
     "kept_per_chunk",
 )
 _MAX_PROGRAMS = 512
@@ -270,8 +307,14 @@ _MAX_METAS = 4096
 _METAS: dict[tuple, jax.Array] = {}
 
 
-def program_for(plan, lowering: str, platform: str, num_warps: int, fresh: tuple = (),
-                tuning: LoweringTuning = DEFAULT_TUNING) -> _Program:
+def program_for(
+    plan,
+    lowering: str,
+    platform: str,
+    num_warps: int,
+    fresh: tuple = (),
+    tuning: LoweringTuning = DEFAULT_TUNING,
+) -> _Program:
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
@@ -282,15 +325,31 @@ def program_for(plan, lowering: str, platform: str, num_warps: int, fresh: tuple
     """
     if type(plan.tensor_specs) is not tuple:
         return _build_static(plan, lowering, platform, num_warps, fresh, tuning)  # mutable
-    key = [plan.direction, lowering, platform, num_warps, id(plan.tensor_specs),
-           plan.object_nbytes, fresh, tuning]
+    key = [
+        plan.direction,
+        lowering,
+        platform,
+        num_warps,
+        id(plan.tensor_specs),
+        plan.object_nbytes,
+        fresh,
+        tuning,
+    ]
     seen: dict[int, int] = {}
     for g in plan.groups:
         if type(g.planes) is not tuple or type(g.runs) is not tuple:
             return _build_static(plan, lowering, platform, num_warps, fresh, tuning)
         slot = seen.setdefault(id(g.block_ids), len(seen))
-        key.append((id(g.planes), id(g.runs), _GROUP_STATIC(g), bucket(g.num_items), slot,
-                    _on_device(g.block_ids)))
+        key.append(
+            (
+                id(g.planes),
+                id(g.runs),
+                _GROUP_STATIC(g),
+                bucket(g.num_items),
+                slot,
+                _on_device(g.block_ids),
+            )
+        )
     key = tuple(key)
     hit = _PROGRAMS.get(key)
     if hit is not None:
@@ -303,8 +362,14 @@ def program_for(plan, lowering: str, platform: str, num_warps: int, fresh: tuple
     return program
 
 
-def _build_static(plan, lowering: str, platform: str, num_warps: int, fresh: tuple = (),
-                  tuning: LoweringTuning = DEFAULT_TUNING) -> _Program:
+def _build_static(
+    plan,
+    lowering: str,
+    platform: str,
+    num_warps: int,
+    fresh: tuple = (),
+    tuning: LoweringTuning = DEFAULT_TUNING,
+) -> _Program:
     geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
     seen: dict[int, int] = {}
     for group in plan.groups:
@@ -314,10 +379,19 @@ def _build_static(plan, lowering: str, platform: str, num_warps: int, fresh: tup
         ogs.append(group.object_group_idx)
         grids.append(bucket(group.num_items))
         id_slots.append(seen.setdefault(id(group.block_ids), len(seen)))
-    return _Program(plan.direction, tuple(geoms), tuple(lowerings), tuple(ogs), tuple(grids),
-                    num_warps, tuple(id_slots), fresh,
-                    tuple(_on_device(g.block_ids) for g in plan.groups),
-                    tuple(g.kernel_group_idx for g in plan.groups), tuning)
+    return _Program(
+        plan.direction,
+        tuple(geoms),
+        tuple(lowerings),
+        tuple(ogs),
+        tuple(grids),
+        num_warps,
+        tuple(id_slots),
+        fresh,
+        tuple(_on_device(g.block_ids) for g in plan.groups),
+        tuple(g.kernel_group_idx for g in plan.groups),
+        tuning,
+    )
 
 
 def _on_device(ids) -> bool:
@@ -379,8 +453,15 @@ def _device_meta(group, skip) -> jax.Array:
     return jnp.stack([first, total - first]).astype(jnp.int32)
 
 
-def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: int | None = None,
-                 tuning: LoweringTuning = DEFAULT_TUNING):
+def execute_plan(
+    plan,
+    caches,
+    objects,
+    *,
+    lowering: str = "auto",
+    num_warps: int | None = None,
+    tuning: LoweringTuning = DEFAULT_TUNING,
+):
     """Run ``plan`` on JAX arrays.
 
     Parameters
@@ -388,7 +469,8 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     plan : kvgroups_core.transfer.plan.TransferPlan
     caches : list of jax.Array, the backing tensors in ``plan.tensor_specs`` order.
     objects : list of jax.Array, one uint8 ``[num_chunks, object_nbytes]`` per object group
-        (the core's object rule). On store an entry may be None: the program creates that object itself, as the
+        (the core's object rule). On store an entry may be None: the program creates that object
+        itself, as the
         kernel's output when the plan writes all of it (no zero-filled buffer, no fill pass).
     lowering : "auto", "cuda" (the CUDA kernel of kvgroups_torch, launched by XLA), "triton",
         "mosaic", "xla", "interpret" (Pallas interpret mode), "tpu" (Mosaic TPU DMAs) or
@@ -404,8 +486,7 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     """
     direction = plan.direction
     if direction != "store" and direction != "load":
-        raise KVGroupsValueError(f"plan.direction: expected 'store' or 'load', got "
-                                 f"{direction!r}")
+        raise KVGroupsValueError(f"plan.direction: expected 'store' or 'load', got {direction!r}")
     if len(caches) != len(plan.tensor_specs):
         raise KVGroupsValueError(
             f"caches: expected {len(plan.tensor_specs)} arrays (plan.tensor_specs), got "
@@ -417,8 +498,7 @@ def execute_plan(plan, caches, objects, *, lowering: str = "auto", num_warps: in
     platform, placement = _home(caches + objects)
     if lowering == "tpu" and any(isinstance(x, jax.core.Tracer) for x in caches + objects):
         platform = TRACED  # the caller lowers the trace, for a TPU whatever this machine is
-    program = program_for(plan, lowering, platform, num_warps, fresh_shapes(plan, objects),
-                          tuning)
+    program = program_for(plan, lowering, platform, num_warps, fresh_shapes(plan, objects), tuning)
     metas, idss = runtime_args(plan, placement)
     if direction == "store":
         return caches, _store_jit(program, caches, objects, metas, idss)
@@ -429,8 +509,11 @@ def writes_every_byte(plan, object_group: int) -> bool:
     """Whether ``plan``'s groups write every byte of each chunk of ``object_group``'s object
     (a whole-model store does; a layer subset does not): then a store may create that object
     rather than update one."""
-    written = sum(len(g.planes) * g.slots * g.row_bytes for g in plan.groups
-                  if g.object_group_idx == object_group)
+    written = sum(
+        len(g.planes) * g.slots * g.row_bytes
+        for g in plan.groups
+        if g.object_group_idx == object_group
+    )
     return written == plan.object_nbytes[object_group] and written > 0
 
 
@@ -438,21 +521,38 @@ def fresh_shapes(plan, objects) -> tuple:
     """``_Program.fresh``: the shape of each object a store creates (None entries)."""
     if plan.direction != "store" or all(o is not None for o in objects):
         return ()
-    return tuple((plan.num_chunks, n) if o is None else None
-                 for o, n in zip(objects, plan.object_nbytes))
+    return tuple(
+        (plan.num_chunks, n) if o is None else None for o, n in zip(objects, plan.object_nbytes)
+    )
 
 
-def build_program(plan, lowering: str, platform: str, *, num_warps: int | None = None,
-                  objects=None, tuning: LoweringTuning = DEFAULT_TUNING):
+def build_program(
+    plan,
+    lowering: str,
+    platform: str,
+    *,
+    num_warps: int | None = None,
+    objects=None,
+    tuning: LoweringTuning = DEFAULT_TUNING,
+):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
     ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
     fresh = fresh_shapes(plan, objects) if objects is not None else ()
     return (program_for(plan, lowering, platform, num_warps, fresh, tuning),) + runtime_args(
-        plan, None)
+        plan, None
+    )
 
 
-def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
-               num_warps: int | None = None, tuning: LoweringTuning = DEFAULT_TUNING):
+def lower_plan(
+    plan,
+    lowering: str,
+    caches,
+    objects,
+    *,
+    platform: str = "cuda",
+    num_warps: int | None = None,
+    tuning: LoweringTuning = DEFAULT_TUNING,
+):
     """Lower ``plan`` for ``platform`` without running it (no GPU needed).
 
     ``caches`` and ``objects`` may be ``jax.ShapeDtypeStruct`` s. Lowering runs the Triton or
@@ -460,8 +560,14 @@ def lower_plan(plan, lowering: str, caches, objects, *, platform: str = "cuda",
     TMA boxes, so CI catches them on a CPU-only machine; ``platform="tpu"`` with
     ``lowering="tpu"`` lowers the Mosaic TPU DMA kernels. Returns the ``jax.stages.Lowered``.
     """
-    program, metas, idss = build_program(plan, lowering, "tpu" if platform == "tpu" else "gpu",
-                                         num_warps=num_warps, objects=objects, tuning=tuning)
+    program, metas, idss = build_program(
+        plan,
+        lowering,
+        "tpu" if platform == "tpu" else "gpu",
+        num_warps=num_warps,
+        objects=objects,
+        tuning=tuning,
+    )
     fn = _store_jit if plan.direction == "store" else _load_jit
     return fn.trace(program, tuple(caches), tuple(objects), metas, idss).lower(
         lowering_platforms=(platform,)

@@ -88,8 +88,13 @@ def block_extents(plan, slot: int) -> list[tuple[int, int]]:
     spans = []
     for group in plan.groups:
         lo = min(r.cache_offset for r in group.runs)
-        hi = max(r.cache_offset + (r.count - 1) * r.cache_step
-                 + (group.block_size - 1) * r.token_stride + r.nbytes for r in group.runs)
+        hi = max(
+            r.cache_offset
+            + (r.count - 1) * r.cache_step
+            + (group.block_size - 1) * r.token_stride
+            + r.nbytes
+            for r in group.runs
+        )
         _, _, block_ids = group.items()
         for plane in group.planes:
             if plane.tensor_slot != slot:

@@ -1,7 +1,8 @@
 """Static copy geometry of one kernel group, in elements of a same-width unsigned view.
 
 Everything here is plain, hashable Python derived from a
-:class:`~kvgroups_core.transfer.plan.GroupTransfer`: it is the static part of a jitted transfer (a new
+:class:`~kvgroups_core.transfer.plan.GroupTransfer`: it is the static part of a jitted transfer (a
+new
 value means a new compilation), while the block ids and item counts stay dynamic. The page
 model (``docs/DESIGN.md``) says that byte ``u`` of piece ``c`` of token ``t`` of a block lives at
 ``cache_offset + c*cache_step + t*token_stride + u`` in the block and at
@@ -102,8 +103,10 @@ class GroupGeometry:
 
     def object_base(self, plane: int, pos: int) -> int:
         """Element offset, inside one chunk's object, of the first row of kept block ``pos``."""
-        return self.region_offset + (self.object_plane(plane) * self.slots
-                                     + pos * self.block_size) * self.row
+        return (
+            self.region_offset
+            + (self.object_plane(plane) * self.slots + pos * self.block_size) * self.row
+        )
 
 
 @dataclass(frozen=True)
@@ -187,8 +190,14 @@ def choose_unit(group, tensor_specs, object_nbytes: int) -> int:
 
     values = [group.block_stride_bytes, group.row_bytes, group.region_offset, object_nbytes]
     for run in group.runs:
-        values += [run.nbytes, run.obj_offset, run.obj_step, run.cache_offset,
-                   run.cache_step, run.token_stride]
+        values += [
+            run.nbytes,
+            run.obj_offset,
+            run.obj_step,
+            run.cache_offset,
+            run.cache_step,
+            run.token_stride,
+        ]
     for plane in group.planes:
         values.append(plane.byte_offset)
         values.append(tensor_specs[plane.tensor_slot].nbytes)

@@ -41,7 +41,8 @@ try:  # checkify's rule table and error class (internal; the calling convention 
     # interpreter's call of the rules (default: error first, as JAX 0.4-0.10 do).
     try:
         _OUT_FIRST = "outvals, error = checkify_rule(" in inspect.getsource(
-            _checkify_internals.checkify_jaxpr_flat)
+            _checkify_internals.checkify_jaxpr_flat
+        )
     except (OSError, TypeError, AttributeError):  # no source: the long-standing order
         _OUT_FIRST = False
     EFFECT_FREE = True
@@ -50,12 +51,13 @@ except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX r
 
 
 def _message(num_blocks: int, kernel_group: int) -> str:
-    return (f"block_ids: expected ids in [0, {num_blocks}) for kernel group {kernel_group}, "
-            "got {} (its item moved nothing)")
+    return (
+        f"block_ids: expected ids in [0, {num_blocks}) for kernel group {kernel_group}, "
+        "got {} (its item moved nothing)"
+    )
 
 
-def _bad_ids(ids, meta, *, num_blocks: int, kept: int, blocks_per_chunk: int,
-             grid_items: int):
+def _bad_ids(ids, meta, *, num_blocks: int, kept: int, blocks_per_chunk: int, grid_items: int):
     """``(any bad, first bad id)`` over the items ``[meta[0], meta[0] + meta[1])`` a group
     moves; ``ids`` ``[..., n]`` and ``meta`` ``[..., 2]`` may carry leading (vmapped) axes."""
     lead = np.broadcast_shapes(ids.shape[:-1], meta.shape[:-1])
@@ -64,8 +66,9 @@ def _bad_ids(ids, meta, *, num_blocks: int, kept: int, blocks_per_chunk: int,
     i = jnp.arange(grid_items, dtype=jnp.int32)
     item = meta[..., :1] + i
     chunk = item // kept
-    where = jnp.clip(chunk * blocks_per_chunk + (blocks_per_chunk - kept) + item % kept, 0,
-                     ids.shape[-1] - 1)
+    where = jnp.clip(
+        chunk * blocks_per_chunk + (blocks_per_chunk - kept) + item % kept, 0, ids.shape[-1] - 1
+    )
     used = jnp.take_along_axis(ids, where, axis=-1)
     bad = (i < meta[..., 1:]) & ((used < 0) | (used >= num_blocks))
     flat_bad, flat_used = bad.reshape(-1), used.reshape(-1)
@@ -94,11 +97,13 @@ if EFFECT_FREE:
             meta = jnp.moveaxis(meta, meta_dim, 0)
             if ids_dim is _UNMAPPED:
                 # The check needs one leading axis on both; the ids stay unbatched outside.
-                out = block_ids_check_p.bind(jnp.broadcast_to(ids, meta.shape[:1] + ids.shape),
-                                             meta, **params)
+                out = block_ids_check_p.bind(
+                    jnp.broadcast_to(ids, meta.shape[:1] + ids.shape), meta, **params
+                )
                 return out[0], _UNMAPPED
-        return block_ids_check_p.bind(ids, meta, **params), \
-            0 if ids_dim is not _UNMAPPED else _UNMAPPED
+        return block_ids_check_p.bind(
+            ids, meta, **params
+        ), 0 if ids_dim is not _UNMAPPED else _UNMAPPED
 
     batching.primitive_batchers[block_ids_check_p] = _batch
 
@@ -109,30 +114,51 @@ if EFFECT_FREE:
         error, enabled_errors, lead = args[at], args[at + 1], args[:at]
         ids, meta = args[-2:]
         if _FailedCheckError in enabled_errors:
-            any_bad, first = _bad_ids(ids, meta, num_blocks=num_blocks, kept=kept,
-                                      blocks_per_chunk=blocks_per_chunk,
-                                      grid_items=grid_items)
-            error = _assert_func(*lead, error, any_bad, _FailedCheckError(
-                _traceback(), _message(num_blocks, kernel_group), first))
+            any_bad, first = _bad_ids(
+                ids,
+                meta,
+                num_blocks=num_blocks,
+                kept=kept,
+                blocks_per_chunk=blocks_per_chunk,
+                grid_items=grid_items,
+            )
+            error = _assert_func(
+                *lead,
+                error,
+                any_bad,
+                _FailedCheckError(_traceback(), _message(num_blocks, kernel_group), first),
+            )
         return (ids, error) if _OUT_FIRST else (error, ids)
 
     _RULES[block_ids_check_p] = _checkify_rule
 
 
-def check_block_ids(ids: Any, meta: Any, *, num_blocks: int, kept: int, blocks_per_chunk: int,
-                    grid_items: int, kernel_group: int) -> Any:
+def check_block_ids(
+    ids: Any,
+    meta: Any,
+    *,
+    num_blocks: int,
+    kept: int,
+    blocks_per_chunk: int,
+    grid_items: int,
+    kernel_group: int,
+) -> Any:
     """``ids``, marked for checkify: under ``checkify.checkify`` a moved item (of the
     ``meta = [first_item, num_items]`` range) whose id is outside ``[0, num_blocks)`` fails
     with the first such id; without checkify nothing runs. Use the returned array."""
-    params = dict(num_blocks=int(num_blocks), kept=int(kept),
-                  blocks_per_chunk=int(blocks_per_chunk), grid_items=int(grid_items),
-                  kernel_group=int(kernel_group))
+    params = dict(
+        num_blocks=int(num_blocks),
+        kept=int(kept),
+        blocks_per_chunk=int(blocks_per_chunk),
+        grid_items=int(grid_items),
+        kernel_group=int(kernel_group),
+    )
     if EFFECT_FREE:
         return block_ids_check_p.bind(ids, jnp.asarray(meta), **params)
-    any_bad, first = _bad_ids(ids, jnp.asarray(meta), **{
-        k: v for k, v in params.items() if k != "kernel_group"})
-    checkify.debug_check(jnp.logical_not(any_bad),
-                         _message(num_blocks, kernel_group), first)
+    any_bad, first = _bad_ids(
+        ids, jnp.asarray(meta), **{k: v for k, v in params.items() if k != "kernel_group"}
+    )
+    checkify.debug_check(jnp.logical_not(any_bad), _message(num_blocks, kernel_group), first)
     return ids
 
 

@@ -78,8 +78,9 @@ def sharding_of(x) -> Any:
             return None
         mesh = getattr(sharding, "mesh", None)
         if mesh is not None and any(
-                t == jax.sharding.AxisType.Auto and n > 1
-                for t, n in zip(mesh.axis_types, mesh.axis_sizes)):
+            t == jax.sharding.AxisType.Auto and n > 1
+            for t, n in zip(mesh.axis_types, mesh.axis_sizes)
+        ):
             return UnknownSharding(mesh)
         spec = getattr(sharding, "spec", None)
         if spec is None or all(e is None for e in spec):
@@ -110,8 +111,11 @@ def vouched_shardings(manager, kv_caches) -> dict[int, Any]:
     walk(kv_caches)
     if len(leaves) != len(placements):
         return {}
-    return {id(x): p for x, p in zip(leaves, placements)
-            if x is not None and isinstance(p, NamedSharding)}
+    return {
+        id(x): p
+        for x, p in zip(leaves, placements)
+        if x is not None and isinstance(p, NamedSharding)
+    }
 
 
 def _vouch(k: int, x, unknown: UnknownSharding, vouched: dict[int, Any]):
@@ -127,7 +131,9 @@ def _vouch(k: int, x, unknown: UnknownSharding, vouched: dict[int, Any]):
             "default), or call inside jax.shard_map with a per-shard manager"
         )
     if (tuple(sharding.mesh.axis_names), tuple(sharding.mesh.axis_sizes)) != (
-            tuple(mesh.axis_names), tuple(mesh.axis_sizes)):
+        tuple(mesh.axis_names),
+        tuple(mesh.axis_sizes),
+    ):
         raise UnsupportedConfigError(
             f"kv_caches[{k}]: expected the mesh the manager was built on "
             f"({dict(sharding.mesh.shape)}), got a trace over {unknown}"
@@ -208,25 +214,35 @@ def local_binding(manager: Any, kv_caches: Any, arrays: list, layout: ShardLayou
     from kvgroups_core.transfer.objects import object_nbytes
     from kvgroups_core.transfer.planner import bind
 
-    local = _local_tree(kv_caches, {id(x): NamedSharding(layout.mesh, spec)
-                                    for x, spec in zip(arrays, layout.cache_specs)})
+    local = _local_tree(
+        kv_caches,
+        {id(x): NamedSharding(layout.mesh, spec) for x, spec in zip(arrays, layout.cache_specs)},
+    )
     # A recurrent-state group keeps its kind (its window is implied); a shard's transfers do
     # not need its conv sub-projections.
-    infos = [EngineGroupInfo(engine_group_id=g.engine_group_idx,
-                             layer_indices=list(g.layer_indices),
-                             tokens_per_block=g.tokens_per_block,
-                             sw_size_tokens=-1 if g.recurrent_state else g.sw_size_tokens,
-                             recurrent_state=g.recurrent_state)
-             for g in manager.kernel_groups]
+    infos = [
+        EngineGroupInfo(
+            engine_group_id=g.engine_group_idx,
+            layer_indices=list(g.layer_indices),
+            tokens_per_block=g.tokens_per_block,
+            sw_size_tokens=-1 if g.recurrent_state else g.sw_size_tokens,
+            recurrent_state=g.recurrent_state,
+        )
+        for g in manager.kernel_groups
+    ]
     what = f"kv_caches sharding PartitionSpec{tuple(layout.cache_specs[0])}"
     try:
         shard_manager = KVLayerGroupsManager(
-            local, list(manager.engine_kv_formats), infos,
+            local,
+            list(manager.engine_kv_formats),
+            infos,
             lmcache_tokens_per_chunk=manager.lmcache_tokens_per_chunk,
-            separate_object_groups=manager.separate_object_groups)
+            separate_object_groups=manager.separate_object_groups,
+        )
     except Exception as exc:  # noqa: BLE001 - re-raised typed, the cause attached
-        raise UnsupportedConfigError(f"{what}: a shard is not a cache of the same format ({exc})") \
-            from exc
+        raise UnsupportedConfigError(
+            f"{what}: a shard is not a cache of the same format ({exc})"
+        ) from exc
     if manager.full_sw_kv:
         shard_manager.enable_full_sw_kv()
     for k, (g, s) in enumerate(zip(manager.kernel_groups, shard_manager.kernel_groups)):
@@ -259,12 +275,24 @@ def localize(plan, binding) -> Any:
         index = [getattr(p, "object_plane", i) for i, p in enumerate(g.planes)]
         # The template's own tuple when every plane moves: the executor's program cache keys
         # on its identity.
-        planes = t.planes if index == list(range(len(t.planes))) else tuple(
-            t.planes[i] for i in index)
-        groups.append(replace(t, planes=planes, block_ids=g.block_ids, first_item=g.first_item,
-                              num_chunks=g.num_chunks))
-    local = replace(plan, groups=tuple(groups), object_nbytes=binding.object_nbytes,
-                    tensor_specs=binding.tensor_specs)
+        planes = (
+            t.planes if index == list(range(len(t.planes))) else tuple(t.planes[i] for i in index)
+        )
+        groups.append(
+            replace(
+                t,
+                planes=planes,
+                block_ids=g.block_ids,
+                first_item=g.first_item,
+                num_chunks=g.num_chunks,
+            )
+        )
+    local = replace(
+        plan,
+        groups=tuple(groups),
+        object_nbytes=binding.object_nbytes,
+        tensor_specs=binding.tensor_specs,
+    )
     return local
 
 
@@ -278,13 +306,17 @@ def check_object_sharding(layout: ShardLayout, objects, plan) -> None:
         if isinstance(obj, jax.core.Tracer):  # under jax.jit: the abstract sharding
             sharding = sharding_of(obj)
             if isinstance(sharding, UnknownSharding) and sharding.mesh.axis_sizes == tuple(
-                    layout.mesh.axis_sizes):
+                layout.mesh.axis_sizes
+            ):
                 # XLA chooses it (Auto axes): shard_map's in_specs state the store's own
                 # sharding, which the caches' binding vouches for.
                 continue
             spec = tuple(getattr(sharding, "spec", ())) + (None, None)
-            ok = sharding is not None and sharding.mesh == layout.mesh and \
-                spec[:2] == (None, layout.heads_axes)
+            ok = (
+                sharding is not None
+                and sharding.mesh == layout.mesh
+                and spec[:2] == (None, layout.heads_axes)
+            )
         else:
             sharding = getattr(obj, "sharding", None)
             ok = sharding is not None and sharding.is_equivalent_to(want, 2)
@@ -296,8 +328,16 @@ def check_object_sharding(layout: ShardLayout, objects, plan) -> None:
             )
 
 
-def execute_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list, *, lowering: str,
-                num_warps, tuning: LoweringTuning = DEFAULT_TUNING):
+def execute_sharded(
+    layout: ShardLayout,
+    local_plan,
+    arrays: list,
+    objects: list,
+    *,
+    lowering: str,
+    num_warps,
+    tuning: LoweringTuning = DEFAULT_TUNING,
+):
     """Execute ``local_plan`` on every shard under ``jax.shard_map`` (jitted, donated as the
     plain path): ``(new caches or None, objects)``."""
     from . import executor
@@ -308,8 +348,9 @@ def execute_sharded(layout: ShardLayout, local_plan, arrays: list, objects: list
     fresh = executor.fresh_shapes(local_plan, objects)
     program = executor.program_for(local_plan, lowering, platform, num_warps, fresh, tuning)
     metas, idss = executor.runtime_args(local_plan, None)
-    fn = _sharded_fn(program, layout, len(local_plan.object_nbytes),
-                     tuple(o is None for o in objects))
+    fn = _sharded_fn(
+        program, layout, len(local_plan.object_nbytes), tuple(o is None for o in objects)
+    )
     given = tuple(o for o in objects if o is not None)
     if local_plan.direction == "store":
         return None, list(fn(tuple(arrays), given, metas, idss))
@@ -337,8 +378,11 @@ def _sharded_fn(program, layout: ShardLayout, num_objects: int, missing: tuple[b
         objects = [None if m else next(it) for m in missing]
         return executor.program_body(program, caches, objects, metas, idss)
 
-    mapped = jax.shard_map(body, mesh=layout.mesh,
-                           in_specs=(layout.cache_specs, given_specs, P(), P()),
-                           out_specs=out_specs, check_vma=False)
+    mapped = jax.shard_map(
+        body,
+        mesh=layout.mesh,
+        in_specs=(layout.cache_specs, given_specs, P(), P()),
+        out_specs=out_specs,
+        check_vma=False,
+    )
     return jax.jit(mapped, donate_argnums=(1,) if store else (0,))
-

@@ -3,7 +3,8 @@
 Moves paged KV-cache blocks between engine caches and memory objects for the core's
 :class:`~kvgroups_core.transfer.plan.TransferPlan`:
 
-- CUDA tensors: one NVRTC-compiled kernel launch per kernel group (``kvgroups_cuda/kernels/page_copy.cu``,
+- CUDA tensors: one NVRTC-compiled kernel launch per kernel group
+(``kvgroups_cuda/kernels/page_copy.cu``,
   compiled at first use and cached on disk, see :mod:`kvgroups_cuda.nvrtc`), on PyTorch's
   current stream, never synchronising. Objects may be in GPU memory or in pinned host memory:
   by default ("staged", docs/PERFORMANCE.md) the kernel works on a transient device buffer

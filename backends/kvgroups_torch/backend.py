@@ -24,8 +24,20 @@ from .describe import DTYPE_NAMES, describe_tensor, dtype_of, torch_dtype
 from .fingerprints import fingerprints, same_fingerprints
 from .objects import allocate_objects
 
-_NUMPY_NATIVE = ("float16", "float32", "float64", "uint8", "int8", "int16", "int32", "int64",
-                 "uint16", "uint32", "uint64", "bool")
+_NUMPY_NATIVE = (
+    "float16",
+    "float32",
+    "float64",
+    "uint8",
+    "int8",
+    "int16",
+    "int32",
+    "int64",
+    "uint16",
+    "uint32",
+    "uint64",
+    "bool",
+)
 
 #: How pinned host objects are reached by default; chosen by measurement (see
 #: docs/PERFORMANCE.md): "direct" (kernel through UVA) or "staged".
@@ -42,7 +54,8 @@ def tensor_of(x: Any, what: str) -> torch.Tensor:
     if hasattr(t, "__dlpack__"):
         return torch.from_dlpack(t)
     raise KVGroupsTypeError(
-        f"{what}: expected a torch.Tensor or a DLPack producer, got {type(t).__name__}")
+        f"{what}: expected a torch.Tensor or a DLPack producer, got {type(t).__name__}"
+    )
 
 
 def _adopt_objects(objects: Sequence[Any]) -> list:
@@ -99,8 +112,9 @@ class TorchBackend(Backend):
         t = tensor_of(x, "tensor")
         return dtype_of(t).name, tuple(t.shape), t.stride()
 
-    def execute(self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
-                ) -> tuple[list | None, list]:
+    def execute(
+        self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
+    ) -> tuple[list | None, list]:
         """Move the bytes of ``plan``; caches (load) or objects (store) are written in place.
         Inside a ``torch.compile`` trace, record the transfer as a custom op instead."""
         device = cache_device(caches)
@@ -111,13 +125,16 @@ class TorchBackend(Backend):
             if device.type != "cuda":
                 raise UnsupportedConfigError(
                     "path: expected 'auto' or 'kernel' for CPU caches ('copy_engine' needs a "
-                    "CUDA GPU), got 'copy_engine'")
+                    "CUDA GPU), got 'copy_engine'"
+                )
             copy_engine.refuse_device_ids(plan)
         if compiled.any_traced(tensors[:1] + _leaf_tensors(objects)):
             compiled.record(plan, tensors, objects, self.pinned)
             return None, list(given)
         if device.type == "cuda":
-            cuda_execute.execute_checked_plan(plan, caches, objects, device.index, pinned=self.pinned)
+            cuda_execute.execute_checked_plan(
+                plan, caches, objects, device.index, pinned=self.pinned
+            )
         elif device.type == "cpu":
             cpu_path.execute_plan(compiled.host_plan(plan), tensors, objects)
         else:
@@ -156,8 +173,15 @@ class TorchBackend(Backend):
             rows, cols = shape
             if not rows or not cols:
                 return Memory(x.data_ptr(), 0, True, host)
-            return Memory(x.data_ptr(), (1 + (rows - 1) * strides[0] + (cols - 1) * strides[1])
-                          * e, True, host, rows, strides[0] * e, cols * e)
+            return Memory(
+                x.data_ptr(),
+                (1 + (rows - 1) * strides[0] + (cols - 1) * strides[1]) * e,
+                True,
+                host,
+                rows,
+                strides[0] * e,
+                cols * e,
+            )
         if 0 in shape:
             return Memory(x.data_ptr(), 0, True, host)
         extent = (1 + sum((n - 1) * s for n, s in zip(shape, strides))) * e
@@ -176,8 +200,9 @@ class TorchBackend(Backend):
                     f"caches[{i}]: expected a tensor on {device}, got {tensor_of(c, '').device}"
                 )
 
-    def validate_objects(self, plan: Any, caches: Sequence[TensorDesc],
-                         objects: Sequence[Any]) -> None:
+    def validate_objects(
+        self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
+    ) -> None:
         """Memory kinds, before any byte moves: GPU caches take objects on the same GPU or in
         pinned host memory; CPU caches take CPU objects."""
         device = tensor_of(caches[0], "caches[0]").device
@@ -216,8 +241,11 @@ class TorchBackend(Backend):
     def to_numpy(self, x: Any) -> np.ndarray:
         """A bit-exact host copy (bfloat16 / float8 as same-width unsigned integers)."""
         t = tensor_of(x, "x").detach().to("cpu").contiguous()
-        if t.dtype.is_floating_point and t.dtype not in (torch.float16, torch.float32,
-                                                         torch.float64):
+        if t.dtype.is_floating_point and t.dtype not in (
+            torch.float16,
+            torch.float32,
+            torch.float64,
+        ):
             bits = {1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()]
             return t.view(bits).numpy().view(f"u{t.element_size()}")
         return t.numpy()
@@ -261,8 +289,7 @@ class TorchBackend(Backend):
             return None
         traced = compiled.is_traced(x)  # not is_compiling(): unset in Dynamo's fake runs
         if not traced:
-            if not x.is_cuda or x.layout is not torch.strided or x.is_nested \
-                    or x.is_quantized:
+            if not x.is_cuda or x.layout is not torch.strided or x.is_nested or x.is_quantized:
                 return None  # eager host ids (to_host_ids names what is wrong with others)
             return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape)  # eager: plain ints
         return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(int(n) for n in x.shape)
@@ -300,7 +327,8 @@ def _check_host_ids(ids: torch.Tensor) -> None:
         raise KVGroupsTypeError("expected a 1-D tensor of ints, got a nested tensor")
     if ids.layout is not torch.strided:
         raise KVGroupsTypeError(
-            f"expected a dense (strided) tensor of ints, got layout {ids.layout}")
+            f"expected a dense (strided) tensor of ints, got layout {ids.layout}"
+        )
     if ids.is_quantized:
         raise KVGroupsTypeError(f"expected a tensor of ints, got quantized {ids.dtype}")
     if ids.is_meta:
@@ -308,11 +336,12 @@ def _check_host_ids(ids: torch.Tensor) -> None:
     if ids.device.type != "cpu":
         raise KVGroupsTypeError(
             f"expected ids on the CPU or int32/int64 ids on the caches' GPU, got {ids.dtype} "
-            f"on {ids.device}")
+            f"on {ids.device}"
+        )
     if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype is torch.bool:
         raise KVGroupsTypeError(
-            f"expected integer block ids, got a tensor of {ids.dtype} (shape "
-            f"{tuple(ids.shape)})")
+            f"expected integer block ids, got a tensor of {ids.dtype} (shape {tuple(ids.shape)})"
+        )
 
 
 def _check_usable(t: torch.Tensor, what: str) -> None:
@@ -335,8 +364,11 @@ class TorchBoundCaches(BoundCaches):
         super().__init__(backend, caches)
         device = cache_device(self.caches)
         traced = any(getattr(c, "is_abstract", False) for c in self.caches)
-        self.device_caches = (cuda_execute.DeviceCaches(self.caches, device.index)
-                              if device.type == "cuda" and not traced else None)
+        self.device_caches = (
+            cuda_execute.DeviceCaches(self.caches, device.index)
+            if device.type == "cuda" and not traced
+            else None
+        )
 
     def release(self) -> bool:
         # The launch state keeps addresses only (the guard checks them per call).
@@ -359,7 +391,8 @@ class TorchBoundCaches(BoundCaches):
         fast = self.device_caches
         if fast is None:
             return generic
-        if getattr(plan, "path", "kernel") != "kernel" and copy_engine.copy_groups(plan,
-                                                                                  fast.index):
+        if getattr(plan, "path", "kernel") != "kernel" and copy_engine.copy_groups(
+            plan, fast.index
+        ):
             return generic  # the copy engines take (part of) it: their path decides per call
         return cuda_repeat.PlanRepeater(fast, plan, block_ids, generic)

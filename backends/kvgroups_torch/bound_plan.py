@@ -40,8 +40,14 @@ class BoundPlan:
         How pinned host objects are reached (see :func:`cuda_execute.execute_plan`).
     """
 
-    def __init__(self, plan: Any, caches: Sequence[Any], objects: Sequence[Any], *,
-                 pinned: str = DEFAULT_PINNED_MODE) -> None:
+    def __init__(
+        self,
+        plan: Any,
+        caches: Sequence[Any],
+        objects: Sequence[Any],
+        *,
+        pinned: str = DEFAULT_PINNED_MODE,
+    ) -> None:
         self.plan = plan
         # The core's object rule at binding; then this class's own limit: one tensor (or
         # DLPack producer) per object group, no per-chunk buffers.
@@ -108,8 +114,13 @@ class BoundPlan:
 
     __call__ = run
 
-    def execute(self, caches: Sequence[torch.Tensor], objects: Sequence[torch.Tensor],
-                block_ids: Sequence[torch.Tensor], skip: Any = None) -> None:
+    def execute(
+        self,
+        caches: Sequence[torch.Tensor],
+        objects: Sequence[torch.Tensor],
+        block_ids: Sequence[torch.Tensor],
+        skip: Any = None,
+    ) -> None:
         """The ops' implementation: run the plan on these tensors (no custom-op dispatch)."""
         ids = list(block_ids) if len(block_ids) else None
         if self.device.type == "cuda":
@@ -118,10 +129,18 @@ class BoundPlan:
                 self._device_caches.execute(self.plan, self._bindings, ids)
                 return
             same = len(objects) == len(self.objects) and all(
-                a is b for a, b in zip(objects, self.objects))
+                a is b for a, b in zip(objects, self.objects)
+            )
             # Other objects than the bound ones are checked there (the core's rule).
-            cuda_execute.execute_plan(self.plan, caches, objects, self.device.index, pinned=self.pinned,
-                              block_ids=ids, bindings=self._bindings if same else None)
+            cuda_execute.execute_plan(
+                self.plan,
+                caches,
+                objects,
+                self.device.index,
+                pinned=self.pinned,
+                block_ids=ids,
+                bindings=self._bindings if same else None,
+            )
         else:
             if objects is not self.objects:
                 check_objects(self.plan, objects, shape_of)

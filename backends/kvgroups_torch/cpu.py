@@ -59,14 +59,18 @@ def _check_storages(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence
         if isinstance(entry, torch.Tensor):
             named.append((f"objects[{og}]", entry))
         elif isinstance(entry, (list, tuple)):
-            named += [(f"objects[{og}][{c}]", x) for c, x in enumerate(entry)
-                      if isinstance(x, torch.Tensor)]
+            named += [
+                (f"objects[{og}][{c}]", x)
+                for c, x in enumerate(entry)
+                if isinstance(x, torch.Tensor)
+            ]
     for what, t in named:
         need, have = _view_end(t), t.untyped_storage().nbytes()
         if need > have:
             raise KVGroupsValueError(
                 f"{what}: expected a storage of at least {need} bytes (the tensor's offset, "
-                f"shape and strides), got {have} bytes (was the storage resized in place?)")
+                f"shape and strides), got {have} bytes (was the storage resized in place?)"
+            )
 
 
 def _item_ids(group: Any, ids: Any, device: torch.device) -> torch.Tensor:
@@ -112,11 +116,21 @@ def _object_buffers(entry: Any, num_chunks: int, what: str) -> list[tuple[torch.
 
 
 def _unit(group: Any, caches: Sequence[torch.Tensor], buffers: list) -> int:
-    values = [group.block_stride_bytes, group.row_bytes, group.region_offset,
-              group.slots * group.row_bytes]
+    values = [
+        group.block_stride_bytes,
+        group.row_bytes,
+        group.region_offset,
+        group.slots * group.row_bytes,
+    ]
     for run in group.runs:
-        values += [run.nbytes, run.obj_offset, run.obj_step, run.cache_offset, run.cache_step,
-                   run.token_stride]
+        values += [
+            run.nbytes,
+            run.obj_offset,
+            run.obj_step,
+            run.cache_offset,
+            run.cache_step,
+            run.token_stride,
+        ]
     for plane in group.planes:
         values += [plane.byte_offset, byte_offset_in_storage(caches[plane.tensor_slot])]
     for buf, stride in buffers:
@@ -145,8 +159,12 @@ def _spans(group: Any, num_buffers: int) -> list[tuple[int, int, int, int, int]]
     return spans
 
 
-def execute_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any],
-             block_ids: Sequence[Any] | None = None) -> None:
+def execute_plan(
+    plan: Any,
+    caches: Sequence[torch.Tensor],
+    objects: Sequence[Any],
+    block_ids: Sequence[Any] | None = None,
+) -> None:
     """Execute ``plan`` with torch ops (in place on ``caches`` or ``objects``).
 
     Parameters
@@ -171,8 +189,10 @@ def execute_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[An
         device = caches[group.planes[0].tensor_slot].device
         ids = _item_ids(group, None if block_ids is None else block_ids[i], device)
         spans = _spans(group, len(buffers))
-        obj_flats = [(storage_view(buf, e), byte_offset_in_storage(buf) // e, stride // e)
-                     for buf, stride in buffers]
+        obj_flats = [
+            (storage_view(buf, e), byte_offset_in_storage(buf) // e, stride // e)
+            for buf, stride in buffers
+        ]
         flats = {}
         bs, row, kept = group.block_size, group.row_bytes // e, group.kept_per_chunk
         for plane in group.planes:
@@ -185,24 +205,31 @@ def execute_plan(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[An
                 piece = run.nbytes // e
                 # [num_blocks, block_size, count, piece]
                 cache = torch.as_strided(
-                    flats[slot], (group.num_blocks, bs, run.count, piece),
+                    flats[slot],
+                    (group.num_blocks, bs, run.count, piece),
                     (group.block_stride_bytes // e, run.token_stride // e, run.cache_step // e, 1),
-                    start + run.cache_offset // e)
+                    start + run.cache_offset // e,
+                )
                 pages = cache.index_select(0, ids) if store else None
                 if not store:
-                    pages = torch.empty((ids.numel(), bs, run.count, piece),
-                                        dtype=cache.dtype, device=cache.device)
+                    pages = torch.empty(
+                        (ids.numel(), bs, run.count, piece), dtype=cache.dtype, device=cache.device
+                    )
                 for b, c0, nc, j0, k0 in spans:
                     oflat, ostart, ostride = obj_flats[b]
                     first = 0 if len(buffers) > 1 else c0
                     # [chunks, kept - j0, block_size, count, piece] of plane p, run `run`
                     obj = torch.as_strided(
-                        oflat, (nc, kept - j0, bs, run.count, piece),
+                        oflat,
+                        (nc, kept - j0, bs, run.count, piece),
                         (ostride, bs * row, row, run.obj_step // e, 1),
-                        ostart + first * ostride + (group.region_offset + p * group.slots
-                                                    * group.row_bytes + run.obj_offset) // e
-                        + j0 * bs * row)
-                    part = pages[k0:k0 + nc * (kept - j0)].view(obj.shape)
+                        ostart
+                        + first * ostride
+                        + (group.region_offset + p * group.slots * group.row_bytes + run.obj_offset)
+                        // e
+                        + j0 * bs * row,
+                    )
+                    part = pages[k0 : k0 + nc * (kept - j0)].view(obj.shape)
                     if store:
                         obj.copy_(part)
                     else:

@@ -85,8 +85,12 @@ def describe_tensor(x: torch.Tensor) -> TensorDesc:
         raise KVGroupsTypeError(f"tensor: expected a torch.Tensor, got {type(x).__name__}")
     dtype = dtype_of(x)
     if is_abstract_tensor(x):
-        spec = TensorSpec(tuple(int(n) for n in x.shape), dtype,
-                          tuple(int(n) for n in x.stride()), _device_name(x.device))
+        spec = TensorSpec(
+            tuple(int(n) for n in x.shape),
+            dtype,
+            tuple(int(n) for n in x.stride()),
+            _device_name(x.device),
+        )
         return TensorDesc(spec, 0, 0, x, "torch", abstract=True)
     source = x.detach()
     if x.dtype in _BYTE_VIEW:

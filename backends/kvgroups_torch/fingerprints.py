@@ -62,8 +62,11 @@ def _guard(xs: Sequence[Any]) -> Any:
     if _TensorGuards is None or not xs or any(type(x) is not torch.Tensor for x in xs):
         return None
     try:
-        guard = _TensorGuards(*xs, dynamic_dims_sizes=[list(_SIZE(x)) for x in xs],
-                              dynamic_dims_strides=[list(_STRIDE(x)) for x in xs])
+        guard = _TensorGuards(
+            *xs,
+            dynamic_dims_sizes=[list(_SIZE(x)) for x in xs],
+            dynamic_dims_strides=[list(_STRIDE(x)) for x in xs],
+        )
         return guard if guard.check(*xs) else None
     except Exception:  # noqa: BLE001 - any incompatibility: the full comparison decides
         return None

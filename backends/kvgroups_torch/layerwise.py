@@ -72,10 +72,12 @@ def _select_layers(manager: Any, layers: Sequence[int] | None) -> list[int]:
     for layer in layers:
         if type(layer) is not int:
             raise KVGroupsTypeError(
-                f"layers: expected int layer indices, got {type(layer).__name__} {layer!r}")
+                f"layers: expected int layer indices, got {type(layer).__name__} {layer!r}"
+            )
         if layer not in grouped:
             raise KVGroupsIndexError(
-                f"layers: expected indices of the manager's grouped layers {grouped}, got {layer}")
+                f"layers: expected indices of the manager's grouped layers {grouped}, got {layer}"
+            )
         if layer in out:
             raise KVGroupsValueError(f"layers: expected distinct layer indices, got {list(layers)}")
         out.append(layer)
@@ -103,7 +105,8 @@ def _event(external: bool) -> Any:
     except TypeError:
         raise UnsupportedConfigError(
             "graph_waits / graph_marks: expected a PyTorch whose torch.cuda.Event takes "
-            f"external=True, got {torch.__version__}") from None
+            f"external=True, got {torch.__version__}"
+        ) from None
 
 
 def _keep_for(stream: Any, objects: Any) -> None:
@@ -118,13 +121,13 @@ def _keep_for(stream: Any, objects: Any) -> None:
 class _SideStream:
     """The device, side stream and capture bookkeeping shared by loads and saves."""
 
-    def __init__(self, prepared: Any, stream: Any, max_ctas: int | None,
-                 path: str | None) -> None:
+    def __init__(self, prepared: Any, stream: Any, max_ctas: int | None, path: str | None) -> None:
         first = _first_tensor(prepared.kv_caches)
         if first is None:
             raise KVGroupsTypeError(
                 "prepared: expected a transfer prepared on torch tensors, got caches of "
-                f"{type(prepared.kv_caches).__name__}")
+                f"{type(prepared.kv_caches).__name__}"
+            )
         _check_positive("max_ctas", max_ctas)
         self.prepared = prepared
         self.device = first.device
@@ -133,14 +136,15 @@ class _SideStream:
         if not self.cuda:
             if stream is not None:
                 raise KVGroupsValueError(
-                    f"stream: expected None for caches on {self.device}, got {stream!r}")
+                    f"stream: expected None for caches on {self.device}, got {stream!r}"
+                )
             self.stream = None
         else:
             self.stream = stream if stream is not None else torch.cuda.Stream(self.device)
             if self.stream.device != self.device:
                 raise KVGroupsValueError(
-                    f"stream: expected a stream of {self.device}, got one of "
-                    f"{self.stream.device}")
+                    f"stream: expected a stream of {self.device}, got one of {self.stream.device}"
+                )
         self.issued = False  # work queued on the side stream since the last finish()
         self.issued_in_capture = False
 
@@ -153,7 +157,8 @@ class _SideStream:
         if self.issued and capturing != self.issued_in_capture:
             raise UnsupportedConfigError(
                 f"{what}: expected finish() between transfers queued outside and inside a "
-                "CUDA graph capture, got both without it")
+                "CUDA graph capture, got both without it"
+            )
         return capturing
 
     def note_issue(self, capturing: bool) -> None:
@@ -169,7 +174,8 @@ class _SideStream:
                 "(or both eager), got transfers queued "
                 f"{'inside' if self.issued_in_capture else 'outside'} a capture and the wait "
                 f"{'outside' if self.issued_in_capture else 'inside'} it; for a graph "
-                "captured apart from the transfers use graph_waits=True / graph_marks=True")
+                "captured apart from the transfers use graph_waits=True / graph_marks=True"
+            )
 
 
 class LayerwiseLoad:
@@ -203,15 +209,24 @@ class LayerwiseLoad:
     a capture, before the capture ends: it joins the side stream).
     """
 
-    def __init__(self, prepared: Any, *, layers: Sequence[int] | None = None,
-                 layers_per_launch: int = 1, stream: Any = None, max_ctas: int | None = None,
-                 path: str | None = None, graph_waits: bool = False) -> None:
+    def __init__(
+        self,
+        prepared: Any,
+        *,
+        layers: Sequence[int] | None = None,
+        layers_per_launch: int = 1,
+        stream: Any = None,
+        max_ctas: int | None = None,
+        path: str | None = None,
+        graph_waits: bool = False,
+    ) -> None:
         _check_positive("layers_per_launch", layers_per_launch)
         self._side = side = _SideStream(prepared, stream, max_ctas, path)
         order = _select_layers(prepared.manager, layers)
         self.layers = tuple(order)
-        self._steps = [order[i:i + layers_per_launch]
-                       for i in range(0, len(order), layers_per_launch)]
+        self._steps = [
+            order[i : i + layers_per_launch] for i in range(0, len(order), layers_per_launch)
+        ]
         self._step_of = {layer: k for k, step in enumerate(self._steps) for layer in step}
         self.graph_waits = bool(graph_waits)
         self._pending: list[tuple[int, list]] = []  # CPU: (step, transfers) not run yet
@@ -222,7 +237,8 @@ class LayerwiseLoad:
                 if _capturing(True):
                     raise UnsupportedConfigError(
                         "LayerwiseLoad(graph_waits=True): expected to be built outside a CUDA "
-                        "graph capture, got a capture in progress")
+                        "graph capture, got a capture in progress"
+                    )
                 # A wait on a never-recorded event is skipped by PyTorch, so a capture before
                 # the first start() would hold no wait node: record each once, on nothing.
                 for event in self._events:
@@ -254,7 +270,8 @@ class LayerwiseLoad:
             raise UnsupportedConfigError(
                 "start: expected to run outside any CUDA graph capture with graph_waits=True "
                 "(the graph's waits bind to the loads of the latest eager start), got a "
-                "capture in progress")
+                "capture in progress"
+            )
         stream = side.stream
         stream.wait_stream(side.current())  # after the engine's writes queued so far
         with torch.cuda.stream(stream):
@@ -272,7 +289,8 @@ class LayerwiseLoad:
         k = self._step_of.get(layer)
         if k is None:
             raise KVGroupsIndexError(
-                f"layer: expected one of the loaded layers {list(self.layers)}, got {layer!r}")
+                f"layer: expected one of the loaded layers {list(self.layers)}, got {layer!r}"
+            )
         side = self._side
         if not side.cuda:
             self._run_pending(k)
@@ -309,23 +327,33 @@ class LayerwiseLoad:
         if not isinstance(t, (list, tuple)) or len(t) not in (2, 3):
             raise KVGroupsTypeError(
                 f"transfers[{i}]: expected (objects, block_ids[, skip_first_n_tokens]), got "
-                f"{type(t).__name__}")
+                f"{type(t).__name__}"
+            )
         objects = t[0] if isinstance(t[0], (list, tuple)) else [t[0]]
         return objects, t[1], t[2] if len(t) == 3 else 0
 
     def _run_step(self, step: list[int], transfers: list) -> None:
         side = self._side
         for objects, block_ids, skip in transfers:
-            side.prepared.load(objects, block_ids, skip_first_n_tokens=skip, layers=step,
-                               max_ctas=side.max_ctas, path=side.path)
+            side.prepared.load(
+                objects,
+                block_ids,
+                skip_first_n_tokens=skip,
+                layers=step,
+                max_ctas=side.max_ctas,
+                path=side.path,
+            )
 
     def _run_pending(self, step: int | None) -> None:
         """Run, in issue order, everything a GPU wait for ``step``'s event covers: the
         pending loads up to that step of the latest start() holding it (None: all)."""
         pending = self._pending
-        last = len(pending) - 1 if step is None else \
-            max((i for i, (k, _) in enumerate(pending) if k == step), default=-1)
-        run, self._pending = pending[:last + 1], pending[last + 1:]
+        last = (
+            len(pending) - 1
+            if step is None
+            else max((i for i, (k, _) in enumerate(pending) if k == step), default=-1)
+        )
+        run, self._pending = pending[: last + 1], pending[last + 1 :]
         for k, transfers in run:
             self._run_step(self._steps[k], transfers)
 
@@ -350,8 +378,15 @@ class LayerwiseSave:
     waits for the saves; the host never does).
     """
 
-    def __init__(self, prepared: Any, *, stream: Any = None, max_ctas: int | None = None,
-                 path: str | None = None, graph_marks: bool = False) -> None:
+    def __init__(
+        self,
+        prepared: Any,
+        *,
+        stream: Any = None,
+        max_ctas: int | None = None,
+        path: str | None = None,
+        graph_marks: bool = False,
+    ) -> None:
         self._side = side = _SideStream(prepared, stream, max_ctas, path)
         self.layers = tuple(_grouped_layers(prepared.manager))
         self.graph_marks = bool(graph_marks)
@@ -372,7 +407,8 @@ class LayerwiseSave:
         if not self.graph_marks:
             raise UnsupportedConfigError(
                 "mark: expected a LayerwiseSave built with graph_marks=True, got one without "
-                "(save() marks the layer itself)")
+                "(save() marks the layer itself)"
+            )
         if self._side.cuda:
             self._marks[layer].record(self._side.current())
         self._marked.add(layer)
@@ -399,11 +435,13 @@ class LayerwiseSave:
                 raise UnsupportedConfigError(
                     "save: expected to run outside any CUDA graph capture with "
                     "graph_marks=True (it waits for the graph's mark), got a capture in "
-                    "progress")
+                    "progress"
+                )
             if layer not in self._marked:
                 raise UnsupportedConfigError(
                     f"save: expected mark({layer}) in the captured forward pass before saving "
-                    f"layer {layer} with graph_marks=True, got no mark for it")
+                    f"layer {layer} with graph_marks=True, got no mark for it"
+                )
         capturing = side.check_issue("save")
         if self.graph_marks:
             stream.wait_event(self._marks[layer])
@@ -429,20 +467,23 @@ class LayerwiseSave:
         if layer not in self.layers:
             raise KVGroupsIndexError(
                 f"layer: expected one of the manager's grouped layers {list(self.layers)}, got "
-                f"{layer!r}")
+                f"{layer!r}"
+            )
 
     def _transfer(self, t: Any, i: int) -> tuple:
         if not isinstance(t, (list, tuple)) or len(t) != 2:
             raise KVGroupsTypeError(
-                f"transfers[{i}]: expected (block_ids, objects), got {type(t).__name__}")
+                f"transfers[{i}]: expected (block_ids, objects), got {type(t).__name__}"
+            )
         objects = t[1] if isinstance(t[1], (list, tuple)) else [t[1]]
         return t[0], objects
 
     def _run(self, layer: int, transfers: list) -> None:
         side = self._side
         for block_ids, objects in transfers:
-            side.prepared.store(block_ids, objects, layers=[layer], max_ctas=side.max_ctas,
-                                path=side.path)
+            side.prepared.store(
+                block_ids, objects, layers=[layer], max_ctas=side.max_ctas, path=side.path
+            )
 
 
 __all__ = ["LayerwiseLoad", "LayerwiseSave"]

@@ -15,7 +15,9 @@ DEVICE = ("device", "cuda", "gpu")
 HOST = ("cpu", "host")
 
 
-def resolve_placement(placement: str | None, like_device: torch.device) -> tuple[torch.device, bool]:
+def resolve_placement(
+    placement: str | None, like_device: torch.device
+) -> tuple[torch.device, bool]:
     """``(device, pinned)`` for a placement name relative to the caches' device."""
     if placement is None:
         return like_device, False
@@ -25,7 +27,8 @@ def resolve_placement(placement: str | None, like_device: torch.device) -> tuple
     if key in DEVICE:
         if like_device.type != "cuda":
             raise KVGroupsValueError(
-                f"placement: expected caches on a GPU for {placement!r}, got caches on {like_device}"
+                f"placement: expected caches on a GPU for {placement!r}, "
+                f"got caches on {like_device}"
             )
         return like_device, False
     if key in HOST:
@@ -33,12 +36,17 @@ def resolve_placement(placement: str | None, like_device: torch.device) -> tuple
     if key.startswith("cuda:"):
         return torch.device(key), False
     raise KVGroupsValueError(
-        f"placement: expected None or one of {PINNED + DEVICE + HOST} or 'cuda:N', got {placement!r}"
+        f"placement: expected None or one of {PINNED + DEVICE + HOST} or 'cuda:N', "
+        f"got {placement!r}"
     )
 
 
-def allocate_objects(object_nbytes: Sequence[int], num_chunks: int, like_device: torch.device,
-                     placement: str | None = None) -> list[torch.Tensor]:
+def allocate_objects(
+    object_nbytes: Sequence[int],
+    num_chunks: int,
+    like_device: torch.device,
+    placement: str | None = None,
+) -> list[torch.Tensor]:
     """One uninitialised ``[num_chunks, nbytes]`` uint8 tensor per object group.
 
     Parameters

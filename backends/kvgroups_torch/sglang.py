@@ -69,8 +69,11 @@ def pages_from_token_slots(slots: Any, page_size: int, what: str = "slots") -> l
     pages = locs.reshape(-1, page_size)
     first = pages[:, 0]
     if np.any(first % page_size) or np.any(pages != first[:, None] + np.arange(page_size)):
-        bad = int(np.nonzero(np.any(pages != (first - first % page_size)[:, None]
-                                    + np.arange(page_size), axis=1))[0][0])
+        bad = int(
+            np.nonzero(
+                np.any(pages != (first - first % page_size)[:, None] + np.arange(page_size), axis=1)
+            )[0][0]
+        )
         raise KVGroupsValueError(
             f"{what}: expected page-aligned runs of {page_size} consecutive slots, page {bad} "
             f"holds slots {pages[bad].tolist()}"
@@ -113,8 +116,9 @@ class SglangKVLayout:
     state_layers: list[int] = field(default_factory=list)
     tokens_per_slot: int = 0
 
-    def block_ids(self, slots: Any, swa_slots: Any = None,
-                  state_slots: Any = None) -> dict[int, list[int]]:
+    def block_ids(
+        self, slots: Any, swa_slots: Any = None, state_slots: Any = None
+    ) -> dict[int, list[int]]:
         """Page ids for ``store`` / ``load`` from a request's token slots (full pool), for a
         hybrid pool its SWA-pool slots (``full_to_swa_index_mapping[slots]``), and with a
         Mamba pool the state slots: one per ``tokens_per_slot`` tokens, the slot holding the
@@ -147,8 +151,12 @@ class SglangKVLayout:
                 "state_slots: expected the Mamba pool slots holding the state after every "
                 f"{self.tokens_per_slot} tokens, got None"
             )
-        ids = [int(x) for x in np.asarray(
-            state_slots.cpu() if hasattr(state_slots, "cpu") else state_slots).ravel()]
+        ids = [
+            int(x)
+            for x in np.asarray(
+                state_slots.cpu() if hasattr(state_slots, "cpu") else state_slots
+            ).ravel()
+        ]
         if pages is not None and len(ids) * self.tokens_per_slot != pages * self.page_size:
             raise KVGroupsValueError(
                 f"state_slots: expected one slot per {self.tokens_per_slot} tokens of the "
@@ -211,21 +219,28 @@ def _mamba_layers(pool: Any) -> tuple[list, list[EngineKVFormat]]:
     return caches, formats
 
 
-def from_sglang_mamba_pool(pool: Any, *, chunk_size: int = 256,
-                           tokens_per_slot: int | None = None) -> SglangKVLayout:
+def from_sglang_mamba_pool(
+    pool: Any, *, chunk_size: int = 256, tokens_per_slot: int | None = None
+) -> SglangKVLayout:
     """A state-only :class:`SglangKVLayout` of a ``MambaPool`` or ``MambaPoolHost``: one
     engine group (:data:`STATE_GROUP`) of slots, ``tokens_per_slot`` tokens per slot id
     (default the chunk); ``block_ids(None, state_slots=...)`` takes the slots."""
     caches, formats = _mamba_layers(pool)
     tps = _tokens_per_slot(tokens_per_slot, chunk_size)
-    manager = _manager(caches, formats, [STATE_GROUP] * len(caches),
-                       {STATE_GROUP: (tps, -1)}, chunk_size)
+    manager = _manager(
+        caches, formats, [STATE_GROUP] * len(caches), {STATE_GROUP: (tps, -1)}, chunk_size
+    )
     return SglangKVLayout(manager, caches, 1, [], "state", list(range(len(caches))), tps)
 
 
-def from_sglang_pool(pool: Any, *, chunk_size: int = 256,
-                     sliding_window: int | None = None, mamba_pool: Any = None,
-                     tokens_per_slot: int | None = None) -> SglangKVLayout:
+def from_sglang_pool(
+    pool: Any,
+    *,
+    chunk_size: int = 256,
+    sliding_window: int | None = None,
+    mamba_pool: Any = None,
+    tokens_per_slot: int | None = None,
+) -> SglangKVLayout:
     """Build a :class:`SglangKVLayout` from an SGLang KV pool (see the module docstring).
 
     With ``mamba_pool`` (a hybrid model's ``MambaPool`` or ``MambaPoolHost``), its recurrent
@@ -240,7 +255,9 @@ def from_sglang_pool(pool: Any, *, chunk_size: int = 256,
     kind = _pool_kind(pool)
     page_size = int(pool.page_size)
     if kind == "mla":
-        views = [_paged(b, page_size, f"kv_buffer[{i}]")[:, :, 0] for i, b in enumerate(pool.kv_buffer)]
+        views = [
+            _paged(b, page_size, f"kv_buffer[{i}]")[:, :, 0] for i, b in enumerate(pool.kv_buffer)
+        ]
         start = int(getattr(pool, "start_layer", 0) or 0)
         layer_ids = [start + i for i in range(len(views))]
         caches: Any = views
@@ -302,15 +319,25 @@ def _tokens_per_slot(value: int | None, chunk: int) -> int:
     return tps
 
 
-def _manager(caches: Any, formats: Sequence[EngineKVFormat], groups: Sequence[int],
-             windows: dict[int, tuple[int, int]], chunk: int) -> KVLayerGroupsManager:
+def _manager(
+    caches: Any,
+    formats: Sequence[EngineKVFormat],
+    groups: Sequence[int],
+    windows: dict[int, tuple[int, int]],
+    chunk: int,
+) -> KVLayerGroupsManager:
     """One EngineGroupInfo per kernel group: the engine's page (or slot) spaces, their tokens
     per id and windows; the state group's layers are recurrent state."""
     if len(set(formats)) == 1:  # one format for every layer: the engine's own structure
         formats = formats[0]
-    infos = [EngineGroupInfo(engine_group_id=ident.engine_group_idx, layer_indices=tuple(layers),
-                             tokens_per_block=windows[ident.engine_group_idx][0],
-                             sw_size_tokens=windows[ident.engine_group_idx][1],
-                             recurrent_state=ident.engine_group_idx == STATE_GROUP)
-             for ident, layers in group_layers_by_identity(caches, formats, list(groups))]
+    infos = [
+        EngineGroupInfo(
+            engine_group_id=ident.engine_group_idx,
+            layer_indices=tuple(layers),
+            tokens_per_block=windows[ident.engine_group_idx][0],
+            sw_size_tokens=windows[ident.engine_group_idx][1],
+            recurrent_state=ident.engine_group_idx == STATE_GROUP,
+        )
+        for ident, layers in group_layers_by_identity(caches, formats, list(groups))
+    ]
     return KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=chunk)

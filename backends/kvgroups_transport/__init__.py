@@ -38,8 +38,10 @@ from .errors import (
 from .exchange import ObjectPool, PullJob, Receiver, check_publication, object_sizes, publish
 from .plan import chunks_to_read, layer_byte_ranges, nixl_connector_descriptors, pull_copies
 
-TRANSPORTS = {"nixl": ("kvgroups_transport.nixl", "NixlTransport"),
-              "jax_transfer": ("kvgroups_transport.jax_transfer", "JaxTransferTransport")}
+TRANSPORTS = {
+    "nixl": ("kvgroups_transport.nixl", "NixlTransport"),
+    "jax_transfer": ("kvgroups_transport.jax_transfer", "JaxTransferTransport"),
+}
 
 __all__ = [
     "TRANSPORTS",
@@ -75,7 +77,9 @@ def get_transport(transport: str, /, **kwargs: Any) -> Transport:
     if transport not in TRANSPORTS:
         from kvgroups_core.errors import KVGroupsValueError
 
-        raise KVGroupsValueError(f"transport: expected one of {sorted(TRANSPORTS)}, got {transport!r}")
+        raise KVGroupsValueError(
+            f"transport: expected one of {sorted(TRANSPORTS)}, got {transport!r}"
+        )
     module, cls = TRANSPORTS[transport]
     return getattr(importlib.import_module(module), cls)(**kwargs)
 

@@ -52,10 +52,12 @@ def memory_region(array: Any) -> MemoryRegion:
         if not array.is_contiguous():
             raise KVGroupsValueError("array: expected a contiguous tensor, got a strided view")
         dev = array.device
-        return MemoryRegion(address=int(array.data_ptr()),
-                            nbytes=int(array.numel() * array.element_size()),
-                            device="cuda" if dev.type == "cuda" else "cpu",
-                            device_id=int(dev.index or 0))
+        return MemoryRegion(
+            address=int(array.data_ptr()),
+            nbytes=int(array.numel() * array.element_size()),
+            device="cuda" if dev.type == "cuda" else "cpu",
+            device_id=int(dev.index or 0),
+        )
     interface = getattr(array, "__array_interface__", None)
     if interface is not None:  # NumPy and its kin
         if interface.get("strides") is not None and not array.flags["C_CONTIGUOUS"]:
@@ -63,10 +65,12 @@ def memory_region(array: Any) -> MemoryRegion:
         return MemoryRegion(address=int(interface["data"][0]), nbytes=int(array.nbytes))
     if hasattr(array, "unsafe_buffer_pointer"):  # a single-device JAX array
         (dev,) = array.devices()
-        return MemoryRegion(address=int(array.unsafe_buffer_pointer()),
-                            nbytes=int(array.nbytes),
-                            device="cuda" if dev.platform == "gpu" else "cpu",
-                            device_id=int(getattr(dev, "local_hardware_id", 0) or 0))
+        return MemoryRegion(
+            address=int(array.unsafe_buffer_pointer()),
+            nbytes=int(array.nbytes),
+            device="cuda" if dev.platform == "gpu" else "cpu",
+            device_id=int(getattr(dev, "local_hardware_id", 0) or 0),
+        )
     raise KVGroupsTypeError(
         f"array: expected a torch, NumPy or JAX array, got {type(array).__name__}"
     )
@@ -88,10 +92,14 @@ class PoolInfo:
 
     @classmethod
     def from_dict(cls, d: dict) -> "PoolInfo":
-        return cls(pool_id=str(d["pool_id"]), bases=tuple(int(x) for x in d["bases"]),
-                   object_nbytes=tuple(int(x) for x in d["object_nbytes"]),
-                   capacity=int(d["capacity"]), device=str(d.get("device", "cpu")),
-                   device_id=int(d.get("device_id", 0)))
+        return cls(
+            pool_id=str(d["pool_id"]),
+            bases=tuple(int(x) for x in d["bases"]),
+            object_nbytes=tuple(int(x) for x in d["object_nbytes"]),
+            capacity=int(d["capacity"]),
+            device=str(d.get("device", "cpu")),
+            device_id=int(d.get("device_id", 0)),
+        )
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -147,12 +155,18 @@ class Publication:
         if not isinstance(d, dict):
             raise KVGroupsTypeError(f"publication: expected a dict, got {type(d).__name__}")
         try:
-            return cls(request_id=str(d["request_id"]), transport=str(d["transport"]),
-                       pool_id=str(d["pool_id"]), slots=tuple(int(s) for s in d["slots"]),
-                       chunk_tokens=int(d["chunk_tokens"]), fingerprint=str(d["fingerprint"]),
-                       tp_size=int(d["tp_size"]), object_layout=str(d["object_layout"]),
-                       endpoints=tuple(dict(e) for e in d["endpoints"]),
-                       chunk_hashes=tuple(str(h) for h in d.get("chunk_hashes", ())))
+            return cls(
+                request_id=str(d["request_id"]),
+                transport=str(d["transport"]),
+                pool_id=str(d["pool_id"]),
+                slots=tuple(int(s) for s in d["slots"]),
+                chunk_tokens=int(d["chunk_tokens"]),
+                fingerprint=str(d["fingerprint"]),
+                tp_size=int(d["tp_size"]),
+                object_layout=str(d["object_layout"]),
+                endpoints=tuple(dict(e) for e in d["endpoints"]),
+                chunk_hashes=tuple(str(h) for h in d.get("chunk_hashes", ())),
+            )
         except KeyError as exc:
             raise KVGroupsValueError(
                 f"publication: expected the key {exc.args[0]!r}, got keys {sorted(d)}"
@@ -197,8 +211,9 @@ class Transport(ABC):
     publication_ttl_s: float = 120.0
 
     @abstractmethod
-    def register_pool(self, pool_id: str, buffers: Sequence[Any], object_nbytes: Sequence[int]
-                      ) -> PoolInfo:
+    def register_pool(
+        self, pool_id: str, buffers: Sequence[Any], object_nbytes: Sequence[int]
+    ) -> PoolInfo:
         """Register one buffer per object group (``[capacity, object_nbytes[og]]`` uint8 or
         a :class:`MemoryRegion`), once; returns what peers address it by. The transport
         holds the arrays until :meth:`deregister_pool` (a :class:`MemoryRegion` is the
@@ -213,10 +228,20 @@ class Transport(ABC):
         """Where this side answers peers (its side channel), for :attr:`Publication.endpoints`."""
 
     @abstractmethod
-    def publish(self, request_id: str, pool_id: str, slots: Sequence[int], *, chunk_tokens: int,
-                fingerprint: str, tp_size: int = 1, object_layout: str = "canonical",
-                endpoints: Sequence[dict] | None = None, chunk_hashes: Sequence[str] = (),
-                layers_ready: int | None = None) -> Publication:
+    def publish(
+        self,
+        request_id: str,
+        pool_id: str,
+        slots: Sequence[int],
+        *,
+        chunk_tokens: int,
+        fingerprint: str,
+        tp_size: int = 1,
+        object_layout: str = "canonical",
+        endpoints: Sequence[dict] | None = None,
+        chunk_hashes: Sequence[str] = (),
+        layers_ready: int | None = None,
+    ) -> Publication:
         """Offer a request's chunks (in ``slots`` of ``pool_id``) to readers until released or
         expired. ``layers_ready``: for layer-streamed publications, how many layers (manager
         layer order) are written so far (None: all of them; see :meth:`mark_ready`)."""
@@ -231,8 +256,7 @@ class Transport(ABC):
         """Writer side: stop offering a request (its slots may be reused)."""
 
     @abstractmethod
-    def release_remote(self, publication: Publication, reader: int = 0, readers: int = 1
-                       ) -> None:
+    def release_remote(self, publication: Publication, reader: int = 0, readers: int = 1) -> None:
         """Reader side: reader rank ``reader`` (of a TP group of ``readers``) tells every
         writer rank it is done; a writer drops the request once all readers have."""
 
@@ -242,8 +266,15 @@ class Transport(ABC):
         :class:`PublicationReleasedError` if it no longer offers the request."""
 
     @abstractmethod
-    def _start(self, op: str, publication: Publication, rank: int, pool_id: str,
-               copies: Sequence[Copy], handle: TransferHandle) -> None:
+    def _start(
+        self,
+        op: str,
+        publication: Publication,
+        rank: int,
+        pool_id: str,
+        copies: Sequence[Copy],
+        handle: TransferHandle,
+    ) -> None:
         """Post ``copies`` ("READ": remote -> local, "WRITE": local -> remote); set
         ``handle.native``."""
 
@@ -255,37 +286,63 @@ class Transport(ABC):
     def _abandon(self, handle: TransferHandle) -> None:
         """Cancel an unfinished transfer (its destination bytes must not be used)."""
 
-    def pull(self, publication: Publication, rank: int, pool_id: str, copies: Sequence[Copy],
-             *, timeout: float = 30.0) -> TransferHandle:
+    def pull(
+        self,
+        publication: Publication,
+        rank: int,
+        pool_id: str,
+        copies: Sequence[Copy],
+        *,
+        timeout: float = 30.0,
+    ) -> TransferHandle:
         """Read ``copies`` of writer rank ``rank``'s objects of ``publication`` into local
         pool ``pool_id``. Returns at once; :meth:`wait` or :meth:`poll` completes it."""
         return self._post("READ", publication, rank, pool_id, copies, timeout)
 
-    def push(self, publication: Publication, rank: int, pool_id: str, copies: Sequence[Copy],
-             *, timeout: float = 30.0) -> TransferHandle:
+    def push(
+        self,
+        publication: Publication,
+        rank: int,
+        pool_id: str,
+        copies: Sequence[Copy],
+        *,
+        timeout: float = 30.0,
+    ) -> TransferHandle:
         """Write ``copies`` from local pool ``pool_id`` into the slots a reader published
         (``publication`` is the reader's offer of empty slots)."""
         return self._post("WRITE", publication, rank, pool_id, copies, timeout)
 
-    def _post(self, op: str, publication: Publication, rank: int, pool_id: str,
-              copies: Sequence[Copy], timeout: float) -> TransferHandle:
-        handle = self._handle(publication, rank, len(copies), sum(c.nbytes for c in copies),
-                              timeout)
+    def _post(
+        self,
+        op: str,
+        publication: Publication,
+        rank: int,
+        pool_id: str,
+        copies: Sequence[Copy],
+        timeout: float,
+    ) -> TransferHandle:
+        handle = self._handle(
+            publication, rank, len(copies), sum(c.nbytes for c in copies), timeout
+        )
         if copies:
             self._start(op, publication, rank, pool_id, copies, handle)
         else:
             handle.state = "done"
         return handle
 
-    def _handle(self, publication: Publication, rank: int, descriptors: int, nbytes: int,
-                timeout: float) -> TransferHandle:
+    def _handle(
+        self, publication: Publication, rank: int, descriptors: int, nbytes: int, timeout: float
+    ) -> TransferHandle:
         if not 0 <= rank < len(publication.endpoints):
             raise KVGroupsValueError(
                 f"rank: expected a writer rank in [0, {len(publication.endpoints)}), got {rank}"
             )
-        return TransferHandle(request_id=publication.request_id, peer=where(publication, rank),
-                              stats=TransferStats(descriptors=descriptors, nbytes=nbytes),
-                              deadline=time.monotonic() + float(timeout))
+        return TransferHandle(
+            request_id=publication.request_id,
+            peer=where(publication, rank),
+            stats=TransferStats(descriptors=descriptors, nbytes=nbytes),
+            deadline=time.monotonic() + float(timeout),
+        )
 
     def poll(self, handle: TransferHandle) -> bool:
         """True once done. Raises :class:`TransferTimeoutError` past the deadline (the transfer is
@@ -294,8 +351,9 @@ class Transport(ABC):
         if handle.state == "done":
             return True
         if handle.state == "failed":
-            raise TransferTimeoutError(f"transfer of request {handle.request_id!r} from "
-                                  f"{handle.peer} already failed")
+            raise TransferTimeoutError(
+                f"transfer of request {handle.request_id!r} from {handle.peer} already failed"
+            )
         try:
             done = self._progress(handle)
             if done and handle.after is not None:

@@ -59,14 +59,29 @@ class ObjectPool:
         self.object_nbytes = [int(b.shape[1]) for b in buffers]
 
     @classmethod
-    def allocate(cls, pool_id: str, object_nbytes: Sequence[int], capacity: int,
-                 like: Any = None, pin_memory: bool = False) -> "ObjectPool":
+    def allocate(
+        cls,
+        pool_id: str,
+        object_nbytes: Sequence[int],
+        capacity: int,
+        like: Any = None,
+        pin_memory: bool = False,
+    ) -> "ObjectPool":
         """New pool buffers of ``like``'s framework and device (default: NumPy)."""
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(like, torch.Tensor):
-            return cls(pool_id, [torch.empty((capacity, n), dtype=torch.uint8, device=like.device,
-                                             pin_memory=pin_memory and like.device.type == "cpu")
-                                 for n in object_nbytes])
+            return cls(
+                pool_id,
+                [
+                    torch.empty(
+                        (capacity, n),
+                        dtype=torch.uint8,
+                        device=like.device,
+                        pin_memory=pin_memory and like.device.type == "cpu",
+                    )
+                    for n in object_nbytes
+                ],
+            )
         if like is None or isinstance(like, np.ndarray):
             return cls(pool_id, [np.empty((capacity, n), np.uint8) for n in object_nbytes])
         raise UnsupportedConfigError(
@@ -92,23 +107,37 @@ class ObjectPool:
             return [b[0:0] for b in self.buffers]
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
-            return [b[first:first + len(slots)] for b in self.buffers]
+            return [b[first : first + len(slots)] for b in self.buffers]
         return [b[slots] for b in self.buffers]
 
 
-def publish(transport: Transport, manager: Any, request_id: str, pool: ObjectPool,
-            slots: Sequence[int], *, endpoints: Sequence[dict] | None = None,
-            chunk_hashes: Sequence[str] = (), layers_ready: int | None = None) -> Publication:
+def publish(
+    transport: Transport,
+    manager: Any,
+    request_id: str,
+    pool: ObjectPool,
+    slots: Sequence[int],
+    *,
+    endpoints: Sequence[dict] | None = None,
+    chunk_hashes: Sequence[str] = (),
+    layers_ready: int | None = None,
+) -> Publication:
     """Publish a request's chunks, stored by ``manager``'s rank into ``slots`` of ``pool``."""
     return transport.publish(
-        request_id, pool.pool_id, slots, chunk_tokens=manager.lmcache_tokens_per_chunk,
-        fingerprint=manager.fingerprint(across_degrees=True), tp_size=manager.tp_size,
-        object_layout=manager.object_layout, endpoints=endpoints, chunk_hashes=chunk_hashes,
-        layers_ready=layers_ready)
+        request_id,
+        pool.pool_id,
+        slots,
+        chunk_tokens=manager.lmcache_tokens_per_chunk,
+        fingerprint=manager.fingerprint(across_degrees=True),
+        tp_size=manager.tp_size,
+        object_layout=manager.object_layout,
+        endpoints=endpoints,
+        chunk_hashes=chunk_hashes,
+        layers_ready=layers_ready,
+    )
 
 
-def check_publication(manager: Any, publication: Publication, reader: str = "this reader"
-                      ) -> None:
+def check_publication(manager: Any, publication: Publication, reader: str = "this reader") -> None:
     """The writer's grouping must be the reader's (any TP degree): FingerprintMismatchError
     naming both sides otherwise."""
     mine = manager.fingerprint(across_degrees=True)
@@ -169,8 +198,15 @@ class Receiver:
         Deadline of every pull.
     """
 
-    def __init__(self, manager: Any, transport: Transport, capacity: int, like: Any = None,
-                 timeout_s: float = 30.0, name: str = "staging") -> None:
+    def __init__(
+        self,
+        manager: Any,
+        transport: Transport,
+        capacity: int,
+        like: Any = None,
+        timeout_s: float = 30.0,
+        name: str = "staging",
+    ) -> None:
         self.manager = manager
         self.transport = transport
         self.capacity = int(capacity)
@@ -180,8 +216,9 @@ class Receiver:
         self._pools: dict[tuple, list[ObjectPool]] = {}
         self._free = list(range(self.capacity))
 
-    def begin(self, publication: Publication, *, first_chunk: int = 0,
-              num_chunks: int | None = None) -> PullJob:
+    def begin(
+        self, publication: Publication, *, first_chunk: int = 0, num_chunks: int | None = None
+    ) -> PullJob:
         """Plan a pull of chunks ``[first_chunk, num_chunks)`` (default: every published
         chunk) and reserve staging slots for them. Checks the fingerprint first: a mismatch
         raises before anything is reserved."""
@@ -203,8 +240,15 @@ class Receiver:
             return PullJob(publication, reads, first_chunk, n, chunks, {}, [])
         pools = self._staging(reads)
         slots = self._take(n - first_chunk)
-        return PullJob(publication, reads, first_chunk, n, chunks,
-                       {r: pools[i].pool_id for i, r in enumerate(reads.src_ranks)}, slots)
+        return PullJob(
+            publication,
+            reads,
+            first_chunk,
+            n,
+            chunks,
+            {r: pools[i].pool_id for i, r in enumerate(reads.src_ranks)},
+            slots,
+        )
 
     def _staging(self, reads: ReadPlan) -> list[ObjectPool]:
         key = (reads.src_tp_size, reads.src_object_layout)
@@ -213,8 +257,9 @@ class Receiver:
             sizes = [o.src_nbytes for o in reads.objects]
             pools = []
             for i in range(len(reads.src_ranks)):
-                pool = ObjectPool.allocate(f"{self._name}-tp{key[0]}-{key[1]}-{i}", sizes,
-                                           self.capacity, like=self._like)
+                pool = ObjectPool.allocate(
+                    f"{self._name}-tp{key[0]}-{key[1]}-{i}", sizes, self.capacity, like=self._like
+                )
                 self.transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
                 pools.append(pool)
             self._pools[key] = pools
@@ -229,8 +274,8 @@ class Receiver:
         self._free.sort()
         for i in range(len(self._free) - n + 1):  # a run keeps descriptors merged
             if self._free[i + n - 1] - self._free[i] == n - 1:
-                taken = self._free[i:i + n]
-                del self._free[i:i + n]
+                taken = self._free[i : i + n]
+                del self._free[i : i + n]
                 return taken
         taken = self._free[:n]
         del self._free[:n]
@@ -250,8 +295,9 @@ class Receiver:
                 remote = [pub.slots[c] for c in chunks]
                 local = [job.slots[c - job.first_chunk] for c in chunks]
                 copies.extend(pull_copies(reads, r, remote, local, layers))
-            job.handles.append(self.transport.pull(pub, r, job.pools[r], copies,
-                                                   timeout=self.timeout_s))
+            job.handles.append(
+                self.transport.pull(pub, r, job.pools[r], copies, timeout=self.timeout_s)
+            )
 
     def _pull_arrays(self, job: PullJob, layers: Sequence[int] | None) -> None:
         if layers is not None:
@@ -261,12 +307,22 @@ class Receiver:
             )
         sizes = [o.src_nbytes for o in job.reads.objects]
         for r in job.reads.src_ranks:
-            wanted = [(og, c) for og, (reads, chunks) in enumerate(zip(job.reads.objects,
-                                                                        job.chunks))
-                      if r in reads.ranges for c in chunks]
-            job.handles.append(self.transport.pull_objects(
-                job.publication, r, wanted, sizes, reader=self.manager.tp_rank,
-                timeout=self.timeout_s))
+            wanted = [
+                (og, c)
+                for og, (reads, chunks) in enumerate(zip(job.reads.objects, job.chunks))
+                if r in reads.ranges
+                for c in chunks
+            ]
+            job.handles.append(
+                self.transport.pull_objects(
+                    job.publication,
+                    r,
+                    wanted,
+                    sizes,
+                    reader=self.manager.tp_rank,
+                    timeout=self.timeout_s,
+                )
+            )
 
     def _stacked(self, job: PullJob, src_rank: int, og: int) -> Any:
         """Pulled per-chunk arrays of one writer rank as ``[num_chunks, nbytes]`` (chunks a
@@ -306,8 +362,10 @@ class Receiver:
         object_nbytes]`` array per object group, for ``load`` (rows of chunks a window
         skips hold no data: the load does not read them)."""
         if getattr(self.transport, "produces_arrays", False):
-            return [assemble(reads, {r: self._stacked(job, r, og) for r in reads.ranges})
-                    for og, reads in enumerate(job.reads.objects)]
+            return [
+                assemble(reads, {r: self._stacked(job, r, og) for r in reads.ranges})
+                for og, reads in enumerate(job.reads.objects)
+            ]
         pools = self._pools[(job.reads.src_tp_size, job.reads.src_object_layout)]
         by_id = {p.pool_id: p for p in pools}
         out = []
@@ -324,5 +382,6 @@ class Receiver:
             self._free.extend(job.slots)
         job.slots = []
         if release_remote:
-            self.transport.release_remote(job.publication, self.manager.tp_rank,
-                                          self.manager.tp_size)
+            self.transport.release_remote(
+                job.publication, self.manager.tp_rank, self.manager.tp_size
+            )

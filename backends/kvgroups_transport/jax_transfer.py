@@ -41,8 +41,9 @@ def import_jax_transfer() -> tuple[Any, Any]:
 
 def transfer_id(request_id: str, chunk: int, object_group: int, reader: int) -> int:
     """The transfer server's id of one (request, chunk, object group) offer to one reader."""
-    digest = hashlib.blake2b(f"{request_id}\0{chunk}\0{object_group}\0{reader}".encode(),
-                             digest_size=8).digest()
+    digest = hashlib.blake2b(
+        f"{request_id}\0{chunk}\0{object_group}\0{reader}".encode(), digest_size=8
+    ).digest()
     return int.from_bytes(digest, "little") >> 1
 
 
@@ -62,37 +63,52 @@ class JaxTransferTransport(SideChannelTransport):
     name = "jax_transfer"
     produces_arrays = True  # pulls return new arrays instead of filling registered slots
 
-    def __init__(self, name: str = "kvgroups", *, host: str = "127.0.0.1", port: int = 0,
-                 publication_ttl_s: float = 120.0, side_channel_timeout_s: float = 5.0,
-                 device: Any = None) -> None:
+    def __init__(
+        self,
+        name: str = "kvgroups",
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        publication_ttl_s: float = 120.0,
+        side_channel_timeout_s: float = 5.0,
+        device: Any = None,
+    ) -> None:
         self._jax, transfer = import_jax_transfer()
         self._device = device or self._jax.devices()[0]
-        self._server = transfer.start_transfer_server(self._device.client, f"{host}:0",
-                                                      [f"{host}:0"])
+        self._server = transfer.start_transfer_server(
+            self._device.client, f"{host}:0", [f"{host}:0"]
+        )
         self._address = self._server.address()
         self._pools: dict[str, tuple[PoolInfo, list]] = {}
         self._connections: dict[str, Any] = {}
         self._start_side_channel(host, port, publication_ttl_s, side_channel_timeout_s)
 
     def _hello(self) -> dict:
-        return {"transport": self.name, "address": self._address,
-                "pools": [info.to_dict() for info, _ in list(self._pools.values())]}
+        return {
+            "transport": self.name,
+            "address": self._address,
+            "pools": [info.to_dict() for info, _ in list(self._pools.values())],
+        }
 
     # --- the writer -------------------------------------------------------------------
 
-    def register_pool(self, pool_id: str, buffers: Sequence[Any], object_nbytes: Sequence[int]
-                      ) -> PoolInfo:
+    def register_pool(
+        self, pool_id: str, buffers: Sequence[Any], object_nbytes: Sequence[int]
+    ) -> PoolInfo:
         sizes = [int(n) for n in object_nbytes]
         shapes = [tuple(b.shape) for b in buffers]
-        if len(shapes) != len(sizes) or any(len(s) != 2 or s[1] != n
-                                            for s, n in zip(shapes, sizes)) \
-                or len({s[0] for s in shapes}) != 1:
+        if (
+            len(shapes) != len(sizes)
+            or any(len(s) != 2 or s[1] != n for s, n in zip(shapes, sizes))
+            or len({s[0] for s in shapes}) != 1
+        ):
             raise KVGroupsValueError(
                 f"buffers: expected [capacity, object_nbytes] arrays of one capacity for "
                 f"objects of {sizes}, got shapes {shapes}"
             )
-        info = PoolInfo(pool_id=pool_id, bases=(), object_nbytes=tuple(sizes),
-                        capacity=shapes[0][0])
+        info = PoolInfo(
+            pool_id=pool_id, bases=(), object_nbytes=tuple(sizes), capacity=shapes[0][0]
+        )
         self._pools[pool_id] = (info, list(buffers))
         return info
 
@@ -106,10 +122,21 @@ class JaxTransferTransport(SideChannelTransport):
         if self._pools.pop(pool_id, None) is not None:
             self._table.release_pool(pool_id)
 
-    def publish(self, request_id: str, pool_id: str, slots: Sequence[int], *, chunk_tokens: int,
-                fingerprint: str, tp_size: int = 1, object_layout: str = "canonical",
-                endpoints: Sequence[dict] | None = None, chunk_hashes: Sequence[str] = (),
-                layers_ready: int | None = None, readers: int = 1) -> Publication:
+    def publish(
+        self,
+        request_id: str,
+        pool_id: str,
+        slots: Sequence[int],
+        *,
+        chunk_tokens: int,
+        fingerprint: str,
+        tp_size: int = 1,
+        object_layout: str = "canonical",
+        endpoints: Sequence[dict] | None = None,
+        chunk_hashes: Sequence[str] = (),
+        layers_ready: int | None = None,
+        readers: int = 1,
+    ) -> Publication:
         """As :meth:`Transport.publish`; ``readers``: the reading group's TP degree (each
         reader rank pulls its own copy of what it needs)."""
         if layers_ready is not None:
@@ -122,16 +149,27 @@ class JaxTransferTransport(SideChannelTransport):
                 f"pool_id: expected a registered pool ({sorted(self._pools)}), got {pool_id!r}"
             )
         info, buffers = self._pools[pool_id]
-        pub = self._offer(request_id, pool_id, slots, info.capacity, chunk_tokens=chunk_tokens,
-                          fingerprint=fingerprint, tp_size=tp_size, object_layout=object_layout,
-                          endpoints=endpoints, chunk_hashes=chunk_hashes, layers_ready=None)
+        pub = self._offer(
+            request_id,
+            pool_id,
+            slots,
+            info.capacity,
+            chunk_tokens=chunk_tokens,
+            fingerprint=fingerprint,
+            tp_size=tp_size,
+            object_layout=object_layout,
+            endpoints=endpoints,
+            chunk_hashes=chunk_hashes,
+            layers_ready=None,
+        )
         expires = datetime.datetime.now() + datetime.timedelta(seconds=self.publication_ttl_s)
         for chunk, slot in enumerate(pub.slots):
             for og, buf in enumerate(buffers):
                 row = buf[slot]
                 for reader in range(int(readers)):
-                    self._server.await_pull(transfer_id(pub.request_id, chunk, og, reader),
-                                            [row], timeout=expires)
+                    self._server.await_pull(
+                        transfer_id(pub.request_id, chunk, og, reader), [row], timeout=expires
+                    )
         return pub
 
     # --- the reader -------------------------------------------------------------------
@@ -143,19 +181,28 @@ class JaxTransferTransport(SideChannelTransport):
             try:
                 conn = self._server.connect(hello["address"])
             except Exception as exc:  # noqa: BLE001 - the runtime's own error classes
-                raise PeerUnavailableError(f"writer rank {rank} at {hello['address']}: {exc}") \
-                    from exc
+                raise PeerUnavailableError(
+                    f"writer rank {rank} at {hello['address']}: {exc}"
+                ) from exc
             self._connections[hello["address"]] = conn
         return conn
 
-    def pull_objects(self, publication: Publication, rank: int,
-                     wanted: Sequence[tuple[int, int]], object_nbytes: Sequence[int], *,
-                     reader: int = 0, timeout: float = 30.0) -> TransferHandle:
+    def pull_objects(
+        self,
+        publication: Publication,
+        rank: int,
+        wanted: Sequence[tuple[int, int]],
+        object_nbytes: Sequence[int],
+        *,
+        reader: int = 0,
+        timeout: float = 30.0,
+    ) -> TransferHandle:
         """Pull the objects ``(object group, chunk)`` of ``wanted`` from writer rank
         ``rank``; once done, ``handle.native[(og, chunk)]`` is each one's uint8 array."""
         jax = self._jax
-        handle = self._handle(publication, rank, len(wanted),
-                              sum(object_nbytes[og] for og, _ in wanted), timeout)
+        handle = self._handle(
+            publication, rank, len(wanted), sum(object_nbytes[og] for og, _ in wanted), timeout
+        )
         self._status(publication, rank)
         conn = self._connection(publication, rank)
         sharding = jax.sharding.SingleDeviceSharding(self._device)
@@ -164,13 +211,21 @@ class JaxTransferTransport(SideChannelTransport):
         for og, chunk in wanted:
             spec = jax.ShapeDtypeStruct((object_nbytes[og],), jax.numpy.uint8, sharding=sharding)
             (arrays[(og, chunk)],) = conn.pull(
-                transfer_id(publication.request_id, chunk, og, reader), [spec], timeout=deadline)
+                transfer_id(publication.request_id, chunk, og, reader), [spec], timeout=deadline
+            )
         handle.native = arrays
         handle.after = lambda: self._status(publication, rank)
         return handle
 
-    def _start(self, op: str, publication: Publication, rank: int, pool_id: str,
-               copies: Sequence[Copy], handle: TransferHandle) -> None:
+    def _start(
+        self,
+        op: str,
+        publication: Publication,
+        rank: int,
+        pool_id: str,
+        copies: Sequence[Copy],
+        handle: TransferHandle,
+    ) -> None:
         raise UnsupportedConfigError(
             "copies: expected whole objects (pull_objects); jax.experimental.transfer moves "
             "arrays, not byte ranges of registered memory"

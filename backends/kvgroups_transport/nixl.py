@@ -82,14 +82,25 @@ class NixlTransport(SideChannelTransport):
 
     name = "nixl"
 
-    def __init__(self, name: str = "kvgroups", *, backends: Sequence[str] = ("UCX",),
-                 host: str = "127.0.0.1", port: int = 0, publication_ttl_s: float = 120.0,
-                 side_channel_timeout_s: float = 5.0) -> None:
+    def __init__(
+        self,
+        name: str = "kvgroups",
+        *,
+        backends: Sequence[str] = ("UCX",),
+        host: str = "127.0.0.1",
+        port: int = 0,
+        publication_ttl_s: float = 120.0,
+        side_channel_timeout_s: float = 5.0,
+    ) -> None:
         nixl_agent, nixl_agent_config = import_nixl()
         self.agent_name = f"{name}-{uuid.uuid4().hex[:12]}"
         self.backends = list(backends)
-        config = nixl_agent_config(enable_prog_thread=True, enable_listen_thread=False,
-                                   backends=self.backends, capture_telemetry=True)
+        config = nixl_agent_config(
+            enable_prog_thread=True,
+            enable_listen_thread=False,
+            backends=self.backends,
+            capture_telemetry=True,
+        )
         self._agent = nixl_agent(self.agent_name, config)
         missing = [b for b in self.backends if b not in self._agent.backends]
         if missing:
@@ -108,25 +119,32 @@ class NixlTransport(SideChannelTransport):
 
     def _hello(self) -> dict:
         # Runs on the side channel's thread: only data the main thread prepared.
-        return {"transport": self.name, "agent": self.agent_name, "epoch": self._epoch,
-                "metadata": base64.b64encode(self._metadata).decode(),
-                "pools": [p.info.to_dict() for p in list(self._pools.values())]}
+        return {
+            "transport": self.name,
+            "agent": self.agent_name,
+            "epoch": self._epoch,
+            "metadata": base64.b64encode(self._metadata).decode(),
+            "pools": [p.info.to_dict() for p in list(self._pools.values())],
+        }
 
-    def register_pool(self, pool_id: str, buffers: Sequence[Any], object_nbytes: Sequence[int]
-                      ) -> PoolInfo:
+    def register_pool(
+        self, pool_id: str, buffers: Sequence[Any], object_nbytes: Sequence[int]
+    ) -> PoolInfo:
         if pool_id in self._pools:
             raise KVGroupsValueError(f"pool_id: expected a new pool id, got {pool_id!r} again")
         regions = [memory_region(b) for b in buffers]
         sizes = [int(n) for n in object_nbytes]
         if len(regions) != len(sizes) or not regions:
             raise KVGroupsValueError(
-                f"buffers: expected one buffer per object group ({len(sizes)}), got "
-                f"{len(regions)}"
+                f"buffers: expected one buffer per object group ({len(sizes)}), got {len(regions)}"
             )
         capacities = {r.nbytes // n for r, n in zip(regions, sizes) if n}
         devices = {(r.device, r.device_id) for r in regions}
-        if len(capacities) != 1 or len(devices) != 1 or \
-                any(r.nbytes % n for r, n in zip(regions, sizes) if n):
+        if (
+            len(capacities) != 1
+            or len(devices) != 1
+            or any(r.nbytes % n for r, n in zip(regions, sizes) if n)
+        ):
             raise KVGroupsValueError(
                 f"buffers: expected [capacity, object_nbytes] buffers of one capacity on one "
                 f"device, got {[r.nbytes for r in regions]} bytes for objects of {sizes} on "
@@ -135,10 +153,16 @@ class NixlTransport(SideChannelTransport):
         device, device_id = devices.pop()
         mem = _MEM[device]
         registration = self._agent.register_memory(
-            [(r.address, r.nbytes, r.device_id, "") for r in regions], mem)
-        info = PoolInfo(pool_id=pool_id, bases=tuple(r.address for r in regions),
-                        object_nbytes=tuple(sizes), capacity=capacities.pop(), device=device,
-                        device_id=device_id)
+            [(r.address, r.nbytes, r.device_id, "") for r in regions], mem
+        )
+        info = PoolInfo(
+            pool_id=pool_id,
+            bases=tuple(r.address for r in regions),
+            object_nbytes=tuple(sizes),
+            capacity=capacities.pop(),
+            device=device,
+            device_id=device_id,
+        )
         self._pools[pool_id] = _Pool(info, registration, mem, list(buffers))
         self._refresh_metadata()
         return info
@@ -155,19 +179,38 @@ class NixlTransport(SideChannelTransport):
         self._metadata = self._agent.get_agent_metadata()
         self._epoch += 1
 
-    def publish(self, request_id: str, pool_id: str, slots: Sequence[int], *, chunk_tokens: int,
-                fingerprint: str, tp_size: int = 1, object_layout: str = "canonical",
-                endpoints: Sequence[dict] | None = None, chunk_hashes: Sequence[str] = (),
-                layers_ready: int | None = None) -> Publication:
+    def publish(
+        self,
+        request_id: str,
+        pool_id: str,
+        slots: Sequence[int],
+        *,
+        chunk_tokens: int,
+        fingerprint: str,
+        tp_size: int = 1,
+        object_layout: str = "canonical",
+        endpoints: Sequence[dict] | None = None,
+        chunk_hashes: Sequence[str] = (),
+        layers_ready: int | None = None,
+    ) -> Publication:
         pool = self._pools.get(pool_id)
         if pool is None:
             raise KVGroupsValueError(
                 f"pool_id: expected a registered pool ({sorted(self._pools)}), got {pool_id!r}"
             )
-        return self._offer(request_id, pool_id, slots, pool.info.capacity,
-                           chunk_tokens=chunk_tokens, fingerprint=fingerprint, tp_size=tp_size,
-                           object_layout=object_layout, endpoints=endpoints,
-                           chunk_hashes=chunk_hashes, layers_ready=layers_ready)
+        return self._offer(
+            request_id,
+            pool_id,
+            slots,
+            pool.info.capacity,
+            chunk_tokens=chunk_tokens,
+            fingerprint=fingerprint,
+            tp_size=tp_size,
+            object_layout=object_layout,
+            endpoints=endpoints,
+            chunk_hashes=chunk_hashes,
+            layers_ready=layers_ready,
+        )
 
     # --- the reader -----------------------------------------------------------------
 
@@ -184,13 +227,23 @@ class NixlTransport(SideChannelTransport):
             except Exception:  # noqa: BLE001 - not loaded before: nothing to remove
                 pass
             self._agent.add_remote_agent(base64.b64decode(hello["metadata"]))
-            peer = _Peer(hello["agent"], int(hello["epoch"]),
-                         {p["pool_id"]: PoolInfo.from_dict(p) for p in hello["pools"]})
+            peer = _Peer(
+                hello["agent"],
+                int(hello["epoch"]),
+                {p["pool_id"]: PoolInfo.from_dict(p) for p in hello["pools"]},
+            )
             self._peers[key] = peer
         return peer
 
-    def _start(self, op: str, publication: Publication, rank: int, pool_id: str,
-               copies: Sequence[Copy], handle: TransferHandle) -> None:
+    def _start(
+        self,
+        op: str,
+        publication: Publication,
+        rank: int,
+        pool_id: str,
+        copies: Sequence[Copy],
+        handle: TransferHandle,
+    ) -> None:
         local = self._pools.get(pool_id)
         if local is None:
             raise KVGroupsValueError(
@@ -201,8 +254,10 @@ class NixlTransport(SideChannelTransport):
         peer = self._peer(publication, rank)
         remote = peer.pools.get(publication.pool_id)
         if remote is None:  # the writer registered it after our hello: ask again once
-            self._peers.pop((publication.endpoints[rank]["host"],
-                             int(publication.endpoints[rank]["port"])), None)
+            self._peers.pop(
+                (publication.endpoints[rank]["host"], int(publication.endpoints[rank]["port"])),
+                None,
+            )
             peer = self._peer(publication, rank)
             remote = peer.pools.get(publication.pool_id)
         if remote is None:
@@ -214,8 +269,11 @@ class NixlTransport(SideChannelTransport):
         remote_descs = _descriptors(remote, copies, "remote")
         try:
             native = self._agent.initialize_xfer(
-                op, self._agent.get_xfer_descs(local_descs, local.mem),
-                self._agent.get_xfer_descs(remote_descs, _MEM[remote.device]), peer.agent)
+                op,
+                self._agent.get_xfer_descs(local_descs, local.mem),
+                self._agent.get_xfer_descs(remote_descs, _MEM[remote.device]),
+                peer.agent,
+            )
             state = self._agent.transfer(native)
         except Exception as exc:  # noqa: BLE001 - NIXL raises its own classes
             self._forget_peer(publication, rank)
@@ -238,7 +296,8 @@ class NixlTransport(SideChannelTransport):
             return False
         try:
             handle.stats.posted_descriptors = int(
-                self._agent.get_xfer_telemetry(handle.native).descCount)
+                self._agent.get_xfer_telemetry(handle.native).descCount
+            )
         except Exception:  # noqa: BLE001 - telemetry is optional
             pass
         self._agent.release_xfer_handle(handle.native)
@@ -279,8 +338,9 @@ def _descriptors(pool: PoolInfo, copies: Sequence[Copy], side: str) -> np.ndarra
     """An ``[n, 3]`` int64 array (address, length, device id), bounds checked."""
     out = np.empty((len(copies), 3), dtype=np.int64)
     for i, c in enumerate(copies):
-        slot, offset = (c.local_slot, c.local_offset) if side == "local" \
-            else (c.remote_slot, c.remote_offset)
+        slot, offset = (
+            (c.local_slot, c.local_offset) if side == "local" else (c.remote_slot, c.remote_offset)
+        )
         n = pool.object_nbytes[c.object_group]
         start = slot * n + offset
         if slot < 0 or offset < 0 or start + c.nbytes > pool.capacity * n:

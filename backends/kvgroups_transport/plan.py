@@ -51,8 +51,13 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
     return [(a, b, n) for a, b, n in runs]
 
 
-def pull_copies(reads: ObjectReads, src_rank: int, remote_slots: Sequence[int],
-                local_slots: Sequence[int], layers: Sequence[int] | None = None) -> list[Copy]:
+def pull_copies(
+    reads: ObjectReads,
+    src_rank: int,
+    remote_slots: Sequence[int],
+    local_slots: Sequence[int],
+    layers: Sequence[int] | None = None,
+) -> list[Copy]:
     """The descriptors moving writer rank ``src_rank``'s share of one object group.
 
     ``remote_slots[i]`` / ``local_slots[i]``: the writer's and the reader's slot of the i-th
@@ -63,20 +68,40 @@ def pull_copies(reads: ObjectReads, src_rank: int, remote_slots: Sequence[int],
             f"local_slots: expected one per remote slot ({len(remote_slots)}), got "
             f"{len(local_slots)}"
         )
-    ranges = reads.ranges.get(src_rank, ()) if layers is None \
-        else reads.layer_ranges(src_rank, layers)
+    ranges = (
+        reads.ranges.get(src_rank, ()) if layers is None else reads.layer_ranges(src_rank, layers)
+    )
     og = reads.object_group_idx
     pairs = list(zip((int(s) for s in remote_slots), (int(s) for s in local_slots)))
     if ranges == ((0, reads.src_nbytes),):
-        return [Copy(object_group=og, remote_slot=r, remote_offset=0, local_slot=loc,
-                     local_offset=0, nbytes=n * reads.src_nbytes) for r, loc, n in _runs(pairs)]
-    return [Copy(object_group=og, remote_slot=r, remote_offset=o, local_slot=loc,
-                 local_offset=o, nbytes=n)
-            for r, loc in pairs for o, n in ranges]
+        return [
+            Copy(
+                object_group=og,
+                remote_slot=r,
+                remote_offset=0,
+                local_slot=loc,
+                local_offset=0,
+                nbytes=n * reads.src_nbytes,
+            )
+            for r, loc, n in _runs(pairs)
+        ]
+    return [
+        Copy(
+            object_group=og,
+            remote_slot=r,
+            remote_offset=o,
+            local_slot=loc,
+            local_offset=o,
+            nbytes=n,
+        )
+        for r, loc in pairs
+        for o, n in ranges
+    ]
 
 
-def layer_byte_ranges(manager: Any, object_group_idx: int, layer: int
-                      ) -> tuple[tuple[int, int], ...]:
+def layer_byte_ranges(
+    manager: Any, object_group_idx: int, layer: int
+) -> tuple[tuple[int, int], ...]:
     """``(offset, nbytes)`` ranges of one chunk's object holding layer ``layer`` (a manager
     layer index): in its kernel group's region ``[kv_size, nl, slots, row]``, the ``slots``
     rows of the layer's position ``j`` in each plane, at rows ``(kv * nl + j) * slots``. One
@@ -90,8 +115,12 @@ def layer_byte_ranges(manager: Any, object_group_idx: int, layer: int
         kv, nl, slots, _ = region.shape
         j = layers.index(layer)
         for plane in range(kv):
-            spans.append((region.offset + (plane * nl + j) * slots * region.row_bytes,
-                          slots * region.row_bytes))
+            spans.append(
+                (
+                    region.offset + (plane * nl + j) * slots * region.row_bytes,
+                    slots * region.row_bytes,
+                )
+            )
     return coalesce(spans)
 
 

@@ -53,11 +53,13 @@ class PublicationTable:
         self._lock = threading.Lock()
         self._live: dict[str, _Entry] = {}
 
-    def add(self, request_id: str, pool_id: str, slots: tuple[int, ...],
-            layers_ready: int | None) -> None:
+    def add(
+        self, request_id: str, pool_id: str, slots: tuple[int, ...], layers_ready: int | None
+    ) -> None:
         with self._lock:
-            self._live[request_id] = _Entry(pool_id, slots, layers_ready,
-                                            time.monotonic() + self.ttl_s)
+            self._live[request_id] = _Entry(
+                pool_id, slots, layers_ready, time.monotonic() + self.ttl_s
+            )
 
     def mark_ready(self, request_id: str, layers_ready: int | None) -> None:
         with self._lock:
@@ -103,15 +105,19 @@ class PublicationTable:
             entry = self._live.get(request_id)
             if entry is None or (slots is not None and tuple(slots) != entry.slots):
                 return {"state": "released"}
-            return {"state": "published", "layers_ready": entry.layers_ready,
-                    "pool_id": entry.pool_id}
+            return {
+                "state": "published",
+                "layers_ready": entry.layers_ready,
+                "pool_id": entry.pool_id,
+            }
 
 
 class SideChannel:
     """The writer's side-channel server (a daemon thread); ``hello`` returns ``hello()``."""
 
-    def __init__(self, host: str, port: int, table: PublicationTable,
-                 hello: Callable[[], dict]) -> None:
+    def __init__(
+        self, host: str, port: int, table: PublicationTable, hello: Callable[[], dict]
+    ) -> None:
         self.table = table
         outer = self
 
@@ -133,8 +139,11 @@ class SideChannel:
         self._hello = hello
         self._server = Server((host, int(port)), Handler)
         self.host, self.port = self._server.server_address[:2]
-        self._thread = threading.Thread(target=self._server.serve_forever,
-                                        name=f"kvgroups-side-channel-{self.port}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever,
+            name=f"kvgroups-side-channel-{self.port}",
+            daemon=True,
+        )
         self._thread.start()
 
     def _answer(self, msg: dict) -> dict:
@@ -144,9 +153,11 @@ class SideChannel:
         if op == "status":
             return self.table.status(str(msg["request"]), msg.get("slots"))
         if op == "release":
-            return {"released": self.table.release(str(msg["request"]),
-                                                   int(msg.get("reader", 0)),
-                                                   int(msg.get("readers", 1)))}
+            return {
+                "released": self.table.release(
+                    str(msg["request"]), int(msg.get("reader", 0)), int(msg.get("readers", 1))
+                )
+            }
         return {"error": f"op: expected 'hello', 'status' or 'release', got {op!r}"}
 
     def close(self) -> None:
@@ -174,7 +185,8 @@ def ask(host: str, port: int, msg: dict, timeout: float) -> dict:
         ) from None
     except OSError as exc:
         raise PeerUnavailableError(
-            f"side channel {where}: cannot reach the writer ({exc})") from None
+            f"side channel {where}: cannot reach the writer ({exc})"
+        ) from None
     if not data.endswith(b"\n"):
         raise PeerUnavailableError(f"side channel {where}: the writer closed the connection")
     reply = json.loads(data)
@@ -187,8 +199,9 @@ class SideChannelTransport(Transport):
     """What every transport with a side channel shares: the writer's publication table and
     server, and the reader's questions (status, layers ready, release)."""
 
-    def _start_side_channel(self, host: str, port: int, publication_ttl_s: float,
-                            side_channel_timeout_s: float) -> None:
+    def _start_side_channel(
+        self, host: str, port: int, publication_ttl_s: float, side_channel_timeout_s: float
+    ) -> None:
         self.publication_ttl_s = float(publication_ttl_s)
         self.timeout_s = float(side_channel_timeout_s)
         self._table = PublicationTable(self.publication_ttl_s)
@@ -201,10 +214,21 @@ class SideChannelTransport(Transport):
     def endpoint(self) -> dict:
         return {"host": self._side.host, "port": self._side.port}
 
-    def _offer(self, request_id: str, pool_id: str, slots: Sequence[int], capacity: int, *,
-               chunk_tokens: int, fingerprint: str, tp_size: int, object_layout: str,
-               endpoints: Sequence[dict] | None, chunk_hashes: Sequence[str],
-               layers_ready: int | None) -> Publication:
+    def _offer(
+        self,
+        request_id: str,
+        pool_id: str,
+        slots: Sequence[int],
+        capacity: int,
+        *,
+        chunk_tokens: int,
+        fingerprint: str,
+        tp_size: int,
+        object_layout: str,
+        endpoints: Sequence[dict] | None,
+        chunk_hashes: Sequence[str],
+        layers_ready: int | None,
+    ) -> Publication:
         from kvgroups_core.errors import KVGroupsValueError
 
         slots = tuple(int(s) for s in slots)
@@ -212,12 +236,18 @@ class SideChannelTransport(Transport):
         if bad:
             raise KVGroupsValueError(f"slots: expected slots in [0, {capacity}), got {bad}")
         self._table.add(str(request_id), pool_id, slots, layers_ready)
-        return Publication(request_id=str(request_id), transport=self.name, pool_id=pool_id,
-                           slots=slots, chunk_tokens=int(chunk_tokens),
-                           fingerprint=str(fingerprint), tp_size=int(tp_size),
-                           object_layout=str(object_layout),
-                           endpoints=tuple(endpoints or (self.endpoint(),)),
-                           chunk_hashes=tuple(chunk_hashes))
+        return Publication(
+            request_id=str(request_id),
+            transport=self.name,
+            pool_id=pool_id,
+            slots=slots,
+            chunk_tokens=int(chunk_tokens),
+            fingerprint=str(fingerprint),
+            tp_size=int(tp_size),
+            object_layout=str(object_layout),
+            endpoints=tuple(endpoints or (self.endpoint(),)),
+            chunk_hashes=tuple(chunk_hashes),
+        )
 
     def mark_ready(self, request_id: str, layers_ready: int | None) -> None:
         self._table.mark_ready(str(request_id), layers_ready)
@@ -231,8 +261,12 @@ class SideChannelTransport(Transport):
 
     def _status(self, publication: Publication, rank: int) -> dict:
         e = publication.endpoints[rank]
-        reply = ask(e["host"], e["port"], {"op": "status", "request": publication.request_id,
-                                           "slots": list(publication.slots)}, self.timeout_s)
+        reply = ask(
+            e["host"],
+            e["port"],
+            {"op": "status", "request": publication.request_id, "slots": list(publication.slots)},
+            self.timeout_s,
+        )
         if reply.get("state") != "published":
             raise PublicationReleasedError(
                 f"request {publication.request_id!r}: writer rank {rank} at "
@@ -254,10 +288,13 @@ class SideChannelTransport(Transport):
     def layers_ready(self, publication: Publication, rank: int) -> int | None:
         return self._status(publication, rank).get("layers_ready")
 
-    def release_remote(self, publication: Publication, reader: int = 0, readers: int = 1
-                       ) -> None:
-        msg = {"op": "release", "request": publication.request_id, "reader": int(reader),
-               "readers": int(readers)}
+    def release_remote(self, publication: Publication, reader: int = 0, readers: int = 1) -> None:
+        msg = {
+            "op": "release",
+            "request": publication.request_id,
+            "reader": int(reader),
+            "readers": int(readers),
+        }
         for e in publication.endpoints:
             try:
                 ask(e["host"], e["port"], msg, self.timeout_s)

@@ -42,32 +42,46 @@ class Setup:
     formats: list
 
     def store(self, ids, objects=None, **kwargs):
-        return self.harness.store(self.manager, self.caches, ids,
-                                  self.objects if objects is None else objects, **kwargs)
+        return self.harness.store(
+            self.manager, self.caches, ids, self.objects if objects is None else objects, **kwargs
+        )
 
     def load(self, ids, objects=None, skip=0):
-        return self.harness.load(self.manager, self.objects if objects is None else objects,
-                                 self.caches, ids, skip=skip)
+        return self.harness.load(
+            self.manager, self.objects if objects is None else objects, self.caches, ids, skip=skip
+        )
 
     def assert_unchanged(self, what: str) -> None:
         got_caches = self.harness.read(self.caches, self.caches_np)
         got_objects = self.harness.to_numpy(self.objects[0], self.objects_np[0])
         raise_if_any(
-            block_mismatches(got_caches, self.formats, all_blocks(self.caches_np, self.formats),
-                             what=f"{what}: caches changed")
-            + object_mismatches(got_objects, self.objects_np[0], self.manager, 0,
-                                what=f"{what}: objects changed"))
+            block_mismatches(
+                got_caches,
+                self.formats,
+                all_blocks(self.caches_np, self.formats),
+                what=f"{what}: caches changed",
+            )
+            + object_mismatches(
+                got_objects, self.objects_np[0], self.manager, 0, what=f"{what}: objects changed"
+            )
+        )
 
 
 @pytest.fixture
 def setup(harness):
     rng = np.random.default_rng(9)
-    caches_np, formats = make_caches(FMT, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="float16",
-                                     rng=rng)
+    caches_np, formats = make_caches(FMT, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="float16", rng=rng)
     manager = KVLayerGroupsManager(caches_np, formats, lmcache_tokens_per_chunk=CHUNK)
     objects_np = [rng.integers(0, 256, (2, object_nbytes(manager, 0)), dtype=np.uint8)]
-    return Setup(harness, manager, caches_np, objects_np, harness.convert(caches_np),
-                 harness.convert(objects_np), formats)
+    return Setup(
+        harness,
+        manager,
+        caches_np,
+        objects_np,
+        harness.convert(caches_np),
+        harness.convert(objects_np),
+        formats,
+    )
 
 
 def _raises(error, text, call):
@@ -100,10 +114,10 @@ def test_bad_block_ids_raise_before_any_byte_moves(harness, setup, ids, error, t
 
 # Objects that do not fit the manager: functions of object_nbytes(manager, 0).
 BAD_OBJECTS = [
-    lambda n: [np.zeros((2, n + 1), np.uint8)],     # one byte too many per chunk
-    lambda n: [np.zeros((2, n // 2), np.uint16)],   # right size, wrong dtype
-    lambda n: [np.zeros((3, n), np.uint8)],         # a chunk too many
-    lambda n: [],                                   # no object group
+    lambda n: [np.zeros((2, n + 1), np.uint8)],  # one byte too many per chunk
+    lambda n: [np.zeros((2, n // 2), np.uint16)],  # right size, wrong dtype
+    lambda n: [np.zeros((3, n), np.uint8)],  # a chunk too many
+    lambda n: [],  # no object group
 ]
 
 
@@ -123,8 +137,11 @@ BAD_SKIPS = [-1, 2 * CHUNK + 1]
 
 def test_skip_outside_the_covered_tokens_is_rejected(harness, setup):
     for skip in BAD_SKIPS:
-        _raises(kc.KVGroupsValueError, "skip_first_n_tokens",
-                lambda skip=skip: setup.load(np.arange(8), skip=skip))
+        _raises(
+            kc.KVGroupsValueError,
+            "skip_first_n_tokens",
+            lambda skip=skip: setup.load(np.arange(8), skip=skip),
+        )
         setup.assert_unchanged(f"load with skip_first_n_tokens={skip}")
 
 
@@ -139,14 +156,25 @@ class BadCall:
 
 
 BAD_CALLS = [
-    BadCall("store-float-ids", lambda s: s.store(np.arange(8, dtype=np.float32)),
-            kc.KVGroupsTypeError, "block_ids"),
-    BadCall("load-bool-ids", lambda s: s.load(np.ones(8, bool)),
-            kc.KVGroupsTypeError, "block_ids"),
-    BadCall("load-2d-ids", lambda s: s.load(np.arange(8).reshape(2, 4)),
-            kc.KVGroupsTypeError, "block_ids"),
-    BadCall("load-float-skip", lambda s: s.load(np.arange(8), skip=1.5),
-            kc.KVGroupsTypeError, "skip_first_n_tokens"),
+    BadCall(
+        "store-float-ids",
+        lambda s: s.store(np.arange(8, dtype=np.float32)),
+        kc.KVGroupsTypeError,
+        "block_ids",
+    ),
+    BadCall("load-bool-ids", lambda s: s.load(np.ones(8, bool)), kc.KVGroupsTypeError, "block_ids"),
+    BadCall(
+        "load-2d-ids",
+        lambda s: s.load(np.arange(8).reshape(2, 4)),
+        kc.KVGroupsTypeError,
+        "block_ids",
+    ),
+    BadCall(
+        "load-float-skip",
+        lambda s: s.load(np.arange(8), skip=1.5),
+        kc.KVGroupsTypeError,
+        "skip_first_n_tokens",
+    ),
 ]
 
 
@@ -157,23 +185,36 @@ def test_bad_call_is_refused_and_moves_nothing(harness, setup, case):
 
 
 def test_caches_that_do_not_match_the_manager_are_rejected(harness, setup):
-    other_np, formats = make_caches(FMT, nl=2, nb=NB, bs=BS, nh=4, hs=8, dtype="float16",
-                                    rng=np.random.default_rng(1))
+    other_np, formats = make_caches(
+        FMT, nl=2, nb=NB, bs=BS, nh=4, hs=8, dtype="float16", rng=np.random.default_rng(1)
+    )
     other = harness.convert(other_np)
-    _raises(kc.KVGroupsValueError, "as the manager was built with",
-            lambda: harness.load(setup.manager, setup.objects, other, np.arange(8)))
-    raise_if_any(block_mismatches(harness.read(other, other_np), formats,
-                                  all_blocks(other_np, formats),
-                                  what="load into mismatched caches changed them"))
+    _raises(
+        kc.KVGroupsValueError,
+        "as the manager was built with",
+        lambda: harness.load(setup.manager, setup.objects, other, np.arange(8)),
+    )
+    raise_if_any(
+        block_mismatches(
+            harness.read(other, other_np),
+            formats,
+            all_blocks(other_np, formats),
+            what="load into mismatched caches changed them",
+        )
+    )
     setup.assert_unchanged("load into mismatched caches")
 
 
 def test_flat_ids_need_a_single_engine_group(harness):
     rng = np.random.default_rng(2)
-    caches_np, formats = make_caches(FMT, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="float16",
-                                     rng=rng)
-    infos = (EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
-             EngineGroupInfo(engine_group_id=1, layer_indices=(1,)))
+    caches_np, formats = make_caches(FMT, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="float16", rng=rng)
+    infos = (
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+        EngineGroupInfo(engine_group_id=1, layer_indices=(1,)),
+    )
     manager = KVLayerGroupsManager(caches_np, formats, infos, lmcache_tokens_per_chunk=CHUNK)
-    _raises(kc.KVGroupsValueError, "one id list per engine group",
-            lambda: harness.store(manager, harness.convert(caches_np), np.arange(4)))
+    _raises(
+        kc.KVGroupsValueError,
+        "one id list per engine group",
+        lambda: harness.store(manager, harness.convert(caches_np), np.arange(4)),
+    )

@@ -33,8 +33,18 @@ def small_case(name: str, params: dict) -> bool:
 
 def _summary(manager):
     return (
-        [(g.layer_indices, g.shape_desc, g.dtype, g.engine_kv_format, g.tokens_per_block,
-          g.engine_group_idx, g.sw_size_tokens) for g in manager.kernel_groups],
+        [
+            (
+                g.layer_indices,
+                g.shape_desc,
+                g.dtype,
+                g.engine_kv_format,
+                g.tokens_per_block,
+                g.engine_group_idx,
+                g.sw_size_tokens,
+            )
+            for g in manager.kernel_groups
+        ],
         [(o.kernel_group_indices, o.sw_size_chunks) for o in manager.object_groups],
         [object_nbytes(manager, o) for o in range(manager.num_object_groups)],
     )
@@ -60,34 +70,50 @@ def test_store_with_one_backend_load_with_the_other(harness_pair, fmt):
     # The same bytes whoever wrote them: both equal the independent model's objects.
     bpc = CHUNK // GEOMETRY["bs"]
     for og in range(manager_a.num_object_groups):
-        want = np.stack([expected_object(manager_a, src_np, og,
-                                         {0: ids_a[c * bpc:(c + 1) * bpc]})
-                         for c in range(len(ids_a) // bpc)])
+        want = np.stack(
+            [
+                expected_object(manager_a, src_np, og, {0: ids_a[c * bpc : (c + 1) * bpc]})
+                for c in range(len(ids_a) // bpc)
+            ]
+        )
         for h, objects in ((a, objects_a), (b, objects_b)):
-            assert_objects_match(h.to_numpy(objects[og], UINT8), want, manager_a, og,
-                          what=f"objects stored by {h.id}", ids=ids_a, source_caches=src_np,
-                          formats=formats)
+            assert_objects_match(
+                h.to_numpy(objects[og], UINT8),
+                want,
+                manager_a,
+                og,
+                what=f"objects stored by {h.id}",
+                ids=ids_a,
+                source_caches=src_np,
+                formats=formats,
+            )
 
     handed = [b.adopt(o) for o in objects_a]
     dst = b.load(manager_b, handed, b.convert(dst_np), ids_b)
     before = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
     want = moved_blocks(before, all_blocks(dst_np, formats), moved)
-    assert_blocks_match(b.read(dst, dst_np), formats, want,
-                 what=f"{b.id} loading objects stored by {a.id}", source=before,
-                 expected_source=moved)
+    assert_blocks_match(
+        b.read(dst, dst_np),
+        formats,
+        want,
+        what=f"{b.id} loading objects stored by {a.id}",
+        source=before,
+        expected_source=moved,
+    )
 
 
 @pytest.mark.parametrize("fmt", TRANSFER_FORMATS, ids=lambda f: f.name)
 def test_grouping_is_the_same_from_backend_arrays_numpy_and_bare_specs(harness, fmt):
-    src_np, formats = make_caches(fmt, dtype="bfloat16", rng=np.random.default_rng(1),
-                                  **GEOMETRY)
+    src_np, formats = make_caches(fmt, dtype="bfloat16", rng=np.random.default_rng(1), **GEOMETRY)
 
     def specs(structure):
         if isinstance(structure, (list, tuple)):
             return type(structure)(specs(x) for x in structure)
         return describe(structure).spec
 
-    summaries = [_summary(KVLayerGroupsManager(c, formats, lmcache_tokens_per_chunk=CHUNK))
-                 for c in (harness.convert(src_np), src_np, specs(src_np))]
+    summaries = [
+        _summary(KVLayerGroupsManager(c, formats, lmcache_tokens_per_chunk=CHUNK))
+        for c in (harness.convert(src_np), src_np, specs(src_np))
+    ]
     assert summaries[0] == summaries[1] == summaries[2]

@@ -21,8 +21,10 @@ SUBSETS = [[1], [0, 2]]
 def small_case(name: str, params: dict) -> bool:
     """The small case set: every third format, the two subsets taking turns."""
     k = TRANSFER_FORMATS.index(params["fmt"])
-    return every_nth(params["fmt"], TRANSFER_FORMATS, 3) and \
-        SUBSETS.index(params["layers"]) == (k // 3) % 2
+    return (
+        every_nth(params["fmt"], TRANSFER_FORMATS, 3)
+        and SUBSETS.index(params["layers"]) == (k // 3) % 2
+    )
 
 
 def _selected_bytes(manager, og, layers) -> np.ndarray:
@@ -36,7 +38,7 @@ def _selected_bytes(manager, og, layers) -> np.ndarray:
             for li, layer in enumerate(group.layer_indices):
                 if layer in layers:
                     start = region.offset + (kv * nl + li) * plane_bytes
-                    mask[start:start + plane_bytes] = True
+                    mask[start : start + plane_bytes] = True
     return mask
 
 
@@ -50,20 +52,34 @@ def test_a_layer_subset_moves_only_those_layers(harness, fmt, layers):
     dst_np, _ = make_caches(fmt, dtype="bfloat16", rng=rng, zero=True, **GEOMETRY)
     manager = KVLayerGroupsManager(src_np, formats, lmcache_tokens_per_chunk=CHUNK)
     bpc = CHUNK // GEOMETRY["bs"]
-    ids_a = rng.permutation(GEOMETRY["nb"])[:CHUNKS * bpc]
-    ids_b = rng.permutation(GEOMETRY["nb"])[:CHUNKS * bpc]
-    sentinel = [rng.integers(0, 256, (CHUNKS, object_nbytes(manager, og)), dtype=np.uint8)
-                for og in range(manager.num_object_groups)]
+    ids_a = rng.permutation(GEOMETRY["nb"])[: CHUNKS * bpc]
+    ids_b = rng.permutation(GEOMETRY["nb"])[: CHUNKS * bpc]
+    sentinel = [
+        rng.integers(0, 256, (CHUNKS, object_nbytes(manager, og)), dtype=np.uint8)
+        for og in range(manager.num_object_groups)
+    ]
 
-    objects = harness.store(manager, harness.convert(src_np), ids_a, harness.convert(sentinel),
-                            layers=layers)
+    objects = harness.store(
+        manager, harness.convert(src_np), ids_a, harness.convert(sentinel), layers=layers
+    )
     for og in range(manager.num_object_groups):
-        full = np.stack([expected_object(manager, src_np, og, {0: ids_a[c * bpc:(c + 1) * bpc]})
-                         for c in range(CHUNKS)])
+        full = np.stack(
+            [
+                expected_object(manager, src_np, og, {0: ids_a[c * bpc : (c + 1) * bpc]})
+                for c in range(CHUNKS)
+            ]
+        )
         want = np.where(_selected_bytes(manager, og, layers)[None, :], full, sentinel[og])
-        assert_objects_match(harness.to_numpy(objects[og], sentinel[og]), want, manager, og,
-                      what=f"store with layers={layers}: object bytes", ids={0: ids_a},
-                      source_caches=src_np, formats=formats)
+        assert_objects_match(
+            harness.to_numpy(objects[og], sentinel[og]),
+            want,
+            manager,
+            og,
+            what=f"store with layers={layers}: object bytes",
+            ids={0: ids_a},
+            source_caches=src_np,
+            formats=formats,
+        )
 
     # A load of the subset from whole objects writes only those layers' blocks.
     whole = harness.store(manager, harness.convert(src_np), ids_a)
@@ -73,6 +89,11 @@ def test_a_layer_subset_moves_only_those_layers(harness, fmt, layers):
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
     want = moved_blocks(before, untouched, moved)
     want = {key: (rows if key[0] in layers else untouched[key]) for key, rows in want.items()}
-    assert_blocks_match(harness.read(dst, dst_np) if isinstance(dst_np, list) else
-                 harness.to_numpy(dst, dst_np), formats, want,
-                 what=f"load with layers={layers}", source=before, expected_source=moved)
+    assert_blocks_match(
+        harness.read(dst, dst_np) if isinstance(dst_np, list) else harness.to_numpy(dst, dst_np),
+        formats,
+        want,
+        what=f"load with layers={layers}",
+        source=before,
+        expected_source=moved,
+    )

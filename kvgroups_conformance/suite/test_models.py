@@ -13,8 +13,15 @@ from kvgroups_tools.catalog import MODELS
 
 # Real model shapes, shrunk in layers and blocks; every pattern kept: GQA, MLA,
 # the blocked-scale indexer beside MLA, sliding/full hybrids, the compressed DeepSeek-V4 mix.
-SHRUNK = {"llama3-8b": 3, "deepseek-v3": 2, "glm5-indexer": 2, "gemma3-27b": 7,
-          "gpt-oss-20b": 4, "deepseek-v4-like": None, "hybrid-demo": 4}
+SHRUNK = {
+    "llama3-8b": 3,
+    "deepseek-v3": 2,
+    "glm5-indexer": 2,
+    "gemma3-27b": 7,
+    "gpt-oss-20b": 4,
+    "deepseek-v4-like": None,
+    "hybrid-demo": 4,
+}
 CHUNKS = 3
 
 
@@ -60,12 +67,22 @@ def test_catalogue_models_match_the_numpy_oracle(harness, name):
     src = harness.convert(src_np)
     objects = harness.store(manager, src, ids_a)
     for og, (got, want) in enumerate(zip(objects, want_objects)):
-        assert_objects_match(harness.to_numpy(got, want), want, manager, og,
-                      what=f"{name}: store (expected: the NumPy oracle's objects)", ids=ids_a,
-                      source_caches=src_np, formats=model.formats)
+        assert_objects_match(
+            harness.to_numpy(got, want),
+            want,
+            manager,
+            og,
+            what=f"{name}: store (expected: the NumPy oracle's objects)",
+            ids=ids_a,
+            source_caches=src_np,
+            formats=model.formats,
+        )
     dst = harness.convert(_arrays(model.kv_caches, rng, zero=True))
     dst = harness.load(manager, objects, dst, ids_b, skip=100)
-    assert_blocks_match(harness.read(dst, want_caches), model.formats,
-                 all_blocks(want_caches, model.formats),
-                 what=f"{name}: load with skip_first_n_tokens=100 (expected: the NumPy oracle's "
-                      f"caches)", source=all_blocks(src_np, model.formats))
+    assert_blocks_match(
+        harness.read(dst, want_caches),
+        model.formats,
+        all_blocks(want_caches, model.formats),
+        what=f"{name}: load with skip_first_n_tokens=100 (expected: the NumPy oracle's caches)",
+        source=all_blocks(src_np, model.formats),
+    )

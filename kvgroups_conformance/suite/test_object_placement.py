@@ -13,10 +13,12 @@ CHUNK, BS, NB = 16, 4, 20
 
 def test_objects_may_be_separate_per_chunk_buffers(harness):
     rng = np.random.default_rng(4)
-    src_np, formats = make_caches(F.NL_X_NB_TWO_NH_BS_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8,
-                                  dtype="bfloat16", rng=rng)
-    dst_np, _ = make_caches(F.NL_X_NB_TWO_NH_BS_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8,
-                            dtype="bfloat16", rng=rng, zero=True)
+    src_np, formats = make_caches(
+        F.NL_X_NB_TWO_NH_BS_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="bfloat16", rng=rng
+    )
+    dst_np, _ = make_caches(
+        F.NL_X_NB_TWO_NH_BS_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="bfloat16", rng=rng, zero=True
+    )
     manager = KVLayerGroupsManager(src_np, formats, lmcache_tokens_per_chunk=CHUNK)
     nbytes = object_nbytes(manager, 0)
     # Three chunks, each its own buffer, deliberately not adjacent in memory.
@@ -25,21 +27,35 @@ def test_objects_may_be_separate_per_chunk_buffers(harness):
     out = harness.store(manager, harness.convert(src_np), ids_a, [chunks])
     per_chunk = out[0]
     got = [harness.to_numpy(per_chunk[c], np.zeros(0, np.uint8)) for c in range(3)]
-    want = [expected_object(manager, src_np, 0, {0: ids_a[c * 4:(c + 1) * 4]}) for c in range(3)]
-    assert_objects_match(got, want, manager, 0, what="store into per-chunk buffers: object bytes",
-                  ids={0: ids_a}, source_caches=src_np, formats=formats)
+    want = [expected_object(manager, src_np, 0, {0: ids_a[c * 4 : (c + 1) * 4]}) for c in range(3)]
+    assert_objects_match(
+        got,
+        want,
+        manager,
+        0,
+        what="store into per-chunk buffers: object bytes",
+        ids={0: ids_a},
+        source_caches=src_np,
+        formats=formats,
+    )
     dst = harness.load(manager, [per_chunk], harness.convert(dst_np), ids_b)
     before = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
-    assert_blocks_match(harness.read(dst, dst_np), formats,
-                 moved_blocks(before, all_blocks(dst_np, formats), moved),
-                 what="load from per-chunk buffers", source=before, expected_source=moved)
+    assert_blocks_match(
+        harness.read(dst, dst_np),
+        formats,
+        moved_blocks(before, all_blocks(dst_np, formats), moved),
+        what="load from per-chunk buffers",
+        source=before,
+        expected_source=moved,
+    )
 
 
 def test_region_view_reads_the_object_as_its_dtype(harness):
     rng = np.random.default_rng(6)
-    src_np, formats = make_caches(F.NL_X_TWO_NB_BS_NH_HS, nl=3, nb=NB, bs=BS, nh=2, hs=8,
-                                  dtype="float32", rng=rng)
+    src_np, formats = make_caches(
+        F.NL_X_TWO_NB_BS_NH_HS, nl=3, nb=NB, bs=BS, nh=2, hs=8, dtype="float32", rng=rng
+    )
     manager = KVLayerGroupsManager(src_np, formats, lmcache_tokens_per_chunk=CHUNK)
     ids = rng.permutation(NB)[:4]
     objects = harness.store(manager, harness.convert(src_np), ids)
@@ -51,6 +67,8 @@ def test_region_view_reads_the_object_as_its_dtype(harness):
             for j, b in enumerate(ids):
                 rows = src_np[layer][kv, b].reshape(BS, 16)
                 np.testing.assert_array_equal(
-                    view[kv, layer, j * BS:(j + 1) * BS].view(np.uint32), rows.view(np.uint32),
+                    view[kv, layer, j * BS : (j + 1) * BS].view(np.uint32),
+                    rows.view(np.uint32),
                     err_msg=f"region view of object chunk 0: format {formats[0].name}, dtype "
-                            f"float32, layer {layer}, plane {kv}, block {b} (position {j})")
+                    f"float32, layer {layer}, plane {kv}, block {b} (position {j})",
+                )

@@ -21,8 +21,11 @@ PADDED_FORMATS = [f for f in TRANSFER_FORMATS if f.block_axis_first]
 #: programs of its canonical-layout case), each other dtype on one layout whose pieces are
 #: element-width sized (HND heads, heads outermost, K/V interleaved heads); every 4th padded
 #: format.
-SMALL_DTYPE_FORMATS = {"float16": "NL_X_TWO_NB_NH_BS_HS", "float32": "TWO_X_NL_X_NH_NB_BS_HS",
-                       "float8_e4m3fn": "NL_X_NB_BS_NH_TWO_HS"}
+SMALL_DTYPE_FORMATS = {
+    "float16": "NL_X_TWO_NB_NH_BS_HS",
+    "float32": "TWO_X_NL_X_NH_NB_BS_HS",
+    "float8_e4m3fn": "NL_X_NB_BS_NH_TWO_HS",
+}
 
 
 def small_case(name: str, params: dict) -> bool:
@@ -55,10 +58,12 @@ def _round_trip(harness, fmt, dtype, placement, rng, pad=0, geometry=GEOMETRY):
     objects = harness.store(manager, src, ids_a, objects)
     dst = harness.load(manager, objects, dst, ids_b)
 
-    src_after = harness.read(src, src_np) if isinstance(src_np, list) else harness.to_numpy(
-        src, src_np)
-    dst_after = harness.read(dst, dst_np) if isinstance(dst_np, list) else harness.to_numpy(
-        dst, dst_np)
+    src_after = (
+        harness.read(src, src_np) if isinstance(src_np, list) else harness.to_numpy(src, src_np)
+    )
+    dst_after = (
+        harness.read(dst, dst_np) if isinstance(dst_np, list) else harness.to_numpy(dst, dst_np)
+    )
     return manager, formats, src_np, dst_np, src_after, dst_after, ids_a, ids_b, objects
 
 
@@ -83,13 +88,20 @@ def test_round_trip_moves_blocks_and_leaves_others_untouched(harness, fmt, dtype
         return
     rng = np.random.default_rng(zlib.crc32(f"{fmt.name}/{dtype}".encode()))
     for placement in harness.placements:
-        (manager, formats, src_np, dst_np, src_after, dst_after,
-         ids_a, ids_b, _) = _round_trip(harness, fmt, dtype, placement, rng)
+        (manager, formats, src_np, dst_np, src_after, dst_after, ids_a, ids_b, _) = _round_trip(
+            harness, fmt, dtype, placement, rng
+        )
         src_blocks = all_blocks(src_np, formats)
         moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
         want = moved_blocks(src_blocks, all_blocks(dst_np, formats), moved)
-        assert_blocks_match(dst_after, formats, want, what=f"store + load (placement {placement})",
-                     source=src_blocks, expected_source=moved)
+        assert_blocks_match(
+            dst_after,
+            formats,
+            want,
+            what=f"store + load (placement {placement})",
+            source=src_blocks,
+            expected_source=moved,
+        )
         # The source is only read.
         assert_blocks_match(src_after, formats, src_blocks, what="store changed its source caches")
 
@@ -99,14 +111,21 @@ def test_padded_blocks_round_trip_and_keep_padding(harness, fmt):
     if declared_unsupported(harness, fmt, "float16"):
         return
     rng = np.random.default_rng(7)
-    (manager, formats, src_np, dst_np, _, dst_after,
-     ids_a, ids_b, _) = _round_trip(harness, fmt, "float16", harness.placements[0], rng, pad=40)
+    (manager, formats, src_np, dst_np, _, dst_after, ids_a, ids_b, _) = _round_trip(
+        harness, fmt, "float16", harness.placements[0], rng, pad=40
+    )
     assert manager.kernel_groups[0].shape_desc.block_stride_elems > 0
     src_blocks = all_blocks(src_np, formats)
     moved = dict(zip(ids_b.tolist(), ids_a.tolist()))
     want = moved_blocks(src_blocks, all_blocks(dst_np, formats), moved)
-    assert_blocks_match(dst_after, formats, want, what="store + load of padded blocks",
-                 source=src_blocks, expected_source=moved)
+    assert_blocks_match(
+        dst_after,
+        formats,
+        want,
+        what="store + load of padded blocks",
+        source=src_blocks,
+        expected_source=moved,
+    )
     if not harness.keeps_padding:
         return  # the backend's arrays are unpadded copies: there is no padding to check
     # The padding between blocks still holds its sentinel.
@@ -118,7 +137,8 @@ def test_padded_blocks_round_trip_and_keep_padding(harness, fmt):
         raw = np.lib.stride_tricks.as_strided(
             arr.view(np.uint8) if arr.dtype.itemsize == 1 else arr,
             shape=(arr.shape[0], arr.strides[0] // arr.dtype.itemsize),
-            strides=(arr.strides[0], arr.dtype.itemsize))
+            strides=(arr.strides[0], arr.dtype.itemsize),
+        )
         inner = int(np.prod(arr.shape[1:]))
         # The last block's padding lies past the array's extent: not the backend's memory.
         pad = np.ascontiguousarray(raw[:-1, inner:]).view(np.uint8)
@@ -126,11 +146,22 @@ def test_padded_blocks_round_trip_and_keep_padding(harness, fmt):
         wrong = np.argwhere(pad != 0xA5)
         if len(wrong):
             block, byte = (int(v) for v in wrong[0])
-            mismatches.append(Mismatch(
-                what="padding between blocks was overwritten", format=fmt.name,
-                dtype="float16", layer=layer, plane=0, plane_name="padding", block=block,
-                byte=byte, token=-1, expected=0xA5, actual=int(pad[block, byte]),
-                differing_blocks=len({int(b) for b, _ in wrong})))
+            mismatches.append(
+                Mismatch(
+                    what="padding between blocks was overwritten",
+                    format=fmt.name,
+                    dtype="float16",
+                    layer=layer,
+                    plane=0,
+                    plane_name="padding",
+                    block=block,
+                    byte=byte,
+                    token=-1,
+                    expected=0xA5,
+                    actual=int(pad[block, byte]),
+                    differing_blocks=len({int(b) for b, _ in wrong}),
+                )
+            )
     raise_if_any(mismatches)
     assert checked, f"{harness.id} declares keeps_padding, but its arrays came back unpadded"
 
@@ -141,11 +172,24 @@ def test_stored_objects_equal_the_canonical_layout(harness, fmt):
         return
     rng = np.random.default_rng(11)
     (manager, formats, src_np, _, _, _, ids_a, _, objects) = _round_trip(
-        harness, fmt, "bfloat16", harness.placements[0], rng)
+        harness, fmt, "bfloat16", harness.placements[0], rng
+    )
     bpc = CHUNK // GEOMETRY["bs"]
     for og in range(manager.num_object_groups):
         got = harness.to_numpy(objects[og], np.zeros(0, np.uint8))
-        want = np.stack([expected_object(manager, src_np, og, {0: ids_a[c * bpc:(c + 1) * bpc]})
-                         for c in range(got.shape[0])])
-        assert_objects_match(got, want, manager, og, what="store: object bytes", ids={0: ids_a},
-                      source_caches=src_np, formats=formats)
+        want = np.stack(
+            [
+                expected_object(manager, src_np, og, {0: ids_a[c * bpc : (c + 1) * bpc]})
+                for c in range(got.shape[0])
+            ]
+        )
+        assert_objects_match(
+            got,
+            want,
+            manager,
+            og,
+            what="store: object bytes",
+            ids={0: ids_a},
+            source_caches=src_np,
+            formats=formats,
+        )

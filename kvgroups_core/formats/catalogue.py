@@ -61,8 +61,10 @@ class FormatFacts:
     @property
     def is_hnd(self) -> bool:
         """Heads outer to tokens (``[NH, BS, HS]`` inside a block, or heads outermost)."""
-        return "NH" in self.axes and "BS" in self.axes and self.axes.index("NH") < self.axes.index(
-            "BS"
+        return (
+            "NH" in self.axes
+            and "BS" in self.axes
+            and self.axes.index("NH") < self.axes.index("BS")
         )
 
     @property
@@ -99,7 +101,9 @@ class EngineKVFormat(enum.Enum):
     NL_X_TWO_NB_NH_BS_HS = _f("TWO NB NH BS HS", LAYER_LIST, "vLLM FlashAttention (HND)")
     NL_X_NB_TWO_BS_NH_HS = _f("NB TWO BS NH HS", LAYER_LIST, "vLLM FlashInfer (NHD)")
     NL_X_NB_TWO_NH_BS_HS = _f("NB TWO NH BS HS", LAYER_LIST, "vLLM FlashInfer (HND)")
-    NL_X_NB_BS_HS = _f("NB BS HS", LAYER_LIST, "vLLM MLA; indexer key-only caches; compressed pools")
+    NL_X_NB_BS_HS = _f(
+        "NB BS HS", LAYER_LIST, "vLLM MLA; indexer key-only caches; compressed pools"
+    )
     NB_NL_TWO_BS_NH_HS = _f("NB NL TWO BS NH HS", CROSS_LAYER, "vLLM cross-layer layout")
     NB_NL_TWO_NH_BS_HS = _f("NB NL TWO NH BS HS", CROSS_LAYER, "TRT-LLM pool")
     TWO_X_NL_X_NB_BS_NH_HS = _f("NB BS NH HS", KV_LIST, "SGLang MHA")
@@ -114,9 +118,7 @@ class EngineKVFormat(enum.Enum):
     )
     TWO_X_NL_X_NH_NB_BS_HS = _f("NH NB BS HS", KV_LIST, "MaxText paged attention")
     # --- nice to have ------------------------------------------------------------------
-    NL_X_TWO_NB_NH_ONE_BS_HS = _f(
-        "TWO NB NH ONE BS HS", LAYER_LIST, "vLLM-RBLN", must_have=False
-    )
+    NL_X_TWO_NB_NH_ONE_BS_HS = _f("TWO NB NH ONE BS HS", LAYER_LIST, "vLLM-RBLN", must_have=False)
     NL_X_TWO_X_NB_BS_NH_HS = _f("NB BS NH HS", LAYER_PAIR_LIST, "vLLM-Ascend", must_have=False)
     TWO_X_NL_X_NBBS_NH_HS = _f(
         "PBS NH HS", KV_LIST, "SGLang (page-folded)", groupable=False, must_have=False
@@ -126,16 +128,25 @@ class EngineKVFormat(enum.Enum):
     )
     # --- recurrent state (one whole state per slot; docs/SEMANTICS.md section 9) ---------
     NL_X_NB_CD_CW = _f(
-        "NB CD CW", LAYER_LIST, "conv state, DS (vLLM DS layout, SGLang, sglang-jax)",
-        must_have=False, recurrent_state=True,
+        "NB CD CW",
+        LAYER_LIST,
+        "conv state, DS (vLLM DS layout, SGLang, sglang-jax)",
+        must_have=False,
+        recurrent_state=True,
     )
     NL_X_NB_CW_CD = _f(
-        "NB CW CD", LAYER_LIST, "conv state, SD (vLLM default layout)", must_have=False,
+        "NB CW CD",
+        LAYER_LIST,
+        "conv state, SD (vLLM default layout)",
+        must_have=False,
         recurrent_state=True,
     )
     NL_X_NB_SH_SS = _f(
-        "NB SH SS", LAYER_LIST, "temporal state (Mamba1/Mamba2 SSM, GDN delta memory)",
-        must_have=False, recurrent_state=True,
+        "NB SH SS",
+        LAYER_LIST,
+        "temporal state (Mamba1/Mamba2 SSM, GDN delta memory)",
+        must_have=False,
+        recurrent_state=True,
     )
 
     @property

@@ -102,8 +102,11 @@ def _kv_layers(ks: Sequence, vs: Sequence, reader: Reader, names: Callable) -> l
 def _parse(kv: Any, engine: str, h: Hints) -> _Parsed:
     if isinstance(kv, Mapping):
         raise KVGroupsTypeError(
-            mismatch("kv_caches", "a tensor, a list or a list of lists (pass "
-                     "list(kv_caches.values()) for a dict)", type(kv).__name__)
+            mismatch(
+                "kv_caches",
+                "a tensor, a list or a list of lists (pass list(kv_caches.values()) for a dict)",
+                type(kv).__name__,
+            )
         )
     if not isinstance(kv, (list, tuple)):
         if engine in ("vllm", "trtllm"):
@@ -115,8 +118,11 @@ def _parse(kv: Any, engine: str, h: Hints) -> _Parsed:
     if engine == "trtllm":
         if len(kv) != 1 or isinstance(kv[0], (list, tuple)):
             raise KVGroupsValueError(
-                mismatch("kv_caches", "the TRT-LLM pool tensor or a 1-element list of it",
-                         f"a list of {len(kv)}")
+                mismatch(
+                    "kv_caches",
+                    "the TRT-LLM pool tensor or a 1-element list of it",
+                    f"a list of {len(kv)}",
+                )
             )
         return _Parsed(
             "cross", cross=(tensor_desc(kv[0], "kv_caches[0]"), "kv_caches[0]", read_trtllm_cross)
@@ -126,11 +132,17 @@ def _parse(kv: Any, engine: str, h: Hints) -> _Parsed:
         if len(kv) != 2:
             raise KVGroupsValueError(mismatch("kv_caches", "[K list, V list]", f"{len(kv)} lists"))
         reader = read_maxtext_kv if engine == "maxtext" else read_sglang_kv
-        return _Parsed("kv", _kv_layers(
-            kv[0], kv[1], reader, lambda i: (f"kv_caches[0][{i}]", f"kv_caches[1][{i}]")))
+        return _Parsed(
+            "kv",
+            _kv_layers(
+                kv[0], kv[1], reader, lambda i: (f"kv_caches[0][{i}]", f"kv_caches[1][{i}]")
+            ),
+        )
     if engine == "maxtext":
         raise KVGroupsValueError(
-            mismatch("kv_caches", "[K list, V list] of [NH, NP, PS, HD] arrays", "another structure")
+            mismatch(
+                "kv_caches", "[K list, V list] of [NH, NP, PS, HD] arrays", "another structure"
+            )
         )
     if engine == "vllm":
         layers = []
@@ -140,23 +152,32 @@ def _parse(kv: Any, engine: str, h: Hints) -> _Parsed:
                 layers.append(_Layer((tensor_desc(x, what),), (what,), read_vllm_tensor))
                 continue
             if len(x) != 2:
-                raise KVGroupsValueError(mismatch(f"kv_caches[{i}]", "a tensor or a (K, V) pair",
-                                                  f"a sequence of {len(x)}"))
+                raise KVGroupsValueError(
+                    mismatch(
+                        f"kv_caches[{i}]", "a tensor or a (K, V) pair", f"a sequence of {len(x)}"
+                    )
+                )
             whats = (f"kv_caches[{i}][0]", f"kv_caches[{i}][1]")
             pair_descs = (tensor_desc(x[0], whats[0]), tensor_desc(x[1], whats[1]))
             layers.append(_Layer(pair_descs, whats, read_pair_tensor, pair=True))
         return _Parsed("layers", layers)
     if any(nested):
         raise KVGroupsValueError(
-            mismatch("kv_caches", f"a flat list of per-layer tensors for engine {engine!r}",
-                     "nested lists")
+            mismatch(
+                "kv_caches",
+                f"a flat list of per-layer tensors for engine {engine!r}",
+                "nested lists",
+            )
         )
     descs = [tensor_desc(x, f"kv_caches[{i}]") for i, x in enumerate(kv)]
     if engine == "sglang" and descs and descs[0].spec.ndim == 3 and descs[0].shape[1] > 1:
         # SGLang's multi-process path: K of every layer, then V of every layer.
         if len(descs) % 2:
-            raise KVGroupsValueError(mismatch(
-                "kv_caches", "2*NL page-folded tensors (K layers, then V layers)", len(descs)))
+            raise KVGroupsValueError(
+                mismatch(
+                    "kv_caches", "2*NL page-folded tensors (K layers, then V layers)", len(descs)
+                )
+            )
         if h.tokens_per_block is None:
             raise KVGroupsValueError(
                 "kv_caches: a flat SGLang list of [PBS, NH, HS] tensors is "
@@ -165,11 +186,19 @@ def _parse(kv: Any, engine: str, h: Hints) -> _Parsed:
                 "each as [PBS/BS, BS, NH, HS]"
             )
         nl = len(descs) // 2
-        return _Parsed("kv", _kv_layers(
-            descs[:nl], descs[nl:], read_sglang_kv, lambda i: (f"kv_caches[{i}]", f"kv_caches[{nl + i}]")))
+        return _Parsed(
+            "kv",
+            _kv_layers(
+                descs[:nl],
+                descs[nl:],
+                read_sglang_kv,
+                lambda i: (f"kv_caches[{i}]", f"kv_caches[{nl + i}]"),
+            ),
+        )
     reader = read_sglang_tensor if engine == "sglang" else read_jax_tensor
-    return _Parsed("layers", [_Layer((d,), (f"kv_caches[{i}]",), reader)
-                              for i, d in enumerate(descs)])
+    return _Parsed(
+        "layers", [_Layer((d,), (f"kv_caches[{i}]",), reader) for i, d in enumerate(descs)]
+    )
 
 
 def _engine_groups(layer_index_groups: Any, num_layers: int) -> list[list[int]]:
@@ -218,8 +247,10 @@ def _per_layer(parsed: _Parsed, groups: list[list[int]], h: Hints) -> tuple[Any,
                 # Identical specs: this layer's own tensors get the same view spec.
                 own = parsed.layers[i].tensors
                 formats[i] = fmt
-                views[i] = tuple(t if v is f else t.view(v.spec)
-                                 for t, f, v in zip(own, first.tensors, first_views))
+                views[i] = tuple(
+                    t if v is f else t.view(v.spec)
+                    for t, f, v in zip(own, first.tensors, first_views)
+                )
     if parsed.kind == "kv":
         normalized: Any = [[v[0] for v in views], [v[1] for v in views]]
     else:
@@ -249,7 +280,8 @@ def detect_format(
     kv_caches : tensor, list, or list of lists
         The engine's registered structure, of framework tensors, NumPy arrays,
         :class:`~kvgroups_core.tensors.descriptors.TensorSpec` s or
-        :class:`~kvgroups_core.tensors.descriptors.TensorDesc` s, mixed freely. vLLM: a per-layer list
+        :class:`~kvgroups_core.tensors.descriptors.TensorDesc` s, mixed freely. vLLM: a per-layer
+        list
         (rank-5 ``[2, NB, BS, NH, HS]`` / ``[NB, 2, BS, NH, HS]``, rank-4 CS-packed, rank-3
         MLA or indexer, or ``(K, V)`` pairs) or a bare rank-6 cross-layer tensor. SGLang:
         ``[K list, V list]``, a flat list of 2*NL ``[PBS, NH, HS]`` (needs
@@ -359,15 +391,22 @@ def _row(fmt: EngineKVFormat) -> FormatRow:
     if not f.groupable:
         dims = f"PBS = NB*BS = {pos['PBS']} (no NB/BS)"
     elif f.recurrent_state:
-        dims = {"CD": "s0, BS=1, NH=CD (s1), HS=CW (s2)", "CW": "s0, BS=1, NH=1, HS=CW*CD",
-                "SH": "s0, BS=1, NH=SH (s1), HS=prod(s2...)"}[f.axes[1]]
+        dims = {
+            "CD": "s0, BS=1, NH=CD (s1), HS=CW (s2)",
+            "CW": "s0, BS=1, NH=1, HS=CW*CD",
+            "SH": "s0, BS=1, NH=SH (s1), HS=prod(s2...)",
+        }[f.axes[1]]
     else:
         head = "132" if f.is_indexer else f"CS={pos['CS']}" if "CS" in pos else pos["HS"]
         dims = ", ".join((pos["NB"], pos["BS"], pos.get("NH", "NH=1"), head))
     if f.structure == KV_LIST:
         dims = "[0][0]: " + dims
-    prefix = {CROSS_LAYER: "t[", LAYER_LIST: "t[l][", LAYER_PAIR_LIST: "t[l][kv][",
-              KV_LIST: "t[kv][l]["}[f.structure]
+    prefix = {
+        CROSS_LAYER: "t[",
+        LAYER_LIST: "t[l][",
+        LAYER_PAIR_LIST: "t[l][kv][",
+        KV_LIST: "t[kv][l][",
+    }[f.structure]
     index = [{"NB": "b", "NL": "l", "TWO": "kv"}.get(a, ":") for a in f.axes]
     while index and index[-1] == ":":
         index.pop()
@@ -388,9 +427,21 @@ def _row(fmt: EngineKVFormat) -> FormatRow:
     else:
         row = "NH*CS" if f.is_fused_packed else "HS" if "NH" not in f.axes else "NH*HS"
         runs = f"(1, {row}*e), token step {row}*e"
-    facts = {name: getattr(fmt, name) for name in (
-        "is_mla", "is_hnd", "is_cross_layer", "is_kv_list", "is_layer_list", "is_fused_packed",
-        "is_indexer", "block_axis_first", "groupable", "must_have")}
+    facts = {
+        name: getattr(fmt, name)
+        for name in (
+            "is_mla",
+            "is_hnd",
+            "is_cross_layer",
+            "is_kv_list",
+            "is_layer_list",
+            "is_fused_packed",
+            "is_indexer",
+            "block_axis_first",
+            "groupable",
+            "must_have",
+        )
+    }
     return FormatRow(fmt.name, structure, f.producers, f.kv_size, facts, dims, block, runs)
 
 
@@ -401,10 +452,14 @@ def describe_formats_table() -> list[FormatRow]:
 
 def formats_table_markdown() -> str:
     """The catalogue as the Markdown table of ``docs/FORMATS.md``."""
-    lines = ["| format | structure | produced by | kv_size | NB, BS, NH, HS from | "
-             "block b of layer l, plane kv | token row runs (count, bytes) |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        "| format | structure | produced by | kv_size | NB, BS, NH, HS from | "
+        "block b of layer l, plane kv | token row runs (count, bytes) |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in describe_formats_table():
-        lines.append(f"| {r.name} | {r.structure} | {r.producers} | {r.kv_size} | {r.dims} | "
-                     f"{r.block} | {r.runs} |")
+        lines.append(
+            f"| {r.name} | {r.structure} | {r.producers} | {r.kv_size} | {r.dims} | "
+            f"{r.block} | {r.runs} |"
+        )
     return "\n".join(lines)

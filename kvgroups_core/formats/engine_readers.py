@@ -1,7 +1,8 @@
 """How each engine's KV tensors are read: axis names, memory order, zero-copy views.
 
 A *reader* takes one described tensor of an engine's structure and returns its
-:class:`~kvgroups_core.formats.catalogue.EngineKVFormat` plus a view of the same memory in that format's
+:class:`~kvgroups_core.formats.catalogue.EngineKVFormat` plus a view of the same memory in that
+format's
 axis order (``[NB, BS, NH, HS]`` for an SGLang ``[PBS, NH, HS]`` page, ``[NB, BS, NH, 2, HS]``
 for a JAX engine's packed heads, the memory-order view of a permuted tensor). Structures (lists,
 K/V lists, buckets of layers) are :mod:`kvgroups_core.formats.detection`'s business.
@@ -106,7 +107,7 @@ def tensor_desc(x: Any, what: str) -> TensorDesc:
         return describe(x)
     except KVGroupsTypeError as err:
         text = str(err)
-        text = text[len("tensor: "):] if text.startswith("tensor: ") else text
+        text = text[len("tensor: ") :] if text.startswith("tensor: ") else text
         raise KVGroupsTypeError(f"{what}: {text}") from err
 
 
@@ -134,8 +135,8 @@ def _regroup(d: TensorDesc, axis: int, count: int, sizes: Sequence[int], what: s
         step *= size
     return _restrided(
         d,
-        shape[:axis] + tuple(sizes) + shape[axis + count:],
-        strides[:axis] + tuple(reversed(new_strides)) + strides[axis + count:],
+        shape[:axis] + tuple(sizes) + shape[axis + count :],
+        strides[:axis] + tuple(reversed(new_strides)) + strides[axis + count :],
     )
 
 
@@ -257,15 +258,21 @@ def read_trtllm_cross(d: TensorDesc, what: str, h: Hints) -> tuple[EngineKVForma
         missing = [k for k, v in zip(HINT_KEYS[1:], (bs, nh, hs)) if v is None]
         if missing:
             raise KVGroupsValueError(
-                mismatch("hints", "num_kv_heads, tokens_per_block and head_dim to view the "
-                         f"rank-4 TRT-LLM pool {d.shape} as [NB, NL, 2, NH, BS, HS]",
-                         f"no {', '.join(missing)}")
+                mismatch(
+                    "hints",
+                    "num_kv_heads, tokens_per_block and head_dim to view the "
+                    f"rank-4 TRT-LLM pool {d.shape} as [NB, NL, 2, NH, BS, HS]",
+                    f"no {', '.join(missing)}",
+                )
             )
         assert nh is not None and bs is not None and hs is not None  # for mypy: none missing
         if d.shape[3] != nh * bs * hs:
             raise KVGroupsValueError(
-                mismatch(f"{what} dim 3", f"num_kv_heads*tokens_per_block*head_dim = "
-                         f"{nh}*{bs}*{hs} = {nh * bs * hs}", d.shape[3])
+                mismatch(
+                    f"{what} dim 3",
+                    f"num_kv_heads*tokens_per_block*head_dim = {nh}*{bs}*{hs} = {nh * bs * hs}",
+                    d.shape[3],
+                )
             )
         d = _regroup(d, 3, 1, (nh, bs, hs), what)
     if d.spec.ndim != 6:
@@ -326,16 +333,24 @@ def read_jax_tensor(d: TensorDesc, what: str, h: Hints) -> tuple[EngineKVFormat,
         packing = 32 // d.dtype.bits if d.dtype.bits <= 32 else 0
         if d.shape[3] != packing:
             raise KVGroupsValueError(
-                mismatch(f"{what} dim 3 (packing)", f"32 / dtype bits = {packing} for "
-                         f"{d.dtype} in [NP, PS, 2*NH/packing, packing, HD]", d.shape[3])
+                mismatch(
+                    f"{what} dim 3 (packing)",
+                    f"32 / dtype bits = {packing} for "
+                    f"{d.dtype} in [NP, PS, 2*NH/packing, packing, HD]",
+                    d.shape[3],
+                )
             )
         start, count = 2, 2
     elif d.spec.ndim == 4:
         start, count = 2, 1
     else:
-        raise _rank_error(what, "[num_pages, page_size, 2*num_kv_heads//packing, packing, "
-                          "head_dim] (or rank 4 without packing)", d)
-    heads2 = math.prod(d.shape[start:start + count])
+        raise _rank_error(
+            what,
+            "[num_pages, page_size, 2*num_kv_heads//packing, packing, "
+            "head_dim] (or rank 4 without packing)",
+            d,
+        )
+    heads2 = math.prod(d.shape[start : start + count])
     if heads2 % 2:
         raise KVGroupsValueError(
             mismatch(f"{what} K/V heads", "an even count (K and V interleaved)", heads2)
@@ -347,6 +362,5 @@ def read_jax_tensor(d: TensorDesc, what: str, h: Hints) -> tuple[EngineKVFormat,
 def read_maxtext_kv(d: TensorDesc, what: str, h: Hints) -> tuple[EngineKVFormat, TensorDesc]:
     """One MaxText K or V page array, heads outermost: ``[NH, NP, PS, HD]``."""
     if d.spec.ndim != 4:
-        raise _rank_error(what, "a K or V array [num_kv_heads, num_pages, page_size, "
-                          "head_dim]", d)
+        raise _rank_error(what, "a K or V array [num_kv_heads, num_pages, page_size, head_dim]", d)
     return _classify(d, what, KV_LIST, _fixed("NH", "NB", "BS", "HS"))

@@ -3,7 +3,8 @@
 :func:`layer_layouts` turns a normalized KV cache structure plus one format per layer into one
 :class:`LayerLayout` per layer: the sizes the grouping keys on (kv_size, heads, head size, block
 size, dtype), the padding rule, and the page model of ``docs/DESIGN.md`` (where each plane
-starts, the block stride and the :class:`~kvgroups_core.formats.segments.SegmentRun` s of a token row).
+starts, the block stride and the :class:`~kvgroups_core.formats.segments.SegmentRun` s of a token
+row).
 """
 
 from __future__ import annotations
@@ -57,8 +58,14 @@ class LayerLayout:
         """Widest power-of-two vector (<= 16 B) dividing every size, offset and stride."""
         values: list[int] = [self.block_stride_bytes, self.row_bytes]
         for run in self.runs:
-            values += [run.nbytes, run.obj_offset, run.obj_step, run.cache_offset,
-                       run.cache_step, run.token_stride]
+            values += [
+                run.nbytes,
+                run.obj_offset,
+                run.obj_step,
+                run.cache_offset,
+                run.cache_step,
+                run.token_stride,
+            ]
         values += [offset for _, offset in self.planes]
         return widest_unit(values)
 
@@ -78,8 +85,9 @@ class LayerLayout:
 _FIXED_AXES = {"TWO": 2, "ONE": 1}
 
 
-def _check_axes_fit(shape: tuple[int, ...], axes: tuple[str, ...], fmt: EngineKVFormat,
-                    what: str) -> None:
+def _check_axes_fit(
+    shape: tuple[int, ...], axes: tuple[str, ...], fmt: EngineKVFormat, what: str
+) -> None:
     """Every axis non-empty and every fixed axis of its length, before any geometry is read."""
     for size, name in zip(shape, axes):
         want = _FIXED_AXES.get(name)
@@ -158,11 +166,24 @@ def _tensor_layout(
         nh, hs = 1, INDEXER_ROW_BYTES
         # Inside a block all BS value rows come first, then all BS scales.
         runs: tuple[SegmentRun, ...] = (
-            SegmentRun(count=1, nbytes=INDEXER_VALUE_BYTES, obj_offset=0, obj_step=0,
-                       cache_offset=0, cache_step=0, token_stride=INDEXER_VALUE_BYTES),
-            SegmentRun(count=1, nbytes=INDEXER_SCALE_BYTES, obj_offset=INDEXER_VALUE_BYTES,
-                       obj_step=0, cache_offset=bs * INDEXER_VALUE_BYTES, cache_step=0,
-                       token_stride=INDEXER_SCALE_BYTES),
+            SegmentRun(
+                count=1,
+                nbytes=INDEXER_VALUE_BYTES,
+                obj_offset=0,
+                obj_step=0,
+                cache_offset=0,
+                cache_step=0,
+                token_stride=INDEXER_VALUE_BYTES,
+            ),
+            SegmentRun(
+                count=1,
+                nbytes=INDEXER_SCALE_BYTES,
+                obj_offset=INDEXER_VALUE_BYTES,
+                obj_step=0,
+                cache_offset=bs * INDEXER_VALUE_BYTES,
+                cache_step=0,
+                token_stride=INDEXER_SCALE_BYTES,
+            ),
         )
     else:
         head_axis = "CS" if "CS" in size else "HS"
@@ -176,12 +197,29 @@ def _tensor_layout(
         head_stride = stride.get("NH", hs)
         token_stride = stride["BS"] * e
         if nh == 1 or head_stride == hs:
-            runs = (SegmentRun(count=1, nbytes=nh * hs * e, obj_offset=0, obj_step=0,
-                               cache_offset=0, cache_step=0, token_stride=token_stride),)
+            runs = (
+                SegmentRun(
+                    count=1,
+                    nbytes=nh * hs * e,
+                    obj_offset=0,
+                    obj_step=0,
+                    cache_offset=0,
+                    cache_step=0,
+                    token_stride=token_stride,
+                ),
+            )
         else:
-            runs = (SegmentRun(count=nh, nbytes=hs * e, obj_offset=0, obj_step=hs * e,
-                               cache_offset=0, cache_step=head_stride * e,
-                               token_stride=token_stride),)
+            runs = (
+                SegmentRun(
+                    count=nh,
+                    nbytes=hs * e,
+                    obj_offset=0,
+                    obj_step=hs * e,
+                    cache_offset=0,
+                    cache_step=head_stride * e,
+                    token_stride=token_stride,
+                ),
+            )
 
     kv_size = fmt.kv_size
     planes = []
@@ -192,9 +230,17 @@ def _tensor_layout(
             offset += kv * stride.get("TWO", 0)
         planes.append((tensor, offset * e))
     return LayerLayout(
-        format=fmt, kv_size=kv_size, num_blocks=nb, block_size=bs, num_heads=nh, head_size=hs,
-        dtype=dtype, block_stride_elems=block_stride_elems,
-        block_stride_bytes=block_stride_bytes, runs=runs, planes=tuple(planes),
+        format=fmt,
+        kv_size=kv_size,
+        num_blocks=nb,
+        block_size=bs,
+        num_heads=nh,
+        head_size=hs,
+        dtype=dtype,
+        block_stride_elems=block_stride_elems,
+        block_stride_bytes=block_stride_bytes,
+        runs=runs,
+        planes=tuple(planes),
     )
 
 
@@ -205,7 +251,7 @@ def describe_named(x: Any, what: str) -> TensorDesc:
         return describe(x)
     except KVGroupsTypeError as exc:
         text = str(exc)
-        text = text[len("tensor: "):] if text.startswith("tensor: ") else text
+        text = text[len("tensor: ") :] if text.startswith("tensor: ") else text
         raise KVGroupsTypeError(f"{what}: {text}") from None
 
 
@@ -213,13 +259,12 @@ def _as_desc(x: Any, what: str) -> TensorDesc:
     if x is None or isinstance(x, (list, tuple, dict, str, bytes, int, float)):
         raise KVGroupsTypeError(
             f"{what}: expected a tensor (an object with __dlpack__, or a TensorSpec), got "
-            f"{type(x).__name__}")
+            f"{type(x).__name__}"
+        )
     return describe_named(x, what)
 
 
-def layer_tensors(
-    kv_caches: Any, fmt: EngineKVFormat, layer: int
-) -> tuple[list[TensorDesc], int]:
+def layer_tensors(kv_caches: Any, fmt: EngineKVFormat, layer: int) -> tuple[list[TensorDesc], int]:
     """The backing tensor(s) of ``layer`` and the layer's index inside them (cross-layer)."""
     structure = fmt.facts.structure
     if structure == CROSS_LAYER:
@@ -233,11 +278,12 @@ def layer_tensors(
     if structure == KV_LIST:
         if len(kv_caches) != 2:
             raise KVGroupsValueError(
-                f"kv_caches: expected [K list, V list] for {fmt.name}, got {len(kv_caches)} "
-                "entries"
+                f"kv_caches: expected [K list, V list] for {fmt.name}, got {len(kv_caches)} entries"
             )
-        return [_as_desc(kv_caches[0][layer], f"kv_caches[0][{layer}] (K of layer {layer})"),
-                _as_desc(kv_caches[1][layer], f"kv_caches[1][{layer}] (V of layer {layer})")], 0
+        return [
+            _as_desc(kv_caches[0][layer], f"kv_caches[0][{layer}] (K of layer {layer})"),
+            _as_desc(kv_caches[1][layer], f"kv_caches[1][{layer}] (V of layer {layer})"),
+        ], 0
     entry = kv_caches[layer]
     if fmt is EngineKVFormat.NL_X_NB_BS_NH_TWO_HS:
         what = f"kv_caches[{layer}]"
@@ -247,8 +293,10 @@ def layer_tensors(
             raise KVGroupsValueError(
                 f"kv_caches[{layer}]: expected a (K, V) pair for {fmt.name}, got {entry!r}"
             )
-        return [_as_desc(entry[0], f"kv_caches[{layer}][0] (K of layer {layer})"),
-                _as_desc(entry[1], f"kv_caches[{layer}][1] (V of layer {layer})")], 0
+        return [
+            _as_desc(entry[0], f"kv_caches[{layer}][0] (K of layer {layer})"),
+            _as_desc(entry[1], f"kv_caches[{layer}][1] (V of layer {layer})"),
+        ], 0
     assert structure == LAYER_LIST
     return [_as_desc(entry, f"kv_caches[{layer}] (layer {layer})")], 0
 
@@ -316,8 +364,6 @@ def layer_layout(kv_caches: Any, fmt: EngineKVFormat, layer: int) -> LayerLayout
     return _tensor_layout(fmt, tensors, index, f"kv_caches layer {layer}")
 
 
-def layer_layouts(
-    kv_caches: Any, engine_kv_formats: Sequence[EngineKVFormat]
-) -> list[LayerLayout]:
+def layer_layouts(kv_caches: Any, engine_kv_formats: Sequence[EngineKVFormat]) -> list[LayerLayout]:
     """One :class:`LayerLayout` per layer of a normalized structure."""
     return [layer_layout(kv_caches, fmt, i) for i, fmt in enumerate(engine_kv_formats)]

@@ -71,8 +71,9 @@ def _row_major(shape: Sequence[int]) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def state_layer_fields(fmt: EngineKVFormat, tensors: Sequence[TensorDesc],
-                       what: str) -> dict[str, Any]:
+def state_layer_fields(
+    fmt: EngineKVFormat, tensors: Sequence[TensorDesc], what: str
+) -> dict[str, Any]:
     """The fields of one state layer's :class:`~kvgroups_core.formats.layout.LayerLayout`.
 
     ``kv_size = 1``, ``block_size = 1`` (a slot), one run of the whole unpadded state; the
@@ -103,17 +104,35 @@ def state_layer_fields(fmt: EngineKVFormat, tensors: Sequence[TensorDesc],
         nh, hs = 1, state
     else:
         nh, hs = shape[1], state // shape[1]
-    runs = (SegmentRun(count=1, nbytes=state * e, obj_offset=0, obj_step=0, cache_offset=0,
-                       cache_step=0, token_stride=state * e),)
+    runs = (
+        SegmentRun(
+            count=1,
+            nbytes=state * e,
+            obj_offset=0,
+            obj_step=0,
+            cache_offset=0,
+            cache_step=0,
+            token_stride=state * e,
+        ),
+    )
     return dict(
-        format=fmt, kv_size=1, num_blocks=shape[0], block_size=1, num_heads=nh, head_size=hs,
-        dtype=dtype, block_stride_elems=stride0 if stride0 > state else 0,
-        block_stride_bytes=stride0 * e, runs=runs, planes=((desc, 0),),
+        format=fmt,
+        kv_size=1,
+        num_blocks=shape[0],
+        block_size=1,
+        num_heads=nh,
+        head_size=hs,
+        dtype=dtype,
+        block_stride_elems=stride0 if stride0 > state else 0,
+        block_stride_bytes=stride0 * e,
+        runs=runs,
+        planes=((desc, 0),),
     )
 
 
-def state_page_offsets(shapes: Sequence[Sequence[int]], dtypes: Sequence[Any],
-                       what: str = "state page") -> list[tuple[int, int]]:
+def state_page_offsets(
+    shapes: Sequence[Sequence[int]], dtypes: Sequence[Any], what: str = "state page"
+) -> list[tuple[int, int]]:
     """``(byte offset, nbytes)`` of each sub-state in a page that holds them back to back (how
     vLLM lays out a ``MambaSpec`` page: its ``shapes`` in its ``dtypes``, in order).
 

@@ -115,9 +115,7 @@ class AttnWindowDesc:
         arr = np.asarray(present)
         if arr.dtype != np.bool_:
             if arr.dtype.kind not in "biu":
-                raise KVGroupsTypeError(
-                    f"present: expected a boolean array, got dtype {arr.dtype}"
-                )
+                raise KVGroupsTypeError(f"present: expected a boolean array, got dtype {arr.dtype}")
             arr = arr != 0
         groups = self.num_object_groups
         if arr.ndim == 2:

@@ -90,9 +90,7 @@ class EngineGroupInfo:
         layers = tuple(as_int(i, "layer_indices") for i in self.layer_indices)
         tpb = as_int(self.tokens_per_block, "tokens_per_block")
         if tpb < 0:
-            raise KVGroupsValueError(
-                f"tokens_per_block: expected >= 0 (0 = unknown), got {tpb}"
-            )
+            raise KVGroupsValueError(f"tokens_per_block: expected >= 0 (0 = unknown), got {tpb}")
         sw = as_int(self.sw_size_tokens, "sw_size_tokens")
         if sw == 0 or sw < -1:
             raise KVGroupsValueError(
@@ -123,9 +121,7 @@ def check_conv_projections(value: Any, what: str = "conv_projections") -> tuple:
     out = []
     for i, pair in enumerate(value):
         if isinstance(pair, (str, bytes)) or not hasattr(pair, "__len__") or len(pair) != 2:
-            raise KVGroupsTypeError(
-                f"{what}[{i}]: expected a (channels, units) pair, got {pair!r}"
-            )
+            raise KVGroupsTypeError(f"{what}[{i}]: expected a (channels, units) pair, got {pair!r}")
         channels = as_int(pair[0], f"{what}[{i}] channels")
         units = as_int(pair[1], f"{what}[{i}] units")
         if channels <= 0 or units <= 0 or channels % units:
@@ -137,10 +133,7 @@ def check_conv_projections(value: Any, what: str = "conv_projections") -> tuple:
     return tuple(out)
 
 
-
-def get_engine_group_indices(
-    infos: Sequence[EngineGroupInfo], num_layers: int
-) -> list[int] | None:
+def get_engine_group_indices(infos: Sequence[EngineGroupInfo], num_layers: int) -> list[int] | None:
     """The engine group id of every registered layer.
 
     Parameters

@@ -167,9 +167,7 @@ class KernelGroupInfo:
 
     def __repr__(self) -> str:
         sd = self.shape_desc
-        layers = (
-            f"{self.layer_indices[0]}-{self.layer_indices[-1]}" if self.layer_indices else "[]"
-        )
+        layers = f"{self.layer_indices[0]}-{self.layer_indices[-1]}" if self.layer_indices else "[]"
         fmt = self.engine_kv_format.name if self.engine_kv_format is not None else None
         return (
             f"KernelGroupInfo(layers={self.num_layers}, indices={layers}, "
@@ -179,7 +177,8 @@ class KernelGroupInfo:
             f"tokens_per_block={self.tokens_per_block}, "
             f"slots_per_block={self.slots_per_block}, "
             f"engine_group_idx={self.engine_group_idx}, sw_size_tokens={self.sw_size_tokens}"
-            + (", recurrent_state=True" if self.recurrent_state else "") + ")"
+            + (", recurrent_state=True" if self.recurrent_state else "")
+            + ")"
         )
 
 
@@ -219,9 +218,7 @@ def normalize_formats(kv_caches: Any, engine_kv_formats: Any) -> tuple[EngineKVF
             "engine_kv_formats: expected an EngineKVFormat or a sequence of them, got "
             f"{type(engine_kv_formats).__name__}"
         )
-    return tuple(
-        _as_format(f, f"engine_kv_formats[{i}]") for i, f in enumerate(engine_kv_formats)
-    )
+    return tuple(_as_format(f, f"engine_kv_formats[{i}]") for i, f in enumerate(engine_kv_formats))
 
 
 def _as_format(value: Any, what: str) -> EngineKVFormat:

@@ -1,4 +1,5 @@
-"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (docs/SEMANTICS.md section 3).
+"""KVLayerGroupsManager: a model's layers as kernel groups and object groups (docs/SEMANTICS.md
+section 3).
 
 The manager is pure metadata built from descriptors: it owns no buffers and moves no bytes.
 The transfer planner reads it (``kernel_groups``, ``object_groups``, ``layer_layouts``, the
@@ -88,16 +89,20 @@ def _infos_in_group_order(
     return tuple(ordered)
 
 
-def _check_recurrent(k: int, fmt: EngineKVFormat, layers: list[int],
-                     info: EngineGroupInfo | None) -> bool:
+def _check_recurrent(
+    k: int, fmt: EngineKVFormat, layers: list[int], info: EngineGroupInfo | None
+) -> bool:
     """Whether kernel group ``k`` is recurrent state: its format and its engine's info must
     say so together (docs/SEMANTICS.md section 9), never a shape alone."""
     state_format = fmt.is_recurrent_state
     declared = info is not None and info.recurrent_state
     if state_format and not declared:
-        why = ("no engine_group_infos were given" if info is None else
-               f"its engine group info (engine group {info.engine_group_id}) has "
-               "recurrent_state=False")
+        why = (
+            "no engine_group_infos were given"
+            if info is None
+            else f"its engine group info (engine group {info.engine_group_id}) has "
+            "recurrent_state=False"
+        )
         raise KVGroupsValueError(
             f"kernel group {k} (layers {layers}): expected an EngineGroupInfo with "
             f"recurrent_state=True for layers in the state format {fmt.name}, but {why}"
@@ -113,8 +118,7 @@ def _check_recurrent(k: int, fmt: EngineKVFormat, layers: list[int],
     if not declared:
         if info is not None and info.conv_projections:
             raise KVGroupsValueError(
-                f"kernel group {k}: conv_projections given for a group that is not "
-                "recurrent_state"
+                f"kernel group {k}: conv_projections given for a group that is not recurrent_state"
             )
         return False
     assert info is not None  # for mypy: declared says so
@@ -129,8 +133,10 @@ def _check_recurrent(k: int, fmt: EngineKVFormat, layers: list[int],
             f"kernel group {k} (layers {layers}): expected sw_size_tokens -1 for a "
             f"recurrent_state group (its window is one block), got {info.sw_size_tokens}"
         )
-    if info.conv_projections and fmt not in (EngineKVFormat.NL_X_NB_CD_CW,
-                                             EngineKVFormat.NL_X_NB_CW_CD):
+    if info.conv_projections and fmt not in (
+        EngineKVFormat.NL_X_NB_CD_CW,
+        EngineKVFormat.NL_X_NB_CW_CD,
+    ):
         raise KVGroupsValueError(
             f"kernel group {k} (layers {layers}): conv_projections given for {fmt.name}, "
             "expected them only for a conv state"
@@ -163,7 +169,8 @@ class KVLayerGroupsManager:
         been used for a transfer: plans and prepared transfers rely on its layout.
     tp_rank, tp_size : int, keyword-only, default 0 and 1
         The rank of a tensor-parallel group whose shard ``kv_caches`` is (``heads / tp_size``
-        KV heads of each layer), and the group's size; see :mod:`kvgroups_core.grouping.tensor_parallel`.
+        KV heads of each layer), and the group's size; see
+        :mod:`kvgroups_core.grouping.tensor_parallel`.
     total_num_kv_heads : int or sequence of int, keyword-only, optional
         The whole model's KV heads (one count, or one per layer); needed only when a layer has
         fewer KV heads than ranks (each rank then holds one replicated head). By default a
@@ -206,7 +213,8 @@ class KVLayerGroupsManager:
         object_layout: str = "canonical",
     ) -> None:
         self._tp_rank, self._tp_size, self._object_layout = check_tp_args(
-            tp_rank, tp_size, object_layout, total_num_kv_heads)
+            tp_rank, tp_size, object_layout, total_num_kv_heads
+        )
         self._tp_shards: tuple[TPShard, ...] = ()
         chunk = as_int(lmcache_tokens_per_chunk, "lmcache_tokens_per_chunk")
         if chunk <= 0:
@@ -223,9 +231,7 @@ class KVLayerGroupsManager:
         self._lmcache_tokens_per_chunk = chunk
         self._separate_object_groups = bool(separate_object_groups)
         if not isinstance(full_sw_kv, bool):
-            raise KVGroupsTypeError(
-                f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}"
-            )
+            raise KVGroupsTypeError(f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}")
         self._full_sw_kv = full_sw_kv
         # Set when a transfer first binds this manager (mark_in_use); from then on nothing
         # about its layout may change (enable_full_sw_kv refuses).
@@ -263,11 +269,16 @@ class KVLayerGroupsManager:
             self._kernel_groups.append(self._build_group(k, identity, layers, layouts, info))
             self._identities.append(identity)
         self._object_groups = self._detect_object_groups()
-        self._tp_shards = shard_groups(self._kernel_groups, num_layers, total_num_kv_heads,
-                                       self._tp_rank, self._tp_size)
+        self._tp_shards = shard_groups(
+            self._kernel_groups, num_layers, total_num_kv_heads, self._tp_rank, self._tp_size
+        )
         for k, shard in enumerate(self._tp_shards):
-            if (self._object_layout != "canonical" and shard.conv is not None
-                    and shard.conv.replicated and not shard.conv.fully_replicated):
+            if (
+                self._object_layout != "canonical"
+                and shard.conv is not None
+                and shard.conv.replicated
+                and not shard.conv.fully_replicated
+            ):
                 raise UnsupportedConfigError(
                     f"object_layout: kernel group {k} is a conv state with replicated "
                     "sub-projections, which the tp_native layout cannot place; expected "
@@ -360,8 +371,12 @@ class KVLayerGroupsManager:
                 key = -1 if sw == -1 else -(-sw // chunk)  # a sub-chunk window is 1 chunk
             buckets.setdefault(key, []).append(k)
         # Kernel groups are visited in order, so buckets come out ordered by first group.
-        return [ObjectGroupInfo(ks, 1, recurrent_state=True) if key == state
-                else ObjectGroupInfo(ks, key) for key, ks in buckets.items()]
+        return [
+            ObjectGroupInfo(ks, 1, recurrent_state=True)
+            if key == state
+            else ObjectGroupInfo(ks, key)
+            for key, ks in buckets.items()
+        ]
 
     def _group(self, kernel_group_idx: int) -> KernelGroupInfo:
         k = as_int(kernel_group_idx, "kernel_group_idx")
@@ -544,8 +559,11 @@ class KVLayerGroupsManager:
             f"object_groups={self.num_object_groups}, "
             f"chunk={self._lmcache_tokens_per_chunk}, full_sw_kv={self._full_sw_kv}"
             + (f", tp_rank={self._tp_rank}, tp_size={self._tp_size}" if self._tp_size > 1 else "")
-            + (f", object_layout={self._object_layout!r}"
-               if self._object_layout != "canonical" else "")
+            + (
+                f", object_layout={self._object_layout!r}"
+                if self._object_layout != "canonical"
+                else ""
+            )
             + ")"
         )
 

@@ -7,7 +7,8 @@ A shape spec writes a model's kernel groups on one line, for CLIs and benchmarks
 Each ``;``-separated group is a 5-tuple ``(kv_size, num_blocks, block_size, num_heads,
 head_size)``, a dtype and a layer count; layer indices are assigned consecutively from 0.
 :func:`manager_from_shape_spec` turns a spec into a real
-:class:`~kvgroups_core.grouping.manager.KVLayerGroupsManager` over data-less TensorSpecs, so anything
+:class:`~kvgroups_core.grouping.manager.KVLayerGroupsManager` over data-less TensorSpecs, so
+anything
 the manager plans (slots, object sizes) can be computed for a spec.
 """
 
@@ -129,8 +130,14 @@ def parse_kvcache_shape_spec(spec_str: str) -> list[KernelGroupInfo]:
         dtype = DTYPE_MAP[dtype_name]
         kv_size, nb, bs, nh, hs = shape
         shape_desc = PageBufferShapeDesc(
-            kv_size=kv_size, nl=num_layers, nb=nb, bs=bs, nh=nh, hs=hs,
-            element_size=dtype.itemsize, dtype=dtype,
+            kv_size=kv_size,
+            nl=num_layers,
+            nb=nb,
+            bs=bs,
+            nh=nh,
+            hs=hs,
+            element_size=dtype.itemsize,
+            dtype=dtype,
         )
         groups.append(
             KernelGroupInfo(
@@ -290,7 +297,8 @@ def manager_from_shape_spec(
         layer is in engine group 0 and groups of equal geometry merge.
     """
     caches, formats, infos = caches_from_shape_spec(
-        spec, sw_size_tokens=sw_size_tokens, tokens_per_block=tokens_per_block)
+        spec, sw_size_tokens=sw_size_tokens, tokens_per_block=tokens_per_block
+    )
     return KVLayerGroupsManager(
         caches,
         formats,

@@ -77,8 +77,15 @@ class ConvSplit:
         return rank // (self.tp_size // self.parts[projection])
 
 
-def conv_split(projections: Sequence[tuple[int, int]], tp_size: int, rank_nh: int,
-               rank_hs: int, itemsize: int, dim_first: bool, what: str) -> ConvSplit:
+def conv_split(
+    projections: Sequence[tuple[int, int]],
+    tp_size: int,
+    rank_nh: int,
+    rank_hs: int,
+    itemsize: int,
+    dim_first: bool,
+    what: str,
+) -> ConvSplit:
     """The :class:`ConvSplit` of a rank's conv kernel group (``rank_nh`` / ``rank_hs``: its
     layout's heads and head size: ``CD, CW`` in "DS", ``1, CW * CD`` in "SD")."""
     channels, rank_channels, parts = [], [], []
@@ -105,15 +112,17 @@ def conv_split(projections: Sequence[tuple[int, int]], tp_size: int, rank_nh: in
             f"{rank_nh if dim_first else 'window x channels ='} "
             f"{rank_nh if dim_first else rank_hs} elements per {'row' if dim_first else 'slot'}"
         )
-    return ConvSplit(tp_size, tuple(channels), tuple(rank_channels), tuple(parts), window,
-                     itemsize, dim_first)
+    return ConvSplit(
+        tp_size, tuple(channels), tuple(rank_channels), tuple(parts), window, itemsize, dim_first
+    )
 
 
 Concat = Callable[[list, int], Any]
 
 
-def merge_conv(split: ConvSplit, rank_regions: Sequence[Any], chunks: int, rows: int,
-               concat: Concat) -> Any:
+def merge_conv(
+    split: ConvSplit, rank_regions: Sequence[Any], chunks: int, rows: int, concat: Concat
+) -> Any:
     """The canonical conv region ``[chunks, rows * canonical_row_bytes]`` from every rank's
     region (``rank_regions[r]``: ``[chunks, rows * rank_row_bytes]`` uint8)."""
     shape = (chunks, rows, split.repeats, split.rank_row_bytes // split.repeats)
@@ -122,21 +131,23 @@ def merge_conv(split: ConvSplit, rank_regions: Sequence[Any], chunks: int, rows:
     for j, c in enumerate(split.rank_channels):
         width = split.piece_bytes(c)
         for part in range(split.parts[j]):
-            pieces.append(views[split.owner(j, part)][..., start:start + width])
+            pieces.append(views[split.owner(j, part)][..., start : start + width])
         start += width
     return concat(pieces, 3).reshape((chunks, rows * split.canonical_row_bytes))
 
 
-def split_conv(split: ConvSplit, canonical: Any, chunks: int, rows: int, rank: int,
-               concat: Concat) -> Any:
+def split_conv(
+    split: ConvSplit, canonical: Any, chunks: int, rows: int, rank: int, concat: Concat
+) -> Any:
     """Rank ``rank``'s conv region ``[chunks, rows * rank_row_bytes]`` from the canonical
     region ``[chunks, rows * canonical_row_bytes]``."""
-    view = canonical.reshape((chunks, rows, split.repeats,
-                              split.canonical_row_bytes // split.repeats))
+    view = canonical.reshape(
+        (chunks, rows, split.repeats, split.canonical_row_bytes // split.repeats)
+    )
     pieces, start = [], 0
     for j, c in enumerate(split.rank_channels):
         width = split.piece_bytes(c)
         offset = start + split.part_of(j, rank) * width
-        pieces.append(view[..., offset:offset + width])
+        pieces.append(view[..., offset : offset + width])
         start += width * split.parts[j]
     return concat(pieces, 3).reshape((chunks, rows * split.rank_row_bytes))

@@ -103,8 +103,9 @@ class TPShard:
         return part * self.replicas
 
 
-def check_tp_args(tp_rank: Any, tp_size: Any, object_layout: Any,
-                  total_num_kv_heads: Any = None) -> tuple[int, int, str]:
+def check_tp_args(
+    tp_rank: Any, tp_size: Any, object_layout: Any, total_num_kv_heads: Any = None
+) -> tuple[int, int, str]:
     """Validate the manager's tensor-parallel keywords (before anything else is read, the
     caches included; only ``total_num_kv_heads``' length waits for the layer count)."""
     check_total_heads(total_num_kv_heads)
@@ -130,8 +131,9 @@ def check_total_heads(total_num_kv_heads: Any) -> list[int] | int | None:
     per-layer length is checked once the layers are known)."""
     if total_num_kv_heads is None:
         return None
-    if isinstance(total_num_kv_heads, Sequence) and not isinstance(total_num_kv_heads,
-                                                                  (str, bytes)):
+    if isinstance(total_num_kv_heads, Sequence) and not isinstance(
+        total_num_kv_heads, (str, bytes)
+    ):
         values = [as_int(h, f"total_num_kv_heads[{i}]") for i, h in enumerate(total_num_kv_heads)]
         for i, h in enumerate(values):
             if h < 1:
@@ -164,17 +166,36 @@ def _state_shard(k: int, group: Any, rank: int, size: int) -> TPShard:
     fmt = group.engine_kv_format
     sd = group.shape_desc
     if fmt is EngineKVFormat.NL_X_NB_SH_SS:
-        return TPShard(tp_rank=rank, tp_size=size, total_heads=sd.nh * size, rank_heads=sd.nh,
-                       replicas=1)
+        return TPShard(
+            tp_rank=rank, tp_size=size, total_heads=sd.nh * size, rank_heads=sd.nh, replicas=1
+        )
     if not group.conv_projections:
         h = sd.nh
-        return TPShard(tp_rank=rank, tp_size=size, total_heads=h * size, rank_heads=h,
-                       replicas=1, needs_conv_projections=size > 1)
-    split = conv_split(group.conv_projections, size, sd.nh, sd.hs, sd.element_size,
-                       fmt is EngineKVFormat.NL_X_NB_CD_CW, f"kernel group {k}")
-    return TPShard(tp_rank=rank, tp_size=size, total_heads=sum(split.channels),
-                   rank_heads=sum(split.rank_channels),
-                   replicas=size if split.fully_replicated else 1, conv=split)
+        return TPShard(
+            tp_rank=rank,
+            tp_size=size,
+            total_heads=h * size,
+            rank_heads=h,
+            replicas=1,
+            needs_conv_projections=size > 1,
+        )
+    split = conv_split(
+        group.conv_projections,
+        size,
+        sd.nh,
+        sd.hs,
+        sd.element_size,
+        fmt is EngineKVFormat.NL_X_NB_CD_CW,
+        f"kernel group {k}",
+    )
+    return TPShard(
+        tp_rank=rank,
+        tp_size=size,
+        total_heads=sum(split.channels),
+        rank_heads=sum(split.rank_channels),
+        replicas=size if split.fully_replicated else 1,
+        conv=split,
+    )
 
 
 def canonical_region_nbytes(manager: Any, region: Any) -> int:
@@ -185,8 +206,9 @@ def canonical_region_nbytes(manager: Any, region: Any) -> int:
     return region.nbytes * shard.num_parts
 
 
-def _shard_of_group(k: int, group: Any, totals: Sequence[int | None], rank: int,
-                    size: int) -> TPShard:
+def _shard_of_group(
+    k: int, group: Any, totals: Sequence[int | None], rank: int, size: int
+) -> TPShard:
     if getattr(group, "recurrent_state", False):
         return _state_shard(k, group, rank, size)
     fmt = group.engine_kv_format
@@ -216,12 +238,14 @@ def _shard_of_group(k: int, group: Any, totals: Sequence[int | None], rank: int,
             f"kernel group {k}: expected tp_size {size} to be a multiple of its {total} KV "
             f"heads (each rank then holds 1 replicated head), got a shard of {h} heads"
         )
-    return TPShard(tp_rank=rank, tp_size=size, total_heads=total, rank_heads=1,
-                   replicas=size // total)
+    return TPShard(
+        tp_rank=rank, tp_size=size, total_heads=total, rank_heads=1, replicas=size // total
+    )
 
 
-def shard_groups(kernel_groups: Sequence[Any], num_layers: int, total_num_kv_heads: Any,
-                 rank: int, size: int) -> tuple[TPShard, ...]:
+def shard_groups(
+    kernel_groups: Sequence[Any], num_layers: int, total_num_kv_heads: Any, rank: int, size: int
+) -> tuple[TPShard, ...]:
     """The :class:`TPShard` of every kernel group of one rank's manager."""
     totals = _total_heads_per_layer(total_num_kv_heads, num_layers)
     return tuple(_shard_of_group(k, g, totals, rank, size) for k, g in enumerate(kernel_groups))
@@ -261,27 +285,35 @@ def _describe(manager: Any, *, across_degrees: bool) -> dict:
         shard = manager.tp_shard(k)
         fmt = g.engine_kv_format
         # Keys only recurrent-state groups have (others' digests stay as they were).
-        state = {"recurrent_state": True,
-                 "conv_projections": [list(p) for p in g.conv_projections]} \
-            if g.recurrent_state else {}
-        groups.append({**state,
-            "layers": list(g.layer_indices),
-            "kv_size": sd.kv_size,
-            "heads": shard.total_heads if across_degrees else sd.nh,
-            "total_heads": shard.total_heads,
-            "replicas": None if across_degrees else shard.replicas,
-            # A conv state's per-rank row depends on the degree: across degrees, the whole
-            # model's elements per slot.
-            "head_size": (shard.conv.canonical_row_bytes // sd.element_size
-                          if across_degrees and shard.conv is not None else sd.hs),
-            "block_size": sd.bs,
-            "tokens_per_block": g.tokens_per_block,
-            "engine_group": g.engine_group_idx,
-            "sliding_window": g.sw_size_tokens,
-            "dtype": g.dtype.name,
-            "format": None if fmt is None else fmt.name,
-            "slots_per_chunk": manager.get_slots_per_chunk_in_sw(k),
-        })
+        state = (
+            {"recurrent_state": True, "conv_projections": [list(p) for p in g.conv_projections]}
+            if g.recurrent_state
+            else {}
+        )
+        groups.append(
+            {
+                **state,
+                "layers": list(g.layer_indices),
+                "kv_size": sd.kv_size,
+                "heads": shard.total_heads if across_degrees else sd.nh,
+                "total_heads": shard.total_heads,
+                "replicas": None if across_degrees else shard.replicas,
+                # A conv state's per-rank row depends on the degree: across degrees, the whole
+                # model's elements per slot.
+                "head_size": (
+                    shard.conv.canonical_row_bytes // sd.element_size
+                    if across_degrees and shard.conv is not None
+                    else sd.hs
+                ),
+                "block_size": sd.bs,
+                "tokens_per_block": g.tokens_per_block,
+                "engine_group": g.engine_group_idx,
+                "sliding_window": g.sw_size_tokens,
+                "dtype": g.dtype.name,
+                "format": None if fmt is None else fmt.name,
+                "slots_per_chunk": manager.get_slots_per_chunk_in_sw(k),
+            }
+        )
     return {
         "version": _FINGERPRINT_VERSION,
         "chunk": manager.lmcache_tokens_per_chunk,
@@ -289,8 +321,9 @@ def _describe(manager: Any, *, across_degrees: bool) -> dict:
         "full_sw_kv": manager.full_sw_kv,
         "formats": [f.name for f in manager.engine_kv_formats],
         "kernel_groups": groups,
-        "object_groups": [[list(o.kernel_group_indices), o.sw_size_chunks]
-                          for o in manager.object_groups],
+        "object_groups": [
+            [list(o.kernel_group_indices), o.sw_size_chunks] for o in manager.object_groups
+        ],
         "object_layout": CANONICAL if across_degrees else manager.object_layout,
         "tp_size": None if across_degrees else manager.tp_size,
     }
@@ -306,8 +339,9 @@ def fingerprint(manager: Any, *, across_degrees: bool = False) -> str:
     every TP degree and layout of one model, so a store at one degree can be checked
     against a load at another.
     """
-    text = json.dumps(_describe(manager, across_degrees=across_degrees), sort_keys=True,
-                      separators=(",", ":"))
+    text = json.dumps(
+        _describe(manager, across_degrees=across_degrees), sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(text.encode()).hexdigest()
 
 

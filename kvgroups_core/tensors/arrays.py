@@ -68,7 +68,8 @@ class _Entry:
                 except (ImportError, AttributeError) as exc:  # not installed, or stale
                     raise BackendNotFoundError(
                         f"backend {self.name!r}: expected {module_name} and the framework it "
-                        f"runs on to be installed, got {type(exc).__name__}: {exc}") from exc
+                        f"runs on to be installed, got {type(exc).__name__}: {exc}"
+                    ) from exc
             if self.array_types is None:
                 self.array_types = tuple(getattr(loader, "array_types", ()))
                 _TYPE_CACHE.clear()
@@ -294,9 +295,14 @@ def describe(x: Any) -> TensorDesc:
     return describe_dlpack(x)
 
 
-register_backend("numpy", "kvgroups_core.transfer.reference:NumpyBackend", array_types=("numpy.ndarray",))
+register_backend(
+    "numpy", "kvgroups_core.transfer.reference:NumpyBackend", array_types=("numpy.ndarray",)
+)
 register_backend("torch", "kvgroups_torch:TorchBackend", array_types=("torch.Tensor",))
 # Tracers (inside jax.jit, shard_map, vmap) are not jax.Array subclasses; ShapeDtypeStructs
 # are JAX's abstract arrays.
-register_backend("jax", "kvgroups_jax:JaxBackend",
-                 array_types=("jax.Array", "jax.core.Tracer", "jax.ShapeDtypeStruct"))
+register_backend(
+    "jax",
+    "kvgroups_jax:JaxBackend",
+    array_types=("jax.Array", "jax.core.Tracer", "jax.ShapeDtypeStruct"),
+)

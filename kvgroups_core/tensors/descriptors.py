@@ -44,8 +44,13 @@ class TensorSpec:
 
     if TYPE_CHECKING:
         # What the constructor accepts: __post_init__ turns it into the fields' types.
-        def __init__(self, shape: Sequence[int], dtype: object,
-                     strides: Sequence[int] | None = None, device: str = "cpu") -> None: ...
+        def __init__(
+            self,
+            shape: Sequence[int],
+            dtype: object,
+            strides: Sequence[int] | None = None,
+            device: str = "cpu",
+        ) -> None: ...
 
     def __post_init__(self) -> None:
         try:
@@ -56,8 +61,10 @@ class TensorSpec:
             ) from None
         if any(s < 0 for s in shape):
             raise KVGroupsValueError(f"shape: expected non-negative sizes, got {shape}")
-        strides = row_major_strides(shape) if self.strides is None else tuple(
-            int(s) for s in self.strides
+        strides = (
+            row_major_strides(shape)
+            if self.strides is None
+            else tuple(int(s) for s in self.strides)
         )
         if len(strides) != len(shape):
             raise KVGroupsValueError(
@@ -159,8 +166,13 @@ class TensorDesc:
     def view(self, spec: TensorSpec, extra_byte_offset: int = 0) -> "TensorDesc":
         """Another view of the same memory (the caller guarantees it stays in bounds)."""
         return TensorDesc(
-            spec, self.data_ptr, self.byte_offset + extra_byte_offset, self.obj, self.framework,
-            self.abstract, self.placement,
+            spec,
+            self.data_ptr,
+            self.byte_offset + extra_byte_offset,
+            self.obj,
+            self.framework,
+            self.abstract,
+            self.placement,
         )
 
 
@@ -203,8 +215,18 @@ class _DLTensor(ctypes.Structure):
 
 
 # DLDeviceType values (dlpack.h) -> our device strings.
-_DEVICE_NAMES = {1: "cpu", 2: "cuda", 3: "cuda_host", 4: "opencl", 7: "vulkan", 8: "metal",
-                 10: "rocm", 11: "rocm_host", 13: "cuda_managed", 14: "oneapi"}
+_DEVICE_NAMES = {
+    1: "cpu",
+    2: "cuda",
+    3: "cuda_host",
+    4: "opencl",
+    7: "vulkan",
+    8: "metal",
+    10: "rocm",
+    11: "rocm_host",
+    13: "cuda_managed",
+    14: "oneapi",
+}
 
 
 def device_name(device_type: int, device_id: int) -> str:

@@ -35,8 +35,12 @@ def _leaves(structure: Any) -> list[Any]:
 def _replace_leaves(structure: Any, new_by_id: dict[int, Any]) -> Any:
     if isinstance(structure, (list, tuple)):
         # Plain leaves inline: this runs after every JAX load, over every layer's tensor.
-        items = [_replace_leaves(x, new_by_id) if isinstance(x, (list, tuple, TensorDesc))
-                 else new_by_id.get(id(x), x) for x in structure]
+        items = [
+            _replace_leaves(x, new_by_id)
+            if isinstance(x, (list, tuple, TensorDesc))
+            else new_by_id.get(id(x), x)
+            for x in structure
+        ]
         return items if isinstance(structure, list) else tuple(items)
     key = id(structure.obj) if isinstance(structure, TensorDesc) else id(structure)
     return new_by_id.get(key, structure)
@@ -52,19 +56,29 @@ class PreparedTransfer:
     (:meth:`BoundCaches.adopt_results`) and :attr:`binding` describes them when read.
     """
 
-    def __init__(self, manager: Any, kv_caches: Any, *, backend: "str | Backend | None" = None
-                 ) -> None:
+    def __init__(
+        self, manager: Any, kv_caches: Any, *, backend: "str | Backend | None" = None
+    ) -> None:
         self.manager = manager
         self.kv_caches = kv_caches
         # The registry holds transfer backends; ArrayBackend is the part of them it reads.
-        self.backend: Backend = backend if isinstance(backend, Backend) else \
-            cast(Backend, backend_for_tensors(_leaves(kv_caches), backend))
+        self.backend: Backend = (
+            backend
+            if isinstance(backend, Backend)
+            else cast(Backend, backend_for_tensors(_leaves(kv_caches), backend))
+        )
         self._to_host = self.backend.to_host_ids  # one bound method, not one per call
         # Backends without device ids (the default hook) skip the per-call probe.
-        self._ids_spec = None if type(self.backend).device_ids_spec is Backend.device_ids_spec \
+        self._ids_spec = (
+            None
+            if type(self.backend).device_ids_spec is Backend.device_ids_spec
             else self.backend.device_ids_spec
-        self._ids_key = None if type(self.backend).device_ids_key is Backend.device_ids_key \
+        )
+        self._ids_key = (
+            None
+            if type(self.backend).device_ids_key is Backend.device_ids_key
             else self.backend.device_ids_key
+        )
         self._plans: Binding  # the binding without its descriptors: all planning reads
         self._described: Binding | None  # the binding of the current caches, made when read
         self._bound: BoundCaches
@@ -84,17 +98,38 @@ class PreparedTransfer:
             self._described = replace(self._plans, tensors=tensors)
         return self._described
 
-    def store(self, block_ids: Any, objects: Any = None, *, layers: Any = None,
-              max_ctas: int | None = None, path: str | None = None) -> list:
+    def store(
+        self,
+        block_ids: Any,
+        objects: Any = None,
+        *,
+        layers: Any = None,
+        max_ctas: int | None = None,
+        path: str | None = None,
+    ) -> list:
         """Gather the pages of ``block_ids`` into objects; see :func:`store`."""
-        return prepared_store(self, block_ids, objects, layers=layers, max_ctas=max_ctas,
-                              path=path)
+        return prepared_store(self, block_ids, objects, layers=layers, max_ctas=max_ctas, path=path)
 
-    def load(self, objects: Any, block_ids: Any, *, skip_first_n_tokens: Any = 0,
-             layers: Any = None, max_ctas: int | None = None, path: str | None = None) -> Any:
+    def load(
+        self,
+        objects: Any,
+        block_ids: Any,
+        *,
+        skip_first_n_tokens: Any = 0,
+        layers: Any = None,
+        max_ctas: int | None = None,
+        path: str | None = None,
+    ) -> Any:
         """Scatter objects back into the caches; see :func:`load`."""
-        return prepared_load(self, objects, block_ids, skip_first_n_tokens=skip_first_n_tokens,
-                             layers=layers, max_ctas=max_ctas, path=path)
+        return prepared_load(
+            self,
+            objects,
+            block_ids,
+            skip_first_n_tokens=skip_first_n_tokens,
+            layers=layers,
+            max_ctas=max_ctas,
+            path=path,
+        )
 
     def _nothing_to_move(self, plan: Any, objects: Any) -> list:
         """Zero chunks: the objects are checked like any others (``[0, nbytes]``) and no
@@ -133,8 +168,10 @@ class PreparedTransfer:
         try:
             self._bind()
         except KVGroupsError as exc:
-            raise type(exc)(f"kv_caches changed since the transfer was prepared ({changed}); "
-                            f"binding them again failed: {exc}") from exc
+            raise type(exc)(
+                f"kv_caches changed since the transfer was prepared ({changed}); "
+                f"binding them again failed: {exc}"
+            ) from exc
 
     def _bind(self) -> None:
         # One read of the structure: the binding and the guard both come from this copy, so
@@ -201,9 +238,15 @@ class PreparedTransfer:
 
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
 # compiler can then substitute them by identity (kvgroups_torch.compile.dynamo does, for Dynamo).
-def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = None, *,
-                   layers: Any = None, max_ctas: int | None = None,
-                   path: str | None = None) -> list:
+def prepared_store(
+    prepared: PreparedTransfer,
+    block_ids: Any,
+    objects: Any = None,
+    *,
+    layers: Any = None,
+    max_ctas: int | None = None,
+    path: str | None = None,
+) -> list:
     """:meth:`PreparedTransfer.store`."""
     with prepared._lock:
         key = None
@@ -217,12 +260,26 @@ def prepared_store(prepared: PreparedTransfer, block_ids: Any, objects: Any = No
         return _store_locked(prepared, block_ids, objects, layers, max_ctas, key, path)
 
 
-def _store_locked(prepared: PreparedTransfer, block_ids: Any, objects: Any, layers: Any,
-                  max_ctas: int | None, key: tuple | None = None,
-                  path: str | None = None) -> list:
-    plan = plan_call(prepared._plans, block_ids, "store", to_host=prepared._to_host,
-                     ids_spec=prepared._ids_spec, layers=layers, max_ctas=max_ctas,
-                     path=path, paths=prepared.backend.transfer_paths)
+def _store_locked(
+    prepared: PreparedTransfer,
+    block_ids: Any,
+    objects: Any,
+    layers: Any,
+    max_ctas: int | None,
+    key: tuple | None = None,
+    path: str | None = None,
+) -> list:
+    plan = plan_call(
+        prepared._plans,
+        block_ids,
+        "store",
+        to_host=prepared._to_host,
+        ids_spec=prepared._ids_spec,
+        layers=layers,
+        max_ctas=max_ctas,
+        path=path,
+        paths=prepared.backend.transfer_paths,
+    )
     if objects is None:
         if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
             return prepared._empty_objects(plan)
@@ -237,28 +294,53 @@ def _store_locked(prepared: PreparedTransfer, block_ids: Any, objects: Any, laye
     return out
 
 
-def prepared_load(prepared: PreparedTransfer, objects: Any, block_ids: Any, *,
-                  skip_first_n_tokens: Any = 0, layers: Any = None,
-                  max_ctas: int | None = None, path: str | None = None) -> Any:
+def prepared_load(
+    prepared: PreparedTransfer,
+    objects: Any,
+    block_ids: Any,
+    *,
+    skip_first_n_tokens: Any = 0,
+    layers: Any = None,
+    max_ctas: int | None = None,
+    path: str | None = None,
+) -> Any:
     """:meth:`PreparedTransfer.load`."""
     with prepared._lock:
-        key = call_key(prepared._ids_key, "load", block_ids, layers, max_ctas,
-                       skip_first_n_tokens, path)
+        key = call_key(
+            prepared._ids_key, "load", block_ids, layers, max_ctas, skip_first_n_tokens, path
+        )
         if key is not None:  # a repeated call of a validated signature: see call_memo
             done = prepared._memo.call(key, block_ids, objects, prepared.kv_caches)
             if done is not None:
                 return _adopt_load_results(prepared, done[0])
         prepared._check_current()
-        return _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas,
-                            key, path)
+        return _load_locked(
+            prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas, key, path
+        )
 
 
-def _load_locked(prepared: PreparedTransfer, objects: Any, block_ids: Any,
-                 skip_first_n_tokens: Any, layers: Any, max_ctas: int | None,
-                 key: tuple | None = None, path: str | None = None) -> Any:
-    plan = plan_call(prepared._plans, block_ids, "load", skip_first_n_tokens=skip_first_n_tokens,
-                     to_host=prepared._to_host, ids_spec=prepared._ids_spec, layers=layers,
-                     max_ctas=max_ctas, path=path, paths=prepared.backend.transfer_paths)
+def _load_locked(
+    prepared: PreparedTransfer,
+    objects: Any,
+    block_ids: Any,
+    skip_first_n_tokens: Any,
+    layers: Any,
+    max_ctas: int | None,
+    key: tuple | None = None,
+    path: str | None = None,
+) -> Any:
+    plan = plan_call(
+        prepared._plans,
+        block_ids,
+        "load",
+        skip_first_n_tokens=skip_first_n_tokens,
+        to_host=prepared._to_host,
+        ids_spec=prepared._ids_spec,
+        layers=layers,
+        max_ctas=max_ctas,
+        path=path,
+        paths=prepared.backend.transfer_paths,
+    )
     check_call_memory(prepared._guard, plan, objects)
     if plan.num_chunks == 0:
         prepared._nothing_to_move(plan, objects)
@@ -297,11 +379,13 @@ def prepare(manager: Any, kv_caches: Any, *, backend: str | None = None) -> Prep
     return PreparedTransfer(manager, kv_caches, backend=backend)
 
 
-def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
-              ) -> tuple[PreparedTransfer, Any]:
+def _one_shot(
+    manager: Any, kv_caches: Any, objects: Any, backend: str | None
+) -> tuple[PreparedTransfer, Any]:
     """The binding of a one-shot call: the backend is found once (from the caches and the
     objects, so two frameworks are refused) and the caches are bound once, or taken back
-    from the manager's last one-shot call on the same caches (:mod:`kvgroups_core.transfer.fast.reuse`)
+    from the manager's last one-shot call on the same caches
+    (:mod:`kvgroups_core.transfer.fast.reuse`)
     when none of them was resized or reallocated since. The transfer is this call's own
     (nobody else holds it): the call runs it without its lock."""
     parked = reuse.take(manager, kv_caches)
@@ -323,8 +407,9 @@ def _one_shot(manager: Any, kv_caches: Any, objects: Any, backend: str | None
     return PreparedTransfer(manager, kv_caches, backend=cast(Backend, found)), None
 
 
-def _park_after_refusal(manager: Any, prepared: PreparedTransfer, entry: Any,
-                        kv_caches: Any) -> None:
+def _park_after_refusal(
+    manager: Any, prepared: PreparedTransfer, entry: Any, kv_caches: Any
+) -> None:
     """A refused call (bad ids or objects) moved nothing and left the binding as it was:
     kept for the next call, unless the transfer no longer holds the caches it was given."""
     if prepared.kv_caches is kv_caches:
@@ -383,8 +468,13 @@ def store(
         if objects is not None:  # a repeated call of a validated signature: see call_memo
             key = call_key(prepared._ids_key, "store", block_ids, layers, max_ctas, 0, path)
             # A taken-back binding (entry) compared every fingerprint in _one_shot.
-            done = None if key is None else prepared._memo.call(
-                key, block_ids, objects, prepared.kv_caches, entry is not None)
+            done = (
+                None
+                if key is None
+                else prepared._memo.call(
+                    key, block_ids, objects, prepared.kv_caches, entry is not None
+                )
+            )
             if done is not None:
                 reuse.park(manager, prepared, entry)
                 return done[1]
@@ -427,16 +517,21 @@ def load(
     prepared, entry = _one_shot(manager, kv_caches, objects, backend)
     try:
         # A repeated call of a validated signature: see call_memo.
-        key = call_key(prepared._ids_key, "load", block_ids, layers, max_ctas,
-                       skip_first_n_tokens, path)
-        done = None if key is None else prepared._memo.call(
-            key, block_ids, objects, prepared.kv_caches, entry is not None)
+        key = call_key(
+            prepared._ids_key, "load", block_ids, layers, max_ctas, skip_first_n_tokens, path
+        )
+        done = (
+            None
+            if key is None
+            else prepared._memo.call(key, block_ids, objects, prepared.kv_caches, entry is not None)
+        )
         if done is not None:
             out = _adopt_load_results(prepared, done[0])
             reuse.park(manager, prepared, entry)
             return out
-        out = _load_locked(prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas,
-                           key, path)
+        out = _load_locked(
+            prepared, objects, block_ids, skip_first_n_tokens, layers, max_ctas, key, path
+        )
     except KVGroupsError:
         _park_after_refusal(manager, prepared, entry, kv_caches)
         raise
@@ -444,5 +539,12 @@ def load(
     return out
 
 
-__all__ = ["PreparedTransfer", "load", "prepare", "prepared_load", "prepared_store", "store",
-           "TensorSpec"]
+__all__ = [
+    "PreparedTransfer",
+    "load",
+    "prepare",
+    "prepared_load",
+    "prepared_store",
+    "store",
+    "TensorSpec",
+]

@@ -59,8 +59,9 @@ class Backend(ArrayBackend, abc.ABC):
         self.validate_caches(caches)
         return BoundCaches(self, caches)
 
-    def validate(self, plan: TransferPlan, caches: Sequence[TensorDesc],
-                 objects: Sequence[Any]) -> None:
+    def validate(
+        self, plan: TransferPlan, caches: Sequence[TensorDesc], objects: Sequence[Any]
+    ) -> None:
         """Backend-specific checks run before any byte moves: both halves below."""
         self.validate_caches(caches)
         self.validate_objects(plan, caches, objects)
@@ -69,8 +70,9 @@ class Backend(ArrayBackend, abc.ABC):
         """Checks of the bound caches alone (devices, memory kinds); run once per binding."""
         return None
 
-    def validate_objects(self, plan: TransferPlan, caches: Sequence[TensorDesc],
-                         objects: Sequence[Any]) -> None:
+    def validate_objects(
+        self, plan: TransferPlan, caches: Sequence[TensorDesc], objects: Sequence[Any]
+    ) -> None:
         """Checks of one call's objects against the (already validated) caches."""
         return None
 
@@ -99,7 +101,8 @@ class Backend(ArrayBackend, abc.ABC):
         ids not worth remembering). Ids with equal fingerprints must get equal answers from
         :meth:`device_ids_spec` and from the backend's own checks of them (device,
         contiguity): a prepared transfer reuses the plan of such ids without planning again
-        (``kvgroups_core.transfer.fast.call_memo``), so the fingerprint must not depend on their values."""
+        (``kvgroups_core.transfer.fast.call_memo``), so the fingerprint must not depend on their
+        values."""
         return None
 
     # Array plumbing used by the demo, benchmarks and the conformance suite, so that code in
@@ -165,7 +168,8 @@ class BoundCaches:
 
     def release(self) -> bool:
         """Let go of the bound tensors while the binding waits for the next one-shot call
-        (:mod:`kvgroups_core.transfer.fast.reuse`), keeping everything derived from them; :meth:`restore`
+        (:mod:`kvgroups_core.transfer.fast.reuse`), keeping everything derived from them;
+        :meth:`restore`
         hands the same tensors back. False when this class cannot (the default for
         subclasses, which may hold tensors elsewhere: they opt in by overriding both): the
         binding is then not kept."""
@@ -194,8 +198,9 @@ class BoundCaches:
         self.backend.validate_objects(plan, self.caches, objects)
         return self.backend.execute(plan, self.caches, objects)
 
-    def repeater(self, plan: TransferPlan, block_ids: Any
-                 ) -> Callable[[Any, Sequence[Any], Any], tuple]:
+    def repeater(
+        self, plan: TransferPlan, block_ids: Any
+    ) -> Callable[[Any, Sequence[Any], Any], tuple]:
         """A function ``(block_ids, objects, objects_key) -> (new caches, objects)`` that runs
         ``plan`` again, after a :meth:`execute` of it passed, with other ids of the same signature
         (one flat array for every group, int64 NumPy for host ids) and objects of a signature
@@ -232,8 +237,12 @@ class BoundCaches:
     def allocate_objects(self, plan: TransferPlan) -> list:
         """New objects for ``plan`` next to the caches (none when nothing is bound)."""
         bare, taken = self._bare, self._taken
-        if (type(self).caches is BoundCaches.caches and self._caches is None
-                and bare is not None and taken is not None):
+        if (
+            type(self).caches is BoundCaches.caches
+            and self._caches is None
+            and bare is not None
+            and taken is not None
+        ):
             # Taken back after a release: describe only the cache the allocation needs.
             first = with_objs(bare[:1], taken[:1])
         else:

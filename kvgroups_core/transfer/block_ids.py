@@ -44,11 +44,12 @@ def _bad_element(values: Any, what: str) -> Exception:
     for i, v in enumerate(values):
         if isinstance(v, (bool, np.bool_)) or not isinstance(v, (int, np.integer)):
             return KVGroupsTypeError(
-                f"{what}: expected integer block ids, got {type(v).__name__} {v!r} at "
-                f"position {i}")
+                f"{what}: expected integer block ids, got {type(v).__name__} {v!r} at position {i}"
+            )
         if not _INT64_MIN <= int(v) < _INT64_LIMIT:
             return KVGroupsIndexError(
-                f"{what}: expected block ids that fit int64, got {int(v)} at position {i}")
+                f"{what}: expected block ids that fit int64, got {int(v)} at position {i}"
+            )
     return KVGroupsTypeError(f"{what}: expected a 1-D sequence of ints, got {values!r}")
 
 
@@ -64,7 +65,8 @@ def host_id_array(ids: Any, what: str) -> np.ndarray:
             arr = np.asarray(ids)
         except (TypeError, ValueError, OverflowError) as exc:
             raise KVGroupsTypeError(
-                f"{what}: expected a 1-D sequence of ints, got {ids!r}") from exc
+                f"{what}: expected a 1-D sequence of ints, got {ids!r}"
+            ) from exc
         if arr.size and arr.dtype.kind not in "iu" and arr.ndim == 1:
             raise _bad_element(ids, what)  # floats, or ints beyond int64 (object / float64)
     else:
@@ -78,13 +80,14 @@ def host_id_array(ids: Any, what: str) -> np.ndarray:
         return np.zeros(0, dtype=np.int64)
     if arr.ndim != 1 or arr.dtype.kind not in "iu":
         raise KVGroupsTypeError(
-            f"{what}: expected a 1-D sequence of ints, got {arr.dtype} array of shape "
-            f"{arr.shape}")
+            f"{what}: expected a 1-D sequence of ints, got {arr.dtype} array of shape {arr.shape}"
+        )
     if arr.dtype == np.uint64:
         top = int(arr.max())
         if top >= _INT64_LIMIT:
             raise KVGroupsIndexError(
-                f"{what}: expected block ids that fit int64, got uint64 value {top}")
+                f"{what}: expected block ids that fit int64, got uint64 value {top}"
+            )
     return arr.astype(np.int64, copy=False)
 
 
@@ -112,10 +115,12 @@ def _device_ids(x: Any, spec: tuple[str, tuple[int, ...]], what: str) -> tuple[A
     dtype, shape = spec
     if dtype not in DEVICE_ID_DTYPES:
         raise KVGroupsTypeError(
-            f"{what}: expected device block ids of dtype int32 or int64, got {dtype}")
+            f"{what}: expected device block ids of dtype int32 or int64, got {dtype}"
+        )
     if len(shape) != 1:
         raise KVGroupsTypeError(
-            f"{what}: expected a 1-D array of device block ids, got shape {tuple(shape)}")
+            f"{what}: expected a 1-D array of device block ids, got shape {tuple(shape)}"
+        )
     return x, int(shape[0])
 
 
@@ -123,8 +128,16 @@ def _is_host_container(x: Any) -> bool:
     return isinstance(x, (list, tuple, range, np.ndarray))
 
 
-def _one(x: Any, what: str, to_host: Any, ids_spec: IdsSpec | None,
-         out: dict[int, Any], lengths: dict[int, int], kinds: set, key: int) -> None:
+def _one(
+    x: Any,
+    what: str,
+    to_host: Any,
+    ids_spec: IdsSpec | None,
+    out: dict[int, Any],
+    lengths: dict[int, int],
+    kinds: set,
+    key: int,
+) -> None:
     if ids_spec is not None and not _is_host_container(x):
         spec = ids_spec(x)
         if spec is not None:
@@ -138,8 +151,8 @@ def _one(x: Any, what: str, to_host: Any, ids_spec: IdsSpec | None,
             raise type(exc)(f"{what}: {exc}") from exc
         except Exception as exc:  # noqa: BLE001 - a framework's own refusal, typed here
             raise KVGroupsTypeError(
-                f"{what}: expected a 1-D array of ints on the host, got {describe_value(x)} "
-                f"({exc})") from exc
+                f"{what}: expected a 1-D array of ints on the host, got {describe_value(x)} ({exc})"
+            ) from exc
     arr = host_id_array(x, what)
     out[key], lengths[key] = arr, len(arr)
     kinds.add("host")
@@ -160,13 +173,17 @@ def _is_flat(block_ids: Any) -> bool:
 def _engine_group_key(key: Any) -> int:
     if isinstance(key, (bool, np.bool_)) or not isinstance(key, (int, np.integer)):
         raise KVGroupsTypeError(
-            f"block_ids: expected int engine group ids as keys, got {type(key).__name__} "
-            f"{key!r}")
+            f"block_ids: expected int engine group ids as keys, got {type(key).__name__} {key!r}"
+        )
     return int(key)
 
 
-def normalize_block_ids(engine_ids: tuple[int, ...], block_ids: Any, to_host: Any = None,
-                        ids_spec: IdsSpec | None = None) -> BlockIds:
+def normalize_block_ids(
+    engine_ids: tuple[int, ...],
+    block_ids: Any,
+    to_host: Any = None,
+    ids_spec: IdsSpec | None = None,
+) -> BlockIds:
     """Validate ``block_ids`` against the engine groups ``engine_ids`` (sorted, distinct) of
     the manager's kernel groups and return them per engine group.
 
@@ -182,21 +199,31 @@ def normalize_block_ids(engine_ids: tuple[int, ...], block_ids: Any, to_host: An
         if len(engine_ids) > 1:
             raise KVGroupsValueError(
                 f"block_ids: expected one id list per engine group (the manager has engine "
-                f"groups {list(engine_ids)}), got a flat list")
-        _one(block_ids, "block_ids", to_host, ids_spec, out, lengths, kinds,
-             engine_ids[0] if engine_ids else 0)
+                f"groups {list(engine_ids)}), got a flat list"
+            )
+        _one(
+            block_ids,
+            "block_ids",
+            to_host,
+            ids_spec,
+            out,
+            lengths,
+            kinds,
+            engine_ids[0] if engine_ids else 0,
+        )
     elif isinstance(block_ids, Mapping):
         items = [(_engine_group_key(g), v) for g, v in block_ids.items()]
         missing = [g for g in engine_ids if g not in {k for k, _ in items}]
         if missing:
             raise KVGroupsValueError(
-                f"block_ids: expected ids for engine groups {list(engine_ids)}, missing "
-                f"{missing}")
+                f"block_ids: expected ids for engine groups {list(engine_ids)}, missing {missing}"
+            )
         unknown = sorted(k for k, _ in items if k not in known)
         if unknown:
             raise KVGroupsValueError(
                 f"block_ids: expected keys among the engine groups {list(engine_ids)}, got "
-                f"unknown engine groups {unknown}")
+                f"unknown engine groups {unknown}"
+            )
         for g, v in items:
             _one(v, f"block_ids[{g}]", to_host, ids_spec, out, lengths, kinds, g)
     else:
@@ -204,12 +231,13 @@ def normalize_block_ids(engine_ids: tuple[int, ...], block_ids: Any, to_host: An
         if len(block_ids) > limit:
             raise KVGroupsValueError(
                 f"block_ids: expected at most {limit} id lists (one per engine group id, the "
-                f"manager has engine groups {list(engine_ids)}), got {len(block_ids)}")
+                f"manager has engine groups {list(engine_ids)}), got {len(block_ids)}"
+            )
         if len(block_ids) < limit:
             missing = [g for g in engine_ids if g >= len(block_ids)]
             raise KVGroupsValueError(
-                f"block_ids: expected ids for engine groups {list(engine_ids)}, missing "
-                f"{missing}")
+                f"block_ids: expected ids for engine groups {list(engine_ids)}, missing {missing}"
+            )
         for g, v in enumerate(block_ids):
             if g in known:
                 _one(v, f"block_ids[{g}]", to_host, ids_spec, out, lengths, kinds, g)
@@ -217,9 +245,11 @@ def normalize_block_ids(engine_ids: tuple[int, ...], block_ids: Any, to_host: An
                 raise KVGroupsValueError(
                     f"block_ids[{g}]: expected no ids for engine group {g} (no kernel group "
                     f"has it; the manager has engine groups {list(engine_ids)}), got "
-                    f"{type(v).__name__}")
+                    f"{type(v).__name__}"
+                )
     if len(kinds) > 1:
         raise KVGroupsTypeError(
             "block_ids: expected every id list on the host or every one on the device, got "
-            "both host and device id lists")
+            "both host and device id lists"
+        )
     return BlockIds(out, lengths, kinds == {"device"})

@@ -6,7 +6,8 @@ neighbouring blocks. Where item ``i`` moves block ``b`` and item ``i + 1`` moves
 ``b + 1`` of the same chunk, the two pages sit side by side on both sides (in the cache at the
 block stride, in the object one page of rows apart), and a DMA engine moves them as one copy.
 :func:`coalesce_runs` finds such runs for any two index sequences; :func:`block_runs` finds
-them for a :class:`~kvgroups_core.transfer.plan.GroupTransfer` (its block ids against its object items).
+them for a :class:`~kvgroups_core.transfer.plan.GroupTransfer` (its block ids against its object
+items).
 
 Users: the torch copy-engine path (one ``cuMemcpyBatchAsync`` entry per run and plane), the
 JAX TPU lowering (one DMA per run and plane; its device twin computes the same runs from
@@ -53,7 +54,8 @@ class BlockRuns:
     def pairs(self) -> tuple[np.ndarray, np.ndarray]:
         """The ``(src, dst)`` pairs the runs cover, in order (the uncoalesced sequences)."""
         k = np.arange(self.total, dtype=np.int64) - np.repeat(
-            np.cumsum(self.length) - self.length, self.length)
+            np.cumsum(self.length) - self.length, self.length
+        )
         return np.repeat(self.src, self.length) + k, np.repeat(self.dst, self.length) + k
 
 
@@ -73,8 +75,7 @@ def coalesce_runs(src: Any, dst: Any, breaks: Any = None) -> BlockRuns:
     a = np.asarray(src, dtype=np.int64).reshape(-1)
     b = np.asarray(dst, dtype=np.int64).reshape(-1)
     if a.shape != b.shape:
-        raise KVGroupsValueError(
-            f"dst: expected as many entries as src ({a.size}), got {b.size}")
+        raise KVGroupsValueError(f"dst: expected as many entries as src ({a.size}), got {b.size}")
     n = a.size
     if n == 0:
         empty = np.zeros(0, dtype=np.int64)
@@ -84,16 +85,20 @@ def coalesce_runs(src: Any, dst: Any, breaks: Any = None) -> BlockRuns:
     if breaks is not None:
         brk = np.asarray(breaks, dtype=bool).reshape(-1)
         if brk.shape != a.shape:
-            raise KVGroupsValueError(
-                f"breaks: expected {n} entries (one per pair), got {brk.size}")
+            raise KVGroupsValueError(f"breaks: expected {n} entries (one per pair), got {brk.size}")
         start |= brk
     first = np.flatnonzero(start)
     length = np.diff(np.append(first, n))
     return BlockRuns(a[first], b[first], length.astype(np.int64))
 
 
-def block_runs(group: Any, first_item: int | None = None, *, block_ids: Any = None,
-               num_blocks: int | None = None) -> BlockRuns:
+def block_runs(
+    group: Any,
+    first_item: int | None = None,
+    *,
+    block_ids: Any = None,
+    num_blocks: int | None = None,
+) -> BlockRuns:
     """The runs of a group transfer: ``src`` = first engine block id, ``dst`` = first item.
 
     A run never crosses a chunk (a chunk's pages of one plane are contiguous in its object,

@@ -87,8 +87,7 @@ def copy_structure(structure: Any) -> Any:
                 return [copy_structure(x) if isinstance(x, (list, tuple)) else x for x in snap]
         return snap
     if isinstance(structure, (list, tuple)):
-        items = [copy_structure(x) if isinstance(x, (list, tuple)) else x
-                 for x in list(structure)]
+        items = [copy_structure(x) if isinstance(x, (list, tuple)) else x for x in list(structure)]
         return items if isinstance(structure, list) else tuple(items)
     return structure
 
@@ -113,11 +112,18 @@ def _first_change(structure: Any, snap: Any, path: str = "kv_caches") -> str | N
 
 
 def _numpy_memory(x: np.ndarray) -> Memory:
-    start, end = np.lib.array_utils.byte_bounds(x) if hasattr(np.lib, "array_utils") \
-        else np.byte_bounds(x)  # type: ignore[attr-defined]  # NumPy 1.x only
+    # NumPy 2 moved byte_bounds to np.lib.array_utils; NumPy 1.x has it at the top level.
+    start, end = getattr(np.lib, "array_utils", np).byte_bounds(x)
     if x.ndim == 2:
-        return Memory(start, end - start, bool(x.flags.writeable), True, x.shape[0],
-                      x.strides[0], x.shape[1] * x.itemsize)
+        return Memory(
+            start,
+            end - start,
+            bool(x.flags.writeable),
+            True,
+            x.shape[0],
+            x.strides[0],
+            x.shape[1] * x.itemsize,
+        )
     return Memory(start, end - start, bool(x.flags.writeable))
 
 
@@ -144,14 +150,14 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
 
     def numpy_keys(xs: list) -> Any:
         # The whole layout and the writeable flag: an array changed in place (or another
-        # array at the same address, see kvgroups_core.transfer.fast.reuse) is bound again, and a load
+        # array at the same address, see kvgroups_core.transfer.fast.reuse) is bound again, and a
+        # load
         # into one made read-only is refused as on a first call.
         out: list[tuple | None] = []
         for x in xs:
             if isinstance(x, np.ndarray):
                 ai = x.__array_interface__
-                out.append((ai["data"][0], ai["shape"], ai["strides"], x.dtype,
-                            x.flags.writeable))
+                out.append((ai["data"][0], ai["shape"], ai["strides"], x.dtype, x.flags.writeable))
             else:
                 out.append(None)
         return out
@@ -159,8 +165,9 @@ def _keys_function(backend: Any) -> Callable[[list], Any] | None:
     return numpy_keys
 
 
-def _match_function(backend: Any, keys_of: Callable[[list], Any] | None
-                    ) -> Callable[[list, Any], bool] | None:
+def _match_function(
+    backend: Any, keys_of: Callable[[list], Any] | None
+) -> Callable[[list, Any], bool] | None:
     """``match(arrays, keys)``: whether ``arrays`` still have the fingerprints ``keys`` (the
     backend's ``buffer_keys_match`` when it has a cheaper check than computing them again)."""
     if keys_of is None:
@@ -190,17 +197,20 @@ class CacheGuard:
         self.backend = backend
         self.reset(kv_caches, [d.obj for d in slots], slots)
 
-    def reset(self, kv_caches: Any, objs: Sequence[Any],
-              slots: Sequence[TensorDesc] | None = None) -> None:
+    def reset(
+        self, kv_caches: Any, objs: Sequence[Any], slots: Sequence[TensorDesc] | None = None
+    ) -> None:
         """Take ``kv_caches`` (bound tensors ``objs`` in slot order) as the current state."""
         self.objects_memo = None
         self._flat = type(kv_caches) is list and not any(
-            isinstance(x, (list, tuple)) for x in kv_caches)
+            isinstance(x, (list, tuple)) for x in kv_caches
+        )
         self.source = kv_caches  # the structure the binding was made from
         self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
         if slots is not None:
-            concrete = [(i, d.obj) for i, d in enumerate(slots)
-                        if d.obj is not None and not d.is_abstract]
+            concrete = [
+                (i, d.obj) for i, d in enumerate(slots) if d.obj is not None and not d.is_abstract
+            ]
         else:
             concrete = list(enumerate(objs))
         self._concrete = [x for _, x in concrete]
@@ -245,8 +255,11 @@ class CacheGuard:
     def changed(self, kv_caches: Any) -> str | None:
         if self._flat:
             snap = self._snap
-            if type(kv_caches) is not list or len(kv_caches) != len(snap) or not all(
-                    map(operator.is_, kv_caches, snap)):
+            if (
+                type(kv_caches) is not list
+                or len(kv_caches) != len(snap)
+                or not all(map(operator.is_, kv_caches, snap))
+            ):
                 return _first_change(kv_caches, tuple(snap)) or "kv_caches changed"
         else:
             found = _first_change(kv_caches, self._snap)
@@ -263,16 +276,21 @@ class CacheGuard:
             return None
         now = self._keys_of(self._concrete)  # type: ignore[misc]
         n = next((i for i, (a, b) in enumerate(zip(keys, now)) if a != b), 0)
-        return (f"the bound tensor of slot {self._slot_index[n]} was resized or reallocated, "
-                f"or changed in place ({_describe_change(keys[n], now[n])})")
+        return (
+            f"the bound tensor of slot {self._slot_index[n]} was resized or reallocated, "
+            f"or changed in place ({_describe_change(keys[n], now[n])})"
+        )
 
     def same_entries(self, kv_caches: Any) -> bool:
         """Whether the structure still holds the bound tensors (identity only: the cheap
         half of :meth:`changed`)."""
         if self._flat:
             snap = self._snap
-            return type(kv_caches) is list and len(kv_caches) == len(snap) and all(
-                map(operator.is_, kv_caches, snap))
+            return (
+                type(kv_caches) is list
+                and len(kv_caches) == len(snap)
+                and all(map(operator.is_, kv_caches, snap))
+            )
         return _first_change(kv_caches, self._snap) is None
 
     def positions_of(self, tensors: Sequence[Any]) -> tuple[int, ...] | None:
@@ -341,8 +359,11 @@ class CacheGuard:
             ok = True
             for x in self._concrete:
                 mem = memory_of(self.backend, x, "kv_caches")
-                if mem is not None and mem.extent and not (
-                        mem.writable and (not mem.host or host_range_writable(mem))):
+                if (
+                    mem is not None
+                    and mem.extent
+                    and not (mem.writable and (not mem.host or host_range_writable(mem)))
+                ):
                     ok = False
                     break
             self._writable = ok
@@ -521,8 +542,13 @@ def _memo_key(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> Any:
         if any(a is None for a in addresses):
             return None  # no address to compare (JAX: a donated object must be re-checked)
         flags = [getattr(o, "flags", None) for o in objects]  # NumPy's writeable can flip
-        return (plan.direction, tuple((id(o), a, shape_of(o), f is not None and f.writeable)
-                                      for o, a, f in zip(objects, addresses, flags)))
+        return (
+            plan.direction,
+            tuple(
+                (id(o), a, shape_of(o), f is not None and f.writeable)
+                for o, a, f in zip(objects, addresses, flags)
+            ),
+        )
     except Exception:  # noqa: BLE001 - anything unreadable: the full check decides
         return None
 
@@ -546,8 +572,16 @@ def numpy_objects_key(objects: Sequence[Any]) -> Any:
     for a in objects:
         if type(a) is not np.ndarray:
             return None
-        out.append((id(a), a.__array_interface__["data"][0], a.dtype, a.shape, a.strides,
-                    a.flags.writeable))
+        out.append(
+            (
+                id(a),
+                a.__array_interface__["data"][0],
+                a.dtype,
+                a.shape,
+                a.strides,
+                a.flags.writeable,
+            )
+        )
     return tuple(out)
 
 
@@ -599,6 +633,5 @@ def _check_call_memory(guard: CacheGuard, plan: Any, objects: Sequence[Any]) -> 
     for start, end, g, c in ranges:
         if _overlaps(caches, start, end):
             raise KVGroupsValueError(
-                f"{_name(g, c)}: expected memory apart from the caches, got bytes of a cache "
-                "tensor"
+                f"{_name(g, c)}: expected memory apart from the caches, got bytes of a cache tensor"
             )

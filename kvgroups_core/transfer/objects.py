@@ -124,15 +124,15 @@ def region_view(manager: Any, obj: np.ndarray, kernel_group_idx: int) -> np.ndar
     arr = np.asarray(obj)
     if arr.dtype != np.uint8 or arr.ndim not in (1, 2) or arr.shape[-1] != nbytes:
         raise KVGroupsValueError(
-            f"obj: expected uint8 [{nbytes}] or [num_chunks, {nbytes}], got {arr.dtype} "
-            f"{arr.shape}"
+            f"obj: expected uint8 [{nbytes}] or [num_chunks, {nbytes}], got {arr.dtype} {arr.shape}"
         )
     piece = arr[..., region.offset : region.offset + region.nbytes]
     return piece.view(numpy_dtype(region.dtype)).reshape(arr.shape[:-1] + region.shape)
 
 
-def check_objects(plan: Any, objects: Sequence[Any], shape_of: Any, *,
-                  store_creates: bool = False) -> None:
+def check_objects(
+    plan: Any, objects: Sequence[Any], shape_of: Any, *, store_creates: bool = False
+) -> None:
     """The one object rule, for every entry point (the core's calls, and backend entry
     points that take a plan directly): one entry per object group, each a uint8
     ``[num_chunks, object_nbytes]`` array with contiguous rows, or a list of ``num_chunks``

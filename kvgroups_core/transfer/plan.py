@@ -78,9 +78,14 @@ class GroupTransfer:
         # Hand-made plans (tests, benchmarks): planes without an object plane are numbered by
         # position and the token granularity defaults to the block. The planner fills both.
         if any(p.object_plane < 0 for p in self.planes):
-            object.__setattr__(self, "planes", tuple(
-                p if p.object_plane >= 0 else replace(p, object_plane=i)
-                for i, p in enumerate(self.planes)))
+            object.__setattr__(
+                self,
+                "planes",
+                tuple(
+                    p if p.object_plane >= 0 else replace(p, object_plane=i)
+                    for i, p in enumerate(self.planes)
+                ),
+            )
         if self.tokens_per_block <= 0:
             object.__setattr__(self, "tokens_per_block", self.block_size)
 
@@ -206,10 +211,18 @@ def _identity_min(a: Any, b: int) -> Any:
     return a if a <= b else b
 
 
-def skip_first_item(*, skip: Any, lower_bound: int, tokens_per_block: int, blocks_per_chunk: int,
-                    kept_per_chunk: int, total_items: int, covered_tokens: int,
-                    maximum: Callable[[Any, int], Any] = _identity_max,
-                    minimum: Callable[[Any, int], Any] = _identity_min) -> Any:
+def skip_first_item(
+    *,
+    skip: Any,
+    lower_bound: int,
+    tokens_per_block: int,
+    blocks_per_chunk: int,
+    kept_per_chunk: int,
+    total_items: int,
+    covered_tokens: int,
+    maximum: Callable[[Any, int], Any] = _identity_max,
+    minimum: Callable[[Any, int], Any] = _identity_min,
+) -> Any:
     """The first moved item of a load with a prefix skip of ``skip`` tokens (SEMANTICS.md
     section 7): ``max(lower_bound, prefix items)`` clamped to ``total_items``.
 
@@ -227,9 +240,12 @@ def skip_first_item(*, skip: Any, lower_bound: int, tokens_per_block: int, block
     return minimum(maximum(items, lower_bound), total_items)
 
 
-def first_item_for_skip(group: GroupTransfer, skip: Any,
-                        maximum: Callable[[Any, int], Any] = _identity_max,
-                        minimum: Callable[[Any, int], Any] = _identity_min) -> Any:
+def first_item_for_skip(
+    group: GroupTransfer,
+    skip: Any,
+    maximum: Callable[[Any, int], Any] = _identity_max,
+    minimum: Callable[[Any, int], Any] = _identity_min,
+) -> Any:
     """The real first item of ``group`` for a load skipping ``skip`` tokens, where
     ``group.first_item`` is the window skip alone (a plan whose ``skip_tokens`` is set).
 
@@ -237,8 +253,13 @@ def first_item_for_skip(group: GroupTransfer, skip: Any,
     int second. The planner uses the same function for host skips.
     """
     return skip_first_item(
-        skip=skip, lower_bound=group.first_item, tokens_per_block=group.tokens_per_block,
-        blocks_per_chunk=group.blocks_per_chunk, kept_per_chunk=group.kept_per_chunk,
+        skip=skip,
+        lower_bound=group.first_item,
+        tokens_per_block=group.tokens_per_block,
+        blocks_per_chunk=group.blocks_per_chunk,
+        kept_per_chunk=group.kept_per_chunk,
         total_items=group.num_chunks * group.kept_per_chunk,
         covered_tokens=group.num_chunks * group.blocks_per_chunk * group.tokens_per_block,
-        maximum=maximum, minimum=minimum)
+        maximum=maximum,
+        minimum=minimum,
+    )

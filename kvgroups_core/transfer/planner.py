@@ -61,8 +61,14 @@ def bind_caches(
         layouts: list[LayerLayout] = []
         for layer in group.layer_indices:
             lay = layer_layout(kv_caches, formats[layer], layer)
-            got = (lay.kv_size, lay.num_blocks, lay.block_size, lay.num_heads, lay.head_size,
-                   lay.dtype)
+            got = (
+                lay.kv_size,
+                lay.num_blocks,
+                lay.block_size,
+                lay.num_heads,
+                lay.head_size,
+                lay.dtype,
+            )
             want = (sd.kv_size, sd.nb, sd.bs, sd.nh, sd.hs, group.dtype)
             if got != want:
                 raise KVGroupsValueError(
@@ -152,8 +158,9 @@ class Binding:
     def distinct_engine_groups(self) -> tuple[int, ...]:
         return tuple(sorted(set(self.engine_groups)))
 
-    def host_id_checks(self, direction: Direction, num_chunks: int, skip: Any,
-                       layers: tuple[int, ...] | None) -> tuple[tuple[Any, int], ...] | None:
+    def host_id_checks(
+        self, direction: Direction, num_chunks: int, skip: Any, layers: tuple[int, ...] | None
+    ) -> tuple[tuple[Any, int], ...] | None:
         """The id checks of a planned call shape with host ids: ``(used, num_blocks)`` per
         range, where ``used`` indexes the call's flat int64 ids and every id it picks must be
         in ``[0, num_blocks)`` (:func:`ids_out_of_range`); None when no call of this shape
@@ -183,34 +190,56 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
         first = layouts[0]
         nl = len(layouts)
         planes = tuple(
-            PlaneRef(tensor_slot=tensor_index[_tensor_key(lay.planes[kv][0])],
-                     byte_offset=lay.planes[kv][1], object_plane=kv * nl + pos)
+            PlaneRef(
+                tensor_slot=tensor_index[_tensor_key(lay.planes[kv][0])],
+                byte_offset=lay.planes[kv][1],
+                object_plane=kv * nl + pos,
+            )
             for kv in range(first.kv_size)
             for pos, lay in enumerate(layouts)
         )
         for pos, layer in enumerate(manager.kernel_groups[k].layer_indices):
             layer_planes[layer] = (k, pos)
         og_idx, region = regions[k]
-        templates.append(GroupTransfer(
-            kernel_group_idx=k, object_group_idx=og_idx, region_offset=region.offset,
-            row_bytes=first.row_bytes, block_size=first.block_size, slots=region.shape[2],
-            planes=planes, block_stride_bytes=first.block_stride_bytes,
-            num_blocks=first.num_blocks, runs=first.runs,
-            unit_bytes=min(lay.unit_bytes for lay in layouts), itemsize=first.dtype.itemsize,
-            block_ids=empty, blocks_per_chunk=manager.calculate_num_blocks(k, chunk),
-            kept_per_chunk=manager.calculate_num_blocks(k, manager.get_subchunk_sw_size_tokens(k)),
-            first_item=0, num_chunks=0,
-            tokens_per_block=manager.kernel_groups[k].effective_tokens_per_block,
-            engine_group_idx=manager.kernel_groups[k].engine_group_idx,
-        ))
+        templates.append(
+            GroupTransfer(
+                kernel_group_idx=k,
+                object_group_idx=og_idx,
+                region_offset=region.offset,
+                row_bytes=first.row_bytes,
+                block_size=first.block_size,
+                slots=region.shape[2],
+                planes=planes,
+                block_stride_bytes=first.block_stride_bytes,
+                num_blocks=first.num_blocks,
+                runs=first.runs,
+                unit_bytes=min(lay.unit_bytes for lay in layouts),
+                itemsize=first.dtype.itemsize,
+                block_ids=empty,
+                blocks_per_chunk=manager.calculate_num_blocks(k, chunk),
+                kept_per_chunk=manager.calculate_num_blocks(
+                    k, manager.get_subchunk_sw_size_tokens(k)
+                ),
+                first_item=0,
+                num_chunks=0,
+                tokens_per_block=manager.kernel_groups[k].effective_tokens_per_block,
+                engine_group_idx=manager.kernel_groups[k].engine_group_idx,
+            )
+        )
     engine_groups = tuple(g.engine_group_idx for g in manager.kernel_groups)
     distinct = set(engine_groups)
     bpcs = {t.blocks_per_chunk for t in templates}
-    return Binding(manager, tuple(tensors), tuple(templates), tuple(object_sizes),
-                   tuple(d.spec for d in tensors), engine_groups,
-                   flat_group=next(iter(distinct)) if len(distinct) == 1 else None,
-                   uniform_bpc=bpcs.pop() if len(bpcs) == 1 and len(distinct) == 1 else 0,
-                   layer_planes=layer_planes)
+    return Binding(
+        manager,
+        tuple(tensors),
+        tuple(templates),
+        tuple(object_sizes),
+        tuple(d.spec for d in tensors),
+        engine_groups,
+        flat_group=next(iter(distinct)) if len(distinct) == 1 else None,
+        uniform_bpc=bpcs.pop() if len(bpcs) == 1 and len(distinct) == 1 else 0,
+        layer_planes=layer_planes,
+    )
 
 
 @dataclass(frozen=True, eq=False)
@@ -245,13 +274,17 @@ def _selected_planes(binding: Binding, layers: tuple[int, ...] | None) -> dict[i
         t = binding.templates[k]
         nl = len(binding.manager.kernel_groups[k].layer_indices)
         keep = sorted(positions[k])
-        out[k] = tuple(t.planes[kv * nl + pos] for kv in range(len(t.planes) // nl)
-                       for pos in keep)
+        out[k] = tuple(t.planes[kv * nl + pos] for kv in range(len(t.planes) // nl) for pos in keep)
     return out
 
 
-def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: Any,
-              layers: tuple[int, ...] | None) -> _Skeleton:
+def _skeleton(
+    binding: Binding,
+    direction: Direction,
+    num_chunks: int,
+    skip: Any,
+    layers: tuple[int, ...] | None,
+) -> _Skeleton:
     manager = binding.manager
     chunk = manager.lmcache_tokens_per_chunk
     groups = []
@@ -267,11 +300,15 @@ def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: Any
             first_item = min(skip_chunks * kept, num_chunks * kept)
             if skip != DEVICE_SKIP and skip:
                 first_item = skip_first_item(
-                    skip=skip, lower_bound=first_item, tokens_per_block=template.tokens_per_block,
-                    blocks_per_chunk=bpc, kept_per_chunk=kept, total_items=num_chunks * kept,
-                    covered_tokens=num_chunks * chunk)
-        fields = template.shape_fields(first_item=first_item, num_chunks=num_chunks,
-                                       planes=planes)
+                    skip=skip,
+                    lower_bound=first_item,
+                    tokens_per_block=template.tokens_per_block,
+                    blocks_per_chunk=bpc,
+                    kept_per_chunk=kept,
+                    total_items=num_chunks * kept,
+                    covered_tokens=num_chunks * chunk,
+                )
+        fields = template.shape_fields(first_item=first_item, num_chunks=num_chunks, planes=planes)
         engine_group = binding.engine_groups[k]
         groups.append((fields, engine_group))
         if num_chunks * kept - first_item <= 0:
@@ -287,13 +324,23 @@ def _skeleton(binding: Binding, direction: Direction, num_chunks: int, skip: Any
         if (engine_group, key, template.num_blocks) not in seen:
             seen.add((engine_group, key, template.num_blocks))
             checks.append((fields, engine_group, used, template.num_blocks))
-    plan = dict(direction=direction, num_chunks=num_chunks, object_nbytes=binding.object_nbytes,
-                groups=(), tensor_specs=binding.tensor_specs, device_ids=False,
-                skip_tokens=None, layers=layers, max_ctas=None, path="auto")
+    plan = dict(
+        direction=direction,
+        num_chunks=num_chunks,
+        object_nbytes=binding.object_nbytes,
+        groups=(),
+        tensor_specs=binding.tensor_specs,
+        device_ids=False,
+        skip_tokens=None,
+        layers=layers,
+        max_ctas=None,
+        path="auto",
+    )
     if len(binding.skeletons) >= _MAX_SKELETONS:
         binding.skeletons.clear()
     sk = binding.skeletons[(direction, num_chunks, skip, layers)] = _Skeleton(
-        tuple(groups), tuple(checks), plan)
+        tuple(groups), tuple(checks), plan
+    )
     return sk
 
 
@@ -309,8 +356,12 @@ def ids_out_of_range(used: np.ndarray, num_blocks: int) -> bool:
 def _flat_ids(binding: Binding, block_ids: Any) -> np.ndarray | None:
     """The common case, a signed-integer ndarray of flat ids for a one-engine-group manager,
     as int64; None for anything else (then :func:`normalize_block_ids` validates it)."""
-    if binding.flat_group is None or type(block_ids) is not np.ndarray or block_ids.ndim != 1 \
-            or block_ids.dtype.kind != "i":
+    if (
+        binding.flat_group is None
+        or type(block_ids) is not np.ndarray
+        or block_ids.ndim != 1
+        or block_ids.dtype.kind != "i"
+    ):
         return None
     return block_ids.astype(np.int64, copy=False)
 
@@ -320,12 +371,15 @@ def _flat_device_ids(binding: Binding, block_ids: Any, ids_spec: IdsSpec | None)
     one-engine-group manager: their chunk count; None for anything else (then
     :func:`normalize_block_ids` validates it and raises the precise error)."""
     bpc = binding.uniform_bpc
-    if ids_spec is None or not bpc or binding.flat_group is None \
-            or isinstance(block_ids, (list, tuple, range, np.ndarray, Mapping)):
+    if (
+        ids_spec is None
+        or not bpc
+        or binding.flat_group is None
+        or isinstance(block_ids, (list, tuple, range, np.ndarray, Mapping))
+    ):
         return None
     spec = ids_spec(block_ids)
-    if spec is None or spec[0] not in ("int32", "int64") or len(spec[1]) != 1 \
-            or spec[1][0] % bpc:
+    if spec is None or spec[0] not in ("int32", "int64") or len(spec[1]) != 1 or spec[1][0] % bpc:
         return None
     return spec[1][0] // bpc
 
@@ -342,7 +396,8 @@ def _skip_arg(skip: Any, ids_spec: IdsSpec | None) -> tuple[Any, bool]:
         if ndim != 0:  # a skip is a scalar: one-element arrays are not taken for one
             raise KVGroupsTypeError(
                 f"skip_first_n_tokens: expected an int or a 0-d integer array, got "
-                f"{describe_value(skip)}")
+                f"{describe_value(skip)}"
+            )
     if ids_spec is not None and not isinstance(skip, (int, np.integer)):
         spec = ids_spec(skip)
         if spec is not None:
@@ -350,38 +405,49 @@ def _skip_arg(skip: Any, ids_spec: IdsSpec | None) -> tuple[Any, bool]:
             if dtype not in DEVICE_ID_DTYPES or tuple(shape) != ():
                 raise KVGroupsTypeError(
                     f"skip_first_n_tokens: expected an int32/int64 scalar, got {dtype} of "
-                    f"shape {tuple(shape)}")
+                    f"shape {tuple(shape)}"
+                )
             return skip, True
     try:
         return operator.index(skip), False
     except Exception:  # noqa: BLE001 - floats, strings, tensors that refuse (meta ...)
         raise KVGroupsTypeError(
             f"skip_first_n_tokens: expected an int or a 0-d integer array, got "
-            f"{describe_value(skip)}") from None
+            f"{describe_value(skip)}"
+        ) from None
 
 
 def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
     """``layers=`` as a sorted tuple of distinct grouped layer indices (None: all)."""
     if layers is None:
         return None
-    if type(layers) is list and len(layers) == 1 and type(layers[0]) is int \
-            and layers[0] in binding.layer_planes:
+    if (
+        type(layers) is list
+        and len(layers) == 1
+        and type(layers[0]) is int
+        and layers[0] in binding.layer_planes
+    ):
         return (layers[0],)  # the layer-wise hot path: one known layer per call
-    if isinstance(layers, (str, bytes, Mapping)) or not hasattr(layers, "__iter__") \
-            or getattr(layers, "ndim", 1) == 0:
+    if (
+        isinstance(layers, (str, bytes, Mapping))
+        or not hasattr(layers, "__iter__")
+        or getattr(layers, "ndim", 1) == 0
+    ):
         raise KVGroupsTypeError(
-            f"layers: expected a sequence of layer indices, got {describe_value(layers)}")
+            f"layers: expected a sequence of layer indices, got {describe_value(layers)}"
+        )
     out = []
     try:
         items = list(layers)
     except Exception as exc:  # noqa: BLE001 - an iterable that refuses to iterate
         raise KVGroupsTypeError(
-            f"layers: expected a sequence of layer indices, got {describe_value(layers)} "
-            f"({exc})") from exc
+            f"layers: expected a sequence of layer indices, got {describe_value(layers)} ({exc})"
+        ) from exc
     for layer in items:
         if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, (int, np.integer)):
             raise KVGroupsTypeError(
-                f"layers: expected int layer indices, got {type(layer).__name__} {layer!r}")
+                f"layers: expected int layer indices, got {type(layer).__name__} {layer!r}"
+            )
         out.append(int(layer))
     if not out:
         raise KVGroupsValueError("layers: expected at least one layer index, got none")
@@ -390,7 +456,8 @@ def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
     if unknown:
         raise KVGroupsIndexError(
             f"layers: expected indices of the manager's grouped layers {sorted(known)}, got "
-            f"{unknown}")
+            f"{unknown}"
+        )
     if len(set(out)) != len(out):
         raise KVGroupsValueError(f"layers: expected distinct layer indices, got {out}")
     return tuple(sorted(out))
@@ -444,8 +511,8 @@ def plan_call(
     if skip_on_device:
         if direction == "store":
             raise KVGroupsValueError(
-                "skip_first_n_tokens: expected 0 for store (store never trims), got a device "
-                "value")
+                "skip_first_n_tokens: expected 0 for store (store never trims), got a device value"
+            )
         key_skip: Any = DEVICE_SKIP
     else:
         key_skip = skip
@@ -485,7 +552,8 @@ def plan_call(
 def _check_max_ctas(max_ctas: Any) -> int:
     if isinstance(max_ctas, bool) or not isinstance(max_ctas, (int, np.integer)):
         raise KVGroupsTypeError(
-            f"max_ctas: expected a positive int or None, got {type(max_ctas).__name__}")
+            f"max_ctas: expected a positive int or None, got {type(max_ctas).__name__}"
+        )
     if max_ctas < 1:
         raise KVGroupsValueError(f"max_ctas: expected a positive int or None, got {max_ctas}")
     return int(max_ctas)
@@ -504,8 +572,15 @@ def build_plan(
 ) -> tuple[TransferPlan, list[TensorDesc]]:
     """Validate a call and return its plan plus the backing tensors in slot order."""
     binding = bind(manager, kv_caches)
-    plan = plan_call(binding, block_ids, direction, skip_first_n_tokens=skip_first_n_tokens,
-                     to_host=to_host, ids_spec=ids_spec, layers=layers)
+    plan = plan_call(
+        binding,
+        block_ids,
+        direction,
+        skip_first_n_tokens=skip_first_n_tokens,
+        to_host=to_host,
+        ids_spec=ids_spec,
+        layers=layers,
+    )
     return plan, list(binding.tensors)
 
 
@@ -514,7 +589,7 @@ def _check_ids(t: GroupTransfer, engine_group: int) -> None:
     if t.num_items == 0:
         return
     if t.kept_per_chunk == t.blocks_per_chunk:
-        used = t.block_ids[t.first_item:]  # every id from the first moved item on
+        used = t.block_ids[t.first_item :]  # every id from the first moved item on
     else:
         _, _, used = t.items()
     lo, hi = int(used.min()), int(used.max())

@@ -44,15 +44,18 @@ def byte_view(desc: TensorDesc, writable: bool) -> np.ndarray:
 def _object_rows(obj: Any, chunk: int) -> np.ndarray:
     row = obj[chunk]
     if not isinstance(row, np.ndarray) or row.dtype != np.uint8:
-        raise KVGroupsTypeError(
-            f"objects: expected uint8 numpy arrays, got {type(row).__name__}"
-        )
+        raise KVGroupsTypeError(f"objects: expected uint8 numpy arrays, got {type(row).__name__}")
     return row
 
 
-def execute_group(t: GroupTransfer, store: bool, caches: Sequence[np.ndarray],
-              objects: Any, first_item: int | None = None,
-              keep: np.ndarray | None = None) -> None:
+def execute_group(
+    t: GroupTransfer,
+    store: bool,
+    caches: Sequence[np.ndarray],
+    objects: Any,
+    first_item: int | None = None,
+    keep: np.ndarray | None = None,
+) -> None:
     """Move the bytes of one kernel group between ``caches`` (1-D byte views, by slot) and
     ``objects`` (the object group's ``[num_chunks, nbytes]`` array or per-chunk list).
 
@@ -70,18 +73,27 @@ def execute_group(t: GroupTransfer, store: bool, caches: Sequence[np.ndarray],
             p = plane.object_plane  # the plane's rows in the region, whatever subset moves
             cache = caches[plane.tensor_slot]
             block_start = plane.byte_offset + bid * t.block_stride_bytes
-            row_start = t.region_offset + (p * t.slots + pos[:, None] * t.block_size
-                                           + tokens[None, :]) * t.row_bytes
+            row_start = (
+                t.region_offset
+                + (p * t.slots + pos[:, None] * t.block_size + tokens[None, :]) * t.row_bytes
+            )
             for run in t.runs:
                 piece = np.arange(run.count, dtype=np.int64)
                 u = np.arange(run.nbytes, dtype=np.int64)
                 # [items, tokens, pieces, bytes]
-                cache_idx = (block_start[:, None, None, None] + run.cache_offset
-                             + piece[None, None, :, None] * run.cache_step
-                             + tokens[None, :, None, None] * run.token_stride
-                             + u[None, None, None, :])
-                obj_idx = (row_start[:, :, None, None] + run.obj_offset
-                           + piece[None, None, :, None] * run.obj_step + u[None, None, None, :])
+                cache_idx = (
+                    block_start[:, None, None, None]
+                    + run.cache_offset
+                    + piece[None, None, :, None] * run.cache_step
+                    + tokens[None, :, None, None] * run.token_stride
+                    + u[None, None, None, :]
+                )
+                obj_idx = (
+                    row_start[:, :, None, None]
+                    + run.obj_offset
+                    + piece[None, None, :, None] * run.obj_step
+                    + u[None, None, None, :]
+                )
                 _check_bounds(cache_idx, cache.size, "cache")
                 _check_bounds(obj_idx, obj.size, "object")
                 if store:
@@ -109,8 +121,13 @@ def host_skip(skip: Any) -> int:
     return int(np.asarray(skip))
 
 
-def execute_plan(plan: TransferPlan, caches: Sequence[Any], objects: Sequence[Any], *,
-                 drop_out_of_range: bool = False) -> set[int]:
+def execute_plan(
+    plan: TransferPlan,
+    caches: Sequence[Any],
+    objects: Sequence[Any],
+    *,
+    drop_out_of_range: bool = False,
+) -> set[int]:
     """Run ``plan`` on NumPy ``caches`` (arrays or TensorDescs in slot order) and NumPy
     ``objects``, the reference of what every backend does with the same plan.
 
@@ -138,7 +155,8 @@ def execute_plan(plan: TransferPlan, caches: Sequence[Any], objects: Sequence[An
             if not drop_out_of_range:
                 raise KVGroupsIndexError(
                     f"block_ids: expected ids in [0, {t.num_blocks}) for kernel group "
-                    f"{t.kernel_group_idx}, got {int(ids[~ok][0])}")
+                    f"{t.kernel_group_idx}, got {int(ids[~ok][0])}"
+                )
             bad.update(int(x) for x in ids[~ok])
         work.append((t, first, None if ok.all() else ok))
     views = [byte_view(d, writable=not store) for d in descs]
@@ -163,8 +181,9 @@ class NumpyBackend(Backend):
     def describe(self, x: Any) -> TensorDesc:
         return describe_numpy(x)
 
-    def allocate_objects(self, plan: TransferPlan, like: TensorDesc,
-                         placement: str | None = None) -> list:
+    def allocate_objects(
+        self, plan: TransferPlan, like: TensorDesc, placement: str | None = None
+    ) -> list:
         if placement not in (None, "cpu", "host"):
             raise KVGroupsValueError(
                 f"placement: expected None or 'cpu' for the numpy backend, got {placement!r}"
@@ -176,14 +195,17 @@ class NumpyBackend(Backend):
         it (bfloat16 and float8 need ml_dtypes) the copy is returned as a TensorDesc of
         ``dtype`` over the raw bits, which every core API accepts."""
         if device not in (None, "cpu"):
-            raise KVGroupsValueError(f"device: expected 'cpu' for the numpy backend, got {device!r}")
+            raise KVGroupsValueError(
+                f"device: expected 'cpu' for the numpy backend, got {device!r}"
+            )
         a = np.array(a, copy=True)
         if dtype is None:
             return a
         dt = as_dtype(dtype)
         if dt.itemsize != a.dtype.itemsize:
             raise KVGroupsValueError(
-                f"dtype: expected the {a.dtype.itemsize}-byte width of the array, got {dt.name}")
+                f"dtype: expected the {a.dtype.itemsize}-byte width of the array, got {dt.name}"
+            )
         np_dtype = numpy_dtype(dt)
         if np_dtype.name == dt.name or np_dtype.itemsize == dt.itemsize and np_dtype.kind != "u":
             return a.view(np_dtype)
@@ -207,11 +229,13 @@ class NumpyBackend(Backend):
         if owner is None:
             raise KVGroupsTypeError(
                 f"x: expected a host array or one of a registered backend, got "
-                f"{type(x).__name__} on DLPack device type {device_type}")
+                f"{type(x).__name__} on DLPack device type {device_type}"
+            )
         return np.asarray(cast(Backend, owner).to_numpy(x))  # the registry's are Backends
 
-    def validate_objects(self, plan: TransferPlan, caches: Sequence[TensorDesc],
-                 objects: Sequence[Any]) -> None:
+    def validate_objects(
+        self, plan: TransferPlan, caches: Sequence[TensorDesc], objects: Sequence[Any]
+    ) -> None:
         writes_objects = plan.direction == "store"
         targets = _leaf_arrays(objects) if writes_objects else [d.obj for d in caches]
         for arr in targets:
@@ -219,7 +243,8 @@ class NumpyBackend(Backend):
                 what = "objects" if writes_objects else "kv_caches"
                 raise KVGroupsValueError(f"{what}: expected writable arrays, got a read-only one")
 
-    def execute(self, plan: TransferPlan, caches: Sequence[TensorDesc],
-                objects: Sequence[Any]) -> tuple[None, list]:
+    def execute(
+        self, plan: TransferPlan, caches: Sequence[TensorDesc], objects: Sequence[Any]
+    ) -> tuple[None, list]:
         execute_plan(plan, caches, objects)
         return None, list(objects)

@@ -59,8 +59,9 @@ def _whole(x: Any) -> Any:
     jax = sys.modules.get("jax")  # loaded when x is one of its arrays
     if jax is None or isinstance(x, jax.core.Tracer):
         return x
-    return jax.device_put(x, jax.sharding.NamedSharding(sharding.mesh,
-                                                        jax.sharding.PartitionSpec()))
+    return jax.device_put(
+        x, jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+    )
 
 
 def _join(pieces: list, fresh: list[bool]) -> Any:
@@ -85,7 +86,8 @@ def _check_object(x: Any, nbytes: int, what: str) -> int:
     num_chunks."""
     if _is_deleted(x):
         raise KVGroupsValueError(
-            f"{what}: expected a live array, got a deleted (or donated) JAX array")
+            f"{what}: expected a live array, got a deleted (or donated) JAX array"
+        )
     if getattr(x, "is_meta", False) is True:
         raise KVGroupsValueError(f"{what}: expected an array with memory, got a meta tensor")
     dtype = str(getattr(x, "dtype", None)).rpartition(".")[2]
@@ -178,8 +180,8 @@ def _check_replicas(managers: list, per_rank: list) -> None:
                 if r == owner:
                     continue
                 a, b = regions[r][i], regions[owner][i]
-                mine = per_rank[r][og][:, a.offset:a.offset + a.nbytes]
-                theirs = per_rank[owner][og][:, b.offset:b.offset + b.nbytes]
+                mine = per_rank[r][og][:, a.offset : a.offset + a.nbytes]
+                theirs = per_rank[owner][og][:, b.offset : b.offset + b.nbytes]
                 if not bool((mine == theirs).all()):
                     raise KVGroupsValueError(
                         f"objects_per_rank[{r}][{og}]: expected kernel group "
@@ -207,7 +209,8 @@ def _framework_refusal(what: str, exc: Exception) -> KVGroupsValueError:
     argument (everything checkable was checked before; this is what is left)."""
     return KVGroupsValueError(
         f"{what}: expected arrays the framework can slice and combine, got a refusal: "
-        f"{type(exc).__name__}: {exc}")
+        f"{type(exc).__name__}: {exc}"
+    )
 
 
 def _merge(chunk_counts: list[int], plans: _Plan) -> list:
@@ -219,8 +222,7 @@ def _merge(chunk_counts: list[int], plans: _Plan) -> list:
             f"objects_per_rank: expected arrays of one framework, got {sorted(kinds)}"
         )
     for og, regions in enumerate(plans):  # the arrays one object group's merge combines
-        _one_device([x for region in regions for x, _ in region[2]],
-                    f"objects_per_rank[*][{og}]")
+        _one_device([x for region in regions for x, _ in region[2]], f"objects_per_rank[*][{og}]")
     try:
         return _merge_checked(chunk_counts, plans)
     except (RuntimeError, ValueError) as exc:
@@ -239,12 +241,14 @@ def _merge_checked(chunk_counts: list[int], plans: _Plan) -> list:
                 if id(x) not in whole:
                     whole[id(x)] = _whole(x)
             if conv:  # a conv state: rank parts joined per sub-projection
-                ranks = [whole[id(x)][:, o:o + rows * row_bytes] for x, o in parts]
+                ranks = [whole[id(x)][:, o : o + rows * row_bytes] for x, o in parts]
                 pieces.append(merge_conv(conv[0], ranks, chunks, rows, _concat))
                 fresh.append(False)
                 continue
-            views = [whole[id(x)][:, o:o + rows * row_bytes].reshape((chunks, rows, 1, row_bytes))
-                     for x, o in parts]
+            views = [
+                whole[id(x)][:, o : o + rows * row_bytes].reshape((chunks, rows, 1, row_bytes))
+                for x, o in parts
+            ]
             merged = _concat(views, axis=2)  # head sets side by side in each token row
             pieces.append(merged.reshape((chunks, rows * row_bytes * len(parts))))
             fresh.append(len(parts) > 1)
@@ -255,12 +259,16 @@ def _merge_checked(chunk_counts: list[int], plans: _Plan) -> list:
 def _from_ranks(managers: list, objects_per_rank: Any) -> tuple[list[int], _Plan]:
     ref = managers[0]
     per_rank = _check_list(objects_per_rank, ref.tp_size, "objects_per_rank")
-    per_rank = [_check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
-                for r, objs in enumerate(per_rank)]
+    per_rank = [
+        _check_list(objs, ref.num_object_groups, f"objects_per_rank[{r}]")
+        for r, objs in enumerate(per_rank)
+    ]
     chunk_counts, plans = [], []
     for og in range(ref.num_object_groups):  # every input checked before anything is built
-        counts = {_check_object(per_rank[r][og], object_nbytes(m, og),
-                                f"objects_per_rank[{r}][{og}]") for r, m in enumerate(managers)}
+        counts = {
+            _check_object(per_rank[r][og], object_nbytes(m, og), f"objects_per_rank[{r}][{og}]")
+            for r, m in enumerate(managers)
+        }
         if len(counts) > 1:
             raise KVGroupsValueError(
                 f"objects_per_rank[*][{og}]: expected one chunk count for every rank, got "
@@ -272,13 +280,18 @@ def _from_ranks(managers: list, objects_per_rank: Any) -> tuple[list[int], _Plan
         for i, region in enumerate(regions[0]):
             shard = _convertible_shard(ref, region.kernel_group_idx)
             if shard.conv is not None:
-                plan.append(_region_rows(region) + (
-                    [(per_rank[r][og], regions[r][i].offset) for r in range(ref.tp_size)],
-                    shard.conv))
+                plan.append(
+                    _region_rows(region)
+                    + (
+                        [(per_rank[r][og], regions[r][i].offset) for r in range(ref.tp_size)],
+                        shard.conv,
+                    )
+                )
                 continue
             owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
-            plan.append(_region_rows(region) + (
-                [(per_rank[r][og], regions[r][i].offset) for r in owners],))
+            plan.append(
+                _region_rows(region) + ([(per_rank[r][og], regions[r][i].offset) for r in owners],)
+            )
         plans.append(plan)
     return chunk_counts, plans
 
@@ -294,14 +307,21 @@ def _side_by_side_rank(manager: Any, objs: list) -> tuple[list[int], _Plan]:
     chunk_counts, plans = [], []
     for og, obj in enumerate(objs):
         n = object_nbytes(manager, og)
-        chunk_counts.append(_check_object(
-            obj, size * n, f"objects_per_rank[0][{og}] (the {size} shards' objects side by side)"))
+        chunk_counts.append(
+            _check_object(
+                obj,
+                size * n,
+                f"objects_per_rank[0][{og}] (the {size} shards' objects side by side)",
+            )
+        )
         plan: list[tuple] = []  # (rows, row bytes, parts[, conv split]) per region
         for region in object_regions(manager, og):
             shard = _convertible_shard(manager, region.kernel_group_idx)
             if shard.conv is not None:
-                plan.append(_region_rows(region) + (
-                    [(obj, r * n + region.offset) for r in range(size)], shard.conv))
+                plan.append(
+                    _region_rows(region)
+                    + ([(obj, r * n + region.offset) for r in range(size)], shard.conv)
+                )
                 continue
             owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
             plan.append(_region_rows(region) + ([(obj, r * n + region.offset) for r in owners],))
@@ -340,8 +360,9 @@ def _side_by_side_mesh(manager: Any, objs: list, shards: set[int]) -> tuple[list
                     f"{region.kernel_group_idx}'s {heads} KV heads split evenly over the "
                     f"{s} shards of the byte axis, got a remainder of {heads % s}"
                 )
-            plan.append((rows, row_bytes // s,
-                         [(obj, r * (n // s) + region.offset // s) for r in range(s)]))
+            plan.append(
+                (rows, row_bytes // s, [(obj, r * (n // s) + region.offset // s) for r in range(s)])
+            )
         plans.append(plan)
     return chunk_counts, plans
 
@@ -404,8 +425,10 @@ def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
 
 def _split(manager: Any, objects: list) -> list:
     native = manager.object_layout == TP_NATIVE
-    chunk_counts = [_check_object(objects[og], canonical_nbytes(manager, og), f"objects[{og}]")
-                    for og in range(manager.num_object_groups)]
+    chunk_counts = [
+        _check_object(objects[og], canonical_nbytes(manager, og), f"objects[{og}]")
+        for og in range(manager.num_object_groups)
+    ]
     out = []
     for og, chunks in enumerate(chunk_counts):
         full = objects[og]
@@ -417,7 +440,7 @@ def _split(manager: Any, objects: list) -> list:
             parts = shard.num_parts
             if shard.conv is not None:  # a conv state: cut per sub-projection
                 nbytes = canonical_region_nbytes(manager, region)
-                canonical = full[:, offset:offset + nbytes]
+                canonical = full[:, offset : offset + nbytes]
                 offset += nbytes
                 ranks = range(parts) if native else [manager.tp_rank]
                 cut = [split_conv(shard.conv, canonical, chunks, rows, r, _concat) for r in ranks]
@@ -425,7 +448,7 @@ def _split(manager: Any, objects: list) -> list:
                 fresh.append(False)
                 continue
             nbytes = region.nbytes * parts
-            whole = full[:, offset:offset + nbytes].reshape((chunks, rows, parts * row_bytes))
+            whole = full[:, offset : offset + nbytes].reshape((chunks, rows, parts * row_bytes))
             offset += nbytes
             if native and parts > 1:
                 # [chunks, rows, parts, row] -> [chunks, parts, rows, row]: heads outermost.
@@ -437,7 +460,7 @@ def _split(manager: Any, objects: list) -> list:
                 pieces.append(whole.reshape((chunks, nbytes)))
             else:
                 start = shard.part * row_bytes
-                piece = whole[:, :, start:start + row_bytes]
+                piece = whole[:, :, start : start + row_bytes]
                 pieces.append(piece.reshape((chunks, rows * row_bytes)))
             fresh.append(False)  # reshape may or may not have copied: copy to be sure
         out.append(_join(pieces, fresh))
@@ -454,8 +477,9 @@ def _split_side_by_side(manager: Any, objects: list, s: int) -> list:
     regions_per_og = [object_regions(manager, og) for og in range(manager.num_object_groups)]
     chunk_counts = []
     for og, regions in enumerate(regions_per_og):  # every input checked before anything moves
-        chunk_counts.append(_check_object(objects[og], object_nbytes(manager, og),
-                                          f"objects[{og}]"))
+        chunk_counts.append(
+            _check_object(objects[og], object_nbytes(manager, og), f"objects[{og}]")
+        )
         for region in regions:
             heads = region.shape[3] // manager.kernel_groups[region.kernel_group_idx].shape_desc.hs
             if heads % s:
@@ -468,7 +492,7 @@ def _split_side_by_side(manager: Any, objects: list, s: int) -> list:
         pieces = []
         for region in regions:
             rows, row_bytes = _region_rows(region)
-            whole = objects[og][:, region.offset:region.offset + region.nbytes]
+            whole = objects[og][:, region.offset : region.offset + region.nbytes]
             # [chunks, rows, s, row / s] -> [chunks, s, rows * row / s]: shard-major.
             piece = whole.reshape((chunks, rows, s, row_bytes // s)).swapaxes(1, 2)
             pieces.append(piece.reshape((chunks, s, rows * row_bytes // s)))

@@ -60,8 +60,9 @@ class DegreeView:
         num_layers = max(totals, default=-1) + 1
         per_layer = [totals.get(i) for i in range(num_layers)]
         self._kernel_groups = groups
-        self._shards = shard_groups(groups, num_layers, per_layer, tp_rank, tp_size) \
-            if groups else ()
+        self._shards = (
+            shard_groups(groups, num_layers, per_layer, tp_rank, tp_size) if groups else ()
+        )
 
     @property
     def kernel_groups(self) -> list:
@@ -109,8 +110,9 @@ def _heads_at(k: int, total: int, size: int, group: Any) -> int:
     )
 
 
-def degree_view(manager: Any, tp_size: Any, tp_rank: Any = 0,
-                object_layout: str | None = None) -> DegreeView:
+def degree_view(
+    manager: Any, tp_size: Any, tp_rank: Any = 0, object_layout: str | None = None
+) -> DegreeView:
     """``manager``'s grouping at TP degree ``tp_size``, rank ``tp_rank`` (default: rank 0),
     in ``object_layout`` (default: the manager's own)."""
     size, rank = as_int(tp_size, "tp_size"), as_int(tp_rank, "tp_rank")
@@ -196,8 +198,12 @@ class ObjectReads:
                     continue
                 for layer in sorted(wanted & set(region.layers)):
                     for row in region.layer_rows(layer):
-                        spans.append((piece.src_offset + row * piece.src_row_bytes,
-                                      region.slots * piece.src_row_bytes))
+                        spans.append(
+                            (
+                                piece.src_offset + row * piece.src_row_bytes,
+                                region.slots * piece.src_row_bytes,
+                            )
+                        )
         return coalesce(spans)
 
 
@@ -277,34 +283,55 @@ def plan_reads(manager: Any, src_tp_size: Any, src_object_layout: str = "canonic
             lo, hi = dst.head_start, dst.head_start + dst.rank_heads
             pieces = []
             while lo < hi:
-                holders = [r for r in range(p)
-                           if views[r].tp_shard(k).head_start <= lo
-                           < views[r].tp_shard(k).head_start + views[r].tp_shard(k).rank_heads]
+                holders = [
+                    r
+                    for r in range(p)
+                    if views[r].tp_shard(k).head_start
+                    <= lo
+                    < views[r].tp_shard(k).head_start + views[r].tp_shard(k).rank_heads
+                ]
                 r = _choose(holders, used, preferred)
                 used.add(r)
                 src = views[r].tp_shard(k)
                 end = min(hi, src.head_start + src.rank_heads)
                 part = src_regions[r][k]
-                pieces.append(Piece(src_rank=r, src_offset=part.offset,
-                                    src_row_bytes=part.row_bytes,
-                                    col_start=(lo - src.head_start) * head_bytes,
-                                    col_bytes=(end - lo) * head_bytes,
-                                    dst_col=(lo - dst.head_start) * head_bytes))
+                pieces.append(
+                    Piece(
+                        src_rank=r,
+                        src_offset=part.offset,
+                        src_row_bytes=part.row_bytes,
+                        col_start=(lo - src.head_start) * head_bytes,
+                        col_bytes=(end - lo) * head_bytes,
+                        dst_col=(lo - dst.head_start) * head_bytes,
+                    )
+                )
                 spans.setdefault(r, []).append((part.offset, part.nbytes))
                 lo = end
-            regions.append(RegionReads(
-                kernel_group_idx=k, layers=tuple(group.layer_indices),
-                kv_size=region.shape[0], slots=region.shape[2], dst_offset=region.offset,
-                dst_row_bytes=region.row_bytes, pieces=tuple(pieces)))
+            regions.append(
+                RegionReads(
+                    kernel_group_idx=k,
+                    layers=tuple(group.layer_indices),
+                    kv_size=region.shape[0],
+                    slots=region.shape[2],
+                    dst_offset=region.offset,
+                    dst_row_bytes=region.row_bytes,
+                    pieces=tuple(pieces),
+                )
+            )
         src_nbytes = object_nbytes(views[0], og)
         dst_nbytes = object_nbytes(manager, og)
         ranges = {r: coalesce(s) for r, s in sorted(spans.items())}
-        objects.append(ObjectReads(
-            object_group_idx=og, src_nbytes=src_nbytes, dst_nbytes=dst_nbytes, ranges=ranges,
-            regions=tuple(regions),
-            identity_rank=_identity(regions, src_nbytes, dst_nbytes)))
-    return ReadPlan(src_tp_size=p, src_object_layout=views[0].object_layout,
-                    objects=tuple(objects))
+        objects.append(
+            ObjectReads(
+                object_group_idx=og,
+                src_nbytes=src_nbytes,
+                dst_nbytes=dst_nbytes,
+                ranges=ranges,
+                regions=tuple(regions),
+                identity_rank=_identity(regions, src_nbytes, dst_nbytes),
+            )
+        )
+    return ReadPlan(src_tp_size=p, src_object_layout=views[0].object_layout, objects=tuple(objects))
 
 
 def _identity(regions: list[RegionReads], src_nbytes: int, dst_nbytes: int) -> int | None:
@@ -316,9 +343,12 @@ def _identity(regions: list[RegionReads], src_nbytes: int, dst_nbytes: int) -> i
         if len(region.pieces) != 1:
             return None
         piece = region.pieces[0]
-        if (piece.src_offset != region.dst_offset or piece.col_start != 0
-                or piece.col_bytes != piece.src_row_bytes
-                or piece.src_row_bytes != region.dst_row_bytes):
+        if (
+            piece.src_offset != region.dst_offset
+            or piece.col_start != 0
+            or piece.col_bytes != piece.src_row_bytes
+            or piece.src_row_bytes != region.dst_row_bytes
+        ):
             return None
     return ranks.pop()
 
@@ -369,8 +399,12 @@ def assemble(reads: ObjectReads, staged: Mapping[int, Any]) -> Any:
         x = staged[r]
         dtype = str(getattr(x, "dtype", None)).rpartition(".")[2]
         shape = tuple(getattr(x, "shape", ()))
-        if dtype != "uint8" or len(shape) != 2 or shape[1] != reads.src_nbytes \
-                or (chunks is not None and shape[0] != chunks):
+        if (
+            dtype != "uint8"
+            or len(shape) != 2
+            or shape[1] != reads.src_nbytes
+            or (chunks is not None and shape[0] != chunks)
+        ):
             raise KVGroupsValueError(
                 f"staged[{r}]: expected uint8 [{'num_chunks' if chunks is None else chunks}, "
                 f"{reads.src_nbytes}], got {dtype} {list(shape)}"
@@ -386,10 +420,11 @@ def assemble(reads: ObjectReads, staged: Mapping[int, Any]) -> Any:
             parts.append(_zeros(xp, first, (chunks, region.dst_offset - cursor)))
         columns = []
         for piece in region.pieces:
-            block = staged[piece.src_rank][:, piece.src_offset:
-                                           piece.src_offset + region.rows * piece.src_row_bytes]
+            block = staged[piece.src_rank][
+                :, piece.src_offset : piece.src_offset + region.rows * piece.src_row_bytes
+            ]
             block = block.reshape((chunks, region.rows, piece.src_row_bytes))
-            columns.append(block[:, :, piece.col_start:piece.col_start + piece.col_bytes])
+            columns.append(block[:, :, piece.col_start : piece.col_start + piece.col_bytes])
         joined = columns[0] if len(columns) == 1 else xp.concat(columns, axis=2)
         parts.append(joined.reshape((chunks, region.rows * region.dst_row_bytes)))
         cursor = region.dst_offset + region.rows * region.dst_row_bytes

@@ -18,8 +18,10 @@ def check_path(path: Any, allowed: tuple[str, ...] = DEFAULT_PATHS) -> str:
     """``path`` when it is one of ``allowed``; a typed error naming ``path`` otherwise."""
     if not isinstance(path, str):
         raise KVGroupsTypeError(
-            f"path: expected one of {', '.join(map(repr, allowed))}, got {type(path).__name__}")
+            f"path: expected one of {', '.join(map(repr, allowed))}, got {type(path).__name__}"
+        )
     if path not in allowed:
         raise KVGroupsValueError(
-            f"path: expected one of {', '.join(map(repr, allowed))}, got {path!r}")
+            f"path: expected one of {', '.join(map(repr, allowed))}, got {path!r}"
+        )
     return path

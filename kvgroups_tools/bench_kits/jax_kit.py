@@ -36,8 +36,13 @@ from kvgroups_core.tensors.arrays import register_backend
 from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall_timer
 from kvgroups_tools.bench_public import Refused
 
-LOWERING = {"xla": "xla", "pallas-triton": "triton", "pallas-mosaic": "mosaic",
-            "cuda": "cuda", "interpret": "interpret"}
+LOWERING = {
+    "xla": "xla",
+    "pallas-triton": "triton",
+    "pallas-mosaic": "mosaic",
+    "cuda": "cuda",
+    "interpret": "interpret",
+}
 
 
 def _pattern(shape: tuple[int, int], value: int | None, seed: Any) -> jax.Array:
@@ -61,8 +66,10 @@ class JaxKit:
         name, _, index = (device or ("cuda" if gpu else "cpu")).partition(":")
         if name in ("cuda", "gpu"):
             if not gpu:
-                raise UnsupportedConfigError(f"device: expected a JAX GPU for {device!r}, got "
-                                        f"platform {jax.default_backend()!r}")
+                raise UnsupportedConfigError(
+                    f"device: expected a JAX GPU for {device!r}, got "
+                    f"platform {jax.default_backend()!r}"
+                )
             self.dev, self.device = jax.devices("gpu")[int(index or 0)], "cuda"
         elif name == "cpu":
             self.dev, self.device = jax.devices("cpu")[int(index or 0)], "cpu"
@@ -75,10 +82,14 @@ class JaxKit:
         self._backends = {p: JaxBackend(lowering=lo) for p, lo in LOWERING.items()}
 
     def info(self) -> dict:
-        return {"jax": jax.__version__, "device_name": getattr(self.dev, "device_kind", ""),
-                "platform": self.dev.platform,
-                "compute_capability": getattr(self.dev, "compute_capability", None),
-                "host": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()}
+        return {
+            "jax": jax.__version__,
+            "device_name": getattr(self.dev, "device_kind", ""),
+            "platform": self.dev.platform,
+            "compute_capability": getattr(self.dev, "compute_capability", None),
+            "host": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+        }
 
     def paths(self) -> tuple[str, ...]:
         gpu = ("pallas-triton", "pallas-mosaic") if self.device == "cuda" else ()
@@ -111,26 +122,40 @@ class JaxKit:
 
         @partial(jax.jit, static_argnums=(1, 2, 3), out_shardings=self.sharding)
         def make_one(k: Any, shape: tuple, uint: str, target: str) -> jax.Array:
-            bits = jax.random.bits(k, shape, jnp.dtype(uint)) if fill else \
-                jnp.zeros(shape, jnp.dtype(uint))
+            bits = (
+                jax.random.bits(k, shape, jnp.dtype(uint))
+                if fill
+                else jnp.zeros(shape, jnp.dtype(uint))
+            )
             return bits if uint == target else jax.lax.bitcast_convert_type(bits, target)
 
         def make(spec: Any, i: int) -> jax.Array:
-            return make_one(jax.random.fold_in(key, i), tuple(spec.shape),
-                            spec.dtype.uint_view_name, spec.dtype.name)
+            return make_one(
+                jax.random.fold_in(key, i),
+                tuple(spec.shape),
+                spec.dtype.uint_view_name,
+                spec.dtype.name,
+            )
+
         return map_specs(specs, make)
 
     def _place(self, x: jax.Array, placement: str) -> jax.Array:
         if placement != "pinned":
             return x
-        return jax.device_put(x, jax.sharding.SingleDeviceSharding(self.dev,
-                                                                   memory_kind="pinned_host"))
+        return jax.device_put(
+            x, jax.sharding.SingleDeviceSharding(self.dev, memory_kind="pinned_host")
+        )
 
-    def alloc_objects(self, wl: Workload, object_nbytes: Any, chunks: int, placement: str,
-                      count: int, seed: int) -> None:
-        wl.objects = [[self._place(self._fill((chunks, int(n)), None, seed + 31 * r + g),
-                                   placement)
-                       for g, n in enumerate(object_nbytes)] for r in range(count)]
+    def alloc_objects(
+        self, wl: Workload, object_nbytes: Any, chunks: int, placement: str, count: int, seed: int
+    ) -> None:
+        wl.objects = [
+            [
+                self._place(self._fill((chunks, int(n)), None, seed + 31 * r + g), placement)
+                for g, n in enumerate(object_nbytes)
+            ]
+            for r in range(count)
+        ]
         jax.block_until_ready(wl.objects)
         wl.extra["placement"] = placement
 
@@ -141,8 +166,7 @@ class JaxKit:
             if "arrays" not in wl.extra:
                 wl.slots = [getattr(x, "obj", x) for x in wl.slots]  # TensorDescs -> arrays
                 wl.extra["arrays"] = True
-            caches, objects = execute_plan(plan, wl.slots, wl.objects[r],
-                                           lowering=LOWERING[path])
+            caches, objects = execute_plan(plan, wl.slots, wl.objects[r], lowering=LOWERING[path])
         if plan.direction == "load":
             wl.slots = list(caches)  # donated: the old arrays are gone
             return caches
@@ -182,32 +206,43 @@ class JaxKit:
             case.ids = case.ids[:1]
         fixed = case.ids[0]
         if case.direction == "store":
+
             def step(caches: Any, objs: Any, ids: Any) -> Any:
                 return kc.store(m, caches, fixed if host else ids, objs, backend=be)
+
             jitted = jax.jit(step, donate_argnums=(1,))
 
             def fn(i: int) -> None:
                 r = i % case.rotate
-                wl.objects[r] = list(jitted(wl.caches, wl.objects[r],
-                                            None if host else case.ids[i % len(case.ids)]))
+                wl.objects[r] = list(
+                    jitted(wl.caches, wl.objects[r], None if host else case.ids[i % len(case.ids)])
+                )
         else:
+
             def step(caches: Any, objs: Any, ids: Any) -> Any:
                 return kc.load(m, objs, caches, fixed if host else ids, backend=be)
+
             jitted = jax.jit(step, donate_argnums=(0,))
 
             def fn(i: int) -> None:
                 r = i % case.rotate
-                adopt(wl, jitted(wl.caches, wl.objects[r],
-                                 None if host else case.ids[i % len(case.ids)]))
+                adopt(
+                    wl,
+                    jitted(wl.caches, wl.objects[r], None if host else case.ids[i % len(case.ids)]),
+                )
+
         return fn
 
     def graph_call(self, case: Any, ids_kind: str) -> Callable[[int], None]:
         raise Refused("graph: a torch CUDA-graph call (JAX: see jit)")
 
     def scramble(self, wl: Workload, r: int) -> None:
-        wl.objects[r] = [self._place(self._fill(tuple(o.shape), SCRATCH_FILL, 0),
-                                     wl.extra.get("placement", "device"))
-                         for o in wl.objects[r]]
+        wl.objects[r] = [
+            self._place(
+                self._fill(tuple(o.shape), SCRATCH_FILL, 0), wl.extra.get("placement", "device")
+            )
+            for o in wl.objects[r]
+        ]
 
     def host_bytes(self, wl: Workload, r: int) -> list[np.ndarray]:
         return [np.array(jax.device_get(o), copy=True) for o in wl.objects[r]]
@@ -231,8 +266,9 @@ class JaxKit:
         held: list = [None]
         if name == "device_copy":
             if nbytes % 4096 == 0:  # 32-bit elements: the vector width XLA copies with
-                words = jax.jit(lambda x: jax.lax.bitcast_convert_type(
-                    x.reshape(shape[0], 1024, 4), jnp.uint32))
+                words = jax.jit(
+                    lambda x: jax.lax.bitcast_convert_type(x.reshape(shape[0], 1024, 4), jnp.uint32)
+                )
                 src = [words(x) for x in src]
             copy = device_copy_step()
             # Allocated once, as a transfer's targets are.
@@ -252,11 +288,14 @@ class JaxKit:
             else:
                 step = partial(self._place, placement="pinned")
         else:
-            raise UnsupportedConfigError(f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
-                                    f"'pinned_d2h' (pinned ones on GPU), got {name!r}")
+            raise UnsupportedConfigError(
+                f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
+                f"'pinned_d2h' (pinned ones on GPU), got {name!r}"
+            )
 
         def fn(i: int) -> None:
             held[0] = step(src[i % rotate])
+
         jax.block_until_ready(src)
         return wall_timer(fn, lambda: jax.block_until_ready(held[0]), **timing)
 

@@ -1,6 +1,7 @@
 """Bench kit for NumPy (``kvgroups bench --backends numpy``): host memory only.
 
-Paths: ``reference`` (the oracle, :class:`~kvgroups_core.transfer.reference.NumpyBackend`, explicit byte
+Paths: ``reference`` (the oracle, :class:`~kvgroups_core.transfer.reference.NumpyBackend`, explicit
+byte
 index arithmetic) and ``take`` (the plain baseline: strided byte views and one fancy-indexing
 gather or scatter per plane and run). The ceiling is a host ``memcpy`` of the same byte count.
 Timed by the wall clock (nothing is asynchronous).
@@ -40,16 +41,20 @@ def run_take(plan: Any, slots: list, objects: list) -> None:
             base = views[plane.tensor_slot]
             for run in g.runs:
                 # [num_blocks, block_size, count, nbytes] of plane p
-                cache = as_strided(base[plane.byte_offset + run.cache_offset:],
-                                   (g.num_blocks, g.block_size, run.count, run.nbytes),
-                                   (g.block_stride_bytes, run.token_stride, run.cache_step, 1),
-                                   writeable=not store)
+                cache = as_strided(
+                    base[plane.byte_offset + run.cache_offset :],
+                    (g.num_blocks, g.block_size, run.count, run.nbytes),
+                    (g.block_stride_bytes, run.token_stride, run.cache_step, 1),
+                    writeable=not store,
+                )
                 start = g.region_offset + p * g.slots * g.row_bytes + run.obj_offset
                 # [num_chunks, kept, block_size, count, nbytes]
-                rows = as_strided(flat[start:], (obj.shape[0], g.kept_per_chunk, g.block_size,
-                                                 run.count, run.nbytes),
-                                  (row_stride, g.block_size * g.row_bytes, g.row_bytes,
-                                   run.obj_step, 1), writeable=store)
+                rows = as_strided(
+                    flat[start:],
+                    (obj.shape[0], g.kept_per_chunk, g.block_size, run.count, run.nbytes),
+                    (row_stride, g.block_size * g.row_bytes, g.row_bytes, run.obj_step, 1),
+                    writeable=store,
+                )
                 if store:
                     rows[chunk, pos] = cache[bid]
                 else:
@@ -69,8 +74,10 @@ class NumpyKit:
         self.be = NumpyBackend()
 
     def info(self) -> dict:
-        return {"device_name": platform.processor() or platform.machine(),
-                "cpu_count": os.cpu_count()}
+        return {
+            "device_name": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(),
+        }
 
     def paths(self) -> tuple[str, ...]:
         return self._PATHS
@@ -96,17 +103,24 @@ class NumpyKit:
         rng = np.random.default_rng(seed)
 
         def make(spec: Any, i: int) -> Any:
-            raw = (rng.integers(0, 256, spec.numel * spec.dtype.itemsize, dtype=np.uint8)
-                   if fill else np.zeros(spec.numel * spec.dtype.itemsize, np.uint8))
+            raw = (
+                rng.integers(0, 256, spec.numel * spec.dtype.itemsize, dtype=np.uint8)
+                if fill
+                else np.zeros(spec.numel * spec.dtype.itemsize, np.uint8)
+            )
             bits = raw.view(spec.dtype.uint_view_name).reshape(spec.shape)
             return self.be.from_numpy(bits, "cpu", spec.dtype)
+
         return map_specs(specs, make)
 
-    def alloc_objects(self, wl: Workload, object_nbytes: Any, chunks: int, placement: str,
-                      count: int, seed: int) -> None:
+    def alloc_objects(
+        self, wl: Workload, object_nbytes: Any, chunks: int, placement: str, count: int, seed: int
+    ) -> None:
         rng = np.random.default_rng(seed + 1)
-        wl.objects = [[rng.integers(0, 256, (chunks, n), dtype=np.uint8) for n in object_nbytes]
-                      for _ in range(count)]
+        wl.objects = [
+            [rng.integers(0, 256, (chunks, n), dtype=np.uint8) for n in object_nbytes]
+            for _ in range(count)
+        ]
 
     def run(self, path: str, plan: Any, wl: Workload, r: int) -> None:
         if path == "take":
@@ -143,11 +157,13 @@ class NumpyKit:
     def ceiling(self, name: str, nbytes: int, rotate: int, **timing: Any) -> Timing:
         if name != "device_copy":
             raise UnsupportedConfigError(
-                f"ceiling: expected 'device_copy' on the host, got {name!r}")
+                f"ceiling: expected 'device_copy' on the host, got {name!r}"
+            )
         src = [np.full(nbytes, i, np.uint8) for i in range(rotate)]
         dst = [np.full(nbytes, 255, np.uint8) for _ in range(rotate)]  # pages touched
-        return wall_timer(lambda i: np.copyto(dst[i % rotate], src[i % rotate]), lambda: None,
-                          **timing)
+        return wall_timer(
+            lambda i: np.copyto(dst[i % rotate], src[i % rotate]), lambda: None, **timing
+        )
 
     def release(self) -> None:
         gc.collect()

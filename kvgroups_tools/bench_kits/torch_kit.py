@@ -47,7 +47,7 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """Fill a contiguous tensor with random bytes, in place."""
     flat = t.view(-1).view(torch.uint8)
     for start in range(0, flat.numel(), _SLICE):
-        flat[start:start + _SLICE].random_(0, 256, generator=gen)
+        flat[start : start + _SLICE].random_(0, 256, generator=gen)
     return t
 
 
@@ -63,10 +63,13 @@ class TorchKit:
         dev = torch.device(device)
         if dev.type == "cuda":
             if not torch.cuda.is_available():
-                raise UnsupportedConfigError(f"device: expected a usable CUDA GPU for {device!r}, "
-                                        "got none (torch.cuda.is_available() is False)")
-            dev = torch.device("cuda", torch.cuda.current_device() if dev.index is None
-                               else dev.index)
+                raise UnsupportedConfigError(
+                    f"device: expected a usable CUDA GPU for {device!r}, "
+                    "got none (torch.cuda.is_available() is False)"
+                )
+            dev = torch.device(
+                "cuda", torch.cuda.current_device() if dev.index is None else dev.index
+            )
         elif dev.type != "cpu":
             raise UnsupportedConfigError(f"device: expected 'cpu' or 'cuda[:N]', got {device!r}")
         self.dev, self.cuda = dev, dev.type == "cuda"
@@ -78,12 +81,19 @@ class TorchKit:
         out: dict[str, Any] = {"torch": torch.__version__, "cuda": torch.version.cuda}
         if self.cuda:
             props = torch.cuda.get_device_properties(self.dev)
-            out.update(device_name=props.name, sm_count=props.multi_processor_count,
-                       memory_bytes=props.total_memory, l2_bytes=self.l2_bytes(),
-                       compute_capability=f"{props.major}.{props.minor}")
+            out.update(
+                device_name=props.name,
+                sm_count=props.multi_processor_count,
+                memory_bytes=props.total_memory,
+                l2_bytes=self.l2_bytes(),
+                compute_capability=f"{props.major}.{props.minor}",
+            )
         else:
-            out.update(device_name=platform.processor() or platform.machine(),
-                       cpu_count=os.cpu_count(), threads=torch.get_num_threads())
+            out.update(
+                device_name=platform.processor() or platform.machine(),
+                cpu_count=os.cpu_count(),
+                threads=torch.get_num_threads(),
+            )
         return out
 
     def paths(self) -> tuple[str, ...]:
@@ -109,8 +119,9 @@ class TorchKit:
 
     def l2_bytes(self) -> int:
         if self.cuda:
-            return int(getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size",
-                               50 << 20))
+            return int(
+                getattr(torch.cuda.get_device_properties(self.dev), "L2_cache_size", 50 << 20)
+            )
         return 32 << 20
 
     # --- arrays ----------------------------------------------------------------------------
@@ -122,6 +133,7 @@ class TorchKit:
             if fill:
                 fill_random(raw, gen)
             return raw.view(torch_dtype(spec.dtype)).view(spec.shape)
+
         return map_specs(specs, make)
 
     def _buffer(self, shape: tuple, placement: str, gen: torch.Generator | None) -> torch.Tensor:
@@ -129,17 +141,19 @@ class TorchKit:
         if placement == "pinned":
             host = torch.empty(shape, dtype=torch.uint8, pin_memory=True)
             if gen is not None:  # random bytes made on the GPU: host RNG is slow for GBs
-                host.copy_(fill_random(torch.empty(shape, dtype=torch.uint8, device=self.dev),
-                                       gen))
+                host.copy_(fill_random(torch.empty(shape, dtype=torch.uint8, device=self.dev), gen))
             return host
         t = torch.empty(shape, dtype=torch.uint8, device=self.dev)
         return fill_random(t, gen) if gen is not None else t.fill_(0)
 
-    def alloc_objects(self, wl: Workload, object_nbytes: Any, chunks: int, placement: str,
-                      count: int, seed: int) -> None:
+    def alloc_objects(
+        self, wl: Workload, object_nbytes: Any, chunks: int, placement: str, count: int, seed: int
+    ) -> None:
         gen = torch.Generator(device=self.dev).manual_seed(seed + 1)
-        wl.objects = [[self._buffer((chunks, int(n)), placement, gen) for n in object_nbytes]
-                      for _ in range(count)]
+        wl.objects = [
+            [self._buffer((chunks, int(n)), placement, gen) for n in object_nbytes]
+            for _ in range(count)
+        ]
         wl.extra.pop("tensors", None)
         wl.extra.pop("graphs", None)
 
@@ -182,8 +196,10 @@ class TorchKit:
         if not self.cuda:
             raise Refused("graph: CUDA graphs need CUDA caches")
         if ids_kind != "device":
-            raise Refused("graph: a captured call replays device ids (host ids are read "
-                          "on the host at capture)")
+            raise Refused(
+                "graph: a captured call replays device ids (host ids are read "
+                "on the host at capture)"
+            )
         prep = kc.prepare(case.manager, case.wl.caches, backend=case.backend)
         wl, store = case.wl, case.direction == "store"
 
@@ -227,13 +243,27 @@ class TorchKit:
             torch.cuda.empty_cache()
 
     # --- timing ----------------------------------------------------------------------------
-    def time(self, fn: Callable[[int], Any], wl: Workload | None = None, *, repeats: int,
-             warmup: int, target_s: float, max_calls: int) -> Timing:
+    def time(
+        self,
+        fn: Callable[[int], Any],
+        wl: Workload | None = None,
+        *,
+        repeats: int,
+        warmup: int,
+        target_s: float,
+        max_calls: int,
+    ) -> Timing:
         """Per-call seconds of batches of back-to-back calls: CUDA events on the current
         stream around each batch (GPU), the wall clock (CPU)."""
         if not self.cuda:
-            return wall_timer(fn, lambda: None, repeats=repeats, warmup=warmup,
-                              target_s=target_s, max_calls=max_calls)
+            return wall_timer(
+                fn,
+                lambda: None,
+                repeats=repeats,
+                warmup=warmup,
+                target_s=target_s,
+                max_calls=max_calls,
+            )
         i, estimate, first = 0, 0.0, None
         for _ in range(max(1, warmup)):
             self.sync()
@@ -269,10 +299,13 @@ class TorchKit:
             host = [self._buffer((nbytes,), "pinned", None) for _ in range(rotate)]
             src, dst = (host, dev) if name == "pinned_h2d" else (dev, host)
         else:
-            raise UnsupportedConfigError(f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
-                                    f"'pinned_d2h' (pinned ones on CUDA), got {name!r}")
-        return self.time(lambda i: dst[i % rotate].copy_(src[i % rotate], non_blocking=True),
-                         **timing)
+            raise UnsupportedConfigError(
+                f"ceiling: expected one of 'device_copy', 'pinned_h2d', "
+                f"'pinned_d2h' (pinned ones on CUDA), got {name!r}"
+            )
+        return self.time(
+            lambda i: dst[i % rotate].copy_(src[i % rotate], non_blocking=True), **timing
+        )
 
 
 def make_kit(device: str | None = None) -> TorchKit:

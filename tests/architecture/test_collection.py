@@ -43,12 +43,28 @@ def _collect(tmp_path: Path, blocked: tuple[str, ...]) -> subprocess.CompletedPr
     path = [str(tmp_path), str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in path if p))
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-rs", "-p", "no:cacheprovider",
-         "tests"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests",
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
 
 
-@pytest.mark.parametrize("framework, folder", [("torch", "tests/torch_backend"),
-                                               ("jax", "tests/jax_backend")])
+@pytest.mark.parametrize(
+    "framework, folder", [("torch", "tests/torch_backend"), ("jax", "tests/jax_backend")]
+)
 def test_the_suite_collects_without_a_framework(tmp_path, framework, folder):
     done = _collect(tmp_path, (framework,))
     out = done.stdout + done.stderr
@@ -57,6 +73,7 @@ def test_the_suite_collects_without_a_framework(tmp_path, framework, folder):
     collected = [line for line in done.stdout.splitlines() if "::" in line]
     # The hook worked, the framework's own tests were skipped, and the rest was collected.
     assert not any(line.startswith(folder + "/") for line in collected), out[-4000:]
-    assert any(line.startswith("SKIPPED") and folder in line for line in out.splitlines()), \
-        out[-4000:]
+    assert any(line.startswith("SKIPPED") and folder in line for line in out.splitlines()), out[
+        -4000:
+    ]
     assert any(line.startswith("tests/core/") for line in collected)

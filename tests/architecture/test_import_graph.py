@@ -72,8 +72,10 @@ def import_graph(package_dirs: list[Path]) -> dict[str, set[str]]:
                 else:
                     base = node.module or ""
                 # ``from pkg import sub`` imports the submodule when there is one.
-                targets = [f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
-                           for alias in node.names]
+                targets = [
+                    f"{base}.{alias.name}" if f"{base}.{alias.name}" in files else base
+                    for alias in node.names
+                ]
             for target in targets:
                 # ``import a.b.c`` where only ``a.b`` is a module of ours: keep ``a.b``.
                 while target not in files and "." in target:
@@ -93,7 +95,7 @@ def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
         path.append(node)
         for nxt in sorted(graph.get(node, ())):
             if state.get(nxt) == 1:
-                return path[path.index(nxt):] + [nxt]
+                return path[path.index(nxt) :] + [nxt]
             if nxt not in state and (found := visit(nxt)):
                 return found
         path.pop()
@@ -164,26 +166,41 @@ def test_the_core_subpackages_export_nothing():
 
 def test_the_core_imports_no_other_library_package():
     graph = import_graph(PACKAGE_DIRS)
-    leaks = sorted(f"{m} -> {t}" for m, ts in graph.items() if m.split(".")[0] == "kvgroups_core"
-                   for t in ts if t.split(".")[0] != "kvgroups_core")
+    leaks = sorted(
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        if m.split(".")[0] == "kvgroups_core"
+        for t in ts
+        if t.split(".")[0] != "kvgroups_core"
+    )
     assert leaks == []
 
 
 def test_the_core_and_the_backends_never_import_the_tooling():
     # The conformance kit may (it draws its models from the tooling's catalogue).
     graph = import_graph(PACKAGE_DIRS)
-    leaks = sorted(f"{m} -> {t}" for m, ts in graph.items()
-                   if m.split(".")[0] not in (TOOLING, "kvgroups_conformance")
-                   for t in ts if t.split(".")[0] == TOOLING)
+    leaks = sorted(
+        f"{m} -> {t}"
+        for m, ts in graph.items()
+        if m.split(".")[0] not in (TOOLING, "kvgroups_conformance")
+        for t in ts
+        if t.split(".")[0] == TOOLING
+    )
     assert leaks == []
 
 
 def test_the_library_graph_is_read_at_all():
     # Guards the tests above against a walker that silently finds nothing.
     graph = import_graph(PACKAGE_DIRS)
-    assert {"kvgroups_core.grouping.manager", "kvgroups_core.transfer.api",
-            "kvgroups_torch.cuda.execute", "kvgroups_jax.lowerings.choice",
-            "kvgroups_cuda.nvrtc", "kvgroups_conformance.harness", "kvgroups_tools.cli"} <= set(graph)
+    assert {
+        "kvgroups_core.grouping.manager",
+        "kvgroups_core.transfer.api",
+        "kvgroups_torch.cuda.execute",
+        "kvgroups_jax.lowerings.choice",
+        "kvgroups_cuda.nvrtc",
+        "kvgroups_conformance.harness",
+        "kvgroups_tools.cli",
+    } <= set(graph)
     assert "kvgroups_core.errors" in graph["kvgroups_core.grouping.manager"]
     assert "kvgroups_core.transfer.api" in graph["kvgroups_core"]
     assert "kvgroups_core.transfer.fast.call_memo" in graph["kvgroups_core.transfer.api"]
@@ -192,12 +209,15 @@ def test_the_library_graph_is_read_at_all():
 
 
 def test_the_walker_finds_a_circle_hidden_in_a_function(tmp_path):
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/a.py": "from .b import thing\n",
-        "pkg/b.py": "thing = 1\ndef late():\n    from .c import other\n",
-        "pkg/c.py": "from pkg import a\nother = 2\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/a.py": "from .b import thing\n",
+            "pkg/b.py": "thing = 1\ndef late():\n    from .c import other\n",
+            "pkg/c.py": "from pkg import a\nother = 2\n",
+        },
+    )
     assert find_cycle(import_graph([pkg])) == ["pkg.a", "pkg.b", "pkg.c", "pkg.a"]
 
 
@@ -211,13 +231,18 @@ def test_the_walker_finds_a_circle_between_packages(tmp_path):
 
 
 def test_the_walker_resolves_subpackages_and_counts_type_checking(tmp_path):
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "from .sub import x\n",
-        "pkg/sub/__init__.py": "from .leaf import x\n",
-        "pkg/sub/leaf.py": ("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
-                            "    from ..util import helper\nx = 1\n"),
-        "pkg/util.py": "import pkg.sub.leaf.x\nhelper = 1\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "from .sub import x\n",
+            "pkg/sub/__init__.py": "from .leaf import x\n",
+            "pkg/sub/leaf.py": (
+                "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n"
+                "    from ..util import helper\nx = 1\n"
+            ),
+            "pkg/util.py": "import pkg.sub.leaf.x\nhelper = 1\n",
+        },
+    )
     graph = import_graph([pkg])
     assert graph["pkg.sub.leaf"] == {"pkg.util"}
     assert graph["pkg.util"] == {"pkg.sub.leaf"}
@@ -225,14 +250,18 @@ def test_the_walker_resolves_subpackages_and_counts_type_checking(tmp_path):
 
 
 def test_the_ladder_check_sees_an_upward_import(tmp_path):
-    pkg = _write(tmp_path, {
-        "pkg/__init__.py": "",
-        "pkg/low/__init__.py": "",
-        "pkg/low/a.py": "def f():\n    from pkg.high.b import y\n",
-        "pkg/high/__init__.py": "",
-        "pkg/high/b.py": "from pkg.low.a import f\ny = 1\n",
-    })
+    pkg = _write(
+        tmp_path,
+        {
+            "pkg/__init__.py": "",
+            "pkg/low/__init__.py": "",
+            "pkg/low/a.py": "def f():\n    from pkg.high.b import y\n",
+            "pkg/high/__init__.py": "",
+            "pkg/high/b.py": "from pkg.low.a import f\ny = 1\n",
+        },
+    )
     ladder = ["pkg.low", "pkg.high"]
     assert ladder_violations(import_graph([pkg]), ladder) == [
-        "pkg.low.a (pkg.low) -> pkg.high.b (pkg.high)"]
+        "pkg.low.a (pkg.low) -> pkg.high.b (pkg.high)"
+    ]
     assert rung("pkg.high.b", ladder) == 1 and rung("pkg", ladder) is None

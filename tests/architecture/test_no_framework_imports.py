@@ -18,7 +18,8 @@ LEAKED = (
 
 # The library alone: grouping from bare descriptors, a planned store, and a real NumPy
 # store + load through the public functions.
-LIBRARY_SCRIPT = textwrap.dedent("""
+LIBRARY_SCRIPT = (
+    textwrap.dedent("""
     import sys
 
     import numpy as np
@@ -51,33 +52,42 @@ LIBRARY_SCRIPT = textwrap.dedent("""
     load(numpy_manager, objects, restored, ids)
     for a, r in zip(arrays, restored):
         assert np.array_equal(a[:, ids], r[:, ids])
-""") + LEAKED
+""")
+    + LEAKED
+)
 
 # The plan command of the tooling needs no framework either.
-TOOLING_SCRIPT = textwrap.dedent("""
+TOOLING_SCRIPT = (
+    textwrap.dedent("""
     import sys
 
     from kvgroups_core import manager_from_shape_spec
     from kvgroups_tools.cli_plan import plan_summary
 
     plan_summary(manager_from_shape_spec("(2,1024,16,8,128):bfloat16:32"))
-""") + LEAKED
+""")
+    + LEAKED
+)
 
 
 # The CUDA kernels' package, which both backends use: no framework, no backend.
-CUDA_KERNELS_SCRIPT = textwrap.dedent("""
+CUDA_KERNELS_SCRIPT = (
+    textwrap.dedent("""
     import sys
 
     sys.path.insert(0, "backends")
     from kvgroups_cuda import geometry, nvrtc, params
 
     assert nvrtc.option_words("sm_90") and params.kernel_name("store", 16, True, warp=True)
-""") + LEAKED
+""")
+    + LEAKED
+)
 
 
 def _leaked(script: str) -> str:
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
     return result.stdout.strip()
 
@@ -92,20 +102,26 @@ def test_the_cuda_kernel_package_loads_no_framework():
 
 def test_the_check_would_see_a_leak():
     assert _leaked("import sys\nimport kvgroups_tools.cli\n" + LEAKED) == (
-        "kvgroups_tools,kvgroups_tools.cli,kvgroups_tools.cli_options")
+        "kvgroups_tools,kvgroups_tools.cli,kvgroups_tools.cli_options"
+    )
 
 
 def test_the_plan_command_loads_no_framework():
     assert _leaked(TOOLING_SCRIPT) == (
-        "kvgroups_tools,kvgroups_tools.cli_options,kvgroups_tools.cli_plan")
+        "kvgroups_tools,kvgroups_tools.cli_options,kvgroups_tools.cli_plan"
+    )
 
 
 def test_ruff_bans_framework_imports_in_the_core():
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed")
-    result = subprocess.run([ruff, "check", "--select", "TID251", "kvgroups_core"],
-                            capture_output=True, text=True, cwd=ROOT)
+    result = subprocess.run(
+        [ruff, "check", "--select", "TID251", "kvgroups_core"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -117,25 +133,54 @@ def test_the_ruff_ban_would_catch_a_framework_import(tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text("import torch\nfrom jax import numpy\n")
     result = subprocess.run(
-        [ruff, "check", "--select", "TID251", "--config", str(ROOT / "pyproject.toml"),
-         "--stdin-filename", str(bad), "-"],
-        input=probe.read_text(), capture_output=True, text=True, cwd=ROOT,
+        [
+            ruff,
+            "check",
+            "--select",
+            "TID251",
+            "--config",
+            str(ROOT / "pyproject.toml"),
+            "--stdin-filename",
+            str(bad),
+            "-",
+        ],
+        input=probe.read_text(),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
     )
     assert result.returncode != 0
     assert "TID251" in result.stdout
 
 
-@pytest.mark.parametrize("path, banned", [
-    ("kvgroups_tools/cli_probe.py", True), ("kvgroups_tools/bench_probe.py", True),
-    ("kvgroups_tools/bench_kits/torch_kit.py", False),
-    ("kvgroups_tools/bench_kits/jax_kit.py", False),
-])
+@pytest.mark.parametrize(
+    "path, banned",
+    [
+        ("kvgroups_tools/cli_probe.py", True),
+        ("kvgroups_tools/bench_probe.py", True),
+        ("kvgroups_tools/bench_kits/torch_kit.py", False),
+        ("kvgroups_tools/bench_kits/jax_kit.py", False),
+    ],
+)
 def test_the_tooling_is_framework_free_except_its_kits(path, banned):
     ruff = shutil.which("ruff")
     if ruff is None:
         pytest.skip("ruff is not installed")
     result = subprocess.run(
-        [ruff, "check", "--select", "TID251", "--config", str(ROOT / "pyproject.toml"),
-         "--stdin-filename", str(ROOT / path), "-"],
-        input="import torch\nimport jax\n", capture_output=True, text=True, cwd=ROOT)
+        [
+            ruff,
+            "check",
+            "--select",
+            "TID251",
+            "--config",
+            str(ROOT / "pyproject.toml"),
+            "--stdin-filename",
+            str(ROOT / path),
+            "-",
+        ],
+        input="import torch\nimport jax\n",
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
     assert (result.returncode != 0) == banned, result.stdout

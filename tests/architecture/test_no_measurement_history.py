@@ -10,19 +10,26 @@ import re
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-LIBRARY = [ROOT / "kvgroups_core", ROOT / "kvgroups_tools", ROOT / "kvgroups_conformance",
-           ROOT / "backends"]
+LIBRARY = [
+    ROOT / "kvgroups_core",
+    ROOT / "kvgroups_tools",
+    ROOT / "kvgroups_conformance",
+    ROOT / "backends",
+]
 SUFFIXES = {".py", ".cu", ".cuh", ".h"}
 
 _GPU = r"\b(?:[HAB]100|H200|GH200|GB200|B200|A10G|L4|L40S?)\b"
 _FIGURE = r"\d+(?:\.\d+)?\s*(?:%|x\b|us\b|µs\b|ms\b|s\b|GB/s|TB/s|MiB|GiB)|\b0\.\d{2,}"
 PATTERNS = {
     "a GPU model next to a figure": re.compile(rf"{_GPU}.*(?:{_FIGURE})|(?:{_FIGURE}).*{_GPU}"),
-    "a result record's file name": re.compile(r"\w+_(?:[hab]\d00|gh200|b200)\w*\.jsonl",
-                                              re.IGNORECASE),
+    "a result record's file name": re.compile(
+        r"\w+_(?:[hab]\d00|gh200|b200)\w*\.jsonl", re.IGNORECASE
+    ),
     "an A/B narrative": re.compile(r"\bA/B\b"),
-    "a commit hash": re.compile(r"\bcommit\s+[0-9a-f]{7,40}\b|\b[0-9a-f]{7,40}\s+commit\b|"
-                                r"\bgit show [0-9a-f]{7,40}\b"),
+    "a commit hash": re.compile(
+        r"\bcommit\s+[0-9a-f]{7,40}\b|\b[0-9a-f]{7,40}\s+commit\b|"
+        r"\bgit show [0-9a-f]{7,40}\b"
+    ),
     "a numbered run": re.compile(r"\b(?:in|from|of) run \d+\b"),
 }
 
@@ -38,13 +45,20 @@ def findings(text: str) -> list[tuple[int, str, str]]:
 
 
 def _library_files() -> list[Path]:
-    return sorted(p for d in LIBRARY for p in d.rglob("*")
-                  if p.suffix in SUFFIXES and "__pycache__" not in p.parts)
+    return sorted(
+        p
+        for d in LIBRARY
+        for p in d.rglob("*")
+        if p.suffix in SUFFIXES and "__pycache__" not in p.parts
+    )
 
 
 def test_library_code_carries_no_measurement_history():
-    found = [f"{p.relative_to(ROOT)}:{n}: {what}: {line}" for p in _library_files()
-             for n, what, line in findings(p.read_text())]
+    found = [
+        f"{p.relative_to(ROOT)}:{n}: {what}: {line}"
+        for p in _library_files()
+        for n, what, line in findings(p.read_text())
+    ]
     assert found == []
 
 
@@ -65,7 +79,7 @@ def test_the_scan_finds_each_kind_and_spares_plain_comments():
     fine = [
         "# Hopper and newer: Mosaic GPU for spans of >= 16 KiB (docs/PERFORMANCE.md).",
         "// units of plane 0, run 0 count ids, so every bad item counts once.",
-        "    return f\"expected ids in [0, {n}), got {value}\"",
+        '    return f"expected ids in [0, {n}), got {value}"',
         "# compiled for an abstract compute-capability 9.0 GPU",
     ]
     assert [n for n, _, _ in findings("\n".join(bad))] == list(range(1, len(bad) + 1))

@@ -31,14 +31,19 @@ def test_no_conftest_edits_sys_path():
     edits = []
     for conftest in _suite_files("conftest.py"):
         for node in ast.walk(ast.parse(conftest.read_text())):
-            if isinstance(node, ast.Attribute) and node.attr == "path" and \
-                    isinstance(node.value, ast.Name) and node.value.id == "sys":
+            if (
+                isinstance(node, ast.Attribute)
+                and node.attr == "path"
+                and isinstance(node.value, ast.Name)
+                and node.value.id == "sys"
+            ):
                 edits.append(str(conftest.relative_to(TESTS)))
     assert edits == []
 
 
 def test_xla_flags_are_set_in_one_place():
     setting = re.compile(r"""environ\[["']XLA_FLAGS["']\]\s*=|setenv\(\s*["']XLA_FLAGS""")
-    places = sorted(str(p.relative_to(TESTS)) for p in _suite_files("*.py")
-                    if setting.search(p.read_text()))
+    places = sorted(
+        str(p.relative_to(TESTS)) for p in _suite_files("*.py") if setting.search(p.read_text())
+    )
     assert places == ["conftest.py"]

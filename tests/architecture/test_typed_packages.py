@@ -37,13 +37,22 @@ def _ships(package: str, filename: str) -> bool:
 def test_the_installed_packages_are_the_seven_of_the_project():
     # Guards the tests below against a lookup that silently finds fewer packages.
     assert sorted(_top_level_packages()) == [
-        "kvgroups_conformance", "kvgroups_core", "kvgroups_cuda", "kvgroups_jax",
-        "kvgroups_tools", "kvgroups_torch", "kvgroups_transport"]
+        "kvgroups_conformance",
+        "kvgroups_core",
+        "kvgroups_cuda",
+        "kvgroups_jax",
+        "kvgroups_tools",
+        "kvgroups_torch",
+        "kvgroups_transport",
+    ]
 
 
 def test_every_package_has_a_py_typed_marker():
-    missing = sorted(name for name, folder in _top_level_packages().items()
-                     if not (folder / "py.typed").is_file())
+    missing = sorted(
+        name
+        for name, folder in _top_level_packages().items()
+        if not (folder / "py.typed").is_file()
+    )
     assert missing == []
 
 

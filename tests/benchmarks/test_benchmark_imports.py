@@ -12,13 +12,26 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted(p for p in (ROOT / "benchmarks").glob("*.py"))
 
-LIBRARY = ("kvgroups_core", "kvgroups_torch", "kvgroups_jax", "kvgroups_cuda",
-           "kvgroups_conformance", "kvgroups_tools")
+LIBRARY = (
+    "kvgroups_core",
+    "kvgroups_torch",
+    "kvgroups_jax",
+    "kvgroups_cuda",
+    "kvgroups_conformance",
+    "kvgroups_tools",
+)
 #: The modules docs/API.md names; kvgroups_tools (the command and its bench kits) is the
 #: benchmarks' own engine, so its public modules may be imported too.
-PUBLIC_MODULES = {"kvgroups_core", "kvgroups_torch", "kvgroups_jax", "kvgroups_cuda",
-                  "kvgroups_conformance", "kvgroups_torch.vllm", "kvgroups_torch.sglang",
-                  "kvgroups_jax.engines"}
+PUBLIC_MODULES = {
+    "kvgroups_core",
+    "kvgroups_torch",
+    "kvgroups_jax",
+    "kvgroups_cuda",
+    "kvgroups_conformance",
+    "kvgroups_torch.vllm",
+    "kvgroups_torch.sglang",
+    "kvgroups_jax.engines",
+}
 
 
 def _private(name: str) -> bool:
@@ -39,8 +52,10 @@ def _is_submodule(module: str, name: str) -> bool:
     """Whether ``from module import name`` imports a module of the package (not a name its
     ``__init__`` exports)."""
     rel = Path(*module.split("."), name)
-    return any((base / rel).with_suffix(".py").is_file() or (base / rel / "__init__.py").is_file()
-               for base in (ROOT, ROOT / "backends"))
+    return any(
+        (base / rel).with_suffix(".py").is_file() or (base / rel / "__init__.py").is_file()
+        for base in (ROOT, ROOT / "backends")
+    )
 
 
 def _root(node: ast.AST) -> ast.AST:
@@ -77,8 +92,10 @@ def violations(source: str) -> list[str]:
                 elif _is_submodule(node.module, alias.name):
                     full = f"{node.module}.{alias.name}"
                     if not _public_module(full):
-                        found.append(f"line {node.lineno}: from {node.module} import "
-                                     f"{alias.name} (the module {full})")
+                        found.append(
+                            f"line {node.lineno}: from {node.module} import "
+                            f"{alias.name} (the module {full})"
+                        )
                 elif _private(alias.name):
                     found.append(f"line {node.lineno}: {node.module}.{alias.name}")
     for node in ast.walk(tree):
@@ -87,11 +104,18 @@ def violations(source: str) -> list[str]:
             name = root.id if isinstance(root, ast.Name) else None
             if name not in ("self", "cls") and name not in other_imports:
                 found.append(f"line {node.lineno}: .{node.attr}")
-        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
-                node.func.id in ("getattr", "setattr", "delattr") and len(node.args) > 1:
+        elif (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Name)
+            and node.func.id in ("getattr", "setattr", "delattr")
+            and len(node.args) > 1
+        ):
             attr = node.args[1]
-            if isinstance(attr, ast.Constant) and isinstance(attr.value, str) and \
-                    _private(attr.value):
+            if (
+                isinstance(attr, ast.Constant)
+                and isinstance(attr.value, str)
+                and _private(attr.value)
+            ):
                 found.append(f"line {node.lineno}: {node.func.id}(..., {attr.value!r})")
             if node.func.id != "getattr":
                 root = _root(node.args[0])
@@ -101,8 +125,11 @@ def violations(source: str) -> list[str]:
             targets = node.targets if isinstance(node, (ast.Assign, ast.Delete)) else [node.target]
             for target in targets:
                 root = _root(target)
-                if isinstance(target, (ast.Attribute, ast.Subscript)) and \
-                        isinstance(root, ast.Name) and root.id in library_names:
+                if (
+                    isinstance(target, (ast.Attribute, ast.Subscript))
+                    and isinstance(root, ast.Name)
+                    and root.id in library_names
+                ):
                     found.append(f"line {node.lineno}: sets {ast.unparse(target)}")
     return found
 
@@ -124,9 +151,17 @@ def test_the_checker_finds_each_kind_of_reach_in():
         "self._mine = 1\n"
     )
     found = violations(source)
-    for needle in ("kvgroups_jax.executor", "kvgroups_jax.lowerings", "kvgroups_core.planner", "kvgroups_core._internal",
-                   "import kvgroups_torch.cuda_path", "._store_jit", "sets lowerings.TUNING",
-                   "._bound", "getattr(..., '_bound')"):
+    for needle in (
+        "kvgroups_jax.executor",
+        "kvgroups_jax.lowerings",
+        "kvgroups_core.planner",
+        "kvgroups_core._internal",
+        "import kvgroups_torch.cuda_path",
+        "._store_jit",
+        "sets lowerings.TUNING",
+        "._bound",
+        "getattr(..., '_bound')",
+    ):
         assert any(needle in line for line in found), (needle, found)
     assert not any("_sleep" in line or "_mine" in line for line in found)
 

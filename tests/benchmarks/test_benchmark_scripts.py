@@ -38,16 +38,25 @@ def frameworks(script: Path) -> list[str]:
     """The runtimes ``script`` imports at its top level."""
     needed = []
     for node in ast.parse(script.read_text()).body:
-        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-                 [node.module or ""] if isinstance(node, ast.ImportFrom) else [])
+        names = (
+            [a.name for a in node.names]
+            if isinstance(node, ast.Import)
+            else [node.module or ""]
+            if isinstance(node, ast.ImportFrom)
+            else []
+        )
         needed += [n.split(".")[0] for n in names if n.split(".")[0] in ("torch", "jax")]
     return sorted(set(needed))
 
 
 def env() -> dict:
     paths = [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in paths if p),
-                JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(p for p in paths if p),
+        JAX_PLATFORMS="cpu",
+        CUDA_VISIBLE_DEVICES="",
+    )
 
 
 def test_the_scripts_are_the_ones_benchmarks_readme_describes():
@@ -66,13 +75,19 @@ def test_tiny_run_writes_records_naming_the_call(script, tmp_path):
     out.write_text("")
     done = subprocess.run(
         [sys.executable, str(script), "--tiny", *QUICKER.get(script.name, []), "--out", str(out)],
-        capture_output=True, text=True, cwd=tmp_path, env=env(), timeout=600)
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env=env(),
+        timeout=600,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     printed = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     records = [json.loads(line) for line in out.read_text().splitlines()]
     assert records and records == printed  # --out appends exactly what the run printed
-    measured = [r for r in records if any(k in r for k in FIGURES)
-                and r.get("record") not in NOT_CALLS]
+    measured = [
+        r for r in records if any(k in r for k in FIGURES) and r.get("record") not in NOT_CALLS
+    ]
     assert measured, "no record carries a figure"
     for record in measured:
         assert isinstance(record.get("call"), str) and record["call"], record
@@ -81,6 +96,12 @@ def test_tiny_run_writes_records_naming_the_call(script, tmp_path):
 
 def test_the_docs_tables_are_the_ones_the_records_give():
     for args in (["headline", "--check", "README.md"], ["--check", "docs/PERFORMANCE.md"]):
-        done = subprocess.run([sys.executable, str(BENCHMARKS / "tables.py"), *args],
-                              capture_output=True, text=True, cwd=ROOT, env=env(), timeout=120)
+        done = subprocess.run(
+            [sys.executable, str(BENCHMARKS / "tables.py"), *args],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            env=env(),
+            timeout=120,
+        )
         assert done.returncode == 0, done.stderr[-3000:]

@@ -27,10 +27,16 @@ class TorchHarness(Harness):
         import torch
 
         # Torch allocates (as an engine would), then the bits are copied in.
-        bits = torch.from_numpy(np.ascontiguousarray(_uint_view(a)).view(
-            {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]))
-        dtype = getattr(torch, a.dtype.name) if a.dtype.kind in "Vf" or a.dtype.name in (
-            "bfloat16",) or "float8" in a.dtype.name else bits.dtype
+        bits = torch.from_numpy(
+            np.ascontiguousarray(_uint_view(a)).view(
+                {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}[a.dtype.itemsize]
+            )
+        )
+        dtype = (
+            getattr(torch, a.dtype.name)
+            if a.dtype.kind in "Vf" or a.dtype.name in ("bfloat16",) or "float8" in a.dtype.name
+            else bits.dtype
+        )
         if a.dtype.kind in "iub":
             dtype = torch.from_numpy(a[:0].copy()).dtype
         out = torch.empty(a.shape, dtype=dtype, device=self.device)
@@ -50,8 +56,7 @@ class TorchHarness(Harness):
 
         if placement == "pinned":
             return [torch.zeros((num_chunks, n), dtype=torch.uint8).pin_memory() for n in nbytes]
-        return [torch.zeros((num_chunks, n), dtype=torch.uint8, device=self.device)
-                for n in nbytes]
+        return [torch.zeros((num_chunks, n), dtype=torch.uint8, device=self.device) for n in nbytes]
 
 
 class JaxHarness(Harness):
@@ -69,8 +74,7 @@ class JaxHarness(Harness):
             if "jax-interpret" not in registry.registered_backends():
                 from kvgroups_jax import JaxBackend
 
-                registry.register_backend("jax-interpret",
-                                          lambda: JaxBackend(lowering="interpret"))
+                registry.register_backend("jax-interpret", lambda: JaxBackend(lowering="interpret"))
             backend = "jax-interpret"
         super().__init__(ident, backend, (None,))
         self.platform = platform
@@ -82,8 +86,9 @@ class JaxHarness(Harness):
         return get_backend("jax").from_numpy(a, "cpu" if self.platform == "cpu" else "cuda")
 
     def to_numpy(self, x: Any, like: np.ndarray) -> np.ndarray:
-        return np.asarray(x).view(like.dtype) if np.asarray(x).dtype != like.dtype else \
-            np.asarray(x)
+        return (
+            np.asarray(x).view(like.dtype) if np.asarray(x).dtype != like.dtype else np.asarray(x)
+        )
 
     def zeros_objects(self, nbytes, num_chunks, placement):
         import jax
@@ -123,24 +128,56 @@ def harness_params() -> list:
     def backend_ready(pkg: str) -> bool:
         return _has(pkg)
 
-    params.append(pytest.param(
-        "torch-cpu", id="torch-cpu",
-        marks=pytest.mark.skipif(not (_has("torch") and backend_ready("kvgroups_torch")),
-                                 reason="torch or kvgroups_torch not installed")))
-    params.append(pytest.param(
-        "torch-cuda", id="torch-cuda",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not _cuda_available(), reason="no CUDA GPU")]))
-    params.append(pytest.param(
-        "jax-interpret", id="jax-interpret",
-        marks=pytest.mark.skipif(not (_has("jax") and backend_ready("kvgroups_jax")),
-                                 reason="jax or kvgroups_jax not installed")))
-    params.append(pytest.param(
-        "jax-xla", id="jax-xla",
-        marks=pytest.mark.skipif(not (_has("jax") and backend_ready("kvgroups_jax")),
-                                 reason="jax or kvgroups_jax not installed")))
-    params.append(pytest.param(
-        "jax-gpu", id="jax-gpu",
-        marks=[pytest.mark.gpu, pytest.mark.skipif(not _jax_gpu_available(), reason="no JAX GPU")]))
+    params.append(
+        pytest.param(
+            "torch-cpu",
+            id="torch-cpu",
+            marks=pytest.mark.skipif(
+                not (_has("torch") and backend_ready("kvgroups_torch")),
+                reason="torch or kvgroups_torch not installed",
+            ),
+        )
+    )
+    params.append(
+        pytest.param(
+            "torch-cuda",
+            id="torch-cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not _cuda_available(), reason="no CUDA GPU"),
+            ],
+        )
+    )
+    params.append(
+        pytest.param(
+            "jax-interpret",
+            id="jax-interpret",
+            marks=pytest.mark.skipif(
+                not (_has("jax") and backend_ready("kvgroups_jax")),
+                reason="jax or kvgroups_jax not installed",
+            ),
+        )
+    )
+    params.append(
+        pytest.param(
+            "jax-xla",
+            id="jax-xla",
+            marks=pytest.mark.skipif(
+                not (_has("jax") and backend_ready("kvgroups_jax")),
+                reason="jax or kvgroups_jax not installed",
+            ),
+        )
+    )
+    params.append(
+        pytest.param(
+            "jax-gpu",
+            id="jax-gpu",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not _jax_gpu_available(), reason="no JAX GPU"),
+            ],
+        )
+    )
     return params
 
 
@@ -157,8 +194,9 @@ def pair_params() -> list:
                 if a is b or (group is gpu and a is singles[0] and b is singles[0]):
                     continue
                 marks = list(a.marks) + [m for m in b.marks if m not in a.marks]
-                out.append(pytest.param((a.values[0], b.values[0]), marks=marks,
-                                        id=f"{a.id}->{b.id}"))
+                out.append(
+                    pytest.param((a.values[0], b.values[0]), marks=marks, id=f"{a.id}->{b.id}")
+                )
     return out
 
 

@@ -16,8 +16,9 @@ CHUNK, BS, NB = 16, 4, 12
 @pytest.fixture
 def setup(harness):
     rng = np.random.default_rng(9)
-    caches_np, formats = make_caches(F.NL_X_TWO_NB_BS_NH_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8,
-                                     dtype="float16", rng=rng)
+    caches_np, formats = make_caches(
+        F.NL_X_TWO_NB_BS_NH_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="float16", rng=rng
+    )
     manager = KVLayerGroupsManager(caches_np, formats, lmcache_tokens_per_chunk=CHUNK)
     objects_np = [rng.integers(0, 256, (2, object_nbytes(manager, 0)), dtype=np.uint8)]
     return manager, caches_np, objects_np
@@ -27,8 +28,11 @@ def _unchanged(harness, caches, caches_np, objects, objects_np):
     for got, want in zip(harness.read(caches, caches_np), caches_np):
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     np.testing.assert_array_equal(harness.to_numpy(objects[0], objects_np[0]), objects_np[0])
+
+
 # --- memory, types and structure (issue 12, point 4) ---------------------------------------
 # Every case: a typed error (KVGroupsError and the builtin), caches and objects unchanged.
+
 
 def _framework(harness) -> str:
     return harness.id.split("-")[0]  # numpy / torch / jax
@@ -66,12 +70,17 @@ def _expect(error, builtin, text, call):
 
 def _both(harness, manager, caches, objects, ids=None):
     ids = np.arange(8) if ids is None else ids
-    return (lambda: harness.store(manager, caches, ids, objects),
-            lambda: harness.load(manager, objects, caches, ids))
+    return (
+        lambda: harness.store(manager, caches, ids, objects),
+        lambda: harness.load(manager, objects, caches, ids),
+    )
 
 
-@pytest.mark.parametrize("bad", [None, "objects", {"a": 1}, b"\x00" * 16, 3.5],
-                         ids=["None", "str", "dict", "bytes", "float"])
+@pytest.mark.parametrize(
+    "bad",
+    [None, "objects", {"a": 1}, b"\x00" * 16, 3.5],
+    ids=["None", "str", "dict", "bytes", "float"],
+)
 def test_objects_that_are_not_arrays_are_refused(harness, setup, bad):
     manager, caches_np, objects_np = setup
     caches, objects = harness.convert(caches_np), harness.convert(objects_np)
@@ -90,8 +99,7 @@ def test_objects_of_another_framework_are_refused(harness, setup):
         torch = pytest.importorskip("torch")
         foreign = [torch.from_numpy(objects_np[0].copy())]
     for call in _both(harness, manager, caches, foreign):
-        _expect(kc.KVGroupsTypeError, TypeError, "objects[0]: expected a uint8 array of the",
-                call)
+        _expect(kc.KVGroupsTypeError, TypeError, "objects[0]: expected a uint8 array of the", call)
     _unchanged(harness, caches, caches_np, objects, objects_np)
 
 
@@ -101,8 +109,12 @@ def test_store_into_read_only_objects_is_refused(harness, setup, tmp_path):
     ro = _readonly(harness, objects_np[0], tmp_path)
     if ro is None:
         pytest.skip(f"{harness.id}: arrays are never read-only (immutable buffers)")
-    _expect(kc.KVGroupsValueError, ValueError, "expected writable memory",
-            lambda: harness.store(manager, caches, np.arange(8), [ro]))
+    _expect(
+        kc.KVGroupsValueError,
+        ValueError,
+        "expected writable memory",
+        lambda: harness.store(manager, caches, np.arange(8), [ro]),
+    )
     np.testing.assert_array_equal(np.asarray(ro), objects_np[0])
     # Loading FROM read-only objects is fine: they are only read.
     harness.load(manager, [ro], caches, np.arange(8))
@@ -114,8 +126,12 @@ def test_load_into_read_only_caches_is_refused(harness, setup, tmp_path):
     if ro[0] is None:
         pytest.skip(f"{harness.id}: arrays are never read-only (immutable buffers)")
     objects = harness.convert(objects_np)
-    _expect(kc.KVGroupsValueError, ValueError, "kv_caches: expected writable memory",
-            lambda: harness.load(manager, objects, ro, np.arange(8)))
+    _expect(
+        kc.KVGroupsValueError,
+        ValueError,
+        "kv_caches: expected writable memory",
+        lambda: harness.load(manager, objects, ro, np.arange(8)),
+    )
     for got, want in zip(ro, caches_np):
         np.testing.assert_array_equal(np.asarray(got).view(np.uint8), want.view(np.uint8))
     stored = harness.store(manager, ro, np.arange(8))  # storing from them only reads
@@ -128,8 +144,7 @@ def _strided_objects(harness, objects_np, row_stride):
     kind = _framework(harness)
     if kind == "numpy":
         base = objects_np[0].copy().reshape(-1)
-        return np.lib.stride_tricks.as_strided(base, (2, nbytes), (row_stride, 1),
-                                               writeable=True)
+        return np.lib.stride_tricks.as_strided(base, (2, nbytes), (row_stride, 1), writeable=True)
     if kind == "torch":
         base = harness.convert([objects_np[0].copy().reshape(-1)])[0]
         return base.as_strided((2, nbytes), (row_stride, 1))
@@ -190,13 +205,24 @@ def test_more_or_fewer_cache_tensors_than_layers_are_refused(harness, setup, cou
 
 def test_declared_formats_that_do_not_fit_and_empty_axes_are_refused(harness):
     flash_infer = harness.convert([np.zeros((2, 64, 4, 2, 8), np.float16)])
-    _expect(kc.KVGroupsValueError, ValueError, "expected axis TWO of length 2",
-            lambda: KVLayerGroupsManager(flash_infer, F.NL_X_NB_TWO_BS_NH_HS))
-    for shape, axis in (((2, 4, 0, 2, 8), "BS"), ((2, 0, 4, 2, 8), "NB"),
-                        ((2, 4, 4, 2, 0), "HS")):
+    _expect(
+        kc.KVGroupsValueError,
+        ValueError,
+        "expected axis TWO of length 2",
+        lambda: KVLayerGroupsManager(flash_infer, F.NL_X_NB_TWO_BS_NH_HS),
+    )
+    for shape, axis in (((2, 4, 0, 2, 8), "BS"), ((2, 0, 4, 2, 8), "NB"), ((2, 4, 4, 2, 0), "HS")):
         empty = harness.convert([np.zeros(shape, np.float16)])
-        _expect(kc.KVGroupsValueError, ValueError, f"non-empty {axis} axis",
-                lambda e=empty: KVLayerGroupsManager(e, F.NL_X_TWO_NB_BS_NH_HS))
+        _expect(
+            kc.KVGroupsValueError,
+            ValueError,
+            f"non-empty {axis} axis",
+            lambda e=empty: KVLayerGroupsManager(e, F.NL_X_TWO_NB_BS_NH_HS),
+        )
     spec = [kc.TensorSpec((2, 4, 0, 2, 8), "float16")]  # block_size 0, no data
-    _expect(kc.KVGroupsValueError, ValueError, "non-empty BS axis",
-            lambda: KVLayerGroupsManager(spec, F.NL_X_TWO_NB_BS_NH_HS))
+    _expect(
+        kc.KVGroupsValueError,
+        ValueError,
+        "non-empty BS axis",
+        lambda: KVLayerGroupsManager(spec, F.NL_X_TWO_NB_BS_NH_HS),
+    )

@@ -31,6 +31,8 @@ def test_grouping_is_the_same_from_torch_jax_and_bare_specs(fmt):
             return tuple(specs(x) for x in structure)
         return describe(structure).spec
 
-    summaries = [_summary(KVLayerGroupsManager(c, formats, lmcache_tokens_per_chunk=CHUNK))
-                 for c in (t, j, specs(t))]
+    summaries = [
+        _summary(KVLayerGroupsManager(c, formats, lmcache_tokens_per_chunk=CHUNK))
+        for c in (t, j, specs(t))
+    ]
     assert summaries[0] == summaries[1] == summaries[2]

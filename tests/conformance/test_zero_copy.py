@@ -17,17 +17,25 @@ GEOMETRY = dict(nl=2, nb=16, bs=4, nh=2, hs=16)
 CHUNK = 8
 PLATFORMS = [
     pytest.param("cpu", id="cpu"),
-    pytest.param("gpu", id="gpu", marks=[
-        pytest.mark.gpu,
-        pytest.mark.skipif(not (_cuda_available() and _jax_gpu_available()),
-                           reason="needs a CUDA GPU visible to torch and JAX")]),
+    pytest.param(
+        "gpu",
+        id="gpu",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(
+                not (_cuda_available() and _jax_gpu_available()),
+                reason="needs a CUDA GPU visible to torch and JAX",
+            ),
+        ],
+    ),
 ]
 
 
 def _setup(rng):
     src_np, formats = make_caches(F.NL_X_TWO_NB_BS_NH_HS, dtype="bfloat16", rng=rng, **GEOMETRY)
-    dst_np, _ = make_caches(F.NL_X_TWO_NB_BS_NH_HS, dtype="bfloat16", rng=rng, zero=True,
-                            **GEOMETRY)
+    dst_np, _ = make_caches(
+        F.NL_X_TWO_NB_BS_NH_HS, dtype="bfloat16", rng=rng, zero=True, **GEOMETRY
+    )
     ids_a = rng.permutation(GEOMETRY["nb"])[:6]
     ids_b = rng.permutation(GEOMETRY["nb"])[:6]
     return src_np, dst_np, formats, ids_a, ids_b

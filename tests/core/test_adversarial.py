@@ -30,12 +30,16 @@ NL, NB, BS, NH, HS, CHUNK = 2, 8, 2, 1, 4, 4
 BPC = CHUNK // BS
 SHAPE = (2, NB, BS, NH, HS)
 BUILTINS = (ValueError, TypeError, IndexError, NotImplementedError)
-SETTINGS = settings(max_examples=30, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                           HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=30,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
 
 # --- runtimes ------------------------------------------------------------------------------
+
 
 class Runtime:
     """How one backend makes arrays and reads them back (bit-exact, as uint8)."""
@@ -101,13 +105,32 @@ RUNTIMES = ["numpy", "torch-cpu", "jax-xla", "jax-interpret"]
 
 # --- inputs: (value, valid?) ---------------------------------------------------------------
 
+
 def _ids(draw) -> tuple[object, bool, int]:
     """``(block_ids, valid, num_chunks)``."""
     chunks = draw(st.integers(1, 2))
     good = draw(st.lists(st.integers(0, NB - 1), min_size=chunks * BPC, max_size=chunks * BPC))
-    kind = draw(st.sampled_from(["list", "int64", "int32", "dict", "nb", "negative", "huge",
-                                 "bool", "float", "none", "str", "partial", "uint64",
-                                 "unknown-key", "two-lists"]))
+    kind = draw(
+        st.sampled_from(
+            [
+                "list",
+                "int64",
+                "int32",
+                "dict",
+                "nb",
+                "negative",
+                "huge",
+                "bool",
+                "float",
+                "none",
+                "str",
+                "partial",
+                "uint64",
+                "unknown-key",
+                "two-lists",
+            ]
+        )
+    )
     if kind == "list":
         return good, True, chunks
     if kind in ("int64", "int32"):
@@ -146,8 +169,19 @@ def _ids(draw) -> tuple[object, bool, int]:
 def _objects(draw, rt: Runtime, nbytes: int, chunks: int, direction: str, rng) -> tuple:
     """``(objects, valid, numpy copies to compare)``."""
     base = rng.integers(0, 256, (chunks, nbytes), dtype=np.uint8)
-    kinds = ["good", "good-list", "none", "str", "dict", "bytes", "short", "chunks", "dtype",
-             "foreign", "entries"]
+    kinds = [
+        "good",
+        "good-list",
+        "none",
+        "str",
+        "dict",
+        "bytes",
+        "short",
+        "chunks",
+        "dtype",
+        "foreign",
+        "entries",
+    ]
     if rt.strided:
         kinds += ["stride0", "overlap", "twice", "readonly"]
     kind = draw(st.sampled_from(kinds))
@@ -177,8 +211,11 @@ def _objects(draw, rt: Runtime, nbytes: int, chunks: int, direction: str, rng) -
         return [[row, row]], False
     if kind == "readonly":
         if direction == "load":
-            return [np.frombuffer(base.tobytes(), np.uint8).reshape(base.shape)
-                    if rt.name == "numpy" else rt.array(base)], True
+            return [
+                np.frombuffer(base.tobytes(), np.uint8).reshape(base.shape)
+                if rt.name == "numpy"
+                else rt.array(base)
+            ], True
         arr = base.copy()
         arr.flags.writeable = False
         return [arr if rt.name == "numpy" else _torch_readonly(arr)], rt.name != "numpy"
@@ -186,8 +223,9 @@ def _objects(draw, rt: Runtime, nbytes: int, chunks: int, direction: str, rng) -
     if chunks < 2:
         return [rt.array(base)], True
     if rt.name == "numpy":
-        return [np.lib.stride_tricks.as_strided(flat, (chunks, nbytes), (stride, 1),
-                                                writeable=True)], False
+        return [
+            np.lib.stride_tricks.as_strided(flat, (chunks, nbytes), (stride, 1), writeable=True)
+        ], False
     return [flat.as_strided((chunks, nbytes), (stride, 1))], False
 
 
@@ -210,11 +248,13 @@ def _skip(draw, chunks: int) -> tuple[object, bool]:
         return 0, True
     if kind == "good":
         return draw(st.integers(0, covered)), True
-    return {"negative": -1, "past": covered + 1, "bool": True, "float": 1.5,
-            "str": "2"}[kind], False
+    return {"negative": -1, "past": covered + 1, "bool": True, "float": 1.5, "str": "2"}[
+        kind
+    ], False
 
 
 # --- the property ----------------------------------------------------------------------------
+
 
 def _snapshot(rt: Runtime, structure) -> list[np.ndarray]:
     out = []
@@ -222,18 +262,24 @@ def _snapshot(rt: Runtime, structure) -> list[np.ndarray]:
         if isinstance(x, (list, tuple)):
             out.extend(_snapshot(rt, x))
         elif hasattr(x, "shape") and hasattr(x, "dtype"):
-            out.append(rt.bytes_of(x) if not isinstance(x, np.ndarray) else
-                       np.asarray(x).view(np.uint8).copy())
+            out.append(
+                rt.bytes_of(x)
+                if not isinstance(x, np.ndarray)
+                else np.asarray(x).view(np.uint8).copy()
+            )
     return out
 
 
 @pytest.mark.parametrize("name", RUNTIMES)
 def test_random_inputs_are_moved_exactly_or_refused_untouched(name):
     rt = _runtime(name)
-    src_np = [np.random.default_rng(i).integers(0, 2**16, SHAPE, dtype=np.uint16)
-              .view(np.float16) for i in range(NL)]
-    manager = kc.KVLayerGroupsManager(src_np, F.NL_X_TWO_NB_BS_NH_HS,
-                                      lmcache_tokens_per_chunk=CHUNK)
+    src_np = [
+        np.random.default_rng(i).integers(0, 2**16, SHAPE, dtype=np.uint16).view(np.float16)
+        for i in range(NL)
+    ]
+    manager = kc.KVLayerGroupsManager(
+        src_np, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK
+    )
     nbytes = kc.object_nbytes(manager, 0)
     counts = {True: 0, False: 0}
 
@@ -255,14 +301,18 @@ def test_random_inputs_are_moved_exactly_or_refused_untouched(name):
         ref_caches = [c.copy() for c in caches_np]
         ref_objects = None
         if valid:
-            ref_objects = [np.concatenate([rt.bytes_of(o)[None] for o in objects[0]])
-                           if isinstance(objects[0], (list, tuple)) else rt.bytes_of(objects[0])]
+            ref_objects = [
+                np.concatenate([rt.bytes_of(o)[None] for o in objects[0]])
+                if isinstance(objects[0], (list, tuple))
+                else rt.bytes_of(objects[0])
+            ]
 
         def call():
             if direction == "store":
                 return kc.store(manager, caches, ids, objects, backend=rt.backend)
-            return kc.load(manager, objects, caches, ids, skip_first_n_tokens=skip,
-                           backend=rt.backend)
+            return kc.load(
+                manager, objects, caches, ids, skip_first_n_tokens=skip, backend=rt.backend
+            )
 
         counts[valid] += 1
         if not valid:
@@ -278,8 +328,9 @@ def test_random_inputs_are_moved_exactly_or_refused_untouched(name):
             got = kc.store(manager, ref_caches, ref_ids, ref_objects, backend="numpy")
             assert _same(_snapshot(rt, out), _snapshot(Runtime("numpy", "numpy"), got))
         else:
-            kc.load(manager, ref_objects, ref_caches, ref_ids, skip_first_n_tokens=skip,
-                    backend="numpy")
+            kc.load(
+                manager, ref_objects, ref_caches, ref_ids, skip_first_n_tokens=skip, backend="numpy"
+            )
             assert _same(_snapshot(rt, out), [c.view(np.uint8) for c in ref_caches])
 
     run()
@@ -288,8 +339,10 @@ def test_random_inputs_are_moved_exactly_or_refused_untouched(name):
 
 def _same(a: list[np.ndarray], b: list[np.ndarray]) -> bool:
     """Same bytes in the same order (a per-chunk list and its stacked array compare equal)."""
-    flat = [np.concatenate([x.reshape(-1) for x in xs]) if xs else np.zeros(0, np.uint8)
-            for xs in (a, b)]
+    flat = [
+        np.concatenate([x.reshape(-1) for x in xs]) if xs else np.zeros(0, np.uint8)
+        for xs in (a, b)
+    ]
     return np.array_equal(flat[0], flat[1])
 
 
@@ -333,8 +386,8 @@ def test_read_only_mappings_are_refused_without_a_crash():
         print("refused")
     """)
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'backends'}", "PATH": "/usr/bin:/bin"}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, timeout=300, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
     assert result.returncode == 0, (result.returncode, result.stdout, result.stderr[-2000:])
     assert "refused" in result.stdout
-

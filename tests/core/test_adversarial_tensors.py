@@ -29,16 +29,45 @@ from kvgroups_core.formats.catalogue import EngineKVFormat as F  # noqa: E402
 NL, NB, BS, CHUNK = 2, 8, 2, 4
 SHAPE = (2, NB, BS, 1, 4)
 BUILTINS = (ValueError, TypeError, IndexError, NotImplementedError)
-SETTINGS = settings(max_examples=40, deadline=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                           HealthCheck.too_slow])
+SETTINGS = settings(
+    max_examples=40,
+    deadline=None,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 
-INT_DTYPES = [torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.uint16,
-              torch.uint32, torch.uint64]
-OTHER_DTYPES = [torch.bool, torch.float16, torch.bfloat16, torch.float32, torch.float64,
-                torch.complex64, torch.float8_e4m3fn, torch.float8_e5m2]
-FORMS = ["dense", "0-d", "one-element", "2-D", "non-contiguous", "meta", "sparse", "nested",
-         "quantized", "requires-grad"]
+INT_DTYPES = [
+    torch.int8,
+    torch.int16,
+    torch.int32,
+    torch.int64,
+    torch.uint8,
+    torch.uint16,
+    torch.uint32,
+    torch.uint64,
+]
+OTHER_DTYPES = [
+    torch.bool,
+    torch.float16,
+    torch.bfloat16,
+    torch.float32,
+    torch.float64,
+    torch.complex64,
+    torch.float8_e4m3fn,
+    torch.float8_e5m2,
+]
+FORMS = [
+    "dense",
+    "0-d",
+    "one-element",
+    "2-D",
+    "non-contiguous",
+    "meta",
+    "sparse",
+    "nested",
+    "quantized",
+    "requires-grad",
+]
 
 
 def _tensor(values: list[int], dtype, form: str):
@@ -69,26 +98,30 @@ def _tensor(values: list[int], dtype, form: str):
 
 
 def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(np.array_equal(x.reshape(-1), y.reshape(-1))
-                                    for x, y in zip(a, b))
+    return len(a) == len(b) and all(
+        np.array_equal(x.reshape(-1), y.reshape(-1)) for x, y in zip(a, b)
+    )
 
 
 def _backend_arrays(backend: str):
     if backend == "numpy":
         return lambda a: a.copy(), lambda x: np.asarray(x).view(np.uint8).copy()
     if backend == "torch":
-        return (lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16),
-                lambda x: x.contiguous().view(torch.uint8).numpy().copy())
+        return (
+            lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16),
+            lambda x: x.contiguous().view(torch.uint8).numpy().copy(),
+        )
     pytest.importorskip("kvgroups_jax")
     jb = kc.get_backend("jax")
     return jb.from_numpy, lambda x: np.asarray(x).view(np.uint8).copy()
 
 
 def _setup(backend: str):
-    src = [np.random.default_rng(i).integers(0, 2**16, SHAPE, dtype=np.uint16).view(np.float16)
-           for i in range(NL)]
-    manager = kc.KVLayerGroupsManager(src, F.NL_X_TWO_NB_BS_NH_HS,
-                                      lmcache_tokens_per_chunk=CHUNK)
+    src = [
+        np.random.default_rng(i).integers(0, 2**16, SHAPE, dtype=np.uint16).view(np.float16)
+        for i in range(NL)
+    ]
+    manager = kc.KVLayerGroupsManager(src, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK)
     return src, manager
 
 
@@ -103,8 +136,7 @@ def test_torch_ids_of_every_dtype_and_layout_move_exactly_or_are_refused(backend
     def run(data):
         draw = data.draw
         direction = draw(st.sampled_from(["store", "load"]))
-        values = draw(st.lists(st.integers(0, NB - 1), min_size=CHUNK // BS,
-                               max_size=CHUNK // BS))
+        values = draw(st.lists(st.integers(0, NB - 1), min_size=CHUNK // BS, max_size=CHUNK // BS))
         if draw(st.booleans()):  # half the draws a form engines use for ids
             dtype = draw(st.sampled_from(INT_DTYPES))
             form = draw(st.sampled_from(["dense", "non-contiguous"]))
@@ -141,8 +173,9 @@ def test_torch_ids_of_every_dtype_and_layout_move_exactly_or_are_refused(backend
             assert _same([to_bytes(g) for g in got], [w.view(np.uint8) for w in want])
         else:
             out = call()
-            kc.load(manager, [np.asarray(o) for o in before[1]], ref, np.array(values),
-                    backend="numpy")
+            kc.load(
+                manager, [np.asarray(o) for o in before[1]], ref, np.array(values), backend="numpy"
+            )
             assert _same([to_bytes(c) for c in out], [r.view(np.uint8) for r in ref])
 
     run()
@@ -177,24 +210,32 @@ def test_torch_skips_of_every_dtype_and_layout_are_scalars_or_refused(backend):
         counts[valid] += 1
         if not valid:
             with pytest.raises(kc.KVGroupsError) as info:
-                kc.load(manager, objects, caches, ids, skip_first_n_tokens=skip,
-                        backend=backend)
+                kc.load(manager, objects, caches, ids, skip_first_n_tokens=skip, backend=backend)
             assert isinstance(info.value, BUILTINS), repr(info.value)
             assert "skip_first_n_tokens" in str(info.value)
             assert _same([to_bytes(c) for c in caches], before)
             return
         out = kc.load(manager, objects, caches, ids, skip_first_n_tokens=skip, backend=backend)
         ref = [a.copy() for a in src]
-        kc.load(manager, [np.zeros((1, kc.object_nbytes(manager, 0)), np.uint8)], ref, ids,
-                skip_first_n_tokens=skip_value, backend="numpy")
+        kc.load(
+            manager,
+            [np.zeros((1, kc.object_nbytes(manager, 0)), np.uint8)],
+            ref,
+            ids,
+            skip_first_n_tokens=skip_value,
+            backend="numpy",
+        )
         assert _same([to_bytes(c) for c in out], [r.view(np.uint8) for r in ref])
 
     run()
     assert min(counts.values()) >= 3, counts
 
 
-@pytest.mark.parametrize("layers", [np.array(0), torch.tensor(0), np.array(0.0), "0", {0: 0},
-                                    3.0, [True], [0.0]], ids=repr)
+@pytest.mark.parametrize(
+    "layers",
+    [np.array(0), torch.tensor(0), np.array(0.0), "0", {0: 0}, 3.0, [True], [0.0]],
+    ids=repr,
+)
 def test_bad_layers_are_typed_errors_naming_layers(layers):
     src, manager = _setup("numpy")
     with pytest.raises(kc.KVGroupsError, match="layers") as info:

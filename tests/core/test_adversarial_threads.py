@@ -60,8 +60,9 @@ def _replace(start: threading.Event, caches: list, new: list, pause: bool) -> No
 
 def _race(kind: str, call, pause: bool) -> int:
     """Trials where the call after the race moved bytes other than the list's tensors'."""
-    manager = kc.KVLayerGroupsManager(_arrays(kind, 0), F.NL_X_TWO_NB_BS_NH_HS,
-                                      lmcache_tokens_per_chunk=CHUNK)
+    manager = kc.KVLayerGroupsManager(
+        _arrays(kind, 0), F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK
+    )
     torn = 0
     for _ in range(TRIALS):
         caches = _arrays(kind, 1)
@@ -95,8 +96,7 @@ def _one_shot(manager, caches, handle):
 
 @pytest.mark.parametrize("kind", ["numpy", "torch"])
 @pytest.mark.parametrize("pause", [False, True], ids=["tight", "yielding"])
-def test_a_list_replaced_while_a_prepared_transfer_binds_is_noticed(kind, pause,
-                                                                    fast_switching):
+def test_a_list_replaced_while_a_prepared_transfer_binds_is_noticed(kind, pause, fast_switching):
     assert _race(kind, _prepared, pause) == 0
 
 

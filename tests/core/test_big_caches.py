@@ -35,8 +35,6 @@ def _available_bytes() -> int:
     return 0
 
 
-
-
 def _page(block: int) -> np.ndarray:
     """The bytes the test writes into ``block`` (distinct per block)."""
     return ((np.arange(PAGE, dtype=np.int64) * 31 + block * 7) % 251).astype(np.uint8)

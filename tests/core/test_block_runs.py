@@ -63,12 +63,11 @@ def _plan(ids, direction="store", skip=0, window=None):
     caches = [np.zeros((2, nb, bs, 2, 8), np.float16) for _ in range(2)]
     from kvgroups_core import EngineGroupInfo
 
-    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1),
-                             sw_size_tokens=window or -1)]
-    manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * 2, infos,
-                                   lmcache_tokens_per_chunk=16)
-    return plan_call(bind(manager, caches), np.asarray(ids), direction,
-                     skip_first_n_tokens=skip)
+    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), sw_size_tokens=window or -1)]
+    manager = KVLayerGroupsManager(
+        caches, [F.NL_X_TWO_NB_BS_NH_HS] * 2, infos, lmcache_tokens_per_chunk=16
+    )
+    return plan_call(bind(manager, caches), np.asarray(ids), direction, skip_first_n_tokens=skip)
 
 
 def test_group_runs_never_cross_a_chunk_and_cover_every_item():
@@ -91,8 +90,7 @@ def test_group_runs_of_random_ids_match_the_walk_with_chunk_breaks(seed):
     group = _plan(ids, "load", skip=5).groups[0]
     chunk, pos, block = group.items()
     item = chunk * group.kept_per_chunk + pos
-    assert as_list(group.block_runs()) == walk(block.tolist(), item.tolist(),
-                                               (pos == 0).tolist())
+    assert as_list(group.block_runs()) == walk(block.tolist(), item.tolist(), (pos == 0).tolist())
     assert group.block_runs().total == group.num_items
 
 

@@ -1,4 +1,5 @@
-"""The memo of validated call signatures (kvgroups_core/transfer/fast/call_memo.py) on the CPU backends.
+"""The memo of validated call signatures (kvgroups_core/transfer/fast/call_memo.py) on the CPU
+backends.
 
 A prepared transfer remembers the signatures of calls that passed every check; these tests
 show that a warm memo moves the same bytes as a cold call, that it never lets through a call
@@ -49,13 +50,14 @@ class Arrays:
 def _setup(kind: str, seed: int = 1):
     arrays = Arrays(kind)
     caches = [arrays.cache(seed * 100 + layer) for layer in range(LAYERS)]
-    manager = kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS,
-                                      lmcache_tokens_per_chunk=CHUNK)
+    manager = kc.KVLayerGroupsManager(
+        caches, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK
+    )
     return arrays, manager, caches, kc.prepare(manager, caches)
 
 
 def _ids(num_chunks: int, seed: int, dtype=np.int64) -> np.ndarray:
-    return np.random.default_rng(seed).permutation(NB)[:num_chunks * BPC].astype(dtype)
+    return np.random.default_rng(seed).permutation(NB)[: num_chunks * BPC].astype(dtype)
 
 
 def _cold(monkeypatch) -> None:
@@ -188,16 +190,26 @@ def _bad_cases(kind: str):
     def skip_past_the_ids(s):
         return lambda: s.prepared.load(s.objects, s.ids, skip_first_n_tokens=CHUNK + 1)
 
-    cases = dict(ids_length=ids_length, ids_dtype=ids_dtype, ids_out_of_range=ids_out_of_range,
-                 ids_negative=ids_negative, object_replaced=object_replaced,
-                 object_resized=object_resized, object_over_a_cache=object_over_a_cache,
-                 object_twice=object_twice, cache_reallocated=cache_reallocated,
-                 cache_replaced=cache_replaced,
-                 other_cache_replaced_whole_call=other_cache_replaced_whole_call,
-                 layers_unknown=layers_unknown,
-                 layers_bool=layers_bool, layers_repeated=layers_repeated,
-                 max_ctas_bool=max_ctas_bool, skip_past_the_ids=skip_past_the_ids)
+    cases = dict(
+        ids_length=ids_length,
+        ids_dtype=ids_dtype,
+        ids_out_of_range=ids_out_of_range,
+        ids_negative=ids_negative,
+        object_replaced=object_replaced,
+        object_resized=object_resized,
+        object_over_a_cache=object_over_a_cache,
+        object_twice=object_twice,
+        cache_reallocated=cache_reallocated,
+        cache_replaced=cache_replaced,
+        other_cache_replaced_whole_call=other_cache_replaced_whole_call,
+        layers_unknown=layers_unknown,
+        layers_bool=layers_bool,
+        layers_repeated=layers_repeated,
+        max_ctas_bool=max_ctas_bool,
+        skip_past_the_ids=skip_past_the_ids,
+    )
     if kind == "numpy":
+
         def object_read_only(s):
             s.objects[0].flags.writeable = False
             return lambda: s.prepared.store(s.ids, s.objects, layers=[3])
@@ -217,8 +229,9 @@ class _State:
         return [self.arrays.bytes(x) for x in list(self.caches) + list(self.objects)]
 
 
-@pytest.mark.parametrize("kind,case", [(kind, case) for kind in ("numpy", "torch")
-                                       for case in sorted(_bad_cases(kind))])
+@pytest.mark.parametrize(
+    "kind,case", [(kind, case) for kind in ("numpy", "torch") for case in sorted(_bad_cases(kind))]
+)
 def test_a_warm_memo_refuses_what_a_cold_call_refuses(kind, case, planned, monkeypatch):
     cases = _bad_cases(kind)
     s = _State(kind)
@@ -291,13 +304,17 @@ def test_a_layer_of_the_wrong_shape_refuses_only_the_calls_that_touch_it(kind, p
     prior = s.arrays.bytes(s.objects[0])
     s.prepared.store(s.ids, s.objects, layers=[3])
     assert planned[0] == count
-    host = [s.arrays.bytes(c).view(np.float16).reshape(SHAPE) if i != 5 else
-            np.zeros(SHAPE, np.float16) for i, c in enumerate(s.caches)]
+    host = [
+        s.arrays.bytes(c).view(np.float16).reshape(SHAPE) if i != 5 else np.zeros(SHAPE, np.float16)
+        for i, c in enumerate(s.caches)
+    ]
     want = kc.store(s.manager, host, s.ids, [prior.reshape(1, -1).copy()], layers=[3])
     np.testing.assert_array_equal(s.arrays.bytes(s.objects[0]).reshape(1, -1), want[0])
     snapshot = [s.arrays.bytes(x) for x in s.caches[:5] + s.caches[6:] + s.objects]
-    with pytest.raises(kc.KVGroupsValueError, match="kv_caches changed since the transfer was "
-                                                     "prepared.*slot 5.*binding them again"):
+    with pytest.raises(
+        kc.KVGroupsValueError,
+        match="kv_caches changed since the transfer was prepared.*slot 5.*binding them again",
+    ):
         s.prepared.store(s.ids, s.objects, layers=[5])
     for x, b in zip(s.caches[:5] + s.caches[6:] + s.objects, snapshot):
         np.testing.assert_array_equal(s.arrays.bytes(x), b)
@@ -312,8 +329,10 @@ def test_a_replaced_entry_refuses_only_the_calls_that_touch_it(kind, planned):
     s.caches[5] = s.arrays.cache(77)[:, :4]  # another tensor of another shape
     count = planned[0]
     prior = s.arrays.bytes(s.objects[0])
-    host = [s.arrays.bytes(c).view(np.float16).reshape(SHAPE) if i != 5 else
-            np.zeros(SHAPE, np.float16) for i, c in enumerate(s.caches)]
+    host = [
+        s.arrays.bytes(c).view(np.float16).reshape(SHAPE) if i != 5 else np.zeros(SHAPE, np.float16)
+        for i, c in enumerate(s.caches)
+    ]
     # Layer 3's call reads nothing of entry 5: it runs on the warm memo and moves its bytes.
     s.prepared.store(s.ids, s.objects, layers=[3])
     assert planned[0] == count and s.prepared._memo is memo
@@ -321,11 +340,16 @@ def test_a_replaced_entry_refuses_only_the_calls_that_touch_it(kind, planned):
     np.testing.assert_array_equal(s.arrays.bytes(s.objects[0]).reshape(1, -1), want[0])
     # Every call that touches entry 5 names it, and moves nothing.
     snapshot = [s.arrays.bytes(x) for x in s.caches + s.objects]
-    for call in (lambda: s.prepared.store(s.ids, s.objects, layers=[5]),
-                 lambda: s.prepared.store(s.ids, s.objects),
-                 lambda: s.prepared.load(s.objects, s.ids)):
-        with pytest.raises(kc.KVGroupsValueError, match=r"kv_caches changed since the transfer "
-                           r"was prepared \(kv_caches\[5\] was replaced"):
+    for call in (
+        lambda: s.prepared.store(s.ids, s.objects, layers=[5]),
+        lambda: s.prepared.store(s.ids, s.objects),
+        lambda: s.prepared.load(s.objects, s.ids),
+    ):
+        with pytest.raises(
+            kc.KVGroupsValueError,
+            match=r"kv_caches changed since the transfer "
+            r"was prepared \(kv_caches\[5\] was replaced",
+        ):
             call()
         for x, b in zip(s.caches + s.objects, snapshot):
             np.testing.assert_array_equal(s.arrays.bytes(x), b)

@@ -58,7 +58,11 @@ def test_every_error_class_of_the_library_ends_in_error():
 
     import kvgroups_core.errors as core
 
-    classes = [c for mod in (core, transport) for c in vars(mod).values()
-               if isinstance(c, type) and issubclass(c, Exception) and c.__module__ == mod.__name__]
+    classes = [
+        c
+        for mod in (core, transport)
+        for c in vars(mod).values()
+        if isinstance(c, type) and issubclass(c, Exception) and c.__module__ == mod.__name__
+    ]
     assert len(classes) >= 10
     assert [c.__name__ for c in classes if not c.__name__.endswith("Error")] == []

@@ -45,7 +45,7 @@ def page_model_row(layout, kv, block, token):
         for piece in range(run.count):
             src = start + run.cache_offset + piece * run.cache_step + token * run.token_stride
             dst = run.obj_offset + piece * run.obj_step
-            row[dst:dst + run.nbytes] = ctypes.string_at(src, run.nbytes)
+            row[dst : dst + run.nbytes] = ctypes.string_at(src, run.nbytes)
     return bytes(row)
 
 
@@ -64,18 +64,21 @@ def heads(rows):
 # --- vLLM --------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape,hints,fmt", [
-    ((2, NB, BS, NH, HS), None, F.NL_X_TWO_NB_BS_NH_HS),
-    ((2, NB, BS, NH, HS), {"kv_layout": "NHD"}, F.NL_X_TWO_NB_BS_NH_HS),
-    ((2, NB, NH, BS, HS), {"kv_layout": "HND"}, F.NL_X_TWO_NB_NH_BS_HS),
-    ((2, NB, NH, BS, HS), {"kv_layout": "hnd"}, F.NL_X_TWO_NB_NH_BS_HS),
-    ((NB, 2, BS, NH, HS), None, F.NL_X_NB_TWO_BS_NH_HS),
-    ((NB, 2, NH, BS, HS), {"kv_layout": "HND"}, F.NL_X_NB_TWO_NH_BS_HS),
-    ((NB, BS, NH, 2 * HS), None, F.NL_X_NB_BS_NH_CS),
-    ((NB, NH, BS, 2 * HS), {"kv_layout": "HND"}, F.NL_X_NB_NH_BS_CS),
-    ((NB, BS, HS), None, F.NL_X_NB_BS_HS),
-    ((2, NB, NH, 1, BS, HS), None, F.NL_X_TWO_NB_NH_ONE_BS_HS),
-])
+@pytest.mark.parametrize(
+    "shape,hints,fmt",
+    [
+        ((2, NB, BS, NH, HS), None, F.NL_X_TWO_NB_BS_NH_HS),
+        ((2, NB, BS, NH, HS), {"kv_layout": "NHD"}, F.NL_X_TWO_NB_BS_NH_HS),
+        ((2, NB, NH, BS, HS), {"kv_layout": "HND"}, F.NL_X_TWO_NB_NH_BS_HS),
+        ((2, NB, NH, BS, HS), {"kv_layout": "hnd"}, F.NL_X_TWO_NB_NH_BS_HS),
+        ((NB, 2, BS, NH, HS), None, F.NL_X_NB_TWO_BS_NH_HS),
+        ((NB, 2, NH, BS, HS), {"kv_layout": "HND"}, F.NL_X_NB_TWO_NH_BS_HS),
+        ((NB, BS, NH, 2 * HS), None, F.NL_X_NB_BS_NH_CS),
+        ((NB, NH, BS, 2 * HS), {"kv_layout": "HND"}, F.NL_X_NB_NH_BS_CS),
+        ((NB, BS, HS), None, F.NL_X_NB_BS_HS),
+        ((2, NB, NH, 1, BS, HS), None, F.NL_X_TWO_NB_NH_ONE_BS_HS),
+    ],
+)
 def test_vllm_per_layer_lists(shape, hints, fmt):
     got, normalized = detect_format([spec(*shape)] * NL, hints=hints)
     assert got is fmt
@@ -90,20 +93,26 @@ def test_vllm_uint8_rows_of_132_bytes_are_the_indexer_cache():
     assert detect_format([spec(NB, BS, 128, dtype="uint8")] * NL)[0] is F.NL_X_NB_BS_HS
 
 
-@pytest.mark.parametrize("hints,fmt", [
-    (None, F.NB_NL_TWO_BS_NH_HS),
-    ({"kv_layout": "HND"}, F.NB_NL_TWO_NH_BS_HS),
-])
+@pytest.mark.parametrize(
+    "hints,fmt",
+    [
+        (None, F.NB_NL_TWO_BS_NH_HS),
+        ({"kv_layout": "HND"}, F.NB_NL_TWO_NH_BS_HS),
+    ],
+)
 def test_vllm_bare_rank_6_is_the_cross_layer_layout(hints, fmt):
     got, normalized = detect_format(spec(NB, NL, 2, BS, NH, HS), hints=hints)
     assert got is fmt
     assert isinstance(normalized, TensorDesc)
 
 
-@pytest.mark.parametrize("hints,fmt", [
-    ({"tokens_per_block": BS, "kv_layout": "HND"}, F.NL_X_NB_BS_NH_CS),
-    ({"num_kv_heads": NH}, F.NL_X_NB_BS_NH_CS),
-])
+@pytest.mark.parametrize(
+    "hints,fmt",
+    [
+        ({"tokens_per_block": BS, "kv_layout": "HND"}, F.NL_X_NB_BS_NH_CS),
+        ({"num_kv_heads": NH}, F.NL_X_NB_BS_NH_CS),
+    ],
+)
 def test_packed_cs_order_follows_the_axis_matching_the_block_size_or_heads(hints, fmt):
     assert detect_format([spec(NB, BS, NH, 2 * HS)] * NL, hints=hints)[0] is fmt
 
@@ -131,13 +140,16 @@ def test_ascend_pair_of_different_shapes_is_rejected():
         detect_format([(spec(NB, BS, NH, HS), spec(NB, BS, NH, 2 * HS))])
 
 
-@pytest.mark.parametrize("caches,where,expected,actual", [
-    ([spec(3, 4)], r"kv_caches\[0\]", "rank 3, 4 or 5", r"\(3, 4\)"),
-    ([spec(NB, BS, NH, HS)] * 2 + [spec(12)], r"kv_caches\[2\]", "rank 3, 4 or 5", r"\(12,\)"),
-    ([spec(3, NB, BS, NH, HS)], r"kv_caches\[0\]", "size 2", r"\(3, 7, 3, 2, 4\)"),
-    (spec(2, NB, BS, NH, HS), "kv_caches", "rank-6", r"\(2, 7, 3, 2, 4\)"),
-    (spec(NB, BS), "kv_caches", "rank-6", r"\(7, 3\)"),
-])
+@pytest.mark.parametrize(
+    "caches,where,expected,actual",
+    [
+        ([spec(3, 4)], r"kv_caches\[0\]", "rank 3, 4 or 5", r"\(3, 4\)"),
+        ([spec(NB, BS, NH, HS)] * 2 + [spec(12)], r"kv_caches\[2\]", "rank 3, 4 or 5", r"\(12,\)"),
+        ([spec(3, NB, BS, NH, HS)], r"kv_caches\[0\]", "size 2", r"\(3, 7, 3, 2, 4\)"),
+        (spec(2, NB, BS, NH, HS), "kv_caches", "rank-6", r"\(2, 7, 3, 2, 4\)"),
+        (spec(NB, BS), "kv_caches", "rank-6", r"\(7, 3\)"),
+    ],
+)
 def test_unreadable_shapes_name_argument_expected_and_actual(caches, where, expected, actual):
     with pytest.raises(KVGroupsValueError, match=f"{where}.*{expected}.*{actual}"):
         detect_format(caches)
@@ -164,14 +176,17 @@ def test_a_non_tensor_entry_is_a_type_error_naming_it():
         detect_format([spec(2, NB, BS, NH, HS), 42])
 
 
-@pytest.mark.parametrize("engine,hints,match", [
-    ("vllm2", None, "engine"),
-    (["vllm"], None, "engine"),
-    ("vllm", {"kv_layot": "HND"}, "kv_layot"),
-    ("vllm", {"kv_layout": "HDN"}, "kv_layout"),
-    ("vllm", {"tokens_per_block": 0}, "tokens_per_block"),
-    ("vllm", {"head_dim": 2.5}, "head_dim"),
-])
+@pytest.mark.parametrize(
+    "engine,hints,match",
+    [
+        ("vllm2", None, "engine"),
+        (["vllm"], None, "engine"),
+        ("vllm", {"kv_layot": "HND"}, "kv_layot"),
+        ("vllm", {"kv_layout": "HDN"}, "kv_layout"),
+        ("vllm", {"tokens_per_block": 0}, "tokens_per_block"),
+        ("vllm", {"head_dim": 2.5}, "head_dim"),
+    ],
+)
 def test_bad_engine_or_hints(engine, hints, match):
     with pytest.raises(KVGroupsValueError, match=match):
         detect_format([spec(2, NB, BS, NH, HS)], engine=engine, hints=hints)
@@ -220,8 +235,11 @@ def test_hnd_cache_exposed_as_nhd_view_is_recovered_zero_copy(hints):
     for d, m in zip(normalized, memory):
         assert d.data_ptr == m.ctypes.data
         assert d.shape == (2, NB, NH, BS, HS) and d.spec.is_contiguous
-    assert_rows(normalized, [fmt] * NL,
-                lambda ly, kv, b, t: heads(views[ly][kv, b, t, h] for h in range(NH)))
+    assert_rows(
+        normalized,
+        [fmt] * NL,
+        lambda ly, kv, b, t: heads(views[ly][kv, b, t, h] for h in range(NH)),
+    )
 
 
 def test_flashinfer_hnd_view_is_recovered():
@@ -230,8 +248,11 @@ def test_flashinfer_hnd_view_is_recovered():
     fmt, normalized = detect_format(views)
     assert fmt is F.NL_X_NB_TWO_NH_BS_HS
     assert normalized[0].data_ptr == memory[0].ctypes.data
-    assert_rows(normalized, [fmt] * NL,
-                lambda ly, kv, b, t: heads(views[ly][b, kv, t, h] for h in range(NH)))
+    assert_rows(
+        normalized,
+        [fmt] * NL,
+        lambda ly, kv, b, t: heads(views[ly][b, kv, t, h] for h in range(NH)),
+    )
 
 
 def test_flashinfer_memory_exposed_as_flashattention_view_is_recovered():
@@ -248,8 +269,9 @@ def test_permuted_cross_layer_tensor_is_recovered():
     fmt, normalized = detect_format(view)
     assert fmt is F.NB_NL_TWO_NH_BS_HS
     assert normalized.data_ptr == memory.ctypes.data
-    assert_rows(normalized, [fmt] * NL,
-                lambda ly, kv, b, t: heads(view[b, ly, kv, t, h] for h in range(NH)))
+    assert_rows(
+        normalized, [fmt] * NL, lambda ly, kv, b, t: heads(view[b, ly, kv, t, h] for h in range(NH))
+    )
 
 
 def test_memory_order_of_no_format_is_rejected():
@@ -269,7 +291,7 @@ def test_non_permutation_strides_are_rejected():
 
 def test_padding_on_the_block_axis_is_accepted():
     base = np.zeros((NL, NB, BS * HS + 16), np.float16)
-    padded = [base[i, :, :BS * HS].reshape(NB, BS, HS) for i in range(NL)]
+    padded = [base[i, :, : BS * HS].reshape(NB, BS, HS) for i in range(NL)]
     fmt, normalized = detect_format(padded)
     assert fmt is F.NL_X_NB_BS_HS
     assert layer_layouts(normalized, [fmt] * NL)[0].block_stride_elems == BS * HS + 16
@@ -288,7 +310,7 @@ def test_padded_and_permuted_blocks_are_recovered():
 
 def test_padding_on_a_k_v_axis_first_is_rejected():
     base = np.zeros((2, NB * BS * NH * HS + 8), np.float16)
-    padded = base[:, :NB * BS * NH * HS].reshape(2, NB, BS, NH, HS)
+    padded = base[:, : NB * BS * NH * HS].reshape(2, NB, BS, NH, HS)
     with pytest.raises(KVGroupsValueError, match="padded on dim 0"):
         detect_format([padded])
 
@@ -305,8 +327,9 @@ def test_sglang_flat_list_is_split_into_k_and_v_views():
     assert [k.data_ptr for k in ks] == [a.ctypes.data for a in flat[:NL]]
     assert [v.data_ptr for v in vs] == [a.ctypes.data for a in flat[NL:]]
     assert ks[0].shape == (NB, BS, NH, HS)
-    assert_rows(normalized, [fmt] * NL,
-                lambda ly, kv, b, t: flat[kv * NL + ly][b * BS + t].tobytes())
+    assert_rows(
+        normalized, [fmt] * NL, lambda ly, kv, b, t: flat[kv * NL + ly][b * BS + t].tobytes()
+    )
 
 
 def test_sglang_page_axis_not_divisible_names_the_numbers():
@@ -360,7 +383,7 @@ def test_sglang_indexer_rows_are_viewed_per_slot():
 
     def row(ly, kv, b, t):
         block = caches[ly][b]
-        return block[t * 128:(t + 1) * 128].tobytes() + block[BS * 128 + 4 * t:][:4].tobytes()
+        return block[t * 128 : (t + 1) * 128].tobytes() + block[BS * 128 + 4 * t :][:4].tobytes()
 
     assert_rows(normalized, [fmt] * NL, row)
 
@@ -371,8 +394,7 @@ def test_sglang_view_whose_memory_is_heads_outermost():
     fmt, normalized = detect_format([views[:NL], views[NL:]], engine="sglang")
     assert fmt is F.TWO_X_NL_X_NH_NB_BS_HS
     assert normalized[0][0].shape == (NH, NB, BS, HS)
-    assert_rows(normalized, [fmt] * NL,
-                lambda ly, kv, b, t: views[kv * NL + ly][b, t].tobytes())
+    assert_rows(normalized, [fmt] * NL, lambda ly, kv, b, t: views[kv * NL + ly][b, t].tobytes())
 
 
 # --- TRT-LLM -------------------------------------------------------------------------------
@@ -392,20 +414,27 @@ def test_trtllm_rank_4_pool_is_viewed_through_hints():
     assert normalized.shape == (NB, NL, 2, NH, BS, HS)
     assert normalized.data_ptr == pool.ctypes.data
     full = pool.reshape(NB, NL, 2, NH, BS, HS)
-    assert_rows(normalized, [fmt] * NL,
-                lambda ly, kv, b, t: heads(full[b, ly, kv, h, t] for h in range(NH)))
+    assert_rows(
+        normalized, [fmt] * NL, lambda ly, kv, b, t: heads(full[b, ly, kv, h, t] for h in range(NH))
+    )
 
 
 def test_trtllm_rank_4_pool_without_hints_names_the_missing_ones():
     with pytest.raises(KVGroupsValueError, match="head_dim"):
-        detect_format(spec(NB, NL, 2, NH * BS * HS), engine="trtllm",
-                      hints={"num_kv_heads": NH, "tokens_per_block": BS})
+        detect_format(
+            spec(NB, NL, 2, NH * BS * HS),
+            engine="trtllm",
+            hints={"num_kv_heads": NH, "tokens_per_block": BS},
+        )
 
 
 def test_trtllm_rank_4_pool_of_the_wrong_size():
     with pytest.raises(KVGroupsValueError, match=r"dim 3.*= 24.*25"):
-        detect_format(spec(NB, NL, 2, 25), engine="trtllm",
-                      hints={"num_kv_heads": NH, "tokens_per_block": BS, "head_dim": HS})
+        detect_format(
+            spec(NB, NL, 2, 25),
+            engine="trtllm",
+            hints={"num_kv_heads": NH, "tokens_per_block": BS, "head_dim": HS},
+        )
 
 
 def test_trtllm_other_structures_are_rejected():
@@ -426,6 +455,7 @@ def interleaved_row(raw, packing, nh):
     def row(ly, kv, b, t):
         c = [2 * h + kv for h in range(nh)]  # heads are K0, V0, K1, V1, ...
         return heads(raw[ly][b, t, i // packing, i % packing] for i in c)
+
     return row
 
 
@@ -458,8 +488,11 @@ def test_jax_engines_rank_4_variant_without_packing_axis():
     raw = layers((NB, BS, 2 * NH, HS))
     fmt, normalized = detect_format(raw, engine="sglang_jax")
     assert fmt is F.NL_X_NB_BS_NH_TWO_HS
-    assert_rows(normalized, [fmt] * NL, lambda ly, kv, b, t: heads(
-        raw[ly][b, t, 2 * h + kv] for h in range(NH)))
+    assert_rows(
+        normalized,
+        [fmt] * NL,
+        lambda ly, kv, b, t: heads(raw[ly][b, t, 2 * h + kv] for h in range(NH)),
+    )
 
 
 def test_jax_engines_packing_must_match_the_dtype():
@@ -478,8 +511,11 @@ def test_maxtext_k_and_v_lists_heads_outermost():
     fmt, normalized = detect_format([ks, vs], engine="maxtext")
     assert fmt is F.TWO_X_NL_X_NH_NB_BS_HS
     assert normalized[0][0].data_ptr == ks[0].ctypes.data
-    assert_rows(normalized, [fmt] * NL,
-                lambda ly, kv, b, t: heads((ks, vs)[kv][ly][h, b, t] for h in range(NH)))
+    assert_rows(
+        normalized,
+        [fmt] * NL,
+        lambda ly, kv, b, t: heads((ks, vs)[kv][ly][h, b, t] for h in range(NH)),
+    )
 
 
 def test_maxtext_other_structures_are_rejected():
@@ -504,9 +540,11 @@ def test_main_cache_plus_indexer_cache_get_their_own_formats():
 
 def test_detect_format_on_a_mixed_model_points_to_the_per_layer_function():
     caches = [spec(2, NB, BS, NH, HS), spec(NB, BS, HS)]
-    with pytest.raises(KVGroupsValueError,
-                       match=r"NL_X_TWO_NB_BS_NH_HS: layers \[0\].*NL_X_NB_BS_HS: layers \[1\]"
-                             r".*normalize_and_discover_per_layer_formats"):
+    with pytest.raises(
+        KVGroupsValueError,
+        match=r"NL_X_TWO_NB_BS_NH_HS: layers \[0\].*NL_X_NB_BS_HS: layers \[1\]"
+        r".*normalize_and_discover_per_layer_formats",
+    ):
         detect_format(caches)
 
 
@@ -518,11 +556,17 @@ def test_layers_of_two_head_sizes_share_a_format_with_their_own_geometry():
 
 
 def test_a_reshape_is_applied_only_to_tensors_of_its_own_shape():
-    raw = [encoded((NB, BS, NH, 2, HS)), encoded((NB, BS, 2 * NH, 2, HS), start=999),
-           encoded((NB, BS, NH, 2, HS), start=5000)]
+    raw = [
+        encoded((NB, BS, NH, 2, HS)),
+        encoded((NB, BS, 2 * NH, 2, HS), start=999),
+        encoded((NB, BS, NH, 2, HS), start=5000),
+    ]
     normalized, formats = normalize_and_discover_per_layer_formats(raw, engine="tpu_inference")
-    assert [d.shape for d in normalized] == [(NB, BS, NH, 2, HS), (NB, BS, 2 * NH, 2, HS),
-                                             (NB, BS, NH, 2, HS)]
+    assert [d.shape for d in normalized] == [
+        (NB, BS, NH, 2, HS),
+        (NB, BS, 2 * NH, 2, HS),
+        (NB, BS, NH, 2, HS),
+    ]
     assert [d.data_ptr for d in normalized] == [r.ctypes.data for r in raw]
     assert [lay.num_heads for lay in layer_layouts(normalized, formats)] == [NH, 2 * NH, NH]
 
@@ -531,7 +575,8 @@ def test_sglang_flat_list_with_two_head_counts():
     shapes = [(NB * BS, NH, HS), (NB * BS, 2 * NH, HS)]
     flat = [encoded(shapes[i % 2], start=i * 500) for i in range(2 * 2)]
     normalized, formats = normalize_and_discover_per_layer_formats(
-        flat, engine="sglang", hints={"tokens_per_block": BS})
+        flat, engine="sglang", hints={"tokens_per_block": BS}
+    )
     assert formats == [F.TWO_X_NL_X_NB_BS_NH_HS] * 2
     assert [k.shape for k in normalized[0]] == [(NB, BS, NH, HS), (NB, BS, 2 * NH, HS)]
     assert_rows(normalized, formats, lambda ly, kv, b, t: flat[kv * 2 + ly][b * BS + t].tobytes())
@@ -546,13 +591,28 @@ def test_permuted_and_plain_layers_of_one_shape_are_separate_buckets():
 
 
 def test_engine_groups_are_detected_separately():
-    caches = [spec(2, NB, BS, NH, HS), spec(NB, BS, HS), spec(2, 2 * NB, BS, NH, HS),
-              spec(NB, BS, HS), spec(2, NB, BS, NH, HS)]
+    caches = [
+        spec(2, NB, BS, NH, HS),
+        spec(NB, BS, HS),
+        spec(2, 2 * NB, BS, NH, HS),
+        spec(NB, BS, HS),
+        spec(2, NB, BS, NH, HS),
+    ]
     normalized, formats = normalize_and_discover_per_layer_formats(caches, [[0, 1], [2, 3]])
-    assert formats == [F.NL_X_TWO_NB_BS_NH_HS, F.NL_X_NB_BS_HS, F.NL_X_TWO_NB_BS_NH_HS,
-                       F.NL_X_NB_BS_HS, F.NL_X_TWO_NB_BS_NH_HS]
-    assert [lay.num_blocks for lay in layer_layouts(normalized, formats)] == [NB, NB, 2 * NB,
-                                                                              NB, NB]
+    assert formats == [
+        F.NL_X_TWO_NB_BS_NH_HS,
+        F.NL_X_NB_BS_HS,
+        F.NL_X_TWO_NB_BS_NH_HS,
+        F.NL_X_NB_BS_HS,
+        F.NL_X_TWO_NB_BS_NH_HS,
+    ]
+    assert [lay.num_blocks for lay in layer_layouts(normalized, formats)] == [
+        NB,
+        NB,
+        2 * NB,
+        NB,
+        NB,
+    ]
 
 
 def test_engine_groups_outside_the_layer_range_or_overlapping():
@@ -579,7 +639,8 @@ def test_cross_layer_tensor_gives_one_format_per_layer():
 def test_kv_list_engines_give_one_format_per_layer():
     caches = [[spec(NH, NB, BS, HS)] * NL, [spec(NH, NB, BS, HS)] * NL]
     normalized, formats = normalize_and_discover_per_layer_formats(
-        caches, [[0, 1], [2, 3, 4]], engine="maxtext")
+        caches, [[0, 1], [2, 3, 4]], engine="maxtext"
+    )
     assert formats == [F.TWO_X_NL_X_NH_NB_BS_HS] * NL
     assert len(normalized[0]) == len(normalized[1]) == NL
 

@@ -23,8 +23,12 @@ def test_engine_group_info_defaults_and_keywords():
 
 def test_engine_group_info_accepts_positional_fields_in_spec_order():
     info = EngineGroupInfo(2, (0, 1), 256, 128)
-    assert (info.engine_group_id, info.layer_indices, info.tokens_per_block,
-            info.sw_size_tokens) == (2, (0, 1), 256, 128)
+    assert (
+        info.engine_group_id,
+        info.layer_indices,
+        info.tokens_per_block,
+        info.sw_size_tokens,
+    ) == (2, (0, 1), 256, 128)
 
 
 def test_engine_group_info_is_immutable_and_hashable():
@@ -58,8 +62,13 @@ def test_engine_group_info_rejects_bad_values(kwargs, match):
 
 @pytest.mark.parametrize(
     "kwargs",
-    [{"engine_group_id": "0"}, {"layer_indices": "01"}, {"layer_indices": (0.5,)},
-     {"tokens_per_block": 1.5}, {"layer_indices": (True,)}],
+    [
+        {"engine_group_id": "0"},
+        {"layer_indices": "01"},
+        {"layer_indices": (0.5,)},
+        {"tokens_per_block": 1.5},
+        {"layer_indices": (True,)},
+    ],
 )
 def test_engine_group_info_rejects_bad_types(kwargs):
     base = {"engine_group_id": 0, "layer_indices": (0,)}
@@ -70,7 +79,9 @@ def test_engine_group_info_rejects_bad_types(kwargs):
 def test_get_engine_group_indices_is_none_without_infos_or_layers():
     assert get_engine_group_indices([], 4) is None
     assert get_engine_group_indices((), 0) is None
-    assert get_engine_group_indices([EngineGroupInfo(engine_group_id=0, layer_indices=())], 0) is None
+    assert (
+        get_engine_group_indices([EngineGroupInfo(engine_group_id=0, layer_indices=())], 0) is None
+    )
 
 
 def test_get_engine_group_indices_marks_unmentioned_layers_excluded():
@@ -102,8 +113,10 @@ def test_expand_engine_block_ids_copies_each_kernel_groups_engine_group_list():
 
 
 def test_expand_engine_block_ids_treats_a_flat_list_as_the_single_groups():
-    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
-             EngineGroupInfo(engine_group_id=0, layer_indices=(1,))]
+    infos = [
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+        EngineGroupInfo(engine_group_id=0, layer_indices=(1,)),
+    ]
     assert expand_engine_block_ids(infos, [5, 6, 7]) == [[5, 6, 7], [5, 6, 7]]
     assert expand_engine_block_ids(infos, np.array([5, 6])) == [[5, 6], [5, 6]]
 
@@ -114,8 +127,10 @@ def test_expand_engine_block_ids_without_infos_is_one_kernel_group():
 
 
 def test_expand_engine_block_ids_with_no_ids_gives_empty_lists():
-    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
-             EngineGroupInfo(engine_group_id=1, layer_indices=(1,))]
+    infos = [
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+        EngineGroupInfo(engine_group_id=1, layer_indices=(1,)),
+    ]
     assert expand_engine_block_ids(infos, []) == [[], []]
 
 
@@ -139,7 +154,9 @@ def test_slice_block_ids_per_group_divides_the_token_range_by_each_groups_tokens
     out = slice_block_ids_per_group(allocated, [64, 256], 0, 256)
     assert out == [[100, 101, 102, 103], [200]]
     assert slice_block_ids_per_group(allocated, [64, 256], 256, 512) == [
-        [104, 105, 106, 107], [201]]
+        [104, 105, 106, 107],
+        [201],
+    ]
 
 
 def test_slice_block_ids_per_group_gives_an_empty_list_for_a_missing_group():

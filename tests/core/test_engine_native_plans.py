@@ -30,8 +30,14 @@ CHUNK, BS, NB = 16, 4, 12
 
 
 def _spec_arrays(specs, rng):
-    return [random_bits(s.shape, np.dtype(s.dtype.name) if s.dtype.name != "bfloat16"
-                        else np.dtype(np.uint16), rng) for s in specs]
+    return [
+        random_bits(
+            s.shape,
+            np.dtype(s.dtype.name) if s.dtype.name != "bfloat16" else np.dtype(np.uint16),
+            rng,
+        )
+        for s in specs
+    ]
 
 
 def hybrid_model(rng, chunk=64):
@@ -42,11 +48,13 @@ def hybrid_model(rng, chunk=64):
     specs = [kv, kv, kv, kv, kv, mla, mla]
     formats = [F.NL_X_TWO_NB_BS_NH_HS] * 5 + [F.NL_X_NB_BS_HS] * 2
     infos = [
-        EngineGroupInfo(engine_group_id=0, layer_indices=(0, 2), tokens_per_block=16,
-                        sw_size_tokens=32),
+        EngineGroupInfo(
+            engine_group_id=0, layer_indices=(0, 2), tokens_per_block=16, sw_size_tokens=32
+        ),
         EngineGroupInfo(engine_group_id=1, layer_indices=(1, 3), tokens_per_block=16),
-        EngineGroupInfo(engine_group_id=2, layer_indices=(4,), tokens_per_block=16,
-                        sw_size_tokens=2 * chunk),
+        EngineGroupInfo(
+            engine_group_id=2, layer_indices=(4,), tokens_per_block=16, sw_size_tokens=2 * chunk
+        ),
         EngineGroupInfo(engine_group_id=3, layer_indices=(5, 6), tokens_per_block=16),
     ]
     caches = _spec_arrays(specs, rng)
@@ -57,12 +65,18 @@ def hybrid_model(rng, chunk=64):
 def compressed_specs():
     """A DeepSeek-V4-like mix (SEMANTICS.md section 3): compression 4 and 128, a 64-token
     block group and a 4-token fp32 group, each its own engine group."""
-    specs = [kc.TensorSpec((40, 64, 64), "float16"), kc.TensorSpec((40, 2, 64), "float16"),
-             kc.TensorSpec((40, 64, 32), "float16"), kc.TensorSpec((400, 4, 128), "float32")]
-    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0,), tokens_per_block=256),
-             EngineGroupInfo(engine_group_id=0, layer_indices=(1,), tokens_per_block=256),
-             EngineGroupInfo(engine_group_id=1, layer_indices=(2,), tokens_per_block=64),
-             EngineGroupInfo(engine_group_id=2, layer_indices=(3,), tokens_per_block=4)]
+    specs = [
+        kc.TensorSpec((40, 64, 64), "float16"),
+        kc.TensorSpec((40, 2, 64), "float16"),
+        kc.TensorSpec((40, 64, 32), "float16"),
+        kc.TensorSpec((400, 4, 128), "float32"),
+    ]
+    infos = [
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0,), tokens_per_block=256),
+        EngineGroupInfo(engine_group_id=0, layer_indices=(1,), tokens_per_block=256),
+        EngineGroupInfo(engine_group_id=1, layer_indices=(2,), tokens_per_block=64),
+        EngineGroupInfo(engine_group_id=2, layer_indices=(3,), tokens_per_block=4),
+    ]
     return specs, [F.NL_X_NB_BS_HS] * 4, infos
 
 
@@ -105,7 +119,7 @@ def layer_rows_mask(manager, og, layers):
                 continue
             for kv in range(kv_size):
                 start = region.offset + (kv * nl + l_pos) * slots * region.row_bytes
-                mask[start:start + slots * region.row_bytes] = True
+                mask[start : start + slots * region.row_bytes] = True
     return mask
 
 
@@ -139,8 +153,10 @@ def check_layer_wise(manager, caches, ids, rng, skip=0):
             c.view(np.uint8)[...] = rng.integers(0, 256, c.view(np.uint8).shape, dtype=np.uint8)
         want = [np.array(c, copy=True) for c in dst]
         own = _store(manager, want, ids)
-        mixed = [np.where(layer_rows_mask(manager, og, subset)[None, :], o, m)
-                 for og, (o, m) in enumerate(zip(objs, own))]
+        mixed = [
+            np.where(layer_rows_mask(manager, og, subset)[None, :], o, m)
+            for og, (o, m) in enumerate(zip(objs, own))
+        ]
         _load(manager, mixed, want, ids, skip_first_n_tokens=skip)
         _load(manager, objs, dst, ids, skip_first_n_tokens=skip, layers=subset)
         for d, w in zip(dst, want):
@@ -221,6 +237,7 @@ def _rebuild(structure, leaves):
         if isinstance(s, tuple):
             return tuple(walk(x) for x in s)
         return next(it)
+
     return walk(structure)
 
 
@@ -239,13 +256,15 @@ def test_layer_wise_calls_on_a_compressed_mix_and_on_mla_with_an_indexer():
     caches = _spec_arrays(specs, rng)
     manager = KVLayerGroupsManager(caches, formats, infos)
     check_layer_wise(manager, caches, request_ids(manager, rng, chunks=2), rng, skip=300)
-    mla = [kc.TensorSpec((20, 16, 40), "float16")] * 2 + [kc.TensorSpec((20, 16, 132),
-                                                                       "uint8")] * 2
-    infos = [EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16),
-             EngineGroupInfo(engine_group_id=0, layer_indices=(2, 3), tokens_per_block=16)]
+    mla = [kc.TensorSpec((20, 16, 40), "float16")] * 2 + [kc.TensorSpec((20, 16, 132), "uint8")] * 2
+    infos = [
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16),
+        EngineGroupInfo(engine_group_id=0, layer_indices=(2, 3), tokens_per_block=16),
+    ]
     caches = _spec_arrays(mla, rng)
-    manager = KVLayerGroupsManager(caches, [F.NL_X_NB_BS_HS] * 2 + [F.NL_X_NB_BSV_BSS] * 2,
-                                   infos, lmcache_tokens_per_chunk=32)
+    manager = KVLayerGroupsManager(
+        caches, [F.NL_X_NB_BS_HS] * 2 + [F.NL_X_NB_BSV_BSS] * 2, infos, lmcache_tokens_per_chunk=32
+    )
     assert manager.num_kernel_groups == 2 and manager.num_object_groups == 1
     check_layer_wise(manager, caches, request_ids(manager, rng, chunks=3), rng, skip=40)
 
@@ -259,26 +278,41 @@ def test_a_layer_subset_plan_keeps_only_its_planes_with_their_object_planes():
     sub = plan_call(binding, ids, "store", layers=[2, 5])
     assert sub.layers == (2, 5) and whole.layers is None
     assert [g.kernel_group_idx for g in sub.groups] == [
-        k for k, g in enumerate(manager.kernel_groups) if {2, 5} & set(g.layer_indices)]
+        k for k, g in enumerate(manager.kernel_groups) if {2, 5} & set(g.layer_indices)
+    ]
     for g in sub.groups:
         full = whole.groups[g.kernel_group_idx]
         nl = len(manager.kernel_groups[g.kernel_group_idx].layer_indices)
-        pos = [manager.kernel_groups[g.kernel_group_idx].layer_indices.index(x)
-               for x in (2, 5) if x in manager.kernel_groups[g.kernel_group_idx].layer_indices]
+        pos = [
+            manager.kernel_groups[g.kernel_group_idx].layer_indices.index(x)
+            for x in (2, 5)
+            if x in manager.kernel_groups[g.kernel_group_idx].layer_indices
+        ]
         assert [p.object_plane for p in g.planes] == [
-            kv * nl + q for kv in range(len(full.planes) // nl) for q in pos]
+            kv * nl + q for kv in range(len(full.planes) // nl) for q in pos
+        ]
         assert all(full.planes[p.object_plane] == p for p in g.planes)
         assert g.region_offset == full.region_offset and g.slots == full.slots
     assert sub.object_nbytes == whole.object_nbytes
     assert [p.object_plane for g in whole.groups for p in g.planes] == [
-        i for g in whole.groups for i in range(len(g.planes))]
+        i for g in whole.groups for i in range(len(g.planes))
+    ]
 
 
-@pytest.mark.parametrize("bad,error", [
-    ([True], kc.KVGroupsTypeError), (["0"], kc.KVGroupsTypeError), ([1.0], kc.KVGroupsTypeError),
-    ([99], kc.KVGroupsIndexError), ([-1], kc.KVGroupsIndexError), ([], kc.KVGroupsValueError),
-    ([0, 0], kc.KVGroupsValueError), (3, kc.KVGroupsTypeError), ("0", kc.KVGroupsTypeError),
-])
+@pytest.mark.parametrize(
+    "bad,error",
+    [
+        ([True], kc.KVGroupsTypeError),
+        (["0"], kc.KVGroupsTypeError),
+        ([1.0], kc.KVGroupsTypeError),
+        ([99], kc.KVGroupsIndexError),
+        ([-1], kc.KVGroupsIndexError),
+        ([], kc.KVGroupsValueError),
+        ([0, 0], kc.KVGroupsValueError),
+        (3, kc.KVGroupsTypeError),
+        ("0", kc.KVGroupsTypeError),
+    ],
+)
 def test_bad_layers_are_refused_before_any_byte_moves(bad, error):
     rng = np.random.default_rng(2)
     manager, caches = hybrid_model(rng)
@@ -342,10 +376,19 @@ def skip_managers():
     specs, formats, infos = compressed_specs()
     out["compressed"] = (KVLayerGroupsManager(specs, formats, infos), specs)
     sub = [kc.TensorSpec((2, 30, 16, 2, 8), "float16")] * 2
-    out["subchunk-window"] = (KVLayerGroupsManager(
-        sub, F.NL_X_TWO_NB_BS_NH_HS,
-        [EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16,
-                         sw_size_tokens=48)], lmcache_tokens_per_chunk=128), sub)
+    out["subchunk-window"] = (
+        KVLayerGroupsManager(
+            sub,
+            F.NL_X_TWO_NB_BS_NH_HS,
+            [
+                EngineGroupInfo(
+                    engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16, sw_size_tokens=48
+                )
+            ],
+            lmcache_tokens_per_chunk=128,
+        ),
+        sub,
+    )
     return out
 
 
@@ -357,8 +400,9 @@ def test_device_skip_formula_equals_the_host_skip_for_every_skip(name):
     chunk = manager.lmcache_tokens_per_chunk
     for chunks in (1, 2, 3):
         ids = request_ids(manager, rng, chunks)
-        device = plan_call(binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)),
-                           ids_spec=dev_spec)
+        device = plan_call(
+            binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)), ids_spec=dev_spec
+        )
         assert device.skip_tokens is not None
         windows = plan_call(binding, ids, "load")
         assert [g.first_item for g in device.groups] == [g.first_item for g in windows.groups]
@@ -366,8 +410,10 @@ def test_device_skip_formula_equals_the_host_skip_for_every_skip(name):
             host = plan_call(binding, ids, "load", skip_first_n_tokens=skip)
             assert host.skip_tokens is None
             want = [g.first_item for g in host.groups]
-            got = [int(first_item_for_skip(g, np.int64(skip), np.maximum, np.minimum))
-                   for g in device.groups]
+            got = [
+                int(first_item_for_skip(g, np.int64(skip), np.maximum, np.minimum))
+                for g in device.groups
+            ]
             assert got == want, (chunks, skip)
             assert [first_item_for_skip(g, skip) for g in device.groups] == want
 
@@ -377,12 +423,14 @@ def test_device_skip_formula_runs_on_torch_tensors():
     manager, caches = skip_managers()["hybrid"]
     binding = bind(manager, caches)
     ids = request_ids(manager, np.random.default_rng(7), 3)
-    device = plan_call(binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)),
-                       ids_spec=dev_spec)
+    device = plan_call(
+        binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)), ids_spec=dev_spec
+    )
     skips = torch.arange(-5, 3 * 64 + 20)
     for g in device.groups:
-        got = first_item_for_skip(g, skips, lambda a, b: a.clamp(min=b),
-                                  lambda a, b: a.clamp(max=b))
+        got = first_item_for_skip(
+            g, skips, lambda a, b: a.clamp(min=b), lambda a, b: a.clamp(max=b)
+        )
         want = [first_item_for_skip(g, max(0, min(int(s), 192))) for s in skips]
         assert got.tolist() == want
 
@@ -394,8 +442,9 @@ def test_device_skip_formula_runs_traced_under_jax_jit():
     manager, caches = skip_managers()["compressed"]
     binding = bind(manager, caches)
     ids = request_ids(manager, np.random.default_rng(17), 2)
-    device = plan_call(binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)),
-                       ids_spec=dev_spec)
+    device = plan_call(
+        binding, ids, "load", skip_first_n_tokens=Dev(np.int64(0)), ids_spec=dev_spec
+    )
     for g in device.groups:
         f = jax.jit(lambda s, g=g: first_item_for_skip(g, s, jnp.maximum, jnp.minimum))
         for skip in range(0, 2 * 256 + 1, 7):
@@ -413,8 +462,9 @@ def test_a_device_skip_loads_what_the_host_skip_loads_and_store_refuses_it():
         _load(manager, objects, want, ids, skip_first_n_tokens=skip)
         got = [np.zeros_like(c) for c in caches]
         bound = bind(manager, got)  # tensors in the binding's order, not the layers'
-        plan = plan_call(bound, ids, "load", skip_first_n_tokens=Dev(np.int32(skip)),
-                         ids_spec=dev_spec)
+        plan = plan_call(
+            bound, ids, "load", skip_first_n_tokens=Dev(np.int32(skip)), ids_spec=dev_spec
+        )
         assert execute_plan(plan, bound.tensors, objects) == set()
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
@@ -467,13 +517,16 @@ def test_device_ids_go_into_the_plan_untouched():
     assert not host.device_ids
 
 
-@pytest.mark.parametrize("make,error,text", [
-    (lambda v: Dev(v.astype(np.float32)), kc.KVGroupsTypeError, "int32 or int64"),
-    (lambda v: Dev(v.astype(bool)), kc.KVGroupsTypeError, "int32 or int64"),
-    (lambda v: Dev(v.astype(np.uint8)), kc.KVGroupsTypeError, "int32 or int64"),
-    (lambda v: Dev(v.reshape(2, -1)), kc.KVGroupsTypeError, "1-D"),
-    (lambda v: Dev(v[:-1]), kc.KVGroupsValueError, "multiple of"),
-])
+@pytest.mark.parametrize(
+    "make,error,text",
+    [
+        (lambda v: Dev(v.astype(np.float32)), kc.KVGroupsTypeError, "int32 or int64"),
+        (lambda v: Dev(v.astype(bool)), kc.KVGroupsTypeError, "int32 or int64"),
+        (lambda v: Dev(v.astype(np.uint8)), kc.KVGroupsTypeError, "int32 or int64"),
+        (lambda v: Dev(v.reshape(2, -1)), kc.KVGroupsTypeError, "1-D"),
+        (lambda v: Dev(v[:-1]), kc.KVGroupsValueError, "multiple of"),
+    ],
+)
 def test_device_ids_are_checked_statically(make, error, text):
     rng = np.random.default_rng(10)
     manager, caches = hybrid_model(rng)
@@ -501,8 +554,10 @@ def test_out_of_range_device_ids_move_nothing_for_their_items_and_are_reported(d
     bad = {g: v.copy() for g, v in good.items()}
     bad[1][2] = 1000
     bad[3][0] = -7
-    objects = [rng.integers(0, 256, (3, n), dtype=np.uint8)
-               for n in (object_nbytes(manager, og) for og in range(manager.num_object_groups))]
+    objects = [
+        rng.integers(0, 256, (3, n), dtype=np.uint8)
+        for n in (object_nbytes(manager, og) for og in range(manager.num_object_groups))
+    ]
     # Reference: the same load with each bad id's item left out, done on host ids.
     want = [np.array(c, copy=True) for c in caches]
     bound = bind(manager, want)
@@ -521,8 +576,9 @@ def test_out_of_range_device_ids_move_nothing_for_their_items_and_are_reported(d
         np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
     # Stores: a dropped item leaves its object rows as they were.
     store_objs = [o.copy() for o in objects]
-    kc.store(manager, caches, {g: Dev(v) for g, v in bad.items()}, store_objs,
-             backend="numpy-device")
+    kc.store(
+        manager, caches, {g: Dev(v) for g, v in bad.items()}, store_objs, backend="numpy-device"
+    )
     assert device_backend.reported[-1] == {1000, -7}
     clean = _store(manager, caches, good)
     changed = [o != s for o, s in zip(store_objs, objects)]
@@ -538,6 +594,7 @@ def test_prepared_calls_with_device_ids_do_no_host_conversion(device_backend, mo
 
     def no_host(x):
         raise AssertionError("device ids converted on the host")
+
     monkeypatch.setattr(prepared, "_to_host", no_host)
     objs = prepared.store(ids)
     prepared.load(objs, ids, skip_first_n_tokens=Dev(np.int64(70)))
@@ -549,8 +606,9 @@ def test_prepared_calls_with_device_ids_do_no_host_conversion(device_backend, mo
 
 def _one_group_setup():
     rng = np.random.default_rng(14)
-    caches, formats = make_caches(F.NL_X_TWO_NB_BS_NH_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8,
-                                  dtype="float16", rng=rng)
+    caches, formats = make_caches(
+        F.NL_X_TWO_NB_BS_NH_HS, nl=2, nb=NB, bs=BS, nh=2, hs=8, dtype="float16", rng=rng
+    )
     manager = KVLayerGroupsManager(caches, formats, lmcache_tokens_per_chunk=CHUNK)
     objects = [rng.integers(0, 256, (2, object_nbytes(manager, 0)), dtype=np.uint8)]
     return manager, caches, objects
@@ -563,10 +621,16 @@ BAD_FLAT_IDS = [
     ([0, 1, 2, 3, 4, 5, 6, 2**63], kc.KVGroupsIndexError, "9223372036854775808"),
     ([0, 1, 2, 3, 4, 5, 6, 2**64 + 1], kc.KVGroupsIndexError, "18446744073709551617"),
     ([0, 1, 2, 3, 4, 5, 6, -(2**63) - 1], kc.KVGroupsIndexError, "-9223372036854775809"),
-    (np.array([0, 1, 2, 3, 4, 5, 6, 2**64 - 1], dtype=np.uint64), kc.KVGroupsIndexError,
-     "18446744073709551615"),
-    (np.array([0, 1, 2, 3, 4, 5, 6, 2**63], dtype=np.uint64), kc.KVGroupsIndexError,
-     "uint64 value 9223372036854775808"),
+    (
+        np.array([0, 1, 2, 3, 4, 5, 6, 2**64 - 1], dtype=np.uint64),
+        kc.KVGroupsIndexError,
+        "18446744073709551615",
+    ),
+    (
+        np.array([0, 1, 2, 3, 4, 5, 6, 2**63], dtype=np.uint64),
+        kc.KVGroupsIndexError,
+        "uint64 value 9223372036854775808",
+    ),
     (np.array([0, 1, 2, 3, 4, 5, 6, 200], dtype=np.uint8), kc.KVGroupsIndexError, "200"),
     ([0, 1, 2, 3, 4, 5, 6, 7.0], kc.KVGroupsTypeError, "float"),
     (np.arange(8.0), kc.KVGroupsTypeError, "float64"),
@@ -586,10 +650,12 @@ def test_bad_ids_raise_typed_errors_with_caches_and_objects_untouched(ids, error
     manager, caches, objects = _one_group_setup()
     snap_c, snap_o = snapshot(caches), snapshot(objects)
     prepared = kc.prepare(manager, caches, backend="numpy")
-    for call in (lambda: _store(manager, caches, ids, objects),
-                 lambda: _load(manager, objects, caches, ids),
-                 lambda: prepared.store(ids, objects),
-                 lambda: prepared.load(objects, ids)):
+    for call in (
+        lambda: _store(manager, caches, ids, objects),
+        lambda: _load(manager, objects, caches, ids),
+        lambda: prepared.store(ids, objects),
+        lambda: prepared.load(objects, ids),
+    ):
         with pytest.raises(error) as info:
             call()
         assert isinstance(info.value, kc.KVGroupsError)
@@ -602,9 +668,10 @@ def test_bad_ids_per_engine_group_name_the_group():
     rng = np.random.default_rng(15)
     manager, caches = hybrid_model(rng)
     ids = request_ids(manager, rng, 1)
-    for g, bad, text, error in [(2, [True] * 4, "block_ids[2]", kc.KVGroupsTypeError),
-                                (3, np.array([2**63] * 4, np.uint64), "block_ids[3]",
-                                 kc.KVGroupsIndexError)]:
+    for g, bad, text, error in [
+        (2, [True] * 4, "block_ids[2]", kc.KVGroupsTypeError),
+        (3, np.array([2**63] * 4, np.uint64), "block_ids[3]", kc.KVGroupsIndexError),
+    ]:
         call = {**ids, g: bad}
         with pytest.raises(error, match=__import__("re").escape(text)):
             _store(manager, caches, call)
@@ -652,8 +719,9 @@ def test_zero_chunk_plans_have_no_items():
     plan = plan_call(bind(manager, caches), [[], [], [], []], "load")
     assert plan.num_chunks == 0 and all(g.num_items == 0 for g in plan.groups)
     objects = _store(manager, caches, {g: [] for g in range(4)})
-    assert [o.shape for o in objects] == [(0, object_nbytes(manager, og))
-                                         for og in range(manager.num_object_groups)]
+    assert [o.shape for o in objects] == [
+        (0, object_nbytes(manager, og)) for og in range(manager.num_object_groups)
+    ]
 
 
 # --- one validation point, abstract values -------------------------------------------------
@@ -671,11 +739,13 @@ def test_one_shot_calls_find_the_backend_and_bind_once(monkeypatch):
     def counting_find(*a, **k):
         counts["backend"] += 1
         return real_find(*a, **k)
+
     monkeypatch.setattr(transfer, "bind", counting_bind)
     monkeypatch.setattr(transfer, "backend_for_tensors", counting_find)
     kc.store(manager, caches, np.arange(8), objects)
     assert counts == {"bind": 1, "backend": 1}
-    # The same caches again: the last one-shot call's binding is reused (kvgroups_core.transfer.fast.reuse);
+    # The same caches again: the last one-shot call's binding is reused
+    # (kvgroups_core.transfer.fast.reuse);
     # the backend is still found per call, from the caches and the call's objects.
     kc.load(manager, objects, caches, np.arange(8))
     assert counts == {"bind": 1, "backend": 2}
@@ -712,6 +782,7 @@ def test_jax_tracers_are_the_jax_backends_arrays():
     def f(x):
         seen.append(registry.framework_of(x))
         return x + 1
+
     f(jnp.zeros(3))
     assert seen == ["jax"]
 
@@ -722,8 +793,7 @@ def test_specs_plan_with_device_ids_without_pointers():
     binding = bind(manager, specs)
     assert all(t.is_abstract for t in binding.tensors)
     ids = {g: Dev(np.arange(n, dtype=np.int64)) for g, n in ((0, 1), (1, 4), (2, 64))}
-    plan = plan_call(binding, ids, "load", ids_spec=dev_spec,
-                     skip_first_n_tokens=Dev(np.int32(5)))
+    plan = plan_call(binding, ids, "load", ids_spec=dev_spec, skip_first_n_tokens=Dev(np.int32(5)))
     assert plan.device_ids and plan.num_chunks == 1
 
 
@@ -731,9 +801,11 @@ def _framework_ids(backend, values, dtype):
     """``values`` as the backend's own id array (host ids of that framework)."""
     if backend == "torch":
         import torch
+
         return torch.tensor(np.asarray(values, dtype=dtype))
     if backend == "jax":
         import jax.numpy as jnp
+
         return jnp.asarray(np.asarray(values, dtype=dtype))
     return np.asarray(values, dtype=dtype)
 
@@ -748,17 +820,18 @@ FRAMEWORK_BAD_IDS = [
 
 @pytest.mark.parametrize("backend", _zero_chunk_backends())
 @pytest.mark.parametrize("values,dtype,error,text", FRAMEWORK_BAD_IDS)
-def test_bad_framework_ids_are_refused_on_every_cpu_backend(backend, values, dtype, error,
-                                                            text):
+def test_bad_framework_ids_are_refused_on_every_cpu_backend(backend, values, dtype, error, text):
     manager, caches_np, objects_np = _one_group_setup()
     be = kc.get_backend(backend)
     caches = [be.from_numpy(c) for c in caches_np]
     objects = [be.from_numpy(o) for o in objects_np]
     ids = _framework_ids(backend, values, dtype)
-    for call in (lambda: kc.store(manager, caches, ids, objects),
-                 lambda: kc.load(manager, objects, caches, ids),
-                 lambda: kc.store(manager, caches, {0: ids}, objects),
-                 lambda: kc.load(manager, objects, caches, [ids])):
+    for call in (
+        lambda: kc.store(manager, caches, ids, objects),
+        lambda: kc.load(manager, objects, caches, ids),
+        lambda: kc.store(manager, caches, {0: ids}, objects),
+        lambda: kc.load(manager, objects, caches, [ids]),
+    ):
         with pytest.raises(error, match="block_ids") as info:
             call()
         assert text in str(info.value), str(info.value)

@@ -69,10 +69,19 @@ FACTS = {
 }
 
 MUST_HAVE_NAMES = {
-    "NL_X_TWO_NB_BS_NH_HS", "NL_X_TWO_NB_NH_BS_HS", "NL_X_NB_TWO_BS_NH_HS",
-    "NL_X_NB_TWO_NH_BS_HS", "NL_X_NB_BS_HS", "NB_NL_TWO_BS_NH_HS", "NB_NL_TWO_NH_BS_HS",
-    "TWO_X_NL_X_NB_BS_NH_HS", "NL_X_NB_NH_BS_CS", "NL_X_NB_BS_NH_CS", "NL_X_NB_BSV_BSS",
-    "NB_NL_NH_BS_CS", "NB_NL_BS_NH_CS",
+    "NL_X_TWO_NB_BS_NH_HS",
+    "NL_X_TWO_NB_NH_BS_HS",
+    "NL_X_NB_TWO_BS_NH_HS",
+    "NL_X_NB_TWO_NH_BS_HS",
+    "NL_X_NB_BS_HS",
+    "NB_NL_TWO_BS_NH_HS",
+    "NB_NL_TWO_NH_BS_HS",
+    "TWO_X_NL_X_NB_BS_NH_HS",
+    "NL_X_NB_NH_BS_CS",
+    "NL_X_NB_BS_NH_CS",
+    "NL_X_NB_BSV_BSS",
+    "NB_NL_NH_BS_CS",
+    "NB_NL_BS_NH_CS",
 }
 
 
@@ -125,7 +134,10 @@ def test_facts_of_every_format(fmt):
     assert fmt.is_indexer is indexer
     assert fmt.block_axis_first is block_first
     assert (fmt.is_cross_layer, fmt.is_kv_list, fmt.is_layer_list) == (
-        structure == "cross", structure == "kv", structure == "layer")
+        structure == "cross",
+        structure == "kv",
+        structure == "layer",
+    )
 
 
 @pytest.mark.parametrize("fmt", list(F), ids=lambda f: f.name)
@@ -137,7 +149,11 @@ def test_exactly_one_of_cross_layer_kv_list_layer_list(fmt):
 def test_member_facts_match_the_facts_record(fmt):
     facts = fmt.facts
     assert (fmt.kv_size, fmt.is_mla, fmt.is_hnd, fmt.is_indexer) == (
-        facts.kv_size, facts.is_mla, facts.is_hnd, facts.is_indexer)
+        facts.kv_size,
+        facts.is_mla,
+        facts.is_hnd,
+        facts.is_indexer,
+    )
 
 
 def test_must_have_formats_are_the_spec_table_plus_the_jax_engine_layouts():

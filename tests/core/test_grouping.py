@@ -29,7 +29,12 @@ def kv_layer(nh=8, dtype="float16", nb=8, bs=16, hs=64):
 
 def test_identity_fields_are_in_spec_order():
     assert KernelGroupIdentity._fields == (
-        "kv_size", "num_heads", "head_size", "block_size", "engine_group_idx", "dtype",
+        "kv_size",
+        "num_heads",
+        "head_size",
+        "block_size",
+        "engine_group_idx",
+        "dtype",
         "engine_kv_format",
     )
 
@@ -39,14 +44,24 @@ def test_excluded_engine_group_is_minus_one():
 
 
 def test_five_layers_by_heads_and_dtype_make_four_groups():
-    caches = [kv_layer(8, "float16"), kv_layer(8, "float32"), kv_layer(16, "float16"),
-              kv_layer(8, "float16"), kv_layer(16, "float32")]
+    caches = [
+        kv_layer(8, "float16"),
+        kv_layer(8, "float32"),
+        kv_layer(16, "float16"),
+        kv_layer(8, "float16"),
+        kv_layer(16, "float32"),
+    ]
     groups = group_layers_by_identity(caches, [F.NL_X_TWO_NB_BS_NH_HS] * 5)
     assert [layers for _, layers in groups] == [[0, 3], [1], [2], [4]]
     identity = groups[0][0]
     assert identity == KernelGroupIdentity(
-        kv_size=2, num_heads=8, head_size=64, block_size=16, engine_group_idx=0,
-        dtype=DTYPE_MAP["float16"], engine_kv_format=F.NL_X_TWO_NB_BS_NH_HS,
+        kv_size=2,
+        num_heads=8,
+        head_size=64,
+        block_size=16,
+        engine_group_idx=0,
+        dtype=DTYPE_MAP["float16"],
+        engine_kv_format=F.NL_X_TWO_NB_BS_NH_HS,
     )
     assert identity.dtype == DTYPE_MAP["float16"]
     assert hash(identity) == hash(tuple(identity))
@@ -73,8 +88,9 @@ def test_excluded_layers_are_left_out_and_never_read():
 
 
 def test_excluded_layers_may_be_none_placeholders():
-    groups = group_layers_by_identity([kv_layer(), None, kv_layer()], F.NL_X_TWO_NB_BS_NH_HS,
-                                      [0, -1, 0])
+    groups = group_layers_by_identity(
+        [kv_layer(), None, kv_layer()], F.NL_X_TWO_NB_BS_NH_HS, [0, -1, 0]
+    )
     assert [layers for _, layers in groups] == [[0, 2]]
 
 
@@ -113,7 +129,11 @@ def test_mla_layers_have_kv_size_one_and_one_head():
     caches = [TensorSpec((8, 64, 576), "bfloat16")] * 2
     ((identity, layers),) = group_layers_by_identity(caches, F.NL_X_NB_BS_HS)
     assert (identity.kv_size, identity.num_heads, identity.head_size, identity.block_size) == (
-        1, 1, 576, 64)
+        1,
+        1,
+        576,
+        64,
+    )
     assert layers == [0, 1]
 
 
@@ -138,7 +158,11 @@ def test_cross_layer_tensor_groups_all_its_layers():
     ((identity, layers),) = group_layers_by_identity(tensor, F.NB_NL_TWO_BS_NH_HS)
     assert layers == [0, 1, 2, 3, 4]
     assert (identity.kv_size, identity.num_heads, identity.head_size, identity.block_size) == (
-        2, 4, 64, 16)
+        2,
+        4,
+        64,
+        16,
+    )
 
 
 def test_sglang_k_and_v_lists_group_by_layer():
@@ -167,10 +191,15 @@ def test_page_buffer_shape_desc_is_frozen_keyword_only_with_defaults():
 
 
 def _info(tokens_per_block=0, bs=16, nh=4, hs=64):
-    desc = PageBufferShapeDesc(kv_size=2, nl=3, nb=8, bs=bs, nh=nh, hs=hs, element_size=2,
-                               dtype=DTYPE_MAP["float16"])
-    return KernelGroupInfo(layer_indices=[2, 3, 4], shape_desc=desc, dtype=DTYPE_MAP["float16"],
-                           tokens_per_block=tokens_per_block)
+    desc = PageBufferShapeDesc(
+        kv_size=2, nl=3, nb=8, bs=bs, nh=nh, hs=hs, element_size=2, dtype=DTYPE_MAP["float16"]
+    )
+    return KernelGroupInfo(
+        layer_indices=[2, 3, 4],
+        shape_desc=desc,
+        dtype=DTYPE_MAP["float16"],
+        tokens_per_block=tokens_per_block,
+    )
 
 
 def test_kernel_group_info_derived_members():
@@ -194,9 +223,19 @@ def test_kernel_group_info_with_unknown_tokens_per_block_is_uncompressed():
 def test_kernel_group_info_repr_is_readable():
     text = repr(_info(tokens_per_block=64))
     assert text.startswith("KernelGroupInfo(layers=3, indices=2-4")
-    for part in ("kv=2", "nl=3", "nb=8", "bs=16", "nh=4", "hs=64", "element_size=2",
-                 "dtype=float16", "tokens_per_block=64", "slots_per_block=16",
-                 "sw_size_tokens=-1"):
+    for part in (
+        "kv=2",
+        "nl=3",
+        "nb=8",
+        "bs=16",
+        "nh=4",
+        "hs=64",
+        "element_size=2",
+        "dtype=float16",
+        "tokens_per_block=64",
+        "slots_per_block=16",
+        "sw_size_tokens=-1",
+    ):
         assert part in text
 
 
@@ -206,8 +245,9 @@ def test_object_group_info_defaults_to_full_attention():
     assert group.sw_size_chunks == -1
 
 
-@pytest.mark.parametrize("old, new", [("LayerGroupIdentity", KernelGroupIdentity),
-                                      ("KVLayerGroupInfo", KernelGroupInfo)])
+@pytest.mark.parametrize(
+    "old, new", [("LayerGroupIdentity", KernelGroupIdentity), ("KVLayerGroupInfo", KernelGroupInfo)]
+)
 def test_deprecated_aliases_warn_from_the_module_and_the_package(old, new):
     with pytest.warns(DeprecationWarning, match=old):
         assert getattr(grouping, old) is new

@@ -70,7 +70,9 @@ def build(fmt, nb=NB, nl=NL, bs=BS, nh=NH, hs=HS):
 
         def indexer_row(ly, kv, b, s):
             block = t[ly][b].reshape(-1)  # all BS value rows, then all BS scales
-            return block[s * 128:(s + 1) * 128].tobytes() + block[bs * 128 + 4 * s:][:4].tobytes()
+            return (
+                block[s * 128 : (s + 1) * 128].tobytes() + block[bs * 128 + 4 * s :][:4].tobytes()
+            )
 
         return t, indexer_row
     if fmt is F.NB_NL_NH_BS_CS:
@@ -84,7 +86,8 @@ def build(fmt, nb=NB, nl=NL, bs=BS, nh=NH, hs=HS):
         raw = per_layer((nb, bs, nh, 2, hs))
         t = [r.reshape(nb, bs, nh, 2, hs) for r in raw]
         return t, lambda ly, kv, b, s: _heads(
-            raw[ly][b, s, (2 * h + kv) // 2, (2 * h + kv) % 2] for h in range(nh))
+            raw[ly][b, s, (2 * h + kv) // 2, (2 * h + kv) % 2] for h in range(nh)
+        )
     if fmt is F.TWO_X_NL_X_NH_NB_BS_HS:
         t = [per_layer((nh, nb, bs, hs)), per_layer((nh, nb, bs, hs))]
         return t, lambda ly, kv, b, s: _heads(t[kv][ly][h, b, s] for h in range(nh))
@@ -110,7 +113,7 @@ def page_model_row(layout, kv, block, token):
         for piece in range(run.count):
             src = start + run.cache_offset + piece * run.cache_step + token * run.token_stride
             dst = run.obj_offset + piece * run.obj_step
-            row[dst:dst + run.nbytes] = ctypes.string_at(src, run.nbytes)
+            row[dst : dst + run.nbytes] = ctypes.string_at(src, run.nbytes)
     return bytes(row)
 
 
@@ -147,8 +150,12 @@ def test_interleaved_heads_plane_v_starts_one_head_size_after_k():
     (k, k_off), (v, v_off) = layout.planes
     assert k is v and v_off - k_off == HS * 2
     (run,) = layout.runs
-    assert (run.count, run.nbytes, run.cache_step, run.token_stride) == (NH, HS * 2, 2 * HS * 2,
-                                                                          2 * NH * HS * 2)
+    assert (run.count, run.nbytes, run.cache_step, run.token_stride) == (
+        NH,
+        HS * 2,
+        2 * HS * 2,
+        2 * NH * HS * 2,
+    )
 
 
 def test_heads_outermost_run_steps_over_all_pages():
@@ -173,12 +180,16 @@ def padded(shape, pad, dtype=np.float16, counter=None):
     return base[:, :inner].reshape(shape)
 
 
-@pytest.mark.parametrize("fmt,shape,dtype", [
-    (F.NL_X_NB_BS_HS, (NB, BS, HS), np.float16),
-    (F.NL_X_NB_TWO_BS_NH_HS, (NB, 2, BS, NH, HS), np.float16),
-    (F.NL_X_NB_BS_NH_CS, (NB, BS, NH, 2 * HS), np.float16),
-    (F.NL_X_NB_BSV_BSS, (NB, BS, 132), np.uint8),
-], ids=lambda x: getattr(x, "name", None))
+@pytest.mark.parametrize(
+    "fmt,shape,dtype",
+    [
+        (F.NL_X_NB_BS_HS, (NB, BS, HS), np.float16),
+        (F.NL_X_NB_TWO_BS_NH_HS, (NB, 2, BS, NH, HS), np.float16),
+        (F.NL_X_NB_BS_NH_CS, (NB, BS, NH, 2 * HS), np.float16),
+        (F.NL_X_NB_BSV_BSS, (NB, BS, 132), np.uint8),
+    ],
+    ids=lambda x: getattr(x, "name", None),
+)
 def test_padding_on_the_block_axis_sets_block_stride_elems(fmt, shape, dtype):
     counter = Counter()
     caches = [padded(shape, 24, dtype, counter) for _ in range(NL)]

@@ -28,8 +28,9 @@ def kv_layer(nh=8, dtype="float16", nb=8, bs=16, hs=64):
 
 
 def info(gid, layers, tpb=0, sw=-1):
-    return EngineGroupInfo(engine_group_id=gid, layer_indices=tuple(layers), tokens_per_block=tpb,
-                           sw_size_tokens=sw)
+    return EngineGroupInfo(
+        engine_group_id=gid, layer_indices=tuple(layers), tokens_per_block=tpb, sw_size_tokens=sw
+    )
 
 
 # --- empty managers --------------------------------------------------------------------
@@ -55,17 +56,31 @@ def test_every_layer_excluded_gives_an_empty_manager():
 
 
 def test_five_layers_by_heads_and_dtype():
-    caches = [kv_layer(8, "float16"), kv_layer(8, "float32"), kv_layer(16, "float16"),
-              kv_layer(8, "float16"), kv_layer(16, "float32")]
+    caches = [
+        kv_layer(8, "float16"),
+        kv_layer(8, "float32"),
+        kv_layer(16, "float16"),
+        kv_layer(8, "float16"),
+        kv_layer(16, "float32"),
+    ]
     m = KVLayerGroupsManager(caches, [NHD] * 5)
     assert [g.layer_indices for g in m.kernel_groups] == [[0, 3], [1], [2], [4]]
     assert m.num_kernel_groups == 4
     assert [(g.kernel_group_indices, g.sw_size_chunks) for g in m.object_groups] == [
-        ([0, 1, 2, 3], -1)]
+        ([0, 1, 2, 3], -1)
+    ]
     g0 = m.kernel_groups[0]
     assert g0.shape_desc == PageBufferShapeDesc(
-        kv_size=2, nl=2, nb=8, bs=16, nh=8, hs=64, element_size=2, block_stride_elems=0,
-        dtype=DTYPE_MAP["float16"])
+        kv_size=2,
+        nl=2,
+        nb=8,
+        bs=16,
+        nh=8,
+        hs=64,
+        element_size=2,
+        block_stride_elems=0,
+        dtype=DTYPE_MAP["float16"],
+    )
     assert g0.dtype == DTYPE_MAP["float16"]
     assert g0.engine_kv_format is NHD
     assert g0.tokens_per_block == 16
@@ -85,15 +100,26 @@ def test_sub_chunk_windows_and_slots_per_chunk_in_window():
     assert [m.get_subchunk_sw_size_tokens(k) for k in range(3)] == [256, 64, 256]
     assert [m.get_slots_per_chunk_in_sw(k) for k in range(3)] == [256, 64, 256]
     assert [(g.kernel_group_indices, g.sw_size_chunks) for g in m.object_groups] == [
-        ([0], -1), ([1], 1), ([2], 2)]
+        ([0], -1),
+        ([1], 1),
+        ([2], 2),
+    ]
     assert m.get_attn_desc().num_chunks_in_sw == [-1, 1, 2]
 
 
 def _v4_like():
-    caches = [TensorSpec((2, 8, 64, 1, 64), "float16"), TensorSpec((2, 8, 2, 1, 64), "float16"),
-              TensorSpec((2, 8, 64, 1, 32), "float16"), TensorSpec((2, 8, 4, 1, 128), "float32")]
-    infos = [info(0, [0], tpb=256), info(0, [1], tpb=256), info(1, [2], tpb=64),
-             info(2, [3], tpb=4)]
+    caches = [
+        TensorSpec((2, 8, 64, 1, 64), "float16"),
+        TensorSpec((2, 8, 2, 1, 64), "float16"),
+        TensorSpec((2, 8, 64, 1, 32), "float16"),
+        TensorSpec((2, 8, 4, 1, 128), "float32"),
+    ]
+    infos = [
+        info(0, [0], tpb=256),
+        info(0, [1], tpb=256),
+        info(1, [2], tpb=64),
+        info(2, [3], tpb=4),
+    ]
     return KVLayerGroupsManager(caches, NHD, infos)
 
 
@@ -110,8 +136,9 @@ def test_deepseek_v4_like_compression():
 
 def test_window_not_a_multiple_of_tokens_per_block_is_rejected():
     with pytest.raises(ValueError, match="sliding window"):
-        KVLayerGroupsManager([TensorSpec((2, 32, 256, 8, 64), "float16")], NHD,
-                             [info(0, [0], sw=64)])
+        KVLayerGroupsManager(
+            [TensorSpec((2, 32, 256, 8, 64), "float16")], NHD, [info(0, [0], sw=64)]
+        )
 
 
 # --- validation, in the spec's order ---------------------------------------------------
@@ -161,14 +188,16 @@ def test_chunk_must_be_a_multiple_of_tokens_per_block():
 def test_tokens_per_block_check_comes_before_the_chunk_check():
     # tpb 24 breaks both rules with chunk 100; the first rule is reported.
     with pytest.raises(ValueError, match="slots_per_block"):
-        KVLayerGroupsManager([kv_layer(bs=16)], NHD, [info(0, [0], tpb=24)],
-                             lmcache_tokens_per_chunk=100)
+        KVLayerGroupsManager(
+            [kv_layer(bs=16)], NHD, [info(0, [0], tpb=24)], lmcache_tokens_per_chunk=100
+        )
 
 
 def test_chunk_check_comes_before_the_window_check():
     with pytest.raises(ValueError, match="lmcache_tokens_per_chunk"):
-        KVLayerGroupsManager([kv_layer(bs=16)], NHD, [info(0, [0], sw=8)],
-                             lmcache_tokens_per_chunk=100)
+        KVLayerGroupsManager(
+            [kv_layer(bs=16)], NHD, [info(0, [0], sw=8)], lmcache_tokens_per_chunk=100
+        )
 
 
 def test_info_count_check_comes_before_per_group_validation():
@@ -270,24 +299,32 @@ def test_separation_off_gives_one_full_attention_object_group():
     infos = [info(0, [0]), info(0, [1], sw=1024), info(0, [2], sw=64)]
     m = KVLayerGroupsManager(caches, NHD, infos, separate_object_groups=False)
     assert [(g.kernel_group_indices, g.sw_size_chunks) for g in m.object_groups] == [
-        ([0, 1, 2], -1)]
+        ([0, 1, 2], -1)
+    ]
     assert m.get_attn_desc().num_chunks_in_sw == [-1]
     assert m.get_subchunk_sw_size_tokens(2) == 64
 
 
 def test_object_groups_bucket_by_window_in_chunks_ordered_by_first_kernel_group():
     caches = [kv_layer(4), kv_layer(8), kv_layer(16), kv_layer(32), kv_layer(64)]
-    infos = [info(0, [0], sw=1024), info(0, [1]), info(0, [2], sw=64), info(0, [3], sw=800),
-             info(0, [4], sw=128)]
+    infos = [
+        info(0, [0], sw=1024),
+        info(0, [1]),
+        info(0, [2], sw=64),
+        info(0, [3], sw=800),
+        info(0, [4], sw=128),
+    ]
     m = KVLayerGroupsManager(caches, NHD, infos)
     assert [(g.kernel_group_indices, g.sw_size_chunks) for g in m.object_groups] == [
-        ([0, 3], 4), ([1], -1), ([2, 4], 1)]
+        ([0, 3], 4),
+        ([1], -1),
+        ([2, 4], 1),
+    ]
     assert m.get_attn_desc().num_chunks_in_sw == [4, -1, 1]
 
 
 def test_deprecated_aliases_warn():
-    m = KVLayerGroupsManager([kv_layer(8), kv_layer(16)], NHD, [info(0, [0], sw=64),
-                                                                info(0, [1])])
+    m = KVLayerGroupsManager([kv_layer(8), kv_layer(16)], NHD, [info(0, [0], sw=64), info(0, [1])])
     with pytest.warns(DeprecationWarning, match="kernel_groups"):
         assert m.kv_layer_groups is m.kernel_groups
     with pytest.warns(DeprecationWarning, match="num_kernel_groups"):
@@ -326,8 +363,11 @@ def test_layer_layouts_keep_each_layers_own_tensor():
 
 
 def test_numpy_arrays_and_descriptors_mix_freely():
-    caches = [np.zeros((2, 4, 16, 2, 8), np.float16), kv_layer(2, nb=4, hs=8),
-              describe(np.zeros((2, 4, 16, 2, 8), np.float16))]
+    caches = [
+        np.zeros((2, 4, 16, 2, 8), np.float16),
+        kv_layer(2, nb=4, hs=8),
+        describe(np.zeros((2, 4, 16, 2, 8), np.float16)),
+    ]
     m = KVLayerGroupsManager(caches, NHD)
     assert [g.layer_indices for g in m.kernel_groups] == [[0, 1, 2]]
 
@@ -362,7 +402,9 @@ def test_mixed_mla_and_indexer_formats_in_one_engine_group():
     formats = [F.NL_X_NB_BS_HS] * 2 + [F.NL_X_NB_BSV_BSS] * 2
     m = KVLayerGroupsManager(caches, formats, [info(0, [0, 1]), info(0, [2, 3])])
     assert [(g.shape_desc.kv_size, g.shape_desc.nh, g.shape_desc.hs) for g in m.kernel_groups] == [
-        (1, 1, 576), (1, 1, 132)]
+        (1, 1, 576),
+        (1, 1, 132),
+    ]
     assert m.num_object_groups == 1
 
 
@@ -373,8 +415,15 @@ def _mixed_model(num_layers):
     caches = [mla if k == 2 else sliding for k in kinds]
     formats = [F.NL_X_NB_BS_HS if k == 2 else NHD for k in kinds]
     order = sorted(set(kinds), key=kinds.index)
-    infos = [info(k, [i for i in range(num_layers) if kinds[i] == k],
-                  tpb=64 if k == 2 else 0, sw=1024 if k == 0 else -1) for k in order]
+    infos = [
+        info(
+            k,
+            [i for i in range(num_layers) if kinds[i] == k],
+            tpb=64 if k == 2 else 0,
+            sw=1024 if k == 0 else -1,
+        )
+        for k in order
+    ]
     return caches, formats, infos
 
 

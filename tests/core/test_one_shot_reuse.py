@@ -1,4 +1,5 @@
-"""One-shot calls reuse the last one-shot binding of their manager (kvgroups_core.transfer.fast.reuse).
+"""One-shot calls reuse the last one-shot binding of their manager
+(kvgroups_core.transfer.fast.reuse).
 
 ``store(manager, caches, ids)`` / ``load(manager, objects, caches, ids)`` on the caches of the
 manager's previous one-shot call take that call's binding back instead of binding again; they
@@ -30,8 +31,7 @@ BPC = CHUNK // BS  # blocks per chunk
 
 def _host_caches(seed: int) -> list[np.ndarray]:
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 2**16, SHAPE, dtype=np.uint16).view(np.float16)
-            for _ in range(LAYERS)]
+    return [rng.integers(0, 2**16, SHAPE, dtype=np.uint16).view(np.float16) for _ in range(LAYERS)]
 
 
 def _runtime(kind: str):
@@ -63,8 +63,7 @@ def _runtime(kind: str):
 
 
 def _manager(caches) -> kc.KVLayerGroupsManager:
-    return kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS,
-                                   lmcache_tokens_per_chunk=CHUNK)
+    return kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK)
 
 
 def _reference_store(host: list[np.ndarray], ids) -> list[np.ndarray]:
@@ -123,7 +122,7 @@ def test_repeated_calls_bind_once_and_match_the_reference(kind, binds):
         _assert_same([to_np(o) for o in out], _reference_store(host, ids))
         # Load other bytes into other blocks: every block of every cache as the reference.
         src = _reference_store(_host_caches(10 + step), ids[::-1].copy())
-        load_ids = rng.permutation(NB)[:2 * BPC]
+        load_ids = rng.permutation(NB)[: 2 * BPC]
         result = kc.load(manager, [to_rt(o) for o in src], caches, load_ids)
         host = _reference_load(host, src, load_ids)
         if returns_new:
@@ -267,8 +266,12 @@ def test_objects_and_ids_are_checked_on_a_hit(binds):
         kc.store(manager, caches, np.arange(NB, NB + BPC))
     assert isinstance(info.value, IndexError)
     with pytest.raises(kc.KVGroupsValueError, match="memory apart from the caches"):
-        kc.store(manager, caches, ids, [caches[0].reshape(-1).view(np.uint8)[
-            : objects[0].size].reshape(objects[0].shape)])
+        kc.store(
+            manager,
+            caches,
+            ids,
+            [caches[0].reshape(-1).view(np.uint8)[: objects[0].size].reshape(objects[0].shape)],
+        )
     torch = pytest.importorskip("torch")
     pytest.importorskip("kvgroups_torch")
     with pytest.raises(kc.KVGroupsTypeError, match="one framework") as info:
@@ -281,10 +284,13 @@ def test_objects_and_ids_are_checked_on_a_hit(binds):
 
 def test_a_new_manager_from_with_full_sw_kv_never_uses_the_old_binding():
     caches = _host_caches(12)[:2]
-    infos = (EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
-             EngineGroupInfo(engine_group_id=1, layer_indices=(1,), sw_size_tokens=8))
-    plain = kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS, infos,
-                                    lmcache_tokens_per_chunk=CHUNK)
+    infos = (
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+        EngineGroupInfo(engine_group_id=1, layer_indices=(1,), sw_size_tokens=8),
+    )
+    plain = kc.KVLayerGroupsManager(
+        caches, F.NL_X_TWO_NB_BS_NH_HS, infos, lmcache_tokens_per_chunk=CHUNK
+    )
     ids = {0: np.arange(BPC), 1: np.arange(BPC, 2 * BPC)}
     small = kc.store(plain, caches, ids)
     full = plain.with_full_sw_kv()
@@ -334,8 +340,10 @@ def test_jit_calls_keep_nothing_and_trace_once():
     assert manager.one_shot_park is None
     host = _reference_load(host, src, np.arange(BPC))
     _assert_same([to_np(c) for c in caches], host)
-    _assert_same([to_np(o) for o in kc.store(manager, caches, np.arange(BPC))],
-                 _reference_store(host, np.arange(BPC)))
+    _assert_same(
+        [to_np(o) for o in kc.store(manager, caches, np.arange(BPC))],
+        _reference_store(host, np.arange(BPC)),
+    )
 
 
 def test_jax_donated_caches_passed_again_are_refused():
@@ -361,16 +369,16 @@ def test_a_manager_with_a_park_still_pickles_and_copies(binds):
     assert manager.one_shot_park is not None
     for other in (pickle.loads(pickle.dumps(manager)), copy.deepcopy(manager)):
         assert other.one_shot_park is None  # no park travels
-        _assert_same(kc.store(other, caches, np.arange(BPC)),
-                     _reference_store(host, np.arange(BPC)))
+        _assert_same(
+            kc.store(other, caches, np.arange(BPC)), _reference_store(host, np.arange(BPC))
+        )
     shallow = copy.copy(manager)  # shares the park: never served to the copy
     _assert_same(kc.store(shallow, caches, np.arange(BPC)), _reference_store(host, np.arange(BPC)))
     assert binds(shallow) == 1
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_repeated_calls_with_objects_take_the_call_memo_and_follow_reallocation(kind,
-                                                                                monkeypatch):
+def test_repeated_calls_with_objects_take_the_call_memo_and_follow_reallocation(kind, monkeypatch):
     # The parked binding keeps its call memo: after the first call (which binds and records)
     # a one-shot call with the same objects runs the memo's runner, with the reference's
     # bytes; a cache reallocated in place between calls is bound afresh, its new bytes moved.
@@ -409,5 +417,6 @@ def test_repeated_calls_with_objects_take_the_call_memo_and_follow_reallocation(
     caches[2].set_(fresh.untyped_storage(), 0, fresh.shape, fresh.stride())  # same object
     host[2] = fresh_host
     ids = rng.permutation(NB)[: 2 * BPC]
-    _assert_same([to_np(o) for o in kc.store(manager, caches, ids, buffers)],
-                 _reference_store(host, ids))
+    _assert_same(
+        [to_np(o) for o in kc.store(manager, caches, ids, buffers)], _reference_store(host, ids)
+    )

@@ -22,8 +22,11 @@ print("ok")
 
 
 def test_the_tpu_variants_are_registered_lazily():
-    proc = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True,
-                          cwd=ROOT, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
     assert proc.returncode == 0 and proc.stdout.strip() == "ok", (
         "reinstall kvgroups (pip install -e .) if its entry points are missing:\n"
-        + proc.stdout + proc.stderr)
+        + proc.stdout
+        + proc.stderr
+    )

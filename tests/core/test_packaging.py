@@ -22,8 +22,10 @@ def test_the_version_has_one_source():
     attr = PYPROJECT["tool"]["setuptools"]["dynamic"]["version"]["attr"]
     assert attr == "kvgroups_core.__version__"
     # setuptools reads the literal without importing the package.
-    assert f'__version__ = "{kvgroups_core.__version__}"' in \
-        (ROOT / "kvgroups_core" / "__init__.py").read_text()
+    assert (
+        f'__version__ = "{kvgroups_core.__version__}"'
+        in (ROOT / "kvgroups_core" / "__init__.py").read_text()
+    )
 
 
 def test_the_installed_metadata_and_the_backends_say_the_same_version():
@@ -53,7 +55,7 @@ def test_the_changelog_has_this_version_and_every_deprecated_alias():
     text = (ROOT / "CHANGELOG.md").read_text()
     assert "## Unreleased" in text
     assert f"## {kvgroups_core.__version__} - " in text
-    deprecated = text[text.index("### Deprecated"):]
+    deprecated = text[text.index("### Deprecated") :]
     for old, (new, _obj) in grouping.DEPRECATED_ALIASES.items():
         assert f"`kvgroups_core.{old}`" in deprecated or f"`{old}`" in deprecated, old
         assert f"`{new}`" in deprecated, new

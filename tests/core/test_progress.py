@@ -34,12 +34,15 @@ def test_progress_lines_on_a_terminal_count_the_steps(monkeypatch):
     assert lines[3].startswith("run: 2 steps in ")
 
 
-@pytest.mark.parametrize("stream,quiet,env,shown", [
-    (Terminal(), True, None, False),       # --quiet wins
-    (io.StringIO(), False, None, False),   # not a terminal (CI, a pipe)
-    (io.StringIO(), False, "1", True),     # asked for, e.g. a log file of a long run
-    (Terminal(), False, "0", False),       # turned off
-])
+@pytest.mark.parametrize(
+    "stream,quiet,env,shown",
+    [
+        (Terminal(), True, None, False),  # --quiet wins
+        (io.StringIO(), False, None, False),  # not a terminal (CI, a pipe)
+        (io.StringIO(), False, "1", True),  # asked for, e.g. a log file of a long run
+        (Terminal(), False, "0", False),  # turned off
+    ],
+)
 def test_progress_is_quiet_unless_watched(monkeypatch, stream, quiet, env, shown):
     if env is None:
         monkeypatch.delenv("KVGROUPS_PROGRESS", raising=False)
@@ -65,20 +68,39 @@ def test_library_log_lines_are_shown_only_where_progress_is(monkeypatch):
 
 
 def test_kvgroups_bench_prints_progress_only_when_asked(tmp_path):
-    args = [sys.executable, "-m", "kvgroups_tools.cli", "bench", "--matrix", "tiny",
-            "--backends", "numpy", "--sweeps", "headline", "--directions", "store",
-            "--repeats", "1"]
+    args = [
+        sys.executable,
+        "-m",
+        "kvgroups_tools.cli",
+        "bench",
+        "--matrix",
+        "tiny",
+        "--backends",
+        "numpy",
+        "--sweeps",
+        "headline",
+        "--directions",
+        "store",
+        "--repeats",
+        "1",
+    ]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends")]))
     env.pop("KVGROUPS_PROGRESS", None)
     silent = subprocess.run(args, capture_output=True, text=True, env=env, timeout=300)
     assert silent.returncode == 0, silent.stderr
     assert "kvgroups bench: started" not in silent.stderr  # stderr is a pipe here
-    shown = subprocess.run(args, capture_output=True, text=True, timeout=300,
-                           env=dict(env, KVGROUPS_PROGRESS="1"))
+    shown = subprocess.run(
+        args, capture_output=True, text=True, timeout=300, env=dict(env, KVGROUPS_PROGRESS="1")
+    )
     assert shown.returncode == 0, shown.stderr
     assert "kvgroups bench: started" in shown.stderr and "[1 " in shown.stderr
-    quiet = subprocess.run(args + ["--quiet"], capture_output=True, text=True, timeout=300,
-                           env=dict(env, KVGROUPS_PROGRESS="1"))
+    quiet = subprocess.run(
+        args + ["--quiet"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(env, KVGROUPS_PROGRESS="1"),
+    )
     assert "kvgroups bench: started" not in quiet.stderr
 
 
@@ -98,7 +120,8 @@ def test_the_library_never_prints_and_logs_under_kvgroups():
                     continue  # builds the kvgroups.<name> loggers for every other module
                 if name in ("logging.getLogger", "getLogger") and node.args:
                     arg = node.args[0]
-                    if not (isinstance(arg, ast.Constant) and
-                            str(arg.value).split(".")[0] == "kvgroups"):
+                    if not (
+                        isinstance(arg, ast.Constant) and str(arg.value).split(".")[0] == "kvgroups"
+                    ):
                         found.append(f"{where}: logger {ast.unparse(arg)}")
     assert found == []

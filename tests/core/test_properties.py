@@ -58,7 +58,8 @@ def test_groups_partition_the_non_excluded_layers_by_kind_and_engine_group(data)
     for identity, layers in groups:
         assert layers == sorted(layers)
         assert {(kinds[layer], engine_groups[layer]) for layer in layers} == {
-            (kinds[layers[0]], identity.engine_group_idx)}
+            (kinds[layers[0]], identity.engine_group_idx)
+        }
     assert len({identity for identity, _ in groups}) == len(groups)
 
 
@@ -72,7 +73,8 @@ def test_grouping_is_deterministic_and_follows_a_permutation_of_the_layers(data,
     perm = list(range(len(kinds)))
     rnd.shuffle(perm)
     permuted = group_layers_by_identity(
-        [caches[p] for p in perm], [formats[p] for p in perm], [engine_groups[p] for p in perm])
+        [caches[p] for p in perm], [formats[p] for p in perm], [engine_groups[p] for p in perm]
+    )
     firsts = [layers[0] for _, layers in permuted]
     assert firsts == sorted(firsts)
     as_original = {frozenset(perm[i] for i in layers) for _, layers in permuted}
@@ -81,15 +83,22 @@ def test_grouping_is_deterministic_and_follows_a_permutation_of_the_layers(data,
 
 
 spec_group = st.tuples(
-    st.integers(0, 4), st.integers(0, 1 << 20), st.integers(0, 512), st.integers(0, 64),
-    st.integers(0, 1024), st.sampled_from(SPEC_DTYPES), st.integers(1, 200),
+    st.integers(0, 4),
+    st.integers(0, 1 << 20),
+    st.integers(0, 512),
+    st.integers(0, 64),
+    st.integers(0, 1024),
+    st.sampled_from(SPEC_DTYPES),
+    st.integers(1, 200),
 )
 
 
 @fast
 @given(st.lists(spec_group, min_size=1, max_size=6))
 def test_format_of_parse_is_the_identity_on_canonical_specs(groups):
-    spec = ";".join(f"({kv},{nb},{bs},{nh},{hs}):{dt}:{nl}" for kv, nb, bs, nh, hs, dt, nl in groups)
+    spec = ";".join(
+        f"({kv},{nb},{bs},{nh},{hs}):{dt}:{nl}" for kv, nb, bs, nh, hs, dt, nl in groups
+    )
     parsed = parse_kvcache_shape_spec(spec)
     assert format_kvcache_shape_spec(parsed) == spec
     assert [g.dtype for g in parsed] == [DTYPE_MAP[g[5]] for g in groups]
@@ -107,15 +116,23 @@ def managed_models(draw):
     for identity, layers in groups:
         bs = identity.block_size
         tpb = draw(st.sampled_from([t for t in (8, 16, 32, 64, 128, 256) if t % bs == 0]))
-        window = draw(st.one_of(
-            st.just(-1),
-            st.integers(1, CHUNK // tpb - 1).map(lambda n, tpb=tpb: n * tpb)
-            if CHUNK // tpb > 1 else st.just(-1),
-            st.integers(CHUNK, 4 * CHUNK),
-        ))
-        infos.append(EngineGroupInfo(engine_group_id=identity.engine_group_idx,
-                                     layer_indices=tuple(layers), tokens_per_block=tpb,
-                                     sw_size_tokens=window))
+        window = draw(
+            st.one_of(
+                st.just(-1),
+                st.integers(1, CHUNK // tpb - 1).map(lambda n, tpb=tpb: n * tpb)
+                if CHUNK // tpb > 1
+                else st.just(-1),
+                st.integers(CHUNK, 4 * CHUNK),
+            )
+        )
+        infos.append(
+            EngineGroupInfo(
+                engine_group_id=identity.engine_group_idx,
+                layer_indices=tuple(layers),
+                tokens_per_block=tpb,
+                sw_size_tokens=window,
+            )
+        )
     return caches, formats, engine_groups, infos
 
 
@@ -123,8 +140,9 @@ def managed_models(draw):
 @given(managed_models(), st.booleans())
 def test_manager_invariants(model_data, separate):
     caches, formats, engine_groups, infos = model_data
-    m = KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=CHUNK,
-                             separate_object_groups=separate)
+    m = KVLayerGroupsManager(
+        caches, formats, infos, lmcache_tokens_per_chunk=CHUNK, separate_object_groups=separate
+    )
     grouped = sorted(layer for g in m.kernel_groups for layer in g.layer_indices)
     assert grouped == [i for i, g in enumerate(engine_groups) if g != -1]
     assert sum(g.shape_desc.nl for g in m.kernel_groups) == len(grouped)

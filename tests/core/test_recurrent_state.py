@@ -37,21 +37,34 @@ SHAPE = HybridShape(page_bytes=2048)  # conv 3x24 bf16 (144 B) + temporal 2x4x8 
 def _model(shape=SHAPE, seed=0, zero=False, chunk=CHUNK, **kw):
     rng = np.random.default_rng(seed)
     caches, formats, raws = hybrid_caches(shape, rng, zero)
-    manager = KVLayerGroupsManager(caches, formats, hybrid_infos(formats, shape.bs),
-                                   lmcache_tokens_per_chunk=chunk, **kw)
+    manager = KVLayerGroupsManager(
+        caches, formats, hybrid_infos(formats, shape.bs), lmcache_tokens_per_chunk=chunk, **kw
+    )
     return manager, caches, formats, raws
 
 
 def test_state_layers_group_by_spec_into_one_object_group_of_window_one():
     m, _, formats, _ = _model()
     assert formats[:3] == [F.NL_X_NB_CW_CD, F.NL_X_NB_SH_SS, F.NL_X_NB_NH_BS_CS]
-    got = [(g.layer_indices, g.engine_kv_format, g.recurrent_state, g.sw_size_tokens,
-            g.shape_desc.bs, g.shape_desc.nh * g.shape_desc.hs) for g in m.kernel_groups]
-    assert got == [([0, 3], F.NL_X_NB_CW_CD, True, 4, 1, 72),
-                   ([1, 4], F.NL_X_NB_SH_SS, True, 4, 1, 64),
-                   ([2, 5], F.NL_X_NB_NH_BS_CS, False, -1, 4, 16)]
-    assert [(o.kernel_group_indices, o.sw_size_chunks, o.recurrent_state)
-            for o in m.object_groups] == [([0, 1], 1, True), ([2], -1, False)]
+    got = [
+        (
+            g.layer_indices,
+            g.engine_kv_format,
+            g.recurrent_state,
+            g.sw_size_tokens,
+            g.shape_desc.bs,
+            g.shape_desc.nh * g.shape_desc.hs,
+        )
+        for g in m.kernel_groups
+    ]
+    assert got == [
+        ([0, 3], F.NL_X_NB_CW_CD, True, 4, 1, 72),
+        ([1, 4], F.NL_X_NB_SH_SS, True, 4, 1, 64),
+        ([2, 5], F.NL_X_NB_NH_BS_CS, False, -1, 4, 16),
+    ]
+    assert [
+        (o.kernel_group_indices, o.sw_size_chunks, o.recurrent_state) for o in m.object_groups
+    ] == [([0, 1], 1, True), ([2], -1, False)]
     assert m.get_attn_desc().num_chunks_in_sw == [1, -1]
     # Object bytes per chunk: the unpadded states (2 layers x 400 B), not the 2,048 B pages.
     assert object_nbytes(m, 0) == 2 * SHAPE.state_nbytes == 800
@@ -64,8 +77,9 @@ def test_full_sw_mode_and_unseparated_objects_leave_state_groups_alone():
     assert full.get_attn_desc().num_chunks_in_sw == [1, -1]
     assert full.get_subchunk_sw_size_tokens(0) == 4
     one = _model(separate_object_groups=False)[0]
-    assert [(o.kernel_group_indices, o.sw_size_chunks, o.recurrent_state)
-            for o in one.object_groups] == [([0, 1], 1, True), ([2], -1, False)]
+    assert [
+        (o.kernel_group_indices, o.sw_size_chunks, o.recurrent_state) for o in one.object_groups
+    ] == [([0, 1], 1, True), ([2], -1, False)]
 
 
 def test_a_store_keeps_each_chunks_last_slot_without_the_page_padding():
@@ -83,24 +97,37 @@ def test_a_load_writes_only_the_last_chunks_snapshot_into_the_request_slot():
     dst, dst_caches, _, dst_raws = _model(seed=2)
     before_raws = [r.copy() for r in dst_raws]
     before_attn = [dst_caches[i].copy() for i in (2, 5)]
-    objs = store(src, src_caches, {STATE_GROUP: [0, 3, 0, 5, 0, 8],
-                                   ATTN_GROUP: [1, 2, 3, 4, 5, 6]}, backend="numpy")
-    load(dst, objs, dst_caches, {STATE_GROUP: [0, 0, 0, 0, 0, 10],
-                                 ATTN_GROUP: [7, 8, 9, 10, 11, 0]}, backend="numpy")
+    objs = store(
+        src,
+        src_caches,
+        {STATE_GROUP: [0, 3, 0, 5, 0, 8], ATTN_GROUP: [1, 2, 3, 4, 5, 6]},
+        backend="numpy",
+    )
+    load(
+        dst,
+        objs,
+        dst_caches,
+        {STATE_GROUP: [0, 0, 0, 0, 0, 10], ATTN_GROUP: [7, 8, 9, 10, 11, 0]},
+        backend="numpy",
+    )
     # State: only slot 10 changed, to the source's slot 8 (the third chunk's snapshot).
     for raw, before in zip(dst_raws, before_raws):
         changed = np.flatnonzero(np.any(raw != before, axis=1))
         assert changed.tolist() == [10]
-        assert raw[10, SHAPE.state_nbytes:].tolist() == [PAD] * (2048 - SHAPE.state_nbytes)
+        assert raw[10, SHAPE.state_nbytes :].tolist() == [PAD] * (2048 - SHAPE.state_nbytes)
     for layer in (0, 1, 3, 4):
-        assert slot_bytes(dst_caches[layer], 10).tobytes() == \
-            slot_bytes(src_caches[layer], 8).tobytes()
+        assert (
+            slot_bytes(dst_caches[layer], 10).tobytes()
+            == slot_bytes(src_caches[layer], 8).tobytes()
+        )
     # Attention: every block of the three chunks, the rest untouched.
     for j, layer in enumerate((2, 5)):
         for s, d in zip([1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 11, 0]):
             assert dst_caches[layer][d].tobytes() == src_caches[layer][s].tobytes()
-        assert dst_caches[layer][[1, 2, 3, 4, 5, 6]].tobytes() == \
-            before_attn[j][[1, 2, 3, 4, 5, 6]].tobytes()
+        assert (
+            dst_caches[layer][[1, 2, 3, 4, 5, 6]].tobytes()
+            == before_attn[j][[1, 2, 3, 4, 5, 6]].tobytes()
+        )
 
 
 @pytest.mark.parametrize("skip,state_written", [(0, True), (20, True), (23, True), (24, False)])
@@ -142,11 +169,15 @@ def test_hits_need_the_snapshot_at_the_hit_length():
     assert hit({0, 1, 2, 3}, {0, 1, 2}) == 3
 
 
-@pytest.mark.parametrize("fmt,shape,nh,hs", [
-    (F.NL_X_NB_CD_CW, (5, 24, 3), 24, 3),
-    (F.NL_X_NB_CW_CD, (5, 3, 24), 1, 72),
-    (F.NL_X_NB_SH_SS, (5, 2, 4, 8), 2, 32),
-], ids=lambda x: getattr(x, "name", None))
+@pytest.mark.parametrize(
+    "fmt,shape,nh,hs",
+    [
+        (F.NL_X_NB_CD_CW, (5, 24, 3), 24, 3),
+        (F.NL_X_NB_CW_CD, (5, 3, 24), 1, 72),
+        (F.NL_X_NB_SH_SS, (5, 2, 4, 8), 2, 32),
+    ],
+    ids=lambda x: getattr(x, "name", None),
+)
 def test_a_slot_is_one_run_of_the_whole_state_at_the_padded_stride(fmt, shape, nh, hs):
     inner = int(np.prod(shape[1:]))
     base = np.arange(5 * (inner + 10), dtype=np.float32).reshape(5, inner + 10)
@@ -163,12 +194,15 @@ def test_a_slot_is_one_run_of_the_whole_state_at_the_padded_stride(fmt, shape, n
 
 def test_page_offsets_place_sub_states_back_to_back():
     assert state_page_offsets([(3, 512), (4, 64, 64)], ["bfloat16", "float32"]) == [
-        (0, 3072), (3072, 65536)]
+        (0, 3072),
+        (3072, 65536),
+    ]
     with pytest.raises(ValueError, match="not a multiple"):
         state_page_offsets([(3,), (2,)], ["bfloat16", "float32"])
 
 
 # --- refusals -----------------------------------------------------------------------------
+
 
 def test_state_layers_need_an_engine_info_saying_recurrent_state():
     _, caches, formats, _ = _model()
@@ -190,16 +224,18 @@ def test_a_gdn_state_shaped_like_attention_is_never_read_as_attention():
     with pytest.raises(ValueError, match="recurrent_state"):
         detect_format(caches, engine="vllm", hints={"recurrent_state": True})
     # Declared from the spec, the same tensor is a state of 2 heads x 544*512 elements.
-    m = KVLayerGroupsManager(caches, [F.NL_X_NB_SH_SS] * 2, [info],
-                             lmcache_tokens_per_chunk=544)
+    m = KVLayerGroupsManager(caches, [F.NL_X_NB_SH_SS] * 2, [info], lmcache_tokens_per_chunk=544)
     sd = m.kernel_groups[0].shape_desc
     assert (sd.bs, sd.nh, sd.hs, m.kernel_groups[0].recurrent_state) == (1, 2, 544 * 512, True)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(tokens_per_block=0), "tokens_per_block > 0"),
-    (dict(sw_size_tokens=8), "sw_size_tokens -1"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(tokens_per_block=0), "tokens_per_block > 0"),
+        (dict(sw_size_tokens=8), "sw_size_tokens -1"),
+    ],
+)
 def test_state_infos_need_slot_tokens_and_no_window(kw, match):
     _, caches, formats, _ = _model()
     infos = hybrid_infos(formats, 4)
@@ -216,8 +252,9 @@ def test_conv_projections_belong_to_conv_state_groups():
         EngineGroupInfo(0, (0,), 4, recurrent_state=True, conv_projections=((9, 2),))
     _, caches, formats, _ = _model()
     infos = hybrid_infos(formats, 4)
-    infos[1] = EngineGroupInfo(STATE_GROUP, infos[1].layer_indices, 4, recurrent_state=True,
-                               conv_projections=((8, 2),))
+    infos[1] = EngineGroupInfo(
+        STATE_GROUP, infos[1].layer_indices, 4, recurrent_state=True, conv_projections=((8, 2),)
+    )
     with pytest.raises(ValueError, match="only for a conv state"):
         KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=CHUNK)
 
@@ -228,5 +265,6 @@ def test_a_state_that_is_not_one_row_major_run_per_slot_is_refused():
     with pytest.raises(ValueError, match="one row-major state"):
         KVLayerGroupsManager([state], [F.NL_X_NB_CW_CD], [info], lmcache_tokens_per_chunk=8)
     with pytest.raises(ValueError, match="rank-3"):
-        KVLayerGroupsManager([np.zeros((4, 3), np.float32)], [F.NL_X_NB_CW_CD], [info],
-                             lmcache_tokens_per_chunk=8)
+        KVLayerGroupsManager(
+            [np.zeros((4, 3), np.float32)], [F.NL_X_NB_CW_CD], [info], lmcache_tokens_per_chunk=8
+        )

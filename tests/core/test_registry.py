@@ -36,8 +36,7 @@ class FakeBackend(kc.Backend):
 
     def execute(self, plan, caches, objects):
         FakeBackend.calls.append(plan.direction)
-        inner = [kc.TensorDesc(d.spec, d.data_ptr, d.byte_offset, d.obj.a, "numpy")
-                 for d in caches]
+        inner = [kc.TensorDesc(d.spec, d.data_ptr, d.byte_offset, d.obj.a, "numpy") for d in caches]
         self.ref.execute(plan, inner, [o.a for o in objects])
         return None, list(objects)
 
@@ -52,10 +51,8 @@ def fake_backend():
 
 def test_a_third_party_backend_plugs_in_without_editing_the_core(fake_backend):
     rng = np.random.default_rng(0)
-    caches = [FakeArray(rng.standard_normal((2, 8, 4, 2, 8)).astype(np.float16))
-              for _ in range(2)]
-    manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * 2,
-                                   lmcache_tokens_per_chunk=8)
+    caches = [FakeArray(rng.standard_normal((2, 8, 4, 2, 8)).astype(np.float16)) for _ in range(2)]
+    manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * 2, lmcache_tokens_per_chunk=8)
     objects = store(manager, caches, [3, 5])
     assert isinstance(objects[0], FakeArray)
     dst = [FakeArray(np.zeros_like(c.a)) for c in caches]

@@ -31,19 +31,29 @@ def _caches(fill: int = 0) -> list[np.ndarray]:
 
 
 def _windowed_manager(caches, **kw) -> kc.KVLayerGroupsManager:
-    infos = (EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
-             EngineGroupInfo(engine_group_id=1, layer_indices=(1,), sw_size_tokens=8))
-    return kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS, infos,
-                                   lmcache_tokens_per_chunk=CHUNK, **kw)
+    infos = (
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+        EngineGroupInfo(engine_group_id=1, layer_indices=(1,), sw_size_tokens=8),
+    )
+    return kc.KVLayerGroupsManager(
+        caches, F.NL_X_TWO_NB_BS_NH_HS, infos, lmcache_tokens_per_chunk=CHUNK, **kw
+    )
 
 
 def _run(code: str) -> subprocess.CompletedProcess:
     env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'backends'}", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                          text=True, env=env, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 # --- the manager ----------------------------------------------------------------------------
+
 
 def test_full_sw_mode_is_chosen_at_construction_or_by_a_new_manager():
     caches = _caches()
@@ -81,6 +91,7 @@ def test_enable_full_sw_kv_works_before_use_and_refuses_after():
 
 # --- caches replaced, resized, reallocated ----------------------------------------------------
 
+
 def _backend_arrays(kind: str):
     """(to_backend, to_numpy) for a CPU runtime."""
     if kind == "numpy":
@@ -88,15 +99,19 @@ def _backend_arrays(kind: str):
     if kind == "torch":
         torch = pytest.importorskip("torch")
         pytest.importorskip("kvgroups_torch")
-        return (lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16),
-                lambda t: t.view(torch.int16).numpy().view(np.float16))
+        return (
+            lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16),
+            lambda t: t.view(torch.int16).numpy().view(np.float16),
+        )
     if kind == "torch-cuda":
         torch = pytest.importorskip("torch")
         pytest.importorskip("kvgroups_torch")
         if not torch.cuda.is_available():
             pytest.skip("no CUDA GPU")
-        return (lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16).cuda(),
-                lambda t: t.cpu().view(torch.int16).numpy().view(np.float16))
+        return (
+            lambda a: torch.from_numpy(a.view(np.int16).copy()).view(torch.float16).cuda(),
+            lambda t: t.cpu().view(torch.int16).numpy().view(np.float16),
+        )
     pytest.importorskip("kvgroups_jax")
     backend = kc.get_backend("jax")
     return (lambda a: backend.from_numpy(a)), (lambda x: np.asarray(x))
@@ -177,8 +192,9 @@ def test_jax_deleted_bound_cache_is_a_typed_error():
     pytest.importorskip("kvgroups_jax")
     backend = kc.get_backend("jax")
     caches = [backend.from_numpy(a) for a in _caches(2)]
-    manager = kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS,
-                                      lmcache_tokens_per_chunk=CHUNK)
+    manager = kc.KVLayerGroupsManager(
+        caches, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK
+    )
     prepared = kc.prepare(manager, caches)
     objects = prepared.store(np.arange(4))
     caches[1].delete()
@@ -193,8 +209,10 @@ def test_jax_deleted_bound_cache_is_a_typed_error():
 
 # --- threads ---------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", ["numpy", "torch", "jax",
-                                  pytest.param("torch-cuda", marks=pytest.mark.gpu)])
+
+@pytest.mark.parametrize(
+    "kind", ["numpy", "torch", "jax", pytest.param("torch-cuda", marks=pytest.mark.gpu)]
+)
 def test_four_threads_on_one_prepared_transfer_lose_no_block(kind):
     to_backend, to_numpy = _backend_arrays(kind)
     src_np = _caches(4)

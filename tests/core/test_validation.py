@@ -48,13 +48,16 @@ def test_host_range_writable_reads_the_mapping_not_the_flag(tmp_path):
 
 def test_objects_of_two_object_groups_sharing_bytes_are_refused():
     caches = _caches()
-    infos = (EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
-             EngineGroupInfo(engine_group_id=1, layer_indices=(1,), sw_size_tokens=4))
-    manager = kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS, infos,
-                                      lmcache_tokens_per_chunk=CHUNK)
+    infos = (
+        EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+        EngineGroupInfo(engine_group_id=1, layer_indices=(1,), sw_size_tokens=4),
+    )
+    manager = kc.KVLayerGroupsManager(
+        caches, F.NL_X_TWO_NB_BS_NH_HS, infos, lmcache_tokens_per_chunk=CHUNK
+    )
     n0, n1 = kc.object_nbytes(manager, 0), kc.object_nbytes(manager, 1)
     backing = np.zeros(n0 + n1, np.uint8)
-    shared = [backing[:n0].reshape(1, n0), backing[n0 - 8: n0 - 8 + n1].reshape(1, n1)]
+    shared = [backing[:n0].reshape(1, n0), backing[n0 - 8 : n0 - 8 + n1].reshape(1, n1)]
     before = [c.copy() for c in caches]
     ids = {0: np.arange(2), 1: np.arange(2, 4)}
     with pytest.raises(kc.KVGroupsValueError, match=r"objects\[1\]: expected memory of its own"):
@@ -80,12 +83,14 @@ def test_format_shape_spec_takes_only_a_list_of_groups(bad):
 
 # --- torch ---------------------------------------------------------------------------------
 
+
 def _torch_setup():
     torch = pytest.importorskip("torch")
     pytest.importorskip("kvgroups_torch")
     caches = [torch.from_numpy(c.view(np.int16).copy()).view(torch.float16) for c in _caches()]
-    manager = kc.KVLayerGroupsManager(caches, F.NL_X_TWO_NB_BS_NH_HS,
-                                      lmcache_tokens_per_chunk=CHUNK)
+    manager = kc.KVLayerGroupsManager(
+        caches, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK
+    )
     objects = [torch.randint(0, 256, (1, kc.object_nbytes(manager, 0)), dtype=torch.uint8)]
     return torch, manager, caches, objects
 
@@ -102,15 +107,19 @@ def test_torch_meta_tensors_plan_but_never_transfer():
     planned = kc.KVLayerGroupsManager(meta, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK)
     assert kc.object_nbytes(planned, 0) == kc.object_nbytes(manager, 0)
     before = _torch_bytes(objects)
-    for call in (lambda: kc.store(manager, meta, np.arange(2), objects),
-                 lambda: kc.load(manager, objects, meta, np.arange(2))):
+    for call in (
+        lambda: kc.store(manager, meta, np.arange(2), objects),
+        lambda: kc.load(manager, objects, meta, np.arange(2)),
+    ):
         with pytest.raises(kc.KVGroupsValueError, match="meta tensor") as info:
             call()
         assert _typed(info.value, ValueError)
     meta_obj = [objects[0].to("meta")]
     cache_bytes = _torch_bytes(caches)
-    for call in (lambda: kc.store(manager, caches, np.arange(2), meta_obj),
-                 lambda: kc.load(manager, meta_obj, caches, np.arange(2))):
+    for call in (
+        lambda: kc.store(manager, caches, np.arange(2), meta_obj),
+        lambda: kc.load(manager, meta_obj, caches, np.arange(2)),
+    ):
         with pytest.raises(kc.KVGroupsValueError, match=r"objects\[0\]: .*meta tensor"):
             call()
     assert all(np.array_equal(a, b) for a, b in zip(_torch_bytes(objects), before))
@@ -122,10 +131,12 @@ def test_torch_autograd_tensors_are_refused():
     grad_caches = [c.float().half().requires_grad_(True) for c in caches]
     grad_objects = [objects[0].float().requires_grad_(True)]  # any float tensor can need grad
     cache_bytes, object_bytes = _torch_bytes(grad_caches), _torch_bytes(objects)
-    for call in (lambda: kc.load(manager, objects, grad_caches, np.arange(2)),
-                 lambda: kc.store(manager, grad_caches, np.arange(2), objects),
-                 lambda: kc.store(manager, caches, np.arange(2), grad_objects),
-                 lambda: kc.load(manager, grad_objects, caches, np.arange(2))):
+    for call in (
+        lambda: kc.load(manager, objects, grad_caches, np.arange(2)),
+        lambda: kc.store(manager, grad_caches, np.arange(2), objects),
+        lambda: kc.store(manager, caches, np.arange(2), grad_objects),
+        lambda: kc.load(manager, grad_objects, caches, np.arange(2)),
+    ):
         with pytest.raises(kc.KVGroupsValueError, match="requires grad") as info:
             call()
         assert _typed(info.value, ValueError)
@@ -134,6 +145,7 @@ def test_torch_autograd_tensors_are_refused():
 
 
 # --- JAX: several CPU devices, deleted and donated arrays ----------------------------------
+
 
 def test_jax_arrays_on_another_device_or_deleted_are_refused():
     pytest.importorskip("jax")
@@ -184,9 +196,13 @@ def test_jax_arrays_on_another_device_or_deleted_are_refused():
         print("refused")
     """)
     # Eight CPU devices: the flag tests/conftest.py sets, handed to the clean environment.
-    env = {"PYTHONPATH": f"{ROOT}:{ROOT / 'backends'}", "PATH": "/usr/bin:/bin",
-           "XLA_FLAGS": os.environ["XLA_FLAGS"]}
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                            env=env, timeout=300, cwd=ROOT)
+    env = {
+        "PYTHONPATH": f"{ROOT}:{ROOT / 'backends'}",
+        "PATH": "/usr/bin:/bin",
+        "XLA_FLAGS": os.environ["XLA_FLAGS"],
+    }
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, cwd=ROOT
+    )
     assert result.returncode == 0, (result.stdout, result.stderr[-3000:])
     assert "refused" in result.stdout

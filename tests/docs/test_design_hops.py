@@ -21,7 +21,7 @@ def _section() -> str:
 
 
 def _hops(section: str) -> list[tuple[int, str]]:
-    block = section[section.index("<!-- hops"):section.index("<!-- /hops -->")]
+    block = section[section.index("<!-- hops") : section.index("<!-- /hops -->")]
     return [(int(n), name) for n, name in re.findall(r"^(\d+)\. `([\w.]+)`", block, re.M)]
 
 

@@ -5,7 +5,8 @@ from tests.support.module_map import DESIGN, PACKAGES, ROOT, design_block, modul
 
 def test_design_md_module_map_matches_the_tree():
     assert design_block(DESIGN.read_text()) == module_map(), (
-        "docs/DESIGN.md's module map is stale: run `python -m tests.support.module_map --write`")
+        "docs/DESIGN.md's module map is stale: run `python -m tests.support.module_map --write`"
+    )
 
 
 def test_the_map_has_one_line_per_module_and_package():
@@ -16,8 +17,12 @@ def test_the_map_has_one_line_per_module_and_package():
 
 
 def test_every_module_states_its_role():
-    missing = [str(p.relative_to(ROOT)) for name in PACKAGES for p in (ROOT / name).rglob("*.py")
-               if not role(p)]
+    missing = [
+        str(p.relative_to(ROOT))
+        for name in PACKAGES
+        for p in (ROOT / name).rglob("*.py")
+        if not role(p)
+    ]
     assert missing == []
 
 
@@ -29,4 +34,5 @@ def test_the_map_follows_a_new_module(tmp_path):
     made = module_map(Path(tmp_path))
     assert "  fresh.py" in made and made.rstrip().endswith("A package.")
     assert [line.split()[-2:] for line in made.splitlines() if "fresh.py" in line] == [
-        ["Something", "new."]]
+        ["Something", "new."]
+    ]

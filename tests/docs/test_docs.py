@@ -9,12 +9,16 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def tracked_text_files():
-    names = subprocess.run(["git", "ls-files"], capture_output=True, text=True, cwd=ROOT,
-                           check=True).stdout.split()
+    names = subprocess.run(
+        ["git", "ls-files"], capture_output=True, text=True, cwd=ROOT, check=True
+    ).stdout.split()
     for name in names:
         path = ROOT / name
-        if path.suffix in (".py", ".md", ".sh", ".toml", ".cu") and \
-                not name.startswith("benchmarks/results/") and path.is_file():
+        if (
+            path.suffix in (".py", ".md", ".sh", ".toml", ".cu")
+            and not name.startswith("benchmarks/results/")
+            and path.is_file()
+        ):
             yield path
 
 
@@ -77,8 +81,11 @@ def test_every_doc_code_block_runs_in_ci_or_is_marked_a_fragment():
 
 def test_no_file_points_outside_the_repository():
     pattern = re.compile("(\\.\\./)+" + "shared" + r"\S*|" + "shared" + "/spec" + r"\S*")
-    outside = [f"{p.relative_to(ROOT)}: {m.group(0)}" for p in tracked_text_files()
-               for m in pattern.finditer(p.read_text())]
+    outside = [
+        f"{p.relative_to(ROOT)}: {m.group(0)}"
+        for p in tracked_text_files()
+        for m in pattern.finditer(p.read_text())
+    ]
     assert outside == []
 
 

@@ -25,14 +25,23 @@ NOT_RUN = {
     "python -m pytest": "the test suite itself (.ci/run)",
 }
 #: The README's sections, in order: what a user looks for, and where.
-SECTIONS = ["Install", "Quick start", "Inside an engine", "Performance", "Support",
-            "Documentation", "License"]
+SECTIONS = [
+    "Install",
+    "Quick start",
+    "Inside an engine",
+    "Performance",
+    "Support",
+    "Documentation",
+    "License",
+]
 
 
 def code_blocks(text: str) -> list[tuple[str, str]]:
     """``(language, body)`` of every fenced block."""
-    return [(m.group(1), m.group(2)) for m in
-            re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)]
+    return [
+        (m.group(1), m.group(2))
+        for m in re.finditer(r"^```(\w*)\n(.*?)^```", text, flags=re.S | re.M)
+    ]
 
 
 def bash_commands(body: str) -> list[str]:
@@ -54,23 +63,29 @@ def _set_aside(command: str) -> bool:
 
 
 def _env() -> dict:
-    return dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]),
-        JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    return dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]
+        ),
+        JAX_PLATFORMS="cpu",
+        CUDA_VISIBLE_DEVICES="",
+    )
 
 
 def _as_run_here(command: str) -> str:
     """``kvgroups ...`` through the module when the console script is not installed."""
     if command.startswith("kvgroups ") and shutil.which("kvgroups") is None:
-        return f"{shlex.quote(sys.executable)} -m kvgroups_tools.cli" + command[len("kvgroups"):]
+        return f"{shlex.quote(sys.executable)} -m kvgroups_tools.cli" + command[len("kvgroups") :]
     if command.startswith("python "):
-        return shlex.quote(sys.executable) + command[len("python"):]
+        return shlex.quote(sys.executable) + command[len("python") :]
     return command
 
 
 PYTHON_BLOCKS = [body for lang, body in code_blocks(README) if lang == "python"]
-BASH_COMMANDS = [c for lang, body in code_blocks(README) if lang == "bash"
-                 for c in bash_commands(body)]
+BASH_COMMANDS = [
+    c for lang, body in code_blocks(README) if lang == "bash" for c in bash_commands(body)
+]
 RUN_HERE = [c for c in BASH_COMMANDS if not _set_aside(c)]
 
 
@@ -103,15 +118,27 @@ def test_the_ci_commands_come_first_and_pin_no_torch_build():
 
 @pytest.mark.parametrize("body", PYTHON_BLOCKS, ids=lambda b: b.splitlines()[0][:40])
 def test_python_block_runs_as_written(body):
-    result = subprocess.run([sys.executable, "-c", body], capture_output=True, text=True,
-                            cwd=ROOT, env=_env(), timeout=600)
+    result = subprocess.run(
+        [sys.executable, "-c", body],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=600,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
 
 
 @pytest.mark.parametrize("command", RUN_HERE)
 def test_bash_command_runs_as_written(command):
-    result = subprocess.run(["bash", "-c", f"set -euo pipefail; {_as_run_here(command)}"],
-                            capture_output=True, text=True, cwd=ROOT, env=_env(), timeout=600)
+    result = subprocess.run(
+        ["bash", "-c", f"set -euo pipefail; {_as_run_here(command)}"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=_env(),
+        timeout=600,
+    )
     assert result.returncode == 0, (command, result.stdout[-2000:], result.stderr[-3000:])
     assert result.stdout.strip(), command
     if command.startswith("kvgroups demo"):

@@ -71,7 +71,7 @@ def _backend_places_layers(m, caches):
     whole = store_call(m, caches, ids)[0]
     part = store_call(m, caches, ids, layers=[1])[0]
     n = m.num_kernel_groups and whole.shape[1] // len(caches)
-    return torch.equal(part[:, n:2 * n], whole[:, n:2 * n])
+    return torch.equal(part[:, n : 2 * n], whole[:, n : 2 * n])
 
 
 def store_call(m, caches, ids, layers=None):

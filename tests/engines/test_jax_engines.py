@@ -37,7 +37,12 @@ def test_tpu_inference_pages_round_trip(dtype):
     a, b = from_tpu_inference(src), from_tpu_inference(dst)
     g = a.manager.kernel_groups[0]
     assert g.engine_kv_format is EngineKVFormat.NL_X_NB_BS_NH_TWO_HS
-    assert (g.shape_desc.kv_size, g.shape_desc.nh, g.shape_desc.hs, g.shape_desc.bs) == (2, NH, HD, PS)
+    assert (g.shape_desc.kv_size, g.shape_desc.nh, g.shape_desc.hs, g.shape_desc.bs) == (
+        2,
+        NH,
+        HD,
+        PS,
+    )
     want = [np.asarray(x) for x in src]
     before = [np.asarray(x) for x in dst]
     objs = store(a.manager, a.kv_caches, [3, 7, 1, 9])
@@ -57,7 +62,9 @@ def test_hybrid_groups_and_windows_for_tpu_inference():
     a = from_tpu_inference(src, layer_groups=[[0, 2], [1, 3]], windows=[100, -1])
     m = a.manager
     assert [(g.layer_indices, g.engine_group_idx, g.sw_size_tokens) for g in m.kernel_groups] == [
-        ([0, 2], 0, 128), ([1, 3], 1, -1)]
+        ([0, 2], 0, 128),
+        ([1, 3], 1, -1),
+    ]
     assert list(m.get_attn_desc().num_chunks_in_sw) == [1, -1]
     dst = [tpu_layer(rng, jnp.bfloat16) for _ in range(4)]
     b = from_tpu_inference(dst, layer_groups=[[0, 2], [1, 3]], windows=[100, -1])
@@ -90,8 +97,9 @@ def test_maxtext_key_and_value_pages_round_trip():
     vs = [jnp.asarray(rng.standard_normal(shape), jnp.float32) for _ in range(2)]
     a = from_maxtext(ks, vs)
     assert a.manager.kernel_groups[0].engine_kv_format is EngineKVFormat.TWO_X_NL_X_NH_NB_BS_HS
-    page_state = SimpleNamespace(page_map=np.array([[0, 0, 0, 0], [6, 2, 9, 1]]),
-                                 num_pages_used=np.array([0, 4]))
+    page_state = SimpleNamespace(
+        page_map=np.array([[0, 0, 0, 0], [6, 2, 9, 1]]), num_pages_used=np.array([0, 4])
+    )
     ids = pages_from_page_map(page_state, 1)
     assert ids == [6, 2, 9, 1]
     objs = store(a.manager, a.kv_caches, ids)
@@ -126,10 +134,14 @@ SLOTS, CH, H, D = 9, 48, 2, 8  # conv [slots, Q|K|V channels, kernel - 1], tempo
 
 def recurrent_pool(rng, layers=2):
     conv = [[jnp.asarray(rng.standard_normal((SLOTS, CH, 3)), jnp.bfloat16)] for _ in range(layers)]
-    temporal = [jnp.asarray(rng.standard_normal((SLOTS, H, D, D)), jnp.float32)
-                for _ in range(layers)]
-    return SimpleNamespace(recurrent_buffers=temporal, conv_buffers=conv,
-                           linear_recurrent_layer_ids=list(range(layers)))
+    temporal = [
+        jnp.asarray(rng.standard_normal((SLOTS, H, D, D)), jnp.float32) for _ in range(layers)
+    ]
+    return SimpleNamespace(
+        recurrent_buffers=temporal,
+        conv_buffers=conv,
+        linear_recurrent_layer_ids=list(range(layers)),
+    )
 
 
 def test_sglang_jax_recurrent_snapshots_round_trip():
@@ -137,15 +149,19 @@ def test_sglang_jax_recurrent_snapshots_round_trip():
     src, dst = recurrent_pool(rng), recurrent_pool(rng)
     a, b = from_sglang_jax_recurrent(src), from_sglang_jax_recurrent(dst)
     assert [(g.engine_kv_format, g.recurrent_state) for g in a.manager.kernel_groups] == [
-        (EngineKVFormat.NL_X_NB_CD_CW, True), (EngineKVFormat.NL_X_NB_SH_SS, True)]
+        (EngineKVFormat.NL_X_NB_CD_CW, True),
+        (EngineKVFormat.NL_X_NB_SH_SS, True),
+    ]
     before_t = [np.asarray(x) for x in dst.recurrent_buffers]
     objs = store(a.manager, a.kv_caches, [3, 7])  # snapshots after chunks 1 and 2
     temporal, conv = b.state_to_engine(load(b.manager, objs, b.kv_caches, [0, 5]))
     for layer in range(2):
         t = np.asarray(temporal[layer])
         assert t[5].tobytes() == np.asarray(src.recurrent_buffers[layer])[7].tobytes()
-        assert np.asarray(conv[layer][0])[5].tobytes() == \
-            np.asarray(src.conv_buffers[layer][0])[7].tobytes()
+        assert (
+            np.asarray(conv[layer][0])[5].tobytes()
+            == np.asarray(src.conv_buffers[layer][0])[7].tobytes()
+        )
         rest = [s for s in range(SLOTS) if s != 5]
         assert t[rest].tobytes() == before_t[layer][rest].tobytes()
 
@@ -159,9 +175,10 @@ def test_sglang_jax_kv_and_recurrent_pools_in_one_manager_inside_jit():
     assert m.get_attn_desc().num_chunks_in_sw == [-1, 1]
     ids = {0: [1, 2, 3, 4, 5, 6, 7, 8], 1: [4, 6]}  # two chunks: 4 pages each, one slot each
     objs = store(m, layout.kv_caches, ids)
-    dst = from_sglang_jax(SimpleNamespace(kv_buffer=[tpu_layer(rng, jnp.bfloat16)
-                                                     for _ in range(2)], page_size=PS),
-                          recurrent_pool=recurrent_pool(rng))
+    dst = from_sglang_jax(
+        SimpleNamespace(kv_buffer=[tpu_layer(rng, jnp.bfloat16) for _ in range(2)], page_size=PS),
+        recurrent_pool=recurrent_pool(rng),
+    )
 
     @jax.jit
     def step(caches, objects, pages, slots):
@@ -172,5 +189,7 @@ def test_sglang_jax_kv_and_recurrent_pools_in_one_manager_inside_jit():
     src_t = np.asarray(layout.kv_caches[3])  # layer 0's temporal state
     assert np.asarray(temporal[0])[8].tobytes() == src_t[6].tobytes()
     attention = dst.to_engine(out)
-    assert np.asarray(attention[1])[4].tobytes() == \
-        np.asarray(layout.to_engine(layout.kv_caches)[1])[8].tobytes()
+    assert (
+        np.asarray(attention[1])[4].tobytes()
+        == np.asarray(layout.to_engine(layout.kv_caches)[1])[8].tobytes()
+    )

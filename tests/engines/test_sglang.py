@@ -29,7 +29,7 @@ def slots_of(pages, ps=PS):
 
 
 def page_rows(buf, page, ps=PS):
-    return buf[page * ps:(page + 1) * ps].view(torch.uint8).clone()
+    return buf[page * ps : (page + 1) * ps].view(torch.uint8).clone()
 
 
 def snapshot(bufs):
@@ -44,10 +44,24 @@ def assert_only_pages_changed(before, after, pages, ps=PS):
 
 
 def test_mha_pool_pages_round_trip_and_nothing_else_moves():
-    src = MHATokenToKVPool(size=16 * PS, page_size=PS, dtype=torch.bfloat16, head_num=4,
-                           head_dim=64, layer_num=3, seed=1)
-    dst = MHATokenToKVPool(size=16 * PS, page_size=PS, dtype=torch.bfloat16, head_num=4,
-                           head_dim=64, layer_num=3, seed=2)
+    src = MHATokenToKVPool(
+        size=16 * PS,
+        page_size=PS,
+        dtype=torch.bfloat16,
+        head_num=4,
+        head_dim=64,
+        layer_num=3,
+        seed=1,
+    )
+    dst = MHATokenToKVPool(
+        size=16 * PS,
+        page_size=PS,
+        dtype=torch.bfloat16,
+        head_num=4,
+        head_dim=64,
+        layer_num=3,
+        seed=2,
+    )
     a, b = from_sglang_pool(src), from_sglang_pool(dst)
     assert a.manager.num_kernel_groups == 1
     assert a.manager.kernel_groups[0].engine_kv_format is EngineKVFormat.TWO_X_NL_X_NB_BS_NH_HS
@@ -62,10 +76,24 @@ def test_mha_pool_pages_round_trip_and_nothing_else_moves():
 
 
 def test_mla_pool_is_one_latent_per_slot():
-    src = MLATokenToKVPool(size=8 * PS, page_size=PS, dtype=torch.bfloat16, kv_lora_rank=512,
-                           qk_rope_head_dim=64, layer_num=2, seed=1)
-    dst = MLATokenToKVPool(size=8 * PS, page_size=PS, dtype=torch.bfloat16, kv_lora_rank=512,
-                           qk_rope_head_dim=64, layer_num=2, seed=2)
+    src = MLATokenToKVPool(
+        size=8 * PS,
+        page_size=PS,
+        dtype=torch.bfloat16,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        layer_num=2,
+        seed=1,
+    )
+    dst = MLATokenToKVPool(
+        size=8 * PS,
+        page_size=PS,
+        dtype=torch.bfloat16,
+        kv_lora_rank=512,
+        qk_rope_head_dim=64,
+        layer_num=2,
+        seed=2,
+    )
     a, b = from_sglang_pool(src), from_sglang_pool(dst)
     g = a.manager.kernel_groups[0]
     assert g.engine_kv_format is EngineKVFormat.NL_X_NB_BS_HS and g.shape_desc.hs == 576
@@ -79,9 +107,17 @@ def test_mla_pool_is_one_latent_per_slot():
 
 
 def swa_pool(seed):
-    return SWAKVPool(size=16 * PS, size_swa=8 * PS, page_size=PS, dtype=torch.float16,
-                     head_num=2, head_dim=64, swa_attention_layer_ids=[0, 1, 3, 4],
-                     full_attention_layer_ids=[2, 5], seed=seed)
+    return SWAKVPool(
+        size=16 * PS,
+        size_swa=8 * PS,
+        page_size=PS,
+        dtype=torch.float16,
+        head_num=2,
+        head_dim=64,
+        swa_attention_layer_ids=[0, 1, 3, 4],
+        full_attention_layer_ids=[2, 5],
+        seed=seed,
+    )
 
 
 def test_swa_pool_two_page_spaces_and_the_window_rule():
@@ -131,15 +167,19 @@ CONV, TEMPORAL = (96, 3), (4, 8, 8)  # GDN: [Q|K|V] channels x (kernel - 1); (H,
 
 
 def mamba_pool(seed, size=10):
-    return MambaPool(size=size, conv_shapes=[CONV], temporal_shape=TEMPORAL,
-                     num_mamba_layers=3, seed=seed)
+    return MambaPool(
+        size=size, conv_shapes=[CONV], temporal_shape=TEMPORAL, num_mamba_layers=3, seed=seed
+    )
 
 
 def state_bytes(pool, layer, slot):
     """A slot's conv then temporal bytes, read by the pool's own indexing."""
     if isinstance(pool, MambaPoolHost):
-        pick = (lambda b: b[slot, layer, 0]) if pool.layout != "layer_first" else \
-            (lambda b: b[layer, slot])
+        pick = (
+            (lambda b: b[slot, layer, 0])
+            if pool.layout != "layer_first"
+            else (lambda b: b[layer, slot])
+        )
         bufs = pool.conv_buffer + [pool.temporal_buffer]
     else:
         pick = lambda b: b[layer, slot]  # noqa: E731
@@ -152,9 +192,9 @@ def test_mamba_snapshots_offload_to_a_host_pool_of_either_layout(host_layout):
     device = mamba_pool(seed=1)
     host = MambaPoolHost(mamba_pool(seed=9), size=12, layout=host_layout, seed=3)
     a, b = from_sglang_mamba_pool(device, chunk_size=256), from_sglang_mamba_pool(host)
-    assert [(g.engine_kv_format, g.recurrent_state, g.tokens_per_block)
-            for g in a.manager.kernel_groups] == [
-        (EngineKVFormat.NL_X_NB_CD_CW, True, 256), (EngineKVFormat.NL_X_NB_SH_SS, True, 256)]
+    assert [
+        (g.engine_kv_format, g.recurrent_state, g.tokens_per_block) for g in a.manager.kernel_groups
+    ] == [(EngineKVFormat.NL_X_NB_CD_CW, True, 256), (EngineKVFormat.NL_X_NB_SH_SS, True, 256)]
     # A request whose state after chunks 1, 2, 3 sits in device slots 4, 7, 2 (snapshots).
     objs = store(a.manager, a.kv_caches, a.block_ids(None, state_slots=[4, 7, 2]))
     assert objs[0].shape == (3, 3 * (96 * 3 * 2 + 4 * 8 * 8 * 4))
@@ -167,8 +207,15 @@ def test_mamba_snapshots_offload_to_a_host_pool_of_either_layout(host_layout):
 
 
 def test_a_hybrid_pool_and_its_mamba_pool_form_one_manager():
-    kv = MHATokenToKVPool(size=16 * PS, page_size=PS, dtype=torch.bfloat16, head_num=2,
-                          head_dim=32, layer_num=2, seed=1)
+    kv = MHATokenToKVPool(
+        size=16 * PS,
+        page_size=PS,
+        dtype=torch.bfloat16,
+        head_num=2,
+        head_dim=32,
+        layer_num=2,
+        seed=1,
+    )
     states = mamba_pool(seed=2)
     layout = from_sglang_pool(kv, mamba_pool=states)
     m = layout.manager

@@ -30,26 +30,41 @@ BUILTINS = (ValueError, TypeError, IndexError)
 
 
 def _layout() -> VllmKVLayout:
-    specs = [kc.TensorSpec((2, 64, 16, 1, 8), "float16"), kc.TensorSpec((2, 64, 32, 1, 8),
-                                                                       "float16")]
-    infos = [kc.EngineGroupInfo(engine_group_id=g, layer_indices=(g,), tokens_per_block=bs)
-             for g, bs in BLOCK_SIZES.items()]
-    manager = kc.KVLayerGroupsManager(specs, kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, infos,
-                                      lmcache_tokens_per_chunk=CHUNK)
-    return VllmKVLayout(manager, specs, ["layers.0.attn", "layers.1.attn"], {}, dict(BLOCK_SIZES),
-                        NUM_GROUPS)
+    specs = [
+        kc.TensorSpec((2, 64, 16, 1, 8), "float16"),
+        kc.TensorSpec((2, 64, 32, 1, 8), "float16"),
+    ]
+    infos = [
+        kc.EngineGroupInfo(engine_group_id=g, layer_indices=(g,), tokens_per_block=bs)
+        for g, bs in BLOCK_SIZES.items()
+    ]
+    manager = kc.KVLayerGroupsManager(
+        specs, kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS, infos, lmcache_tokens_per_chunk=CHUNK
+    )
+    return VllmKVLayout(
+        manager, specs, ["layers.0.attn", "layers.1.attn"], {}, dict(BLOCK_SIZES), NUM_GROUPS
+    )
 
 
-BAD_IDS = {"float": 1.9, "bool": True, "digits": "3", "none": None, "bytes": b"1",
-           "nan": float("nan"), "huge": 2**70, "list": [1]}
+BAD_IDS = {
+    "float": 1.9,
+    "bool": True,
+    "digits": "3",
+    "none": None,
+    "bytes": b"1",
+    "nan": float("nan"),
+    "huge": 2**70,
+    "list": [1],
+}
 BAD_CHUNK_ARGS = [-1, -5, 1.0, 2.5, True, False, "1", [1]]
 
 
 @st.composite
 def _calls(draw):
     """``(per_group, num_chunks, first_chunk, broken?)``."""
-    tables = {g: draw(st.lists(st.integers(0, 10**6), min_size=0, max_size=12))
-              for g in range(NUM_GROUPS)}
+    tables = {
+        g: draw(st.lists(st.integers(0, 10**6), min_size=0, max_size=12)) for g in range(NUM_GROUPS)
+    }
     broken = False
     if draw(st.booleans()):
         g = draw(st.sampled_from(sorted(BLOCK_SIZES)))
@@ -100,19 +115,24 @@ def test_block_ids_are_exact_or_refused_by_name(call):
         with pytest.raises(kc.KVGroupsError) as info:
             layout.block_ids(per_group, num_chunks=num_chunks, first_chunk=first_chunk)
         assert isinstance(info.value, BUILTINS), repr(info.value)
-        assert any(name in str(info.value) for name in ("block_ids", "num_chunks",
-                                                         "first_chunk")), str(info.value)
+        assert any(
+            name in str(info.value) for name in ("block_ids", "num_chunks", "first_chunk")
+        ), str(info.value)
         return
     got = layout.block_ids(per_group, num_chunks=num_chunks, first_chunk=first_chunk)
     assert got == want
     assert all(type(b) is int for ids in got.values() for b in ids)
 
 
-@pytest.mark.parametrize("kwargs, match", [
-    (dict(first_chunk=-1, num_chunks=1), "first_chunk: expected a non-negative int"),
-    (dict(num_chunks=-1), "num_chunks: expected a non-negative int"),
-    (dict(num_chunks=1.0), "num_chunks: expected"), (dict(first_chunk=True), "first_chunk"),
-])
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(first_chunk=-1, num_chunks=1), "first_chunk: expected a non-negative int"),
+        (dict(num_chunks=-1), "num_chunks: expected a non-negative int"),
+        (dict(num_chunks=1.0), "num_chunks: expected"),
+        (dict(first_chunk=True), "first_chunk"),
+    ],
+)
 def test_negative_or_non_int_chunk_ranges_are_refused(kwargs, match):
     tables = ([1, 2, 3, 4, 5, 6, 7, 8], [9, 10, 11, 12], [])
     with pytest.raises(kc.KVGroupsError, match=match):

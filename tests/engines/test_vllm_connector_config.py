@@ -3,7 +3,8 @@
 ``kv_connector_extra_config`` is checked against the table of known keys
 (``kvgroups_torch.vllm.config.KEYS``): unknown or misspelt keys were ignored,
 ``capacity_bytes`` 0 or -1 became one chunk, ``capacity_chunks: 2.7`` two, and
-``kv_role="kv_producer"`` ran as ``kv_both`` (now each role is implemented). Each example draws a dict of known, misspelt and
+``kv_role="kv_producer"`` ran as ``kv_both`` (now each role is implemented). Each example draws a
+dict of known, misspelt and
 unknown keys with good and bad values; a valid dict must come back with every key (given or
 default), an invalid one must raise a typed error naming the offending key. The same checks
 on the real engine: tests/vllm/test_connector_config.py.
@@ -21,14 +22,24 @@ from kvgroups_torch.vllm.config import KEYS, ConfigKey, keys_table, parse_extra_
 
 import kvgroups_core as kc  # noqa: E402
 
-GOOD = {"chunk_size": [256, 512, 1], "capacity_chunks": [1, 64, 10**6],
-        "capacity_bytes": [1, 8 << 30], "eviction": ["lru", "LRU"]}
-BAD = {"chunk_size": [0, -256, 2.5, "256", True, None],
-       "capacity_chunks": [2.7, "lots", 0, -1, False, [4]],
-       "capacity_bytes": [0, -1, 1.5, "1GiB", None],
-       "eviction": ["fifo", 1, None, ""]}
-TYPOS = {"capacity_chunk": "capacity_chunks", "chunksize": "chunk_size",
-         "capacity_byte": "capacity_bytes", "evict": "eviction"}
+GOOD = {
+    "chunk_size": [256, 512, 1],
+    "capacity_chunks": [1, 64, 10**6],
+    "capacity_bytes": [1, 8 << 30],
+    "eviction": ["lru", "LRU"],
+}
+BAD = {
+    "chunk_size": [0, -256, 2.5, "256", True, None],
+    "capacity_chunks": [2.7, "lots", 0, -1, False, [4]],
+    "capacity_bytes": [0, -1, 1.5, "1GiB", None],
+    "eviction": ["fifo", 1, None, ""],
+}
+TYPOS = {
+    "capacity_chunk": "capacity_chunks",
+    "chunksize": "chunk_size",
+    "capacity_byte": "capacity_bytes",
+    "evict": "eviction",
+}
 UNKNOWN = ["foo", "shared_storage_path", 3, ""]
 
 
@@ -79,13 +90,15 @@ def test_settings_are_taken_exactly_or_refused_by_key(case):
 
 
 def test_the_issues_cases():
-    for extra, match in [({"capacity_chunk": 8}, "did you mean 'capacity_chunks'"),
-                         ({"foo": 1}, "unknown key 'foo'"),
-                         ({"capacity_bytes": 0}, r"'capacity_bytes'\]: expected an int >= 1"),
-                         ({"capacity_bytes": -1}, "capacity_bytes"),
-                         ({"capacity_chunks": 2.7}, r"'capacity_chunks'\]: expected an int"),
-                         ({"capacity_chunks": "lots"}, "capacity_chunks.*'lots'"),
-                         ({"capacity_chunks": 8, "capacity_bytes": 1 << 20}, "got both")]:
+    for extra, match in [
+        ({"capacity_chunk": 8}, "did you mean 'capacity_chunks'"),
+        ({"foo": 1}, "unknown key 'foo'"),
+        ({"capacity_bytes": 0}, r"'capacity_bytes'\]: expected an int >= 1"),
+        ({"capacity_bytes": -1}, "capacity_bytes"),
+        ({"capacity_chunks": 2.7}, r"'capacity_chunks'\]: expected an int"),
+        ({"capacity_chunks": "lots"}, "capacity_chunks.*'lots'"),
+        ({"capacity_chunks": 8, "capacity_bytes": 1 << 20}, "got both"),
+    ]:
         with pytest.raises(kc.KVGroupsError, match=match):
             parse_extra_config(extra)
 
@@ -99,26 +112,39 @@ def test_the_three_roles_run_and_others_are_refused_by_name(role):
 
 
 def test_disaggregation_settings_are_checked_by_name():
-    config = parse_extra_config({"transport": "NIXL", "side_channel_port": 6000,
-                                 "pull_timeout_s": 5}, "kv_producer")
+    config = parse_extra_config(
+        {"transport": "NIXL", "side_channel_port": 6000, "pull_timeout_s": 5}, "kv_producer"
+    )
     assert (config.transport, config.side_channel_port, config.pull_timeout_s) == (
-        "nixl", 6000, 5.0)
-    for extra, match in [({"transport": "mooncake"}, r"'transport'\]: expected one of"),
-                         ({"side_channel_port": 0}, r"'side_channel_port'\]: expected an int"),
-                         ({"pull_timeout_s": "soon"}, r"'pull_timeout_s'\]: expected a number"),
-                         ({"publish_ttl_s": float("nan")}, "publish_ttl_s"),
-                         ({"nixl_backends": []}, r"'nixl_backends'\]: expected a list"),
-                         ({"layerwise_loads": "yes"}, r"'layerwise_loads'\]: expected true"),
-                         ({"sidechannel_port": 1}, "did you mean 'side_channel_port'")]:
+        "nixl",
+        6000,
+        5.0,
+    )
+    for extra, match in [
+        ({"transport": "mooncake"}, r"'transport'\]: expected one of"),
+        ({"side_channel_port": 0}, r"'side_channel_port'\]: expected an int"),
+        ({"pull_timeout_s": "soon"}, r"'pull_timeout_s'\]: expected a number"),
+        ({"publish_ttl_s": float("nan")}, "publish_ttl_s"),
+        ({"nixl_backends": []}, r"'nixl_backends'\]: expected a list"),
+        ({"layerwise_loads": "yes"}, r"'layerwise_loads'\]: expected true"),
+        ({"sidechannel_port": 1}, "did you mean 'side_channel_port'"),
+    ]:
         with pytest.raises(kc.KVGroupsError, match=match):
             parse_extra_config(extra, "kv_consumer")
 
 
 def test_a_new_row_is_all_it_takes_to_add_a_setting():
-    port = ConfigKey("side_channel_port", int, 5600, "where this engine publishes its "
-                     "metadata", minimum=1, maximum=65535)
-    hosts = ConfigKey("nixl_backends", list, ["UCX"], "transport backends", item_kind=str,
-                      minimum=1)
+    port = ConfigKey(
+        "side_channel_port",
+        int,
+        5600,
+        "where this engine publishes its metadata",
+        minimum=1,
+        maximum=65535,
+    )
+    hosts = ConfigKey(
+        "nixl_backends", list, ["UCX"], "transport backends", item_kind=str, minimum=1
+    )
     keys = KEYS + (port, hosts)
     config = parse_extra_config({"side_channel_port": 7000}, keys=keys)
     assert (config.side_channel_port, config.nixl_backends) == (7000, ["UCX"])
@@ -133,5 +159,7 @@ def test_the_integration_guide_shows_the_table():
     from pathlib import Path
 
     guide = (Path(__file__).resolve().parents[2] / "docs" / "INTEGRATION.md").read_text()
-    assert keys_table() in guide, "docs/INTEGRATION.md: paste kvgroups_torch.vllm.config." \
+    assert keys_table() in guide, (
+        "docs/INTEGRATION.md: paste kvgroups_torch.vllm.config."
         "keys_table() after <!-- connector-keys -->"
+    )

@@ -19,6 +19,9 @@ HAS_GPU = _gpu_available()
 def pytest_collection_modifyitems(config, items):
     skip = pytest.mark.skip(reason="no CUDA GPU visible to JAX")
     for item in items:
-        if "gpu" in item.keywords and not HAS_GPU and str(item.fspath).startswith(
-                str(Path(__file__).parent)):
+        if (
+            "gpu" in item.keywords
+            and not HAS_GPU
+            and str(item.fspath).startswith(str(Path(__file__).parent))
+        ):
             item.add_marker(skip)

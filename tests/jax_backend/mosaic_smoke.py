@@ -32,9 +32,14 @@ def environment() -> dict:
     import jaxlib
 
     dev = jax.devices()[0]
-    return {"jax": jax.__version__, "jaxlib": jaxlib.__version__, "python": sys.version.split()[0],
-            "platform": dev.platform, "device": getattr(dev, "device_kind", str(dev)),
-            "compute_capability": getattr(dev, "compute_capability", None)}
+    return {
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "python": sys.version.split()[0],
+        "platform": dev.platform,
+        "device": getattr(dev, "device_kind", str(dev)),
+        "compute_capability": getattr(dev, "compute_capability", None),
+    }
 
 
 def _nbytes(g) -> int:
@@ -68,12 +73,22 @@ def run_case(name, layout, dtype, **shape) -> bool:
 
     ok = True
     for direction in ("store", "load"):
-        record = {"case": name, "layout": layout, "dtype": dtype, "direction": direction,
-                  **{k: v for k, v in shape.items() if k != "seed"}}
+        record = {
+            "case": name,
+            "layout": layout,
+            "dtype": dtype,
+            "direction": direction,
+            **{k: v for k, v in shape.items() if k != "seed"},
+        }
         try:
             gpu = jax.devices("gpu")[0]
-            arrays, g = make_group(layout, dtype, direction=direction,
-                                   first_item=2 if direction == "load" else 0, **shape)
+            arrays, g = make_group(
+                layout,
+                dtype,
+                direction=direction,
+                first_item=2 if direction == "load" else 0,
+                **shape,
+            )
             nbytes = _nbytes(g)
             plan = make_plan(direction, [g], arrays, [nbytes])
             program, _, _ = build_program(plan, "mosaic", "gpu")
@@ -82,22 +97,31 @@ def run_case(name, layout, dtype, **shape) -> bool:
             record.update(lowered_text_facts(plan, arrays, nbytes))
             t0 = time.perf_counter()
             caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
-                direction, [g], arrays, [nbytes], lowering="mosaic", device=gpu)
+                direction, [g], arrays, [nbytes], lowering="mosaic", device=gpu
+            )
             record["seconds_incl_compile"] = round(time.perf_counter() - t0, 3)
             record["bytes_equal_reference"] = True
             if direction == "load":
                 record["cache_ptrs_unchanged"] = [c.unsafe_buffer_pointer() for c in new_c] == ptrs
                 record["inputs_deleted"] = all(c.is_deleted() for c in caches)
             else:
-                record["object_ptrs_unchanged"] = [o.unsafe_buffer_pointer() for o in new_o] == optrs
+                record["object_ptrs_unchanged"] = [
+                    o.unsafe_buffer_pointer() for o in new_o
+                ] == optrs
                 record["inputs_deleted"] = all(o.is_deleted() for o in objs)
-            checks = [record["inputs_deleted"], record["mosaic_custom_calls"] >= 1,
-                      record["triton_custom_calls"] == 0,
-                      record.get("cache_ptrs_unchanged", record.get("object_ptrs_unchanged"))]
+            checks = [
+                record["inputs_deleted"],
+                record["mosaic_custom_calls"] >= 1,
+                record["triton_custom_calls"] == 0,
+                record.get("cache_ptrs_unchanged", record.get("object_ptrs_unchanged")),
+            ]
             record["ok"] = all(checks)
         except Exception as exc:  # report every failure, keep going
-            record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000],
-                          traceback=traceback.format_exc())
+            record.update(
+                ok=False,
+                error=f"{type(exc).__name__}: {exc}"[:2000],
+                traceback=traceback.format_exc(),
+            )
             print(record["traceback"], file=sys.stderr, flush=True)
         ok = ok and record["ok"]
         emit(**record)
@@ -122,13 +146,23 @@ def bench(layers=32, blocks=2048, pages=512, iters=20) -> None:
         plan = make_plan(direction, [g], zeros, [nbytes])
         moved = 2 * g.num_items * g.num_planes * g.block_size * g.row_bytes
         for lowering in ("mosaic", "triton"):
-            record = {"bench": direction, "lowering": lowering, "layers": layers,
-                      "blocks": blocks, "pages": pages, "bytes_read_plus_written": moved}
+            record = {
+                "bench": direction,
+                "lowering": lowering,
+                "layers": layers,
+                "blocks": blocks,
+                "pages": pages,
+                "bytes_read_plus_written": moved,
+            }
             try:
                 key = jax.random.key(0)
-                caches = tuple(lax.bitcast_convert_type(
-                    jax.random.bits(jax.random.fold_in(key, i), z.shape, jnp.uint16),
-                    jnp.bfloat16) for i, z in enumerate(zeros))
+                caches = tuple(
+                    lax.bitcast_convert_type(
+                        jax.random.bits(jax.random.fold_in(key, i), z.shape, jnp.uint16),
+                        jnp.bfloat16,
+                    )
+                    for i, z in enumerate(zeros)
+                )
                 objs = (jax.random.bits(key, (plan.num_chunks, nbytes), jnp.uint8),)
                 program, metas, idss = executor.build_program(plan, lowering, "gpu")
                 fn = executor._store_jit if direction == "store" else executor._load_jit
@@ -140,12 +174,18 @@ def bench(layers=32, blocks=2048, pages=512, iters=20) -> None:
                     caches, objs = _step(*args, caches, objs)
                 jax.block_until_ready((caches, objs))
                 per_call = (time.perf_counter() - t0) / iters
-                record.update(ok=True, seconds_per_call=round(per_call, 6),
-                              gb_per_s=round(moved / per_call / 1e9, 1))
+                record.update(
+                    ok=True,
+                    seconds_per_call=round(per_call, 6),
+                    gb_per_s=round(moved / per_call / 1e9, 1),
+                )
                 del caches, objs
             except Exception as exc:
-                record.update(ok=False, error=f"{type(exc).__name__}: {exc}"[:2000],
-                              traceback=traceback.format_exc())
+                record.update(
+                    ok=False,
+                    error=f"{type(exc).__name__}: {exc}"[:2000],
+                    traceback=traceback.format_exc(),
+                )
                 print(record["traceback"], file=sys.stderr, flush=True)
             emit(**record)
 
@@ -167,42 +207,89 @@ def _big_group(layers, blocks, pages, direction):
 
     bpc = 16
     ids = np.random.default_rng(1).permutation(blocks)[:pages]
-    with mock.patch.object(layouts, "random_array",
-                           lambda rng, shape, dtype: np.zeros(shape, dtype)):
-        return layouts.make_group("nhd", "bfloat16", direction=direction,
-                                  num_chunks=pages // bpc, bpc=bpc, nl=layers, nb=blocks,
-                                  bs=16, nh=8, hs=128, ids=ids)
+    with mock.patch.object(
+        layouts, "random_array", lambda rng, shape, dtype: np.zeros(shape, dtype)
+    ):
+        return layouts.make_group(
+            "nhd",
+            "bfloat16",
+            direction=direction,
+            num_chunks=pages // bpc,
+            bpc=bpc,
+            nl=layers,
+            nb=blocks,
+            bs=16,
+            nh=8,
+            hs=128,
+            ids=ids,
+        )
 
 
 def main(argv) -> int:
     try:
         env = environment()
     except Exception as exc:
-        emit(event="environment", ok=False, error=f"{type(exc).__name__}: {exc}",
-             traceback=traceback.format_exc())
+        emit(
+            event="environment",
+            ok=False,
+            error=f"{type(exc).__name__}: {exc}",
+            traceback=traceback.format_exc(),
+        )
         return 1
     emit(event="environment", **env)
     cases = [
         # Llama-like page: 16 tokens x 8 heads x 128 (one 64-row TMA piece per plane).
-        ("llama_nhd_bf16", "nhd", "bfloat16", dict(nl=4, nb=256, bs=16, nh=8, hs=128,
-                                                   num_chunks=4, bpc=8)),
-        ("llama_nhd_fp8", "nhd", "float8_e4m3fn", dict(nl=2, nb=64, bs=16, nh=8, hs=128,
-                                                       num_chunks=3, bpc=4)),
-        ("llama_nhd_fp32", "nhd", "float32", dict(nl=2, nb=64, bs=16, nh=8, hs=128,
-                                                  num_chunks=3, bpc=4)),
-        ("flashinfer_nhd_bf16", "flashinfer_nhd", "bfloat16", dict(nl=2, nb=64, bs=16, nh=8,
-                                                                   hs=128, num_chunks=3, bpc=4)),
-        ("cross_layer_bf16", "cross_layer", "bfloat16", dict(nl=4, nb=64, bs=16, nh=8, hs=128,
-                                                             num_chunks=3, bpc=4)),
+        (
+            "llama_nhd_bf16",
+            "nhd",
+            "bfloat16",
+            dict(nl=4, nb=256, bs=16, nh=8, hs=128, num_chunks=4, bpc=8),
+        ),
+        (
+            "llama_nhd_fp8",
+            "nhd",
+            "float8_e4m3fn",
+            dict(nl=2, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4),
+        ),
+        (
+            "llama_nhd_fp32",
+            "nhd",
+            "float32",
+            dict(nl=2, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4),
+        ),
+        (
+            "flashinfer_nhd_bf16",
+            "flashinfer_nhd",
+            "bfloat16",
+            dict(nl=2, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4),
+        ),
+        (
+            "cross_layer_bf16",
+            "cross_layer",
+            "bfloat16",
+            dict(nl=4, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4),
+        ),
         # 64-token pages (128 KiB per plane): several pieces through both shared buffers.
-        ("big_page_nhd_bf16", "nhd", "bfloat16", dict(nl=2, nb=32, bs=64, nh=8, hs=128,
-                                                      num_chunks=2, bpc=4)),
+        (
+            "big_page_nhd_bf16",
+            "nhd",
+            "bfloat16",
+            dict(nl=2, nb=32, bs=64, nh=8, hs=128, num_chunks=2, bpc=4),
+        ),
         # DeepSeek's MLA page (64 tokens x 576): 144 rows in three 48-row pieces.
-        ("mla_like_bf16", "nhd", "bfloat16", dict(nl=3, nb=32, bs=64, nh=1, hs=576,
-                                                  num_chunks=2, bpc=4)),
+        (
+            "mla_like_bf16",
+            "nhd",
+            "bfloat16",
+            dict(nl=3, nb=32, bs=64, nh=1, hs=576, num_chunks=2, bpc=4),
+        ),
         # Sliding window: only the last block of each chunk is kept.
-        ("window_nhd_bf16", "nhd", "bfloat16", dict(nl=2, nb=64, bs=16, nh=8, hs=128,
-                                                    num_chunks=3, bpc=4, kept=1)),
+        (
+            "window_nhd_bf16",
+            "nhd",
+            "bfloat16",
+            dict(nl=2, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4, kept=1),
+        ),
     ]
     ok = True
     for name, layout, dtype, shape in cases:
@@ -211,8 +298,12 @@ def main(argv) -> int:
         try:
             bench()
         except Exception as exc:
-            emit(bench="setup", ok=False, error=f"{type(exc).__name__}: {exc}",
-                 traceback=traceback.format_exc())
+            emit(
+                bench="setup",
+                ok=False,
+                error=f"{type(exc).__name__}: {exc}",
+                traceback=traceback.format_exc(),
+            )
     emit(event="summary", ok=ok)
     return 0 if ok else 1
 

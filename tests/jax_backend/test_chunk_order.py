@@ -8,9 +8,10 @@ import pytest
 from kvgroups_jax.geometry import chunk_order, chunk_row_items
 
 
-@pytest.mark.parametrize("grid_items,groups,kept", [(16, 64, 16), (64, 64, 16), (32, 3, 16),
-                                                    (8, 5, 16), (64, 2, 5), (1, 7, 16),
-                                                    (128, 1, 32)])
+@pytest.mark.parametrize(
+    "grid_items,groups,kept",
+    [(16, 64, 16), (64, 64, 16), (32, 3, 16), (8, 5, 16), (64, 2, 5), (1, 7, 16), (128, 1, 32)],
+)
 def test_every_program_moves_one_distinct_item_plane_pair(grid_items, groups, kept):
     got = [chunk_order(k, grid_items, groups, kept) for k in range(grid_items * groups)]
     assert sorted(got) == list(itertools.product(range(grid_items), range(groups)))

@@ -47,14 +47,14 @@ class Words:
         i, off = (address >> self.SHIFT) - 1, address & ((1 << self.SHIFT) - 1)
         buf = self.buffers[i]
         assert 0 <= off and off + nbytes <= buf.size, f"out of buffer {i}: {off}+{nbytes}"
-        return buf[off:off + nbytes]
+        return buf[off : off + nbytes]
 
 
 def emulate_xla_launch(blob: bytes, words: Words, store: bool) -> None:
     """kvg_xla_warp_copy + kvg_warp_copy of page_copy.cu, page by page."""
-    head = cuda_copy.XlaHead.from_buffer_copy(blob[:ctypes.sizeof(cuda_copy.XlaHead)])
+    head = cuda_copy.XlaHead.from_buffer_copy(blob[: ctypes.sizeof(cuda_copy.XlaHead)])
     at = ctypes.sizeof(cuda_copy.XlaHead)
-    p = P.KvgParams.from_buffer_copy(blob[at:at + ctypes.sizeof(P.KvgParams)])
+    p = P.KvgParams.from_buffer_copy(blob[at : at + ctypes.sizeof(P.KvgParams)])
     at += ctypes.sizeof(P.KvgParams)
     planes = (cuda_copy.XlaPlane * head.num_planes).from_buffer_copy(blob[at:])
     assert len(blob) == at + ctypes.sizeof(planes)
@@ -74,8 +74,14 @@ def emulate_xla_launch(blob: bytes, words: Words, store: bool) -> None:
             continue
         for pl in planes:
             cache = words.address(pl.word) + pl.offset + bid * p.block_stride + run.cache_offset
-            page = (obj + chunk * p.obj_chunk_stride + p.region_offset + pl.obj_offset
-                    + pos * p.page_obj_stride + run.obj_offset)
+            page = (
+                obj
+                + chunk * p.obj_chunk_stride
+                + p.region_offset
+                + pl.obj_offset
+                + pos * p.page_obj_stride
+                + run.obj_offset
+            )
             n = run.page_units * 16
             assert cache % 16 == 0 and page % 16 == 0
             src, dst = (cache, page) if store else (page, cache)
@@ -90,15 +96,29 @@ def _run_emulated(direction, g, arrays, *, meta=None, ids=None, fresh=False):
     rng = np.random.default_rng(3)
     obj = rng.integers(0, 256, (g.num_chunks, nbytes), np.uint8)
     caches = [np.array(a, copy=True) for a in arrays]
-    spec = cuda_copy.launch_spec(direction, geom, g.num_items, obj_rows=g.num_chunks,
-                                 obj_elems=nbytes // geom.unit, fresh=fresh, ids_len=ids.size)
+    spec = cuda_copy.launch_spec(
+        direction,
+        geom,
+        g.num_items,
+        obj_rows=g.num_chunks,
+        obj_elems=nbytes // geom.unit,
+        fresh=fresh,
+        ids_len=ids.size,
+    )
     meta = np.array([g.first_item, g.num_items] if meta is None else meta, np.int32)
-    given = {"meta": [meta], "ids": [ids], "obj": [obj],
-             "cache": [caches[s] for s in geom.operand_slots]}
+    given = {
+        "meta": [meta],
+        "ids": [ids],
+        "obj": [obj],
+        "cache": [caches[s] for s in geom.operand_slots],
+    }
     operands = [given[k].pop(0) for k in spec.operand_kinds]
     out_obj = obj if not fresh else np.zeros_like(obj)
-    made = {"obj": [out_obj], "cache": [caches[s] for s in geom.operand_slots],
-            "err": [np.zeros(64, np.uint8)]}
+    made = {
+        "obj": [out_obj],
+        "cache": [caches[s] for s in geom.operand_slots],
+        "err": [np.zeros(64, np.uint8)],
+    }
     results = [made[k].pop(0) for k in spec.result_kinds]
     assert spec.buffers == 1 + len(operands) + len(results)
     for op, res in spec.aliases.items():  # an alias is the same buffer on both sides
@@ -111,9 +131,19 @@ def _run_emulated(direction, g, arrays, *, meta=None, ids=None, fresh=False):
 @pytest.mark.parametrize("layout", SPAN_LAYOUTS)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float8_e4m3fn"])
 def test_launch_blob_moves_the_reference_bytes(layout, direction, dtype):
-    arrays, g = make_group(layout, dtype, direction=direction, nb=16, bs=16, nh=2, hs=64,
-                           num_chunks=3, bpc=4, kept=3, first_item=2 if direction == "load"
-                           else 0)
+    arrays, g = make_group(
+        layout,
+        dtype,
+        direction=direction,
+        nb=16,
+        bs=16,
+        nh=2,
+        hs=64,
+        num_chunks=3,
+        bpc=4,
+        kept=3,
+        first_item=2 if direction == "load" else 0,
+    )
     caches, obj, _, nbytes = _run_emulated(direction, g, arrays)
     want_c = [np.array(a, copy=True).view(np.uint8).reshape(-1) for a in arrays]
     want_o = np.random.default_rng(3).integers(0, 256, (g.num_chunks, nbytes), np.uint8)
@@ -125,23 +155,26 @@ def test_launch_blob_moves_the_reference_bytes(layout, direction, dtype):
 
 
 def test_traced_meta_past_the_items_is_clamped_and_bad_ids_move_nothing():
-    arrays, g = make_group("nhd", "bfloat16", direction="load", nb=16, bs=16, nh=2, hs=64,
-                           num_chunks=2, bpc=2)
+    arrays, g = make_group(
+        "nhd", "bfloat16", direction="load", nb=16, bs=16, nh=2, hs=64, num_chunks=2, bpc=2
+    )
     # A meta past both ends (clamped to the 4 items the ids and objects hold), two bad ids.
-    caches, obj, _, nbytes = _run_emulated("load", g, arrays, meta=[-5, 1000],
-                                           ids=np.array([3, 99, 5, -1], np.int32))
+    caches, obj, _, nbytes = _run_emulated(
+        "load", g, arrays, meta=[-5, 1000], ids=np.array([3, 99, 5, -1], np.int32)
+    )
     # The reference with spare blocks 14 and 15 for the bad items, which then keep their bytes.
     want = [np.array(a, copy=True).view(np.uint8).reshape(-1) for a in arrays]
     assert g.first_item == 0 and g.num_items == 4
-    reference_transfer("load", replace(g, block_ids=np.array([3, 14, 5, 15])), want,
-                       obj.reshape(-1).copy(), nbytes)
+    reference_transfer(
+        "load", replace(g, block_ids=np.array([3, 14, 5, 15])), want, obj.reshape(-1).copy(), nbytes
+    )
     page = 16 * 2 * 64 * 2
     for c, before, w in zip(caches, arrays, want):
         before = before.view(np.uint8).reshape(-1)
         for kv in range(2):
             for blk in (14, 15):
                 lo = (kv * 16 + blk) * page
-                w[lo:lo + page] = before[lo:lo + page]
+                w[lo : lo + page] = before[lo : lo + page]
         np.testing.assert_array_equal(c.view(np.uint8).reshape(-1), w)
         assert not np.array_equal(w, before)  # blocks 3 and 5 did change
 
@@ -154,8 +187,9 @@ def test_layouts_that_are_not_one_span_are_refused_before_anything_moves(layout)
     geom = group_geometry(plan.groups[0], plan.tensor_specs, nbytes)
     assert "contiguous" in cuda_copy.geometry_unsupported(geom)
     with pytest.raises(UnsupportedConfigError, match="lowering 'cuda'"):
-        cuda_copy.launch_spec("store", geom, 4, obj_rows=2, obj_elems=nbytes // geom.unit,
-                              fresh=True, ids_len=4)
+        cuda_copy.launch_spec(
+            "store", geom, 4, obj_rows=2, obj_elems=nbytes // geom.unit, fresh=True, ids_len=4
+        )
     with pytest.raises(UnsupportedConfigError, match="needs a CUDA GPU"):
         resolve_lowering("cuda", geom, "cpu")
 
@@ -166,8 +200,8 @@ def test_xla_entry_points_build_with_the_parameters_jaxlib_passes(words):
     ptx = nvrtc.compile_xla_ptx("sm_90", words)
     for direction in ("store", "load"):
         name = nvrtc.xla_entry_name(direction, words)
-        body = ptx[ptx.index(f".entry {name}("):]
-        params = body[:body.index(")")]
+        body = ptx[ptx.index(f".entry {name}(") :]
+        params = body[: body.index(")")]
         # the blob, the words, jaxlib's two trailing pointers
         assert len(re.findall(r"\.param \.u64", params)) == 1 + words + 2
     assert "griddepcontrol" not in ptx  # no PDL under XLA

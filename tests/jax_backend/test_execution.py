@@ -21,8 +21,9 @@ def _nbytes(g):
 @pytest.mark.parametrize("lowering", ["interpret", "xla", "tpu-interpret"])
 def test_load_donates_caches_and_writes_in_place(lowering):
     arrays, g = make_group("hnd", "bfloat16")
-    caches, objs, new_c, new_o, ptrs, optrs = run_and_check("load", [g], arrays, [_nbytes(g)],
-                                                            lowering=lowering)
+    caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
+        "load", [g], arrays, [_nbytes(g)], lowering=lowering
+    )
     assert [c.unsafe_buffer_pointer() for c in new_c] == ptrs
     assert all(c.is_deleted() for c in caches)
     assert not any(o.is_deleted() for o in objs)  # objects are read, not consumed
@@ -31,8 +32,9 @@ def test_load_donates_caches_and_writes_in_place(lowering):
 @pytest.mark.parametrize("lowering", ["interpret", "xla", "tpu-interpret"])
 def test_store_donates_objects_and_keeps_caches(lowering):
     arrays, g = make_group("nhd", "float16")
-    caches, objs, new_c, new_o, ptrs, optrs = run_and_check("store", [g], arrays, [_nbytes(g)],
-                                                            lowering=lowering)
+    caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
+        "store", [g], arrays, [_nbytes(g)], lowering=lowering
+    )
     assert [o.unsafe_buffer_pointer() for o in new_o] == optrs
     assert all(o.is_deleted() for o in objs)
     assert not any(c.is_deleted() for c in caches)
@@ -43,8 +45,9 @@ def test_a_new_item_count_inside_the_bucket_does_not_recompile():
     run_and_check("load", [g], arrays, [_nbytes(g)], lowering="interpret")
     before = trace_count()
     for first in (2, 3):  # 7 -> 6, 5 items: all in bucket 8
-        arrays, g = make_group("nhd", "bfloat16", nb=16, num_chunks=4, bpc=2, first_item=first,
-                               seed=first)
+        arrays, g = make_group(
+            "nhd", "bfloat16", nb=16, num_chunks=4, bpc=2, first_item=first, seed=first
+        )
         run_and_check("load", [g], arrays, [_nbytes(g)], lowering="interpret")
     assert trace_count() == before
     arrays, g = make_group("nhd", "bfloat16", nb=16, num_chunks=4, bpc=2, first_item=5)
@@ -86,8 +89,7 @@ def test_planning_works_on_traced_values_under_jit():
 
 def test_explicit_gpu_lowerings_refuse_cpu_with_unsupported_config():
     arrays, g = make_group("nhd", "bfloat16")
-    geom = group_geometry(g, make_plan("store", [g], arrays, [_nbytes(g)]).tensor_specs,
-                          _nbytes(g))
+    geom = group_geometry(g, make_plan("store", [g], arrays, [_nbytes(g)]).tensor_specs, _nbytes(g))
     for lowering in ("cuda", "triton", "mosaic"):
         with pytest.raises(UnsupportedConfigError, match="needs a CUDA GPU"):
             resolve_lowering(lowering, geom, "cpu")
@@ -117,11 +119,23 @@ def test_execute_plan_applies_the_core_object_rule_before_anything_is_donated():
     plan = make_plan("load", [g], arrays, [_nbytes(g)])
     caches = [jnp.asarray(a) for a in arrays]
     rows, nbytes = g.num_chunks, _nbytes(g)
-    for bad in ([jnp.zeros((rows + 1, nbytes), jnp.uint8)], [jnp.zeros((rows, nbytes), jnp.int8)],
-                [None], [], [np.zeros((rows, nbytes), np.uint8).tolist()[0]]):
+    for bad in (
+        [jnp.zeros((rows + 1, nbytes), jnp.uint8)],
+        [jnp.zeros((rows, nbytes), jnp.int8)],
+        [None],
+        [],
+        [np.zeros((rows, nbytes), np.uint8).tolist()[0]],
+    ):
         with pytest.raises(KVGroupsError) as core:
-            check_objects(plan, bad, lambda x: (str(x.dtype), tuple(x.shape), (nbytes, 1))
-                          if hasattr(x, "shape") else (type(x).__name__, (), ()))
+            check_objects(
+                plan,
+                bad,
+                lambda x: (
+                    (str(x.dtype), tuple(x.shape), (nbytes, 1))
+                    if hasattr(x, "shape")
+                    else (type(x).__name__, (), ())
+                ),
+            )
         with pytest.raises(type(core.value), match=f"^{re.escape(str(core.value))}$"):
             execute_plan(plan, caches, bad)
     # The executor's own limit on top: per-chunk buffers, which the rule allows, are refused.

@@ -27,15 +27,24 @@ def test_gpu_store_and_load_are_bit_exact_and_in_place(layout, dtype, lowering):
         pytest.skip("Mosaic path covers contiguous layouts (others: UnsupportedConfigError)")
     gpu = jax.devices("gpu")[0]
     for direction in ("store", "load"):
-        arrays, g = make_group(layout, dtype, nb=64, bs=16, nh=8, hs=128, num_chunks=3, bpc=4,
-                               first_item=2 if direction == "load" else 0)
+        arrays, g = make_group(
+            layout,
+            dtype,
+            nb=64,
+            bs=16,
+            nh=8,
+            hs=128,
+            num_chunks=3,
+            bpc=4,
+            first_item=2 if direction == "load" else 0,
+        )
         if lowering == "cuda" and layout not in CUDA_LAYOUTS:
             with pytest.raises(UnsupportedConfigError, match="lowering 'cuda'"):
-                run_and_check(direction, [g], arrays, [_nbytes(g)], lowering=lowering,
-                              device=gpu)
+                run_and_check(direction, [g], arrays, [_nbytes(g)], lowering=lowering, device=gpu)
             continue
         caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
-            direction, [g], arrays, [_nbytes(g)], lowering=lowering, device=gpu)
+            direction, [g], arrays, [_nbytes(g)], lowering=lowering, device=gpu
+        )
         if direction == "load":
             assert [c.unsafe_buffer_pointer() for c in new_c] == ptrs
             assert all(c.is_deleted() for c in caches)
@@ -52,8 +61,18 @@ def test_gpu_mla_like_pages_in_three_pieces_are_bit_exact(lowering):
 
     gpu = jax.devices("gpu")[0]
     for direction in ("store", "load"):
-        arrays, g = make_group("nhd", "bfloat16", nl=3, nb=32, bs=64, nh=1, hs=576,
-                               num_chunks=2, bpc=4, first_item=1 if direction == "load" else 0)
+        arrays, g = make_group(
+            "nhd",
+            "bfloat16",
+            nl=3,
+            nb=32,
+            bs=64,
+            nh=1,
+            hs=576,
+            num_chunks=2,
+            bpc=4,
+            first_item=1 if direction == "load" else 0,
+        )
         if lowering == "mosaic":
             plan = make_plan(direction, [g], arrays, [_nbytes(g)])
             program = executor.build_program(plan, "mosaic", "gpu")[0]
@@ -72,14 +91,15 @@ def test_gpu_load_into_torch_cuda_caches_writes_torch_memory():
     torch.cuda.synchronize()
     caches = [import_dlpack(t) for t in owners]
     plan = make_plan("load", [g], arrays, [_nbytes(g)])
-    obj = jnp.asarray(np.random.default_rng(3).integers(0, 256, (2, _nbytes(g)), np.uint8),
-                      device=jax.devices("gpu")[0])
+    obj = jnp.asarray(
+        np.random.default_rng(3).integers(0, 256, (2, _nbytes(g)), np.uint8),
+        device=jax.devices("gpu")[0],
+    )
     new_c, _ = JaxBackend().execute(plan, caches, [obj])
     assert [c.unsafe_buffer_pointer() for c in new_c] == [t.data_ptr() for t in owners]
     jax.block_until_ready(new_c)
     for t, c in zip(owners, new_c):
-        np.testing.assert_array_equal(t.cpu().numpy().view(np.uint8),
-                                      np.asarray(c).view(np.uint8))
+        np.testing.assert_array_equal(t.cpu().numpy().view(np.uint8), np.asarray(c).view(np.uint8))
 
 
 def test_gpu_cuda_lowering_on_a_capped_grid_is_bit_exact(monkeypatch):
@@ -92,9 +112,25 @@ def test_gpu_cuda_lowering_on_a_capped_grid_is_bit_exact(monkeypatch):
     gpu = jax.devices("gpu")[0]
     try:
         for direction in ("store", "load"):
-            arrays, g = make_group("nhd", "bfloat16", nb=64, bs=16, nh=8, hs=128, num_chunks=3,
-                                   bpc=4, first_item=2 if direction == "load" else 0)
-            run_and_check(direction, [g], arrays, [_nbytes(g)], lowering="cuda", device=gpu,
-                          tuning=LoweringTuning(resident_waves=1))
+            arrays, g = make_group(
+                "nhd",
+                "bfloat16",
+                nb=64,
+                bs=16,
+                nh=8,
+                hs=128,
+                num_chunks=3,
+                bpc=4,
+                first_item=2 if direction == "load" else 0,
+            )
+            run_and_check(
+                direction,
+                [g],
+                arrays,
+                [_nbytes(g)],
+                lowering="cuda",
+                device=gpu,
+                tuning=LoweringTuning(resident_waves=1),
+            )
     finally:
         jax.clear_caches()

@@ -75,10 +75,12 @@ def test_out_of_range_traced_ids_move_nothing_and_checkify_names_them(lowering):
     e = arrays[0].dtype.itemsize
     block_bytes = 4 * 2 * 8 * e  # bs * nh * hs
     step = checkify.checkify(jax.jit(_traced_load(lowering, g, arrays, obj, bad)))
-    err, out = step([jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(bad,
-                                                                                  jnp.int32))
-    with pytest.raises(checkify.JaxRuntimeError, match=r"block_ids: expected ids in \[0, 8\).*"
-                                                       r"got 42"):
+    err, out = step([jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(bad, jnp.int32))
+    with pytest.raises(
+        checkify.JaxRuntimeError,
+        match=r"block_ids: expected ids in \[0, 8\).*"
+        r"got 42",
+    ):
         err.throw()
     for slot, (c, before, moved) in enumerate(zip(out, ref, full_c)):
         got = as_bytes(c)
@@ -87,11 +89,12 @@ def test_out_of_range_traced_ids_move_nothing_and_checkify_names_them(lowering):
             for blk in range(8):
                 lo = plane + blk * block_bytes
                 want = moved if blk in (2, 3, 6) else before
-                np.testing.assert_array_equal(got[lo:lo + block_bytes],
-                                              want[lo:lo + block_bytes],
-                                              err_msg=f"slot {slot} plane {kv} block {blk}")
-    err, _ = step([jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(good,
-                                                                                jnp.int32))
+                np.testing.assert_array_equal(
+                    got[lo : lo + block_bytes],
+                    want[lo : lo + block_bytes],
+                    err_msg=f"slot {slot} plane {kv} block {blk}",
+                )
+    err, _ = step([jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(good, jnp.int32))
     assert err.get() is None
 
 
@@ -107,9 +110,9 @@ def test_out_of_range_traced_ids_on_store_leave_given_objects_untouched(lowering
 
     good = np.array([1, 0, 5, 4])
     _, exp_o = _expected("store", replace(g, block_ids=good), arrays, obj)
-    err, out = checkify.checkify(jax.jit(step))([jnp.asarray(a) for a in arrays],
-                                                jnp.asarray(obj),
-                                                jnp.asarray([1, -3, 5, 4], jnp.int32))
+    err, out = checkify.checkify(jax.jit(step))(
+        [jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray([1, -3, 5, 4], jnp.int32)
+    )
     assert "got -3" in str(err.get())
     got = as_bytes(out).reshape(2, -1)
     want = exp_o.reshape(2, -1)
@@ -145,8 +148,10 @@ def _engine(seed=0, layers=2):
     from kvgroups_core import KVLayerGroupsManager, detect_format
 
     rng = np.random.default_rng(seed)
-    host = [rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            for _ in range(layers)]
+    host = [
+        rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
+        for _ in range(layers)
+    ]
     caches = [jnp.asarray(h) for h in host]
     fmt, normalized = detect_format(caches, engine="tpu_inference")
     return host, caches, KVLayerGroupsManager(normalized, fmt, lmcache_tokens_per_chunk=TOKENS)
@@ -162,17 +167,28 @@ def test_public_store_and_load_under_jit_with_traced_ids_and_skip(backend_name):
     def step(caches, load_ids, store_ids, skip):
         traces.append(1)
         objs = store(manager, caches, store_ids, backend=backend_name)
-        return objs, load(manager, objs, caches, load_ids, skip_first_n_tokens=skip,
-                          backend=backend_name)
+        return objs, load(
+            manager, objs, caches, load_ids, skip_first_n_tokens=skip, backend=backend_name
+        )
 
-    for src, dst, skip in [([1, 5, 9, 13], [0, 2, 4, 6], 4), ([7, 3, 15, 11], [8, 10, 12, 14], 0),
-                           ([2, 4, 6, 8], [1, 3, 5, 7], 9)]:
-        objs, new = step(caches, jnp.asarray(dst, jnp.int32), jnp.asarray(src, jnp.int32),
-                         jnp.int32(skip))
+    for src, dst, skip in [
+        ([1, 5, 9, 13], [0, 2, 4, 6], 4),
+        ([7, 3, 15, 11], [8, 10, 12, 14], 0),
+        ([2, 4, 6, 8], [1, 3, 5, 7], 9),
+    ]:
+        objs, new = step(
+            caches, jnp.asarray(dst, jnp.int32), jnp.asarray(src, jnp.int32), jnp.int32(skip)
+        )
         ref = store(manager, host, np.array(src), backend="numpy")
         np.testing.assert_array_equal(np.asarray(objs[0]), ref[0])
-        want = load(manager, ref, [h.copy() for h in host], np.array(dst),
-                    skip_first_n_tokens=skip, backend="numpy")
+        want = load(
+            manager,
+            ref,
+            [h.copy() for h in host],
+            np.array(dst),
+            skip_first_n_tokens=skip,
+            backend="numpy",
+        )
         for n, w in zip(new, want):
             np.testing.assert_array_equal(np.asarray(n).view(np.uint16), w.view(np.uint16))
     assert len(traces) == 1  # new ids and skips of the same size: one trace
@@ -230,8 +246,7 @@ def test_jitted_calls_with_traced_ids_carry_no_effect(backend_name):
         register_backend(backend_name, JaxBackend(lowering="tpu"), replace=True)
 
     def step(c, o, i):
-        return store(manager, load(manager, o, c, i, backend=backend_name), i,
-                     backend=backend_name)
+        return store(manager, load(manager, o, c, i, backend=backend_name), i, backend=backend_name)
 
     jaxpr = jax.make_jaxpr(step)(caches, objs, ids)
     assert id_checks.EFFECT_FREE
@@ -249,8 +264,9 @@ def test_checkify_names_a_bad_traced_id_under_vmap(backend_name):
     err, objs = checkify.checkify(jax.jit(mapped))(batch, ids)
     assert "got 77" in str(err.get())
     for b in (0, 2):  # the batch elements with good ids moved their pages
-        np.testing.assert_array_equal(np.asarray(objs[b]), store(
-            manager, [host[0]], np.asarray(ids[b]), backend="numpy")[0])
+        np.testing.assert_array_equal(
+            np.asarray(objs[b]), store(manager, [host[0]], np.asarray(ids[b]), backend="numpy")[0]
+        )
     err, _ = checkify.checkify(jax.jit(mapped))(batch, ids.at[1, 3].set(7))
     assert err.get() is None
 
@@ -261,18 +277,21 @@ def _hybrid(seed=0, nb=40):
 
     model = MODELS["hybrid-demo"].build(num_blocks=nb, layers=4, dtype="float16")
     rng = np.random.default_rng(seed)
-    host = [rng.integers(0, 2**16, s.shape, dtype=np.uint16).view(np.float16)
-            for s in model.kv_caches]
-    manager = KVLayerGroupsManager(host, list(model.formats), model.engine_group_infos,
-                                   lmcache_tokens_per_chunk=256)
+    host = [
+        rng.integers(0, 2**16, s.shape, dtype=np.uint16).view(np.float16) for s in model.kv_caches
+    ]
+    manager = KVLayerGroupsManager(
+        host, list(model.formats), model.engine_group_infos, lmcache_tokens_per_chunk=256
+    )
     return host, manager
 
 
 def _group_ids(manager, rng, chunks=2, nb=40):
     out = {}
     for k, g in enumerate(manager.kernel_groups):
-        out.setdefault(g.engine_group_idx, rng.permutation(nb)[:chunks * manager.calculate_num_blocks(
-            k, 256)])
+        out.setdefault(
+            g.engine_group_idx, rng.permutation(nb)[: chunks * manager.calculate_num_blocks(k, 256)]
+        )
     return out
 
 
@@ -288,20 +307,24 @@ def test_per_engine_group_traced_ids_and_device_window_skips_match_numpy(backend
     def step(caches, src, dst, skip):
         traces.append(1)
         objs = store(manager, caches, src, backend=backend_name)
-        return objs, load(manager, objs, caches, dst, skip_first_n_tokens=skip,
-                          backend=backend_name)
+        return objs, load(
+            manager, objs, caches, dst, skip_first_n_tokens=skip, backend=backend_name
+        )
 
     for skip in (0, 300):  # 300 tokens: the first chunk and part of the second skipped
         src, dst = _group_ids(manager, rng), _group_ids(manager, rng)
-        objs, new = step([jnp.asarray(h) for h in host],
-                         {g: jnp.asarray(v, jnp.int32) for g, v in src.items()},
-                         {g: jnp.asarray(v, jnp.int32) for g, v in dst.items()},
-                         jnp.int32(skip))
+        objs, new = step(
+            [jnp.asarray(h) for h in host],
+            {g: jnp.asarray(v, jnp.int32) for g, v in src.items()},
+            {g: jnp.asarray(v, jnp.int32) for g, v in dst.items()},
+            jnp.int32(skip),
+        )
         ref = store(manager, host, src, backend="numpy")
         for o, r in zip(objs, ref):
             np.testing.assert_array_equal(np.asarray(o), r)
-        want = load(manager, ref, [h.copy() for h in host], dst, skip_first_n_tokens=skip,
-                    backend="numpy")
+        want = load(
+            manager, ref, [h.copy() for h in host], dst, skip_first_n_tokens=skip, backend="numpy"
+        )
         for n, w in zip(new, want):
             np.testing.assert_array_equal(np.asarray(n).view(np.uint16), w.view(np.uint16))
     assert len(traces) == 1
@@ -313,7 +336,8 @@ def test_layer_subset_store_without_objects_leaves_other_regions_zero(backend_na
     host, caches, manager = _engine(4, layers=3)
     ids = np.array([3, 7, 1, 12])
     got = jax.jit(lambda c, i: store(manager, c, i, layers=[1], backend=backend_name))(
-        caches, jnp.asarray(ids, jnp.int32))
+        caches, jnp.asarray(ids, jnp.int32)
+    )
     want = store(manager, host, ids, layers=[1], backend="numpy")
     np.testing.assert_array_equal(np.asarray(got[0]), want[0])
     assert np.asarray(got[0]).any() and (np.asarray(got[0]) == 0).any()
@@ -325,13 +349,14 @@ def test_vmap_over_caches_stores_and_loads_each(backend_name):
     hosts, _, manager = _engine(5, layers=1)
     batch = np.stack([_engine(s, layers=1)[0][0] for s in range(3)])
     ids = np.array([1, 5, 2, 6])
-    objs = jax.vmap(lambda c: store(manager, [c], ids, backend=backend_name)[0])(
-        jnp.asarray(batch))
+    objs = jax.vmap(lambda c: store(manager, [c], ids, backend=backend_name)[0])(jnp.asarray(batch))
     for b in range(3):
-        np.testing.assert_array_equal(np.asarray(objs[b]),
-                                      store(manager, [batch[b]], ids, backend="numpy")[0])
-    new = jax.vmap(lambda o, c: load(manager, [o], [c], np.array([0, 3, 7, 4]),
-                                     backend=backend_name)[0])(objs, jnp.zeros_like(batch))
+        np.testing.assert_array_equal(
+            np.asarray(objs[b]), store(manager, [batch[b]], ids, backend="numpy")[0]
+        )
+    new = jax.vmap(
+        lambda o, c: load(manager, [o], [c], np.array([0, 3, 7, 4]), backend=backend_name)[0]
+    )(objs, jnp.zeros_like(batch))
     a = np.asarray(new).view(np.uint16)
     np.testing.assert_array_equal(a[:, [0, 3, 7, 4]], batch.view(np.uint16)[:, ids])
 
@@ -354,7 +379,8 @@ def test_int64_traced_ids_past_int32_are_dropped_not_wrapped():
     with jax.enable_x64(True):
         ids = jnp.asarray([2, 3, 6, 2**32 + 1], jnp.int64)  # would wrap to block 1
         out = jax.jit(_traced_load("xla", g, arrays, obj, ids))(
-            [jnp.asarray(a) for a in arrays], jnp.asarray(obj), ids)
+            [jnp.asarray(a) for a in arrays], jnp.asarray(obj), ids
+        )
     block_bytes = 4 * 2 * 8 * 2
     for c, before, moved in zip(out, arrays, exp_c):
         got, before = as_bytes(c), before.view(np.uint8).reshape(-1)
@@ -362,4 +388,6 @@ def test_int64_traced_ids_past_int32_are_dropped_not_wrapped():
             for blk in range(8):
                 lo = (kv * 8 + blk) * block_bytes
                 want = moved if blk in (2, 3, 6) else before
-                np.testing.assert_array_equal(got[lo:lo + block_bytes], want[lo:lo + block_bytes])
+                np.testing.assert_array_equal(
+                    got[lo : lo + block_bytes], want[lo : lo + block_bytes]
+                )

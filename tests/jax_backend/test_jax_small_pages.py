@@ -33,18 +33,21 @@ def small(monkeypatch):
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 def test_small_pages_are_bit_exact(small, page, direction, layout):
     # 3 chunks of 3 kept blocks out of 4: 9 items, so the second program of 8 is partial.
-    arrays, g = small_group(page, layout, direction=direction, nb=24, num_chunks=3, bpc=4,
-                            kept=3, seed=page)
-    run_and_check(direction, [g], arrays, [object_nbytes(g)], lowering="interpret",
-                  tuning=small.tuning)
+    arrays, g = small_group(
+        page, layout, direction=direction, nb=24, num_chunks=3, bpc=4, kept=3, seed=page
+    )
+    run_and_check(
+        direction, [g], arrays, [object_nbytes(g)], lowering="interpret", tuning=small.tuning
+    )
     assert small and all(ipp > 1 for ipp in small)
 
 
 @pytest.mark.parametrize("page", [512, 2048])
 def test_load_skip_moves_only_the_items_after_it(small, page):
     arrays, g = small_group(page, direction="load", nb=24, num_chunks=3, bpc=4, first_item=5)
-    run_and_check("load", [g], arrays, [object_nbytes(g)], lowering="interpret",
-                  tuning=small.tuning)
+    run_and_check(
+        "load", [g], arrays, [object_nbytes(g)], lowering="interpret", tuning=small.tuning
+    )
     assert small
 
 
@@ -56,8 +59,7 @@ def test_layer_subset_moves_its_planes_into_their_object_rows(small, direction):
     planes = tuple(replace(p, object_plane=i) for i, p in enumerate(g.planes) if i in keep)
     full = object_nbytes(g)
     sub = replace(g, planes=planes)
-    run_and_check(direction, [sub], arrays, [full], lowering="interpret",
-                  tuning=small.tuning)
+    run_and_check(direction, [sub], arrays, [full], lowering="interpret", tuning=small.tuning)
     assert small
 
 
@@ -66,8 +68,9 @@ def test_store_that_creates_its_objects(small):
     plan = make_plan("store", [g], arrays, [object_nbytes(g)])
     want = np.zeros((2, object_nbytes(g)), np.uint8)
     reference.execute_plan(plan, [a.copy() for a in arrays], [want])
-    _, objs = execute_plan(plan, [jnp.asarray(a) for a in arrays], [None], lowering="interpret",
-                           tuning=small.tuning)
+    _, objs = execute_plan(
+        plan, [jnp.asarray(a) for a in arrays], [None], lowering="interpret", tuning=small.tuning
+    )
     assert objs[0].shape == (2, object_nbytes(g))
     np.testing.assert_array_equal(np.asarray(objs[0]), want)
     assert small
@@ -85,8 +88,9 @@ def test_out_of_range_traced_ids_move_nothing_for_their_items(small, direction):
         traced = replace(plan, groups=(replace(plan.groups[0], block_ids=ids),))
         return execute_plan(traced, caches, [obj], lowering="interpret", tuning=small.tuning)
 
-    new_c, new_o = jax.jit(step)([jnp.asarray(a) for a in arrays], jnp.asarray(obj),
-                                 jnp.asarray(bad))
+    new_c, new_o = jax.jit(step)(
+        [jnp.asarray(a) for a in arrays], jnp.asarray(obj), jnp.asarray(bad)
+    )
     want_c = [a.copy() for a in arrays]
     want_o = obj.copy()
     host = replace(plan, groups=(replace(plan.groups[0], block_ids=bad.astype(np.int64)),))
@@ -130,7 +134,8 @@ def test_the_tuning_is_explicit_typed_and_part_of_the_program_key():
     plan = make_plan("store", [g], arrays, [object_nbytes(g)])
     off = LoweringTuning(small_page_bytes=0)
     assert program_for(plan, "interpret", "cpu", None) != program_for(
-        plan, "interpret", "cpu", None, tuning=off)
+        plan, "interpret", "cpu", None, tuning=off
+    )
     assert JaxBackend().tuning == LoweringTuning()
     assert JaxBackend(tuning=off).tuning is off
     with pytest.raises(KVGroupsTypeError, match="tuning: expected a LoweringTuning"):
@@ -144,8 +149,9 @@ def test_the_tuning_is_explicit_typed_and_part_of_the_program_key():
 @pytest.mark.parametrize("direction", ["store", "load"])
 @pytest.mark.parametrize("layout", ["nhd", "hnd"])
 @pytest.mark.parametrize("page", sorted(PAGES))
-def test_small_page_kernel_lowers_to_triton_for_an_abstract_h200(small, monkeypatch, layout,
-                                                                 direction, page):
+def test_small_page_kernel_lowers_to_triton_for_an_abstract_h200(
+    small, monkeypatch, layout, direction, page
+):
     # The Pallas -> Triton lowering runs here (no GPU): every op of the kernel (the vector id
     # gather, [items, *box] gathers / scatters, the sum, the fori_loop fallback) must lower.
     from unittest import mock
@@ -153,14 +159,20 @@ def test_small_page_kernel_lowers_to_triton_for_an_abstract_h200(small, monkeypa
     from kvgroups_jax import executor
     from kvgroups_jax.lowerings import choice as lowering_choice
 
-    arrays, g = small_group(page, layout, direction=direction, nb=64, num_chunks=4, bpc=4,
-                            first_item=1 if direction == "load" else 0)
+    arrays, g = small_group(
+        page,
+        layout,
+        direction=direction,
+        nb=64,
+        num_chunks=4,
+        bpc=4,
+        first_item=1 if direction == "load" else 0,
+    )
     plan = make_plan(direction, [g], arrays, [object_nbytes(g)])
     caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
     objects = [jax.ShapeDtypeStruct((4, object_nbytes(g)), jnp.uint8)]
     with mock.patch.object(lowering_choice, "_compute_capability", return_value=(9, 0)):
-        text = executor.lower_plan(plan, "triton", caches, objects,
-                                   tuning=small.tuning).as_text()
+        text = executor.lower_plan(plan, "triton", caches, objects, tuning=small.tuning).as_text()
     assert "__gpu$xla.gpu.triton" in text
     assert f"kvgroups_{direction}_small_pages" in text
     assert small == [8]

@@ -19,6 +19,7 @@ from tests.support.jax_small_cases import PAGES, object_nbytes, select_small_ker
 
 pytestmark = pytest.mark.gpu
 
+
 @pytest.fixture(params=[4, 16])
 def small(request, monkeypatch):
     yield from select_small_kernel(monkeypatch, request.param)
@@ -31,12 +32,27 @@ def test_gpu_small_pages_are_bit_exact_and_in_place(small, page, layout):
     for direction in ("store", "load"):
         # 37 chunks of 3 kept blocks out of 4 (111 items: full and partial programs), a load
         # skipping 5 items.
-        arrays, g = small_group(page, layout, direction=direction, nb=200, num_chunks=37, bpc=4,
-                                kept=3, nl=3, first_item=5 if direction == "load" else 0,
-                                seed=page)
+        arrays, g = small_group(
+            page,
+            layout,
+            direction=direction,
+            nb=200,
+            num_chunks=37,
+            bpc=4,
+            kept=3,
+            nl=3,
+            first_item=5 if direction == "load" else 0,
+            seed=page,
+        )
         caches, objs, new_c, new_o, ptrs, optrs = run_and_check(
-            direction, [g], arrays, [object_nbytes(g)], lowering="triton", device=gpu,
-            tuning=small.tuning)
+            direction,
+            [g],
+            arrays,
+            [object_nbytes(g)],
+            lowering="triton",
+            device=gpu,
+            tuning=small.tuning,
+        )
         if direction == "load":
             assert [c.unsafe_buffer_pointer() for c in new_c] == ptrs
         else:
@@ -49,8 +65,15 @@ def test_gpu_layer_subset(small, direction):
     gpu = jax.devices("gpu")[0]
     arrays, g = small_group(1024, direction=direction, nb=64, num_chunks=9, bpc=4, nl=3)
     planes = tuple(replace(p, object_plane=i) for i, p in enumerate(g.planes) if i in (1, 4))
-    run_and_check(direction, [replace(g, planes=planes)], arrays, [object_nbytes(g)],
-                  lowering="triton", device=gpu, tuning=small.tuning)
+    run_and_check(
+        direction,
+        [replace(g, planes=planes)],
+        arrays,
+        [object_nbytes(g)],
+        lowering="triton",
+        device=gpu,
+        tuning=small.tuning,
+    )
     assert small
 
 
@@ -60,8 +83,13 @@ def test_gpu_store_that_creates_its_objects(small):
     plan = make_plan("store", [g], arrays, [object_nbytes(g)])
     want = np.zeros((12, object_nbytes(g)), np.uint8)
     reference.execute_plan(plan, [a.copy() for a in arrays], [want])
-    _, objs = execute_plan(plan, [jax.device_put(a, gpu) for a in arrays], [None],
-                           lowering="triton", tuning=small.tuning)
+    _, objs = execute_plan(
+        plan,
+        [jax.device_put(a, gpu) for a in arrays],
+        [None],
+        lowering="triton",
+        tuning=small.tuning,
+    )
     np.testing.assert_array_equal(np.asarray(objs[0]), want)
     assert small
 
@@ -79,13 +107,13 @@ def test_gpu_out_of_range_traced_ids_move_nothing(small, direction):
         traced = replace(plan, groups=(replace(plan.groups[0], block_ids=ids),))
         return execute_plan(traced, caches, [obj], lowering="triton", tuning=small.tuning)
 
-    new_c, new_o = jax.jit(step)([jax.device_put(a, gpu) for a in arrays],
-                                 jax.device_put(obj, gpu), jax.device_put(bad, gpu))
+    new_c, new_o = jax.jit(step)(
+        [jax.device_put(a, gpu) for a in arrays], jax.device_put(obj, gpu), jax.device_put(bad, gpu)
+    )
     want_c = [a.copy() for a in arrays]
     want_o = obj.copy()
     host = replace(plan, groups=(replace(plan.groups[0], block_ids=bad.astype(np.int64)),))
-    assert reference.execute_plan(host, want_c, [want_o], drop_out_of_range=True) == {
-        48, -1, 2**30}
+    assert reference.execute_plan(host, want_c, [want_o], drop_out_of_range=True) == {48, -1, 2**30}
     if direction == "store":
         np.testing.assert_array_equal(as_bytes(new_o[0]), want_o.reshape(-1))
     else:
@@ -99,7 +127,14 @@ def test_gpu_small_kernel_is_not_used_when_off(monkeypatch):
     monkeypatch.setattr(pallas_copy, "_pallas_copy_small", lambda *a, **k: seen.append(a))
     jax.clear_caches()
     arrays, g = small_group(512, nb=64, num_chunks=4, bpc=4)
-    run_and_check("store", [g], arrays, [object_nbytes(g)], lowering="triton",
-                  device=jax.devices("gpu")[0], tuning=LoweringTuning(small_page_bytes=0))
+    run_and_check(
+        "store",
+        [g],
+        arrays,
+        [object_nbytes(g)],
+        lowering="triton",
+        device=jax.devices("gpu")[0],
+        tuning=LoweringTuning(small_page_bytes=0),
+    )
     assert not seen
     jax.clear_caches()

@@ -42,8 +42,9 @@ def test_sliding_window_keeps_the_last_blocks_of_each_chunk(lowering):
 def test_two_groups_share_one_object_at_their_region_offsets(lowering):
     a1, g1 = make_group("nhd", "bfloat16", nh=2, hs=8)
     n1 = _object_nbytes(g1)
-    a2, g2 = make_group("indexer", "uint8", region_offset=n1, slot_base=len(a1), seed=4,
-                        ids=g1.block_ids)
+    a2, g2 = make_group(
+        "indexer", "uint8", region_offset=n1, slot_base=len(a1), seed=4, ids=g1.block_ids
+    )
     total = n1 + _object_nbytes(g2)
     for direction in ("store", "load"):
         run_and_check(direction, [g1, g2], a1 + a2, [total], lowering=lowering)
@@ -53,15 +54,17 @@ def test_two_groups_share_one_object_at_their_region_offsets(lowering):
 def test_untouched_blocks_and_rows_stay_untouched(lowering):
     arrays, g = make_group("interleaved", "bfloat16", first_item=3, num_chunks=2, bpc=2)
     before = [a.copy() for a in arrays]
-    *_, new_c, _new_o, _, _ = run_and_check("load", [g], arrays, [_object_nbytes(g)],
-                                             lowering=lowering)
+    *_, new_c, _new_o, _, _ = run_and_check(
+        "load", [g], arrays, [_object_nbytes(g)], lowering=lowering
+    )
     _, _, ids = g.items()
     # Only block ids[...] of items >= first_item may change: check the others bit for bit.
     for layer, (old, new) in enumerate(zip(before, new_c)):
         new = np.asarray(new)
         untouched = [b for b in range(old.shape[0]) if b not in set(ids.tolist())]
-        np.testing.assert_array_equal(new[untouched].view(np.uint8),
-                                      old[untouched].view(np.uint8), err_msg=f"layer {layer}")
+        np.testing.assert_array_equal(
+            new[untouched].view(np.uint8), old[untouched].view(np.uint8), err_msg=f"layer {layer}"
+        )
 
 
 def test_no_items_moves_nothing():

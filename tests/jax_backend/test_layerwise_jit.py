@@ -30,8 +30,10 @@ def backend_name(request):
 
 def _engine(seed):
     rng = np.random.default_rng(seed)
-    host = [rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            for _ in range(LAYERS)]
+    host = [
+        rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
+        for _ in range(LAYERS)
+    ]
     fmt, normalized = detect_format([jnp.asarray(h) for h in host], engine="tpu_inference")
     return host, KVLayerGroupsManager(normalized, fmt, lmcache_tokens_per_chunk=TOKENS)
 
@@ -55,11 +57,16 @@ def test_per_layer_loads_inside_one_jit_feed_each_layers_compute(backend_name):
         objs = store(manager, host, src, backend="numpy")
         objs = [np.ascontiguousarray(o[::-1]) for o in objs]  # other bytes than dst holds
         want = load(manager, objs, [h.copy() for h in host], dst, backend="numpy")
-        seen, new = step([jnp.asarray(h) for h in host], [jnp.asarray(o) for o in objs],
-                         jnp.asarray(dst, jnp.int32))
+        seen, new = step(
+            [jnp.asarray(h) for h in host],
+            [jnp.asarray(o) for o in objs],
+            jnp.asarray(dst, jnp.int32),
+        )
         for layer in range(LAYERS):
-            np.testing.assert_array_equal(np.asarray(seen[layer]).view(np.uint16),
-                                          want[layer][dst].view(np.uint16))
-            np.testing.assert_array_equal(np.asarray(new[layer]).view(np.uint16),
-                                          want[layer].view(np.uint16))
+            np.testing.assert_array_equal(
+                np.asarray(seen[layer]).view(np.uint16), want[layer][dst].view(np.uint16)
+            )
+            np.testing.assert_array_equal(
+                np.asarray(new[layer]).view(np.uint16), want[layer].view(np.uint16)
+            )
     assert len(traces) == 1

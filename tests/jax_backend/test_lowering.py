@@ -20,8 +20,17 @@ MOSAIC_LAYOUTS = ("nhd", "flashinfer_nhd", "cross_layer")
 
 def _lower(layout, direction, lowering, dtype="bfloat16"):
     # A Llama-like page (16 tokens x 8 heads x 128) so boxes hit the real 4096 / TMA limits.
-    arrays, g = make_group(layout, dtype, nb=32, bs=16, nh=8, hs=128, num_chunks=2, bpc=4,
-                           first_item=1 if direction == "load" else 0)
+    arrays, g = make_group(
+        layout,
+        dtype,
+        nb=32,
+        bs=16,
+        nh=8,
+        hs=128,
+        num_chunks=2,
+        bpc=4,
+        first_item=1 if direction == "load" else 0,
+    )
     nbytes = g.num_planes * g.slots * g.row_bytes
     plan = make_plan(direction, [g], arrays, [nbytes])
     caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
@@ -77,10 +86,11 @@ def test_a_non_power_of_two_box_is_rejected_by_the_triton_lowering():
 
     # Forcing 3-element boxes must trip Triton's power-of-two check at lowering time.
     real = geometry.pow2_parts
-    with mock.patch.object(geometry, "pow2_parts", lambda n, cap: [(0, n)]), \
-            pytest.raises(Exception, match="power of 2|power-of-two|power of two"):
-        arrays, g = make_group("nhd", "bfloat16", nh=3, hs=1, nb=8, bs=1, num_chunks=1,
-                               bpc=1)
+    with (
+        mock.patch.object(geometry, "pow2_parts", lambda n, cap: [(0, n)]),
+        pytest.raises(Exception, match="power of 2|power-of-two|power of two"),
+    ):
+        arrays, g = make_group("nhd", "bfloat16", nh=3, hs=1, nb=8, bs=1, num_chunks=1, bpc=1)
         plan = make_plan("store", [g], arrays, [g.num_planes * g.slots * g.row_bytes])
         caches = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays]
         objs = [jax.ShapeDtypeStruct((1, g.num_planes * g.slots * g.row_bytes), jnp.uint8)]
@@ -104,6 +114,7 @@ def _mosaic_kernel_text(lowered):
                     if inner.operation.name == "stablehlo.custom_call":
                         calls.append(inner)
                     walk(inner.operation)
+
     with module.context:
         walk(module.operation)
         (call,) = calls
@@ -138,21 +149,29 @@ def _geom(layout, nh, hs):
     from kvgroups_jax.geometry import group_geometry
 
     arrays, g = make_group(layout, "bfloat16", nb=32, bs=16, nh=nh, hs=hs, num_chunks=1, bpc=2)
-    return group_geometry(g, [a for a in make_plan("store", [g], arrays, [1]).tensor_specs],
-                          g.num_planes * g.slots * g.row_bytes)
+    return group_geometry(
+        g,
+        [a for a in make_plan("store", [g], arrays, [1]).tensor_specs],
+        g.num_planes * g.slots * g.row_bytes,
+    )
 
 
-@pytest.mark.parametrize(("version", "cc", "layout", "nh", "hs", "expected"), [
-    ((0, 11), (9, 0), "nhd", 8, 128, "mosaic"),        # 32 KiB contiguous pages on Hopper
-    ((0, 11), (9, 0), "nhd", 1, 64, "triton"),         # 2 KiB pages: Triton was faster
-    ((0, 11), (9, 0), "hnd", 8, 128, "triton"),        # strided pages: Mosaic cannot
-    ((0, 11), (8, 0), "nhd", 8, 128, "triton"),        # Ampere: no TMA
-    ((0, 10), (9, 0), "nhd", 8, 128, "triton"),        # Triton not yet deprecated
-])
+@pytest.mark.parametrize(
+    ("version", "cc", "layout", "nh", "hs", "expected"),
+    [
+        ((0, 11), (9, 0), "nhd", 8, 128, "mosaic"),  # 32 KiB contiguous pages on Hopper
+        ((0, 11), (9, 0), "nhd", 1, 64, "triton"),  # 2 KiB pages: Triton was faster
+        ((0, 11), (9, 0), "hnd", 8, 128, "triton"),  # strided pages: Mosaic cannot
+        ((0, 11), (8, 0), "nhd", 8, 128, "triton"),  # Ampere: no TMA
+        ((0, 10), (9, 0), "nhd", 8, 128, "triton"),  # Triton not yet deprecated
+    ],
+)
 def test_auto_lowering_choice(version, cc, layout, nh, hs, expected):
     geom = _geom(layout, nh, hs)
-    with mock.patch.object(lowering_choice, "_compute_capability", return_value=cc), \
-            mock.patch.object(lowering_choice, "_jax_version", return_value=version):
+    with (
+        mock.patch.object(lowering_choice, "_compute_capability", return_value=cc),
+        mock.patch.object(lowering_choice, "_jax_version", return_value=version),
+    ):
         assert lowering_choice.resolve_lowering("auto", geom, "gpu") == expected
         assert lowering_choice.resolve_lowering("auto", geom, "cpu") == "xla"
 
@@ -160,8 +179,8 @@ def test_auto_lowering_choice(version, cc, layout, nh, hs, expected):
 def test_triton_warps_follow_the_box_size():
     from kvgroups_jax.lowerings.triton import default_warps
 
-    assert default_warps(_geom("nhd", 8, 128)) == 8   # one 32 KiB box per page
-    assert default_warps(_geom("nhd", 1, 64)) == 4    # 2 KiB pages
+    assert default_warps(_geom("nhd", 8, 128)) == 8  # one 32 KiB box per page
+    assert default_warps(_geom("nhd", 1, 64)) == 4  # 2 KiB pages
 
 
 def _lower_fresh_store(layout, lowering):
@@ -177,16 +196,14 @@ def _assert_object_is_a_kernel_output(text, marker):
     # No object argument, no zero-filled buffer, no aliasing: the kernel's result is the object.
     calls = [line for line in text.splitlines() if "stablehlo.custom_call" in line]
     assert calls and all(marker in c for c in calls), calls
-    assert not any("output_operand_aliases = [#stablehlo.output_operand_alias" in c
-                   for c in calls)
+    assert not any("output_operand_aliases = [#stablehlo.output_operand_alias" in c for c in calls)
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert "tf.aliasing_output" not in main and "ui8" not in main.split("->")[0]
     assert "stablehlo.broadcast_in_dim" not in text
 
 
 def test_triton_store_without_objects_makes_the_object_the_kernel_output():
-    _assert_object_is_a_kernel_output(_lower_fresh_store("nhd", "triton"),
-                                      "__gpu$xla.gpu.triton")
+    _assert_object_is_a_kernel_output(_lower_fresh_store("nhd", "triton"), "__gpu$xla.gpu.triton")
 
 
 @needs_absl
@@ -194,10 +211,17 @@ def test_mosaic_store_without_objects_makes_the_object_the_kernel_output():
     _assert_object_is_a_kernel_output(_lower_fresh_store("nhd", "mosaic"), "@mosaic_gpu")
 
 
-@pytest.mark.parametrize(("layout", "lowering"), [
-    *((layout, lowering) for layout in ("nhd", "hnd", "cross_layer") for lowering in ("triton", "xla")),
-    *(pytest.param(layout, "mosaic", marks=needs_absl) for layout in ("nhd", "cross_layer")),
-])
+@pytest.mark.parametrize(
+    ("layout", "lowering"),
+    [
+        *(
+            (layout, lowering)
+            for layout in ("nhd", "hnd", "cross_layer")
+            for lowering in ("triton", "xla")
+        ),
+        *(pytest.param(layout, "mosaic", marks=needs_absl) for layout in ("nhd", "cross_layer")),
+    ],
+)
 def test_load_hands_back_caches_behind_a_barrier_of_their_own_types(layout, lowering):
     # The kernels write flat integer views; without the barrier XLA folds the views' bitcasts
     # into the caller's fusions, which then read the flat buffer (slower). The

@@ -49,12 +49,22 @@ def run_interpreted(direction, g, arrays, seed=7):
     @functools.partial(jax.jit, donate_argnums=(0,) if direction == "load" else (1,))
     def run(caches, obj, meta, ids):
         views = tuple(flat_view(caches[s], geom.unit) for s in geom.operand_slots)
-        out = pallas_mosaic.copy_group(direction, geom, bucket(g.num_items), meta, ids,
-                                       object_view(obj, geom.unit), views, interpret=True)
+        out = pallas_mosaic.copy_group(
+            direction,
+            geom,
+            bucket(g.num_items),
+            meta,
+            ids,
+            object_view(obj, geom.unit),
+            views,
+            interpret=True,
+        )
         if direction == "store":
             return object_unview(out, geom.unit)
-        return tuple(unflat_view(v, caches[s].shape, caches[s].dtype, geom.unit)
-                     for s, v in zip(geom.operand_slots, out))
+        return tuple(
+            unflat_view(v, caches[s].shape, caches[s].dtype, geom.unit)
+            for s, v in zip(geom.operand_slots, out)
+        )
 
     out = run(tuple(jax.numpy.asarray(a) for a in arrays), jax.numpy.asarray(obj), meta, ids)
     if direction == "store":
@@ -69,32 +79,64 @@ def run_interpreted(direction, g, arrays, seed=7):
 @pytest.mark.parametrize("layout", ["nhd", "flashinfer_nhd", "cross_layer"])
 def test_interpreted_tma_copy_is_bit_exact(layout, direction):
     # 5 of 8 bucketed items on load: the masked programs must not write anything.
-    arrays, g = make_group(layout, "bfloat16", nb=8, bs=4, nh=2, hs=128, num_chunks=3, bpc=2,
-                           first_item=1 if direction == "load" else 0)
+    arrays, g = make_group(
+        layout,
+        "bfloat16",
+        nb=8,
+        bs=4,
+        nh=2,
+        hs=128,
+        num_chunks=3,
+        bpc=2,
+        first_item=1 if direction == "load" else 0,
+    )
     assert run_interpreted(direction, g, arrays) == (4, 1)
 
 
 @pytest.mark.parametrize("direction", ["store", "load"])
-@pytest.mark.parametrize("bs, nh, hs, budget, pieces", [
-    (8, 2, 128, 2048, (2, 4)),
-    (12, 2, 128, 4096, (4, 3)),
-    (12, 2, 128, 3072, (3, 4)),   # a piece of 3 rows: any divisor, not only powers of two
-    (4, 1, 576, 4096, (3, 3)),    # MLA-like 576-wide rows: 9 rows of 256 in three pieces
-])
+@pytest.mark.parametrize(
+    "bs, nh, hs, budget, pieces",
+    [
+        (8, 2, 128, 2048, (2, 4)),
+        (12, 2, 128, 4096, (4, 3)),
+        (12, 2, 128, 3072, (3, 4)),  # a piece of 3 rows: any divisor, not only powers of two
+        (4, 1, 576, 4096, (3, 3)),  # MLA-like 576-wide rows: 9 rows of 256 in three pieces
+    ],
+)
 def test_spans_cut_into_pieces_use_both_buffers(bs, nh, hs, budget, pieces, direction):
     # A small shared-memory budget forces several pieces per span through two buffers (an odd
     # count too, so the last piece lands in the first buffer).
     with mock.patch.object(pallas_mosaic, "MAX_SMEM_BYTES", budget):
-        arrays, g = make_group("nhd", "bfloat16", nb=8, bs=bs, nh=nh, hs=hs, num_chunks=2,
-                               bpc=2, first_item=1 if direction == "load" else 0)
+        arrays, g = make_group(
+            "nhd",
+            "bfloat16",
+            nb=8,
+            bs=bs,
+            nh=nh,
+            hs=hs,
+            num_chunks=2,
+            bpc=2,
+            first_item=1 if direction == "load" else 0,
+        )
         assert run_interpreted(direction, g, arrays) == pieces
 
 
 @pytest.mark.parametrize("dtype", ["float32", "uint8", "float8_e4m3fn"])
 def test_other_widths_and_a_sliding_window(dtype):
     for direction in ("store", "load"):
-        arrays, g = make_group("nhd", dtype, nb=8, bs=4, nh=2, hs=256, num_chunks=3, bpc=2,
-                               kept=1, first_item=1 if direction == "load" else 0, seed=3)
+        arrays, g = make_group(
+            "nhd",
+            dtype,
+            nb=8,
+            bs=4,
+            nh=2,
+            hs=256,
+            num_chunks=3,
+            bpc=2,
+            kept=1,
+            first_item=1 if direction == "load" else 0,
+            seed=3,
+        )
         run_interpreted(direction, g, arrays)
 
 
@@ -107,17 +149,26 @@ def _mosaic(direction, g, arrays, obj, ids, fresh=False):
     @jax.jit
     def run(caches, obj, ids):
         views = tuple(flat_view(caches[s], geom.unit) for s in geom.operand_slots)
-        target = (jax.ShapeDtypeStruct((obj.shape[0], obj.shape[1] // geom.unit),
-                                       views[0].dtype) if fresh else object_view(obj, geom.unit))
-        out = pallas_mosaic.copy_group(direction, geom, bucket(g.num_items), meta, ids, target,
-                                       views, interpret=True)
+        target = (
+            jax.ShapeDtypeStruct((obj.shape[0], obj.shape[1] // geom.unit), views[0].dtype)
+            if fresh
+            else object_view(obj, geom.unit)
+        )
+        out = pallas_mosaic.copy_group(
+            direction, geom, bucket(g.num_items), meta, ids, target, views, interpret=True
+        )
         if direction == "store":
             return object_unview(out, geom.unit)
-        return tuple(unflat_view(v, caches[s].shape, caches[s].dtype, geom.unit)
-                     for s, v in zip(geom.operand_slots, out))
+        return tuple(
+            unflat_view(v, caches[s].shape, caches[s].dtype, geom.unit)
+            for s, v in zip(geom.operand_slots, out)
+        )
 
-    return run(tuple(jax.numpy.asarray(a) for a in arrays), jax.numpy.asarray(obj),
-               jax.numpy.asarray(ids, jax.numpy.int32))
+    return run(
+        tuple(jax.numpy.asarray(a) for a in arrays),
+        jax.numpy.asarray(obj),
+        jax.numpy.asarray(ids, jax.numpy.int32),
+    )
 
 
 def test_interpreted_tma_store_can_create_its_object():
@@ -135,8 +186,9 @@ def test_interpreted_tma_load_drops_out_of_range_ids():
     obj = np.random.default_rng(2).integers(0, 256, (2, _nbytes(g)), np.uint8)
     good = np.array([2, 3, 6, 7])
     exp_c = [a.copy().view(np.uint8).reshape(-1) for a in arrays]
-    reference_transfer("load", replace(g, block_ids=good), exp_c, obj.copy().reshape(-1),
-                       _nbytes(g))
+    reference_transfer(
+        "load", replace(g, block_ids=good), exp_c, obj.copy().reshape(-1), _nbytes(g)
+    )
     out = _mosaic("load", g, arrays, obj, np.array([2, 3, 6, 99]))
     block = 4 * 2 * 128 * 2
     for c, before, moved in zip(out, arrays, exp_c):
@@ -145,4 +197,4 @@ def test_interpreted_tma_load_drops_out_of_range_ids():
             for blk in range(8):
                 lo = (kv * 8 + blk) * block
                 want = moved if blk in (2, 3, 6) else before
-                np.testing.assert_array_equal(got[lo:lo + block], want[lo:lo + block])
+                np.testing.assert_array_equal(got[lo : lo + block], want[lo : lo + block])

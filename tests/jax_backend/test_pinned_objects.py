@@ -20,8 +20,10 @@ def _pinned(x):
 
 def _engine(seed=0, layers=3):
     rng = np.random.default_rng(seed)
-    host = [rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            for _ in range(layers)]
+    host = [
+        rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
+        for _ in range(layers)
+    ]
     caches = [jnp.asarray(h) for h in host]
     fmt, normalized = detect_format(caches, engine="tpu_inference")
     return host, caches, KVLayerGroupsManager(normalized, fmt, lmcache_tokens_per_chunk=TOKENS)
@@ -62,10 +64,16 @@ def test_load_from_pinned_objects_matches_numpy(skip):
     ids = np.array([3, 9, 1, 14])
     objs = store(manager, host, ids, backend="numpy")
     target = [np.zeros_like(h) for h in host]
-    want = load(manager, objs, [t.copy() for t in target], ids, skip_first_n_tokens=skip,
-                backend="numpy")
-    got = load(manager, [_pinned(jnp.asarray(o)) for o in objs],
-               [jnp.asarray(t) for t in target], ids, skip_first_n_tokens=skip)
+    want = load(
+        manager, objs, [t.copy() for t in target], ids, skip_first_n_tokens=skip, backend="numpy"
+    )
+    got = load(
+        manager,
+        [_pinned(jnp.asarray(o)) for o in objs],
+        [jnp.asarray(t) for t in target],
+        ids,
+        skip_first_n_tokens=skip,
+    )
     for g, w in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g).view(np.uint16), w.view(np.uint16))
 

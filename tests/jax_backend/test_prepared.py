@@ -18,14 +18,17 @@ NB, CHUNKS, TOKENS = 40, 2, 256
 def _setup(seed=0):
     model = MODELS["hybrid-demo"].build(num_blocks=NB, layers=4, dtype="float16")
     rng = np.random.default_rng(seed)
-    host = [rng.integers(0, 2**16, spec.shape, dtype=np.uint16).view(np.float16)
-            for spec in model.kv_caches]
+    host = [
+        rng.integers(0, 2**16, spec.shape, dtype=np.uint16).view(np.float16)
+        for spec in model.kv_caches
+    ]
     # One array per layer, committed to the device and owned by XLA: what an engine holds.
     caches = [JaxBackend().from_numpy(a) for a in host]
     assert all(c._committed for c in caches)
     host = [a.copy() for a in host]
-    manager = KVLayerGroupsManager(caches, list(model.formats), model.engine_group_infos,
-                                   lmcache_tokens_per_chunk=TOKENS)
+    manager = KVLayerGroupsManager(
+        caches, list(model.formats), model.engine_group_infos, lmcache_tokens_per_chunk=TOKENS
+    )
     return manager, caches, host
 
 

@@ -18,21 +18,24 @@ from kvgroups_core import KVLayerGroupsManager, detect_format, load, prepare, st
 from kvgroups_core.errors import UnsupportedConfigError
 
 NB, BS, NH, HS, NL, TOKENS = 8, 4, 8, 8, 2, 8
-COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all",
-               "reduce-scatter")
+COLLECTIVES = ("all-gather", "all-reduce", "collective-permute", "all-to-all", "reduce-scatter")
 
-pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 8 and jax.default_backend() == "cpu",
-                                reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8")
+pytestmark = pytest.mark.skipif(
+    len(jax.devices("cpu")) < 8 and jax.default_backend() == "cpu",
+    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count=8",
+)
 
 
 def _mesh(shape=(4,), names=("model",)):
-    return jax.make_mesh(shape, names, devices=jax.devices()[:int(np.prod(shape))])
+    return jax.make_mesh(shape, names, devices=jax.devices()[: int(np.prod(shape))])
 
 
 def _host(seed=0):
     rng = np.random.default_rng(seed)
-    return [rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            for _ in range(NL)]
+    return [
+        rng.integers(0, 2**16, (NB, BS, NH, 2, HS), dtype=np.uint16).view(ml_dtypes.bfloat16)
+        for _ in range(NL)
+    ]
 
 
 def _manager(caches):
@@ -43,7 +46,7 @@ def _manager(caches):
 def _shard_reference(host, shards, ids, r):
     """The object a manager of shard ``r`` alone (heads r*k .. (r+1)*k) stores."""
     k = NH // shards
-    local = [np.ascontiguousarray(h[:, :, r * k:(r + 1) * k]) for h in host]
+    local = [np.ascontiguousarray(h[:, :, r * k : (r + 1) * k]) for h in host]
     return store(_manager(local), local, ids, backend="numpy")[0]
 
 
@@ -58,13 +61,15 @@ def _compiled_texts():
         def call(*a):
             texts.append(fn.lower(*a).compile().as_text())
             return fn(*a)
+
         return call
 
     return texts, mock.patch.object(sharded, "_sharded_fn", spy)
 
 
-@pytest.mark.parametrize("mesh_shape, names, heads", [((4,), ("model",), "model"),
-                                                      ((2, 4), ("data", "model"), "model")])
+@pytest.mark.parametrize(
+    "mesh_shape, names, heads", [((4,), ("model",), "model"), ((2, 4), ("data", "model"), "model")]
+)
 def test_heads_sharded_store_and_load_stay_per_shard(mesh_shape, names, heads):
     mesh = _mesh(mesh_shape, names)
     sharding = NamedSharding(mesh, P(None, None, heads, None, None))
@@ -83,8 +88,10 @@ def test_heads_sharded_store_and_load_stay_per_shard(mesh_shape, names, heads):
     got = np.asarray(objs[0])
     for r in range(shards):
         np.testing.assert_array_equal(
-            got[:, r * nbytes // shards:(r + 1) * nbytes // shards],
-            _shard_reference(host, shards, ids, r), err_msg=f"shard {r}")
+            got[:, r * nbytes // shards : (r + 1) * nbytes // shards],
+            _shard_reference(host, shards, ids, r),
+            err_msg=f"shard {r}",
+        )
 
     targets = [jax.device_put(np.zeros_like(h), sharding) for h in host]
     before = [[s.data.unsafe_buffer_pointer() for s in t.addressable_shards] for t in targets]
@@ -156,13 +163,15 @@ def test_shard_map_with_a_per_shard_manager_uses_the_same_calls():
         objs = store(manager, caches, ids)
         return objs, load(manager, objs, caches, np.array([0, 3, 7, 4]))
 
-    objs, new = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=(spec,),
-                                      out_specs=(P(None, "model"), spec)))(caches)
+    objs, new = jax.jit(
+        jax.shard_map(step, mesh=mesh, in_specs=(spec,), out_specs=(P(None, "model"), spec))
+    )(caches)
     nbytes = objs[0].shape[1] // 4
     got = np.asarray(objs[0])
     for r in range(4):
-        np.testing.assert_array_equal(got[:, r * nbytes:(r + 1) * nbytes],
-                                      _shard_reference(host, 4, ids, r))
+        np.testing.assert_array_equal(
+            got[:, r * nbytes : (r + 1) * nbytes], _shard_reference(host, 4, ids, r)
+        )
     a = np.asarray(new[0]).view(np.uint16)
     np.testing.assert_array_equal(a[[0, 3, 7, 4]], host[0].view(np.uint16)[ids])
 
@@ -187,8 +196,9 @@ def test_explicitly_sharded_caches_inside_jit_move_per_shard_without_collectives
     nbytes = objs[0].shape[1] // 4
     got = np.asarray(objs[0])
     for r in range(4):
-        np.testing.assert_array_equal(got[:, r * nbytes:(r + 1) * nbytes],
-                                      _shard_reference(host, 4, ids, r))
+        np.testing.assert_array_equal(
+            got[:, r * nbytes : (r + 1) * nbytes], _shard_reference(host, 4, ids, r)
+        )
     assert all(n.sharding == sharding for n in new)
     a = np.asarray(new[0]).view(np.uint16)
     np.testing.assert_array_equal(a[[0, 3, 7, 4]], host[0].view(np.uint16)[ids])
@@ -199,8 +209,9 @@ def test_traced_ids_per_shard_drop_bad_ids_and_checkify_reports_them():
 
     # Auto axes: checkify's error of a shard_map is then a plain array (jax 0.10 cannot read
     # an explicitly sharded one back).
-    mesh = jax.make_mesh((4,), ("model",), devices=jax.devices()[:4],
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+        (4,), ("model",), devices=jax.devices()[:4], axis_types=(jax.sharding.AxisType.Auto,)
+    )
     spec = P(None, None, "model", None, None)
     host = _host(8)
     caches = [jax.device_put(h, NamedSharding(mesh, spec)) for h in host]
@@ -214,8 +225,10 @@ def test_traced_ids_per_shard_drop_bad_ids_and_checkify_reports_them():
     assert err.get() is None
     nbytes = objs[0].shape[1] // 4
     for r in range(4):
-        np.testing.assert_array_equal(np.asarray(objs[0])[:, r * nbytes:(r + 1) * nbytes],
-                                      _shard_reference(host, 4, np.array([1, 5, 2, 6]), r))
+        np.testing.assert_array_equal(
+            np.asarray(objs[0])[:, r * nbytes : (r + 1) * nbytes],
+            _shard_reference(host, 4, np.array([1, 5, 2, 6]), r),
+        )
     err, _ = jax.jit(checkify.checkify(mapped))(caches, jnp.asarray([1, 5, 2, 60], jnp.int32))
     assert "got 60" in str(err.get())
 
@@ -243,14 +256,15 @@ def test_explicitly_sharded_jit_with_traced_ids_and_skip():
 
 def _auto_mesh(shape=(4,), names=("model",)):
     # Mesh(devices, names): every axis Auto, the constructor most engines use.
-    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    devices = np.array(jax.devices()[: int(np.prod(shape))]).reshape(shape)
     return jax.sharding.Mesh(devices, names)
 
 
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 @pytest.mark.parametrize("mesh_shape, names", [((4,), ("model",)), ((2, 4), ("data", "model"))])
-def test_jitted_store_and_load_stay_per_shard_on_auto_and_explicit_meshes(mesh_kind, mesh_shape,
-                                                                          names):
+def test_jitted_store_and_load_stay_per_shard_on_auto_and_explicit_meshes(
+    mesh_kind, mesh_shape, names
+):
     mesh = (_auto_mesh if mesh_kind == "auto" else _mesh)(mesh_shape, names)
     sharding = NamedSharding(mesh, P(None, None, "model", None, None))
     host = _host(11)
@@ -268,8 +282,9 @@ def test_jitted_store_and_load_stay_per_shard_on_auto_and_explicit_meshes(mesh_k
     nbytes = objs[0].shape[1] // 4
     got = np.asarray(objs[0])
     for r in range(4):
-        np.testing.assert_array_equal(got[:, r * nbytes:(r + 1) * nbytes],
-                                      _shard_reference(host, 4, src, r))
+        np.testing.assert_array_equal(
+            got[:, r * nbytes : (r + 1) * nbytes], _shard_reference(host, 4, src, r)
+        )
     dst_ids = jnp.asarray(dst, jnp.int32)
     text = load_fn.lower(caches, objs, dst_ids).compile().as_text()
     assert not [c for c in COLLECTIVES if c in text]
@@ -296,11 +311,15 @@ def test_an_auto_mesh_trace_nothing_vouches_for_is_refused_naming_the_fix():
 
 
 def test_an_auto_mesh_trace_on_another_mesh_than_the_managers_is_refused():
-    caches = [jax.device_put(h, NamedSharding(_auto_mesh((4,)), P(None, None, "model")))
-              for h in _host(13)]
+    caches = [
+        jax.device_put(h, NamedSharding(_auto_mesh((4,)), P(None, None, "model")))
+        for h in _host(13)
+    ]
     manager = _manager(caches)
-    other = [jax.device_put(h, NamedSharding(_auto_mesh((2,)), P(None, None, "model")))
-             for h in _host(13)]
+    other = [
+        jax.device_put(h, NamedSharding(_auto_mesh((2,)), P(None, None, "model")))
+        for h in _host(13)
+    ]
     fn = jax.jit(lambda c, ids: store(manager, c, ids))
     with pytest.raises(UnsupportedConfigError, match="the mesh the manager was built on"):
         fn(other, jnp.asarray([1, 5, 2, 6], jnp.int32))

@@ -17,8 +17,9 @@ def _arrays(model, seed):
     rng = np.random.default_rng(seed)
     out = []
     for spec in model.kv_caches:
-        bits = rng.integers(0, 256, size=int(np.prod(spec.shape)) * spec.dtype.itemsize,
-                            dtype=np.uint8)
+        bits = rng.integers(
+            0, 256, size=int(np.prod(spec.shape)) * spec.dtype.itemsize, dtype=np.uint8
+        )
         dt = jnp.bfloat16 if spec.dtype.name == "bfloat16" else np.dtype(spec.dtype.name)
         out.append(bits.view(np.dtype(dt)).reshape(spec.shape))
     return out
@@ -47,8 +48,7 @@ def _round_trip(lowering, platform):
         assert np.array_equal(np.asarray(g), w)
     dst_ref = [x.copy() for x in dst_np]
     load(manager, want, dst_ref, load_ids, backend="numpy")
-    dst = load(manager, [put(o) for o in want], [put(x) for x in dst_np], load_ids,
-               backend=name)
+    dst = load(manager, [put(o) for o in want], [put(x) for x in dst_np], load_ids, backend=name)
     for a, b in zip(dst, dst_ref):
         assert np.asarray(a).tobytes() == b.tobytes()
 

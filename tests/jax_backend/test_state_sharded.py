@@ -15,22 +15,28 @@ from kvgroups_core import EngineKVFormat as F
 
 SLOTS, CH, W, H, D, CHUNK = 6, 48, 3, 4, 8, 16
 
-pytestmark = pytest.mark.skipif(len(jax.devices("cpu")) < 4 and jax.default_backend() == "cpu",
-                                reason="needs XLA_FLAGS=--xla_force_host_platform_device_count")
+pytestmark = pytest.mark.skipif(
+    len(jax.devices("cpu")) < 4 and jax.default_backend() == "cpu",
+    reason="needs XLA_FLAGS=--xla_force_host_platform_device_count",
+)
 
 
 def _host(seed):
     rng = np.random.default_rng(seed)
-    conv = [rng.integers(0, 2**16, (SLOTS, CH, W), dtype=np.uint16).view(ml_dtypes.bfloat16)
-            for _ in range(2)]
+    conv = [
+        rng.integers(0, 2**16, (SLOTS, CH, W), dtype=np.uint16).view(ml_dtypes.bfloat16)
+        for _ in range(2)
+    ]
     temporal = [rng.standard_normal((SLOTS, H, D, D)).astype(np.float32) for _ in range(2)]
     return [conv[0], temporal[0], conv[1], temporal[1]]
 
 
 def _manager(caches):
     formats = [F.NL_X_NB_CD_CW, F.NL_X_NB_SH_SS] * 2
-    infos = [EngineGroupInfo(0, (0, 2), CHUNK, recurrent_state=True),
-             EngineGroupInfo(0, (1, 3), CHUNK, recurrent_state=True)]
+    infos = [
+        EngineGroupInfo(0, (0, 2), CHUNK, recurrent_state=True),
+        EngineGroupInfo(0, (1, 3), CHUNK, recurrent_state=True),
+    ]
     return KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=CHUNK)
 
 

@@ -27,7 +27,8 @@ TPU = "jax-tpu"
 
 needs_flatbuffers = pytest.mark.skipif(
     importlib.util.find_spec("flatbuffers") is None,
-    reason="jax.export serializes with flatbuffers: pip install 'kvgroups[test]'")
+    reason="jax.export serializes with flatbuffers: pip install 'kvgroups[test]'",
+)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -71,8 +72,9 @@ def _custom_calls(text):
 @pytest.mark.parametrize("fmt", TRANSFER_FORMATS, ids=lambda f: f.name)
 def test_public_calls_lower_and_export_for_tpu(fmt, dtype):
     step, args, manager = _step(fmt, dtype)
-    text = jax.jit(step, donate_argnums=(0,)).trace(*args).lower(
-        lowering_platforms=("tpu",)).as_text()
+    text = (
+        jax.jit(step, donate_argnums=(0,)).trace(*args).lower(lowering_platforms=("tpu",)).as_text()
+    )
     calls = _custom_calls(text)
     assert calls and all("@tpu_custom_call" in c for c in calls), calls
     kinds = [re.search(r"kvgroups_(store|load)_pages_tpu", c) for c in calls]
@@ -97,7 +99,8 @@ def test_public_calls_lower_and_export_for_tpu(fmt, dtype):
 def test_an_exported_tpu_step_refuses_to_run_on_the_cpu():
     step, args, _ = _step(TRANSFER_FORMATS[0], "bfloat16")
     exported = jax.export.deserialize(
-        jax.export.export(jax.jit(step), platforms=["tpu"])(*args).serialize())
+        jax.export.export(jax.jit(step), platforms=["tpu"])(*args).serialize()
+    )
     concrete = jax.tree_util.tree_map(lambda s: jnp.zeros(s.shape, s.dtype), args)
     with pytest.raises(ValueError, match="tpu"):
         exported.call(*concrete)

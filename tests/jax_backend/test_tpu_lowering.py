@@ -46,12 +46,15 @@ def _bf16(rng, shape):
 
 # --- DMAs per group transfer: one per run and plane ------------------------------------------
 
+
 @pytest.mark.parametrize("ids", ["scattered", "consecutive", "two_runs_per_chunk"])
 @pytest.mark.parametrize("layout", ["nhd", "heads_outer"])
 def test_dmas_per_group_transfer_equal_runs_times_planes(layout, ids):
-    id_sets = {"scattered": np.array([9, 3, 30, 17, 4, 22, 11, 0]),
-               "consecutive": np.arange(12, 20),
-               "two_runs_per_chunk": np.array([2, 3, 10, 11, 20, 21, 22, 5])}
+    id_sets = {
+        "scattered": np.array([9, 3, 30, 17, 4, 22, 11, 0]),
+        "consecutive": np.arange(12, 20),
+        "two_runs_per_chunk": np.array([2, 3, 10, 11, 20, 21, 22, 5]),
+    }
     arrays, g = make_group(layout, "bfloat16", num_chunks=2, bpc=4, nb=32, ids=id_sets[ids])
     nbytes = g.num_planes * g.slots * g.row_bytes
     plan = make_plan("store", [g], arrays, [nbytes])
@@ -63,13 +66,26 @@ def test_dmas_per_group_transfer_equal_runs_times_planes(layout, ids):
     @jax.jit
     def launch(caches, obj, meta, ids):
         views = tuple(c.reshape(-1).view(jnp.uint16) for c in caches)
-        out, count = tpu.copy_group("store", geom, 8, meta, ids, obj.view(jnp.uint16), views,
-                                    interpret=True, count_dmas=True)
+        out, count = tpu.copy_group(
+            "store",
+            geom,
+            8,
+            meta,
+            ids,
+            obj.view(jnp.uint16),
+            views,
+            interpret=True,
+            count_dmas=True,
+        )
         return out, count
 
     obj = jnp.zeros((2, nbytes // 2), jnp.uint16).view(jnp.uint8)
-    out, count = launch([jnp.asarray(a) for a in arrays], obj,
-                        jnp.array([0, g.num_items], jnp.int32), jnp.asarray(g.block_ids, jnp.int32))
+    out, count = launch(
+        [jnp.asarray(a) for a in arrays],
+        obj,
+        jnp.array([0, g.num_items], jnp.int32),
+        jnp.asarray(g.block_ids, jnp.int32),
+    )
     per_run = {"nhd": 1, "heads_outer": 2}[layout]  # heads outermost: one DMA per head
     assert dmas.dmas_per_run() == g.num_planes * per_run
     assert int(count[0]) == runs.count * g.num_planes * per_run
@@ -82,18 +98,35 @@ def test_dmas_per_group_transfer_equal_runs_times_planes(layout, ids):
 def test_the_device_run_table_is_the_cores_runs(seed):
     rng = np.random.default_rng(seed)
     kept, bpc, chunks, nb = 3, 4, 5, 24
-    ids = np.where(rng.random(chunks * bpc) < 0.7, np.arange(chunks * bpc),
-                   rng.integers(-3, nb + 3, chunks * bpc))  # runs, strays and bad ids
-    arrays, g = make_group("nhd", "float16", num_chunks=chunks, bpc=bpc, kept=kept, nb=nb,
-                           ids=ids, first_item=int(rng.integers(0, 4)))
+    ids = np.where(
+        rng.random(chunks * bpc) < 0.7,
+        np.arange(chunks * bpc),
+        rng.integers(-3, nb + 3, chunks * bpc),
+    )  # runs, strays and bad ids
+    arrays, g = make_group(
+        "nhd",
+        "float16",
+        num_chunks=chunks,
+        bpc=bpc,
+        kept=kept,
+        nb=nb,
+        ids=ids,
+        first_item=int(rng.integers(0, 4)),
+    )
     plan = make_plan("load", [g], arrays, [g.num_planes * g.slots * g.row_bytes])
     geom = group_geometry(g, plan.tensor_specs, plan.object_nbytes[0])
     grid = executor.bucket(g.num_items)
-    table = np.asarray(tpu.run_table(jnp.array([g.first_item, g.num_items], jnp.int32),
-                                     jnp.asarray(executor._padded_ids(ids)), geom, grid))
+    table = np.asarray(
+        tpu.run_table(
+            jnp.array([g.first_item, g.num_items], jnp.int32),
+            jnp.asarray(executor._padded_ids(ids)),
+            geom,
+            grid,
+        )
+    )
     want = block_runs(g, num_blocks=nb)
     n = int(table[0])
-    field = [table[1 + k * grid:1 + k * grid + n] for k in range(4)]
+    field = [table[1 + k * grid : 1 + k * grid + n] for k in range(4)]
     assert n == want.count
     np.testing.assert_array_equal(field[0] * kept + field[1], want.dst)
     np.testing.assert_array_equal(field[2], want.src)
@@ -101,6 +134,7 @@ def test_the_device_run_table_is_the_cores_runs(seed):
 
 
 # --- one compiled program for every request size -------------------------------------------
+
 
 def test_one_program_serves_every_request_size_with_ids_padded_to_a_bucket():
     max_chunks, bpc = 4, 2
@@ -122,15 +156,15 @@ def test_one_program_serves_every_request_size_with_ids_padded_to_a_bucket():
     before = executor.trace_count()
     sentinel = rng.integers(0, 256, (max_chunks, nbytes), dtype=np.uint8)
     for chunks in range(1, max_chunks + 1):
-        ids = rng.permutation(40)[:chunks * bpc]
+        ids = rng.permutation(40)[: chunks * bpc]
         pool = save(caches, [jnp.asarray(sentinel)], pad_block_ids(ids, max_chunks, bpc))
         got = np.asarray(pool[0])
-        np.testing.assert_array_equal(got[:chunks], store(manager, host, ids,
-                                                          backend="numpy")[0])
+        np.testing.assert_array_equal(got[:chunks], store(manager, host, ids, backend="numpy")[0])
         np.testing.assert_array_equal(got[chunks:], sentinel[chunks:])  # padding: no DMA
-        dst_ids = rng.permutation(40)[:chunks * bpc]
-        dst = restore([jnp.zeros_like(c) for c in caches], pool,
-                      pad_block_ids(dst_ids, max_chunks, bpc))
+        dst_ids = rng.permutation(40)[: chunks * bpc]
+        dst = restore(
+            [jnp.zeros_like(c) for c in caches], pool, pad_block_ids(dst_ids, max_chunks, bpc)
+        )
         for d, h in zip(dst, host):
             want = np.zeros_like(h)
             want[dst_ids] = h[ids]
@@ -149,6 +183,7 @@ def test_padding_ids_fit_the_bucket_or_are_refused():
 
 # --- sharded caches, pinned host objects, the hybrid tpu-inference layout -------------------
 
+
 @pytest.mark.skipif(len(jax.devices("cpu")) < 2, reason="needs 2 CPU devices (conftest sets 8)")
 def test_heads_sharded_caches_move_per_shard_under_shard_map():
     mesh = jax.make_mesh((2,), ("model",), devices=jax.devices()[:2])
@@ -165,11 +200,15 @@ def test_heads_sharded_caches_move_per_shard_under_shard_map():
     got = np.asarray(objs[0])
     half = got.shape[1] // 2
     for r in range(2):
-        local = [np.ascontiguousarray(h[:, :, 2 * r:2 * r + 2]) for h in host]
+        local = [np.ascontiguousarray(h[:, :, 2 * r : 2 * r + 2]) for h in host]
         lfmt, lnorm = detect_format(local, engine="tpu_inference")
-        want = store(KVLayerGroupsManager(lnorm, lfmt, lmcache_tokens_per_chunk=8), local, ids,
-                     backend="numpy")[0]
-        np.testing.assert_array_equal(got[:, r * half:(r + 1) * half], want)
+        want = store(
+            KVLayerGroupsManager(lnorm, lfmt, lmcache_tokens_per_chunk=8),
+            local,
+            ids,
+            backend="numpy",
+        )[0]
+        np.testing.assert_array_equal(got[:, r * half : (r + 1) * half], want)
     dst = [jax.device_put(np.zeros_like(h), sharding) for h in host]
     out = load(manager, objs, dst, np.array([7, 0, 3, 4]), backend=TPU)
     for o, h, d in zip(out, host, [np.zeros_like(h) for h in host]):
@@ -197,15 +236,21 @@ def test_engine_shard_map_with_a_per_shard_manager(check_vma):
         objs = store(manager, cs, ids, backend=TPU)
         return objs[0], load(manager, objs, cs, ids[::-1], backend=TPU)
 
-    obj, out = jax.jit(jax.shard_map(step, mesh=mesh, in_specs=([heads, heads], P()),
-                                     out_specs=(P(None, "model"), [heads, heads]),
-                                     check_vma=check_vma))(caches, ids)
+    obj, out = jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=([heads, heads], P()),
+            out_specs=(P(None, "model"), [heads, heads]),
+            check_vma=check_vma,
+        )
+    )(caches, ids)
     got = np.asarray(obj)
     half = got.shape[1] // 2
     for r in range(2):
-        shard = [np.ascontiguousarray(h[:, :, 2 * r:2 * r + 2]) for h in host]
+        shard = [np.ascontiguousarray(h[:, :, 2 * r : 2 * r + 2]) for h in host]
         want = store(manager, shard, np.asarray(ids), backend="numpy")[0]
-        np.testing.assert_array_equal(got[:, r * half:(r + 1) * half], want)
+        np.testing.assert_array_equal(got[:, r * half : (r + 1) * half], want)
     for o, h in zip(out, host):
         want = h.copy()
         want[[6, 2, 5, 1]] = h[[1, 5, 2, 6]]
@@ -226,8 +271,14 @@ def test_pinned_host_objects_are_staged_through_device_memory():
     for g, w in zip(got, want):
         assert g.sharding.memory_kind == "pinned_host"  # as tpu-inference keeps its objects
         np.testing.assert_array_equal(np.asarray(g), w)
-    sub = store(manager, caches, ids, [jax.device_put(jnp.asarray(w), pinned) for w in want],
-                layers=[1], backend=TPU)
+    sub = store(
+        manager,
+        caches,
+        ids,
+        [jax.device_put(jnp.asarray(w), pinned) for w in want],
+        layers=[1],
+        backend=TPU,
+    )
     np.testing.assert_array_equal(np.asarray(sub[0]), want[0])
     dst = [jnp.zeros_like(c) for c in caches]
     out = load(manager, got, dst, np.array([0, 2, 4, 6]), backend=TPU)
@@ -244,11 +295,16 @@ def test_tpu_inference_hybrid_with_two_cache_shapes_round_trips():
     rng = np.random.default_rng(7)
     pages, page = 24, 4
     sliding = [0, 1, 3, 4]
-    shapes = {i: (pages, page, 2, 2, 256) if i in sliding else (pages, page, 1, 2, 512)
-              for i in range(6)}
+    shapes = {
+        i: (pages, page, 2, 2, 256) if i in sliding else (pages, page, 1, 2, 512) for i in range(6)
+    }
     host = [_bf16(rng, shapes[i]) for i in range(6)]
-    layout = from_tpu_inference([jnp.asarray(h) for h in host],
-                                layer_groups=[sliding, [2, 5]], windows=[8, -1], chunk_size=8)
+    layout = from_tpu_inference(
+        [jnp.asarray(h) for h in host],
+        layer_groups=[sliding, [2, 5]],
+        windows=[8, -1],
+        chunk_size=8,
+    )
     manager = layout.manager
     assert manager.num_kernel_groups == 2  # two cache shapes: one kernel group each
     assert {g.shape_desc.hs for g in manager.kernel_groups} == {256, 512}
@@ -265,11 +321,13 @@ def test_tpu_inference_hybrid_with_two_cache_shapes_round_trips():
     engine = layout.to_engine(back)
     for e, d, s in zip(engine, dst_host, host):
         assert e.shape == s.shape
-        np.testing.assert_array_equal(np.asarray(e).view(np.uint16).reshape(d.shape),
-                                      d.view(np.uint16))
+        np.testing.assert_array_equal(
+            np.asarray(e).view(np.uint16).reshape(d.shape), d.view(np.uint16)
+        )
 
 
 # --- which lowering runs --------------------------------------------------------------------
+
 
 def test_explicit_tpu_on_concrete_cpu_arrays_is_refused_and_auto_picks_it_on_a_tpu():
     arrays, g = make_group("nhd", "bfloat16")
@@ -287,10 +345,13 @@ def test_lower_plan_lowers_the_tpu_kernels_in_place_without_a_tpu():
     arrays, g = make_group("hnd", "bfloat16", first_item=1)
     nbytes = g.num_planes * g.slots * g.row_bytes
     plan = make_plan("load", [g], arrays, [nbytes])
-    text = executor.lower_plan(plan, "tpu", [jax.ShapeDtypeStruct(a.shape, a.dtype)
-                                             for a in arrays],
-                               [jax.ShapeDtypeStruct((2, nbytes), jnp.uint8)],
-                               platform="tpu").as_text()
+    text = executor.lower_plan(
+        plan,
+        "tpu",
+        [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in arrays],
+        [jax.ShapeDtypeStruct((2, nbytes), jnp.uint8)],
+        platform="tpu",
+    ).as_text()
     assert "@tpu_custom_call" in text and "kvgroups_load_pages_tpu" in text
     main = next(line for line in text.splitlines() if "func.func public @main" in line)
     assert main.count("tf.aliasing_output") == len(arrays)  # every cache donated, in place
@@ -313,26 +374,36 @@ def test_pinned_host_objects_inside_jit_are_staged_through_device_memory():
     register_backend("jax-cpu-tpu", JaxBackend(lowering="tpu"), replace=True)
     register_backend("jax-cpu-xla", JaxBackend(lowering="xla"), replace=True)
     try:
+
         def save(kv, objects, ids, backend):
             return store(manager, kv, ids, objects, layers=[1], backend=backend)
 
         def restore(kv, objects, ids, backend):
             return load(manager, objects, kv, ids, backend=backend)
 
-        text = jax.jit(save, static_argnums=3).trace(caches, given, jids, "jax-cpu-tpu").lower(
-            lowering_platforms=("tpu",)).as_text()
+        text = (
+            jax.jit(save, static_argnums=3)
+            .trace(caches, given, jids, "jax-cpu-tpu")
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
         # The kernel reads and writes device memory: the object goes in and comes back out.
         assert "@tpu_custom_call" in text
         assert '_xla_buffer_placement = "device"' in text
         assert '_xla_buffer_placement = "pinned_host"' in text
-        text = jax.jit(restore, static_argnums=3).trace(caches, given, jids, "jax-cpu-tpu").lower(
-            lowering_platforms=("tpu",)).as_text()
+        text = (
+            jax.jit(restore, static_argnums=3)
+            .trace(caches, given, jids, "jax-cpu-tpu")
+            .lower(lowering_platforms=("tpu",))
+            .as_text()
+        )
         assert "@tpu_custom_call" in text and '_xla_buffer_placement = "device"' in text
         got = jax.jit(save, static_argnums=3)(caches, given, jids, "jax-cpu-xla")
         assert got[0].sharding.memory_kind == "pinned_host"
         np.testing.assert_array_equal(np.asarray(got[0]), want[0])
-        out = jax.jit(restore, static_argnums=3)([jnp.zeros_like(c) for c in caches], got,
-                                                 jnp.asarray([0, 2, 4, 6]), "jax-cpu-xla")
+        out = jax.jit(restore, static_argnums=3)(
+            [jnp.zeros_like(c) for c in caches], got, jnp.asarray([0, 2, 4, 6]), "jax-cpu-xla"
+        )
         for o, h in zip(out, host):
             expect = np.zeros_like(h)
             expect[[0, 2, 4, 6]] = h[ids]

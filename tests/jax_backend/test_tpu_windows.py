@@ -1,6 +1,7 @@
 """The TPU lowering's DMA plans (kvgroups_jax.lowerings.tpu_windows), replayed on NumPy: every
 window a plan names is copied with NumPy slicing of the same views the kernel makes, one copy
-per DMA, and the result must be the NumPy oracle's bytes (kvgroups_core.transfer.reference), for every
+per DMA, and the result must be the NumPy oracle's bytes (kvgroups_core.transfer.reference), for
+every
 page layout, dtype and direction, with scattered and consecutive block ids. This checks the
 window maths exhaustively and cheaply; tests/jax_backend/test_tpu_lowering.py runs the kernel."""
 
@@ -65,9 +66,16 @@ def replay(direction, group, arrays, nbytes, seed=0):
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float8_e4m3fn"])
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_every_layout_replays_the_oracles_bytes(layout, dtype, direction, ids):
-    arrays, group = make_group(layout, dtype, num_chunks=3, bpc=4, kept=3, nb=24,
-                               ids=np.arange(5, 17) if ids == "consecutive" else None,
-                               first_item=2 if direction == "load" else 0)
+    arrays, group = make_group(
+        layout,
+        dtype,
+        num_chunks=3,
+        bpc=4,
+        kept=3,
+        nb=24,
+        ids=np.arange(5, 17) if ids == "consecutive" else None,
+        first_item=2 if direction == "load" else 0,
+    )
     nbytes = group.num_planes * group.slots * group.row_bytes
     plan, runs, issued = replay(direction, group, arrays, nbytes)
     if plan.coalesces:
@@ -98,8 +106,7 @@ def test_head_major_pages_take_one_dma_per_head_and_run(layout, per_run):
 
 def test_a_region_offset_inside_a_shared_object_is_honoured():
     # Two kernel groups' regions in one object: this one starts after 3 other rows' bytes.
-    arrays, group = make_group("nhd", "bfloat16", num_chunks=2, bpc=2, nb=16,
-                               region_offset=3 * 96)
+    arrays, group = make_group("nhd", "bfloat16", num_chunks=2, bpc=2, nb=16, region_offset=3 * 96)
     nbytes = 3 * 96 + group.num_planes * group.slots * group.row_bytes
     for direction in ("store", "load"):
         replay(direction, group, arrays, nbytes)
@@ -111,4 +118,3 @@ def test_view_chain_and_digits():
     assert v.digits(53) == (2, 1, 1) and v.digits(96) is None
     assert View.chain(96, [24, 5]) is None and View.chain(100, [24]) is None
     assert View.of_shape((2, 1, 3)).axis_of(3) == 0  # the longer of two equal-stride axes
-

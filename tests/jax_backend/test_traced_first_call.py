@@ -120,8 +120,7 @@ SCRIPT = textwrap.dedent(
 ORDERS = {
     "jit-store-then-everything": "jit_store_closed_caches,jit_store_traced_caches,eager_store,"
     "prepared_store,jit_store_closed_caches,eager_load,jit_load,prepared_load",
-    "jit-load-first": "jit_load,jit_load_traced_skip,eager_load,prepared_load,jit_load,"
-    "eager_store",
+    "jit-load-first": "jit_load,jit_load_traced_skip,eager_load,prepared_load,jit_load,eager_store",
     "traced-caches-first": "jit_store_traced_caches,jit_store_closed_caches,prepared_store,"
     "eager_store",
     "traced-skip-first": "jit_load_traced_skip,jit_load,eager_load",
@@ -131,7 +130,9 @@ ORDERS = {
 
 @pytest.mark.parametrize("order", sorted(ORDERS))
 def test_a_first_call_traced_in_jit_leaves_the_process_usable(order):
-    proc = subprocess.run([sys.executable, "-c", SCRIPT, ORDERS[order]],
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", SCRIPT, ORDERS[order]], capture_output=True, text=True, timeout=600
+    )
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), (
-        proc.stdout[-2000:] + proc.stderr[-4000:])
+        proc.stdout[-2000:] + proc.stderr[-4000:]
+    )

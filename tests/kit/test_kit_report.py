@@ -34,8 +34,9 @@ def test_a_block_written_to_the_wrong_place_is_named_with_its_first_wrong_byte()
     dst[1][1, 4] = src[1][1, 7]  # ... but layer 1's V plane got it in block 4
     dst[0][:, 3] = src[0][:, 7]
     dst[1][0, 3] = src[1][0, 7]
-    [m] = block_mismatches(dst, formats, want, what="load", source=all_blocks(src, formats),
-                           expected_source=moved)
+    [m] = block_mismatches(
+        dst, formats, want, what="load", source=all_blocks(src, formats), expected_source=moved
+    )
     assert (m.format, m.dtype, m.layer, m.plane, m.plane_name) == (FMT.name, "float16", 1, 1, "V")
     assert (m.block, m.byte, m.token, m.actual) == (3, 0, 0, 0)
     assert m.expected == src[1][1, 7].view(np.uint8).reshape(-1)[0]
@@ -60,8 +61,9 @@ def test_an_object_holding_the_next_block_is_traced_back_to_layer_plane_and_bloc
     ids = np.array([2, 5, 8, 1])
     want = store(manager, src, ids, backend="numpy")[0]
     off_by_one = store(manager, src, np.array([3, 6, 9, 2]), backend="numpy")[0]
-    [m] = object_mismatches(off_by_one, want, manager, 0, what="store", ids={0: ids},
-                            source_caches=src, formats=formats)
+    [m] = object_mismatches(
+        off_by_one, want, manager, 0, what="store", ids={0: ids}, source_caches=src, formats=formats
+    )
     assert (m.layer, m.plane, m.block, m.chunk, m.object_group) == (0, 0, 2, 0, 0)
     assert "source block 3 instead of block 2" in m.hint
     assert m.differing_blocks == 2 * 2 * 4  # every (plane, layer, block) of both chunks
@@ -77,10 +79,26 @@ def test_an_object_holding_the_next_block_is_traced_back_to_layer_plane_and_bloc
 
 
 def test_report_rows_and_lines_carry_the_mismatch():
-    m = Mismatch(what="load", format="F", dtype="bfloat16", layer=2, plane=1, plane_name="V",
-                 block=9, byte=17, token=0, expected=1, actual=2, hint="a hint")
-    row = case_record("suite/test_x.py::t[a]", {"fmt": FMT, "dtype": "bfloat16"}, "failed",
-                      ConformanceFailure([m]))
+    m = Mismatch(
+        what="load",
+        format="F",
+        dtype="bfloat16",
+        layer=2,
+        plane=1,
+        plane_name="V",
+        block=9,
+        byte=17,
+        token=0,
+        expected=1,
+        actual=2,
+        hint="a hint",
+    )
+    row = case_record(
+        "suite/test_x.py::t[a]",
+        {"fmt": FMT, "dtype": "bfloat16"},
+        "failed",
+        ConformanceFailure([m]),
+    )
     assert json.loads(json.dumps(row))["mismatches"][0]["block"] == 9
     assert row["params"] == {"fmt": FMT.name, "dtype": "bfloat16"}
     lines = format_case(row)
@@ -96,9 +114,10 @@ def test_copy_keeping_strides_keeps_the_padding_between_blocks():
     b = copy_keeping_strides(a)
     assert b.strides == a.strides and not np.shares_memory(a, b)
     np.testing.assert_array_equal(b.view(np.uint16), a.view(np.uint16))
-    raw = np.lib.stride_tricks.as_strided(b, shape=(a.shape[0] - 1, a.strides[0] // 2),
-                                          strides=(a.strides[0], 2))
-    assert (raw[:, int(np.prod(a.shape[1:])):].view(np.uint8) == 0xA5).all()
+    raw = np.lib.stride_tricks.as_strided(
+        b, shape=(a.shape[0] - 1, a.strides[0] // 2), strides=(a.strides[0], 2)
+    )
+    assert (raw[:, int(np.prod(a.shape[1:])) :].view(np.uint8) == 0xA5).all()
 
 
 def test_harness_resolution_order():
@@ -123,18 +142,26 @@ def test_the_generic_harness_round_trips_every_dtype_through_the_backend():
 
 
 def test_the_command_line_runs_the_installed_suite_with_the_plugin():
-    args = pytest_args(_parser().parse_args(["--backend", "x", "--report", "r.json",
-                                             "--", "-k", "skips"]))
+    args = pytest_args(
+        _parser().parse_args(["--backend", "x", "--report", "r.json", "--", "-k", "skips"])
+    )
     assert args[args.index("--pyargs") + 1] == "kvgroups_conformance.suite"
-    assert args[args.index("-p", args.index("no:cacheprovider")) + 1] == \
-        "kvgroups_conformance.plugin"
+    assert (
+        args[args.index("-p", args.index("no:cacheprovider")) + 1] == "kvgroups_conformance.plugin"
+    )
     assert args[-2:] == ["-k", "skips"] and "--kvgroups-report" in args
 
 
 def _kit(*argv, cwd):
     env = {"PYTHONPATH": f"{REPO}:{REPO / 'backends'}", "PATH": "/usr/bin:/bin"}
-    return subprocess.run([sys.executable, "-m", "kvgroups_conformance", *argv], cwd=cwd,
-                          env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "kvgroups_conformance", *argv],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
 
 
 def test_an_unknown_backend_is_a_usage_error_listing_the_registered_ones(tmp_path):
@@ -150,15 +177,32 @@ def test_a_declared_unsupported_config_must_raise_not_implemented(tmp_path):
         "    def __init__(self):\n"
         "        super().__init__('numpy', 'numpy')\n"
         "    def supports(self, fmt, dtype):\n"
-        "        return dtype != 'float16'\n")
+        "        return dtype != 'float16'\n"
+    )
     report = tmp_path / "r.json"
     env_path = f"{tmp_path}:{REPO}:{REPO / 'backends'}"
     proc = subprocess.run(
-        [sys.executable, "-m", "kvgroups_conformance", "--backend", "numpy", "--harness",
-         "claims:Claims", "--report", str(report), "--", "-q", "-k",
-         "round_trip_moves and NL_X_TWO_NB_BS_NH_HS"],
-        cwd=tmp_path, env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
-        capture_output=True, text=True, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "kvgroups_conformance",
+            "--backend",
+            "numpy",
+            "--harness",
+            "claims:Claims",
+            "--report",
+            str(report),
+            "--",
+            "-q",
+            "-k",
+            "round_trip_moves and NL_X_TWO_NB_BS_NH_HS",
+        ],
+        cwd=tmp_path,
+        env={"PYTHONPATH": env_path, "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     rows = json.loads(report.read_text())["cases"]
     failed = [r for r in rows if r["outcome"] == "failed"]
     assert proc.returncode == 1 and len(rows) == 4 and len(failed) == 1, proc.stdout[-3000:]
@@ -178,15 +222,35 @@ def test_the_small_case_set_keeps_every_format_and_dtype_and_says_so(tmp_path):
         "from kvgroups_conformance import Harness\n"
         "class Slow(Harness):\n"
         "    def __init__(self):\n"
-        "        super().__init__('numpy', 'numpy', cases='small')\n")
+        "        super().__init__('numpy', 'numpy', cases='small')\n"
+    )
     env = {"PYTHONPATH": f"{tmp_path}:{REPO}:{REPO / 'backends'}", "PATH": "/usr/bin:/bin"}
     runs = {}
     for name, extra in (("declared", []), ("forced", ["--cases", "full"])):
         report = tmp_path / f"{name}.json"
         proc = subprocess.run(
-            [sys.executable, "-m", "kvgroups_conformance", "--backend", "numpy", "--harness",
-             "slow:Slow", "--report", str(report), *extra, "--", "-q", "-k", "round_trip_moves"],
-            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+            [
+                sys.executable,
+                "-m",
+                "kvgroups_conformance",
+                "--backend",
+                "numpy",
+                "--harness",
+                "slow:Slow",
+                "--report",
+                str(report),
+                *extra,
+                "--",
+                "-q",
+                "-k",
+                "round_trip_moves",
+            ],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=600,
+        )
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
         runs[name] = (proc.stdout, json.loads(report.read_text()))
     out, small = runs["declared"]

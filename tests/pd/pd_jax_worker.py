@@ -88,35 +88,37 @@ def writer(out: Path) -> None:
                 pool = f"{name}-tp{tp}"
                 ranks[r].register_pool(pool, objects, object_sizes(m))
                 fp = m.fingerprint(across_degrees=True)
-                kw = dict(chunk_tokens=model.chunk, fingerprint=fp, tp_size=tp,
-                          endpoints=endpoints)
-                pubs = {f"{name}-tp{tp}": ranks[r].publish(f"{name}/tp{tp}", pool, [0, 1, 2],
-                                                           **kw)}
+                kw = dict(chunk_tokens=model.chunk, fingerprint=fp, tp_size=tp, endpoints=endpoints)
+                pubs = {f"{name}-tp{tp}": ranks[r].publish(f"{name}/tp{tp}", pool, [0, 1, 2], **kw)}
                 if tp == 1:
-                    pubs[f"{name}-partial"] = ranks[r].publish(f"{name}/partial", pool,
-                                                               [0, 1, 2], **kw)
-                    pubs[f"{name}-to2"] = ranks[r].publish(f"{name}/to2", pool, [0, 1, 2],
-                                                           readers=2, **kw)
+                    pubs[f"{name}-partial"] = ranks[r].publish(
+                        f"{name}/partial", pool, [0, 1, 2], **kw
+                    )
+                    pubs[f"{name}-to2"] = ranks[r].publish(
+                        f"{name}/to2", pool, [0, 1, 2], readers=2, **kw
+                    )
                 if r == 0:
                     for key, pub in pubs.items():
                         write(out / f"pub-{key}.json", pub.to_dict())
     model, full, _, ids = data("mha-nhd")
     m = manager(model, jx(full))
     fp = m.fingerprint(across_degrees=True)
-    gone = ranks[0].publish("released", "mha-nhd-tp1", [0, 1, 2], chunk_tokens=model.chunk,
-                            fingerprint=fp)
+    gone = ranks[0].publish(
+        "released", "mha-nhd-tp1", [0, 1, 2], chunk_tokens=model.chunk, fingerprint=fp
+    )
     ranks[0].release("released")
     write(out / "pub-released.json", gone.to_dict())
     deadline = time.monotonic() + 240
     while any(t.published() for t in ranks) and time.monotonic() < deadline:
         time.sleep(0.1)
-    write(out / "writer.json", {"unreleased": sorted(set().union(*(t.published()
-                                                                     for t in ranks)))})
+    write(out / "writer.json", {"unreleased": sorted(set().union(*(t.published() for t in ranks)))})
 
 
 def same(got, want) -> bool:
-    return all(np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
-               for g, w in zip(got, want))
+    return all(
+        np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
+        for g, w in zip(got, want)
+    )
 
 
 def pull_load(rx, pub, m, caches, ids, first=0):
@@ -124,7 +126,7 @@ def pull_load(rx, pub, m, caches, ids, first=0):
     rx.pull(job)
     rx.wait(job)
     n = len(next(iter(ids.values())))
-    later = {g: i[first * n // CHUNKS:] for g, i in ids.items()}
+    later = {g: i[first * n // CHUNKS :] for g, i in ids.items()}
     new = load(m, rx.objects(job), caches, jids(later))
     rx.end(job)
     return new, job
@@ -137,29 +139,42 @@ def reader(out: Path) -> None:
         model, full, before, ids = data(name)
         canonical = reference_store(model, full, ids)
         entry = {}
-        for key, d, first in ((f"{name}-tp1", 1, 0), (f"{name}-partial", 1, 2),
-                              (f"{name}-tp2", 1, 0), (f"{name}-to2", 2, 0)):
-            pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{key}.json")
-                                                   .read_text()))
+        for key, d, first in (
+            (f"{name}-tp1", 1, 0),
+            (f"{name}-partial", 1, 2),
+            (f"{name}-tp2", 1, 0),
+            (f"{name}-to2", 2, 0),
+        ):
+            pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{key}.json").read_text()))
             exact = True
             for r in range(d):
                 caches = jx(shard_caches(model, before, r, d))
                 m = manager(model, caches, r, d)
                 rx = Receiver(m, transport, capacity=4)
                 new, job = pull_load(rx, pub, m, caches, ids, first)
-                later = {g: i[first * len(i) // CHUNKS:] for g, i in ids.items()}
+                later = {g: i[first * len(i) // CHUNKS :] for g, i in ids.items()}
                 want = reference_load(model, [c[first:] for c in canonical], before, later)
                 exact &= same(leaves(new), leaves(shard_caches(model, want, r, d)))
-            entry[key] = {"exact": bool(exact), "descriptors": job.descriptors,
-                          "chunks": [len(c) for c in job.chunks]}
+            entry[key] = {
+                "exact": bool(exact),
+                "descriptors": job.descriptors,
+                "chunks": [len(c) for c in job.chunks],
+            }
         result[name] = entry
     model, _, before, ids = data("mha-nhd")
     caches = jx(before)
     result["refusals"] = {}
-    for key, m in (("mismatch", manager(model, caches, lmcache_tokens_per_chunk=2 * model.chunk)),
-                   ("released", manager(model, caches))):
-        pub = Publication.from_dict(json.loads(wait_for(
-            out / f"pub-{'mha-nhd-tp1' if key == 'mismatch' else 'released'}.json").read_text()))
+    for key, m in (
+        ("mismatch", manager(model, caches, lmcache_tokens_per_chunk=2 * model.chunk)),
+        ("released", manager(model, caches)),
+    ):
+        pub = Publication.from_dict(
+            json.loads(
+                wait_for(
+                    out / f"pub-{'mha-nhd-tp1' if key == 'mismatch' else 'released'}.json"
+                ).read_text()
+            )
+        )
         try:
             pull_load(Receiver(m, transport, capacity=4), pub, m, caches, ids)
             result["refusals"][key] = None

@@ -95,8 +95,9 @@ def host(x):
 
 
 def same(got, want) -> bool:
-    return all(np.array_equal(host(g).view(np.uint8), host(w).view(np.uint8))
-               for g, w in zip(got, want))
+    return all(
+        np.array_equal(host(g).view(np.uint8), host(w).view(np.uint8)) for g, w in zip(got, want)
+    )
 
 
 def settle() -> None:
@@ -151,8 +152,9 @@ def prefill(rank: int, world: int, out: Path, transport_name: str, readers: int)
         if world == readers:
             # Layer streaming: published with no layer ready; written once the reader waits.
             other = [0, 1, 2]
-            streamed = publish(transport, m, f"{name}/stream", pool, other,
-                               endpoints=endpoints, layers_ready=0)
+            streamed = publish(
+                transport, m, f"{name}/stream", pool, other, endpoints=endpoints, layers_ready=0
+            )
             if rank == 0:
                 write_json(out / f"pub-{name}-stream.json", streamed.to_dict())
             stream.append((name, m, shard, ids, pool, other))
@@ -192,34 +194,43 @@ def decode(rank: int, world: int, out: Path, transport_name: str, writers: int) 
             check_same_grouping(m)
         rx = Receiver(m, transport, capacity=8, like=leaves(caches)[0], name=f"staging-{name}")
         # Whole request.
-        pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{name}-whole.json")
-                                               .read_text()))
+        pub = Publication.from_dict(
+            json.loads(wait_for(out / f"pub-{name}-whole.json").read_text())
+        )
         job = rx.begin(pub)
         rx.pull(job)
         rx.wait(job)
         load(m, rx.objects(job), caches, ids)
         want = shard_caches(model, reference_load(model, canonical, before, ids), rank, world)
-        entry = {"exact": same(leaves(caches), leaves(want)), "descriptors": job.descriptors,
-                 "posted": job.posted_descriptors, "bytes": job.nbytes,
-                 "src_ranks": list(job.reads.src_ranks),
-                 "chunks": [len(c) for c in job.chunks]}
+        entry = {
+            "exact": same(leaves(caches), leaves(want)),
+            "descriptors": job.descriptors,
+            "posted": job.posted_descriptors,
+            "bytes": job.nbytes,
+            "src_ranks": list(job.reads.src_ranks),
+            "chunks": [len(c) for c in job.chunks],
+        }
         rx.end(job)
         # Partial: chunk 0 is already here; only chunks 1 and 2 move.
         caches = torch_caches(shard_caches(model, before, rank, world))
         m = manager(model, caches, rank, world)
         rx.manager = m
-        pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{name}-partial.json")
-                                               .read_text()))
+        pub = Publication.from_dict(
+            json.loads(wait_for(out / f"pub-{name}-partial.json").read_text())
+        )
         job = rx.begin(pub, first_chunk=1)
         rx.pull(job)
         rx.wait(job)
-        later = {g: i[len(i) // CHUNKS:] for g, i in ids.items()}
+        later = {g: i[len(i) // CHUNKS :] for g, i in ids.items()}
         load(m, rx.objects(job), caches, later)
-        want = shard_caches(model, reference_load(model, [c[1:] for c in canonical], before,
-                                                  later), rank, world)
-        entry.update(partial_exact=same(leaves(caches), leaves(want)),
-                     partial_chunks=[len(c) for c in job.chunks],
-                     partial_bytes=job.nbytes)
+        want = shard_caches(
+            model, reference_load(model, [c[1:] for c in canonical], before, later), rank, world
+        )
+        entry.update(
+            partial_exact=same(leaves(caches), leaves(want)),
+            partial_chunks=[len(c) for c in job.chunks],
+            partial_bytes=job.nbytes,
+        )
         rx.end(job)
         if writers == world:
             entry.update(stream(name, model, rank, world, out, rx, before, ids, canonical))
@@ -234,8 +245,7 @@ def stream(name, model, rank, world, out, rx, before, ids, canonical) -> dict:
     caches = torch_caches(shard_caches(model, before, rank, world))
     m = manager(model, caches, rank, world)
     rx.manager = m
-    pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{name}-stream.json")
-                                           .read_text()))
+    pub = Publication.from_dict(json.loads(wait_for(out / f"pub-{name}-stream.json").read_text()))
     job = rx.begin(pub)
     seen = []
     (out / f"subscribed-{name}").write_text("")  # every reader rank: any one starts it
@@ -252,8 +262,11 @@ def stream(name, model, rank, world, out, rx, before, ids, canonical) -> dict:
         load(m, rx.objects(job), caches, ids, layers=[layer])
     rx.end(job)
     want = shard_caches(model, reference_load(model, canonical, before, ids), rank, world)
-    return {"stream_exact": same(leaves(caches), leaves(want)), "stream_ready_seen": seen,
-            "stream_layers": len(layers)}
+    return {
+        "stream_exact": same(leaves(caches), leaves(want)),
+        "stream_ready_seen": seen,
+        "stream_layers": len(layers),
+    }
 
 
 # --- failures -----------------------------------------------------------------------------
@@ -298,15 +311,22 @@ def failures_reader(out: Path, transport) -> dict:
             error = None
         except Exception as exc:  # noqa: BLE001 - the test reads the class and message
             error = (type(exc).__name__, str(exc))
-            for c in (FingerprintMismatchError, PublicationReleasedError, TransferTimeoutError,
-                      PeerUnavailableError):
+            for c in (
+                FingerprintMismatchError,
+                PublicationReleasedError,
+                TransferTimeoutError,
+                PeerUnavailableError,
+            ):
                 if isinstance(exc, c):
                     error = (c.__name__, str(exc))
         if job is not None and job.slots:
             rx.end(job, release_remote=False)
-        result[what] = {"error": error, "seconds": time.monotonic() - t0,
-                        "untouched": same(caches, before),
-                        "descriptors": job.descriptors if job else 0}
+        result[what] = {
+            "error": error,
+            "seconds": time.monotonic() - t0,
+            "untouched": same(caches, before),
+            "descriptors": job.descriptors if job else 0,
+        }
 
     other = manager(model, caches, lmcache_tokens_per_chunk=2 * model.chunk)
     attempt("mismatch", ok, other)
@@ -326,8 +346,9 @@ def main() -> None:
     torch.set_num_threads(1)
     other = int(sys.argv[6]) if len(sys.argv) > 6 else 1
     if world > 1:
-        dist.init_process_group("gloo", init_method=f"file://{out / ('init-' + role)}",
-                                rank=rank, world_size=world)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{out / ('init-' + role)}", rank=rank, world_size=world
+        )
     if role == "prefill":
         prefill(rank, world, out, transport_name, other)
     else:

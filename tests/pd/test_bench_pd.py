@@ -39,12 +39,30 @@ def pick(records, model, case, chunks):
 
 
 def test_every_record_carries_the_fields_the_lead_reads(records):
-    keys = {"call", "model", "transport", "memory", "chunks", "descriptors", "posted_descriptors",
-            "nixl_connector_descriptors", "bytes", "time_us", "transfer_us", "gbps",
-            "ceiling_gbps", "frac_of_ceiling"}
+    keys = {
+        "call",
+        "model",
+        "transport",
+        "memory",
+        "chunks",
+        "descriptors",
+        "posted_descriptors",
+        "nixl_connector_descriptors",
+        "bytes",
+        "time_us",
+        "transfer_us",
+        "gbps",
+        "ceiling_gbps",
+        "frac_of_ceiling",
+    }
     assert all(keys <= set(r) for r in records)
-    assert {r["case"] for r in records} == {"pull", "pull_scattered", "pull_partial",
-                                            "pull_load", "first_layer"}
+    assert {r["case"] for r in records} == {
+        "pull",
+        "pull_scattered",
+        "pull_partial",
+        "pull_load",
+        "first_layer",
+    }
     assert all(r["memory"] == "DRAM" and r["gbps"] > 0 for r in records)
 
 

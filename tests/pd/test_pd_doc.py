@@ -14,8 +14,10 @@ MARKER = re.compile(r"<!-- example (\S+)((?: requires=\S+)*) -->\n```python\n(.*
 
 
 def examples() -> list:
-    return [pytest.param(code, [r.split("=", 1)[1] for r in reqs.split()], id=name)
-            for name, reqs, code in MARKER.findall(DOC.read_text())]
+    return [
+        pytest.param(code, [r.split("=", 1)[1] for r in reqs.split()], id=name)
+        for name, reqs, code in MARKER.findall(DOC.read_text())
+    ]
 
 
 def test_the_guide_has_its_loopback_example():

@@ -11,8 +11,10 @@ from tests.support.pd_runs import run_pair, skip_without_nixl
 torch = pytest.importorskip("torch")
 skip_without_nixl()
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
 
 MODELS = ("mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer")
 
@@ -20,8 +22,10 @@ MODELS = ("mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pd-gpu")
-    return {pair: run_pair(base / f"tp{pair[0]}to{pair[1]}", *pair, device="cuda")
-            for pair in ((1, 1), (2, 1))}
+    return {
+        pair: run_pair(base / f"tp{pair[0]}to{pair[1]}", *pair, device="cuda")
+        for pair in ((1, 1), (2, 1))
+    }
 
 
 @pytest.mark.parametrize("model", MODELS)

@@ -27,15 +27,31 @@ NAMES = ("mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("pd-jax")
-    env = dict(os.environ, OMP_NUM_THREADS="1", JAX_PLATFORMS="cpu",
-               XLA_FLAGS="--xla_force_host_platform_device_count=1",
-               PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends"),
-                                           str(ROOT / "tests" / "tp"),
-                                           os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        JAX_PLATFORMS="cpu",
+        XLA_FLAGS="--xla_force_host_platform_device_count=1",
+        PYTHONPATH=os.pathsep.join(
+            [
+                str(ROOT),
+                str(ROOT / "backends"),
+                str(ROOT / "tests" / "tp"),
+                os.environ.get("PYTHONPATH", ""),
+            ]
+        ),
+    )
     worker = str(HERE / "pd_jax_worker.py")
-    procs = [subprocess.Popen([sys.executable, worker, role, str(out)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for role in ("writer", "reader")]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, worker, role, str(out)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for role in ("writer", "reader")
+    ]
     logs = []
     try:
         for p in procs[::-1]:
@@ -46,8 +62,10 @@ def run(tmp_path_factory):
                 p.kill()
     for p, log in zip(procs[::-1], logs):
         assert p.returncode == 0, log[-4000:]
-    return (json.loads((out / "reader.json").read_text()),
-            json.loads((out / "writer.json").read_text()))
+    return (
+        json.loads((out / "reader.json").read_text()),
+        json.loads((out / "writer.json").read_text()),
+    )
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -77,6 +95,8 @@ def test_one_array_per_chunk_and_object_group(run):
 
 def test_refusals_before_anything_moves_and_every_publication_released(run):
     result, writer = run
-    assert result["refusals"] == {"mismatch": "FingerprintMismatchError",
-                                  "released": "PublicationReleasedError"}
+    assert result["refusals"] == {
+        "mismatch": "FingerprintMismatchError",
+        "released": "PublicationReleasedError",
+    }
     assert writer["unreleased"] == []

@@ -18,8 +18,10 @@ MODELS_TP = ("hybrid-full-sw-gqa2", "mla-indexer")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     base = tmp_path_factory.mktemp("pd")
-    return {pair: run_pair(base / f"tp{pair[0]}to{pair[1]}", *pair)
-            for pair in ((1, 1), (1, 2), (2, 1), (4, 2))}
+    return {
+        pair: run_pair(base / f"tp{pair[0]}to{pair[1]}", *pair)
+        for pair in ((1, 1), (1, 2), (2, 1), (4, 2))
+    }
 
 
 @pytest.mark.parametrize("model", MODELS_11)
@@ -83,14 +85,22 @@ def failures(runs):
 def test_a_fingerprint_mismatch_is_refused_before_any_byte_moves(failures):
     entry = failures["mismatch"]
     assert entry["error"][0] == "FingerprintMismatchError"
-    assert "fingerprint" in entry["error"][1] and "chunk 128" in entry["error"][1] \
+    assert (
+        "fingerprint" in entry["error"][1]
+        and "chunk 128" in entry["error"][1]
         and "chunk 64" in entry["error"][1]
+    )
     assert entry["descriptors"] == 0 and entry["untouched"]
 
 
-@pytest.mark.parametrize(("case", "error"), [("released", "PublicationReleasedError"),
-                                             ("timeout", "TransferTimeoutError"),
-                                             ("gone", "PeerUnavailableError")])
+@pytest.mark.parametrize(
+    ("case", "error"),
+    [
+        ("released", "PublicationReleasedError"),
+        ("timeout", "TransferTimeoutError"),
+        ("gone", "PeerUnavailableError"),
+    ],
+)
 def test_failed_pulls_raise_and_leave_the_caches_untouched(failures, case, error):
     entry = failures[case]
     assert entry["error"] is not None and entry["error"][0] == error, entry

@@ -73,8 +73,10 @@ def written(writer, full, ids, slots, request="req", **kw):
     pool = ObjectPool.allocate(f"w{next(_pools)}", object_sizes(m), 8)
     writer.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
     for start in range(0, len(slots)):  # one chunk per store: slots need not be consecutive
-        one = {g: i[start * len(i) // len(slots):(start + 1) * len(i) // len(slots)]
-               for g, i in ids.items()}
+        one = {
+            g: i[start * len(i) // len(slots) : (start + 1) * len(i) // len(slots)]
+            for g, i in ids.items()
+        }
         store(m, full, one, pool.writable_rows([slots[start]]), backend="numpy")
     return m, pool, publish(writer, m, f"{request}-{pool.pool_id}", pool, slots, **kw)
 
@@ -87,7 +89,7 @@ def pull_and_load(reader, pub, before, ids, first_chunk=0, **kw):
     rx.pull(job)
     rx.wait(job)
     n = len(next(iter(ids.values())))
-    later = {g: i[first_chunk * n // pub.num_chunks:] for g, i in ids.items()}
+    later = {g: i[first_chunk * n // pub.num_chunks :] for g, i in ids.items()}
     load(m, rx.objects(job), caches, later, backend="numpy")
     rx.end(job)
     return caches, job
@@ -130,7 +132,7 @@ def test_a_partial_pull_moves_only_the_chunks_the_reader_lacks(agents):
     assert job.chunks == [[2], [2]]
     assert job.nbytes == sum(pub_sizes(pub))
     canonical = reference_store(MODEL, full, ids)
-    later = {g: i[2 * len(i) // 3:] for g, i in ids.items()}
+    later = {g: i[2 * len(i) // 3 :] for g, i in ids.items()}
     assert same(caches, reference_load(MODEL, [c[2:] for c in canonical], before, later))
 
 
@@ -161,8 +163,9 @@ def test_registered_buffers_stay_alive_while_the_transport_holds_them(agents):
 def test_layer_byte_ranges_tile_every_region():
     m = manager(MODEL, make_model_caches(MODEL, np.random.default_rng(0)))
     for og in range(m.num_object_groups):
-        spans = sorted(s for layer in range(len(MODEL.layers))
-                       for s in layer_byte_ranges(m, og, layer))
+        spans = sorted(
+            s for layer in range(len(MODEL.layers)) for s in layer_byte_ranges(m, og, layer)
+        )
         regions = object_regions(m, og)
         total = sum(r.nbytes for r in regions)
         assert sum(n for _, n in spans) == total
@@ -182,8 +185,12 @@ def test_a_fingerprint_mismatch_is_refused_before_anything_is_reserved(agents):
     with pytest.raises(FingerprintMismatchError) as info:
         rx.begin(pub)
     message = str(info.value)
-    assert pub.fingerprint[:16] in message and other.fingerprint(across_degrees=True)[:16] \
-        in message and "chunk 128 tokens" in message and "chunk 64 tokens" in message
+    assert (
+        pub.fingerprint[:16] in message
+        and other.fingerprint(across_degrees=True)[:16] in message
+        and "chunk 128 tokens" in message
+        and "chunk 64 tokens" in message
+    )
     assert isinstance(info.value, ValueError)
     assert rx._free == [0, 1]
 
@@ -226,8 +233,14 @@ def test_copies_outside_a_pool_are_refused_before_posting(agents):
     m, pool, pub = written(writer, full, ids, [0, 1, 2])
     staging = ObjectPool.allocate(f"s{next(_pools)}", object_sizes(m), 2)
     reader.register_pool(staging.pool_id, staging.buffers, staging.object_nbytes)
-    bad = Copy(object_group=0, remote_slot=7, remote_offset=0, local_slot=1, local_offset=1,
-               nbytes=pool.object_nbytes[0])
+    bad = Copy(
+        object_group=0,
+        remote_slot=7,
+        remote_offset=0,
+        local_slot=1,
+        local_offset=1,
+        nbytes=pool.object_nbytes[0],
+    )
     with pytest.raises(KVGroupsValueError, match="inside local pool"):
         reader.pull(pub, 0, staging.pool_id, [bad])
 
@@ -240,8 +253,16 @@ def test_a_push_writes_into_slots_the_reader_offered(agents):
     target.buffers[0][:] = 0
     reader.register_pool(target.pool_id, target.buffers, target.object_nbytes)
     offer = publish(reader, m, "offer", target, [1, 2, 3])
-    copies = [Copy(object_group=0, remote_slot=1, remote_offset=0, local_slot=4, local_offset=0,
-                   nbytes=3 * pool.object_nbytes[0])]
+    copies = [
+        Copy(
+            object_group=0,
+            remote_slot=1,
+            remote_offset=0,
+            local_slot=4,
+            local_offset=0,
+            nbytes=3 * pool.object_nbytes[0],
+        )
+    ]
     writer.wait(writer.push(offer, 0, pool.pool_id, copies))
     assert np.array_equal(target.buffers[0][1:4], pool.buffers[0][4:7])
     assert not target.buffers[0][0].any()
@@ -293,10 +314,11 @@ def test_unknown_transports_and_missing_packages_are_typed_errors(monkeypatch):
 
 
 def test_importing_the_interface_loads_no_framework_and_no_transport():
-    code = ("import sys, kvgroups_transport; "
-            "print(sorted(m for m in sys.modules if m.split('.')[0] in "
-            "('torch', 'jax', 'nixl', 'nixl_cu12', 'nixl_cu13', 'kvgroups_torch', "
-            "'kvgroups_jax')))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True)
+    code = (
+        "import sys, kvgroups_transport; "
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in "
+        "('torch', 'jax', 'nixl', 'nixl_cu12', 'nixl_cu13', 'kvgroups_torch', "
+        "'kvgroups_jax')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"

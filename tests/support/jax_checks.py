@@ -23,8 +23,17 @@ def as_bytes(x) -> np.ndarray:
     return np.asarray(x).view(np.uint8).reshape(-1)
 
 
-def run_and_check(direction, groups, arrays, object_nbytes, *, lowering, device=None, seed=7,
-                  tuning=DEFAULT_TUNING):
+def run_and_check(
+    direction,
+    groups,
+    arrays,
+    object_nbytes,
+    *,
+    lowering,
+    device=None,
+    seed=7,
+    tuning=DEFAULT_TUNING,
+):
     """Execute and compare with the oracle; returns (new caches, new objects, input ptrs)."""
     plan = make_plan(direction, groups, arrays, object_nbytes)
     rng = np.random.default_rng(seed)
@@ -32,8 +41,9 @@ def run_and_check(direction, groups, arrays, object_nbytes, *, lowering, device=
     exp_c = [a.copy().view(np.uint8).reshape(-1) for a in arrays]
     exp_o = [o.copy().reshape(-1) for o in objs]
     for g in groups:
-        reference_transfer(direction, g, exp_c, exp_o[g.object_group_idx],
-                           object_nbytes[g.object_group_idx])
+        reference_transfer(
+            direction, g, exp_c, exp_o[g.object_group_idx], object_nbytes[g.object_group_idx]
+        )
     put = (lambda a: jax.device_put(a, device)) if device is not None else jnp.asarray
     caches = [put(a) for a in arrays]
     jobjs = [put(o) for o in objs]

@@ -22,8 +22,16 @@ DTYPES = {
     "float8_e4m3fn": np.dtype(ml_dtypes.float8_e4m3fn),
 }
 
-LAYOUTS = ("nhd", "hnd", "flashinfer_nhd", "interleaved", "heads_outer", "indexer",
-           "cross_layer", "cs_hnd")
+LAYOUTS = (
+    "nhd",
+    "hnd",
+    "flashinfer_nhd",
+    "interleaved",
+    "heads_outer",
+    "indexer",
+    "cross_layer",
+    "cs_hnd",
+)
 
 
 def random_array(rng, shape, dtype) -> np.ndarray:
@@ -38,9 +46,15 @@ def random_array(rng, shape, dtype) -> np.ndarray:
 
 
 def _run(count, nbytes, obj_offset, obj_step, cache_offset, cache_step, token_stride):
-    return SegmentRun(count=count, nbytes=nbytes, obj_offset=obj_offset, obj_step=obj_step,
-                      cache_offset=cache_offset, cache_step=cache_step,
-                      token_stride=token_stride)
+    return SegmentRun(
+        count=count,
+        nbytes=nbytes,
+        obj_offset=obj_offset,
+        obj_step=obj_step,
+        cache_offset=cache_offset,
+        cache_step=cache_step,
+        token_stride=token_stride,
+    )
 
 
 def build(layout, dtype="bfloat16", *, nl=2, nb=8, bs=4, nh=2, hs=8, seed=0):
@@ -66,8 +80,9 @@ def build(layout, dtype="bfloat16", *, nl=2, nb=8, bs=4, nh=2, hs=8, seed=0):
         runs = [_run(1, row, 0, 0, 0, 0, row)]
     elif layout == "interleaved":  # tpu-inference [NB, BS, 2*NH/packing, packing, HS]
         packing = max(1, 4 // e)
-        arrays = [random_array(rng, (nb, bs, 2 * nh // packing, packing, hs), dt)
-                  for _ in range(nl)]
+        arrays = [
+            random_array(rng, (nb, bs, 2 * nh // packing, packing, hs), dt) for _ in range(nl)
+        ]
         planes = [(layer, kv * hs * e) for kv in range(2) for layer in range(nl)]
         stride = bs * 2 * row
         runs = [_run(nh, hs * e, 0, hs * e, 0, 2 * hs * e, 2 * row)]
@@ -98,12 +113,31 @@ def build(layout, dtype="bfloat16", *, nl=2, nb=8, bs=4, nh=2, hs=8, seed=0):
     return arrays, planes, stride, runs, row, dt
 
 
-def make_group(layout, dtype="bfloat16", *, direction="store", num_chunks=2, bpc=2, kept=None,
-               first_item=0, region_offset=0, object_nbytes=None, object_group=0, ids=None,
-               nl=2, nb=8, bs=4, nh=2, hs=8, seed=0, slot_base=0):
+def make_group(
+    layout,
+    dtype="bfloat16",
+    *,
+    direction="store",
+    num_chunks=2,
+    bpc=2,
+    kept=None,
+    first_item=0,
+    region_offset=0,
+    object_nbytes=None,
+    object_group=0,
+    ids=None,
+    nl=2,
+    nb=8,
+    bs=4,
+    nh=2,
+    hs=8,
+    seed=0,
+    slot_base=0,
+):
     """One GroupTransfer (and its arrays) of ``layout``; ids are random distinct blocks."""
-    arrays, planes, stride, runs, row, dt = build(layout, dtype, nl=nl, nb=nb, bs=bs, nh=nh,
-                                                  hs=hs, seed=seed)
+    arrays, planes, stride, runs, row, dt = build(
+        layout, dtype, nl=nl, nb=nb, bs=bs, nh=nh, hs=hs, seed=seed
+    )
     kept = bpc if kept is None else kept
     rng = np.random.default_rng(seed + 1)
     if ids is None:
@@ -113,11 +147,22 @@ def make_group(layout, dtype="bfloat16", *, direction="store", num_chunks=2, bpc
     for r in runs:
         values += list(r.as_tuple()[1:])
     group = GroupTransfer(
-        kernel_group_idx=0, object_group_idx=object_group, region_offset=region_offset,
-        row_bytes=row, block_size=bs, slots=kept * bs, planes=plane_refs,
-        block_stride_bytes=stride, num_blocks=nb, runs=tuple(runs),
-        unit_bytes=widest_unit(values), itemsize=dt.itemsize, block_ids=np.asarray(ids),
-        blocks_per_chunk=bpc, kept_per_chunk=kept, first_item=first_item,
+        kernel_group_idx=0,
+        object_group_idx=object_group,
+        region_offset=region_offset,
+        row_bytes=row,
+        block_size=bs,
+        slots=kept * bs,
+        planes=plane_refs,
+        block_stride_bytes=stride,
+        num_blocks=nb,
+        runs=tuple(runs),
+        unit_bytes=widest_unit(values),
+        itemsize=dt.itemsize,
+        block_ids=np.asarray(ids),
+        blocks_per_chunk=bpc,
+        kept_per_chunk=kept,
+        first_item=first_item,
         num_chunks=num_chunks,
     )
     return arrays, group
@@ -125,6 +170,10 @@ def make_group(layout, dtype="bfloat16", *, direction="store", num_chunks=2, bpc
 
 def make_plan(direction, groups, arrays, object_nbytes):
     specs = tuple(TensorSpec(a.shape, a.dtype) for a in arrays)
-    return TransferPlan(direction=direction, num_chunks=groups[0].num_chunks,
-                        object_nbytes=tuple(object_nbytes), groups=tuple(groups),
-                        tensor_specs=specs)
+    return TransferPlan(
+        direction=direction,
+        num_chunks=groups[0].num_chunks,
+        object_nbytes=tuple(object_nbytes),
+        groups=tuple(groups),
+        tensor_specs=specs,
+    )

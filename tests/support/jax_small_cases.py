@@ -25,8 +25,9 @@ def select_small_kernel(monkeypatch, items_per_program: int):
     """Pages up to 4 KiB take the small-page kernel with ``items_per_program`` under the
     yielded launches' ``tuning``; yields the items per program of every launch (a fixture
     body)."""
-    calls = SmallKernelLaunches(LoweringTuning(small_page_bytes=4096,
-                                               items_per_program=items_per_program))
+    calls = SmallKernelLaunches(
+        LoweringTuning(small_page_bytes=4096, items_per_program=items_per_program)
+    )
     real = pallas_copy._pallas_copy_small
 
     def counted(*args, **kw):

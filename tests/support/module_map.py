@@ -15,10 +15,18 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 DESIGN = ROOT / "docs" / "DESIGN.md"
 # The library's packages, in the order the map lists them.
-PACKAGES = ["kvgroups_core", "kvgroups_tools", "kvgroups_conformance", "backends/kvgroups_cuda",
-            "backends/kvgroups_torch", "backends/kvgroups_jax"]
-BEGIN = ("<!-- module-map: made by `python -m tests.support.module_map --write` from the "
-         "modules' docstrings; tests/docs/test_design_map.py keeps it current -->")
+PACKAGES = [
+    "kvgroups_core",
+    "kvgroups_tools",
+    "kvgroups_conformance",
+    "backends/kvgroups_cuda",
+    "backends/kvgroups_torch",
+    "backends/kvgroups_jax",
+]
+BEGIN = (
+    "<!-- module-map: made by `python -m tests.support.module_map --write` from the "
+    "modules' docstrings; tests/docs/test_design_map.py keeps it current -->"
+)
 END = "<!-- /module-map -->"
 
 _ROLE = re.compile(r":[a-z]+:`~?([^`]*)`( s\b)?")
@@ -28,8 +36,13 @@ def role(path: Path) -> str:
     """The first sentence of the module docstring's first paragraph, on one line."""
     doc = ast.get_docstring(ast.parse(path.read_text())) or ""
     text = " ".join(doc.strip().split("\n\n")[0].split())
-    text = _ROLE.sub(lambda m: (m.group(1).rpartition(".")[2] if "~" in m.group(0)
-                                else m.group(1)) + ("s" if m.group(2) else ""), text)
+    text = _ROLE.sub(
+        lambda m: (
+            (m.group(1).rpartition(".")[2] if "~" in m.group(0) else m.group(1))
+            + ("s" if m.group(2) else "")
+        ),
+        text,
+    )
     text = text.replace("``", "`")
     end = re.search(r"\.(\s|$)", text)
     return text[: end.start() + 1] if end else text
@@ -65,14 +78,14 @@ def module_map(root: Path = ROOT) -> str:
 def design_block(text: str) -> str:
     """What docs/DESIGN.md holds between the markers (without the code fence)."""
     start = text.index(BEGIN) + len(BEGIN)
-    block = text[start:text.index(END)]
+    block = text[start : text.index(END)]
     return block.strip("\n").removeprefix("```text\n").removesuffix("```").rstrip("\n") + "\n"
 
 
 def write(path: Path = DESIGN) -> None:
     text = path.read_text()
     start = text.index(BEGIN) + len(BEGIN)
-    new = text[:start] + "\n```text\n" + module_map() + "```\n" + text[text.index(END):]
+    new = text[:start] + "\n```text\n" + module_map() + "```\n" + text[text.index(END) :]
     path.write_text(new)
 
 

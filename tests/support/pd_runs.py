@@ -25,20 +25,33 @@ def skip_without_nixl() -> None:
         pytest.skip(str(exc), allow_module_level=True)
 
 
-def run_pair(out: Path, writers: int, readers: int, timeout: float = 240,
-             device: str = "cpu") -> dict:
+def run_pair(
+    out: Path, writers: int, readers: int, timeout: float = 240, device: str = "cpu"
+) -> dict:
     """Start ``writers`` prefill ranks and ``readers`` decode ranks; their JSON results."""
     out.mkdir()
     path = [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]
-    env = dict(os.environ, OMP_NUM_THREADS="1", KVG_PD_DEVICE=device,
-               PYTHONPATH=os.pathsep.join(path))
+    env = dict(
+        os.environ, OMP_NUM_THREADS="1", KVG_PD_DEVICE=device, PYTHONPATH=os.pathsep.join(path)
+    )
     procs = []
     for role, world, other in (("prefill", writers, readers), ("decode", readers, writers)):
         for r in range(world):
-            cmd = [sys.executable, str(WORKER), role, str(r), str(world), str(out), "nixl",
-                   str(other)]
-            procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                          stderr=subprocess.STDOUT, text=True))
+            cmd = [
+                sys.executable,
+                str(WORKER),
+                role,
+                str(r),
+                str(world),
+                str(out),
+                "nixl",
+                str(other),
+            ]
+            procs.append(
+                subprocess.Popen(
+                    cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
     logs = []
     try:
         for p in procs[writers:]:  # the writers wait for the readers to release

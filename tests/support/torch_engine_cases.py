@@ -12,8 +12,15 @@ from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_tools.catalog import MODELS
 
 
-def model_caches(name: str = "llama3-8b", *, layers: int = 4, num_blocks: int = 48,
-                 device: str = "cpu", seed: int = 0, chunk: int = 64):
+def model_caches(
+    name: str = "llama3-8b",
+    *,
+    layers: int = 4,
+    num_blocks: int = 48,
+    device: str = "cpu",
+    seed: int = 0,
+    chunk: int = 64,
+):
     """``(manager, caches)``: ``layers`` float16 layers of catalogue model ``name`` filled
     with random bytes on ``device``."""
     model = MODELS[name].build(num_blocks=num_blocks, layers=layers, dtype="float16")
@@ -23,9 +30,12 @@ def model_caches(name: str = "llama3-8b", *, layers: int = 4, num_blocks: int = 
         nbytes = int(np.prod(spec.shape)) * spec.dtype.itemsize
         raw = torch.from_numpy(rng.integers(0, 256, nbytes, dtype=np.uint8))
         caches.append(raw.view(torch.float16).view(spec.shape).to(device))
-    manager = KVLayerGroupsManager(caches, list(model.formats),
-                                   list(model.engine_group_infos) or None,
-                                   lmcache_tokens_per_chunk=chunk)
+    manager = KVLayerGroupsManager(
+        caches,
+        list(model.formats),
+        list(model.engine_group_infos) or None,
+        lmcache_tokens_per_chunk=chunk,
+    )
     return manager, caches
 
 
@@ -48,9 +58,12 @@ def map_ids(ids, fn):
 def random_objects(manager, num_chunks: int, seed: int, device: str = "cpu"):
     """One random ``[num_chunks, object_nbytes]`` uint8 tensor per object group."""
     rng = np.random.default_rng(seed)
-    return [torch.from_numpy(rng.integers(0, 256, (num_chunks, kc.object_nbytes(manager, g)),
-                                          dtype=np.uint8)).to(device)
-            for g in range(manager.num_object_groups)]
+    return [
+        torch.from_numpy(
+            rng.integers(0, 256, (num_chunks, kc.object_nbytes(manager, g)), dtype=np.uint8)
+        ).to(device)
+        for g in range(manager.num_object_groups)
+    ]
 
 
 def cache_bytes(caches) -> list[np.ndarray]:
@@ -76,8 +89,15 @@ def reference_load(manager, objects, caches, ids, *, skip=0, layers=None) -> lis
     """The NumPy reference backend's load of the same call; returns the caches' bytes."""
     host = [c.detach().cpu().view(torch.uint8).numpy().view(np.float16).copy() for c in caches]
     ids = map_ids(ids, lambda v: np.asarray(v.cpu() if isinstance(v, torch.Tensor) else v))
-    kc.load(manager, object_bytes(objects), host, ids, skip_first_n_tokens=skip,
-            backend="numpy", **({} if layers is None else {"layers": layers}))
+    kc.load(
+        manager,
+        object_bytes(objects),
+        host,
+        ids,
+        skip_first_n_tokens=skip,
+        backend="numpy",
+        **({} if layers is None else {"layers": layers}),
+    )
     return [h.view(np.uint8) for h in host]
 
 
@@ -95,7 +115,10 @@ def reference_with_drops(manager, caches, objects, ids: np.ndarray, direction: s
     binding = bind(manager, host)
     num_blocks = manager.kernel_groups[0].shape_desc.nb
     plan = plan_call(binding, np.where((ids >= 0) & (ids < num_blocks), ids, 0), direction)
-    plan = replace(plan, device_ids=True,
-                   groups=tuple(replace(g, block_ids=ids.astype(np.int64)) for g in plan.groups))
+    plan = replace(
+        plan,
+        device_ids=True,
+        groups=tuple(replace(g, block_ids=ids.astype(np.int64)) for g in plan.groups),
+    )
     bad = execute_plan(plan, binding.tensors, host_objects, drop_out_of_range=True)
     return [h.view(np.uint8) for h in host], host_objects, bad

@@ -73,24 +73,36 @@ class PageCases:
 
     def caches(self, page: int, layout: str = "nhd", seed: int = 0):
         bs, nh, hs = self.pages[page]
-        shape = (2, self.num_blocks, bs, nh, hs) if layout == "nhd" else \
-            (2, self.num_blocks, nh, bs, hs)
+        shape = (
+            (2, self.num_blocks, bs, nh, hs)
+            if layout == "nhd"
+            else (2, self.num_blocks, nh, bs, hs)
+        )
         rng = np.random.default_rng(seed)
         caches = []
         for _ in range(self.layers):
             raw = rng.integers(0, 256, int(np.prod(shape)) * 2, dtype=np.uint8)
             caches.append(torch.from_numpy(raw).view(torch.float16).view(shape).cuda())
-        manager = KVLayerGroupsManager(caches, [FORMATS[layout]] * self.layers,
-                                       lmcache_tokens_per_chunk=self.chunk)
+        manager = KVLayerGroupsManager(
+            caches, [FORMATS[layout]] * self.layers, lmcache_tokens_per_chunk=self.chunk
+        )
         return manager, caches
 
     def ids(self, chunks: int, seed: int) -> np.ndarray:
         rng = np.random.default_rng(seed)
         return rng.permutation(self.num_blocks)[: chunks * (self.chunk // self.block_size)]
 
-    def round_trip(self, page: int, chunks: int, *, layout: str = "nhd", ids_kind: str = "device",
-                   store_ctas: int | None = None, load_ctas: int | None = None,
-                   seed: int = 0) -> None:
+    def round_trip(
+        self,
+        page: int,
+        chunks: int,
+        *,
+        layout: str = "nhd",
+        ids_kind: str = "device",
+        store_ctas: int | None = None,
+        load_ctas: int | None = None,
+        seed: int = 0,
+    ) -> None:
         """A store of ``chunks`` chunks into random objects, then a load of other objects into
         the same blocks: each side bit-exact (``*_ctas``: the CTA cap of each call)."""
         manager, caches = self.caches(page, layout, seed=seed)
@@ -152,8 +164,9 @@ class PageCases:
         ids = self.ids(8, seed + 1).astype(np.int64)
         ids[list(bad)] = list(bad.values())
         objects = random_objects(manager, 8, seed=seed + 2, device="cuda")
-        want_caches, want_objects, met = reference_with_drops(manager, caches, objects, ids,
-                                                              direction)
+        want_caches, want_objects, met = reference_with_drops(
+            manager, caches, objects, ids, direction
+        )
         assert met == set(bad.values())
         device_ids = torch.from_numpy(ids).cuda()
         if direction == "store":

@@ -37,7 +37,7 @@ class Recording:
 
 def expected_load_order(layers, objects_list, per_launch=1):
     """The calls LayerwiseLoad.start_many makes: per layer step, every transfer in turn."""
-    steps = [tuple(layers[i:i + per_launch]) for i in range(0, len(layers), per_launch)]
+    steps = [tuple(layers[i : i + per_launch]) for i in range(0, len(layers), per_launch)]
     return [("load", step, id(objects[0])) for step in steps for objects in objects_list]
 
 
@@ -56,26 +56,39 @@ class Step:
     default) on ``device``, ids of 4 chunks there, objects holding the bytes to load (on the
     device or pinned), and ``seen[l]``: what layer l's compute read of its loaded pages."""
 
-    def __init__(self, device: str, placement: str, seed: int, name: str = "llama3-8b",
-                 layers: int = LAYERS) -> None:
+    def __init__(
+        self, device: str, placement: str, seed: int, name: str = "llama3-8b", layers: int = LAYERS
+    ) -> None:
         self.device = device
-        self.manager, self.caches = model_caches(name, layers=layers, num_blocks=NUM_BLOCKS,
-                                                 device=device, seed=seed)
+        self.manager, self.caches = model_caches(
+            name, layers=layers, num_blocks=NUM_BLOCKS, device=device, seed=seed
+        )
         self.old = [c.clone() for c in self.caches]  # what the caches hold before each load
         rng = np.random.default_rng(seed + 1)
         self.host_ids = ids_for(self.manager, rng, CHUNKS, num_blocks=NUM_BLOCKS)
-        self.ids = map_ids(self.host_ids,
-                           lambda v: torch.as_tensor(np.asarray(v)).to(device, torch.int32))
+        self.ids = map_ids(
+            self.host_ids, lambda v: torch.as_tensor(np.asarray(v)).to(device, torch.int32)
+        )
         # The ids each layer's pages are at (its engine group's).
-        group_of = {layer: g.engine_group_idx for g in self.manager.kernel_groups
-                    for layer in g.layer_indices}
-        self.layer_ids = [self.ids[group_of[layer]] if isinstance(self.ids, dict) else self.ids
-                          for layer in range(len(self.caches))]
+        group_of = {
+            layer: g.engine_group_idx
+            for g in self.manager.kernel_groups
+            for layer in g.layer_indices
+        }
+        self.layer_ids = [
+            self.ids[group_of[layer]] if isinstance(self.ids, dict) else self.ids
+            for layer in range(len(self.caches))
+        ]
         self.pinned = placement == "pinned"
-        self.objects = [torch.empty((CHUNKS, kc.object_nbytes(self.manager, g)),
-                                    dtype=torch.uint8, device="cpu" if self.pinned else device,
-                                    pin_memory=self.pinned)
-                        for g in range(self.manager.num_object_groups)]
+        self.objects = [
+            torch.empty(
+                (CHUNKS, kc.object_nbytes(self.manager, g)),
+                dtype=torch.uint8,
+                device="cpu" if self.pinned else device,
+                pin_memory=self.pinned,
+            )
+            for g in range(self.manager.num_object_groups)
+        ]
         self.seen = [torch.empty_like(self.pages(layer)) for layer in range(len(self.caches))]
         self.prep = kc.prepare(self.manager, self.caches)
 
@@ -99,10 +112,12 @@ class Step:
 
     def expected(self) -> tuple[list, list]:
         """The caches' bytes after the load and each layer's loaded pages."""
-        want = reference_load(self.manager, [o.cpu() for o in self.objects], self.old,
-                              self.host_ids)
-        loaded = [torch.from_numpy(w).view(c.dtype).view(c.shape) for w, c in
-                  zip(want, self.caches)]
+        want = reference_load(
+            self.manager, [o.cpu() for o in self.objects], self.old, self.host_ids
+        )
+        loaded = [
+            torch.from_numpy(w).view(c.dtype).view(c.shape) for w, c in zip(want, self.caches)
+        ]
         return want, [self.pages(layer, loaded) for layer in range(len(loaded))]
 
     def sync(self) -> None:
@@ -115,13 +130,16 @@ class Step:
         want, pages = self.expected()
         for layer, (s, p) in enumerate(zip(self.seen, pages)):
             assert torch.equal(s.cpu().view(torch.uint8), p.view(torch.uint8)), (
-                f"layer {layer}: its compute did not see the loaded pages")
+                f"layer {layer}: its compute did not see the loaded pages"
+            )
         for got, w in zip(cache_bytes(self.caches), want):
             np.testing.assert_array_equal(got, w)
 
     def mismatched_layers(self) -> list[int]:
         self.sync()
         _, pages = self.expected()
-        return [layer for layer, (s, p) in enumerate(zip(self.seen, pages))
-                if not torch.equal(s.cpu().view(torch.uint8), p.view(torch.uint8))]
-
+        return [
+            layer
+            for layer, (s, p) in enumerate(zip(self.seen, pages))
+            if not torch.equal(s.cpu().view(torch.uint8), p.view(torch.uint8))
+        ]

@@ -24,8 +24,16 @@ TORCH_DTYPES = {
 }
 ITEMSIZE = {"float16": 2, "bfloat16": 2, "float32": 4, "uint8": 1, "float8_e4m3fn": 1}
 
-LAYOUTS = ("nhd", "nhd_padded", "hnd", "interleaved", "heads_outer", "cross_layer", "mla",
-           "indexer")
+LAYOUTS = (
+    "nhd",
+    "nhd_padded",
+    "hnd",
+    "interleaved",
+    "heads_outer",
+    "cross_layer",
+    "mla",
+    "indexer",
+)
 
 
 @dataclass
@@ -38,8 +46,15 @@ class Geometry:
 
 
 def run(count, nbytes, obj_offset, obj_step, cache_offset, cache_step, token_stride):
-    return SegmentRun(count=count, nbytes=nbytes, obj_offset=obj_offset, obj_step=obj_step,
-                      cache_offset=cache_offset, cache_step=cache_step, token_stride=token_stride)
+    return SegmentRun(
+        count=count,
+        nbytes=nbytes,
+        obj_offset=obj_offset,
+        obj_step=obj_step,
+        cache_offset=cache_offset,
+        cache_step=cache_step,
+        token_stride=token_stride,
+    )
 
 
 def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int) -> Geometry:
@@ -47,42 +62,78 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
     row = nh * hs * e
     page = bs * row
     if layout == "nhd":  # list[NL] of [2, NB, BS, NH, HS]
-        planes = [PlaneRef(tensor_slot=layer, byte_offset=kv * nb * page)
-                  for kv in range(2) for layer in range(nl)]
-        return Geometry([2 * nb * page] * nl, tuple(planes),
-                        (run(1, row, 0, 0, 0, 0, row),), page, row)
+        planes = [
+            PlaneRef(tensor_slot=layer, byte_offset=kv * nb * page)
+            for kv in range(2)
+            for layer in range(nl)
+        ]
+        return Geometry(
+            [2 * nb * page] * nl, tuple(planes), (run(1, row, 0, 0, 0, 0, row),), page, row
+        )
     if layout == "nhd_padded":  # list[NL] of [NB, 2, BS, NH, HS], blocks padded by 3 elements
         stride = 2 * page + 3 * e
-        planes = [PlaneRef(tensor_slot=layer, byte_offset=kv * page)
-                  for kv in range(2) for layer in range(nl)]
-        return Geometry([nb * stride] * nl, tuple(planes),
-                        (run(1, row, 0, 0, 0, 0, row),), stride, row)
+        planes = [
+            PlaneRef(tensor_slot=layer, byte_offset=kv * page)
+            for kv in range(2)
+            for layer in range(nl)
+        ]
+        return Geometry(
+            [nb * stride] * nl, tuple(planes), (run(1, row, 0, 0, 0, 0, row),), stride, row
+        )
     if layout == "hnd":  # list[NL] of [2, NB, NH, BS, HS]
-        planes = [PlaneRef(tensor_slot=layer, byte_offset=kv * nb * page)
-                  for kv in range(2) for layer in range(nl)]
-        return Geometry([2 * nb * page] * nl, tuple(planes),
-                        (run(nh, hs * e, 0, hs * e, 0, bs * hs * e, hs * e),), page, row)
+        planes = [
+            PlaneRef(tensor_slot=layer, byte_offset=kv * nb * page)
+            for kv in range(2)
+            for layer in range(nl)
+        ]
+        return Geometry(
+            [2 * nb * page] * nl,
+            tuple(planes),
+            (run(nh, hs * e, 0, hs * e, 0, bs * hs * e, hs * e),),
+            page,
+            row,
+        )
     if layout == "interleaved":  # list[NL] of [NB, BS, NH, 2, HS]: V plane base + HS*e
-        planes = [PlaneRef(tensor_slot=layer, byte_offset=kv * hs * e)
-                  for kv in range(2) for layer in range(nl)]
-        return Geometry([nb * 2 * page] * nl, tuple(planes),
-                        (run(nh, hs * e, 0, hs * e, 0, 2 * hs * e, 2 * row),), 2 * page, row)
+        planes = [
+            PlaneRef(tensor_slot=layer, byte_offset=kv * hs * e)
+            for kv in range(2)
+            for layer in range(nl)
+        ]
+        return Geometry(
+            [nb * 2 * page] * nl,
+            tuple(planes),
+            (run(nh, hs * e, 0, hs * e, 0, 2 * hs * e, 2 * row),),
+            2 * page,
+            row,
+        )
     if layout == "heads_outer":  # K list + V list of [NH, NB, BS, HS]
-        planes = [PlaneRef(tensor_slot=kv * nl + layer, byte_offset=0)
-                  for kv in range(2) for layer in range(nl)]
-        return Geometry([nh * nb * bs * hs * e] * (2 * nl), tuple(planes),
-                        (run(nh, hs * e, 0, hs * e, 0, nb * bs * hs * e, hs * e),),
-                        bs * hs * e, row)
+        planes = [
+            PlaneRef(tensor_slot=kv * nl + layer, byte_offset=0)
+            for kv in range(2)
+            for layer in range(nl)
+        ]
+        return Geometry(
+            [nh * nb * bs * hs * e] * (2 * nl),
+            tuple(planes),
+            (run(nh, hs * e, 0, hs * e, 0, nb * bs * hs * e, hs * e),),
+            bs * hs * e,
+            row,
+        )
     if layout == "cross_layer":  # one [NB, NL, 2, BS, NH, HS]
-        planes = [PlaneRef(tensor_slot=0, byte_offset=(layer * 2 + kv) * page)
-                  for kv in range(2) for layer in range(nl)]
-        return Geometry([nb * nl * 2 * page], tuple(planes),
-                        (run(1, row, 0, 0, 0, 0, row),), nl * 2 * page, row)
+        planes = [
+            PlaneRef(tensor_slot=0, byte_offset=(layer * 2 + kv) * page)
+            for kv in range(2)
+            for layer in range(nl)
+        ]
+        return Geometry(
+            [nb * nl * 2 * page], tuple(planes), (run(1, row, 0, 0, 0, 0, row),), nl * 2 * page, row
+        )
     if layout == "mla":  # list[NL] of [NB, BS, HS], one plane per layer
         row = hs * e
         planes = [PlaneRef(tensor_slot=layer, byte_offset=0) for layer in range(nl)]
-        return Geometry([nb * bs * row] * nl, tuple(planes),
-                        (run(1, row, 0, 0, 0, 0, row),), bs * row, row)
+        return Geometry(
+            [nb * bs * row] * nl, tuple(planes), (run(1, row, 0, 0, 0, 0, row),), bs * row, row
+        )
     if layout == "indexer":  # list[NL] of uint8 [NB, BS, 132]: values block, then scales
         planes = [PlaneRef(tensor_slot=layer, byte_offset=0) for layer in range(nl)]
         runs = (run(1, 128, 0, 0, 0, 0, 128), run(1, 4, 128, 0, bs * 128, 0, 4))
@@ -93,15 +144,28 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
 @dataclass
 class Case:
     plan: TransferPlan
-    caches: list[np.ndarray]     # uint8 bytes per slot
-    objects: np.ndarray          # uint8 [num_chunks, nbytes]
+    caches: list[np.ndarray]  # uint8 bytes per slot
+    objects: np.ndarray  # uint8 [num_chunks, nbytes]
     dtype: str
 
 
-def make_case(layout: str, dtype: str, direction: str, rng: np.random.Generator, *,
-              nl: int = 3, nb: int = 40, bs: int = 4, nh: int = 2, hs: int = 16,
-              num_chunks: int = 3, bpc: int = 4, kept: int = 4, first_item: int = 0,
-              region_pad: int = 0) -> Case:
+def make_case(
+    layout: str,
+    dtype: str,
+    direction: str,
+    rng: np.random.Generator,
+    *,
+    nl: int = 3,
+    nb: int = 40,
+    bs: int = 4,
+    nh: int = 2,
+    hs: int = 16,
+    num_chunks: int = 3,
+    bpc: int = 4,
+    kept: int = 4,
+    first_item: int = 0,
+    region_pad: int = 0,
+) -> Case:
     """A random case; ``region_pad`` bytes of another region precede this group's region."""
     e = 1 if layout == "indexer" else ITEMSIZE[dtype]
     if layout == "mla":
@@ -113,17 +177,34 @@ def make_case(layout: str, dtype: str, direction: str, rng: np.random.Generator,
     ids = rng.permutation(nb)[: num_chunks * bpc].astype(np.int64)
     values = [g.block_stride, g.row_bytes, region_pad]
     for r in g.runs:
-        values += [r.nbytes, r.obj_offset, r.obj_step, r.cache_offset, r.cache_step,
-                   r.token_stride]
+        values += [r.nbytes, r.obj_offset, r.obj_step, r.cache_offset, r.cache_step, r.token_stride]
     values += [p.byte_offset for p in g.planes]
     group = GroupTransfer(
-        kernel_group_idx=0, object_group_idx=0, region_offset=region_pad, row_bytes=g.row_bytes,
-        block_size=bs, slots=slots, planes=g.planes, block_stride_bytes=g.block_stride,
-        num_blocks=nb, runs=g.runs, unit_bytes=widest_unit(values), itemsize=e, block_ids=ids,
-        blocks_per_chunk=bpc, kept_per_chunk=kept, first_item=first_item, num_chunks=num_chunks,
+        kernel_group_idx=0,
+        object_group_idx=0,
+        region_offset=region_pad,
+        row_bytes=g.row_bytes,
+        block_size=bs,
+        slots=slots,
+        planes=g.planes,
+        block_stride_bytes=g.block_stride,
+        num_blocks=nb,
+        runs=g.runs,
+        unit_bytes=widest_unit(values),
+        itemsize=e,
+        block_ids=ids,
+        blocks_per_chunk=bpc,
+        kept_per_chunk=kept,
+        first_item=first_item,
+        num_chunks=num_chunks,
     )
-    plan = TransferPlan(direction=direction, num_chunks=num_chunks, object_nbytes=(nbytes,),
-                        groups=(group,), tensor_specs=())
+    plan = TransferPlan(
+        direction=direction,
+        num_chunks=num_chunks,
+        object_nbytes=(nbytes,),
+        groups=(group,),
+        tensor_specs=(),
+    )
     caches = [rng.integers(0, 256, n, dtype=np.uint8) for n in g.slot_nbytes]
     objects = rng.integers(0, 256, (num_chunks, nbytes), dtype=np.uint8)
     return Case(plan, caches, objects, "uint8" if layout == "indexer" else dtype)
@@ -148,14 +229,23 @@ def oracle(case: Case, ids=None) -> tuple[list[np.ndarray], np.ndarray]:
                 for r in t.runs:
                     for tok in range(t.block_size):
                         for k in range(r.count):
-                            cs = (plane.byte_offset + b * t.block_stride_bytes + r.cache_offset
-                                  + k * r.cache_step + tok * r.token_stride)
-                            os = (t.region_offset + (p * t.slots + j * t.block_size + tok)
-                                  * t.row_bytes + r.obj_offset + k * r.obj_step)
+                            cs = (
+                                plane.byte_offset
+                                + b * t.block_stride_bytes
+                                + r.cache_offset
+                                + k * r.cache_step
+                                + tok * r.token_stride
+                            )
+                            os = (
+                                t.region_offset
+                                + (p * t.slots + j * t.block_size + tok) * t.row_bytes
+                                + r.obj_offset
+                                + k * r.obj_step
+                            )
                             if store:
-                                objects[c, os:os + r.nbytes] = cache[cs:cs + r.nbytes]
+                                objects[c, os : os + r.nbytes] = cache[cs : cs + r.nbytes]
                             else:
-                                cache[cs:cs + r.nbytes] = objects[c, os:os + r.nbytes]
+                                cache[cs : cs + r.nbytes] = objects[c, os : os + r.nbytes]
     return caches, objects
 
 
@@ -166,7 +256,7 @@ def as_tensor(raw: np.ndarray, dtype: str, device: str, offset_bytes: int = 0) -
     buf = torch.zeros(raw.size + offset_bytes, dtype=torch.uint8)
     buf[offset_bytes:] = torch.from_numpy(raw)
     t = buf.to(device).view(TORCH_DTYPES[dtype])
-    return t[offset_bytes // e:]
+    return t[offset_bytes // e :]
 
 
 def as_bytes(t: torch.Tensor) -> np.ndarray:

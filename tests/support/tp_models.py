@@ -50,8 +50,17 @@ class Model:
 
 
 def _shape(fmt: F, lay: Layer, nb: int, bs: int, nl: int) -> tuple[int, ...]:
-    sizes = {"NB": nb, "BS": bs, "NH": lay.heads, "HS": lay.head_size, "CS": lay.head_size,
-             "NL": nl, "TWO": 2, "ONE": 1, "BSV_BSS": 132}
+    sizes = {
+        "NB": nb,
+        "BS": bs,
+        "NH": lay.heads,
+        "HS": lay.head_size,
+        "CS": lay.head_size,
+        "NL": nl,
+        "TWO": 2,
+        "ONE": 1,
+        "BSV_BSS": 132,
+    }
     return tuple(sizes[a] for a in fmt.facts.axes)
 
 
@@ -66,11 +75,14 @@ def make_model_caches(model: Model, rng: np.random.Generator):
     nb, bs = model.num_blocks, model.block_size
     fmt = model.structure_format
     if fmt is not None and fmt.facts.structure == CROSS_LAYER:
-        return _random(_shape(fmt, model.layers[0], nb, bs, len(model.layers)),
-                       model.layers[0].dtype, rng)
+        return _random(
+            _shape(fmt, model.layers[0], nb, bs, len(model.layers)), model.layers[0].dtype, rng
+        )
     if fmt is not None and fmt.facts.structure == KV_LIST:
-        return [[_random(_shape(fmt, lay, nb, bs, 1), lay.dtype, rng) for lay in model.layers]
-                for _ in range(2)]
+        return [
+            [_random(_shape(fmt, lay, nb, bs, 1), lay.dtype, rng) for lay in model.layers]
+            for _ in range(2)
+        ]
     return [_random(_shape(lay.fmt, lay, nb, bs, 1), lay.dtype, rng) for lay in model.layers]
 
 
@@ -109,17 +121,29 @@ def engine_group_infos(model: Model) -> list[EngineGroupInfo]:
     groups: dict[Layer, list[int]] = {}
     for i, lay in enumerate(model.layers):
         groups.setdefault(lay, []).append(i)
-    return [EngineGroupInfo(engine_group_id=lay.engine_group, layer_indices=tuple(layers),
-                            sw_size_tokens=lay.sliding_window)
-            for lay, layers in groups.items()]
+    return [
+        EngineGroupInfo(
+            engine_group_id=lay.engine_group,
+            layer_indices=tuple(layers),
+            sw_size_tokens=lay.sliding_window,
+        )
+        for lay, layers in groups.items()
+    ]
 
 
 def manager(model: Model, caches, rank: int = 0, size: int = 1, **kw) -> KVLayerGroupsManager:
     formats = model.structure_format or model.formats
     chunk = kw.pop("lmcache_tokens_per_chunk", model.chunk)
-    return KVLayerGroupsManager(caches, formats, engine_group_infos(model),
-                                lmcache_tokens_per_chunk=chunk, tp_rank=rank,
-                                tp_size=size, total_num_kv_heads=model.total_heads, **kw)
+    return KVLayerGroupsManager(
+        caches,
+        formats,
+        engine_group_infos(model),
+        lmcache_tokens_per_chunk=chunk,
+        tp_rank=rank,
+        tp_size=size,
+        total_num_kv_heads=model.total_heads,
+        **kw,
+    )
 
 
 def engine_groups(model: Model) -> list[int]:
@@ -129,8 +153,10 @@ def engine_groups(model: Model) -> list[int]:
 def block_ids(model: Model, num_chunks: int, rng: np.random.Generator) -> dict[int, np.ndarray]:
     """Distinct random block ids per engine group covering ``num_chunks`` chunks."""
     per_chunk = model.chunk // model.block_size
-    return {g: rng.permutation(model.num_blocks)[:num_chunks * per_chunk].astype(np.int64)
-            for g in engine_groups(model)}
+    return {
+        g: rng.permutation(model.num_blocks)[: num_chunks * per_chunk].astype(np.int64)
+        for g in engine_groups(model)
+    }
 
 
 def reference_store(model: Model, caches, ids) -> list[np.ndarray]:
@@ -141,8 +167,9 @@ def reference_store(model: Model, caches, ids) -> list[np.ndarray]:
 def reference_load(model: Model, objects, caches, ids, skip: int = 0):
     """A TP=1 load of the whole model into a copy of ``caches`` (NumPy reference backend)."""
     fresh = copy_structure(caches)
-    return load(manager(model, fresh), objects, fresh, ids, skip_first_n_tokens=skip,
-                backend="numpy")
+    return load(
+        manager(model, fresh), objects, fresh, ids, skip_first_n_tokens=skip, backend="numpy"
+    )
 
 
 def copy_structure(structure):
@@ -185,21 +212,37 @@ def leaves(structure) -> list:
 NHD = F.NL_X_TWO_NB_BS_NH_HS
 MODELS = {
     "mha-nhd": Model("mha-nhd", (Layer(NHD),) * 3),
-    "mha-hnd-flashinfer": Model("mha-hnd-flashinfer", (Layer(F.NL_X_NB_TWO_NH_BS_HS,
-                                                             dtype="float32"),) * 2),
-    "sglang-kv-list": Model("sglang-kv-list", (Layer(F.TWO_X_NL_X_NB_BS_NH_HS),) * 2,
-                            structure_format=F.TWO_X_NL_X_NB_BS_NH_HS),
-    "cross-layer-trtllm": Model("cross-layer-trtllm", (Layer(F.NB_NL_TWO_NH_BS_HS),) * 2,
-                                structure_format=F.NB_NL_TWO_NH_BS_HS),
+    "mha-hnd-flashinfer": Model(
+        "mha-hnd-flashinfer", (Layer(F.NL_X_NB_TWO_NH_BS_HS, dtype="float32"),) * 2
+    ),
+    "sglang-kv-list": Model(
+        "sglang-kv-list",
+        (Layer(F.TWO_X_NL_X_NB_BS_NH_HS),) * 2,
+        structure_format=F.TWO_X_NL_X_NB_BS_NH_HS,
+    ),
+    "cross-layer-trtllm": Model(
+        "cross-layer-trtllm",
+        (Layer(F.NB_NL_TWO_NH_BS_HS),) * 2,
+        structure_format=F.NB_NL_TWO_NH_BS_HS,
+    ),
     "packed-cs-hnd": Model("packed-cs-hnd", (Layer(F.NL_X_NB_NH_BS_CS, head_size=32),) * 2),
     "jax-interleaved": Model("jax-interleaved", (Layer(F.NL_X_NB_BS_NH_TWO_HS),) * 2),
     # MLA latents and the indexer cache: no head axis, replicated on every rank.
-    "mla-indexer": Model("mla-indexer", (Layer(F.NL_X_NB_BS_HS, heads=1, head_size=72),) * 2
-                         + (Layer(F.NL_X_NB_BSV_BSS, heads=1, dtype="uint8"),)),
+    "mla-indexer": Model(
+        "mla-indexer",
+        (Layer(F.NL_X_NB_BS_HS, heads=1, head_size=72),) * 2
+        + (Layer(F.NL_X_NB_BSV_BSS, heads=1, dtype="uint8"),),
+    ),
     # Hybrid: full attention, a sub-chunk sliding window in its own engine group, and a
     # layer with only two KV heads (replicated over the ranks of TP 4 and 8).
-    "hybrid-full-sw-gqa2": Model("hybrid-full-sw-gqa2", (
-        Layer(NHD), Layer(NHD, engine_group=1, sliding_window=32), Layer(NHD),
-        Layer(NHD, engine_group=1, sliding_window=32),
-        Layer(NHD, heads=2, head_size=32, dtype="float32"))),
+    "hybrid-full-sw-gqa2": Model(
+        "hybrid-full-sw-gqa2",
+        (
+            Layer(NHD),
+            Layer(NHD, engine_group=1, sliding_window=32),
+            Layer(NHD),
+            Layer(NHD, engine_group=1, sliding_window=32),
+            Layer(NHD, heads=2, head_size=32, dtype="float32"),
+        ),
+    ),
 }

@@ -19,17 +19,47 @@ from kvgroups_tools.catalog import MODELS
 
 ROOT = Path(__file__).resolve().parents[2]
 TRANSFER_FIELDS = (
-    "shape", "layers", "spec", "page_bytes", "backend", "device", "path", "path_kind",
-    "direction", "placement", "chunks", "bytes", "bytes_rw", "bytes_per_chunk", "median_s",
-    "min_s", "max_s", "repeats", "calls_per_repeat", "host_s", "gbps", "link_gbps", "ceiling",
-    "ceiling_gbps", "frac_of_ceiling", "baseline_path", "baseline_gbps", "speedup_vs_baseline",
-    "verified", "headline", "sweeps", "rotate", "first_call_s",
+    "shape",
+    "layers",
+    "spec",
+    "page_bytes",
+    "backend",
+    "device",
+    "path",
+    "path_kind",
+    "direction",
+    "placement",
+    "chunks",
+    "bytes",
+    "bytes_rw",
+    "bytes_per_chunk",
+    "median_s",
+    "min_s",
+    "max_s",
+    "repeats",
+    "calls_per_repeat",
+    "host_s",
+    "gbps",
+    "link_gbps",
+    "ceiling",
+    "ceiling_gbps",
+    "frac_of_ceiling",
+    "baseline_path",
+    "baseline_gbps",
+    "speedup_vs_baseline",
+    "verified",
+    "headline",
+    "sweeps",
+    "rotate",
+    "first_call_s",
 )
 
 
 def installed(name):
-    return importlib.util.find_spec(name) is not None and \
-        importlib.util.find_spec(f"kvgroups_{name}") is not None
+    return (
+        importlib.util.find_spec(name) is not None
+        and importlib.util.find_spec(f"kvgroups_{name}") is not None
+    )
 
 
 def expected_backends():
@@ -39,15 +69,35 @@ def expected_backends():
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench") / "tiny.jsonl"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]),
-        JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(ROOT / "backends"), os.environ.get("PYTHONPATH", "")]
+        ),
+        JAX_PLATFORMS="cpu",
+        CUDA_VISIBLE_DEVICES="",
+    )
     # Force CPU devices: CI has no GPU, and a developer's GPU must not change the records.
     backends = ",".join(b if b == "numpy" else f"{b}-cpu" for b in expected_backends())
     result = subprocess.run(
-        [sys.executable, "-m", "kvgroups_tools.cli", "bench", "--matrix", "tiny", "--backends",
-         backends, "--out", str(out)],
-        capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+        [
+            sys.executable,
+            "-m",
+            "kvgroups_tools.cli",
+            "bench",
+            "--matrix",
+            "tiny",
+            "--backends",
+            backends,
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
     stdout_records = [json.loads(line) for line in result.stdout.splitlines() if line.strip()]
     return result, out, stdout_records
 
@@ -63,16 +113,16 @@ def test_tiny_matrix_runs_and_writes_the_same_records_to_stdout_and_out(tiny_run
     # (expectation changed deliberately: the public calls ask for device ids everywhere).
     skipped = [r for r in file_records if r["record"] == "skipped"]
     assert all(r["ids"] == "device" and "host" in r["reason"] for r in skipped), skipped
-    assert {r["backend"] for r in file_records if r["record"] == "meta"} == \
-        set(expected_backends())
+    assert {r["backend"] for r in file_records if r["record"] == "meta"} == set(expected_backends())
     assert "summary" not in result.stderr or "GB/s" in result.stderr
 
 
 def test_tiny_transfer_records_have_every_field_and_consistent_numbers(tiny_run):
     records = tiny_run[2]
     transfers = [r for r in records if r["record"] == "transfer"]
-    ceilings = {(r["backend"], r["ceiling"], r["bytes"]) for r in records
-                if r["record"] == "ceiling"}
+    ceilings = {
+        (r["backend"], r["ceiling"], r["bytes"]) for r in records if r["record"] == "ceiling"
+    }
     assert transfers
     for r in transfers:
         missing = [f for f in TRANSFER_FIELDS if f not in r]
@@ -92,8 +142,11 @@ def test_tiny_transfer_records_have_every_field_and_consistent_numbers(tiny_run)
         assert r["verified"] is not False
         if r["path"] == r["baseline_path"] and r["call"] == "internal":
             assert r["speedup_vs_baseline"] == pytest.approx(1.0)
-    got = {(r["backend"], r["path"], r["direction"]) for r in transfers if r["headline"]
-           and r["call"] == "internal"}
+    got = {
+        (r["backend"], r["path"], r["direction"])
+        for r in transfers
+        if r["headline"] and r["call"] == "internal"
+    }
     want = {("numpy", p, d) for p in ("take", "reference") for d in ("store", "load")}
     if installed("torch"):
         want |= {("torch", "index", d) for d in ("store", "load")}
@@ -111,7 +164,8 @@ def test_tiny_manager_and_summary_records(tiny_run):
     records = tiny_run[2]
     managers = [r for r in records if r["record"] == "manager"]
     assert {(r["backend"], r["layers"]) for r in managers} == {
-        (b, n) for b in expected_backends() + ["spec"] for n in (4, 16)}
+        (b, n) for b in expected_backends() + ["spec"] for n in (4, 16)
+    }
     assert all(r["median_s"] > 0 and r["kernel_groups"] == 1 for r in managers)
     summaries = [r for r in records if r["record"] == "summary"]
     assert sorted(r["direction"] for r in summaries) == ["load", "store"]
@@ -146,9 +200,15 @@ def test_sweep_tables_have_a_row_per_value_and_a_column_per_path(tiny_run):
     assert len(cells) == len(columns)
     for path in ("take", "reference"):
         for direction in ("store", "load"):
-            rec = next(r for r in records if r["record"] == "transfer" and r["layers"] == 4
-                       and r["backend"] == "numpy" and r["path"] == path
-                       and r["direction"] == direction)
+            rec = next(
+                r
+                for r in records
+                if r["record"] == "transfer"
+                and r["layers"] == 4
+                and r["backend"] == "numpy"
+                and r["path"] == path
+                and r["direction"] == direction
+            )
             cell = cells[columns.index(f"numpy {path} {direction}")]
             assert cell.split(" (")[0] == f"{rec['gbps']:,.0f}"
     assert sweep_tables(records, ["chunks"], device="cuda") == ""
@@ -161,9 +221,11 @@ def test_the_engine_imports_no_framework():
         "from kvgroups_tools.bench_kits import numpy_kit\n"
         "records = bench.BenchRun(bench_matrix.tiny(), lambda r: None).run(['numpy'])\n"
         "assert any(r['record'] == 'transfer' for r in records)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')))\n")
-    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                            cwd=ROOT)
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'jax')))\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, cwd=ROOT
+    )
     assert result.returncode == 0, result.stderr
     assert result.stdout.strip() == "[]"
 
@@ -206,8 +268,11 @@ def test_a_missing_runtime_is_an_error_record_and_the_run_goes_on():
 
 
 def _transfer_keys(records):
-    return sorted((r["shape"], r["layers"], r["chunks"], r["placement"], r["path"],
-                   r["direction"]) for r in records if r["record"] == "transfer")
+    return sorted(
+        (r["shape"], r["layers"], r["chunks"], r["placement"], r["path"], r["direction"])
+        for r in records
+        if r["record"] == "transfer"
+    )
 
 
 def test_resume_measures_only_what_the_earlier_records_lack():
@@ -223,8 +288,11 @@ def test_resume_measures_only_what_the_earlier_records_lack():
     assert not [r for r in again if r["record"] in ("ceiling", "error", "skipped", "manager")]
 
     # Drop one path of one direction and one whole point: exactly those run again.
-    lost_path = next(r for r in first if r["record"] == "transfer" and r["path"] == "take"
-                     and r["direction"] == "load")
+    lost_path = next(
+        r
+        for r in first
+        if r["record"] == "transfer" and r["path"] == "take" and r["direction"] == "load"
+    )
     lost_point = [r for r in first if r["record"] == "transfer" and r["shape"] == "page-4KiB"]
     assert lost_point
     kept = [r for r in first if r is not lost_path and r not in lost_point]
@@ -234,11 +302,24 @@ def test_resume_measures_only_what_the_earlier_records_lack():
 
 def test_resume_tells_layer_counts_of_one_model_apart():
     small = bench_matrix.Shape("small-pages", model="small-pages", layers=2)
-    matrix = bench_matrix.Matrix("m", (bench_matrix.Point(small, 1, "device"),), repeats=1,
-                                 warmup=1, target_s=0.0, max_calls=1, min_blocks=0)
+    matrix = bench_matrix.Matrix(
+        "m",
+        (bench_matrix.Point(small, 1, "device"),),
+        repeats=1,
+        warmup=1,
+        target_s=0.0,
+        max_calls=1,
+        min_blocks=0,
+    )
     done = bench.BenchRun(matrix, lambda r: None).run(["numpy"])
-    bigger = bench_matrix.replace(matrix, points=(bench_matrix.Point(
-        bench_matrix.Shape("small-pages", model="small-pages", layers=4), 1, "device"),))
+    bigger = bench_matrix.replace(
+        matrix,
+        points=(
+            bench_matrix.Point(
+                bench_matrix.Shape("small-pages", model="small-pages", layers=4), 1, "device"
+            ),
+        ),
+    )
     records = bench.BenchRun(bigger, lambda r: None, done=done).run(["numpy"])
     assert {r["layers"] for r in records if r["record"] == "transfer"} == {4}
 
@@ -292,8 +373,11 @@ def test_matrices_headline_full_selection_and_custom():
     shapes = dict((s.label, pts) for s, pts in full.shapes() if s.layers in (32, None))
     chunk_points = sorted(p.chunks for p in shapes["llama3-8b"] if p.placement == "device")
     assert chunk_points == [1, 2, 4, 8, 16, 32, 64, 128, 256, 512]
-    pages = sorted(pts[0].shape.build(16).kv_caches[0].shape[2:] for label, pts in shapes.items()
-                   if label.startswith("page-"))
+    pages = sorted(
+        pts[0].shape.build(16).kv_caches[0].shape[2:]
+        for label, pts in shapes.items()
+        if label.startswith("page-")
+    )
     assert len(pages) == 7
     assert full.manager_layers[-1] == 1024
     head = [p for p in full.points if p.headline]
@@ -303,30 +387,56 @@ def test_matrices_headline_full_selection_and_custom():
     assert not any(p.headline for p in chunks_only.points) and not chunks_only.manager_layers
     with pytest.raises(KVGroupsValueError, match="sweeps"):
         bench_matrix.select(full, ["nope"])
-    custom = bench_matrix.custom(full, models=["small-pages"], specs=["(2,8,16,2,64):float16:3"],
-                                 layers=[2], chunks=[1, 4], placements=["device"])
+    custom = bench_matrix.custom(
+        full,
+        models=["small-pages"],
+        specs=["(2,8,16,2,64):float16:3"],
+        layers=[2],
+        chunks=[1, 4],
+        placements=["device"],
+    )
     assert [(p.shape.label, p.chunks) for p in custom.points] == [
-        ("small-pages", 1), ("small-pages", 4), ("(2,8,16,2,64):float16:3", 1),
-        ("(2,8,16,2,64):float16:3", 4)]
+        ("small-pages", 1),
+        ("small-pages", 4),
+        ("(2,8,16,2,64):float16:3", 1),
+        ("(2,8,16,2,64):float16:3", 4),
+    ]
     assert custom.points[2].shape.build(100).kv_caches[0].shape == (2, 100, 16, 2, 64)
     with pytest.raises(KVGroupsValueError, match="model"):
-        bench_matrix.custom(full, models=["llama9"], specs=None, layers=None, chunks=None,
-                            placements=None)
+        bench_matrix.custom(
+            full, models=["llama9"], specs=None, layers=None, chunks=None, placements=None
+        )
     with pytest.raises(KVGroupsValueError, match="exactly one"):
         bench_matrix.Shape("x")
 
 
 def test_summary_ratio_and_ten_percent_flag():
     def rec(backend, path, kind, gbps):
-        return {"record": "transfer", "headline": True, "shape": "llama3-8b", "layers": 32,
-                "chunks": 64, "placement": "device", "direction": "store", "device": "cuda",
-                "backend": backend, "path": path, "path_kind": kind, "gbps": gbps,
-                "ceiling_gbps": 4000.0 if backend == "torch" else 3600.0}
-    (s,) = summarize([rec("torch", "cuda", "kernel", 3600.0), rec("torch", "index", "baseline",
-                                                                   900.0),
-                      rec("jax", "pallas-triton", "kernel", 3400.0),
-                      rec("jax", "pallas-mosaic", "kernel", 3000.0),
-                      rec("jax", "xla", "baseline", 800.0)])
+        return {
+            "record": "transfer",
+            "headline": True,
+            "shape": "llama3-8b",
+            "layers": 32,
+            "chunks": 64,
+            "placement": "device",
+            "direction": "store",
+            "device": "cuda",
+            "backend": backend,
+            "path": path,
+            "path_kind": kind,
+            "gbps": gbps,
+            "ceiling_gbps": 4000.0 if backend == "torch" else 3600.0,
+        }
+
+    (s,) = summarize(
+        [
+            rec("torch", "cuda", "kernel", 3600.0),
+            rec("torch", "index", "baseline", 900.0),
+            rec("jax", "pallas-triton", "kernel", 3400.0),
+            rec("jax", "pallas-mosaic", "kernel", 3000.0),
+            rec("jax", "xla", "baseline", 800.0),
+        ]
+    )
     ratios = {p["jax"]: (round(p["ratio"], 3), p["within_10pct"]) for p in s["torch_vs_jax"]}
     assert ratios == {"pallas-triton": (0.944, True), "pallas-mosaic": (0.833, False)}
     assert s["torch_vs_jax_best"]["within_10pct"] is True
@@ -336,15 +446,34 @@ def test_summary_ratio_and_ten_percent_flag():
 
 
 def _cli(args, env_extra=None, pythonpath=()):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [*map(str, pythonpath), str(ROOT), str(ROOT / "backends")]),
-        JAX_PLATFORMS="cpu", CUDA_VISIBLE_DEVICES="", **(env_extra or {}))
-    return subprocess.run([sys.executable, "-m", "kvgroups_tools.cli", "bench", *args],
-                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=300)
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([*map(str, pythonpath), str(ROOT), str(ROOT / "backends")]),
+        JAX_PLATFORMS="cpu",
+        CUDA_VISIBLE_DEVICES="",
+        **(env_extra or {}),
+    )
+    return subprocess.run(
+        [sys.executable, "-m", "kvgroups_tools.cli", "bench", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=300,
+    )
 
 
-QUICK = ["--matrix", "tiny", "--sweeps", "headline", "--directions", "store", "--repeats", "1",
-         "--quiet"]
+QUICK = [
+    "--matrix",
+    "tiny",
+    "--sweeps",
+    "headline",
+    "--directions",
+    "store",
+    "--repeats",
+    "1",
+    "--quiet",
+]
 
 
 def test_a_requested_backend_that_is_missing_fails_the_run(tmp_path):
@@ -360,12 +489,15 @@ def test_a_requested_backend_that_is_missing_fails_the_run(tmp_path):
     assert "not available: torch" in result.stderr
 
 
-@pytest.mark.parametrize("args, start", [
-    (["--backends", "torchh"], "kvgroups bench: error: argument --backends: "),
-    (["--backends", "numpy-tpu"], "kvgroups bench: error: argument --backends: "),
-    (["--summarize", "no/such/file.jsonl"], "kvgroups bench: error: summarize: "),
-    (["--resume", "no/such/file.jsonl"], "kvgroups bench: error: resume: "),
-])
+@pytest.mark.parametrize(
+    "args, start",
+    [
+        (["--backends", "torchh"], "kvgroups bench: error: argument --backends: "),
+        (["--backends", "numpy-tpu"], "kvgroups bench: error: argument --backends: "),
+        (["--summarize", "no/such/file.jsonl"], "kvgroups bench: error: summarize: "),
+        (["--resume", "no/such/file.jsonl"], "kvgroups bench: error: resume: "),
+    ],
+)
 def test_bad_bench_input_is_one_line_and_exit_2(args, start, tmp_path, monkeypatch, capsys):
     from kvgroups_tools import cli
 

@@ -11,13 +11,29 @@ import pytest
 from kvgroups_tools import bench, bench_matrix, bench_public, bench_report
 
 ROOT = Path(__file__).resolve().parents[2]
-FIELDS = ("call", "ids", "runtime", "path", "direction", "placement", "chunks", "page_bytes",
-          "frac_of_ceiling", "gbps", "median_s", "median_ms", "host_bound", "verified")
+FIELDS = (
+    "call",
+    "ids",
+    "runtime",
+    "path",
+    "direction",
+    "placement",
+    "chunks",
+    "page_bytes",
+    "frac_of_ceiling",
+    "gbps",
+    "median_s",
+    "median_ms",
+    "host_bound",
+    "verified",
+)
 
 
 def installed(name):
-    return importlib.util.find_spec(name) is not None and \
-        importlib.util.find_spec(f"kvgroups_{name}") is not None
+    return (
+        importlib.util.find_spec(name) is not None
+        and importlib.util.find_spec(f"kvgroups_{name}") is not None
+    )
 
 
 RUNTIMES = ["numpy"] + [f"{n}-cpu" for n in ("torch", "jax") if installed(n)]
@@ -48,16 +64,18 @@ def test_every_record_says_what_was_called_with_valid_values(records):
             assert r["call"] == r["direction"]  # one-shot calls are named by direction
         if r["call"] != "internal":
             assert r["verified"] is True, r  # public calls move the baseline's bytes
-    got = {(r["backend"], r["call"], r["ids"], r["direction"]) for r in transfers
-           if r["call"] != "internal"}
+    got = {
+        (r["backend"], r["call"], r["ids"], r["direction"])
+        for r in transfers
+        if r["call"] != "internal"
+    }
     for rt in (n.split("-")[0] for n in RUNTIMES):
         for call in ("prepared", "layerwise"):
             for d in ("store", "load"):
                 assert (rt, call, "host", d) in got
         assert (rt, "store", "host", "store") in got and (rt, "load", "host", "load") in got
     if installed("jax"):  # traced ids inside jax.jit are device ids, on any platform
-        assert {("jax", "jit", k, d) for k in ("host", "device") for d in ("store", "load")} \
-            <= got
+        assert {("jax", "jit", k, d) for k in ("host", "device") for d in ("store", "load")} <= got
     layerwise = [r for r in transfers if r["call"] == "layerwise"]
     assert all(r["calls_per_transfer"] == r["layers"] for r in layerwise)
 
@@ -68,12 +86,18 @@ def test_cpu_ids_are_never_labelled_device_ids(records):
     for r in records:
         if r["record"] == "transfer" and r["ids"] == "device":
             assert (r["backend"], r["call"]) == ("jax", "jit"), r
-    refused = {(r["backend"], r["call"]) for r in records if r["record"] == "skipped"
-               and r.get("ids") == "device"}
+    refused = {
+        (r["backend"], r["call"])
+        for r in records
+        if r["record"] == "skipped" and r.get("ids") == "device"
+    }
     if installed("torch"):
         assert {("torch", c) for c in ("store", "load", "prepared", "layerwise")} <= refused
-        assert all("host" in r["reason"] for r in records if r["record"] == "skipped"
-                   and r.get("backend") == "torch")
+        assert all(
+            "host" in r["reason"]
+            for r in records
+            if r["record"] == "skipped" and r.get("backend") == "torch"
+        )
 
 
 @pytest.mark.skipif(not installed("torch"), reason="needs torch")
@@ -100,8 +124,7 @@ def test_the_engine_matrix_covers_the_acceptance_grid():
     assert {p.placement for p in llama} == {"device", "pinned"}
     pages = set()
     for shape, _points in m.shapes():
-        g = bench_matrix.parse_kvcache_shape_spec(shape.spec)[0].shape_desc if shape.spec \
-            else None
+        g = bench_matrix.parse_kvcache_shape_spec(shape.spec)[0].shape_desc if shape.spec else None
         if g is not None:
             pages.add(g.bs * g.nh * g.hs * 2)
     assert pages | {32 << 10} == {512} | {k << 10 for k in (1, 2, 4, 8, 16, 32, 64, 128)}

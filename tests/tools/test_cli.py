@@ -36,7 +36,14 @@ def test_plan_json_has_the_same_data(capsys):
     assert data["num_layers"] == 32
     k0, k1 = data["kernel_groups"]
     assert (k0["layers"], k0["kv_size"], k0["nb"], k0["bs"], k0["nh"], k0["hs"], k0["dtype"]) == (
-        "0-29", 2, 1024, 16, 8, 128, "bfloat16")
+        "0-29",
+        2,
+        1024,
+        16,
+        8,
+        128,
+        "bfloat16",
+    )
     assert k0["region_bytes"] == 2 * 30 * 256 * 8 * 128 * 2
     assert k1["region_bytes"] == 1 * 2 * 256 * 1 * 576 * 2
     (o0,) = data["object_groups"]
@@ -46,18 +53,33 @@ def test_plan_json_has_the_same_data(capsys):
 
 
 def test_plan_region_bytes_follow_the_window_and_chunk(capsys):
-    data = run_json(capsys, "--spec", "(2,8,16,8,128):float16:2;(2,8,16,8,128):float16:1",
-                    "--sw", "64,-1", "--chunk", "128")
+    data = run_json(
+        capsys,
+        "--spec",
+        "(2,8,16,8,128):float16:2;(2,8,16,8,128):float16:1",
+        "--sw",
+        "64,-1",
+        "--chunk",
+        "128",
+    )
     k0, k1 = data["kernel_groups"]
     assert k0["slots_per_chunk"] == 64 and k1["slots_per_chunk"] == 128
     assert k0["region_bytes"] == 2 * 2 * 64 * 8 * 128 * 2
     assert [(o["kernel_groups"], o["sw_size_chunks"]) for o in data["object_groups"]] == [
-        ([0], 1), ([1], -1)]
+        ([0], 1),
+        ([1], -1),
+    ]
 
 
 def test_plan_single_object_group_option(capsys):
-    data = run_json(capsys, "--spec", "(2,8,16,8,128):float16:2;(2,8,16,8,128):float16:1",
-                    "--sw", "1024,-1", "--single-object-group")
+    data = run_json(
+        capsys,
+        "--spec",
+        "(2,8,16,8,128):float16:2;(2,8,16,8,128):float16:1",
+        "--sw",
+        "1024,-1",
+        "--single-object-group",
+    )
     assert [o["kernel_groups"] for o in data["object_groups"]] == [[0, 1]]
 
 
@@ -111,12 +133,15 @@ def test_plan_is_always_available():
     assert "plan" in cli.available_subcommands()
 
 
-@pytest.mark.parametrize("layers, text", [
-    ([0, 1, 2, 5, 7, 8], "0-2,5,7-8"),
-    ([3], "3"),
-    ([], ""),
-    ([0, 2, 4], "0,2,4"),
-])
+@pytest.mark.parametrize(
+    "layers, text",
+    [
+        ([0, 1, 2, 5, 7, 8], "0-2,5,7-8"),
+        ([3], "3"),
+        ([], ""),
+        ([0, 2, 4], "0,2,4"),
+    ],
+)
 def test_layer_ranges(layers, text):
     assert layer_ranges(layers) == text
 
@@ -124,7 +149,9 @@ def test_layer_ranges(layers, text):
 def test_module_entry_point_runs_in_a_subprocess():
     result = subprocess.run(
         [sys.executable, "-m", "kvgroups_tools.cli", "plan", "--spec", SPEC, "--json"],
-        capture_output=True, text=True, check=True,
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert json.loads(result.stdout)["bytes_per_chunk"] == 32_047_104
 
@@ -133,6 +160,7 @@ def test_console_script_when_installed():
     exe = shutil.which("kvgroups")
     if exe is None:
         pytest.skip("the kvgroups console script is not installed in this environment")
-    result = subprocess.run([exe, "plan", "--spec", SPEC], capture_output=True, text=True,
-                            check=True)
+    result = subprocess.run(
+        [exe, "plan", "--spec", SPEC], capture_output=True, text=True, check=True
+    )
     assert "kernel groups" in result.stdout

@@ -17,15 +17,31 @@ def test_demo_round_trip_on_numpy_verifies_every_byte():
 
 def test_demo_exits_non_zero_when_an_object_byte_is_corrupted():
     out = io.StringIO()
-    rc = run_demo(store_backend="numpy", load_backend="numpy", layers=4, num_chunks=3,
-                  corrupt=True, out=out)
+    rc = run_demo(
+        store_backend="numpy", load_backend="numpy", layers=4, num_chunks=3, corrupt=True, out=out
+    )
     assert rc == 1
     assert "FAILED" in out.getvalue()
 
 
 def test_demo_cli_progress_bar_for_many_batches(capsys):
-    rc = main(["demo", "--store-backend", "numpy", "--load-backend", "numpy", "--layers", "2",
-               "--chunks", "4", "--batch-chunks", "1", "--model", "gpt-oss-20b"])
+    rc = main(
+        [
+            "demo",
+            "--store-backend",
+            "numpy",
+            "--load-backend",
+            "numpy",
+            "--layers",
+            "2",
+            "--chunks",
+            "4",
+            "--batch-chunks",
+            "1",
+            "--model",
+            "gpt-oss-20b",
+        ]
+    )
     out = capsys.readouterr().out
     assert rc == 0
     assert "4/4 chunks" in out
@@ -33,30 +49,47 @@ def test_demo_cli_progress_bar_for_many_batches(capsys):
 
 def test_demo_rejects_a_request_larger_than_the_cache():
     with pytest.raises(ValueError, match="num_chunks"):
-        run_demo(store_backend="numpy", load_backend="numpy", layers=2, num_chunks=8,
-                 num_blocks=64, out=io.StringIO())
+        run_demo(
+            store_backend="numpy",
+            load_backend="numpy",
+            layers=2,
+            num_chunks=8,
+            num_blocks=64,
+            out=io.StringIO(),
+        )
 
 
 def test_demo_runs_a_shape_spec():
     out = io.StringIO()
-    rc = run_demo(spec="(2,128,16,2,64):float16:3;(1,128,16,1,576):bfloat16:2",
-                  store_backend="numpy", load_backend="numpy", num_chunks=2, out=out)
+    rc = run_demo(
+        spec="(2,128,16,2,64):float16:3;(1,128,16,1,576):bfloat16:2",
+        store_backend="numpy",
+        load_backend="numpy",
+        num_chunks=2,
+        out=out,
+    )
     assert rc == 0, out.getvalue()
 
 
 NUMPY = ["--store-backend", "numpy", "--load-backend", "numpy"]
 
 
-@pytest.mark.parametrize("option, value, name", [
-    ("--chunks", "0", "argument --chunks"), ("--chunks", "-2", "argument --chunks"),
-    ("--layers", "0", "argument --layers"), ("--layers", "-1", "argument --layers"),
-    ("--num-blocks", "0", "argument --num-blocks"),
-    ("--num-blocks", "-64", "argument --num-blocks"),
-    ("--batch-chunks", "0", "argument --batch-chunks"),
-    ("--batch-chunks", "-1", "argument --batch-chunks"),
-    ("--seed", "-1", "argument --seed"), ("--device", "cuda:7", "--device"),
-    ("--store-backend", "no-such-runtime", "--store-backend"),
-])
+@pytest.mark.parametrize(
+    "option, value, name",
+    [
+        ("--chunks", "0", "argument --chunks"),
+        ("--chunks", "-2", "argument --chunks"),
+        ("--layers", "0", "argument --layers"),
+        ("--layers", "-1", "argument --layers"),
+        ("--num-blocks", "0", "argument --num-blocks"),
+        ("--num-blocks", "-64", "argument --num-blocks"),
+        ("--batch-chunks", "0", "argument --batch-chunks"),
+        ("--batch-chunks", "-1", "argument --batch-chunks"),
+        ("--seed", "-1", "argument --seed"),
+        ("--device", "cuda:7", "--device"),
+        ("--store-backend", "no-such-runtime", "--store-backend"),
+    ],
+)
 def test_demo_refuses_a_bad_option_in_one_line_with_exit_2(capsys, option, value, name):
     argv = ["demo", *NUMPY, "--layers", "2", option, value]
     assert main(argv) == 2
@@ -71,13 +104,23 @@ def test_demo_refuses_layers_or_blocks_next_to_a_spec(capsys):
     assert capsys.readouterr().err.startswith("kvgroups demo: error: --spec: ")
 
 
-@pytest.mark.parametrize("backend, device", [("torch", "bogus"), ("torch", "cuda:99"),
-                                             ("jax", "cpu:99")])
+@pytest.mark.parametrize(
+    "backend, device", [("torch", "bogus"), ("torch", "cuda:99"), ("jax", "cpu:99")]
+)
 def test_demo_refuses_a_device_the_runtime_cannot_use(capsys, backend, device):
     pytest.importorskip(backend)
     pytest.importorskip(f"kvgroups_{backend}")
-    argv = ["demo", "--store-backend", backend, "--load-backend", "numpy", "--layers", "2",
-            "--device", device]
+    argv = [
+        "demo",
+        "--store-backend",
+        backend,
+        "--load-backend",
+        "numpy",
+        "--layers",
+        "2",
+        "--device",
+        device,
+    ]
     assert main(argv) == 2
     captured = capsys.readouterr()
     lines = captured.err.strip().splitlines()

@@ -32,16 +32,21 @@ BUSY_CYCLES = 200_000_000  # ~0.1 s of one busy thread on the GPU: the queued wo
 
 
 def _objects(manager, chunks):
-    return [torch.zeros((chunks, kc.object_nbytes(manager, g)), dtype=torch.uint8, device="cuda")
-            for g in range(manager.num_object_groups)]
+    return [
+        torch.zeros((chunks, kc.object_nbytes(manager, g)), dtype=torch.uint8, device="cuda")
+        for g in range(manager.num_object_groups)
+    ]
 
 
 def _fill_free_blocks_with_junk(stream):
     """Hand the allocator's small free blocks of ``stream`` back filled with -1, so a table
     read before its upload (or after its block was reused) holds addresses that fault."""
     with torch.cuda.stream(stream):
-        junk = [torch.full((n,), -1, dtype=torch.int64, device="cuda")
-                for n in (8, 16, 32, 64, 128, 256, 512, 1024) for _ in range(4)]
+        junk = [
+            torch.full((n,), -1, dtype=torch.int64, device="cuda")
+            for n in (8, 16, 32, 64, 128, 256, 512, 1024)
+            for _ in range(4)
+        ]
     return junk
 
 

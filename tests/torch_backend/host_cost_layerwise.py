@@ -1,6 +1,7 @@
 """Host cost of a torch engine's prepared calls, launches stubbed (no GPU needed).
 
-Run by hand (not a test): ``PYTHONPATH=$PWD:$PWD/backends python tests/torch_backend/host_cost_layerwise.py``
+Run by hand (not a test):
+``PYTHONPATH=$PWD:$PWD/backends python tests/torch_backend/host_cost_layerwise.py``
 (``--case`` picks some cases; ``--profile CASE`` prints cProfile's top entries for one).
 Llama-3-8B-like caches (32 layers, 1024 blocks). Cases:
 
@@ -33,8 +34,14 @@ from kvgroups_core.grouping.manager import KVLayerGroupsManager
 from kvgroups_core.transfer.api import prepare
 from kvgroups_tools.catalog import MODELS
 
-CASES = ("layer-store", "layer-load", "chunk-store-dev", "chunk-load-dev", "chunk-store-host",
-         "chunk-load-host")
+CASES = (
+    "layer-store",
+    "layer-load",
+    "chunk-store-dev",
+    "chunk-load-dev",
+    "chunk-store-host",
+    "chunk-load-host",
+)
 
 
 def stub_driver() -> type:
@@ -79,8 +86,9 @@ def stubbed_prepared(manager, caches):
     fast = cuda_execute.DeviceCaches(prepared._bound.caches, 0)
     fast.device = torch.device("cpu")  # "objects on the caches' GPU" are CPU tensors here
     prepared._bound.device_caches = fast
-    prepared._ids_spec = lambda x: (str(x.dtype).rpartition(".")[2], tuple(x.shape)) \
-        if isinstance(x, torch.Tensor) else None
+    prepared._ids_spec = lambda x: (
+        (str(x.dtype).rpartition(".")[2], tuple(x.shape)) if isinstance(x, torch.Tensor) else None
+    )
     prepared._ids_key = lambda x: (x.dtype, x.shape) if type(x) is torch.Tensor else None
     return prepared, fast
 
@@ -91,26 +99,31 @@ def case_step(name, manager, prepared, rng):
     n = chunks * manager.calculate_num_blocks(0, 256)
     host = rng.permutation(1024)[:n].astype(np.int32)
     ids = host if name.endswith("-host") else torch.from_numpy(host)
-    objects = [torch.empty((chunks, b), dtype=torch.uint8)
-               for b in prepared.binding.object_nbytes]
+    objects = [torch.empty((chunks, b), dtype=torch.uint8) for b in prepared.binding.object_nbytes]
     store = "store" in name
     if name.startswith("layer"):
         layers = [[layer] for layer in range(32)]
         if store:
+
             def step():
                 for one in layers:
                     prepared.store(ids, objects, layers=one)
         else:
+
             def step():
                 for one in layers:
                     prepared.load(objects, ids, layers=one)
+
         return step, 32
     if store:
+
         def step():
             prepared.store(ids, objects)
     else:
+
         def step():
             prepared.load(objects, ids)
+
     return step, 1
 
 

@@ -1,4 +1,5 @@
-"""The call memo (kvgroups_core/transfer/fast/call_memo.py) on a GPU: warm prepared calls with CUDA ids
+"""The call memo (kvgroups_core/transfer/fast/call_memo.py) on a GPU: warm prepared calls with
+CUDA ids
 (cuda_repeat.PlanRepeater) follow new ids, new objects and reallocated caches, refuse what a cold
 call refuses, never synchronise, and capture in a CUDA graph. Skipped cleanly without CUDA."""
 
@@ -125,8 +126,10 @@ def test_warm_calls_follow_a_reallocated_cache_on_cuda(planned):
         np.testing.assert_array_equal(got, w)
 
 
-@pytest.mark.parametrize("case", ["not_whole_chunks", "float_ids", "pageable_object",
-                                  "object_over_a_cache", "wrong_rows"])
+@pytest.mark.parametrize(
+    "case",
+    ["not_whole_chunks", "float_ids", "pageable_object", "object_over_a_cache", "wrong_rows"],
+)
 def test_warm_memo_on_cuda_refuses_what_a_cold_call_refuses(case, monkeypatch):
     manager, caches = model_caches("llama3-8b", layers=4, device="cuda", seed=36)
     prep = kc.prepare(manager, caches)

@@ -29,8 +29,7 @@ DELAY = 4_000_000
 
 
 def _setup(name, seed):
-    manager, caches = model_caches(name, layers=LAYERS, num_blocks=96, device="cuda",
-                                   seed=seed)
+    manager, caches = model_caches(name, layers=LAYERS, num_blocks=96, device="cuda", seed=seed)
     store = HostChunkStore(manager, caches, 8)
     assert store.pinned and store.layerwise
     gen = torch.Generator().manual_seed(seed + 1)
@@ -42,8 +41,11 @@ def _setup(name, seed):
 
 class Item:
     def __init__(self, ids, slots, taken):
-        self.block_ids = {g: list(map(int, v)) for g, v in ids.items()} \
-            if isinstance(ids, dict) else list(map(int, ids))
+        self.block_ids = (
+            {g: list(map(int, v)) for g, v in ids.items()}
+            if isinstance(ids, dict)
+            else list(map(int, ids))
+        )
         self.slots, self.skip_tokens, self.taken_tokens = slots, 0, taken
 
 
@@ -70,7 +72,8 @@ def _check(manager, caches, store, ids, slots, seen, before):
         loaded = torch.from_numpy(w).view(c.dtype).view(c.shape)
         expect = loaded.index_select(1, _layer_ids(manager, ids, layer).cpu())
         assert torch.equal(seen[layer].cpu().view(torch.int16), expect.view(torch.int16)), (
-            f"layer {layer} read before its load")
+            f"layer {layer} read before its load"
+        )
     for got, w in zip(cache_bytes(caches), want):
         np.testing.assert_array_equal(got, w)
 

@@ -38,12 +38,16 @@ def _setup(name, fmt, seed=0, layers=4, num_blocks=48):
     caches = []
     for spec in model.kv_caches:
         dtype = np.uint8 if spec.dtype.name == "uint8" else np.float16
-        raw = rng.integers(0, 256, int(np.prod(spec.shape)) * np.dtype(dtype).itemsize,
-                           dtype=np.uint8)
+        raw = rng.integers(
+            0, 256, int(np.prod(spec.shape)) * np.dtype(dtype).itemsize, dtype=np.uint8
+        )
         caches.append(torch.from_numpy(raw.view(dtype).reshape(spec.shape)).cuda())
-    manager = KVLayerGroupsManager(caches, list(model.formats),
-                                   list(model.engine_group_infos) or None,
-                                   lmcache_tokens_per_chunk=CHUNK)
+    manager = KVLayerGroupsManager(
+        caches,
+        list(model.formats),
+        list(model.engine_group_infos) or None,
+        lmcache_tokens_per_chunk=CHUNK,
+    )
     by_group = {}
     for k, g in enumerate(manager.kernel_groups):
         n = 3 * manager.calculate_num_blocks(k, CHUNK)
@@ -56,8 +60,9 @@ def _objects(manager, placement, seed):
     rng = np.random.default_rng(seed)
     out = []
     for g in range(manager.num_object_groups):
-        t = torch.from_numpy(rng.integers(0, 256, (3, kc.object_nbytes(manager, g)),
-                                          dtype=np.uint8))
+        t = torch.from_numpy(
+            rng.integers(0, 256, (3, kc.object_nbytes(manager, g)), dtype=np.uint8)
+        )
         out.append(t.cuda() if placement == "device" else t.pin_memory())
     return out
 
@@ -78,12 +83,19 @@ def test_copy_engine_store_equals_kernel_and_reference(name, fmt, placement):
     for layers in (None, [1, 3]):
         # Objects start random: a layer subset must leave the other layers' rows alone.
         start = _objects(manager, placement, seed=2)
-        want = kc.store(manager, _host(caches), ids, _host(start), backend="numpy",
-                        **({} if layers is None else {"layers": layers}))
+        want = kc.store(
+            manager,
+            _host(caches),
+            ids,
+            _host(start),
+            backend="numpy",
+            **({} if layers is None else {"layers": layers}),
+        )
         by_path = {}
         for path in ("copy_engine", "kernel"):
-            objects = [o.clone().pin_memory() if placement == "pinned" else o.clone()
-                       for o in start]
+            objects = [
+                o.clone().pin_memory() if placement == "pinned" else o.clone() for o in start
+            ]
             prep.store(ids, objects, layers=layers, path=path)
             torch.cuda.synchronize()
             by_path[path] = _host(objects)
@@ -97,8 +109,12 @@ def test_copy_engine_store_equals_kernel_and_reference(name, fmt, placement):
 def test_copy_engine_load_equals_kernel_and_reference(name, fmt, placement):
     manager, base, ids = _setup(name, fmt, seed=3)
     objects = _objects(manager, placement, seed=4)
-    for kw in ({}, {"layers": [0, 2]}, {"skip_first_n_tokens": 80},
-               {"skip_first_n_tokens": 130, "layers": [3]}):
+    for kw in (
+        {},
+        {"layers": [0, 2]},
+        {"skip_first_n_tokens": 80},
+        {"skip_first_n_tokens": 130, "layers": [3]},
+    ):
         want = _host(base)
         kc.load(manager, _host(objects), want, ids, backend="numpy", **kw)
         for path in ("copy_engine", "kernel"):
@@ -112,8 +128,9 @@ def test_copy_engine_load_equals_kernel_and_reference(name, fmt, placement):
 def test_one_shot_store_with_per_chunk_pinned_buffers():
     manager, caches, ids = _setup("llama3-8b", None, seed=5)
     want = kc.store(manager, _host(caches), ids, backend="numpy")
-    rows = [torch.zeros(kc.object_nbytes(manager, 0), dtype=torch.uint8).pin_memory()
-            for _ in range(3)]
+    rows = [
+        torch.zeros(kc.object_nbytes(manager, 0), dtype=torch.uint8).pin_memory() for _ in range(3)
+    ]
     kc.store(manager, caches, ids, [rows], path="copy_engine")
     torch.cuda.synchronize()
     np.testing.assert_array_equal(np.stack([r.numpy() for r in rows]), np.asarray(want[0]))
@@ -127,8 +144,14 @@ def test_device_ids_with_copy_engine_are_refused_and_nothing_moves():
     with pytest.raises(KVGroupsValueError, match="path: expected host block ids"):
         kc.store(manager, caches, device_ids, objects, path="copy_engine")
     with pytest.raises(KVGroupsValueError, match="path: .*device skip_first_n_tokens"):
-        kc.load(manager, objects, caches, ids, path="copy_engine",
-                skip_first_n_tokens=torch.tensor(64, device="cuda"))
+        kc.load(
+            manager,
+            objects,
+            caches,
+            ids,
+            path="copy_engine",
+            skip_first_n_tokens=torch.tensor(64, device="cuda"),
+        )
     torch.cuda.synchronize()
     for got, ref in zip(_host(objects), before):
         np.testing.assert_array_equal(got, ref)
@@ -144,8 +167,7 @@ def test_copy_engine_keeps_stream_order(side):
     stream = torch.cuda.Stream() if side else torch.cuda.current_stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        objects = [torch.empty((3, kc.object_nbytes(manager, 0)), dtype=torch.uint8,
-                               device="cuda")]
+        objects = [torch.empty((3, kc.object_nbytes(manager, 0)), dtype=torch.uint8, device="cuda")]
         for k, c in enumerate(caches):
             c.fill_(k + 7)  # big enough that an unordered copy would read old bytes
         prep = kc.prepare(manager, caches)
@@ -177,8 +199,11 @@ def test_auto_takes_the_copy_engine_where_the_table_says(monkeypatch):
     batches = []
     real = copy_engine.enqueue
     monkeypatch.setattr(copy_engine, "enqueue", lambda *a: batches.append(real(*a)))
-    points = [copy_paths.Point(d, p, 4096, 4, 2.0, 1.0) for d in ("store", "load")
-              for p in ("device", "pinned")]
+    points = [
+        copy_paths.Point(d, p, 4096, 4, 2.0, 1.0)
+        for d in ("store", "load")
+        for p in ("device", "pinned")
+    ]
     index = torch.cuda.current_device()
     copy_paths.set_table(index, copy_paths.PathTable(points))
     try:
@@ -198,8 +223,9 @@ def test_auto_takes_the_copy_engine_where_the_table_says(monkeypatch):
 def test_tune_copy_paths_measures_both_paths(tmp_path, monkeypatch):
     monkeypatch.setenv(copy_paths.ENV_DIR, str(tmp_path))
     try:
-        table = copy_paths.tune_copy_paths(page_sizes=(4096, 65536), chunk_counts=(1, 8),
-                                           layers=2, iters=2)
+        table = copy_paths.tune_copy_paths(
+            page_sizes=(4096, 65536), chunk_counts=(1, 8), layers=2, iters=2
+        )
         assert len(table.points) == 2 * 2 * 2 * 2
         assert all(p.kernel_ms > 0 and p.copy_engine_ms > 0 for p in table.points)
         files = list(tmp_path.glob("copy_paths-*.json"))

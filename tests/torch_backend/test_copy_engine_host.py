@@ -39,8 +39,10 @@ def batches(emulated, monkeypatch):  # noqa: F811
         dsts, srcs, sizes = (_array(a, count) for a in (dst, src, size))
         table = (copy_engine.MemcpyAttributes * num_attrs).from_address(attrs)
         starts = (ctypes.c_size_t * num_attrs).from_address(idx)
-        stretches = [(starts[i], table[i].srcAccessOrder, table[i].srcLocHint.type,
-                      table[i].dstLocHint.type) for i in range(num_attrs)]
+        stretches = [
+            (starts[i], table[i].srcAccessOrder, table[i].srcLocHint.type, table[i].dstLocHint.type)
+            for i in range(num_attrs)
+        ]
         assert stretches[0][0] == 0 and all(s[1] == 1 for s in stretches)  # stream order
         for d, s, n in zip(dsts.tolist(), srcs.tolist(), sizes.tolist()):
             ctypes.memmove(d, s, n)
@@ -63,32 +65,57 @@ def _with_path(case, path):
 
 @pytest.mark.parametrize("direction", ["store", "load"])
 @pytest.mark.parametrize("layout", LAYOUTS)
-def test_copy_engine_moves_the_page_models_bytes_and_launches_nothing(batches, layout,
-                                                                       direction):
+def test_copy_engine_moves_the_page_models_bytes_and_launches_nothing(batches, layout, direction):
     launches, seen = batches
     rng = np.random.default_rng(len(layout) + 7 * len(direction))
-    case = make_case(layout, "uint8" if layout == "indexer" else "float16", direction, rng,
-                     nb=12, bs=2, hs=8, num_chunks=2, bpc=3, kept=2,
-                     first_item=1 if direction == "load" else 0, region_pad=8)
+    case = make_case(
+        layout,
+        "uint8" if layout == "indexer" else "float16",
+        direction,
+        rng,
+        nb=12,
+        bs=2,
+        hs=8,
+        num_chunks=2,
+        bpc=3,
+        kept=2,
+        first_item=1 if direction == "load" else 0,
+        region_pad=8,
+    )
     _check(_with_path(case, "copy_engine"))
     assert not launches and len(seen) == 1
     # CPU objects stand for pinned host memory: the object side says host, the cache device.
-    (start, _, src, dst), = seen[0][1]
+    ((start, _, src, dst),) = seen[0][1]
     assert (src, dst) == ((1, 2) if direction == "store" else (2, 1))
 
 
 @pytest.mark.parametrize("per_chunk_count", [3, 70])  # inline addresses / a device table
 def test_copy_engine_takes_per_chunk_object_buffers(batches, per_chunk_count):
     rng = np.random.default_rng(per_chunk_count)
-    case = make_case("nhd", "bfloat16", "load", rng, nb=300, bs=1, nh=1, hs=8,
-                     num_chunks=per_chunk_count, bpc=2, kept=2)
+    case = make_case(
+        "nhd",
+        "bfloat16",
+        "load",
+        rng,
+        nb=300,
+        bs=1,
+        nh=1,
+        hs=8,
+        num_chunks=per_chunk_count,
+        bpc=2,
+        kept=2,
+    )
     _check(_with_path(case, "copy_engine"), per_chunk=True)
     assert batches[1] and not batches[0]
 
 
 def test_copy_engine_takes_host_ids_that_replace_the_plans(batches):
-    case = _with_path(make_case("hnd", "float16", "store", np.random.default_rng(3), nb=20,
-                                num_chunks=2, bpc=2, kept=2), "copy_engine")
+    case = _with_path(
+        make_case(
+            "hnd", "float16", "store", np.random.default_rng(3), nb=20, num_chunks=2, bpc=2, kept=2
+        ),
+        "copy_engine",
+    )
     ids = np.random.default_rng(4).permutation(20)[:4]
     want_caches, want_objects = oracle(case, ids)
     got_caches, got_objects = _run(case, ids=torch.from_numpy(ids))
@@ -98,8 +125,7 @@ def test_copy_engine_takes_host_ids_that_replace_the_plans(batches):
 
 
 def test_device_ids_with_copy_engine_are_refused_before_anything_moves(batches, monkeypatch):
-    case = _with_path(make_case("nhd", "float16", "store", np.random.default_rng(5)),
-                      "copy_engine")
+    case = _with_path(make_case("nhd", "float16", "store", np.random.default_rng(5)), "copy_engine")
     from dataclasses import replace
 
     case.plan = replace(case.plan, device_ids=True)
@@ -108,16 +134,16 @@ def test_device_ids_with_copy_engine_are_refused_before_anything_moves(batches, 
     with pytest.raises(KVGroupsValueError, match=r"path: expected host block ids.*device"):
         cuda_execute.execute_plan(case.plan, caches, [objects], 0)
     np.testing.assert_array_equal(objects.numpy(), case.objects)
-    skip_plan = replace(case.plan, device_ids=False, direction="load",
-                        skip_tokens=torch.tensor(3))
+    skip_plan = replace(case.plan, device_ids=False, direction="load", skip_tokens=torch.tensor(3))
     with pytest.raises(KVGroupsValueError, match=r"path: .*device skip_first_n_tokens"):
         cuda_execute.execute_plan(skip_plan, caches, [objects], 0)
     assert not batches[0] and not batches[1]
 
 
 def test_prepared_device_caches_run_copy_engine_groups(batches):
-    case = _with_path(make_case("mla", "bfloat16", "store", np.random.default_rng(6),
-                                num_chunks=2), "copy_engine")
+    case = _with_path(
+        make_case("mla", "bfloat16", "store", np.random.default_rng(6), num_chunks=2), "copy_engine"
+    )
     caches = [torch.from_numpy(c.copy()) for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
     bound = cuda_execute.DeviceCaches(caches, 0)
@@ -141,31 +167,53 @@ def test_auto_is_the_kernel_without_a_table_and_follows_the_table_with_one(batch
     launches, seen = batches
     rng = np.random.default_rng(8)
     copy_paths.set_table(0, None)
-    _check(make_case("nhd", "float16", "store", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3,
-                     kept=2))
+    _check(
+        make_case("nhd", "float16", "store", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3, kept=2)
+    )
     assert launches and not seen
     launches.clear()
     # NHD pages of 2 * 2 * 8 * 2 = 64 bytes: the copy engine where the table says so ...
     copy_paths.set_table(0, _table(choice_above=64))
-    _check(make_case("nhd", "float16", "load", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3,
-                     kept=2, first_item=1))
+    _check(
+        make_case(
+            "nhd",
+            "float16",
+            "load",
+            rng,
+            nb=12,
+            bs=2,
+            hs=8,
+            num_chunks=2,
+            bpc=3,
+            kept=2,
+            first_item=1,
+        )
+    )
     assert seen and not launches
     # ... the kernel where it does not (and for placements the table never measured).
     seen.clear()
     copy_paths.set_table(0, _table(choice_above=1024))
-    _check(make_case("nhd", "float16", "store", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3,
-                     kept=2))
+    _check(
+        make_case("nhd", "float16", "store", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3, kept=2)
+    )
     assert launches and not seen
     launches.clear()
     copy_paths.set_table(0, _table(choice_above=64, placement="device"))
-    _check(make_case("nhd", "float16", "store", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3,
-                     kept=2))
+    _check(
+        make_case("nhd", "float16", "store", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3, kept=2)
+    )
     assert launches and not seen
     launches.clear()
     # path="kernel" beats the table, device ids never take the copy engine under auto.
     copy_paths.set_table(0, _table(choice_above=64))
-    _check(_with_path(make_case("nhd", "float16", "store", rng, nb=12, bs=2, hs=8,
-                                num_chunks=2, bpc=3, kept=2), "kernel"))
+    _check(
+        _with_path(
+            make_case(
+                "nhd", "float16", "store", rng, nb=12, bs=2, hs=8, num_chunks=2, bpc=3, kept=2
+            ),
+            "kernel",
+        )
+    )
     assert launches and not seen
 
 
@@ -213,8 +261,11 @@ def _store_args(backend="torch"):
 @pytest.mark.parametrize("backend", ["torch", "numpy"])
 def test_path_values_are_checked_by_the_core(backend):
     manager, caches, ids = _store_args(backend)
-    with pytest.raises(KVGroupsValueError, match=r"path: expected one of 'auto', 'kernel'.*"
-                                                 r"got 'fast'"):
+    with pytest.raises(
+        KVGroupsValueError,
+        match=r"path: expected one of 'auto', 'kernel'.*"
+        r"got 'fast'",
+    ):
         kc.store(manager, caches, ids, path="fast")
     with pytest.raises(KVGroupsTypeError, match="path: expected one of .* got int"):
         kc.prepare(manager, caches).store(ids, path=1)
@@ -224,8 +275,11 @@ def test_path_values_are_checked_by_the_core(backend):
 
 def test_numpy_refuses_copy_engine_and_torch_cpu_caches_cannot_run_it():
     manager, caches, ids = _store_args("numpy")
-    with pytest.raises(KVGroupsValueError, match=r"path: expected one of 'auto', 'kernel', "
-                                                 r"got 'copy_engine'"):
+    with pytest.raises(
+        KVGroupsValueError,
+        match=r"path: expected one of 'auto', 'kernel', "
+        r"got 'copy_engine'",
+    ):
         kc.store(manager, caches, ids, path="copy_engine")
     manager, caches, ids = _store_args("torch")
     objects = random_objects(manager, 1, seed=1)
@@ -258,16 +312,24 @@ def test_auto_splits_a_call_between_the_copy_engine_and_the_kernel(batches, monk
     host = [c.numpy().copy() for c in caches]
     ids = ids_for(manager, np.random.default_rng(13), 2)
     for direction in ("store", "load"):
-        plan = plan_call(bind(manager, host), ids, direction,
-                         skip_first_n_tokens=64 if direction == "load" else 0)
+        plan = plan_call(
+            bind(manager, host),
+            ids,
+            direction,
+            skip_first_n_tokens=64 if direction == "load" else 0,
+        )
         objects = random_objects(manager, 2, seed=14)
         want_caches = [c.copy() for c in host]
         want_objects = [o.numpy().copy() for o in objects]
         reference.execute_plan(plan, want_caches, want_objects)
         pinned = objects[0]
-        monkeypatch.setattr(copy_engine, "object_on_host", lambda entry, pinned=pinned: entry is pinned)
-        points = [copy_paths.Point(direction, "pinned", 16384, 2, 2.0, 1.0),
-                  copy_paths.Point(direction, "device", 16384, 2, 1.0, 2.0)]
+        monkeypatch.setattr(
+            copy_engine, "object_on_host", lambda entry, pinned=pinned: entry is pinned
+        )
+        points = [
+            copy_paths.Point(direction, "pinned", 16384, 2, 2.0, 1.0),
+            copy_paths.Point(direction, "device", 16384, 2, 1.0, 2.0),
+        ]
         copy_paths.set_table(0, copy_paths.PathTable(points))
         got = [c.clone() for c in caches]
         launches.clear()
@@ -283,14 +345,19 @@ def test_auto_splits_a_call_between_the_copy_engine_and_the_kernel(batches, monk
 def test_replacing_host_ids_out_of_range_are_refused_before_anything_moves(batches):
     from kvgroups_core.errors import KVGroupsIndexError
 
-    case = _with_path(make_case("nhd", "float16", "store", np.random.default_rng(15), nb=20,
-                                num_chunks=2, bpc=2, kept=2), "copy_engine")
+    case = _with_path(
+        make_case(
+            "nhd", "float16", "store", np.random.default_rng(15), nb=20, num_chunks=2, bpc=2, kept=2
+        ),
+        "copy_engine",
+    )
     objects = torch.from_numpy(case.objects.copy())
     caches = [torch.from_numpy(c.copy()) for c in case.caches]
     for bad in ([0, 1, 2, 20], [0, -1, 2, 3]):
         with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in \[0, 20\)"):
-            cuda_execute.execute_plan(case.plan, caches, [objects], 0,
-                               block_ids=[torch.tensor(bad)])
+            cuda_execute.execute_plan(
+                case.plan, caches, [objects], 0, block_ids=[torch.tensor(bad)]
+            )
     with pytest.raises(KVGroupsValueError, match=r"block_ids\[0\]: expected a 1-D integer"):
         cuda_execute.execute_plan(case.plan, caches, [objects], 0, block_ids=[torch.tensor([1, 2])])
     np.testing.assert_array_equal(objects.numpy(), case.objects)

@@ -34,9 +34,9 @@ def apply(copies, buffers):
         (bd, od), (bs, os) = divmod(d, SPACE), divmod(s, SPACE)
         dbuf, sbuf = buffers[bd - 1], buffers[bs - 1]
         assert n > 0 and od + n <= dbuf.size and os + n <= sbuf.size
-        assert not written[bd - 1][od:od + n].any(), "two copies write the same bytes"
-        written[bd - 1][od:od + n] = True
-        dbuf[od:od + n] = sbuf[os:os + n]
+        assert not written[bd - 1][od : od + n].any(), "two copies write the same bytes"
+        written[bd - 1][od : od + n] = True
+        dbuf[od : od + n] = sbuf[os : os + n]
 
 
 def run_plan_with_copies(plan, caches, objects):
@@ -65,8 +65,9 @@ def test_every_page_layout_moves_the_oracles_bytes(layout, direction):
     for first_item, kept, pad in [(0, 4, 0), (5, 4, 24), (1, 2, 0)]:
         if direction == "store" and first_item:
             continue
-        case = make_case(layout, "bfloat16", direction, rng, first_item=first_item,
-                         kept=kept, region_pad=pad)
+        case = make_case(
+            layout, "bfloat16", direction, rng, first_item=first_item, kept=kept, region_pad=pad
+        )
         want_caches, want_objects = oracle(case)
         caches = [c.copy() for c in case.caches]
         objects = case.objects.copy()
@@ -94,8 +95,9 @@ def test_nhd_pages_are_one_copy_and_consecutive_blocks_merge():
 
 
 def test_contiguous_pages_are_one_copy_per_run_of_consecutive_blocks_and_plane():
-    case = make_case("nhd", "float16", "store", np.random.default_rng(4), num_chunks=2, bpc=4,
-                     kept=4, nl=1)
+    case = make_case(
+        "nhd", "float16", "store", np.random.default_rng(4), num_chunks=2, bpc=4, kept=4, nl=1
+    )
     group = case.plan.groups[0]
     page = group.block_size * group.row_bytes
     planes = [fake(0) + p.byte_offset for p in group.planes]
@@ -106,8 +108,9 @@ def test_contiguous_pages_are_one_copy_per_run_of_consecutive_blocks_and_plane()
     dst, src, sizes = group_copies(group, "store", planes, [fake(5), fake(6)], ids)
     assert dst.size == runs.count * len(planes)
     np.testing.assert_array_equal(sizes[:4], np.array([2, 2, 3, 1]) * page)
-    np.testing.assert_array_equal(src[:4], planes[0] + np.array([4, 9, 11, 2])
-                                  * group.block_stride_bytes)
+    np.testing.assert_array_equal(
+        src[:4], planes[0] + np.array([4, 9, 11, 2]) * group.block_stride_bytes
+    )
 
 
 def test_hnd_copies_are_pieces_and_the_estimate_says_so():
@@ -115,8 +118,9 @@ def test_hnd_copies_are_pieces_and_the_estimate_says_so():
     group = case.plan.groups[0]
     assert copy_bytes(group) == 16 * 2  # one head of one token
     planes = [fake(0) + p.byte_offset for p in group.planes]
-    dst, src, sizes = group_copies(group, "load", planes,
-                                   [fake(1 + c) for c in range(group.num_chunks)])
+    dst, src, sizes = group_copies(
+        group, "load", planes, [fake(1 + c) for c in range(group.num_chunks)]
+    )
     assert (sizes == 32).all()  # nothing continues on both sides
 
 
@@ -127,12 +131,16 @@ def _model(name, fmt=None, layers=3):
     caches = []
     for spec in model.kv_caches:
         dtype = np.uint8 if spec.dtype.name == "uint8" else np.float16
-        raw = rng.integers(0, 256, int(np.prod(spec.shape)) * np.dtype(dtype).itemsize,
-                           dtype=np.uint8)
+        raw = rng.integers(
+            0, 256, int(np.prod(spec.shape)) * np.dtype(dtype).itemsize, dtype=np.uint8
+        )
         caches.append(raw.view(dtype).reshape(spec.shape))
-    manager = KVLayerGroupsManager(caches, list(model.formats),
-                                   list(model.engine_group_infos) or None,
-                                   lmcache_tokens_per_chunk=64)
+    manager = KVLayerGroupsManager(
+        caches,
+        list(model.formats),
+        list(model.engine_group_infos) or None,
+        lmcache_tokens_per_chunk=64,
+    )
     return manager, caches
 
 
@@ -148,17 +156,26 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("name,fmt,kw,direction", [
-    (*case, d) for case in CASES for d in ("store", "load") if d == "load" or "skip" not in case[2]])
+@pytest.mark.parametrize(
+    "name,fmt,kw,direction",
+    [
+        (*case, d)
+        for case in CASES
+        for d in ("store", "load")
+        if d == "load" or "skip" not in case[2]
+    ],
+)
 def test_model_plans_move_what_the_numpy_reference_moves(name, fmt, kw, direction):
     manager, host = _model(name, fmt)
     binding = bind(manager, host)
     ids = ids_for(manager, np.random.default_rng(4), 3)
-    plan = plan_call(binding, ids, direction, skip_first_n_tokens=kw.get("skip", 0),
-                     layers=kw.get("layers"))
+    plan = plan_call(
+        binding, ids, direction, skip_first_n_tokens=kw.get("skip", 0), layers=kw.get("layers")
+    )
     if "layers" in kw:
-        assert any(object_plane(p, i) != i for g in plan.groups
-                   for i, p in enumerate(g.planes)), "a subset plan keeps its object planes"
+        assert any(object_plane(p, i) != i for g in plan.groups for i, p in enumerate(g.planes)), (
+            "a subset plan keeps its object planes"
+        )
     rng = np.random.default_rng(5)
     objects = [rng.integers(0, 256, (3, n), dtype=np.uint8) for n in plan.object_nbytes]
     want_caches = [c.copy() for c in host]

@@ -21,7 +21,13 @@ CASES = Path(__file__).resolve().parent / "cross_stream_cases.py"
 
 @pytest.mark.parametrize("case", ["upload", "lifetime", "capture", "check"])
 def test_cross_stream_case(case):
-    done = subprocess.run([sys.executable, str(CASES), case], capture_output=True, text=True,
-                          timeout=300, env=dict(os.environ))
+    done = subprocess.run(
+        [sys.executable, str(CASES), case],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=dict(os.environ),
+    )
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), (
-        f"{case}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}")
+        f"{case}: exit {done.returncode}\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
+    )

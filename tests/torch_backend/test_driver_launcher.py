@@ -31,11 +31,24 @@ class FakeLib:
 
     def cuLaunchKernelEx(self, config_address, function, params, extra):
         c = driver._LaunchConfig.from_address(config_address)
-        attrs = [driver._LaunchAttribute.from_address(c.attrs + k * ctypes.sizeof(
-            driver._LaunchAttribute)) for k in range(c.num_attrs)]
-        self.calls.append(("launch_ex", function, (c.grid_x, c.grid_y, c.grid_z),
-                           (c.block_x, c.block_y, c.block_z), c.shared_bytes, c.stream or 0,
-                           [(a.id, a.value) for a in attrs], self.current))
+        attrs = [
+            driver._LaunchAttribute.from_address(
+                c.attrs + k * ctypes.sizeof(driver._LaunchAttribute)
+            )
+            for k in range(c.num_attrs)
+        ]
+        self.calls.append(
+            (
+                "launch_ex",
+                function,
+                (c.grid_x, c.grid_y, c.grid_z),
+                (c.block_x, c.block_y, c.block_z),
+                c.shared_bytes,
+                c.stream or 0,
+                [(a.id, a.value) for a in attrs],
+                self.current,
+            )
+        )
         return self.launch_code
 
     def cuDriverGetVersion(self, ref):
@@ -66,6 +79,7 @@ def fake(monkeypatch):
         monkeypatch.setattr(driver, "primary_context", lambda index: PRIMARY)
         driver.programmatic_launch.cache_clear()
         return lib, driver.Launcher(0, 0xABC0, programmatic=programmatic)
+
     yield make
     driver.programmatic_launch.cache_clear()
 
@@ -76,24 +90,29 @@ def test_launch_in_the_current_primary_context_does_not_switch(fake):
     launcher.launch(8, (4, 1, 1), 256, 99)
     # A launch without attributes: cuLaunchKernelEx all the same (its geometry is a struct,
     # cheaper to pass from Python than cuLaunchKernel's eleven scalars).
-    assert lib.calls == [("launch_ex", 7, (3, 1, 1), (256, 1, 1), 0, 99, [], PRIMARY),
-                         ("launch_ex", 8, (4, 1, 1), (256, 1, 1), 0, 99, [], PRIMARY)]
+    assert lib.calls == [
+        ("launch_ex", 7, (3, 1, 1), (256, 1, 1), 0, 99, [], PRIMARY),
+        ("launch_ex", 8, (4, 1, 1), (256, 1, 1), 0, 99, [], PRIMARY),
+    ]
 
 
 @pytest.mark.parametrize("current", [OTHER, None])
 def test_another_or_no_current_context_is_switched_for_the_launch_and_restored(fake, current):
     lib, launcher = fake(current)
     launcher.launch(7, (3, 1, 1), 128, 5)
-    assert lib.calls == [("set", PRIMARY),
-                         ("launch_ex", 7, (3, 1, 1), (128, 1, 1), 0, 5, [], PRIMARY),
-                         ("set", current)]
+    assert lib.calls == [
+        ("set", PRIMARY),
+        ("launch_ex", 7, (3, 1, 1), (128, 1, 1), 0, 5, [], PRIMARY),
+        ("set", current),
+    ]
 
 
 @pytest.mark.parametrize("current", [PRIMARY, OTHER])
 def test_a_refused_launch_raises_a_typed_error_and_restores_the_context(fake, current):
     lib, launcher = fake(current, launch_code=700)
-    with pytest.raises(driver.KernelLaunchError,
-                       match=r"cuLaunchKernelEx: expected CUDA_SUCCESS, got .*700"):
+    with pytest.raises(
+        driver.KernelLaunchError, match=r"cuLaunchKernelEx: expected CUDA_SUCCESS, got .*700"
+    ):
         launcher.launch(7, (1, 1, 1), 256, 0)
     assert lib.current == current
 
@@ -105,12 +124,15 @@ def test_a_driver_without_launch_ex_takes_cu_launch_kernel(fake, monkeypatch, cu
     launcher.launch(7, (3, 1, 1), 128, 5)
     launcher.launch(8, (4, 2, 1), 64, 6)
     launches = [c for c in lib.calls if c[0] == "launch"]
-    assert launches == [("launch", 7, (3, 1, 1), 128, 5, PRIMARY),
-                        ("launch", 8, (4, 2, 1), 64, 6, PRIMARY)]
+    assert launches == [
+        ("launch", 7, (3, 1, 1), 128, 5, PRIMARY),
+        ("launch", 8, (4, 2, 1), 64, 6, PRIMARY),
+    ]
     assert lib.current == current
     lib.launch_code = 700
-    with pytest.raises(driver.KernelLaunchError,
-                       match=r"cuLaunchKernel: expected CUDA_SUCCESS, got .*700"):
+    with pytest.raises(
+        driver.KernelLaunchError, match=r"cuLaunchKernel: expected CUDA_SUCCESS, got .*700"
+    ):
         launcher.launch(7, (1, 1, 1), 256, 0)
 
 
@@ -120,18 +142,27 @@ def test_a_programmatic_launch_allows_early_setup_with_the_same_grid_and_stream(
     launcher.launch(7, (3, 2, 1), 256, 99)
     launcher.launch(8, (5, 1, 1), 128, 0)
     serialization = [(6, 1)]  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION, allowed
-    assert lib.calls == [("launch_ex", 7, (3, 2, 1), (256, 1, 1), 0, 99, serialization, PRIMARY),
-                         ("launch_ex", 8, (5, 1, 1), (128, 1, 1), 0, 0, serialization, PRIMARY)]
+    assert lib.calls == [
+        ("launch_ex", 7, (3, 2, 1), (256, 1, 1), 0, 99, serialization, PRIMARY),
+        ("launch_ex", 8, (5, 1, 1), (128, 1, 1), 0, 0, serialization, PRIMARY),
+    ]
 
 
 def test_a_repeated_launch_shape_keeps_the_config_and_a_new_one_rewrites_it(fake):
     lib, launcher = fake(PRIMARY, programmatic=True)
-    shapes = [((3, 1, 1), 256, 99), ((3, 1, 1), 256, 99), ((3, 1, 1), 256, 7),
-              ((4, 1, 1), 256, 7), ((4, 1, 1), 128, 7), ((3, 1, 1), 256, 99)]
+    shapes = [
+        ((3, 1, 1), 256, 99),
+        ((3, 1, 1), 256, 99),
+        ((3, 1, 1), 256, 7),
+        ((4, 1, 1), 256, 7),
+        ((4, 1, 1), 128, 7),
+        ((3, 1, 1), 256, 99),
+    ]
     for function, (grid, threads, stream) in enumerate(shapes):
         launcher.launch(function, grid, threads, stream)
     assert [(c[1], c[2], c[3][0], c[5]) for c in lib.calls] == [
-        (f, grid, threads, stream) for f, (grid, threads, stream) in enumerate(shapes)]
+        (f, grid, threads, stream) for f, (grid, threads, stream) in enumerate(shapes)
+    ]
 
 
 @pytest.mark.parametrize("current", [OTHER, None])
@@ -181,6 +212,7 @@ def test_a_driver_without_launch_ex_keeps_the_plain_launch(fake, monkeypatch):
 
 def test_a_refused_programmatic_launch_names_the_call(fake):
     lib, launcher = fake(PRIMARY, launch_code=700, programmatic=True)
-    with pytest.raises(driver.KernelLaunchError,
-                       match=r"cuLaunchKernelEx: expected CUDA_SUCCESS, got .*700"):
+    with pytest.raises(
+        driver.KernelLaunchError, match=r"cuLaunchKernelEx: expected CUDA_SUCCESS, got .*700"
+    ):
         launcher.launch(7, (1, 1, 1), 256, 0)

@@ -29,8 +29,13 @@ IDS = np.array([4, 5])  # one chunk: blocks 4 and 5 (past a cache resized to 3 b
 
 def _caches(seed: int = 0, device: str = "cpu") -> list:
     rng = np.random.default_rng(seed)
-    return [torch.from_numpy(rng.integers(-2**15, 2**15, SHAPE, dtype=np.int16))
-            .view(torch.float16).to(device).clone() for _ in range(LAYERS)]
+    return [
+        torch.from_numpy(rng.integers(-(2**15), 2**15, SHAPE, dtype=np.int16))
+        .view(torch.float16)
+        .to(device)
+        .clone()
+        for _ in range(LAYERS)
+    ]
 
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
@@ -43,8 +48,9 @@ def _device(name: str) -> str:
 
 
 def _manager() -> kc.KVLayerGroupsManager:
-    return kc.KVLayerGroupsManager(_caches(), F.NL_X_TWO_NB_BS_NH_HS,
-                                   lmcache_tokens_per_chunk=CHUNK)
+    return kc.KVLayerGroupsManager(
+        _caches(), F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK
+    )
 
 
 def _storage_bytes(t) -> bytes:
@@ -72,8 +78,13 @@ def _requires_grad(t):
     t.requires_grad_(True)
 
 
-CHANGES = {"resize_": _shrink, "data=view(dtype)": _retype, "data=view(shape)": _reshape,
-           "as_strided_": _restride, "requires_grad_": _requires_grad}
+CHANGES = {
+    "resize_": _shrink,
+    "data=view(dtype)": _retype,
+    "data=view(shape)": _reshape,
+    "as_strided_": _restride,
+    "requires_grad_": _requires_grad,
+}
 
 
 def _fresh_error(manager, caches, direction, objects):
@@ -95,8 +106,13 @@ def test_a_cache_changed_in_place_is_refused_as_a_fresh_call_is(change, directio
     device = _device(device)
     manager = _manager()
     caches = _caches(1, device)
-    objects = [torch.from_numpy(np.random.default_rng(2).integers(
-        0, 256, (1, kc.object_nbytes(manager, 0)), dtype=np.uint8)).to(device)]
+    objects = [
+        torch.from_numpy(
+            np.random.default_rng(2).integers(
+                0, 256, (1, kc.object_nbytes(manager, 0)), dtype=np.uint8
+            )
+        ).to(device)
+    ]
     prepared = kc.prepare(manager, caches) if how != "one-shot" else None
 
     def call():
@@ -186,15 +202,18 @@ def test_storage_shrunk_in_place_is_refused_before_any_byte_moves(direction, api
     # Two dtypes: two kernel groups, the second layer's in the second. Its storage shrunk in
     # place (the data pointer kept on the CPU) must be refused before the first group moves.
     caches = [_caches(1)[0], _caches(2)[1].view(torch.int16)]
-    m = kc.KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * LAYERS,
-                                lmcache_tokens_per_chunk=CHUNK)
+    m = kc.KVLayerGroupsManager(
+        caches, [F.NL_X_TWO_NB_BS_NH_HS] * LAYERS, lmcache_tokens_per_chunk=CHUNK
+    )
     assert m.num_kernel_groups == 2
     objects = kc.store(m, caches, IDS)
     prepared = kc.prepare(m, caches)
-    call = {("one-shot", "store"): lambda: kc.store(m, caches, IDS, objects),
-            ("one-shot", "load"): lambda: kc.load(m, objects, caches, IDS),
-            ("prepared", "store"): lambda: prepared.store(IDS, objects),
-            ("prepared", "load"): lambda: prepared.load(objects, IDS)}[api, direction]
+    call = {
+        ("one-shot", "store"): lambda: kc.store(m, caches, IDS, objects),
+        ("one-shot", "load"): lambda: kc.load(m, objects, caches, IDS),
+        ("prepared", "store"): lambda: prepared.store(IDS, objects),
+        ("prepared", "load"): lambda: prepared.load(objects, IDS),
+    }[api, direction]
     call()  # warm: the binding is made (and parked for the one-shot call)
     for c in caches:
         c.view(torch.int16).add_(1)
@@ -202,8 +221,11 @@ def test_storage_shrunk_in_place_is_refused_before_any_byte_moves(direction, api
     before = [c.clone() for c in caches] + [o.clone() for o in objects]
     storage = caches[1].untyped_storage()
     storage.resize_(storage.nbytes() // 2)
-    with pytest.raises(kc.KVGroupsValueError, match=r"caches\[1\]: expected a storage of at "
-                       r"least \d+ bytes .*got \d+ bytes"):
+    with pytest.raises(
+        kc.KVGroupsValueError,
+        match=r"caches\[1\]: expected a storage of at "
+        r"least \d+ bytes .*got \d+ bytes",
+    ):
         call()
     assert torch.equal(caches[0].view(torch.int16), before[0].view(torch.int16))  # NaN bits
     assert torch.equal(objects[0], before[2])

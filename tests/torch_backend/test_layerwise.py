@@ -1,6 +1,7 @@
 """kvgroups_torch.LayerwiseLoad / LayerwiseSave on CPU tensors: the bytes of the whole-model
 calls, each layer's bytes appearing at its wait (not before), the same prepared calls in the
-same order as on the GPU, and typed errors. The GPU side is tests/torch_backend/test_layerwise_gpu.py."""
+same order as on the GPU, and typed errors. The GPU side is
+tests/torch_backend/test_layerwise_gpu.py."""
 
 import numpy as np
 import pytest
@@ -80,8 +81,13 @@ def test_a_forward_pass_that_waits_computes_on_the_loaded_bytes_and_one_that_ski
         c.copy_(s)
     waited = forward(wait=True)
     for layer in range(LAYERS):
-        expect = torch.from_numpy(want[layer]).view(caches[layer].dtype).view(
-            caches[layer].shape)[:, ids].contiguous().view(torch.uint8)
+        expect = (
+            torch.from_numpy(want[layer])
+            .view(caches[layer].dtype)
+            .view(caches[layer].shape)[:, ids]
+            .contiguous()
+            .view(torch.uint8)
+        )
         assert torch.equal(waited[layer], expect)
         assert not torch.equal(skipped[layer], expect)
 
@@ -93,16 +99,22 @@ def test_start_many_queues_every_transfer_layer_by_layer_in_the_gpu_order(name):
     ids_a, ids_b = ids_for(manager, rng, 1), ids_for(manager, rng, 1)
     obj_a, obj_b = random_objects(manager, 1, seed=9), random_objects(manager, 1, seed=10)
     # The bytes: all of a, then all of b (layers are independent, so per layer a then b).
-    after_a = [torch.from_numpy(b).view(c.dtype).view(c.shape) for b, c in
-               zip(reference_load(manager, obj_a, caches, ids_a), caches)]
+    after_a = [
+        torch.from_numpy(b).view(c.dtype).view(c.shape)
+        for b, c in zip(reference_load(manager, obj_a, caches, ids_a), caches)
+    ]
     want = reference_load(manager, obj_b, after_a, ids_b)
     rec = Recording(kc.prepare(manager, caches))
     loads = LayerwiseLoad(rec)
     loads.start_many([(obj_a, ids_a), (obj_b, ids_b, 0)])
     assert rec.calls == []
     loads.wait(1)
-    assert rec.calls == [("load", (0,), id(obj_a[0])), ("load", (0,), id(obj_b[0])),
-                         ("load", (1,), id(obj_a[0])), ("load", (1,), id(obj_b[0]))]
+    assert rec.calls == [
+        ("load", (0,), id(obj_a[0])),
+        ("load", (0,), id(obj_b[0])),
+        ("load", (1,), id(obj_a[0])),
+        ("load", (1,), id(obj_b[0])),
+    ]
     loads.finish()
     order = [(layer, o) for layer in range(LAYERS) for o in (id(obj_a[0]), id(obj_b[0]))]
     assert [(c[1][0], c[2]) for c in rec.calls] == order
@@ -123,7 +135,8 @@ def test_a_second_start_before_the_waits_is_covered_by_them_in_issue_order():
     # Waiting for layer 0 covers everything queued before its latest record: all of the
     # first start and layer 0 of the second.
     assert [(c[1][0], c[2]) for c in rec.calls] == (
-        [(layer, id(first[0])) for layer in range(LAYERS)] + [(0, id(second[0]))])
+        [(layer, id(first[0])) for layer in range(LAYERS)] + [(0, id(second[0]))]
+    )
     loads.finish()
     want = reference_load(manager, second, caches, ids)
     for got, w in zip(cache_bytes(caches), want):
@@ -141,8 +154,9 @@ def test_layerwise_saves_equal_the_whole_model_store_and_touch_only_their_layer(
     for layer in range(LAYERS):
         before = object_bytes(objects)
         saves.save(layer, ids, objects)
-        only = reference_store(manager, caches, ids, layers=[layer], objects=[
-            torch.from_numpy(b) for b in before])
+        only = reference_store(
+            manager, caches, ids, layers=[layer], objects=[torch.from_numpy(b) for b in before]
+        )
         for got, w in zip(object_bytes(objects), only):
             np.testing.assert_array_equal(got, w)  # this layer's regions, nothing else
     saves.finish()
@@ -194,19 +208,24 @@ def test_bad_arguments_are_refused_with_typed_errors():
     with pytest.raises(KVGroupsValueError, match="stream: expected None for caches on cpu"):
         LayerwiseLoad(prep, stream=object())
     loads = LayerwiseLoad(prep, layers=[0, 1])
-    with pytest.raises(KVGroupsIndexError, match=r"layer: expected one of the loaded layers "
-                                                  r"\[0, 1\], got 3"):
+    with pytest.raises(
+        KVGroupsIndexError,
+        match=r"layer: expected one of the loaded layers "
+        r"\[0, 1\], got 3",
+    ):
         loads.wait(3)
     with pytest.raises(KVGroupsTypeError, match=r"transfers\[0\]: expected \(objects, block_ids"):
         loads.start_many([objects])
     saves = LayerwiseSave(prep)
     with pytest.raises(KVGroupsIndexError, match="layer: expected one of the manager's grouped"):
         saves.save(7, ids, objects)
-    with pytest.raises(UnsupportedConfigError, match="mark: expected a LayerwiseSave built with "
-                                                "graph_marks=True"):
+    with pytest.raises(
+        UnsupportedConfigError, match="mark: expected a LayerwiseSave built with graph_marks=True"
+    ):
         saves.mark(0)
-    with pytest.raises(KVGroupsTypeError, match="prepared: expected a transfer prepared on "
-                                                "torch tensors"):
+    with pytest.raises(
+        KVGroupsTypeError, match="prepared: expected a transfer prepared on torch tensors"
+    ):
         LayerwiseLoad(kc.prepare(manager, [c.numpy() for c in caches]))
 
 

@@ -7,7 +7,8 @@ the old bytes). The same for layer-wise saves, for waits captured in a graph rep
 eager loads (graph_waits, vLLM's FULL graphs) and for saves after a replay (graph_marks).
 The negative controls (the same step without waits) show the content check sees a race.
 
-compute-sanitizer (scripts/gpu_checks.sh, step racecheck): racecheck over every test but the controls."""
+compute-sanitizer (scripts/gpu_checks.sh, step racecheck): racecheck over every test but the
+controls."""
 
 import numpy as np
 import pytest
@@ -178,8 +179,9 @@ def test_waits_captured_apart_from_the_loads_bind_to_each_replays_eager_start():
     graph.replay()
     torch.cuda.synchronize()
     for layer in range(LAYERS):
-        assert torch.equal(step.seen[layer].view(torch.int16),
-                           step.pages(layer, step.old).view(torch.int16))
+        assert torch.equal(
+            step.seen[layer].view(torch.int16), step.pages(layer, step.old).view(torch.int16)
+        )
 
 
 def test_saves_after_a_replay_wait_for_the_marks_recorded_in_the_graph():
@@ -233,8 +235,9 @@ def test_mixing_an_eager_start_with_captured_waits_is_refused_with_the_fix():
     loads.finish()
     torch.cuda.synchronize()
     waits = LayerwiseLoad(step.prep, graph_waits=True)
-    with pytest.raises(UnsupportedConfigError,
-                       match="start: expected to run outside any CUDA graph"):
+    with pytest.raises(
+        UnsupportedConfigError, match="start: expected to run outside any CUDA graph"
+    ):
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             step.compute(0)
             waits.start(step.objects, step.ids)

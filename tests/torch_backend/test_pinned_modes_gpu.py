@@ -31,8 +31,9 @@ def _setup(seed, layers=4, num_blocks=48):
     for spec in model.kv_caches:
         raw = rng.integers(0, 256, int(np.prod(spec.shape)) * 2, dtype=np.uint8)
         caches.append(torch.from_numpy(raw.view(np.float16).reshape(spec.shape)).cuda())
-    manager = KVLayerGroupsManager(caches, list(model.formats), list(model.engine_group_infos),
-                                   lmcache_tokens_per_chunk=CHUNK)
+    manager = KVLayerGroupsManager(
+        caches, list(model.formats), list(model.engine_group_infos), lmcache_tokens_per_chunk=CHUNK
+    )
     ids = {}
     for k, g in enumerate(manager.kernel_groups):
         n = 3 * manager.calculate_num_blocks(k, CHUNK)
@@ -60,9 +61,12 @@ def test_pinned_load_in_both_modes_matches_the_reference(mode, kw):
     manager, base, ids = _setup(seed=3)
     assert manager.num_object_groups == 2
     rng = np.random.default_rng(4)
-    objects = [torch.from_numpy(rng.integers(0, 256, (3, kc.object_nbytes(manager, g)),
-                                             dtype=np.uint8)).pin_memory()
-               for g in range(manager.num_object_groups)]
+    objects = [
+        torch.from_numpy(
+            rng.integers(0, 256, (3, kc.object_nbytes(manager, g)), dtype=np.uint8)
+        ).pin_memory()
+        for g in range(manager.num_object_groups)
+    ]
     want = _host(base)
     kc.load(manager, _host(objects), want, ids, backend="numpy", **kw)
     for _ in range(2):  # a second call reuses the parked binding and the launch state
@@ -70,8 +74,9 @@ def test_pinned_load_in_both_modes_matches_the_reference(mode, kw):
         kc.load(manager, objects, caches, ids, path="kernel", **kw)
         torch.cuda.synchronize()
         for i, (got, ref) in enumerate(zip(_host(caches), want)):
-            np.testing.assert_array_equal(got.view(np.uint8), ref.view(np.uint8),
-                                          err_msg=f"{name} {kw} cache {i}")
+            np.testing.assert_array_equal(
+                got.view(np.uint8), ref.view(np.uint8), err_msg=f"{name} {kw} cache {i}"
+            )
     assert bool(staged) == (name == "staged")
 
 
@@ -79,13 +84,15 @@ def test_pinned_store_in_both_modes_matches_the_reference(mode):
     name, staged = mode
     manager, caches, ids = _setup(seed=5)
     rng = np.random.default_rng(6)
-    start = [torch.from_numpy(rng.integers(0, 256, (3, kc.object_nbytes(manager, g)),
-                                           dtype=np.uint8)).pin_memory()
-             for g in range(manager.num_object_groups)]
+    start = [
+        torch.from_numpy(
+            rng.integers(0, 256, (3, kc.object_nbytes(manager, g)), dtype=np.uint8)
+        ).pin_memory()
+        for g in range(manager.num_object_groups)
+    ]
     for layers in (None, [1, 3]):
         objects = [o.clone().pin_memory() for o in start]
-        want = kc.store(manager, _host(caches), ids, _host(start), backend="numpy",
-                        layers=layers)
+        want = kc.store(manager, _host(caches), ids, _host(start), backend="numpy", layers=layers)
         kc.store(manager, caches, ids, objects, path="kernel", layers=layers)
         torch.cuda.synchronize()
         for g, (got, ref) in enumerate(zip(_host(objects), want)):

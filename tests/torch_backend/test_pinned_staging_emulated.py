@@ -1,4 +1,5 @@
-"""Pinned host objects through the generic CUDA path (``cuda_execute.execute_checked_plan``: what a call
+"""Pinned host objects through the generic CUDA path (``cuda_execute.execute_checked_plan``: what
+a call
 with objects outside the caches' GPU takes), on CPU tensors with the emulated kernel of
 test_torch_launch_emulated, for both pinned modes. "staged" device buffers come from a
 stand-in of PyTorch's caching allocator, which hands a freed block to the next request of its
@@ -58,9 +59,12 @@ def _setup(name, seed, layers=4, num_blocks=48):
     for spec in model.kv_caches:
         raw = rng.integers(0, 256, int(np.prod(spec.shape)) * 2, dtype=np.uint8)
         caches.append(torch.from_numpy(raw.view(np.float16).reshape(spec.shape)))
-    manager = KVLayerGroupsManager(caches, list(model.formats),
-                                   list(model.engine_group_infos) or None,
-                                   lmcache_tokens_per_chunk=CHUNK)
+    manager = KVLayerGroupsManager(
+        caches,
+        list(model.formats),
+        list(model.engine_group_infos) or None,
+        lmcache_tokens_per_chunk=CHUNK,
+    )
     by_group = {}
     for k, g in enumerate(manager.kernel_groups):
         n = 3 * manager.calculate_num_blocks(k, CHUNK)
@@ -75,15 +79,21 @@ def _as_bytes(t):
 
 @pytest.mark.parametrize("pinned", ["staged", "direct"])
 @pytest.mark.parametrize("kw", [{}, {"skip_first_n_tokens": 80}, {"layers": [0, 2]}])
-def test_pinned_load_of_two_object_groups_matches_the_reference(emulated, caching_allocator,  # noqa: F811
-                                                                  monkeypatch, pinned, kw):
+def test_pinned_load_of_two_object_groups_matches_the_reference(
+    emulated,  # noqa: F811
+    caching_allocator,  # noqa: F811
+    monkeypatch,
+    pinned,
+    kw,
+):
     launches, _ = emulated
     manager, caches, ids = _setup("gpt-oss-20b", seed=3)
     assert manager.num_object_groups == 2  # a staging buffer per object group
     rng = np.random.default_rng(4)
-    objects = [torch.from_numpy(rng.integers(0, 256, (3, kc.object_nbytes(manager, g)),
-                                             dtype=np.uint8))
-               for g in range(manager.num_object_groups)]
+    objects = [
+        torch.from_numpy(rng.integers(0, 256, (3, kc.object_nbytes(manager, g)), dtype=np.uint8))
+        for g in range(manager.num_object_groups)
+    ]
     want = [c.numpy().copy() for c in caches]
     kc.load(manager, [o.numpy().copy() for o in objects], want, ids, backend="numpy", **kw)
     prep = kc.prepare(manager, caches, backend="torch")
@@ -95,11 +105,15 @@ def test_pinned_load_of_two_object_groups_matches_the_reference(emulated, cachin
     monkeypatch.setattr(torch_backend, "cache_device", lambda caches: torch.device("cuda", 0))
     ran = []
     real_enqueue = cuda_execute.execute_checked_plan
-    monkeypatch.setattr(cuda_execute, "execute_checked_plan", lambda *a, **k: ran.append(real_enqueue(*a, **k)))
+    monkeypatch.setattr(
+        cuda_execute, "execute_checked_plan", lambda *a, **k: ran.append(real_enqueue(*a, **k))
+    )
     before = len(launches)
     prep.load(objects, ids, **kw)
     groups = 1 if "layers" in kw else 2  # layers 0 and 2: the sliding group's alone
-    assert ran and len(launches) - before == groups  # execute_checked_plan launched every kernel group
+    assert (
+        ran and len(launches) - before == groups
+    )  # execute_checked_plan launched every kernel group
     assert len(caching_allocator) == (groups if pinned == "staged" else 0)
     for i, (got, ref) in enumerate(zip(caches, want)):
         np.testing.assert_array_equal(_as_bytes(got), ref.view(np.uint8), err_msg=f"cache {i}")

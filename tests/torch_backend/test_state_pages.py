@@ -26,25 +26,34 @@ def _model(device, seed):
     for layer in range(4):
         if layer % 2 == 0:  # a GDN layer: one int8 page, conv then temporal, then padding
             raw = torch.full((NB, PAGE), PAD, dtype=torch.uint8)
-            raw[:, :STATE_BYTES] = torch.randint(0, 256, (NB, STATE_BYTES), dtype=torch.uint8,
-                                                 generator=gen)
+            raw[:, :STATE_BYTES] = torch.randint(
+                0, 256, (NB, STATE_BYTES), dtype=torch.uint8, generator=gen
+            )
             raw = raw.to(device)
-            caches += [raw[:, :CONV_BYTES].view(torch.bfloat16).view(NB, *CONV),
-                       raw[:, CONV_BYTES:STATE_BYTES].view(torch.float32).view(NB, *TEMPORAL)]
+            caches += [
+                raw[:, :CONV_BYTES].view(torch.bfloat16).view(NB, *CONV),
+                raw[:, CONV_BYTES:STATE_BYTES].view(torch.float32).view(NB, *TEMPORAL),
+            ]
             raws.append(raw)
         else:  # attention, vLLM's [blocks, heads, tokens, K|V]
-            bits = torch.randint(-2**15, 2**15, (NB, 2, TPB, 128), dtype=torch.int16,
-                                 generator=gen)
+            bits = torch.randint(
+                -(2**15), 2**15, (NB, 2, TPB, 128), dtype=torch.int16, generator=gen
+            )
             caches.append(bits.view(torch.bfloat16).to(device))
     formats = [F.NL_X_NB_CW_CD, F.NL_X_NB_SH_SS, F.NL_X_NB_NH_BS_CS] * 2
-    return KVLayerGroupsManager(caches, formats, _infos(), lmcache_tokens_per_chunk=CHUNK), \
-        caches, raws
+    return (
+        KVLayerGroupsManager(caches, formats, _infos(), lmcache_tokens_per_chunk=CHUNK),
+        caches,
+        raws,
+    )
 
 
 def _infos():
-    return [EngineGroupInfo(0, (0, 3), TPB, recurrent_state=True),
-            EngineGroupInfo(0, (1, 4), TPB, recurrent_state=True),
-            EngineGroupInfo(1, (2, 5), TPB)]
+    return [
+        EngineGroupInfo(0, (0, 3), TPB, recurrent_state=True),
+        EngineGroupInfo(0, (1, 4), TPB, recurrent_state=True),
+        EngineGroupInfo(1, (2, 5), TPB),
+    ]
 
 
 def _numpy_views(caches):
@@ -72,8 +81,9 @@ def test_state_pages_round_trip_against_the_reference(device):
     attn_bytes = 2 * 2 * (2 * TPB * 128 * 2)  # 2 layers x 2 blocks of [2 heads, TPB, K|V]
     assert [tuple(o.shape) for o in objs] == [(2, 2 * STATE_BYTES), (2, attn_bytes)]
     views = _numpy_views(src)
-    ref_m = KVLayerGroupsManager(views, list(m.engine_kv_formats), _infos(),
-                                 lmcache_tokens_per_chunk=CHUNK)
+    ref_m = KVLayerGroupsManager(
+        views, list(m.engine_kv_formats), _infos(), lmcache_tokens_per_chunk=CHUNK
+    )
     ref = store(ref_m, views, STORE_IDS, backend="numpy")
     for got, want in zip(objs, ref):
         assert np.array_equal(got.cpu().numpy(), want)
@@ -93,8 +103,9 @@ def test_state_pages_round_trip_against_the_reference(device):
         for s, d in zip(STORE_IDS[1], LOAD_IDS[1]):
             assert torch.equal(got[d].view(torch.int16), src[layer].cpu()[s].view(torch.int16))
         untouched = [b for b in range(NB) if b not in LOAD_IDS[1]]
-        assert torch.equal(got[untouched].view(torch.int16),
-                           before_attn[j][untouched].view(torch.int16))
+        assert torch.equal(
+            got[untouched].view(torch.int16), before_attn[j][untouched].view(torch.int16)
+        )
 
 
 @pytest.mark.gpu
@@ -139,8 +150,9 @@ def _real_size_round_trip(device, path):
     host = []
     for spec in model.kv_caches:
         t = torch.empty(spec.shape, dtype=getattr(torch, spec.dtype.name))
-        t.view(torch.uint8).copy_(torch.randint(0, 256, t.view(torch.uint8).shape,
-                                                dtype=torch.uint8, generator=gen))
+        t.view(torch.uint8).copy_(
+            torch.randint(0, 256, t.view(torch.uint8).shape, dtype=torch.uint8, generator=gen)
+        )
         host.append(t)
     caches = [t.to(device) for t in host]
     m = KVLayerGroupsManager(caches, list(model.formats), model.engine_group_infos)
@@ -158,8 +170,10 @@ def _real_size_round_trip(device, path):
     assert len(state) == 6
     for layer in state:  # slot 4 got the last chunk's snapshot (slot 1); nothing else moved
         t, old = caches[layer].cpu(), before[layer]
-        rows = (t.view(torch.uint8).reshape(t.shape[0], -1)
-                != old.view(torch.uint8).reshape(t.shape[0], -1)).any(1)
+        rows = (
+            t.view(torch.uint8).reshape(t.shape[0], -1)
+            != old.view(torch.uint8).reshape(t.shape[0], -1)
+        ).any(1)
         assert torch.nonzero(rows).flatten().tolist() == [4]
         assert torch.equal(t[4].view(torch.uint8), host[layer][1].view(torch.uint8))
 

@@ -17,11 +17,17 @@ def test_registry_finds_this_backend_for_torch_tensors():
     assert desc.framework == "torch" and desc.dtype == kc.DTYPE_MAP["bfloat16"]
 
 
-@pytest.mark.parametrize("dtype,name", [
-    (torch.float8_e4m3fn, "float8_e4m3fn"), (torch.float8_e5m2, "float8_e5m2"),
-    (torch.bfloat16, "bfloat16"), (torch.float16, "float16"), (torch.float32, "float32"),
-    (torch.uint8, "uint8"),
-])
+@pytest.mark.parametrize(
+    "dtype,name",
+    [
+        (torch.float8_e4m3fn, "float8_e4m3fn"),
+        (torch.float8_e5m2, "float8_e5m2"),
+        (torch.bfloat16, "bfloat16"),
+        (torch.float16, "float16"),
+        (torch.float32, "float32"),
+        (torch.uint8, "uint8"),
+    ],
+)
 def test_describe_keeps_the_dtype_fp8_included(dtype, name):
     base = torch.zeros(5, 2, 3, 4, dtype=torch.float32).to(dtype)
     x = base.permute(1, 0, 3, 2)[:, 1:]  # a strided view with a storage offset
@@ -140,4 +146,3 @@ def test_pageable_host_objects_are_rejected_before_any_byte_moves():
     with pytest.raises(KVGroupsValueError, match="pinned"):
         TorchBackend().execute(case.plan, caches, [objects])
     np.testing.assert_array_equal(objects.numpy(), case.objects)
-

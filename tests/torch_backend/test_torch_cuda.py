@@ -50,8 +50,11 @@ def test_out_of_range_device_ids_move_nothing_and_raise_on_check(direction):
     ids = np.random.default_rng(4).permutation(40)[:12]
     ids[[1, 5, 9]] = [40, -1, 2**40]
     bound.run(torch.from_numpy(ids).cuda())
-    with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in \[0, 40\)"
-                                                 r".*got (40|-1|1099511627776)"):
+    with pytest.raises(
+        KVGroupsIndexError,
+        match=r"block_ids\[0\]: expected ids in \[0, 40\)"
+        r".*got (40|-1|1099511627776)",
+    ):
         check_device_errors(caches[0].device)
     _assert(case, caches, objects, ids)
     check_device_errors()  # the flag was cleared
@@ -149,8 +152,9 @@ def test_core_store_and_load_end_to_end_with_pinned_objects():
     from kvgroups_core.transfer.api import load, store
 
     caches = [torch.randn(2, 64, 16, 8, 128, device="cuda").to(torch.bfloat16) for _ in range(4)]
-    manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * 4,
-                                   lmcache_tokens_per_chunk=256)
+    manager = KVLayerGroupsManager(
+        caches, [F.NL_X_TWO_NB_BS_NH_HS] * 4, lmcache_tokens_per_chunk=256
+    )
     ids = torch.randperm(64)[:32]
     objs = store(manager, caches, ids.numpy())
     pinned = [o.cpu().pin_memory() for o in objs]

@@ -33,8 +33,10 @@ def _cuda_ids(ids, dtype=torch.int32):
 
 
 def _empty_objects(manager, num_chunks):
-    return [torch.zeros((num_chunks, kc.object_nbytes(manager, g)), dtype=torch.uint8,
-                        device="cuda") for g in range(manager.num_object_groups)]
+    return [
+        torch.zeros((num_chunks, kc.object_nbytes(manager, g)), dtype=torch.uint8, device="cuda")
+        for g in range(manager.num_object_groups)
+    ]
 
 
 @pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
@@ -117,8 +119,9 @@ def test_back_to_back_launches_see_what_the_kernels_before_them_wrote(mode):
     load write them back at ``b`` at once, with no sync between rounds: each launch must see
     every write of the one before it (caches end as the sequential model says)."""
     num_blocks, chunks, rounds = 512, 16, 12
-    manager, caches = model_caches("llama3-8b", layers=8, num_blocks=num_blocks,
-                                   device="cuda", seed=21)
+    manager, caches = model_caches(
+        "llama3-8b", layers=8, num_blocks=num_blocks, device="cuda", seed=21
+    )
     prep = kc.prepare(manager, caches)
     n = chunks * manager.calculate_num_blocks(0, manager.lmcache_tokens_per_chunk)
     perm = torch.from_numpy(np.random.default_rng(22).permutation(num_blocks)).cuda()
@@ -130,8 +133,7 @@ def test_back_to_back_launches_see_what_the_kernels_before_them_wrote(mode):
 
     def one_round():  # ids from kernels (index and remainder), then the store and the load
         torch.index_select(perm, 0, torch.remainder(positions + shift, num_blocks), out=ids_a)
-        torch.index_select(perm, 0, torch.remainder(positions + shift + n, num_blocks),
-                           out=ids_b)
+        torch.index_select(perm, 0, torch.remainder(positions + shift + n, num_blocks), out=ids_b)
         prep.store(ids_a, objects)
         prep.load(objects, ids_b)
 
@@ -145,8 +147,7 @@ def test_back_to_back_launches_see_what_the_kernels_before_them_wrote(mode):
             one_round()
         torch.cuda.current_stream().wait_stream(side)
         torch.cuda.synchronize()
-        model = [c.view(torch.uint8).view(2, num_blocks, -1).cpu().numpy().copy()
-                 for c in caches]
+        model = [c.view(torch.uint8).view(2, num_blocks, -1).cpu().numpy().copy() for c in caches]
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             one_round()
@@ -181,8 +182,12 @@ def test_out_of_range_device_ids_write_nothing_and_raise_at_the_check(direction)
     assert isinstance(info.value, IndexError)
     kvgroups_torch.check_errors()  # cleared
     want_caches, want_objects, met = reference_with_drops(
-        manager, before_caches_as(caches, before_caches), before_objects_as(before_objects),
-        bad, direction)
+        manager,
+        before_caches_as(caches, before_caches),
+        before_objects_as(before_objects),
+        bad,
+        direction,
+    )
     assert met == {48, -3}
     for got, want in zip(object_bytes(objects), want_objects):
         np.testing.assert_array_equal(got, want)

@@ -25,8 +25,11 @@ def _tensor_ids(ids):
 
 def _layer_rows(manager, layer):
     """``(kernel group, position)`` of every kernel group holding ``layer``."""
-    return [(k, list(g.layer_indices).index(layer)) for k, g in enumerate(manager.kernel_groups)
-            if layer in g.layer_indices]
+    return [
+        (k, list(g.layer_indices).index(layer))
+        for k, g in enumerate(manager.kernel_groups)
+        if layer in g.layer_indices
+    ]
 
 
 def _with_layer_from(manager, base, source, layer):
@@ -34,8 +37,11 @@ def _with_layer_from(manager, base, source, layer):
     ``source``: what a store of that one layer into ``base`` must give."""
     out = [b.copy() for b in base]
     for k, pos in _layer_rows(manager, layer):
-        og = next(i for i in range(manager.num_object_groups)
-                  if k in manager.object_groups[i].kernel_group_indices)
+        og = next(
+            i
+            for i in range(manager.num_object_groups)
+            if k in manager.object_groups[i].kernel_group_indices
+        )
         want = region_view(manager, out[og], k)
         got = region_view(manager, source[og], k)
         want[:, :, pos] = got[:, :, pos]
@@ -92,6 +98,7 @@ def _counting(backend, compiles):
         from torch._dynamo.backends.registry import lookup_backend
 
         return lookup_backend(backend)(gm, example_inputs)
+
     return compile_fn
 
 
@@ -102,6 +109,7 @@ def _step(manager):
         whole = kc.store(manager, caches, ids)
         prepared.load(loaded, ids, layers=[0])
         return whole
+
     return step
 
 
@@ -123,8 +131,10 @@ def test_compiled_public_calls_equal_eager_and_reuse_the_graph_for_new_ids(backe
         want_objects = [o.clone() for o in got_objects]
         got = compiled(prep, caches, ids, got_objects, loaded, torch.tensor(skip))
         want = step(twin_prep, twin, ids, want_objects, [o.clone() for o in loaded], skip)
-        for a, b in zip(object_bytes(got) + object_bytes(got_objects),
-                        object_bytes(want) + object_bytes(want_objects)):
+        for a, b in zip(
+            object_bytes(got) + object_bytes(got_objects),
+            object_bytes(want) + object_bytes(want_objects),
+        ):
             np.testing.assert_array_equal(a, b)
         for a, b in zip(cache_bytes(caches), cache_bytes(twin)):
             np.testing.assert_array_equal(a, b)
@@ -170,10 +180,11 @@ def test_compiled_calls_refused_at_trace_time_keep_the_typed_error(case, fullgra
     torch._dynamo.reset()
     manager, caches = model_caches("llama3-8b", seed=14)
     prep = kc.prepare(manager, caches)
-    ids, kw, error = {"float ids": (torch.arange(8.0), {}, kc.KVGroupsTypeError),
-                      "2-D ids": (torch.arange(8).reshape(2, 4), {}, kc.KVGroupsTypeError),
-                      "unknown path": (torch.arange(8), {"path": "bogus"},
-                                       kc.KVGroupsValueError)}[case]
+    ids, kw, error = {
+        "float ids": (torch.arange(8.0), {}, kc.KVGroupsTypeError),
+        "2-D ids": (torch.arange(8).reshape(2, 4), {}, kc.KVGroupsTypeError),
+        "unknown path": (torch.arange(8), {"path": "bogus"}, kc.KVGroupsValueError),
+    }[case]
     objects = random_objects(manager, 2, seed=15)
     before = object_bytes(objects)
 
@@ -205,8 +216,7 @@ def test_compile_plans_at_trace_time_without_reading_data():
 
 
 @pytest.mark.parametrize("device", ["cpu", "cuda"])
-def test_nonstrict_traced_calls_on_fakes_record_ops_without_the_compiling_flag(monkeypatch,
-                                                                                device):
+def test_nonstrict_traced_calls_on_fakes_record_ops_without_the_compiling_flag(monkeypatch, device):
     # Dynamo runs the nonstrict-traced public calls on fake tensors with
     # torch.compiler.is_compiling() unset (torch 2.11): fakes must still be recognised as
     # such (no .numpy(), no launch) and recorded as one custom op per call. Fake CUDA tensors
@@ -228,8 +238,9 @@ def test_nonstrict_traced_calls_on_fakes_record_ops_without_the_compiling_flag(m
         skip = torch.empty((), dtype=torch.int64, device=device)
         assert compiled._traced_store(manager, fakes, ids, {"objects": objects}) == []
         made = compiled._traced_store(manager, fakes, ids, {"layers": [1]})
-        assert compiled._traced_load(manager, objects, fakes, ids,
-                                     {"skip_first_n_tokens": skip}) == []
+        assert (
+            compiled._traced_load(manager, objects, fakes, ids, {"skip_first_n_tokens": skip}) == []
+        )
     assert type(made) is list and [tuple(t.shape) for t in made] == [(2, n) for n in nbytes]
     assert [kind for kind, _ in recorded] == ["store", "store", "load"]
     store_ids, load_args = recorded[0][1][3], recorded[2][1]

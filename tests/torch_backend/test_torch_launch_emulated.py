@@ -81,8 +81,10 @@ def _page_addresses(p, r, plane, chunk, pos, bid) -> tuple[int, int]:
         obj = int(_read(p.obj_table + 8 * chunk, 8).view(np.uint64)[0])
     else:
         obj = p.inline_objs[chunk]
-    return (base + bid * p.block_stride + r.cache_offset,
-            obj + p.region_offset + plane_off + pos * p.page_obj_stride + r.obj_offset)
+    return (
+        base + bid * p.block_stride + r.cache_offset,
+        obj + p.region_offset + plane_off + pos * p.page_obj_stride + r.obj_offset,
+    )
 
 
 def _copy_page(p, kind, vec, store, r, plane, chunk, pos, bid):
@@ -222,13 +224,22 @@ def emulated(request, monkeypatch):
 
 
 def _run(case, offset_elems=0, per_chunk=False, ids=None):
-    caches = [as_tensor(c, case.dtype, "cpu", offset_elems * case.caches[0].itemsize
-                        * (2 if case.dtype in ("float16", "bfloat16") else 1))
-              for c in case.caches]
+    caches = [
+        as_tensor(
+            c,
+            case.dtype,
+            "cpu",
+            offset_elems
+            * case.caches[0].itemsize
+            * (2 if case.dtype in ("float16", "bfloat16") else 1),
+        )
+        for c in case.caches
+    ]
     objects = torch.from_numpy(case.objects.copy())
     entry = [row.clone() for row in objects] if per_chunk else objects
-    cuda_execute.execute_plan(case.plan, caches, [entry], 0,
-                       block_ids=None if ids is None else [ids])
+    cuda_execute.execute_plan(
+        case.plan, caches, [entry], 0, block_ids=None if ids is None else [ids]
+    )
     got = np.stack([o.numpy() for o in entry]) if per_chunk else objects.numpy()
     return [as_bytes(c) for c in caches], got
 
@@ -245,26 +256,51 @@ def _check(case, **kw):
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_emulated_kernel_matches_the_page_model(emulated, layout, direction):
     rng = np.random.default_rng(len(layout) * 3 + len(direction))
-    _check(make_case(layout, "uint8" if layout == "indexer" else "float16", direction, rng,
-                     nb=12, bs=2, hs=8, num_chunks=2, bpc=3, kept=2,
-                     first_item=1 if direction == "load" else 0))
+    _check(
+        make_case(
+            layout,
+            "uint8" if layout == "indexer" else "float16",
+            direction,
+            rng,
+            nb=12,
+            bs=2,
+            hs=8,
+            num_chunks=2,
+            bpc=3,
+            kept=2,
+            first_item=1 if direction == "load" else 0,
+        )
+    )
     launches, _ = emulated
     name = launches[-1][0]
     assert ("contig" in name or "warp" in name) == (
-        layout in ("nhd", "nhd_padded", "cross_layer", "mla"))
+        layout in ("nhd", "nhd_padded", "cross_layer", "mla")
+    )
 
 
 def test_vector_width_follows_addresses_and_offsets(emulated):
     launches, _ = emulated
     rng = np.random.default_rng(1)
-    _check(make_case("nhd", "float32", "store", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,
-                     kept=2))
+    _check(make_case("nhd", "float32", "store", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2, kept=2))
     from kvgroups_cuda import geometry
 
     warp = geometry.WARP_MIN_PAGE_BYTES > 0
     assert launches[-1][0] == ("kvg_store_v16_warp" if warp else "kvg_store_v16_contig")
-    _check(make_case("hnd", "float16", "load", rng, nb=8, bs=2, hs=8, num_chunks=1, bpc=2,
-                     kept=2, region_pad=6))
+    _check(
+        make_case(
+            "hnd",
+            "float16",
+            "load",
+            rng,
+            nb=8,
+            bs=2,
+            hs=8,
+            num_chunks=1,
+            bpc=2,
+            kept=2,
+            region_pad=6,
+        )
+    )
     assert launches[-1][0] == "kvg_load_v2_runs"
     _check(make_case("indexer", "uint8", "store", rng, nb=8, bs=2, num_chunks=1, bpc=2, kept=2))
     assert launches[-1][0] == "kvg_store_v4_runs"
@@ -272,16 +308,34 @@ def test_vector_width_follows_addresses_and_offsets(emulated):
 
 def test_emulated_per_chunk_objects_inline_and_on_the_device(emulated):
     rng = np.random.default_rng(2)
-    _check(make_case("hnd", "bfloat16", "store", rng, nb=8, bs=2, hs=8, num_chunks=3, bpc=2,
-                     kept=2), per_chunk=True)
-    _check(make_case("nhd", "bfloat16", "load", rng, nb=300, bs=1, nh=1, hs=8, num_chunks=70,
-                     bpc=2, kept=2), per_chunk=True)
+    _check(
+        make_case("hnd", "bfloat16", "store", rng, nb=8, bs=2, hs=8, num_chunks=3, bpc=2, kept=2),
+        per_chunk=True,
+    )
+    _check(
+        make_case(
+            "nhd", "bfloat16", "load", rng, nb=300, bs=1, nh=1, hs=8, num_chunks=70, bpc=2, kept=2
+        ),
+        per_chunk=True,
+    )
 
 
 def test_emulated_ids_beyond_the_inline_capacity(emulated):
     rng = np.random.default_rng(4)
-    case = make_case("nhd", "uint8", "store", rng, nb=1200, bs=1, nh=1, hs=16, nl=1,
-                     num_chunks=130, bpc=5, kept=5)
+    case = make_case(
+        "nhd",
+        "uint8",
+        "store",
+        rng,
+        nb=1200,
+        bs=1,
+        nh=1,
+        hs=16,
+        nl=1,
+        num_chunks=130,
+        bpc=5,
+        kept=5,
+    )
     _check(case)
 
 
@@ -289,8 +343,7 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
     _, device = emulated
     device.err_record.zero_()
     rng = np.random.default_rng(9)
-    case = make_case("hnd", "float16", "load", rng, nb=8, bs=2, hs=8, num_chunks=2, bpc=3,
-                     kept=3)
+    case = make_case("hnd", "float16", "load", rng, nb=8, bs=2, hs=8, num_chunks=2, bpc=3, kept=3)
     bad = np.array([2, 8, -1, 5, 2**31 + 3, 7], dtype=np.int64)
     want_caches, _ = oracle(case, ids=bad)
     got_caches, _ = _run(case, ids=bad)
@@ -331,9 +384,12 @@ def _pair(name, seed, chunk=64):
     from kvgroups_core.grouping.manager import KVLayerGroupsManager
 
     model, caches = _model_caches(name, np.random.default_rng(seed))
-    manager = KVLayerGroupsManager(caches, list(model.formats),
-                                   list(model.engine_group_infos) or None,
-                                   lmcache_tokens_per_chunk=chunk)
+    manager = KVLayerGroupsManager(
+        caches,
+        list(model.formats),
+        list(model.engine_group_infos) or None,
+        lmcache_tokens_per_chunk=chunk,
+    )
     twin = [c.clone() for c in caches]
     from kvgroups_core.transfer.api import prepare
 
@@ -357,14 +413,17 @@ def test_prepared_calls_through_device_caches_match_the_cpu_path(emulated, name)
         num_chunks = 1 + step % 2
         ids = _ids_for(manager, rng, num_chunks)
         before = len(launches)
-        got = fast.store(ids, [torch.zeros((num_chunks, n), dtype=torch.uint8)
-                               for n in fast.binding.object_nbytes])
+        got = fast.store(
+            ids,
+            [torch.zeros((num_chunks, n), dtype=torch.uint8) for n in fast.binding.object_nbytes],
+        )
         assert len(launches) > before  # the device path ran, not the CPU fallback
         want = ref.store(ids)
         for a, b in zip(got, want):
             np.testing.assert_array_equal(a.numpy(), b.numpy())
-        objects = [torch.from_numpy(rng.integers(0, 256, tuple(o.shape), dtype=np.uint8))
-                   for o in got]
+        objects = [
+            torch.from_numpy(rng.integers(0, 256, tuple(o.shape), dtype=np.uint8)) for o in got
+        ]
         skip = 16 * step
         fast.load(objects, ids, skip_first_n_tokens=skip)
         ref.load([o.clone() for o in objects], ids, skip_first_n_tokens=skip)
@@ -384,26 +443,44 @@ def test_prepared_fast_path_rejects_bad_input_before_any_launch(emulated):
     snapshot = [as_bytes(c).copy() for c in fast.kv_caches]
     before = len(launches)
     bad_calls = [
-        (KVGroupsValueError, "objects\\[0\\]: expected uint8 \\[1,",
-         lambda: fast.load([torch.zeros((1, nbytes + 2), dtype=torch.uint8)], ids)),
-        (KVGroupsValueError, "objects\\[0\\]: expected uint8",
-         lambda: fast.load([torch.zeros((1, nbytes // 2), dtype=torch.int16)], ids)),
-        (KVGroupsValueError, "contiguous rows",
-         lambda: fast.load([torch.zeros((1, 2 * nbytes), dtype=torch.uint8)[:, ::2]], ids)),
-        (KVGroupsValueError, "objects: expected 1 entries",
-         lambda: fast.load([good, good.clone()], ids)),
-        (KVGroupsTypeError, "objects: expected a list",
-         lambda: fast.load(good, ids)),
-        (KVGroupsIndexError, "expected ids in \\[0, 12\\)",
-         lambda: fast.load([good], np.array([0, 1, 12, 3]))),
-        (KVGroupsIndexError, "got -1",
-         lambda: fast.load([good], np.array([0, 1, -1, 3]))),
-        (KVGroupsValueError, "multiple of 4",
-         lambda: fast.load([good], np.arange(5))),
-        (KVGroupsTypeError, "block_ids: expected a 1-D sequence of ints",
-         lambda: fast.load([good], np.arange(4.0))),
-        (KVGroupsValueError, "skip_first_n_tokens",
-         lambda: fast.load([good], ids, skip_first_n_tokens=65)),
+        (
+            KVGroupsValueError,
+            "objects\\[0\\]: expected uint8 \\[1,",
+            lambda: fast.load([torch.zeros((1, nbytes + 2), dtype=torch.uint8)], ids),
+        ),
+        (
+            KVGroupsValueError,
+            "objects\\[0\\]: expected uint8",
+            lambda: fast.load([torch.zeros((1, nbytes // 2), dtype=torch.int16)], ids),
+        ),
+        (
+            KVGroupsValueError,
+            "contiguous rows",
+            lambda: fast.load([torch.zeros((1, 2 * nbytes), dtype=torch.uint8)[:, ::2]], ids),
+        ),
+        (
+            KVGroupsValueError,
+            "objects: expected 1 entries",
+            lambda: fast.load([good, good.clone()], ids),
+        ),
+        (KVGroupsTypeError, "objects: expected a list", lambda: fast.load(good, ids)),
+        (
+            KVGroupsIndexError,
+            "expected ids in \\[0, 12\\)",
+            lambda: fast.load([good], np.array([0, 1, 12, 3])),
+        ),
+        (KVGroupsIndexError, "got -1", lambda: fast.load([good], np.array([0, 1, -1, 3]))),
+        (KVGroupsValueError, "multiple of 4", lambda: fast.load([good], np.arange(5))),
+        (
+            KVGroupsTypeError,
+            "block_ids: expected a 1-D sequence of ints",
+            lambda: fast.load([good], np.arange(4.0)),
+        ),
+        (
+            KVGroupsValueError,
+            "skip_first_n_tokens",
+            lambda: fast.load([good], ids, skip_first_n_tokens=65),
+        ),
     ]
     for error, text, call in bad_calls:
         with pytest.raises(error, match=text):
@@ -434,8 +511,7 @@ def test_bound_plan_eager_run_goes_through_device_caches(emulated, monkeypatch):
     launches, _ = emulated
     monkeypatch.setattr(bound_plan, "cache_device", lambda caches: torch.device("cuda", 0))
     rng = np.random.default_rng(15)
-    case = make_case("hnd", "float16", "store", rng, nb=8, bs=2, hs=8, num_chunks=2, bpc=2,
-                     kept=2)
+    case = make_case("hnd", "float16", "store", rng, nb=8, bs=2, hs=8, num_chunks=2, bpc=2, kept=2)
     caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
     bound = BoundPlan(case.plan, caches, [objects], pinned="direct")
@@ -458,8 +534,18 @@ def test_entry_points_that_bypass_the_core_apply_its_object_rule(emulated, monke
 
     launches, _ = emulated
     monkeypatch.setattr(bound_plan, "cache_device", lambda caches: torch.device("cuda", 0))
-    case = make_case("hnd", "float16", "store", np.random.default_rng(16), nb=8, bs=2, hs=8,
-                     num_chunks=2, bpc=2, kept=2)
+    case = make_case(
+        "hnd",
+        "float16",
+        "store",
+        np.random.default_rng(16),
+        nb=8,
+        bs=2,
+        hs=8,
+        num_chunks=2,
+        bpc=2,
+        kept=2,
+    )
     caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
     rows, nbytes = case.objects.shape
     wide = torch.zeros((rows, 2 * nbytes), dtype=torch.uint8)
@@ -526,8 +612,9 @@ def test_emulated_device_ids_drop_bad_items_and_record_the_first_bad_value(devic
     bad[[3, 6]] = [12, -5]
     for direction in ("store", "load"):
         objects = random_objects(manager, 2, seed=23)
-        want_caches, want_objects, met = reference_with_drops(manager, fast.kv_caches, objects,
-                                                              bad, direction)
+        want_caches, want_objects, met = reference_with_drops(
+            manager, fast.kv_caches, objects, bad, direction
+        )
         ids = torch.from_numpy(bad.astype(np.int32))
         before = len(launches)
         if direction == "store":
@@ -541,8 +628,11 @@ def test_emulated_device_ids_drop_bad_items_and_record_the_first_bad_value(devic
             np.testing.assert_array_equal(got, want)
         rec = device.err_record.tolist()
         assert rec[0] == 1 and rec[1] == 12 and rec[4] == 12 and rec[5] == 2
-        with pytest.raises(KVGroupsIndexError, match=r"block_ids\[0\]: expected ids in "
-                                                     r"\[0, 12\).*got 12"):
+        with pytest.raises(
+            KVGroupsIndexError,
+            match=r"block_ids\[0\]: expected ids in "
+            r"\[0, 12\).*got 12",
+        ):
             cuda_device.raise_recorded(device.err_record, "cuda:0")
         assert device.err_record.tolist() == [0] * P.ERR_WORDS  # cleared by the check
 
@@ -554,8 +644,11 @@ def test_emulated_device_skip_matches_the_host_skip(device_ids, name):
     manager, fast, ref = _pair(name, 24)
     rng = np.random.default_rng(25)
     ids = _ids_for(manager, rng, 2)
-    dev_ids = {g: torch.from_numpy(v) for g, v in ids.items()} if isinstance(ids, dict) \
+    dev_ids = (
+        {g: torch.from_numpy(v) for g, v in ids.items()}
+        if isinstance(ids, dict)
         else torch.from_numpy(ids)
+    )
     skip = torch.zeros((), dtype=torch.int64)
     for tokens in (0, 16, 48, 64, 80, 128):
         objects = random_objects(manager, 2, seed=tokens)
@@ -584,15 +677,16 @@ def test_emulated_device_skip_out_of_range_is_clamped_and_recorded(device_ids):
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
-def test_emulated_layer_subset_is_one_launch_per_kernel_group_at_its_object_rows(emulated,
-                                                                                  name):
+def test_emulated_layer_subset_is_one_launch_per_kernel_group_at_its_object_rows(emulated, name):
     launches, _ = emulated
     manager, fast, ref = _pair(name, 28)
     ids = _ids_for(manager, np.random.default_rng(29), 2)
     for layer in range(2):
         groups = [k for k, g in enumerate(manager.kernel_groups) if layer in g.layer_indices]
-        objects = [torch.from_numpy(np.random.default_rng(layer).integers(
-            0, 256, (2, n), dtype=np.uint8)) for n in fast.binding.object_nbytes]
+        objects = [
+            torch.from_numpy(np.random.default_rng(layer).integers(0, 256, (2, n), dtype=np.uint8))
+            for n in fast.binding.object_nbytes
+        ]
         want = ref.store(ids, [o.clone() for o in objects], layers=[layer])
         before = len(launches)
         fast.store(ids, objects, layers=[layer])
@@ -625,16 +719,22 @@ def test_emulated_interleaved_layer_calls_rewrite_what_changed(device_ids):
     manager, fast, ref = _pair("llama3-8b", 31)
     rng = np.random.default_rng(32)
     ids = {n: _ids_for(manager, rng, n) for n in (1, 2)}
-    buffers = {n: [[torch.zeros((n, b), dtype=torch.uint8) for b in fast.binding.object_nbytes]
-                   for _ in range(2)] for n in (1, 2)}
+    buffers = {
+        n: [
+            [torch.zeros((n, b), dtype=torch.uint8) for b in fast.binding.object_nbytes]
+            for _ in range(2)
+        ]
+        for n in (1, 2)
+    }
     for call in range(12):
         n, layer, which = 1 + call % 2, (call // 2) % 2, (call // 3) % 2
         objects = buffers[n][which]
         for o in objects:
             o.zero_()
         before = len(launches)
-        fast.store(torch.from_numpy(ids[n]), objects, layers=[layer],
-                   max_ctas=None if call % 4 else 1)
+        fast.store(
+            torch.from_numpy(ids[n]), objects, layers=[layer], max_ctas=None if call % 4 else 1
+        )
         assert len(launches) == before + 1
         want = ref.store(ids[n], [o.clone() for o in objects], layers=[layer])
         for got, w in zip(object_bytes(objects), object_bytes(want)):
@@ -652,9 +752,22 @@ def test_emulated_warp_kernel_covers_partial_segments_and_capped_grids(emulated)
     for hs in (segment // 256, segment // 32, 3 * segment // 64):  # float32 NHD rows: block
         # of 2 tokens x 4 heads x hs words, so a page is 32 * hs bytes
         for direction in ("store", "load"):
-            _check(make_case("nhd", "float32", direction, rng, nb=10, bs=2, nh=4, hs=hs,
-                             num_chunks=2, bpc=3, kept=3 if direction == "store" else 2),
-                   per_chunk=True)  # one allocation per chunk: 16-byte aligned objects
+            _check(
+                make_case(
+                    "nhd",
+                    "float32",
+                    direction,
+                    rng,
+                    nb=10,
+                    bs=2,
+                    nh=4,
+                    hs=hs,
+                    num_chunks=2,
+                    bpc=3,
+                    kept=3 if direction == "store" else 2,
+                ),
+                per_chunk=True,
+            )  # one allocation per chunk: 16-byte aligned objects
             name = launches[-1][0]
             assert name.endswith("_warp") == (geometry.WARP_MIN_PAGE_BYTES > 0), name
             if name.endswith("_warp"):
@@ -670,11 +783,27 @@ def test_warp_selection_and_sizing():
     from kvgroups_cuda import geometry
 
     rng = np.random.default_rng(5)
-    nhd = geometry.group_shape(make_case("nhd", "float32", "store", rng, nb=8, bs=16, nh=8,
-                                         hs=64, num_chunks=1, bpc=2, kept=2).plan.groups[0])
+    nhd = geometry.group_shape(
+        make_case(
+            "nhd", "float32", "store", rng, nb=8, bs=16, nh=8, hs=64, num_chunks=1, bpc=2, kept=2
+        ).plan.groups[0]
+    )
     assert nhd.contiguous and nhd.page_bytes == 32768
-    hnd = geometry.group_shape(make_case("hnd", "float16", "store", rng, nb=8, bs=2, hs=8,
-                                         num_chunks=1, bpc=2, kept=2, region_pad=6).plan.groups[0])
+    hnd = geometry.group_shape(
+        make_case(
+            "hnd",
+            "float16",
+            "store",
+            rng,
+            nb=8,
+            bs=2,
+            hs=8,
+            num_chunks=1,
+            bpc=2,
+            kept=2,
+            region_pad=6,
+        ).plan.groups[0]
+    )
     assert geometry.uses_warp_kernel(nhd)
     assert not geometry.uses_warp_kernel(hnd)
     assert not geometry.uses_warp_kernel(replace(nhd, page_bytes=geometry.WARP_MIN_PAGE_BYTES - 16))

@@ -92,16 +92,22 @@ def test_every_entry_point_waits_for_the_kernel_before_it():
     assert len(bodies) == src.count("__global__") >= 3  # the classic macro, two warp kernels
     assert set(bodies) == {"kvg_wait_for_prior_grid();", "kvg_warp_prefetch_store_source(p);"}
     assert src.count("kvg_warp_prefetch_store_source(p);") == 1
-    helper = src[src.index("void kvg_wait_for_prior_grid()"):]
+    helper = src[src.index("void kvg_wait_for_prior_grid()") :]
     helper = helper[: helper.index("\n}\n")]
     assert "__CUDA_ARCH__ >= 900" in helper and 'asm volatile("griddepcontrol.wait;"' in helper
     assert "launch_dependents" not in helper
-    triggered = re.findall(r"(kvg_\w+)\(const __grid_constant__ KvgParams p\) \{\s*"
-                           r"(?:kvg_warp_prefetch_store_source\(p\);\s*)?"
-                           r"kvg_wait_for_prior_grid\(\);\s*kvg_let_next_grid_start\(\);", src)
+    triggered = re.findall(
+        r"(kvg_\w+)\(const __grid_constant__ KvgParams p\) \{\s*"
+        r"(?:kvg_warp_prefetch_store_source\(p\);\s*)?"
+        r"kvg_wait_for_prior_grid\(\);\s*kvg_let_next_grid_start\(\);",
+        src,
+    )
     assert sorted(triggered) == ["kvg_load_v16_warp", "kvg_store_v16_warp"]
-    prefetched = re.findall(r"(kvg_\w+)\(const __grid_constant__ KvgParams p\) \{\s*"
-                            r"kvg_warp_prefetch_store_source\(p\);", src)
+    prefetched = re.findall(
+        r"(kvg_\w+)\(const __grid_constant__ KvgParams p\) \{\s*"
+        r"kvg_warp_prefetch_store_source\(p\);",
+        src,
+    )
     assert prefetched == ["kvg_store_v16_warp"]
     assert src.count("kvg_let_next_grid_start();") == 2
 
@@ -112,13 +118,17 @@ def test_the_prefetch_before_the_wait_only_reads_through_l2_and_prefetches():
     src = nvrtc.kernel_source()
     parts = []
     for name in ("kvg_load_id_l2", "kvg_warp_prefetch_store_source"):
-        body = src[src.index(f"{name}(const KvgParams& p"):]
+        body = src[src.index(f"{name}(const KvgParams& p") :]
         parts.append(body[: body.index("\n}\n")])
     helpers = "\n".join(parts)
     instructions = re.findall(r'asm(?: volatile)?\("([A-Za-z.:0-9]+)', helpers)
     assert instructions and set(instructions) <= {
-        "ld.global.cg.s32", "ld.global.cg.s64", "ld.global.cg.u64", "mov.u32",
-        "cp.async.bulk.prefetch.L2.global"}
+        "ld.global.cg.s32",
+        "ld.global.cg.s64",
+        "ld.global.cg.u64",
+        "mov.u32",
+        "cp.async.bulk.prefetch.L2.global",
+    }
     assert "kvg_load_id(" not in helpers and "kvg_object(" not in helpers
     assert "kvg_report" not in helpers and "kvg_st" not in helpers
     assert re.search(r"if \(id < 0 \|\| id >= p\.num_blocks\) return;", helpers)

@@ -44,8 +44,12 @@ def _objects_tensor(impl, raw, per_chunk=False):
         t = t.to("cuda")
     if per_chunk:
         # Separate buffers, deliberately not adjacent: each inside its own larger allocation.
-        return [torch.cat([torch.zeros(5, dtype=torch.uint8, device=t.device), row])[5:]
-                .clone() if not t.is_pinned() else row.clone().pin_memory() for row in t]
+        return [
+            torch.cat([torch.zeros(5, dtype=torch.uint8, device=t.device), row])[5:].clone()
+            if not t.is_pinned()
+            else row.clone().pin_memory()
+            for row in t
+        ]
     return t
 
 
@@ -57,8 +61,9 @@ def run_case(impl, case, *, offset_elems=0, per_chunk=False):
     _execute(impl, case.plan, caches, [objects])
     if device == "cuda":
         torch.cuda.synchronize()
-    got_objects = (np.stack([o.cpu().numpy() for o in objects]) if per_chunk
-                   else objects.cpu().numpy())
+    got_objects = (
+        np.stack([o.cpu().numpy() for o in objects]) if per_chunk else objects.cpu().numpy()
+    )
     return [as_bytes(c) for c in caches], got_objects
 
 
@@ -119,8 +124,10 @@ def test_objects_as_separate_per_chunk_buffers(impl, direction):
 def test_block_sizes(impl, bs):
     rng = np.random.default_rng(bs)
     for layout in ("nhd", "hnd", "heads_outer"):
-        assert_case(impl, make_case(layout, "bfloat16", "store", rng, bs=bs, nb=20,
-                                    num_chunks=2, bpc=3, kept=3))
+        assert_case(
+            impl,
+            make_case(layout, "bfloat16", "store", rng, bs=bs, nb=20, num_chunks=2, bpc=3, kept=3),
+        )
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -128,8 +135,20 @@ def test_many_chunks_and_large_pages(impl):
     # More than 64 chunks (object table on the device for per-chunk buffers) and more ids
     # than fit in the launch parameters.
     rng = np.random.default_rng(3)
-    case = make_case("nhd", "bfloat16", "store", rng, nl=2, nb=700, bs=2, nh=4, hs=64,
-                     num_chunks=130, bpc=5, kept=4)
+    case = make_case(
+        "nhd",
+        "bfloat16",
+        "store",
+        rng,
+        nl=2,
+        nb=700,
+        bs=2,
+        nh=4,
+        hs=64,
+        num_chunks=130,
+        bpc=5,
+        kept=4,
+    )
     assert_case(impl, case)
     assert_case(impl, case, per_chunk=True)
 
@@ -138,8 +157,15 @@ def test_many_chunks_and_large_pages(impl):
 def test_oracle_agrees_with_the_core_reference(layout):
     rng = np.random.default_rng(21)
     for direction in ("store", "load"):
-        case = make_case(layout, "uint8" if layout == "indexer" else "bfloat16", direction, rng,
-                         bpc=4, kept=3, first_item=1 if direction == "load" else 0)
+        case = make_case(
+            layout,
+            "uint8" if layout == "indexer" else "bfloat16",
+            direction,
+            rng,
+            bpc=4,
+            kept=3,
+            first_item=1 if direction == "load" else 0,
+        )
         want_caches, want_objects = oracle(case)
         caches = [c.copy() for c in case.caches]
         objects = case.objects.copy()

@@ -21,8 +21,10 @@ from tests.support.tp_models import (
 )
 
 torch = pytest.importorskip("torch")
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU"),
+]
 
 
 def cuda(structure):
@@ -36,8 +38,9 @@ def host(xs):
 
 
 @pytest.mark.parametrize("store_tp,load_tp", [(2, 4), (4, 1), (1, 8), (8, 2)])
-@pytest.mark.parametrize("model_name", ["mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer",
-                                        "sglang-kv-list"])
+@pytest.mark.parametrize(
+    "model_name", ["mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer", "sglang-kv-list"]
+)
 def test_cuda_rank_stores_merge_on_device_and_splits_load(model_name, store_tp, load_tp):
     model = MODELS[model_name]
     rng = np.random.default_rng(store_tp + 10 * load_tp)
@@ -67,8 +70,10 @@ def test_cuda_ranks_store_into_one_pinned_host_buffer(tp):
     ids = block_ids(model, 3, rng)
     shards = [cuda(shard_caches(model, full, r, tp)) for r in range(tp)]
     managers = [manager(model, shards[r], r, tp, object_layout="tp_native") for r in range(tp)]
-    shared = [torch.zeros((3, object_nbytes(managers[0], og)), dtype=torch.uint8).pin_memory()
-              for og in range(managers[0].num_object_groups)]
+    shared = [
+        torch.zeros((3, object_nbytes(managers[0], og)), dtype=torch.uint8).pin_memory()
+        for og in range(managers[0].num_object_groups)
+    ]
     for m, caches in zip(managers, shards):
         store(m, caches, ids, shared)
     torch.cuda.synchronize()

@@ -25,13 +25,23 @@ WORKER = HERE / "tp_gloo_worker.py"
 
 def execute_group(world: int, out: Path, canonical_in: Path | None = None) -> list[dict]:
     out.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends")]),
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "backends")]),
+        OMP_NUM_THREADS="1",
+    )
     init = out / "init"
     args = [str(init), str(out)] + ([str(canonical_in)] if canonical_in else [])
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(r), str(world), *args], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(r), str(world), *args],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(world)
+    ]
     logs = []
     for p in procs:
         try:
@@ -97,7 +107,6 @@ def test_check_same_grouping_needs_an_initialised_process_group():
 
     if dist.is_initialized():
         pytest.fail("this test process must not hold a process group")
-    m = KVLayerGroupsManager([TensorSpec((2, 8, 16, 2, 32), "float16")],
-                             F.NL_X_TWO_NB_BS_NH_HS)
+    m = KVLayerGroupsManager([TensorSpec((2, 8, 16, 2, 32), "float16")], F.NL_X_TWO_NB_BS_NH_HS)
     with pytest.raises(KVGroupsValueError, match="init_process_group"):
         check_same_grouping(m)

@@ -56,10 +56,12 @@ def test_merge_and_split_trace_under_jit(layout):
     if layout == "tp_native":
         objects = [split_canonical(managers[0], canonical)] * 4  # the one shared object
     merged = jax.jit(lambda objs: merge_shards(managers, objs))(
-        [[jnp.asarray(o) for o in objs] for objs in objects])
+        [[jnp.asarray(o) for o in objs] for objs in objects]
+    )
     assert_same_bytes(merged, canonical)
     split = jax.jit(lambda objs: split_canonical(managers[2], objs))(
-        [jnp.asarray(c) for c in canonical])
+        [jnp.asarray(c) for c in canonical]
+    )
     assert_same_bytes(split, [np.asarray(x) for x in objects[2]])
 
 
@@ -71,8 +73,10 @@ def test_jax_backend_stores_shards_that_merge_and_loads_splits(store_tp, load_tp
     before = make_model_caches(model, rng)
     ids = block_ids(model, 2, rng)
     backend = get_backend("jax")
-    shards = [[backend.from_numpy(x, "cpu") for x in shard_caches(model, full, r, store_tp)]
-              for r in range(store_tp)]
+    shards = [
+        [backend.from_numpy(x, "cpu") for x in shard_caches(model, full, r, store_tp)]
+        for r in range(store_tp)
+    ]
     managers = [manager(model, shards[r], r, store_tp) for r in range(store_tp)]
     objects = [store(managers[r], shards[r], ids, backend="jax") for r in range(store_tp)]
     merged = merge_shards(managers, objects)
@@ -83,15 +87,18 @@ def test_jax_backend_stores_shards_that_merge_and_loads_splits(store_tp, load_tp
         caches = [backend.from_numpy(x, "cpu") for x in shard_caches(model, before, r, load_tp)]
         mine = manager(model, caches, r, load_tp)
         out = load(mine, split_canonical(mine, merged), caches, ids, backend="jax")
-        assert_same_bytes([np.asarray(x) for x in leaves(out)],
-                          leaves(shard_caches(model, want, r, load_tp)))
+        assert_same_bytes(
+            [np.asarray(x) for x in leaves(out)], leaves(shard_caches(model, want, r, load_tp))
+        )
 
 
 @pytest.mark.parametrize("tp", [2, 4])
 def test_one_manager_merges_shard_objects_laid_side_by_side(tp):
     model, full, ids, managers, objects = rank_setup("hybrid-full-sw-gqa2", tp)
-    side_by_side = [jnp.concatenate([jnp.asarray(objects[r][og]) for r in range(tp)], axis=1)
-                    for og in range(managers[0].num_object_groups)]
+    side_by_side = [
+        jnp.concatenate([jnp.asarray(objects[r][og]) for r in range(tp)], axis=1)
+        for og in range(managers[0].num_object_groups)
+    ]
     for m in (managers[0], managers[tp - 1]):  # the rank of the manager does not matter
         merged = merge_shards([m], [side_by_side])
         assert_same_bytes(merged, reference_store(model, full, ids))
@@ -105,16 +112,25 @@ def test_side_by_side_objects_of_the_wrong_width_are_rejected():
 
     with pytest.raises(KVGroupsValueError, match="side by side"):
         merge_shards([managers[0]], [[jnp.asarray(objects[0][0])]])
-    native = manager(MODELS["mha-nhd"], shard_caches(MODELS["mha-nhd"], make_model_caches(
-        MODELS["mha-nhd"], np.random.default_rng(0)), 0, 2), 0, 2, object_layout="tp_native")
+    native = manager(
+        MODELS["mha-nhd"],
+        shard_caches(
+            MODELS["mha-nhd"], make_model_caches(MODELS["mha-nhd"], np.random.default_rng(0)), 0, 2
+        ),
+        0,
+        2,
+        object_layout="tp_native",
+    )
     with pytest.raises(KVGroupsValueError, match="one manager per rank"):
         merge_shards([native], [objects[0]])
 
 
 def _mesh(shards):
     if len(jax.devices("cpu")) < shards:
-        pytest.skip(f"needs {shards} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_"
-                    "count=8 before JAX starts; tests/tp/conftest.py sets it)")
+        pytest.skip(
+            f"needs {shards} CPU devices (XLA_FLAGS=--xla_force_host_platform_device_"
+            "count=8 before JAX starts; tests/tp/conftest.py sets it)"
+        )
     return jax.make_mesh((shards,), ("model",), devices=jax.devices("cpu")[:shards])
 
 
@@ -126,9 +142,13 @@ def test_global_manager_merges_objects_sharded_over_a_mesh(shards):
     mesh = _mesh(shards)
     model, full, ids, managers, objects = rank_setup("jax-interleaved", shards)
     whole = manager(model, full)  # built from the global shapes: tp_size 1
-    on_mesh = [jax.device_put(np.concatenate([objects[r][og] for r in range(shards)], axis=1),
-                              NamedSharding(mesh, P(None, "model")))
-               for og in range(whole.num_object_groups)]
+    on_mesh = [
+        jax.device_put(
+            np.concatenate([objects[r][og] for r in range(shards)], axis=1),
+            NamedSharding(mesh, P(None, "model")),
+        )
+        for og in range(whole.num_object_groups)
+    ]
     assert_same_bytes(merge_shards([whole], [on_mesh]), reference_store(model, full, ids))
     # The same bytes on one device are a TP=1 store: they merge to themselves.
     plain = [np.asarray(x) for x in on_mesh]
@@ -147,13 +167,15 @@ def test_mesh_sharded_objects_of_groups_that_do_not_split_are_rejected():
     whole = manager(model, full)
     objs = store(whole, full, block_ids(model, 1, np.random.default_rng(0)), backend="numpy")
     with pytest.raises(KVGroupsValueError, match="2 KV heads split evenly over the 4 shards"):
-        merge_shards([whole], [[jax.device_put(o, NamedSharding(mesh, P(None, "model")))
-                                for o in objs]])
+        merge_shards(
+            [whole], [[jax.device_put(o, NamedSharding(mesh, P(None, "model"))) for o in objs]]
+        )
 
 
 def test_sharded_jax_store_merges_to_the_tp1_objects():
-    sharded = pytest.importorskip("kvgroups_jax.sharded",
-                                  reason="the mesh-sharded JAX store (issue 13) is not here")
+    sharded = pytest.importorskip(
+        "kvgroups_jax.sharded", reason="the mesh-sharded JAX store (issue 13) is not here"
+    )
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -178,8 +200,10 @@ def test_split_for_a_mesh_lays_every_shards_objects_side_by_side(shards):
     whole = manager(model, full)
     canonical = reference_store(model, full, ids)
     side = split_canonical(whole, [jnp.asarray(c) for c in canonical], shards=shards)
-    want = [np.concatenate([objects[r][og] for r in range(shards)], axis=1)
-            for og in range(whole.num_object_groups)]
+    want = [
+        np.concatenate([objects[r][og] for r in range(shards)], axis=1)
+        for og in range(whole.num_object_groups)
+    ]
     assert_same_bytes(side, want)
     assert_same_bytes(split_canonical(whole, canonical, shards=shards), want)  # NumPy too
 
@@ -196,8 +220,9 @@ def test_split_for_a_mesh_rejects_rank_managers_and_uneven_heads():
 
 
 def test_mesh_store_merge_split_and_load_at_another_mesh_size():
-    pytest.importorskip("kvgroups_jax.sharded",
-                        reason="the mesh-sharded JAX store (issue 13) is not here")
+    pytest.importorskip(
+        "kvgroups_jax.sharded", reason="the mesh-sharded JAX store (issue 13) is not here"
+    )
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
@@ -219,8 +244,10 @@ def test_mesh_store_merge_split_and_load_at_another_mesh_size():
     assert_same_bytes(canonical, reference_store(model, full, ids))
     mesh2, caches2 = on_mesh(before, 2)
     whole2 = manager(model, caches2)
-    objs = [jax.device_put(x, NamedSharding(mesh2, P(None, "model")))
-            for x in split_canonical(whole2, canonical, shards=2)]
+    objs = [
+        jax.device_put(x, NamedSharding(mesh2, P(None, "model")))
+        for x in split_canonical(whole2, canonical, shards=2)
+    ]
     out = load(whole2, objs, caches2, ids)
     want = reference_load(model, [np.asarray(c) for c in canonical], before, ids)
     assert_same_bytes([np.asarray(x) for x in out], want)
@@ -233,13 +260,16 @@ def test_jax_native_stores_fill_one_buffer_rank_after_rank(tp):
     full = make_model_caches(model, rng)
     ids = block_ids(model, 2, rng)
     backend = get_backend("jax")
-    shards = [[backend.from_numpy(x, "cpu") for x in shard_caches(model, full, r, tp)]
-              for r in range(tp)]
+    shards = [
+        [backend.from_numpy(x, "cpu") for x in shard_caches(model, full, r, tp)] for r in range(tp)
+    ]
     managers = [manager(model, shards[r], r, tp, object_layout="tp_native") for r in range(tp)]
     from kvgroups_core import object_nbytes
 
-    buffers = [jnp.full((2, object_nbytes(managers[0], og)), 0xEE, jnp.uint8)
-               for og in range(managers[0].num_object_groups)]
+    buffers = [
+        jnp.full((2, object_nbytes(managers[0], og)), 0xEE, jnp.uint8)
+        for og in range(managers[0].num_object_groups)
+    ]
     for m, caches in zip(managers, shards):
         buffers = store(m, caches, ids, buffers, backend="jax")  # donated, returned in place
     canonical = reference_store(model, full, ids)

@@ -49,8 +49,9 @@ def test_defaults_are_one_rank_holding_everything():
 
 @pytest.mark.parametrize("rank", [0, 1, 2, 3])
 def test_sharded_group_knows_its_heads_of_the_whole_model(rank):
-    m = KVLayerGroupsManager(specs((2, 8, 16, 2, 32), 3), F.NL_X_TWO_NB_BS_NH_HS,
-                             tp_rank=rank, tp_size=4)
+    m = KVLayerGroupsManager(
+        specs((2, 8, 16, 2, 32), 3), F.NL_X_TWO_NB_BS_NH_HS, tp_rank=rank, tp_size=4
+    )
     shard = m.tp_shard(0)
     assert (shard.total_heads, shard.rank_heads, shard.head_start) == (8, 2, 2 * rank)
     assert (shard.num_parts, shard.replicas, shard.part) == (4, 1, rank)
@@ -71,8 +72,13 @@ def test_mla_latents_and_indexer_are_replicated_on_every_rank(rank):
 
 @pytest.mark.parametrize("rank,head", [(0, 0), (1, 0), (2, 0), (3, 0), (4, 1), (7, 1)])
 def test_fewer_heads_than_ranks_replicates_each_head_like_vllm(rank, head):
-    m = KVLayerGroupsManager(specs((2, 8, 16, 1, 32), 2), F.NL_X_TWO_NB_BS_NH_HS,
-                             tp_rank=rank, tp_size=8, total_num_kv_heads=2)
+    m = KVLayerGroupsManager(
+        specs((2, 8, 16, 1, 32), 2),
+        F.NL_X_TWO_NB_BS_NH_HS,
+        tp_rank=rank,
+        tp_size=8,
+        total_num_kv_heads=2,
+    )
     shard = m.tp_shard(0)
     assert m.is_replicated(0)
     assert (shard.replicas, shard.num_parts, shard.head_start) == (4, 2, head)
@@ -86,8 +92,9 @@ def test_hybrid_model_marks_only_its_two_head_group_replicated_at_tp4():
 
 
 def test_tp_shard_index_out_of_range_is_an_index_error():
-    m = KVLayerGroupsManager(specs((2, 8, 16, 2, 32), 1), F.NL_X_TWO_NB_BS_NH_HS,
-                             tp_rank=0, tp_size=2)
+    m = KVLayerGroupsManager(
+        specs((2, 8, 16, 2, 32), 1), F.NL_X_TWO_NB_BS_NH_HS, tp_rank=0, tp_size=2
+    )
     with pytest.raises(IndexError, match="kernel_group_idx"):
         m.tp_shard(1)
 
@@ -99,16 +106,20 @@ def test_repr_names_the_rank_when_sharded():
 
 # --- bad input --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(tp_size=0), "tp_size: expected a rank count >= 1, got 0"),
-    (dict(tp_size=-2), "tp_size: expected a rank count >= 1, got -2"),
-    (dict(tp_rank=-1, tp_size=2), r"tp_rank: expected a rank in \[0, 2\), got -1"),
-    (dict(tp_rank=2, tp_size=2), r"tp_rank: expected a rank in \[0, 2\), got 2"),
-    (dict(tp_rank=1), r"tp_rank: expected a rank in \[0, 1\), got 1"),
-    (dict(object_layout="page_head"), "object_layout: expected one of"),
-    (dict(tp_size=2, total_num_kv_heads=[8]), "expected one head count per layer"),
-    (dict(tp_size=2, total_num_kv_heads=0), "total_num_kv_heads"),
-])
+
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(tp_size=0), "tp_size: expected a rank count >= 1, got 0"),
+        (dict(tp_size=-2), "tp_size: expected a rank count >= 1, got -2"),
+        (dict(tp_rank=-1, tp_size=2), r"tp_rank: expected a rank in \[0, 2\), got -1"),
+        (dict(tp_rank=2, tp_size=2), r"tp_rank: expected a rank in \[0, 2\), got 2"),
+        (dict(tp_rank=1), r"tp_rank: expected a rank in \[0, 1\), got 1"),
+        (dict(object_layout="page_head"), "object_layout: expected one of"),
+        (dict(tp_size=2, total_num_kv_heads=[8]), "expected one head count per layer"),
+        (dict(tp_size=2, total_num_kv_heads=0), "total_num_kv_heads"),
+    ],
+)
 def test_bad_tp_arguments_raise_typed_value_errors(kw, match):
     with pytest.raises(KVGroupsValueError, match=match) as info:
         KVLayerGroupsManager(specs((2, 8, 16, 2, 32), 2), F.NL_X_TWO_NB_BS_NH_HS, **kw)
@@ -123,28 +134,42 @@ def test_non_integer_rank_or_size_is_a_type_error(kw):
 
 def test_tp_arguments_are_keyword_only():
     with pytest.raises(TypeError):
-        KVLayerGroupsManager(specs((2, 8, 16, 2, 32), 1), F.NL_X_TWO_NB_BS_NH_HS, (), 256,
-                             True, 0, 2)
+        KVLayerGroupsManager(
+            specs((2, 8, 16, 2, 32), 1), F.NL_X_TWO_NB_BS_NH_HS, (), 256, True, 0, 2
+        )
 
 
-@pytest.mark.parametrize("heads,size,total,match", [
-    (3, 2, 8, "8 KV heads split evenly over 2 ranks"),  # shard does not hold 8 / 2 heads
-    (2, 4, 6, "6 KV heads split evenly over 4 ranks"),  # 6 heads do not split over 4
-    (1, 8, 3, "tp_size 8 to be a multiple of its 3 KV heads"),
-    (2, 8, 2, "got a shard of 2 heads"),  # with 2 heads over 8 ranks each rank holds 1
-])
+@pytest.mark.parametrize(
+    "heads,size,total,match",
+    [
+        (3, 2, 8, "8 KV heads split evenly over 2 ranks"),  # shard does not hold 8 / 2 heads
+        (2, 4, 6, "6 KV heads split evenly over 4 ranks"),  # 6 heads do not split over 4
+        (1, 8, 3, "tp_size 8 to be a multiple of its 3 KV heads"),
+        (2, 8, 2, "got a shard of 2 heads"),  # with 2 heads over 8 ranks each rank holds 1
+    ],
+)
 def test_shard_that_does_not_fit_the_degree_is_a_value_error(heads, size, total, match):
     with pytest.raises(KVGroupsValueError, match=match):
-        KVLayerGroupsManager(specs((2, 8, 16, heads, 32), 2), F.NL_X_TWO_NB_BS_NH_HS,
-                             tp_rank=0, tp_size=size, total_num_kv_heads=total)
+        KVLayerGroupsManager(
+            specs((2, 8, 16, heads, 32), 2),
+            F.NL_X_TWO_NB_BS_NH_HS,
+            tp_rank=0,
+            tp_size=size,
+            total_num_kv_heads=total,
+        )
 
 
 def test_layers_one_shard_cannot_tell_apart_are_unsupported():
     # At TP 4 a 4-head layer and a 2-head layer both leave 1 head per rank: one kernel group
     # on the rank, two in the whole model.
     with pytest.raises(UnsupportedConfigError, match="mixes total head counts"):
-        KVLayerGroupsManager(specs((2, 8, 16, 1, 32), 2), F.NL_X_TWO_NB_BS_NH_HS,
-                             tp_rank=0, tp_size=4, total_num_kv_heads=[4, 2])
+        KVLayerGroupsManager(
+            specs((2, 8, 16, 1, 32), 2),
+            F.NL_X_TWO_NB_BS_NH_HS,
+            tp_rank=0,
+            tp_size=4,
+            total_num_kv_heads=[4, 2],
+        )
 
 
 def test_merge_and_split_reject_bad_input_before_building_anything():
@@ -185,6 +210,7 @@ def test_merge_and_split_reject_bad_input_before_building_anything():
 
 # --- fingerprints -----------------------------------------------------------------------
 
+
 def test_ranks_of_one_tp_group_share_a_fingerprint():
     for name in MODELS:
         prints = {shard_manager(name, r, 4).fingerprint() for r in range(4)}
@@ -194,10 +220,12 @@ def test_ranks_of_one_tp_group_share_a_fingerprint():
 
 def test_fingerprint_across_degrees_is_the_same_for_every_degree_and_layout():
     for name in ("mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer"):
-        prints = {shard_manager(name, r, t, object_layout=layout).fingerprint(
-                  across_degrees=True)
-                  for t in (1, 2, 4, 8) for r in range(t) for layout in ("canonical",
-                                                                          "tp_native")}
+        prints = {
+            shard_manager(name, r, t, object_layout=layout).fingerprint(across_degrees=True)
+            for t in (1, 2, 4, 8)
+            for r in range(t)
+            for layout in ("canonical", "tp_native")
+        }
         assert len(prints) == 1, name
 
 
@@ -214,10 +242,12 @@ def test_fingerprint_changes_with_grouping_chunk_formats_dtypes_layout_and_degre
         "dtype": _mha(dtype="bfloat16"),
         "layout": _mha(object_layout="tp_native"),
         "degree": _mha(shape=(2, 8, 16, 1, 32), tp_size=8),
-        "grouping": _mha(engine_group_infos=[EngineGroupInfo(engine_group_id=0,
-                                                             layer_indices=(0,)),
-                                             EngineGroupInfo(engine_group_id=1,
-                                                             layer_indices=(1,))]),
+        "grouping": _mha(
+            engine_group_infos=[
+                EngineGroupInfo(engine_group_id=0, layer_indices=(0,)),
+                EngineGroupInfo(engine_group_id=1, layer_indices=(1,)),
+            ]
+        ),
         "layers": _mha(n=3),
         "head_size": _mha(shape=(2, 8, 16, 2, 64)),
         "replicated": _mha(shape=(2, 8, 16, 1, 32), tp_size=8, total_num_kv_heads=4),
@@ -241,14 +271,21 @@ def test_fingerprint_changes_with_full_sw_mode_and_object_group_separation():
 
 
 def test_fingerprint_is_stable_across_processes():
-    code = ("from kvgroups_core import KVLayerGroupsManager, TensorSpec, EngineKVFormat as F;"
-            "print(KVLayerGroupsManager([TensorSpec((2, 8, 16, 2, 32), 'float16')] * 2, "
-            "F.NL_X_TWO_NB_BS_NH_HS, tp_rank=1, tp_size=4).fingerprint())")
+    code = (
+        "from kvgroups_core import KVLayerGroupsManager, TensorSpec, EngineKVFormat as F;"
+        "print(KVLayerGroupsManager([TensorSpec((2, 8, 16, 2, 32), 'float16')] * 2, "
+        "F.NL_X_TWO_NB_BS_NH_HS, tp_rank=1, tp_size=4).fingerprint())"
+    )
     env_path = f"{ROOT}:{ROOT / 'backends'}"
     outs = set()
     for seed in ("1", "2"):
-        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                              env={"PYTHONPATH": env_path, "PYTHONHASHSEED": seed}, check=True)
+        done = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            env={"PYTHONPATH": env_path, "PYTHONHASHSEED": seed},
+            check=True,
+        )
         outs.add(done.stdout.strip())
     assert outs == {_mha(tp_rank=1).fingerprint()}
 
@@ -275,9 +312,12 @@ def test_check_replicas_names_a_rank_whose_replicated_copy_differs():
     ms = [manager(model, shards[r], r, 4) for r in range(4)]
     objs = [store(ms[r], shards[r], ids, backend="numpy") for r in range(4)]
     good = merge_shards(ms, objs, check_replicas=True)
-    og, region = next((og, reg) for og in range(ms[0].num_object_groups)
-                      for reg in object_regions(ms[3], og)
-                      if ms[3].is_replicated(reg.kernel_group_idx))
+    og, region = next(
+        (og, reg)
+        for og in range(ms[0].num_object_groups)
+        for reg in object_regions(ms[3], og)
+        if ms[3].is_replicated(reg.kernel_group_idx)
+    )
     objs[3][og][1, region.offset + 5] ^= 0xFF  # rank 3 holds head 1 after rank 2
     assert all(np.array_equal(a, b) for a, b in zip(merge_shards(ms, objs), good))  # owner's
     with pytest.raises(KVGroupsValueError, match=r"objects_per_rank\[3\].*rank 2's copy"):

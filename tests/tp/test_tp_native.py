@@ -42,8 +42,9 @@ def native_group(model, full, tp, backend="numpy"):
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
-@pytest.mark.parametrize("model_name", ["mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer",
-                                        "sglang-kv-list"])
+@pytest.mark.parametrize(
+    "model_name", ["mha-nhd", "hybrid-full-sw-gqa2", "mla-indexer", "sglang-kv-list"]
+)
 def test_ranks_store_into_one_shared_buffer_which_is_the_native_object(model_name, tp, backend):
     model = MODELS[model_name]
     rng = np.random.default_rng(tp)
@@ -71,23 +72,25 @@ def test_native_region_is_the_rank_objects_concatenated_heads_outermost(tp):
     shards = [shard_caches(model, full, r, tp) for r in range(tp)]
     plain = [manager(model, shards[r], r, tp) for r in range(tp)]
     rank_objs = [store(plain[r], shards[r], ids, backend="numpy") for r in range(tp)]
-    native = split_canonical(manager(model, shards[0], 0, tp, **NATIVE),
-                             reference_store(model, full, ids))
+    native = split_canonical(
+        manager(model, shards[0], 0, tp, **NATIVE), reference_store(model, full, ids)
+    )
     m0 = plain[0]
     for og in range(m0.num_object_groups):
         offset = 0
         for i, region in enumerate(object_regions(m0, og)):
             shard = m0.tp_shard(region.kernel_group_idx)
             owners = [shard.owner_of_part(p) for p in range(shard.num_parts)]
-            parts = [rank_objs[r][og][:, object_regions(plain[r], og)[i].offset:][:, :region.nbytes]
-                     for r in owners]
+            parts = [
+                rank_objs[r][og][:, object_regions(plain[r], og)[i].offset :][:, : region.nbytes]
+                for r in owners
+            ]
             width = region.nbytes * shard.num_parts
-            assert np.array_equal(native[og][:, offset:offset + width], np.concatenate(parts, 1))
+            assert np.array_equal(native[og][:, offset : offset + width], np.concatenate(parts, 1))
             offset += width
         assert offset == native[og].shape[1]
     # With more than one head set the native object is not the canonical one.
-    assert not all(np.array_equal(a, b) for a, b in zip(native,
-                                                          reference_store(model, full, ids)))
+    assert not all(np.array_equal(a, b) for a, b in zip(native, reference_store(model, full, ids)))
 
 
 @pytest.mark.parametrize("tp", [2, 4, 8])
@@ -100,7 +103,7 @@ def test_rank_byte_ranges_tile_the_native_object(tp):
         for m in managers:
             for (offset, nbytes), region in zip(rank_byte_ranges(m, og), object_regions(m, og)):
                 if m.tp_shard(region.kernel_group_idx).is_owner:
-                    covered[offset:offset + nbytes] += 1
+                    covered[offset : offset + nbytes] += 1
         assert (covered == 1).all()  # the owners' ranges: disjoint, covering every byte
 
 
@@ -112,14 +115,18 @@ def test_native_store_at_one_degree_loads_at_another(store_tp, load_tp):
     engine_before = make_model_caches(model, rng)
     ids = block_ids(model, 3, rng)
     shards, managers = native_group(model, full, store_tp)
-    shared = [np.zeros((3, object_nbytes(managers[0], og)), np.uint8)
-              for og in range(managers[0].num_object_groups)]
+    shared = [
+        np.zeros((3, object_nbytes(managers[0], og)), np.uint8)
+        for og in range(managers[0].num_object_groups)
+    ]
     for m, caches in zip(managers, shards):
         store(m, caches, ids, shared, backend="numpy")
     canonical = merge_shards(managers, [shared] * store_tp)
     want_full = reference_load(model, canonical, engine_before, ids)
-    loaders = [manager(model, shard_caches(model, engine_before, r, load_tp), r, load_tp,
-                       **NATIVE) for r in range(load_tp)]
+    loaders = [
+        manager(model, shard_caches(model, engine_before, r, load_tp), r, load_tp, **NATIVE)
+        for r in range(load_tp)
+    ]
     native = split_canonical(loaders[0], canonical)  # one conversion for every loading rank
     for r, m in enumerate(loaders):
         caches = shard_caches(model, engine_before, r, load_tp)

@@ -20,8 +20,10 @@ def _specs(n: int = 2) -> list:
 
 
 def _rank_managers(size: int = 2) -> list:
-    return [kc.KVLayerGroupsManager(_specs(), F.NL_X_TWO_NB_BS_NH_HS, tp_rank=r, tp_size=size)
-            for r in range(size)]
+    return [
+        kc.KVLayerGroupsManager(_specs(), F.NL_X_TWO_NB_BS_NH_HS, tp_rank=r, tp_size=size)
+        for r in range(size)
+    ]
 
 
 @pytest.mark.parametrize("shards", [True, False, 2.0, "2", None])
@@ -59,10 +61,17 @@ def test_torch_tensors_without_memory_or_on_two_devices_are_refused_by_name():
             kc.merge_shards(managers, [[cpu], [cpu.cuda()]])
 
 
-@pytest.mark.parametrize("heads, match", [
-    (0, "total_num_kv_heads: expected >= 1"), (-3, "total_num_kv_heads"),
-    ("x", "total_num_kv_heads: expected an int"), (2.0, "total_num_kv_heads"),
-    ([4, 0], r"total_num_kv_heads\[1\]"), ([True], r"total_num_kv_heads\[0\]")])
+@pytest.mark.parametrize(
+    "heads, match",
+    [
+        (0, "total_num_kv_heads: expected >= 1"),
+        (-3, "total_num_kv_heads"),
+        ("x", "total_num_kv_heads: expected an int"),
+        (2.0, "total_num_kv_heads"),
+        ([4, 0], r"total_num_kv_heads\[1\]"),
+        ([True], r"total_num_kv_heads\[0\]"),
+    ],
+)
 @pytest.mark.parametrize("caches", ["none", "bad", "no-layers"])
 def test_total_num_kv_heads_is_checked_before_the_caches(heads, match, caches):
     structure = {"none": [None, None], "bad": [np.zeros(3), "x"], "no-layers": []}[caches]

@@ -44,8 +44,10 @@ def source_objects(model, full, ids, p, layout):
         if layout == "canonical":
             out.append(store(m, shard, ids, backend="numpy"))
         else:
-            objs = [np.full((CHUNKS, object_nbytes(m, og)), 0xEE, np.uint8)
-                    for og in range(m.num_object_groups)]
+            objs = [
+                np.full((CHUNKS, object_nbytes(m, og)), 0xEE, np.uint8)
+                for og in range(m.num_object_groups)
+            ]
             out.append(store(m, shard, ids, objs, backend="numpy"))
     return out
 
@@ -54,7 +56,7 @@ def only_ranges(obj, ranges, rng):
     """A copy of ``obj`` with every byte outside ``ranges`` scrambled."""
     out = rng.integers(0, 256, obj.shape, dtype=np.uint8)
     for offset, nbytes in ranges:
-        out[:, offset:offset + nbytes] = obj[:, offset:offset + nbytes]
+        out[:, offset : offset + nbytes] = obj[:, offset : offset + nbytes]
     return out
 
 
@@ -62,7 +64,7 @@ def read_bytes(m, og, obj):
     """The bytes of ``obj`` that ``m``'s load reads."""
     if m.object_layout == "canonical":
         return obj
-    return np.concatenate([obj[:, o:o + n] for o, n in rank_byte_ranges(m, og)], axis=1)
+    return np.concatenate([obj[:, o : o + n] for o, n in rank_byte_ranges(m, og)], axis=1)
 
 
 def check_pair(model_name, p, d, src_layout, dst_layout, backend="numpy"):
@@ -77,12 +79,19 @@ def check_pair(model_name, p, d, src_layout, dst_layout, backend="numpy"):
         plan = plan_reads(dst, p, src_layout)
         want = split_canonical(dst, canonical)
         for og, reads in enumerate(plan.objects):
-            staged = {s: to_backend(only_ranges(written[s][og], reads.ranges[s], rng), backend)
-                      for s in reads.ranges}
+            staged = {
+                s: to_backend(only_ranges(written[s][og], reads.ranges[s], rng), backend)
+                for s in reads.ranges
+            }
             got = to_numpy(assemble(reads, staged))
             assert got.shape == (CHUNKS, object_nbytes(dst, og))
-            assert np.array_equal(read_bytes(dst, og, got), read_bytes(dst, og, want[og])), \
-                (model_name, p, d, r, og)
+            assert np.array_equal(read_bytes(dst, og, got), read_bytes(dst, og, want[og])), (
+                model_name,
+                p,
+                d,
+                r,
+                og,
+            )
             nbytes = sum(n for rs in reads.ranges.values() for _, n in rs)
             assert nbytes >= object_nbytes(dst, og) or dst_layout == "tp_native"
     return plan
@@ -96,14 +105,17 @@ def test_every_degree_pair_assembles_the_split_of_the_canonical_objects(model_na
 
 
 @pytest.mark.parametrize(("p", "d"), [(1, 4), (4, 1), (2, 8), (8, 2), (4, 4)])
-@pytest.mark.parametrize(("src", "dst"), [("tp_native", "canonical"), ("canonical", "tp_native"),
-                                          ("tp_native", "tp_native")])
+@pytest.mark.parametrize(
+    ("src", "dst"),
+    [("tp_native", "canonical"), ("canonical", "tp_native"), ("tp_native", "tp_native")],
+)
 def test_tp_native_writers_and_readers(p, d, src, dst):
     check_pair("hybrid-full-sw-gqa2", p, d, src, dst)
 
 
-@pytest.mark.parametrize("model_name", ["mha-nhd", "sglang-kv-list", "jax-interleaved",
-                                        "cross-layer-trtllm"])
+@pytest.mark.parametrize(
+    "model_name", ["mha-nhd", "sglang-kv-list", "jax-interleaved", "cross-layer-trtllm"]
+)
 def test_other_formats_4_to_2_and_2_to_4(model_name):
     check_pair(model_name, 4, 2, "canonical", "canonical")
     check_pair(model_name, 2, 4, "tp_native", "canonical")
@@ -126,8 +138,11 @@ def test_equal_degree_reads_its_own_object_whole_and_returns_it_as_is(tp, layout
         assert plan.src_ranks == (r,)
         for og, reads in enumerate(plan.objects):
             assert reads.identity_rank == r
-            want = ((0, object_nbytes(dst, og)),) if layout == "canonical" \
+            want = (
+                ((0, object_nbytes(dst, og)),)
+                if layout == "canonical"
                 else coalesce(rank_byte_ranges(dst, og))
+            )
             assert reads.ranges[r] == want
             staged = {r: np.zeros((2, reads.src_nbytes), np.uint8)}
             assert assemble(reads, staged) is staged[r]
@@ -170,8 +185,14 @@ def test_layer_ranges_cover_exactly_the_rows_of_those_layers():
         for og, reads in enumerate(plan.objects):
             ranges = reads.layer_ranges(0, [layer])
             staged.append(only_ranges(objects[og], ranges, rng))
-        load(manager(model, caches), [assemble(r, {0: s}) for r, s in zip(plan.objects, staged)],
-             caches, ids, layers=[layer], backend="numpy")
+        load(
+            manager(model, caches),
+            [assemble(r, {0: s}) for r, s in zip(plan.objects, staged)],
+            caches,
+            ids,
+            layers=[layer],
+            backend="numpy",
+        )
     want = reference_load(model, objects, before, ids)
     assert all(np.array_equal(a.view(np.uint8), b.view(np.uint8)) for a, b in zip(caches, want))
 
@@ -195,8 +216,13 @@ def test_assemble_refuses_missing_or_misshapen_staging():
     with pytest.raises(KVGroupsValueError, match="source rank 1"):
         assemble(reads, {0: np.zeros((1, reads.src_nbytes), np.uint8)})
     with pytest.raises(KVGroupsValueError, match=r"staged\[1\]"):
-        assemble(reads, {0: np.zeros((1, reads.src_nbytes), np.uint8),
-                         1: np.zeros((2, reads.src_nbytes), np.uint8)})
+        assemble(
+            reads,
+            {
+                0: np.zeros((1, reads.src_nbytes), np.uint8),
+                1: np.zeros((2, reads.src_nbytes), np.uint8),
+            },
+        )
 
 
 @pytest.mark.parametrize("layout", ["canonical", "tp_native"])
@@ -214,5 +240,6 @@ def test_a_degree_view_lays_objects_out_as_a_manager_of_that_degree(model_name, 
             for og in range(real.num_object_groups):
                 assert object_regions(view, og) == object_regions(real, og)
                 assert object_nbytes(view, og) == object_nbytes(real, og)
-                assert [view.tp_shard(k) for k in range(real.num_kernel_groups)] == \
-                    [real.tp_shard(k) for k in range(real.num_kernel_groups)]
+                assert [view.tp_shard(k) for k in range(real.num_kernel_groups)] == [
+                    real.tp_shard(k) for k in range(real.num_kernel_groups)
+                ]

@@ -52,8 +52,9 @@ def test_rank_stores_merge_to_the_tp1_store_of_the_whole_cache(model_name, tp, b
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("store_tp,load_tp", [(2, 4), (4, 1), (1, 8), (8, 2), (4, 4)])
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_store_at_one_degree_load_at_another_matches_a_tp1_load(model_name, store_tp, load_tp,
-                                                                 backend):
+def test_store_at_one_degree_load_at_another_matches_a_tp1_load(
+    model_name, store_tp, load_tp, backend
+):
     model = MODELS[model_name]
     rng = np.random.default_rng(store_tp * 10 + load_tp)
     full = make_model_caches(model, rng)
@@ -83,8 +84,14 @@ def test_load_of_a_split_honours_the_prefix_skip_like_a_tp1_load(skip):
     for r in range(4):
         caches = shard_caches(model, engine_before, r, 4)
         mine = manager(model, caches, r, 4)
-        out = load(mine, split_canonical(mine, canonical), caches, ids, skip_first_n_tokens=skip,
-                   backend="numpy")
+        out = load(
+            mine,
+            split_canonical(mine, canonical),
+            caches,
+            ids,
+            skip_first_n_tokens=skip,
+            backend="numpy",
+        )
         assert_same_bytes(leaves(out), leaves(shard_caches(model, want_full, r, 4)))
 
 

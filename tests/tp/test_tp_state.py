@@ -28,14 +28,18 @@ def _bits(shape, dtype, rng):
 
 def gdn(k_heads=4, v_heads=4, dk=8, dv=8):
     """(projections, temporal heads and head shape): GDN conv = [Q | K | V]."""
-    return ((k_heads * dk, k_heads), (k_heads * dk, k_heads), (v_heads * dv, v_heads)), \
-        (v_heads, (dv, dk))
+    return ((k_heads * dk, k_heads), (k_heads * dk, k_heads), (v_heads * dv, v_heads)), (
+        v_heads,
+        (dv, dk),
+    )
 
 
 def mamba2(heads=4, head_dim=16, groups=1, state=16):
     """Mamba2 conv = [x | B | C], B and C of ``groups`` groups of ``state`` channels."""
-    return ((heads * head_dim, heads), (groups * state, groups), (groups * state, groups)), \
-        (heads, (head_dim, state))
+    return ((heads * head_dim, heads), (groups * state, groups), (groups * state, groups)), (
+        heads,
+        (head_dim, state),
+    )
 
 
 def _rank_channels(projections, t, r):
@@ -72,7 +76,7 @@ def shard(layers, kind, orientation, t, r):
             part = x[:, idx, :] if orientation == "DS" else x[:, :, idx]
         else:
             h = x.shape[1] // t
-            part = x[:, r * h:(r + 1) * h]
+            part = x[:, r * h : (r + 1) * h]
         out.append(np.ascontiguousarray(part))
     return out
 
@@ -80,21 +84,31 @@ def shard(layers, kind, orientation, t, r):
 def manager(caches, kind, orientation, t=1, r=0, *, projections=True, **kw):
     conv_fmt = F.NL_X_NB_CD_CW if orientation == "DS" else F.NL_X_NB_CW_CD
     formats = [conv_fmt, F.NL_X_NB_SH_SS, F.NL_X_NB_NH_BS_CS] * 2
-    infos = [EngineGroupInfo(0, (0, 3), TPB, recurrent_state=True,
-                             conv_projections=kind[0] if projections else ()),
-             EngineGroupInfo(0, (1, 4), TPB, recurrent_state=True),
-             EngineGroupInfo(1, (2, 5), TPB)]
-    return KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=CHUNK,
-                                tp_rank=r, tp_size=t, **kw)
+    infos = [
+        EngineGroupInfo(
+            0, (0, 3), TPB, recurrent_state=True, conv_projections=kind[0] if projections else ()
+        ),
+        EngineGroupInfo(0, (1, 4), TPB, recurrent_state=True),
+        EngineGroupInfo(1, (2, 5), TPB),
+    ]
+    return KVLayerGroupsManager(
+        caches, formats, infos, lmcache_tokens_per_chunk=CHUNK, tp_rank=r, tp_size=t, **kw
+    )
 
 
 IDS = {0: [0, 3, 0, 7, 0, 1], 1: [2, 5, 8, 9, 4, 6]}
-CASES = [("gdn", gdn(), "DS"), ("gdn", gdn(), "SD"), ("mamba2-groups<tp", mamba2(), "DS"),
-         ("mamba2-groups<tp", mamba2(), "SD"), ("mamba2-4-groups", mamba2(groups=4), "SD")]
+CASES = [
+    ("gdn", gdn(), "DS"),
+    ("gdn", gdn(), "SD"),
+    ("mamba2-groups<tp", mamba2(), "DS"),
+    ("mamba2-groups<tp", mamba2(), "SD"),
+    ("mamba2-4-groups", mamba2(groups=4), "SD"),
+]
 
 
-@pytest.mark.parametrize("name,kind,orientation", CASES, ids=lambda x: x if isinstance(x, str)
-                         else None)
+@pytest.mark.parametrize(
+    "name,kind,orientation", CASES, ids=lambda x: x if isinstance(x, str) else None
+)
 @pytest.mark.parametrize("t", [2, 4])
 def test_a_merged_tp_store_is_the_tp1_store_and_splits_back(name, kind, orientation, t):
     rng = np.random.default_rng(3)
@@ -103,8 +117,9 @@ def test_a_merged_tp_store_is_the_tp1_store_and_splits_back(name, kind, orientat
     ranks = [shard(whole, kind, orientation, t, r) for r in range(t)]
     managers = [manager(ranks[r], kind, orientation, t, r) for r in range(t)]
     per_rank = [store(m, c, IDS, backend="numpy") for m, c in zip(managers, ranks)]
-    assert managers[0].fingerprint(across_degrees=True) == \
-        manager(whole, kind, orientation).fingerprint(across_degrees=True)
+    assert managers[0].fingerprint(across_degrees=True) == manager(
+        whole, kind, orientation
+    ).fingerprint(across_degrees=True)
     merged = merge_shards(managers, per_rank)
     for got, want in zip(merged, canonical):
         assert got.shape == want.shape and np.array_equal(got, want)
@@ -119,8 +134,7 @@ def test_tp_native_objects_of_a_gdn_state_merge_and_split():
     whole = whole_model(kind, "DS", rng)
     canonical = store(manager(whole, kind, "DS"), whole, IDS, backend="numpy")
     ranks = [shard(whole, kind, "DS", t, r) for r in range(t)]
-    managers = [manager(ranks[r], kind, "DS", t, r, object_layout="tp_native")
-                for r in range(t)]
+    managers = [manager(ranks[r], kind, "DS", t, r, object_layout="tp_native") for r in range(t)]
     shared = None
     for m, c in zip(managers, ranks):
         shared = store(m, c, IDS, shared, backend="numpy")  # each rank fills its own ranges
@@ -167,8 +181,10 @@ def test_merging_torch_objects_gives_the_numpy_bytes():
     canonical = store(manager(whole, kind, "SD"), whole, IDS, backend="numpy")
     ranks = [shard(whole, kind, "SD", t, r) for r in range(t)]
     managers = [manager(ranks[r], kind, "SD", t, r) for r in range(t)]
-    per_rank = [[torch.from_numpy(o) for o in store(m, c, IDS, backend="numpy")]
-                for m, c in zip(managers, ranks)]
+    per_rank = [
+        [torch.from_numpy(o) for o in store(m, c, IDS, backend="numpy")]
+        for m, c in zip(managers, ranks)
+    ]
     merged = merge_shards(managers, per_rank)
     assert all(isinstance(x, torch.Tensor) for x in merged)
     for got, want in zip(merged, canonical):

@@ -48,12 +48,12 @@ NUM_CHUNKS = 3
 def same(got: list, want: list) -> bool:
     return len(got) == len(want) and all(
         np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8))
-        for g, w in zip(got, want))
+        for g, w in zip(got, want)
+    )
 
 
 def main(rank: int, world: int, init_file: str, out_dir: str, canonical_in: str | None) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
-                            world_size=world)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
     out = Path(out_dir)
     rng = np.random.default_rng(1234)
     full = make_model_caches(MODEL, rng)
@@ -78,8 +78,7 @@ def main(rank: int, world: int, init_file: str, out_dir: str, canonical_in: str 
         dist.all_gather(parts, obj)
         gathered.append(parts)
     per_rank = [[gathered[og][r] for og in range(len(objects))] for r in range(world)]
-    managers = [manager(MODEL, shard_caches(MODEL, full, r, world), r, world)
-                for r in range(world)]
+    managers = [manager(MODEL, shard_caches(MODEL, full, r, world), r, world) for r in range(world)]
     merged = merge_shards(managers, per_rank)
     result["merged_is_tp1"] = same([m.numpy() for m in merged], reference)
     if rank == 0:
@@ -93,16 +92,22 @@ def main(rank: int, world: int, init_file: str, out_dir: str, canonical_in: str 
         for path, n in zip(paths, sizes):
             torch.from_file(path, shared=True, size=NUM_CHUNKS * n, dtype=torch.uint8).fill_(0)
     dist.barrier()
-    shared = [torch.from_file(p, shared=True, size=NUM_CHUNKS * n, dtype=torch.uint8)
-              .view(NUM_CHUNKS, n) for p, n in zip(paths, sizes)]
+    shared = [
+        torch.from_file(p, shared=True, size=NUM_CHUNKS * n, dtype=torch.uint8).view(NUM_CHUNKS, n)
+        for p, n in zip(paths, sizes)
+    ]
     store(native, shard, ids, shared)
     dist.barrier()
-    natives = [manager(MODEL, shard_caches(MODEL, full, r, world), r, world,
-                       object_layout="tp_native") for r in range(world)]
-    result["shared_is_native"] = same([s.numpy() for s in shared],
-                                      split_canonical(native, reference))
+    natives = [
+        manager(MODEL, shard_caches(MODEL, full, r, world), r, world, object_layout="tp_native")
+        for r in range(world)
+    ]
+    result["shared_is_native"] = same(
+        [s.numpy() for s in shared], split_canonical(native, reference)
+    )
     result["shared_merges_to_tp1"] = same(
-        [m.numpy() for m in merge_shards(natives, [shared] * world)], reference)
+        [m.numpy() for m in merge_shards(natives, [shared] * world)], reference
+    )
 
     # Load this rank's split of canonical objects written at another degree.
     if canonical_in:
@@ -113,13 +118,13 @@ def main(rank: int, world: int, init_file: str, out_dir: str, canonical_in: str 
     caches = to_backend(shard_caches(MODEL, before, rank, world), "torch")
     load(mine, split_canonical(mine, [torch.from_numpy(c) for c in canonical]), caches, ids)
     want = shard_caches(MODEL, reference_load(MODEL, canonical, before, ids), rank, world)
-    result["loaded_heads_match_tp1_load"] = same([c.numpy() for c in leaves(caches)],
-                                                 leaves(want))
+    result["loaded_heads_match_tp1_load"] = same([c.numpy() for c in leaves(caches)], leaves(want))
 
     # A rank whose grouping differs (another chunk size) is named, on every rank.
     odd = world - 1
-    other = manager(MODEL, shard, rank, world,
-                    **({"lmcache_tokens_per_chunk": 128} if rank == odd else {}))
+    other = manager(
+        MODEL, shard, rank, world, **({"lmcache_tokens_per_chunk": 128} if rank == odd else {})
+    )
     try:
         check_same_grouping(other)
         result["mismatch_error"] = None

@@ -45,18 +45,26 @@ def prompts() -> list[tuple[str, list[int], str | None]]:
     first = [rng.randrange(1, 1000) for _ in range(1025)]
     tail = [rng.randrange(1, 1000) for _ in range(3)]
     shared768 = first[:768] + tail[:1]  # attention hits 3 chunks, the state only 2
-    return [("first", first, None), ("repeat", list(first), None),
-            ("shared768", shared768, None), ("shared768-ref", shared768, "ref"),
-            ("shared300", first[:300] + tail, None),
-            ("unrelated", [rng.randrange(1, 1000) for _ in range(700)], None)]
+    return [
+        ("first", first, None),
+        ("repeat", list(first), None),
+        ("shared768", shared768, None),
+        ("shared768-ref", shared768, "ref"),
+        ("shared300", first[:300] + tail, None),
+        ("unrelated", [rng.randrange(1, 1000) for _ in range(700)], None),
+    ]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--model-dir", default=os.path.join(tempfile.gettempdir(), "kvgroups-tiny"))
-    ap.add_argument("--connector", choices=("kvgroups", "no-state-load"), default="kvgroups",
-                    help="no-state-load: the test-only subclass that loads attention KV alone")
+    ap.add_argument(
+        "--connector",
+        choices=("kvgroups", "no-state-load"),
+        default="kvgroups",
+        help="no-state-load: the test-only subclass that loads attention KV alone",
+    )
     ap.add_argument("--max-tokens", type=int, default=8)
     args = ap.parse_args()
     model_dir = build("qwen3_next", os.path.join(args.model_dir, "qwen3_next"))
@@ -66,21 +74,40 @@ def main() -> None:
     from vllm.distributed.kv_transfer import get_kv_transfer_group
     from vllm.inputs import TokensPrompt
 
-    name, module = (("KVGroupsConnector", "kvgroups_torch.vllm") if args.connector == "kvgroups"
-                    else ("NoStateLoadConnector", "no_state_load_connector"))
+    name, module = (
+        ("KVGroupsConnector", "kvgroups_torch.vllm")
+        if args.connector == "kvgroups"
+        else ("NoStateLoadConnector", "no_state_load_connector")
+    )
     t0 = time.time()
-    llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-              enable_prefix_caching=True, max_model_len=2048, max_num_batched_tokens=512,
-              max_num_seqs=4, kv_cache_memory_bytes=256 << 20, seed=0,
-              prefix_cache_retention_interval=512,
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector=name, kv_connector_module_path=module, kv_role="kv_both",
-                  kv_connector_extra_config={"capacity_chunks": 64, "chunk_size": 256}))
+    llm = LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=True,
+        max_model_len=2048,
+        max_num_batched_tokens=512,
+        max_num_seqs=4,
+        kv_cache_memory_bytes=256 << 20,
+        seed=0,
+        prefix_cache_retention_interval=512,
+        kv_transfer_config=KVTransferConfig(
+            kv_connector=name,
+            kv_connector_module_path=module,
+            kv_role="kv_both",
+            kv_connector_extra_config={"capacity_chunks": 64, "chunk_size": 256},
+        ),
+    )
     started = time.time() - t0
     params = SamplingParams(max_tokens=args.max_tokens, temperature=0.0, detokenize=False)
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector
-    result = {"outputs": {}, "cached": {}, "start_s": started,
-              "mamba_cache_mode": llm.llm_engine.vllm_config.cache_config.mamba_cache_mode}
+    result = {
+        "outputs": {},
+        "cached": {},
+        "start_s": started,
+        "mamba_cache_mode": llm.llm_engine.vllm_config.cache_config.mamba_cache_mode,
+    }
     from kvgroups_torch.vllm.prefix_index import chunk_hashes
 
     first_hashes = chunk_hashes(prompts()[0][1], 256)
@@ -97,14 +124,17 @@ def main() -> None:
         result["cached"][label] = int(out.num_cached_tokens or 0)
         # The scheduler's index: per chunk of `first`, which object groups are cached.
         result.setdefault("first_chunks", {})[label] = scheduler._index.present(
-            first_hashes, len(scheduler._attn.num_chunks_in_sw)).tolist()
+            first_hashes, len(scheduler._attn.num_chunks_in_sw)
+        ).tolist()
     result["state_object_groups"] = sorted(scheduler._state_ogs)
     result["worker_stats"] = dict(get_kv_transfer_group().stats)
     result["total_s"] = time.time() - t0
     with open(args.out, "w") as f:
         json.dump(result, f)
-    print(json.dumps({k: result[k] for k in ("cached", "worker_stats", "start_s", "total_s")}),
-          flush=True)
+    print(
+        json.dumps({k: result[k] for k in ("cached", "worker_stats", "start_s", "total_s")}),
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -58,16 +58,35 @@ def engine(model_dir: str, role: str, port: int):
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    extra = {"chunk_size": 256, "capacity_chunks": 64, "transport": "nixl",
-             "nixl_backends": ["UCX"], "side_channel_host": "127.0.0.1",
-             "side_channel_port": port, "pull_timeout_s": 20.0}
-    config = KVTransferConfig(kv_connector="KVGroupsConnector",
-                              kv_connector_module_path="kvgroups_torch.vllm", kv_role=role,
-                              kv_buffer_device="cpu", kv_load_failure_policy="recompute",
-                              kv_connector_extra_config=extra)
-    return LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16", enforce_eager=True,
-               enable_prefix_caching=False, max_model_len=2048, kv_cache_memory_bytes=64 << 20,
-               gpu_memory_utilization=0.1, seed=0, kv_transfer_config=config)
+    extra = {
+        "chunk_size": 256,
+        "capacity_chunks": 64,
+        "transport": "nixl",
+        "nixl_backends": ["UCX"],
+        "side_channel_host": "127.0.0.1",
+        "side_channel_port": port,
+        "pull_timeout_s": 20.0,
+    }
+    config = KVTransferConfig(
+        kv_connector="KVGroupsConnector",
+        kv_connector_module_path="kvgroups_torch.vllm",
+        kv_role=role,
+        kv_buffer_device="cpu",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=extra,
+    )
+    return LLM(
+        model=model_dir,
+        skip_tokenizer_init=True,
+        dtype="bfloat16",
+        enforce_eager=True,
+        enable_prefix_caching=False,
+        max_model_len=2048,
+        kv_cache_memory_bytes=64 << 20,
+        gpu_memory_utilization=0.1,
+        seed=0,
+        kv_transfer_config=config,
+    )
 
 
 def main() -> None:
@@ -88,21 +107,31 @@ def main() -> None:
     t0 = time.time()
     if args.role == "producer":
         llm = engine(model_dir, "kv_producer", args.port)
-        result = {"start_s": time.time() - t0, "reference": {}, "reference_logprobs": {},
-                  "params": {}}
-        plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False,
-                               logprobs=1)
+        result = {
+            "start_s": time.time() - t0,
+            "reference": {},
+            "reference_logprobs": {},
+            "params": {},
+        }
+        plain = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False, logprobs=1)
         for name in NAMES:
-            (o,) = llm.generate([TokensPrompt(prompt_token_ids=texts[name],
-                                              cache_salt="reference")], plain, use_tqdm=False)
+            (o,) = llm.generate(
+                [TokensPrompt(prompt_token_ids=texts[name], cache_salt="reference")],
+                plain,
+                use_tqdm=False,
+            )
             result["reference"][name] = list(o.outputs[0].token_ids)
             result["reference_logprobs"][name] = sampled_logprobs(o)
         for name in NAMES:
-            prefill = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False,
-                                     extra_args={"kv_transfer_params": {
-                                         "do_remote_decode": True}})
-            (o,) = llm.generate([TokensPrompt(prompt_token_ids=texts[name])], prefill,
-                                use_tqdm=False)
+            prefill = SamplingParams(
+                max_tokens=1,
+                temperature=0.0,
+                detokenize=False,
+                extra_args={"kv_transfer_params": {"do_remote_decode": True}},
+            )
+            (o,) = llm.generate(
+                [TokensPrompt(prompt_token_ids=texts[name])], prefill, use_tqdm=False
+            )
             params = dict(o.kv_transfer_params or {})
             result["params"][name] = dict(params)
             params.pop("remote_prefill_cached_tokens", None)  # what a proxy does
@@ -115,8 +144,13 @@ def main() -> None:
 
     def decode(name: str) -> None:
         params = json.loads((out / f"params-{name}.json").read_text())
-        sp = SamplingParams(max_tokens=MAX_TOKENS, temperature=0.0, detokenize=False,
-                            logprobs=1, extra_args={"kv_transfer_params": params})
+        sp = SamplingParams(
+            max_tokens=MAX_TOKENS,
+            temperature=0.0,
+            detokenize=False,
+            logprobs=1,
+            extra_args={"kv_transfer_params": params},
+        )
         (o,) = llm.generate([TokensPrompt(prompt_token_ids=texts[name])], sp, use_tqdm=False)
         result["outputs"][name] = list(o.outputs[0].token_ids)
         result["logprobs"][name] = sampled_logprobs(o)

@@ -19,10 +19,15 @@ class ScrambledTargetConnector(KVGroupsConnector):
         if meta is not None:
             gen = torch.Generator().manual_seed(11)
             for item in meta.loads:
-                noise = [torch.randint(0, 256, (len(item.slots), pool.shape[1]),
-                                       dtype=torch.uint8, generator=gen) for pool in self._pools]
-                self._store.prepared.load(noise, item.block_ids,
-                                          skip_first_n_tokens=item.skip_tokens)
+                noise = [
+                    torch.randint(
+                        0, 256, (len(item.slots), pool.shape[1]), dtype=torch.uint8, generator=gen
+                    )
+                    for pool in self._pools
+                ]
+                self._store.prepared.load(
+                    noise, item.block_ids, skip_first_n_tokens=item.skip_tokens
+                )
         super().start_load_kv(forward_context, **kwargs)
 
 

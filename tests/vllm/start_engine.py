@@ -47,17 +47,26 @@ def main() -> None:
 
     result: dict = {"started": False, "error_type": None, "error": None}
     try:
-        transfer = KVTransferConfig(kv_connector="KVGroupsConnector",
-                                    kv_connector_module_path="kvgroups_torch.vllm",
-                                    kv_role=args.role,
-                                    kv_connector_extra_config=json.loads(args.extra))
-        llm = LLM(model=model_dir, skip_tokenizer_init=True, dtype="bfloat16",
-                  enforce_eager=True, enable_prefix_caching=False, max_model_len=1024,
-                  kv_cache_memory_bytes=32 << 20, gpu_memory_utilization=0.1, seed=0,
-                  kv_transfer_config=transfer)
+        transfer = KVTransferConfig(
+            kv_connector="KVGroupsConnector",
+            kv_connector_module_path="kvgroups_torch.vllm",
+            kv_role=args.role,
+            kv_connector_extra_config=json.loads(args.extra),
+        )
+        llm = LLM(
+            model=model_dir,
+            skip_tokenizer_init=True,
+            dtype="bfloat16",
+            enforce_eager=True,
+            enable_prefix_caching=False,
+            max_model_len=1024,
+            kv_cache_memory_bytes=32 << 20,
+            gpu_memory_utilization=0.1,
+            seed=0,
+            kv_transfer_config=transfer,
+        )
         params = SamplingParams(max_tokens=2, temperature=0.0, detokenize=False)
-        llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 300)))], params,
-                     use_tqdm=False)
+        llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 300)))], params, use_tqdm=False)
         result["started"] = True
     except Exception as exc:  # noqa: BLE001 - reported to the test
         result["error_type"] = type(exc).__name__

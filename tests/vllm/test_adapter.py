@@ -53,11 +53,19 @@ def block_bytes(t: torch.Tensor, b: int) -> bytes:
 
 def groups_of(layout):
     """Each kernel group as (model layer numbers, vLLM group, window, tokens per block)."""
+
     def model_layer(i):
         return int(layout.layer_names[i].split(".")[2])
 
-    return [([model_layer(i) for i in g.layer_indices], g.engine_group_idx, g.sw_size_tokens,
-             g.tokens_per_block) for g in layout.manager.kernel_groups]
+    return [
+        (
+            [model_layer(i) for i in g.layer_indices],
+            g.engine_group_idx,
+            g.sw_size_tokens,
+            g.tokens_per_block,
+        )
+        for g in layout.manager.kernel_groups
+    ]
 
 
 def reference_objects(layout, ids):
@@ -65,11 +73,21 @@ def reference_objects(layout, ids):
     same bytes (bf16 read as int16, same strides), with the adapter's own group infos."""
     m = layout.manager
     arrays = [t.view(torch.int16).numpy() for t in layout.kv_caches]
-    infos = [EngineGroupInfo(engine_group_id=g.engine_group_idx, layer_indices=tuple(g.layer_indices),
-                             tokens_per_block=g.tokens_per_block, sw_size_tokens=g.sw_size_tokens)
-             for g in m.kernel_groups]
-    ref = KVLayerGroupsManager(arrays, list(m.engine_kv_formats), infos,
-                               lmcache_tokens_per_chunk=m.lmcache_tokens_per_chunk)
+    infos = [
+        EngineGroupInfo(
+            engine_group_id=g.engine_group_idx,
+            layer_indices=tuple(g.layer_indices),
+            tokens_per_block=g.tokens_per_block,
+            sw_size_tokens=g.sw_size_tokens,
+        )
+        for g in m.kernel_groups
+    ]
+    ref = KVLayerGroupsManager(
+        arrays,
+        list(m.engine_kv_formats),
+        infos,
+        lmcache_tokens_per_chunk=m.lmcache_tokens_per_chunk,
+    )
     return store(ref, arrays, layout.block_ids(ids), backend="numpy")
 
 
@@ -99,7 +117,7 @@ def test_full_attention_model_is_one_kernel_group_and_moves_whole_blocks():
     for t in cfg.kv_cache_tensors:
         for b in range(NB):
             lo = t.offset + b * t.block_stride
-            same = torch.equal(after[lo:lo + t.block_stride], before[lo:lo + t.block_stride])
+            same = torch.equal(after[lo : lo + t.block_stride], before[lo : lo + t.block_stride])
             assert same == (b not in moved), (t.layers, b)
 
 
@@ -107,22 +125,29 @@ def test_hybrid_groups_in_vllms_order_get_their_windows_and_block_spaces():
     # vLLM lists the sliding-window groups first; kernel groups are ordered by first layer.
     cfg = config([([1, 4], sliding()), ([2, 5], sliding()), ([0, 3], full())])
     layout = from_kv_cache_config(cfg, caches(cfg))
-    assert groups_of(layout) == [([0, 3], 2, -1, BS), ([1, 4], 0, 128, BS),
-                                 ([2, 5], 1, 128, BS)]
+    assert groups_of(layout) == [([0, 3], 2, -1, BS), ([1, 4], 0, 128, BS), ([2, 5], 1, 128, BS)]
     m = layout.manager
     assert [(o.kernel_group_indices, o.sw_size_chunks) for o in m.object_groups] == [
-        ([0], -1), ([1, 2], 1)]
+        ([0], -1),
+        ([1, 2], 1),
+    ]
     assert list(m.get_attn_desc().num_chunks_in_sw) == [-1, 1]
     assert layout.layer_names == [name(i) for i in range(6)]
     # The scheduler (no tensors) plans the same objects.
     plan_only = from_kv_cache_config(cfg, None).manager
-    assert [object_nbytes(plan_only, g) for g in range(2)] == [object_nbytes(m, g) for g in range(2)]
+    assert [object_nbytes(plan_only, g) for g in range(2)] == [
+        object_nbytes(m, g) for g in range(2)
+    ]
 
 
 def test_hybrid_load_writes_only_the_window_of_sliding_groups():
     cfg = config([([1, 4], sliding()), ([2, 5], sliding()), ([0, 3], full())])
     ids = ([1, 2, 3, 4], [5, 6, 7, 8], [9, 10, 11, 0])  # vLLM group order
-    dst_ids = ([0, 0, 0, 7], [0, 0, 0, 3], [8, 9, 10, 11])  # sliding: null blocks outside the window
+    dst_ids = (
+        [0, 0, 0, 7],
+        [0, 0, 0, 3],
+        [8, 9, 10, 11],
+    )  # sliding: null blocks outside the window
     src, dst, before, _ = roundtrip(cfg, ids, dst_ids)
     for i in (0, 3):  # full attention: all four blocks
         for s, d in zip(ids[2], dst_ids[2]):
@@ -134,7 +159,7 @@ def test_hybrid_load_writes_only_the_window_of_sliding_groups():
     after = backing(dst)
     for t in cfg.kv_cache_tensors:
         lo = t.offset
-        assert torch.equal(after[lo:lo + t.block_stride], before[lo:lo + t.block_stride])
+        assert torch.equal(after[lo : lo + t.block_stride], before[lo : lo + t.block_stride])
 
 
 def test_layers_of_one_vllm_group_with_different_shapes_are_two_kernel_groups():
@@ -211,14 +236,16 @@ def test_block_ids_cut_chunks_per_group_block_size():
 
 # --- errors -----------------------------------------------------------------------------
 
+
 def test_unknown_spec_type_names_the_group_and_layer():
     from vllm.v1.kv_cache_interface import CrossAttentionSpec
 
     cross = CrossAttentionSpec(block_size=BS, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
     cfg = config([([0, 1], full())])
     cfg.kv_cache_groups.append(type(cfg.kv_cache_groups[0])([name(2)], cross))
-    with pytest.raises(NotImplementedError,
-                       match=r"kv_cache_groups\[1\].*model.layers.2.*CrossAttentionSpec"):
+    with pytest.raises(
+        NotImplementedError, match=r"kv_cache_groups\[1\].*model.layers.2.*CrossAttentionSpec"
+    ):
         from_kv_cache_config(cfg, None)
 
 
@@ -237,11 +264,14 @@ def test_a_gdn_hybrid_groups_its_states_by_the_spec():
     cfg = gdn_config()
     layout = from_kv_cache_config(cfg, caches(cfg), chunk_size=CHUNK)
     m = layout.manager
-    assert [(g.layer_indices, g.engine_kv_format, g.recurrent_state, g.tokens_per_block)
-            for g in m.kernel_groups] == [
+    assert [
+        (g.layer_indices, g.engine_kv_format, g.recurrent_state, g.tokens_per_block)
+        for g in m.kernel_groups
+    ] == [
         ([0, 3], EngineKVFormat.NL_X_NB_CW_CD, True, BS),
         ([1, 4], EngineKVFormat.NL_X_NB_SH_SS, True, BS),
-        ([2, 5], EngineKVFormat.NL_X_NB_NH_BS_CS, False, BS)]
+        ([2, 5], EngineKVFormat.NL_X_NB_NH_BS_CS, False, BS),
+    ]
     assert layout.layer_names[:3] == [name(0), name(0), name(1)]
     assert layout.indices_of(name(2)) == [3, 4] and layout.state_layers == [0, 1, 3, 4]
     assert layout.state_groups == {0: 0}
@@ -255,15 +285,22 @@ def test_a_gdn_hybrid_groups_its_states_by_the_spec():
 def test_gdn_snapshots_round_trip_through_vllms_own_pages():
     cfg = gdn_config()
     src, dst = caches(cfg, seed=1), caches(cfg, seed=2)
-    lsrc, ldst = from_kv_cache_config(cfg, src, chunk_size=CHUNK), \
-        from_kv_cache_config(cfg, dst, chunk_size=CHUNK)
+    lsrc, ldst = (
+        from_kv_cache_config(cfg, src, chunk_size=CHUNK),
+        from_kv_cache_config(cfg, dst, chunk_size=CHUNK),
+    )
     ids = ([0, 5, 0, 9], [1, 2, 3, 4])  # per vLLM group: chunk c's snapshot in its last block
     objs = store(lsrc.manager, lsrc.kv_caches, lsrc.block_ids(ids))
     pages = [src[name(i)][:, 0, 0].view(torch.uint8) for i in (0, 2)]
     for c, block in enumerate((5, 9)):  # conv of both layers, then temporal of both
-        want = torch.cat([pages[0][block, :CONV_BYTES], pages[1][block, :CONV_BYTES],
-                          pages[0][block, CONV_BYTES:STATE_BYTES],
-                          pages[1][block, CONV_BYTES:STATE_BYTES]])
+        want = torch.cat(
+            [
+                pages[0][block, :CONV_BYTES],
+                pages[1][block, :CONV_BYTES],
+                pages[0][block, CONV_BYTES:STATE_BYTES],
+                pages[1][block, CONV_BYTES:STATE_BYTES],
+            ]
+        )
         assert torch.equal(objs[0][c], want)
     before = backing(dst).clone()
     kv_load(ldst.manager, objs, ldst.kv_caches, ldst.block_ids(([0, 0, 0, 7], [6, 8, 10, 11])))
@@ -274,11 +311,11 @@ def test_gdn_snapshots_round_trip_through_vllms_own_pages():
         assert torch.equal(page[:STATE_BYTES], page_bytes(backing(src), src, i, 9)[:STATE_BYTES])
         assert torch.equal(page[STATE_BYTES:], page_bytes(before, dst, i, 7)[STATE_BYTES:])
         start = page_start(dst, i, 7)
-        allowed[start:start + STATE_BYTES] = True
+        allowed[start : start + STATE_BYTES] = True
     for i in (1, 3):
         for block in (6, 8, 10, 11):
             start = page_start(dst, i, block)
-            allowed[start:start + PAGE] = True
+            allowed[start : start + PAGE] = True
     assert not bool((after != before)[~allowed].any())  # nothing else changed, padding included
 
 
@@ -289,7 +326,7 @@ def page_start(kv, i, block):
 
 def page_bytes(buf, kv, i, block):
     start = page_start(kv, i, block)
-    return buf[start:start + PAGE]
+    return buf[start : start + PAGE]
 
 
 def test_mamba_cache_mode_none_is_refused_naming_it():
@@ -312,7 +349,10 @@ def test_the_ds_conv_orientation_reads_channels_first():
     layout = from_kv_cache_config(cfg, caches(cfg), chunk_size=CHUNK, conv_layout="DS")
     g = layout.manager.kernel_groups[0]
     assert (g.engine_kv_format, g.shape_desc.nh, g.shape_desc.hs) == (
-        EngineKVFormat.NL_X_NB_CD_CW, 64, 3)
+        EngineKVFormat.NL_X_NB_CD_CW,
+        64,
+        3,
+    )
     with pytest.raises(ValueError, match="'DS'.*'SD'"):
         from_kv_cache_config(cfg, None, chunk_size=CHUNK, conv_layout="XY")
 

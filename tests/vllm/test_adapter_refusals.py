@@ -5,7 +5,8 @@ vLLM's spec dataclasses take any numbers; the adapter divided by a zero ``block_
 ``attention_chunk_size``, dropped a group's layers for a negative chunk size (``256 % -256``
 is 0: "needs nothing across a chunk"), took a negative ``sliding_window`` for a one-block
 window, and read a rank-3 tensor of a full-attention layer as MLA latents, so the worker's
-objects were not the ones the scheduler sized from the config. Each is now a typed error naming the group, layer and field, at registration.
+objects were not the ones the scheduler sized from the config. Each is now a typed error naming the
+group, layer and field, at registration.
 """
 
 from __future__ import annotations
@@ -37,23 +38,55 @@ from tests.vllm.vllm_configs import BS, DT, NB, caches, config, full, name  # no
 SPEC = dict(num_kv_heads=2, head_size=64, dtype=DT)
 
 
-@pytest.mark.parametrize("spec, field, kind", [
-    (lambda: FullAttentionSpec(block_size=0, **SPEC), "block_size", ValueError),
-    (lambda: FullAttentionSpec(block_size=-16, **SPEC), "block_size", ValueError),
-    (lambda: ChunkedLocalAttentionSpec(block_size=BS, attention_chunk_size=0, **SPEC),
-     "attention_chunk_size", ValueError),
-    (lambda: ChunkedLocalAttentionSpec(block_size=BS, attention_chunk_size=-256, **SPEC),
-     "attention_chunk_size", ValueError),
-    (lambda: SlidingWindowSpec(block_size=BS, sliding_window=-3, **SPEC), "sliding_window",
-     ValueError),
-    (lambda: SlidingWindowSpec(block_size=BS, sliding_window=0, **SPEC), "sliding_window",
-     ValueError),
-    (lambda: SlidingWindowSpec(block_size=BS, sliding_window=128.0, **SPEC), "sliding_window",
-     TypeError),
-    (lambda: SlidingWindowSpec(block_size=BS, sliding_window=128, extra_retained_tokens=-2,
-                               **SPEC), "extra_retained_tokens", ValueError),
-], ids=["block_size=0", "block_size<0", "chunk=0", "chunk<0", "window<0", "window=0",
-        "window float", "retained<0"])
+@pytest.mark.parametrize(
+    "spec, field, kind",
+    [
+        (lambda: FullAttentionSpec(block_size=0, **SPEC), "block_size", ValueError),
+        (lambda: FullAttentionSpec(block_size=-16, **SPEC), "block_size", ValueError),
+        (
+            lambda: ChunkedLocalAttentionSpec(block_size=BS, attention_chunk_size=0, **SPEC),
+            "attention_chunk_size",
+            ValueError,
+        ),
+        (
+            lambda: ChunkedLocalAttentionSpec(block_size=BS, attention_chunk_size=-256, **SPEC),
+            "attention_chunk_size",
+            ValueError,
+        ),
+        (
+            lambda: SlidingWindowSpec(block_size=BS, sliding_window=-3, **SPEC),
+            "sliding_window",
+            ValueError,
+        ),
+        (
+            lambda: SlidingWindowSpec(block_size=BS, sliding_window=0, **SPEC),
+            "sliding_window",
+            ValueError,
+        ),
+        (
+            lambda: SlidingWindowSpec(block_size=BS, sliding_window=128.0, **SPEC),
+            "sliding_window",
+            TypeError,
+        ),
+        (
+            lambda: SlidingWindowSpec(
+                block_size=BS, sliding_window=128, extra_retained_tokens=-2, **SPEC
+            ),
+            "extra_retained_tokens",
+            ValueError,
+        ),
+    ],
+    ids=[
+        "block_size=0",
+        "block_size<0",
+        "chunk=0",
+        "chunk<0",
+        "window<0",
+        "window=0",
+        "window float",
+        "retained<0",
+    ],
+)
 def test_bad_spec_numbers_are_refused_naming_group_layer_and_field(spec, field, kind):
     cfg = config([([0], full())])
     cfg.kv_cache_groups.append(type(cfg.kv_cache_groups[0])([name(1)], spec()))

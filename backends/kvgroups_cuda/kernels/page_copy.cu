@@ -60,7 +60,7 @@ typedef unsigned int kvg_u32;
 #define KVG_UNROLL 4
 #define KVG_WARP_UNROLL 16
 #define KVG_WARP_MIN_BLOCKS 2
-#define KVG_MIN_BLOCKS 1    // the classic kernels' __launch_bounds__ minimum (caps registers)
+#define KVG_MIN_BLOCKS 1  // the classic kernels' __launch_bounds__ minimum (caps registers)
 
 struct KvgRun {
     kvg_i64 cache_offset;
@@ -99,27 +99,27 @@ struct KvgParams {
     kvg_i64 num_blocks;
     kvg_i64 region_offset;
     kvg_i64 row_bytes;
-    kvg_i64 page_obj_stride;   // block_size * row_bytes
-    kvg_i64 skip_mul;          // device skip: blocks skipped s = skip * skip_mul / skip_div
+    kvg_i64 page_obj_stride;  // block_size * row_bytes
+    kvg_i64 skip_mul;         // device skip: blocks skipped s = skip * skip_mul / skip_div
     kvg_i64 skip_div;
-    kvg_i64 skip_max;          // device skip: the tokens the ids cover (larger is an error)
+    kvg_i64 skip_max;  // device skip: the tokens the ids cover (larger is an error)
     int blocks_per_chunk;
     int kept_per_chunk;
     int first_item;
     int num_items;
     int items_per_cta;
-    int ids_mode;              // 0 inline int32, 1 device int32, 2 device int64
-    int obj_mode;              // 0 strided, 1 device table, 2 inline table
+    int ids_mode;  // 0 inline int32, 1 device int32, 2 device int64
+    int obj_mode;  // 0 strided, 1 device table, 2 inline table
     int num_runs;
     int num_planes;
-    int num_tiles;             // ceil(num_items / items_per_cta)
-    int skip_mode;             // 0 none (first_item is exact), 1 device int32, 2 device int64
-    int err_engine_group;      // what the error record names for this launch's ids
+    int num_tiles;         // ceil(num_items / items_per_cta)
+    int skip_mode;         // 0 none (first_item is exact), 1 device int32, 2 device int64
+    int err_engine_group;  // what the error record names for this launch's ids
     int err_kernel_group;
-    int reserved;              // 0 (kept so the parameter layout stays as it was)
-    int segs_per_page;         // warp kernels: segments of 32 * KVG_WARP_UNROLL vectors a page
-                               // splits into (0 elsewhere)
-    int segs_shift;            // warp kernels: log2(segs_per_page), 0xFF if not a power of two
+    int reserved;       // 0 (kept so the parameter layout stays as it was)
+    int segs_per_page;  // warp kernels: segments of 32 * KVG_WARP_UNROLL vectors a page
+                        // splits into (0 elsewhere)
+    int segs_shift;     // warp kernels: log2(segs_per_page), 0xFF if not a power of two
     KvgRun runs[KVG_MAX_RUNS];
     kvg_u64 inline_objs[KVG_INLINE_OBJS];
     int inline_ids[KVG_INLINE_IDS];
@@ -142,12 +142,10 @@ template <> struct KvgVec<4> { typedef kvg_u32 T; };
 template <> struct KvgVec<2> { typedef unsigned short T; };
 template <> struct KvgVec<1> { typedef unsigned char T; };
 
-template <int V>
-__device__ __forceinline__ typename KvgVec<V>::T kvg_ld(kvg_u64 a) {
+template <int V> __device__ __forceinline__ typename KvgVec<V>::T kvg_ld(kvg_u64 a) {
     return *reinterpret_cast<const typename KvgVec<V>::T*>(a);
 }
-template <int V>
-__device__ __forceinline__ void kvg_st(kvg_u64 a, typename KvgVec<V>::T v) {
+template <int V> __device__ __forceinline__ void kvg_st(kvg_u64 a, typename KvgVec<V>::T v) {
     *reinterpret_cast<typename KvgVec<V>::T*>(a) = v;
 }
 // 16-byte accesses that name the global space: the warp kernels' page addresses come out of
@@ -159,7 +157,7 @@ __device__ __forceinline__ kvg_v16 kvg_ldg16(kvg_u64 a) {
     return v;
 }
 __device__ __forceinline__ void kvg_stg16(kvg_u64 a, kvg_v16 v) {
-    asm volatile("st.global.v2.u64 [%0], {%1, %2};" :: "l"(a), "l"(v.a), "l"(v.b) : "memory");
+    asm volatile("st.global.v2.u64 [%0], {%1, %2};" ::"l"(a), "l"(v.a), "l"(v.b) : "memory");
 }
 
 // Every entry point calls this before its first memory access. The host launches these
@@ -216,7 +214,7 @@ __device__ __noinline__ void kvg_report(const KvgParams& p, kvg_i64 value, int e
 // [0, skip_max] after reporting a value outside it).
 __device__ __forceinline__ int kvg_first_item(const KvgParams& p, bool report) {
     if (p.skip_mode == 0) return p.first_item;
-    kvg_i64 skip = p.skip_mode == 1 ? (kvg_i64)*reinterpret_cast<const int*>(p.skip)
+    kvg_i64 skip = p.skip_mode == 1 ? (kvg_i64) * reinterpret_cast<const int*>(p.skip)
                                     : *reinterpret_cast<const kvg_i64*>(p.skip);
     if (skip < 0 || skip > p.skip_max) {
         if (report) kvg_report(p, skip, -1, p.skip_max, true);
@@ -247,8 +245,8 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
     // Units go by groups of about one chunk's tiles: every plane and run of a group's tiles
     // before the next group, so the objects are walked chunk by chunk (as in kvg_warp_copy).
     const int planes_x_runs = p.num_planes * p.num_runs;
-    const int group_tiles = min((p.kept_per_chunk + p.items_per_cta - 1) / p.items_per_cta,
-                                p.num_tiles);
+    const int group_tiles =
+        min((p.kept_per_chunk + p.items_per_cta - 1) / p.items_per_cta, p.num_tiles);
     const int full_groups = p.num_tiles / group_tiles;
     const int full_work = full_groups * group_tiles * planes_x_runs;
     const int num_work = p.num_tiles * planes_x_runs;
@@ -281,8 +279,9 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
                 const kvg_i64 id = kvg_load_id(p, where);
                 if (id >= 0 && id < p.num_blocks) {
                     cache_page = pl.base + (kvg_u64)(id * p.block_stride + run.cache_offset);
-                    obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset + pl.obj_offset
-                               + pos * p.page_obj_stride + run.obj_offset);
+                    obj_page = kvg_object(p, chunk)
+                               + (kvg_u64)(p.region_offset + pl.obj_offset + pos * p.page_obj_stride
+                                           + run.obj_offset);
                 } else if (counts) {
                     kvg_report(p, id, p.err_engine_group, p.num_blocks, true);
                 }
@@ -315,14 +314,13 @@ __device__ __forceinline__ void kvg_page_copy(const KvgParams& p) {
                             c_off = (kvg_i64)r * V;
                             o_off = c_off;
                         } else {
-                            const kvg_u32 t = token_shift != 0xFFu ? r >> token_shift
-                                                                   : r / run.units_per_token;
+                            const kvg_u32 t =
+                                token_shift != 0xFFu ? r >> token_shift : r / run.units_per_token;
                             const kvg_u32 r2 = r - t * run.units_per_token;
-                            const kvg_u32 piece = piece_shift != 0xFFu ? r2 >> piece_shift
-                                                                       : r2 / run.units_per_piece;
+                            const kvg_u32 piece =
+                                piece_shift != 0xFFu ? r2 >> piece_shift : r2 / run.units_per_piece;
                             const kvg_u32 wu = r2 - piece * run.units_per_piece;
-                            c_off = t * run.token_stride + piece * run.cache_step
-                                    + (kvg_i64)wu * V;
+                            c_off = t * run.token_stride + piece * run.cache_step + (kvg_i64)wu * V;
                             o_off = t * p.row_bytes + piece * run.obj_step + (kvg_i64)wu * V;
                         }
                         const kvg_u64 c_addr = cache_page + (kvg_u64)c_off;
@@ -366,9 +364,9 @@ struct KvgWarpShape {
     kvg_u32 segs_shift;  // log2(segs), 0xFF if not a power of two
     kvg_u32 kept;
     kvg_u32 planes_x_kept;
-    kvg_u32 rows;        // chunks the launch touches
-    kvg_u32 total;       // units
-    int row0_item;       // first item of the first chunk touched
+    kvg_u32 rows;   // chunks the launch touches
+    kvg_u32 total;  // units
+    int row0_item;  // first item of the first chunk touched
     int end_item;
 };
 struct KvgWarpUnit {
@@ -409,8 +407,7 @@ __device__ __forceinline__ KvgWarpUnit kvg_warp_unit(const KvgParams& p, const K
 }
 
 __device__ __forceinline__ kvg_i64 kvg_id_slot(const KvgParams& p, const KvgWarpUnit& w) {
-    return (kvg_i64)w.chunk * p.blocks_per_chunk + (p.blocks_per_chunk - p.kept_per_chunk)
-           + w.pos;
+    return (kvg_i64)w.chunk * p.blocks_per_chunk + (p.blocks_per_chunk - p.kept_per_chunk) + w.pos;
 }
 
 // Loads that bypass L1, for the look-ups made before griddepcontrol.wait: L1 is not coherent,
@@ -420,8 +417,7 @@ __device__ __forceinline__ kvg_i64 kvg_load_id_l2(const KvgParams& p, kvg_i64 wh
     if (p.ids_mode == 0) return p.inline_ids[where];
     if (p.ids_mode == 1) {
         int v;
-        asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v)
-                     : "l"(p.ids + (kvg_u64)where * 4u));
+        asm volatile("ld.global.cg.s32 %0, [%1];" : "=r"(v) : "l"(p.ids + (kvg_u64)where * 4u));
         return v;
     }
     kvg_i64 v;
@@ -457,20 +453,20 @@ __device__ __forceinline__ void kvg_warp_prefetch_store_source(const KvgParams& 
     const kvg_i64 id = kvg_load_id_l2(p, kvg_id_slot(p, w));
     if (id < 0 || id >= p.num_blocks) return;
     kvg_u64 base;
-    asm volatile("ld.global.cg.u64 %0, [%1];" : "=l"(base)
+    asm volatile("ld.global.cg.u64 %0, [%1];"
+                 : "=l"(base)
                  : "l"(p.plane_table + (kvg_u64)w.plane * sizeof(KvgPlane)));
     const KvgRun& run = p.runs[0];
     const kvg_u64 page = base + (kvg_u64)(id * p.block_stride + run.cache_offset);
     const kvg_u32 seg_bytes = 32u * KVG_WARP_UNROLL * 16u;
     const kvg_u32 begin = w.seg * seg_bytes;
     const kvg_u32 bytes = min(seg_bytes, run.page_units * 16u - begin);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(page + begin), "r"(bytes)
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(page + begin), "r"(bytes)
                  : "memory");
 #endif
 }
 
-template <bool STORE>
-__device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
+template <bool STORE> __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
     const int lane = threadIdx.x & 31;
     const KvgRun& run = p.runs[0];
     const kvg_u32 page_units = run.page_units;
@@ -496,8 +492,9 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
             continue;
         }
         const kvg_u64 cache_page = pl.base + (kvg_u64)(id * p.block_stride + run.cache_offset);
-        const kvg_u64 obj_page = kvg_object(p, chunk) + (kvg_u64)(p.region_offset + pl.obj_offset
-                                 + (kvg_i64)pos * p.page_obj_stride + run.obj_offset);
+        const kvg_u64 obj_page = kvg_object(p, chunk)
+                                 + (kvg_u64)(p.region_offset + pl.obj_offset
+                                             + (kvg_i64)pos * p.page_obj_stride + run.obj_offset);
         const kvg_u64 src = STORE ? cache_page : obj_page;
         const kvg_u64 dst = STORE ? obj_page : cache_page;
         const kvg_u32 k0 = seg * (32u * KVG_WARP_UNROLL) + (kvg_u32)lane;
@@ -521,29 +518,29 @@ __device__ __forceinline__ void kvg_warp_copy(const KvgParams& p) {
 #define KVG_BUILD_XLA 0  // 1: only the XLA entry points below
 #endif
 #if !KVG_BUILD_XLA
-#define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                                         \
-    extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS)          \
-    kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {                   \
-        kvg_wait_for_prior_grid();                                                     \
-        kvg_page_copy<STORE, V, CONTIG>(p);                                            \
+#define KVG_KERNEL(DIR, STORE, V, KIND, CONTIG)                               \
+    extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_MIN_BLOCKS) \
+        kvg_##DIR##_v##V##_##KIND(const __grid_constant__ KvgParams p) {      \
+        kvg_wait_for_prior_grid();                                            \
+        kvg_page_copy<STORE, V, CONTIG>(p);                                   \
     }
 
-#define KVG_KERNELS_V(V)                          \
-    KVG_KERNEL(store, true, V, contig, true)      \
-    KVG_KERNEL(store, true, V, runs, false)       \
-    KVG_KERNEL(load, false, V, contig, true)      \
+#define KVG_KERNELS_V(V)                     \
+    KVG_KERNEL(store, true, V, contig, true) \
+    KVG_KERNEL(store, true, V, runs, false)  \
+    KVG_KERNEL(load, false, V, contig, true) \
     KVG_KERNEL(load, false, V, runs, false)
 
 KVG_KERNELS_V(16)
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
-kvg_store_v16_warp(const __grid_constant__ KvgParams p) {
+    kvg_store_v16_warp(const __grid_constant__ KvgParams p) {
     kvg_warp_prefetch_store_source(p);
     kvg_wait_for_prior_grid();
     kvg_let_next_grid_start();
     kvg_warp_copy<true>(p);
 }
 extern "C" __global__ void __launch_bounds__(KVG_THREADS, KVG_WARP_MIN_BLOCKS)
-kvg_load_v16_warp(const __grid_constant__ KvgParams p) {
+    kvg_load_v16_warp(const __grid_constant__ KvgParams p) {
     kvg_wait_for_prior_grid();
     kvg_let_next_grid_start();
     kvg_warp_copy<false>(p);
@@ -587,8 +584,9 @@ struct KvgXlaPlane {
     kvg_i64 obj_offset;  // as KvgPlane.obj_offset
 };
 // The parameters up to the inline id and object tables, which XLA calls never use.
-#define KVG_XLA_PARAM_WORDS \
-    ((int)(sizeof(KvgParams) - KVG_INLINE_OBJS * sizeof(kvg_u64) - KVG_INLINE_IDS * sizeof(int)) / 4)
+#define KVG_XLA_PARAM_WORDS                                                                      \
+    ((int)(sizeof(KvgParams) - KVG_INLINE_OBJS * sizeof(kvg_u64) - KVG_INLINE_IDS * sizeof(int)) \
+     / 4)
 
 template <bool STORE>
 __device__ __forceinline__ void kvg_xla_warp_copy(const char* blob, const kvg_u64* words) {
@@ -599,8 +597,8 @@ __device__ __forceinline__ void kvg_xla_warp_copy(const char* blob, const kvg_u6
     kvg_u32* dst = reinterpret_cast<kvg_u32*>(&p);
     for (int i = threadIdx.x; i < KVG_XLA_PARAM_WORDS; i += KVG_THREADS) dst[i] = src[i];
     __syncthreads();  // the entry point's words, and p, are complete
-    const KvgXlaPlane* xp = reinterpret_cast<const KvgXlaPlane*>(
-        blob + sizeof(KvgXlaHead) + sizeof(KvgParams));
+    const KvgXlaPlane* xp =
+        reinterpret_cast<const KvgXlaPlane*>(blob + sizeof(KvgXlaHead) + sizeof(KvgParams));
     const int num_planes = head->num_planes;
     for (int i = threadIdx.x; i < num_planes; i += KVG_THREADS) {
         planes[i].base = words[xp[i].word] + (kvg_u64)xp[i].offset;

@@ -53,15 +53,20 @@ _INT32_MAX = 2**31 - 1
 class XlaHead(ctypes.Structure):
     """``KvgXlaHead`` of page_copy.cu: where the call's buffers sit among the words."""
 
-    _fields_ = [(name, ctypes.c_int32) for name in (
-        "meta", "ids", "obj", "err", "num_planes", "first_lo", "total_items", "pad")]
+    _fields_ = [
+        (name, ctypes.c_int32)
+        for name in ("meta", "ids", "obj", "err", "num_planes", "first_lo", "total_items", "pad")
+    ]
 
 
 class XlaPlane(ctypes.Structure):
     """``KvgXlaPlane``: which word holds the plane's buffer, and where in it the plane starts."""
 
-    _fields_ = [("word", ctypes.c_int64), ("offset", ctypes.c_int64),
-                ("obj_offset", ctypes.c_int64)]
+    _fields_ = [
+        ("word", ctypes.c_int64),
+        ("offset", ctypes.c_int64),
+        ("obj_offset", ctypes.c_int64),
+    ]
 
 
 def _triton_lib():
@@ -77,8 +82,12 @@ def runtime_unavailable() -> str | None:
         lib = _triton_lib()
     except ImportError as exc:
         return f"jaxlib has no GPU kernel-call module ({exc})"
-    for name in ("TritonKernel", "TritonKernelCall", "create_array_parameter",
-                 "create_scalar_parameter"):
+    for name in (
+        "TritonKernel",
+        "TritonKernelCall",
+        "create_array_parameter",
+        "create_scalar_parameter",
+    ):
         if getattr(lib, name, None) is None:
             return f"jaxlib's GPU kernel-call module lacks {name} (no CUDA plugin?)"
     try:
@@ -120,9 +129,19 @@ def unsupported_reason(geom: GroupGeometry) -> str | None:
     return f"lowering 'cuda': {runtime}" if runtime else geometry_unsupported(geom)
 
 
-def pack_blob(geom: GroupGeometry, *, kernel_group: int, obj_row_bytes: int,
-              total_items: int, first_lo: int, plane_words: tuple[int, ...], meta_word: int,
-              ids_word: int, obj_word: int, err_word: int) -> bytes:
+def pack_blob(
+    geom: GroupGeometry,
+    *,
+    kernel_group: int,
+    obj_row_bytes: int,
+    total_items: int,
+    first_lo: int,
+    plane_words: tuple[int, ...],
+    meta_word: int,
+    ids_word: int,
+    obj_word: int,
+    err_word: int,
+) -> bytes:
     """The parameter blob of one launch (every address 0: the kernel fills them in)."""
     from kvgroups_cuda import params as P
 
@@ -153,8 +172,15 @@ def pack_blob(geom: GroupGeometry, *, kernel_group: int, obj_row_bytes: int,
     run.units_per_piece = run.units_per_token = row_bytes // 16
     run.page_units = page_bytes // 16
     run.shifts = P.pow2_shifts(run.page_units, run.units_per_token, run.units_per_piece)
-    head = XlaHead(meta=meta_word, ids=ids_word, obj=obj_word, err=err_word,
-                   num_planes=geom.num_planes, first_lo=first_lo, total_items=total_items)
+    head = XlaHead(
+        meta=meta_word,
+        ids=ids_word,
+        obj=obj_word,
+        err=err_word,
+        num_planes=geom.num_planes,
+        first_lo=first_lo,
+        total_items=total_items,
+    )
     planes = (XlaPlane * geom.num_planes)()
     plane_stride = geom.slots * row_bytes
     for i, (word, off) in enumerate(zip(plane_words, geom.plane_offsets)):
@@ -171,8 +197,9 @@ def _num_sms() -> int:
         return 132
 
 
-def launch_ctas(geom: GroupGeometry, grid_items: int, total_items: int,
-                resident_waves: int | None = None) -> int:
+def launch_ctas(
+    geom: GroupGeometry, grid_items: int, total_items: int, resident_waves: int | None = None
+) -> int:
     """CTAs of a launch: one warp per unit of the largest call the program can see (the kernel
     loops when a call has more, and its idle warps exit at once when it has fewer), or at most
     ``resident_waves`` waves of resident CTAs (``LoweringTuning.resident_waves``; each CTA
@@ -183,12 +210,14 @@ def launch_ctas(geom: GroupGeometry, grid_items: int, total_items: int,
     page_bytes = geom.block_size * geom.row * geom.unit
     kept = geom.kept_per_chunk
     items = max(1, min(grid_items + kept - 1, max(total_items, 1)))
-    fit = geometry.warp_sizing(page_bytes, items, geom.num_planes, params.WARP_UNROLL,
-                               params.WARPS_PER_CTA, 0, kept)
+    fit = geometry.warp_sizing(
+        page_bytes, items, geom.num_planes, params.WARP_UNROLL, params.WARPS_PER_CTA, 0, kept
+    )
     if fit is None:
         raise UnsupportedConfigError(
             f"lowering 'cuda': expected fewer than 2**31 work units, got {items} items of "
-            f"{geom.num_planes} planes")
+            f"{geom.num_planes} planes"
+        )
     ctas = max(1, min(fit[1], 2**31 - 1))
     if resident_waves:
         ctas = min(ctas, resident_waves * 2 * _num_sms())  # KVG_WARP_MIN_BLOCKS = 2 per SM
@@ -235,7 +264,7 @@ def _fit_ptx_version(ptx: str) -> str:
         isa = (9, minor) if major >= 13 else (8, min(minor, 8)) if major == 12 else None
     if isa is None or (int(found[1]), int(found[2])) <= isa:
         return ptx
-    return ptx[:found.start()] + f".version {isa[0]}.{isa[1]}" + ptx[found.end():]
+    return ptx[: found.start()] + f".version {isa[0]}.{isa[1]}" + ptx[found.end() :]
 
 
 @functools.cache
@@ -245,8 +274,7 @@ def _xla_cuda_version() -> int | None:
         from jax._src.lib import cuda_versions
     except ImportError:
         return None
-    getter = getattr(cuda_versions, "cuda_runtime_build_version", None) if cuda_versions \
-        else None
+    getter = getattr(cuda_versions, "cuda_runtime_build_version", None) if cuda_versions else None
     try:
         return int(getter()) if getter is not None else None
     except Exception:  # noqa: BLE001 - the plugin may be absent or report nothing
@@ -292,9 +320,9 @@ class LaunchSpec:
     first, then results."""
 
     blob: bytes
-    operand_kinds: tuple[str, ...]       # "meta", "ids", "obj", "cache"
-    result_kinds: tuple[str, ...]        # "obj", "cache", "err"
-    aliases: dict[int, int]              # ffi_call operand index (blob = 0) -> result index
+    operand_kinds: tuple[str, ...]  # "meta", "ids", "obj", "cache"
+    result_kinds: tuple[str, ...]  # "obj", "cache", "err"
+    aliases: dict[int, int]  # ffi_call operand index (blob = 0) -> result index
     ctas: int
 
     @property
@@ -302,9 +330,18 @@ class LaunchSpec:
         return 1 + len(self.operand_kinds) + len(self.result_kinds)
 
 
-def launch_spec(direction: str, geom: GroupGeometry, grid_items: int, *, obj_rows: int,
-                obj_elems: int, fresh: bool, ids_len: int, kernel_group: int = 0,
-                resident_waves: int | None = None) -> LaunchSpec:
+def launch_spec(
+    direction: str,
+    geom: GroupGeometry,
+    grid_items: int,
+    *,
+    obj_rows: int,
+    obj_elems: int,
+    fresh: bool,
+    ids_len: int,
+    kernel_group: int = 0,
+    resident_waves: int | None = None,
+) -> LaunchSpec:
     """The static description of one kernel group's launch (no JAX arrays involved;
     ``resident_waves`` as for :func:`launch_ctas`)."""
     if direction not in ("store", "load"):
@@ -326,43 +363,80 @@ def launch_spec(direction: str, geom: GroupGeometry, grid_items: int, *, obj_row
     first_cache = operands.index("cache")
     # Items whose ids and object rows exist: the kernel clamps the traced meta to them.
     total_items = min(ids_len // geom.blocks_per_chunk, obj_rows) * geom.kept_per_chunk
-    blob = pack_blob(geom, kernel_group=kernel_group,
-                     obj_row_bytes=obj_elems * geom.unit, total_items=total_items, first_lo=0,
-                     plane_words=tuple(first_cache + op for op in geom.plane_operands),
-                     meta_word=0, ids_word=1, obj_word=obj_word,
-                     err_word=len(operands) + len(results) - 1)
-    return LaunchSpec(blob, operands, results, aliases,
-                      launch_ctas(geom, int(grid_items), total_items, resident_waves))
+    blob = pack_blob(
+        geom,
+        kernel_group=kernel_group,
+        obj_row_bytes=obj_elems * geom.unit,
+        total_items=total_items,
+        first_lo=0,
+        plane_words=tuple(first_cache + op for op in geom.plane_operands),
+        meta_word=0,
+        ids_word=1,
+        obj_word=obj_word,
+        err_word=len(operands) + len(results) - 1,
+    )
+    return LaunchSpec(
+        blob,
+        operands,
+        results,
+        aliases,
+        launch_ctas(geom, int(grid_items), total_items, resident_waves),
+    )
 
 
-def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, *,
-               kernel_group: int = 0, tuning: LoweringTuning = DEFAULT_TUNING, **_):
+def copy_group(
+    direction,
+    geom: GroupGeometry,
+    grid_items,
+    meta,
+    ids,
+    obj,
+    caches,
+    *,
+    kernel_group: int = 0,
+    tuning: LoweringTuning = DEFAULT_TUNING,
+    **_,
+):
     """Move one kernel group's pages (arguments and results as
     :func:`kvgroups_jax.lowerings.triton.copy_group`). Traceable; the caller jits and donates the
     written operands (caches on load, objects on store), which the results reuse."""
     if len(caches) != len(geom.operand_slots):
-        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got "
-                         f"{len(caches)}")
+        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
     reason = runtime_unavailable()
     if reason:
         raise UnsupportedConfigError(f"lowering 'cuda': {reason}")
     rows, elems = obj.shape
     fresh = isinstance(obj, jax.ShapeDtypeStruct)
     ids = jnp.asarray(ids, jnp.int32)
-    spec = launch_spec(direction, geom, grid_items, obj_rows=rows, obj_elems=elems,
-                       fresh=fresh, ids_len=ids.shape[0], kernel_group=kernel_group,
-                       resident_waves=tuning.resident_waves)
-    given = {"meta": [jnp.asarray(meta, jnp.int32)], "ids": [ids],
-             "obj": [] if fresh else [obj], "cache": list(caches)}
+    spec = launch_spec(
+        direction,
+        geom,
+        grid_items,
+        obj_rows=rows,
+        obj_elems=elems,
+        fresh=fresh,
+        ids_len=ids.shape[0],
+        kernel_group=kernel_group,
+        resident_waves=tuning.resident_waves,
+    )
+    given = {
+        "meta": [jnp.asarray(meta, jnp.int32)],
+        "ids": [ids],
+        "obj": [] if fresh else [obj],
+        "cache": list(caches),
+    }
     operands = [given[kind].pop(0) for kind in spec.operand_kinds]
-    shapes = {"obj": [jax.ShapeDtypeStruct((rows, elems), obj.dtype)],
-              "cache": [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
-              "err": [jax.ShapeDtypeStruct((64,), jnp.uint8)]}  # 8 int64 words, dropped
+    shapes = {
+        "obj": [jax.ShapeDtypeStruct((rows, elems), obj.dtype)],
+        "cache": [jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches],
+        "err": [jax.ShapeDtypeStruct((64,), jnp.uint8)],
+    }  # 8 int64 words, dropped
     results = [shapes[kind].pop(0) for kind in spec.result_kinds]
     opaque = _kernel_call(direction, spec.buffers, spec.ctas, _isa_override())
     # vmap: one launch per batch entry (the kernel has no batch axis).
-    call = jax.ffi.ffi_call(CUSTOM_CALL_TARGET, results, input_output_aliases=spec.aliases,
-                            vmap_method="sequential")
+    call = jax.ffi.ffi_call(
+        CUSTOM_CALL_TARGET, results, input_output_aliases=spec.aliases, vmap_method="sequential"
+    )
     out = call(jnp.asarray(np.frombuffer(spec.blob, np.uint8)), *operands, opaque=opaque)
     if direction == "store":
         return out[0]

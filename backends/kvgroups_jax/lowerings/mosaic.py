@@ -72,9 +72,13 @@ def mosaic_pieces(geom: GroupGeometry) -> tuple[int, int]:
             "layout: expected one contiguous span per block and plane for Mosaic GPU (NHD-like), "
             f"got {len(geom.boxes)} strided boxes"
         )
-    values = {"span": span, "block_stride": geom.block_stride,
-              "region_offset": geom.region_offset, "object_elems": geom.object_row_elems,
-              "slots*row": geom.slots * geom.row}
+    values = {
+        "span": span,
+        "block_stride": geom.block_stride,
+        "region_offset": geom.region_offset,
+        "object_elems": geom.object_row_elems,
+        "slots*row": geom.slots * geom.row,
+    }
     values.update({f"plane_offset[{p}]": o for p, o in enumerate(geom.plane_offsets)})
     values.update({f"operand_size[{k}]": s for k, s in enumerate(geom.operand_sizes)})
     for name, value in values.items():
@@ -114,8 +118,16 @@ def _plane_row(geom: GroupGeometry, plane_id, planes: list[int]):
     return row
 
 
-def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, rows: int,
-              copies: int, grid_items: int):
+def _tma_body(
+    meta_ref,
+    ids_ref,
+    *refs,
+    geom: GroupGeometry,
+    direction: str,
+    rows: int,
+    copies: int,
+    grid_items: int,
+):
     # Operands (all in GMEM): meta [2] int32 (first_item, num_items); ids [ids_bucket] int32;
     # store: the caches [size_k / 256, 256] then the object Ref [chunks, elems / 256, 256];
     # load: the object, then the cache Refs. Scratch: smem [buffers, rows, 256] and as many
@@ -123,15 +135,18 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
 
     num_ops = len(geom.operand_slots)
     if direction == "store":
-        caches, (obj,) = refs[:num_ops], refs[num_ops:num_ops + 1]
+        caches, (obj,) = refs[:num_ops], refs[num_ops : num_ops + 1]
     else:
-        (obj,), caches = refs[:1], refs[1:1 + num_ops]
+        (obj,), caches = refs[:1], refs[1 : 1 + num_ops]
     smem, barriers = refs[-2:]
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     # The item axis is CUDA's x (started first): walk the grid about a chunk at a time.
     i, plane_id = chunk_order(
         lax.axis_index(_ITEM_AXIS) + grid_items * lax.axis_index(_PLANE_AXIS),
-        grid_items, geom.num_planes, kept)
+        grid_items,
+        geom.num_planes,
+        kept,
+    )
     span_rows = geom.span // TMA_DIM
 
     @pl.when(i < meta_ref[1])
@@ -144,14 +159,28 @@ def _tma_body(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, row
         # nothing (the executor reports it through checkify).
         in_range = jnp.logical_and(block >= 0, block < geom.num_blocks)
         # Every offset is a whole number of TMA rows (checked by mosaic_pieces).
-        orow = (geom.region_offset // TMA_DIM
-                + _object_plane(geom, plane_id) * (geom.slots * geom.row // TMA_DIM)
-                + pos * span_rows)
+        orow = (
+            geom.region_offset // TMA_DIM
+            + _object_plane(geom, plane_id) * (geom.slots * geom.row // TMA_DIM)
+            + pos * span_rows
+        )
 
         @pl.when(in_range)
         def _():
-            _copy_spans(caches, obj, smem, barriers, chunk, block, orow, plane_id, geom=geom,
-                        direction=direction, rows=rows, copies=copies)
+            _copy_spans(
+                caches,
+                obj,
+                smem,
+                barriers,
+                chunk,
+                block,
+                orow,
+                plane_id,
+                geom=geom,
+                direction=direction,
+                rows=rows,
+                copies=copies,
+            )
 
 
 def _object_plane(geom: GroupGeometry, plane_id):
@@ -165,8 +194,9 @@ def _object_plane(geom: GroupGeometry, plane_id):
     return out
 
 
-def _copy_spans(caches, obj, smem, barriers, chunk, block, orow, plane_id, *, geom, direction,
-                rows, copies):
+def _copy_spans(
+    caches, obj, smem, barriers, chunk, block, orow, plane_id, *, geom, direction, rows, copies
+):
     """Copy one item's block-plane span through shared memory, in ``copies`` pieces."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
@@ -188,8 +218,9 @@ def _copy_spans(caches, obj, smem, barriers, chunk, block, orow, plane_id, *, ge
                 return obj.at[chunk, o_win], caches[op].at[c_win]
 
             def load(k):
-                plgpu.copy_gmem_to_smem(windows(k)[0], smem.at[k % nbuf],
-                                        barriers.at[k % nbuf], **_bulk_load_options())
+                plgpu.copy_gmem_to_smem(
+                    windows(k)[0], smem.at[k % nbuf], barriers.at[k % nbuf], **_bulk_load_options()
+                )
 
             load(0)
             for k in range(copies):
@@ -253,35 +284,58 @@ def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=Non
     try:
         from jax.experimental.pallas import mosaic_gpu as plgpu
     except ImportError as exc:  # jaxlib without the Mosaic GPU extension
-        raise UnsupportedConfigError(f"lowering: Mosaic GPU is not available in this jax ({exc})") \
-            from exc
+        raise UnsupportedConfigError(
+            f"lowering: Mosaic GPU is not available in this jax ({exc})"
+        ) from exc
 
     rows, copies = mosaic_pieces(geom)
     nbuf = min(NUM_BUFFERS, copies)
     name = f"kvgroups_{direction}_pages_tma"
-    scratch = (plgpu.SMEM((nbuf, rows, TMA_DIM), obj.dtype),
-               plgpu.Barrier(num_arrivals=1, num_barriers=nbuf))
+    scratch = (
+        plgpu.SMEM((nbuf, rows, TMA_DIM), obj.dtype),
+        plgpu.Barrier(num_arrivals=1, num_barriers=nbuf),
+    )
 
     def body(*operands):
         # Shared memory and barriers are scoped inside the body, as plgpu.kernel does: the
         # Mosaic GPU mpmd_map lowering takes no scratch operands.
         pl.run_scoped(
-            lambda smem, barriers: _tma_body(*operands, smem, barriers, geom=geom,
-                                             direction=direction, rows=rows, copies=copies,
-                                             grid_items=grid_items),
+            lambda smem, barriers: _tma_body(
+                *operands,
+                smem,
+                barriers,
+                geom=geom,
+                direction=direction,
+                rows=rows,
+                copies=copies,
+                grid_items=grid_items,
+            ),
             *scratch,
         )
 
     # Mosaic GPU launches the grid reversed (the last axis is CUDA's x, up to 2**31 - 1
     # blocks; y is limited to 65535): items go last.
-    mesh = plgpu.Mesh(grid=(geom.num_planes, grid_items), grid_names=(_PLANE_AXIS, _ITEM_AXIS),
-                      kernel_name=name)
-    kernel = pl.kernel(body, out_type=(), mesh=mesh, compiler_params=plgpu.CompilerParams(),
-                       interpret=interpret, name=name)
+    mesh = plgpu.Mesh(
+        grid=(geom.num_planes, grid_items), grid_names=(_PLANE_AXIS, _ITEM_AXIS), kernel_name=name
+    )
+    kernel = pl.kernel(
+        body,
+        out_type=(),
+        mesh=mesh,
+        compiler_params=plgpu.CompilerParams(),
+        interpret=interpret,
+        name=name,
+    )
     if direction == "store" and isinstance(obj, jax.ShapeDtypeStruct):
         # A new object as the kernel's output: no zero-filled buffer to alias.
-        fresh = pl.kernel(body, out_type=obj, mesh=mesh, compiler_params=plgpu.CompilerParams(),
-                          interpret=interpret, name=name)
+        fresh = pl.kernel(
+            body,
+            out_type=obj,
+            mesh=mesh,
+            compiler_params=plgpu.CompilerParams(),
+            interpret=interpret,
+            name=name,
+        )
         return fresh(meta, ids, *caches)
     if direction == "store":
         obj_ref = jax.new_ref(obj, memory_space=plgpu.GMEM)
@@ -292,8 +346,9 @@ def _tma_copy(direction, geom, grid_items, meta, ids, obj, caches, interpret=Non
     return tuple(r[...] for r in cache_refs)
 
 
-def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, *,
-               interpret=False, **_):
+def copy_group(
+    direction, geom: GroupGeometry, grid_items, meta, ids, obj, caches, *, interpret=False, **_
+):
     """Move one kernel group's pages with TMA (arguments and results as
     :func:`kvgroups_jax.lowerings.triton.copy_group`; views are reshaped to 256-wide rows here).
 
@@ -305,17 +360,26 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
     if len(caches) != len(geom.operand_slots):
-        raise ValueError(
-            f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}"
-        )
+        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
     mosaic_pieces(geom)  # raises UnsupportedConfigError before tracing anything
     n_chunks, elems = obj.shape
     shape3 = (n_chunks, elems // TMA_DIM, TMA_DIM)
-    obj3 = jax.ShapeDtypeStruct(shape3, obj.dtype) if isinstance(obj, jax.ShapeDtypeStruct) \
+    obj3 = (
+        jax.ShapeDtypeStruct(shape3, obj.dtype)
+        if isinstance(obj, jax.ShapeDtypeStruct)
         else obj.reshape(shape3)
+    )
     caches2 = tuple(c.reshape(-1, TMA_DIM) for c in caches)
-    out = _tma_copy(direction, geom, grid_items, meta, ids, obj3, caches2,
-                    interpret=_gpu_interpret_params(interpret))
+    out = _tma_copy(
+        direction,
+        geom,
+        grid_items,
+        meta,
+        ids,
+        obj3,
+        caches2,
+        interpret=_gpu_interpret_params(interpret),
+    )
     if direction == "store":
         return out.reshape(n_chunks, elems)
     return tuple(c.reshape(-1) for c in out)

@@ -53,12 +53,14 @@ def run_table(meta: jax.Array, ids: jax.Array, geom: GroupGeometry, grid_items: 
     follows = prev_valid & (pos != 0) & (block == prev_block + 1)
     start = valid & ~follows
     run = jnp.cumsum(start.astype(jnp.int32)) - 1
-    length = jnp.zeros(grid_items, jnp.int32).at[jnp.where(valid, run, grid_items)].add(
-        1, mode="drop")
+    length = (
+        jnp.zeros(grid_items, jnp.int32).at[jnp.where(valid, run, grid_items)].add(1, mode="drop")
+    )
     first = jnp.nonzero(start, size=grid_items, fill_value=0)[0]
     count = jnp.sum(start.astype(jnp.int32))
-    return jnp.concatenate([count[None], chunk[first], pos[first], block[first].astype(jnp.int32),
-                            length]).astype(jnp.int32)
+    return jnp.concatenate(
+        [count[None], chunk[first], pos[first], block[first].astype(jnp.int32), length]
+    ).astype(jnp.int32)
 
 
 def _ref_window(ref, lead: tuple, side, k: int, family: Family, move, length):
@@ -69,8 +71,9 @@ def _ref_window(ref, lead: tuple, side, k: int, family: Family, move, length):
     return ref.at[tuple(index)]
 
 
-def _dma_kernel(table_ref, *refs, plan: DmaPlan, direction: str, fresh: bool,
-                grid_items: int, count_dmas: bool):
+def _dma_kernel(
+    table_ref, *refs, plan: DmaPlan, direction: str, fresh: bool, grid_items: int, count_dmas: bool
+):
     # table_ref: SMEM [1 + 4 * grid_items] int32 (run count; chunk, position, block, length).
     # refs (HBM): [obj_in] (not for a store creating its object), cache inputs (one per
     # operand, viewed as plan.cache_views), outputs (store: the object [chunks, *obj_view];
@@ -89,8 +92,15 @@ def _dma_kernel(table_ref, *refs, plan: DmaPlan, direction: str, fresh: bool,
         for k in range(family.dmas):
             cache_win = (caches_in if direction == "store" else outs)[family.operand]
             c = _ref_window(cache_win, (), family.cache, k, family, block, length)
-            o = _ref_window(outs[0] if direction == "store" else obj_in, (chunk,), family.obj,
-                            k, family, pos, length)
+            o = _ref_window(
+                outs[0] if direction == "store" else obj_in,
+                (chunk,),
+                family.obj,
+                k,
+                family,
+                pos,
+                length,
+            )
             src, dst = (c, o) if direction == "store" else (o, c)
             dma = pltpu.make_async_copy(src, dst, sem)
             if start:
@@ -160,8 +170,14 @@ def _dma_copy(direction, geom, grid_items, table, obj, caches, *, interpret, cou
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     operands = () if fresh else (obj.reshape(obj_shape),)
     operands += views
-    kernel = functools.partial(_dma_kernel, plan=plan, direction=direction, fresh=fresh,
-                               grid_items=grid_items, count_dmas=count_dmas)
+    kernel = functools.partial(
+        _dma_kernel,
+        plan=plan,
+        direction=direction,
+        fresh=fresh,
+        grid_items=grid_items,
+        count_dmas=count_dmas,
+    )
     out = pl.pallas_call(
         kernel,
         out_shape=tuple(out_shape),
@@ -185,9 +201,19 @@ def _dma_copy(direction, geom, grid_items, table, obj, caches, *, interpret, cou
     return (result, counted) if count_dmas else result
 
 
-def copy_group(direction: str, geom: GroupGeometry, grid_items: int, meta: jax.Array,
-               ids: jax.Array, obj, caches: tuple[jax.Array, ...], *, interpret=False,
-               count_dmas: bool = False, **_):
+def copy_group(
+    direction: str,
+    geom: GroupGeometry,
+    grid_items: int,
+    meta: jax.Array,
+    ids: jax.Array,
+    obj,
+    caches: tuple[jax.Array, ...],
+    *,
+    interpret=False,
+    count_dmas: bool = False,
+    **_,
+):
     """Move one kernel group's pages with TPU DMAs (traceable; the caller jits and donates).
 
     Arguments and results as :func:`kvgroups_jax.lowerings.triton.copy_group`. ``interpret``:
@@ -198,16 +224,22 @@ def copy_group(direction: str, geom: GroupGeometry, grid_items: int, meta: jax.A
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
     if len(caches) != len(geom.operand_slots):
-        raise ValueError(
-            f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
-    table = run_table(jnp.asarray(meta, jnp.int32), jnp.asarray(ids, jnp.int32), geom,
-                      grid_items)
+        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
+    table = run_table(jnp.asarray(meta, jnp.int32), jnp.asarray(ids, jnp.int32), geom, grid_items)
     fresh = isinstance(obj, jax.ShapeDtypeStruct)
 
     def launch(table, *arrays):
         given = obj if fresh else arrays[0]
-        return _dma_copy(direction, geom, grid_items, table, given, arrays[0 if fresh else 1:],
-                         interpret=interpret, count_dmas=count_dmas)
+        return _dma_copy(
+            direction,
+            geom,
+            grid_items,
+            table,
+            given,
+            arrays[0 if fresh else 1 :],
+            interpret=interpret,
+            count_dmas=count_dmas,
+        )
 
     return _one_launch_per_batch_element(launch)(table, *(() if fresh else (obj,)), *caches)
 
@@ -220,8 +252,10 @@ def _one_launch_per_batch_element(launch):
 
     @batched.def_vmap
     def _(axis_size, in_batched, *args):
-        args = [a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
-                for a, b in zip(args, in_batched)]
+        args = [
+            a if b else jnp.broadcast_to(a, (axis_size,) + a.shape)
+            for a, b in zip(args, in_batched)
+        ]
         out = jax.lax.map(lambda xs: launch(*xs), args)
         return out, jax.tree_util.tree_map(lambda _: True, out)
 

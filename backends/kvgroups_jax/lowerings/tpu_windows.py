@@ -178,7 +178,8 @@ def _split(dim: _Dim, view: View) -> list[_Dim]:
     for m in range(2, dim.n):
         if dim.n % m == 0 and view.axis_of(dim.cs * m) is not None:
             return _split(_Dim(dim.n // m, dim.cs * m, dim.os * m), view) + [
-                _Dim(m, dim.cs, dim.os)]
+                _Dim(m, dim.cs, dim.os)
+            ]
     return [dim]
 
 
@@ -213,8 +214,13 @@ def _options(geom: GroupGeometry, segment, view: View) -> list[_Option]:
     return out[:_OPTIONS_PER_SEGMENT]
 
 
-def _place(view: View, offset: int, option: _Option, cache_side: bool, geom: GroupGeometry,
-           ) -> Side | None:
+def _place(
+    view: View,
+    offset: int,
+    option: _Option,
+    cache_side: bool,
+    geom: GroupGeometry,
+) -> Side | None:
     """The :class:`Side` of one family on one side, or None where a window does not fit."""
     stride = (lambda d: d.cs) if cache_side else (lambda d: d.os)
     # How far the item's block (or position) can move the window: b + L <= num_blocks,
@@ -271,20 +277,23 @@ def _cache_views(geom: GroupGeometry) -> list[tuple[str, tuple[View, ...]]]:
     return unique
 
 
-def _families(geom: GroupGeometry, views: tuple[View, ...], obj_view: View,
-              options: tuple[_Option, ...]) -> list[Family] | None:
+def _families(
+    geom: GroupGeometry, views: tuple[View, ...], obj_view: View, options: tuple[_Option, ...]
+) -> list[Family] | None:
     fams = []
     for plane in range(geom.num_planes):
         op = geom.plane_operands[plane]
         obj_base = geom.region_offset + geom.object_plane(plane) * geom.slots * geom.row
         for segment, option in zip(geom.segments, options):
-            cache = _place(views[op], geom.plane_offsets[plane] + segment.cache_offset, option,
-                           True, geom)
+            cache = _place(
+                views[op], geom.plane_offsets[plane] + segment.cache_offset, option, True, geom
+            )
             obj = cache and _place(obj_view, obj_base + segment.obj_offset, option, False, geom)
             if obj is None:
                 return None
-            sizes = tuple(option.run_mult if k == option.run_dim else d.n
-                          for k, d in enumerate(option.window))
+            sizes = tuple(
+                option.run_mult if k == option.run_dim else d.n for k, d in enumerate(option.window)
+            )
             fams.append(Family(op, sizes, option.run_dim, cache, obj))
     return fams
 
@@ -316,8 +325,11 @@ def plan_dmas(geom: GroupGeometry) -> DmaPlan:
     """The :class:`DmaPlan` of ``geom`` (raises UnsupportedConfigError when none fits)."""
     if not geom.segments:
         raise UnsupportedConfigError("layout: expected segment runs for the TPU lowering, got none")
-    found = [p for p in (_plan_for(geom, kind, views) for kind, views in _cache_views(geom))
-             if p is not None]
+    found = [
+        p
+        for p in (_plan_for(geom, kind, views) for kind, views in _cache_views(geom))
+        if p is not None
+    ]
     if not found:
         raise UnsupportedConfigError(
             f"layout: expected DMA windows of at most {MAX_DMA_SITES} unrolled copies per "
@@ -333,11 +345,14 @@ def _plan_for(geom: GroupGeometry, kind: str, views) -> tuple[int, DmaPlan] | No
     """``(DMAs per run, plan)`` of the cheapest plan on cache views ``views``, or None."""
     bs_row = geom.block_size * geom.row
     per_segment = [_options(geom, seg, views[0]) for seg in geom.segments]
-    combos = sorted(itertools.product(*per_segment),
-                    key=lambda c: (sum(o.cost for o in c), sum(o.run_dim is None for o in c)))
+    combos = sorted(
+        itertools.product(*per_segment),
+        key=lambda c: (sum(o.cost for o in c), sum(o.run_dim is None for o in c)),
+    )
     for combo in combos:
         strides = {d.os for o in combo for d in o.window if d.n} | {
-            bs_row for o in combo if o.run_dim is not None and o.run_mult == 1}
+            bs_row for o in combo if o.run_dim is not None and o.run_mult == 1
+        }
         for extra in ((), (bs_row,)):
             obj_view = View.chain(geom.object_row_elems, strides | set(extra))
             if obj_view is None:

@@ -63,8 +63,9 @@ def _write(ref, chunk, base, box: Box, cache_side: bool, value) -> None:
         ref[chunk, idx] = value
 
 
-def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, fresh: bool,
-                 grid_items: int):
+def _copy_kernel(
+    meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, fresh: bool, grid_items: int
+):
     # meta_ref: [2] int32 (first_item, num_items); ids_ref: [ids_bucket] int32 engine block ids
     # then (unless ``fresh``) obj_ref: [num_chunks, object_elems]; cache inputs [size_k] per
     # operand, then outputs (store: the object [num_chunks, object_elems]; load: the caches).
@@ -75,8 +76,9 @@ def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, 
     cache_in, outs = refs[:num_ops], refs[num_ops:]
     kept, bpc = geom.kept_per_chunk, geom.blocks_per_chunk
     # The (items, planes) grid walked about a chunk at a time: objects front to back.
-    i, plane = chunk_order(pl.program_id(0) + grid_items * pl.program_id(1), grid_items,
-                           geom.num_planes, kept)
+    i, plane = chunk_order(
+        pl.program_id(0) + grid_items * pl.program_id(1), grid_items, geom.num_planes, kept
+    )
 
     @pl.when(i < meta_ref[1])
     def _():
@@ -90,17 +92,18 @@ def _copy_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, 
 
         @pl.when(in_range)
         def _():
-            _move_item(cache_in, outs, obj_ref, chunk, pos, block, plane, geom=geom,
-                       direction=direction)
+            _move_item(
+                cache_in, outs, obj_ref, chunk, pos, block, plane, geom=geom, direction=direction
+            )
 
 
-def _move_item(cache_in, outs, obj_ref, chunk, pos, block, plane_id, *, geom, direction,
-               flat_obj=False):
+def _move_item(
+    cache_in, outs, obj_ref, chunk, pos, block, plane_id, *, geom, direction, flat_obj=False
+):
     obj_row0 = geom.region_offset + pos * (geom.block_size * geom.row)
     if flat_obj:  # the object is one [num_chunks * object_elems] array: fold the chunk in
         obj_row0, chunk = obj_row0 + chunk * geom.object_row_elems, None
     for plane in range(geom.num_planes):
-
         # pl.when traces the branch at once; defaults bind this iteration's values.
         @pl.when(plane_id == plane)
         def _(plane=plane):
@@ -112,12 +115,14 @@ def _move_item(cache_in, outs, obj_ref, chunk, pos, block, plane_id, *, geom, di
             for box in geom.boxes:
                 if direction == "store":
                     value = _read(cache_in[op], None, cache_base, box, True)
-                    pending.append((lambda v, b=box: _write(outs[0], chunk, obj_base, b, False,
-                                                            v), value))
+                    pending.append(
+                        (lambda v, b=box: _write(outs[0], chunk, obj_base, b, False, v), value)
+                    )
                 else:
                     value = _read(obj_ref, chunk, obj_base, box, False)
-                    pending.append((lambda v, b=box: _write(outs[op], None, cache_base, b, True,
-                                                            v), value))
+                    pending.append(
+                        (lambda v, b=box: _write(outs[op], None, cache_base, b, True, v), value)
+                    )
             for write, value in pending:
                 write(value)
 
@@ -131,8 +136,9 @@ def _item_offsets(bases, box: Box, strides: tuple[int, ...], start: int):
     return idx
 
 
-def items_per_program(geom: GroupGeometry, grid_items: int, num_chunks: int,
-                      tuning: LoweringTuning = DEFAULT_TUNING) -> int:
+def items_per_program(
+    geom: GroupGeometry, grid_items: int, num_chunks: int, tuning: LoweringTuning = DEFAULT_TUNING
+) -> int:
     """Items one program of the small-page kernel moves; 1 means the one-item kernel.
 
     A power of two: ``tuning.items_per_program`` for block-planes of at most
@@ -155,8 +161,9 @@ def items_per_program(geom: GroupGeometry, grid_items: int, num_chunks: int,
     return ipp
 
 
-def _small_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, fresh: bool,
-                  ipp: int):
+def _small_kernel(
+    meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str, fresh: bool, ipp: int
+):
     # As _copy_kernel, but program i moves items [i * ipp, (i + 1) * ipp): their ids are one
     # vector gather, every box is one [ipp, *box] op when all of them move, and the object is
     # one flat [num_chunks * object_elems] array (an item's chunk is a vector).
@@ -182,8 +189,9 @@ def _small_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
     # The common program: every item moves, so every box is one unmasked [ipp, *box] op.
     @pl.when(every)
     def _():
-        obj_item = chunk * geom.object_row_elems + geom.region_offset \
-            + pos * (geom.block_size * geom.row)
+        obj_item = (
+            chunk * geom.object_row_elems + geom.region_offset + pos * (geom.block_size * geom.row)
+        )
         for plane in range(geom.num_planes):
 
             @pl.when(plane_id == plane)
@@ -219,8 +227,18 @@ def _small_kernel(meta_ref, ids_ref, *refs, geom: GroupGeometry, direction: str,
 
                 @pl.when(jnp.logical_and(block_k >= 0, block_k < geom.num_blocks))
                 def _():
-                    _move_item(cache_in, outs, obj_ref, chunk_k, pos_k, block_k, plane_id,
-                               geom=geom, direction=direction, flat_obj=True)
+                    _move_item(
+                        cache_in,
+                        outs,
+                        obj_ref,
+                        chunk_k,
+                        pos_k,
+                        block_k,
+                        plane_id,
+                        geom=geom,
+                        direction=direction,
+                        flat_obj=True,
+                    )
 
             return carry
 
@@ -234,12 +252,23 @@ def default_warps(geom: GroupGeometry) -> int:
     return 8 if largest * geom.unit >= 16384 else 4
 
 
-def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpret, num_warps,
-                 tuning):
+def _pallas_copy(
+    direction, geom, grid_items, meta, ids, obj, caches, *, interpret, num_warps, tuning
+):
     ipp = items_per_program(geom, grid_items, obj.shape[0], tuning)
     if ipp > 1:
-        return _pallas_copy_small(direction, geom, grid_items, meta, ids, obj, caches, ipp,
-                                  interpret=interpret, num_warps=num_warps)
+        return _pallas_copy_small(
+            direction,
+            geom,
+            grid_items,
+            meta,
+            ids,
+            obj,
+            caches,
+            ipp,
+            interpret=interpret,
+            num_warps=num_warps,
+        )
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     num_ops = len(caches)
     fresh = isinstance(obj, jax.ShapeDtypeStruct)  # store into a new output (no zero-fill)
@@ -252,8 +281,9 @@ def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpr
         out_specs = tuple(any_spec for _ in caches)
         aliases = {3 + k: k for k in range(num_ops)}
     grid = (grid_items, geom.num_planes)
-    kernel = functools.partial(_copy_kernel, geom=geom, direction=direction, fresh=fresh,
-                               grid_items=grid_items)
+    kernel = functools.partial(
+        _copy_kernel, geom=geom, direction=direction, fresh=fresh, grid_items=grid_items
+    )
     operands = (meta, ids) + (() if fresh else (obj,)) + tuple(caches)
     return pl.pallas_call(
         kernel,
@@ -268,8 +298,9 @@ def _pallas_copy(direction, geom, grid_items, meta, ids, obj, caches, *, interpr
     )(*operands)
 
 
-def _pallas_copy_small(direction, geom, grid_items, meta, ids, obj, caches, ipp, *,
-                       interpret, num_warps):
+def _pallas_copy_small(
+    direction, geom, grid_items, meta, ids, obj, caches, ipp, *, interpret, num_warps
+):
     """The small-page kernel: the object flattened to one array (a free reshape), grid
     ``(grid_items // ipp, num_planes)``, results shaped as _pallas_copy's."""
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -284,8 +315,7 @@ def _pallas_copy_small(direction, geom, grid_items, meta, ids, obj, caches, ipp,
         out_specs = tuple(any_spec for _ in caches)
         aliases = {3 + k: k for k in range(num_ops)}
     grid = (grid_items // ipp, geom.num_planes)
-    kernel = functools.partial(_small_kernel, geom=geom, direction=direction, fresh=fresh,
-                               ipp=ipp)
+    kernel = functools.partial(_small_kernel, geom=geom, direction=direction, fresh=fresh, ipp=ipp)
     operands = (meta, ids) + (() if fresh else (obj.reshape(-1),)) + tuple(caches)
     out = pl.pallas_call(
         kernel,
@@ -340,11 +370,17 @@ def copy_group(
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
     if len(caches) != len(geom.operand_slots):
-        raise ValueError(
-            f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}"
-        )
+        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
     out = _pallas_copy(
-        direction, geom, grid_items, meta, ids, obj, tuple(caches),
-        interpret=interpret, num_warps=num_warps or default_warps(geom), tuning=tuning,
+        direction,
+        geom,
+        grid_items,
+        meta,
+        ids,
+        obj,
+        tuple(caches),
+        interpret=interpret,
+        num_warps=num_warps or default_warps(geom),
+        tuning=tuning,
     )
     return out if direction == "store" else tuple(out)

@@ -22,8 +22,9 @@ def _box_offsets(geom: GroupGeometry) -> tuple[np.ndarray, np.ndarray]:
     cache, obj = [], []
     for box in geom.boxes:
         grids = np.indices(box.shape, dtype=np.int64)
-        cache.append((box.cache_offset + sum(g * s for g, s in zip(grids, box.cache_strides)))
-                     .ravel())
+        cache.append(
+            (box.cache_offset + sum(g * s for g, s in zip(grids, box.cache_strides))).ravel()
+        )
         obj.append((box.obj_offset + sum(g * s for g, s in zip(grids, box.obj_strides))).ravel())
     return np.concatenate(cache).astype(np.int32), np.concatenate(obj).astype(np.int32)
 
@@ -31,8 +32,12 @@ def _box_offsets(geom: GroupGeometry) -> tuple[np.ndarray, np.ndarray]:
 def _rows_ok(geom: GroupGeometry, span: int | None, obj_elems: int) -> bool:
     if span is None:
         return False
-    values = list(geom.plane_offsets) + [geom.block_stride, geom.region_offset,
-                                        geom.slots * geom.row, obj_elems]
+    values = list(geom.plane_offsets) + [
+        geom.block_stride,
+        geom.region_offset,
+        geom.slots * geom.row,
+        obj_elems,
+    ]
     values += list(geom.operand_sizes)
     return all(v % span == 0 for v in values)
 
@@ -82,8 +87,7 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
             # In rows, not elements: block * block_stride passes int32 on caches of more
             # than 2**31 elements and would wrap to another block.
             crow = geom.plane_offsets[plane] // span + block * (geom.block_stride // span)
-            orow = (chunk * (obj_elems // span)
-                    + geom.object_base(plane, 0) // span + pos)
+            orow = chunk * (obj_elems // span) + geom.object_base(plane, 0) // span + pos
             if direction == "store":
                 dst = jnp.where(valid, orow, obj_rows.shape[0])
                 obj_rows = obj_rows.at[dst].set(cache_rows[crow], mode="drop")
@@ -108,4 +112,3 @@ def copy_group(direction, geom: GroupGeometry, grid_items, meta, ids, obj, cache
             cidx_dst = jnp.where(valid[:, None], cidx, caches[op].shape[0])
             caches[op] = caches[op].at[cidx_dst].set(obj[rows, oidx], mode="drop")
     return obj if direction == "store" else tuple(caches)
-

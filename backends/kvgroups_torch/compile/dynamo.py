@@ -66,14 +66,24 @@ class PlanTemplate:
     def __init__(self, plan: Any, pinned: str) -> None:
         self.device_ids = bool(getattr(plan, "device_ids", False))
         self.has_skip = getattr(plan, "skip_tokens", None) is not None
-        groups = tuple(replace(g, block_ids=np.zeros(0, np.int64)) if self.device_ids else g
-                       for g in plan.groups)
-        self.plan = replace(plan, groups=groups, skip_tokens=None) if self.has_skip \
+        groups = tuple(
+            replace(g, block_ids=np.zeros(0, np.int64)) if self.device_ids else g
+            for g in plan.groups
+        )
+        self.plan = (
+            replace(plan, groups=groups, skip_tokens=None)
+            if self.has_skip
             else replace(plan, groups=groups)
+        )
         self.pinned = pinned
 
-    def execute(self, caches: Sequence[torch.Tensor], objects: Sequence[torch.Tensor],
-                block_ids: Sequence[torch.Tensor], skip: Any) -> None:
+    def execute(
+        self,
+        caches: Sequence[torch.Tensor],
+        objects: Sequence[torch.Tensor],
+        block_ids: Sequence[torch.Tensor],
+        skip: Any,
+    ) -> None:
         from kvgroups_torch import cpu as cpu_path
         from kvgroups_torch.cuda import execute as cuda_execute
 
@@ -82,9 +92,12 @@ class PlanTemplate:
             if len(block_ids) != len(plan.groups):
                 raise KVGroupsValueError(
                     f"block_ids: expected {len(plan.groups)} id tensors (one per group "
-                    f"transfer), got {len(block_ids)}")
-            plan = replace(plan, groups=tuple(replace(g, block_ids=ids)
-                                              for g, ids in zip(plan.groups, block_ids)))
+                    f"transfer), got {len(block_ids)}"
+                )
+            plan = replace(
+                plan,
+                groups=tuple(replace(g, block_ids=ids) for g, ids in zip(plan.groups, block_ids)),
+            )
         if self.has_skip:
             plan = replace(plan, skip_tokens=skip)
         device = caches[0].device
@@ -111,8 +124,12 @@ def _template_key(plan: Any, pinned: str) -> tuple | None:
             fields["block_ids"] = ids.tobytes()
         groups.append(tuple(sorted(fields.items())))
     top = {k: v for k, v in plan.__dict__.items() if k not in ("groups", "skip_tokens")}
-    return (pinned, tuple(groups), getattr(plan, "skip_tokens", None) is not None,
-            tuple(sorted((k, repr(v)) for k, v in top.items())))
+    return (
+        pinned,
+        tuple(groups),
+        getattr(plan, "skip_tokens", None) is not None,
+        tuple(sorted((k, repr(v)) for k, v in top.items())),
+    )
 
 
 def handle_for(plan: Any, pinned: str) -> int:
@@ -128,8 +145,7 @@ def handle_for(plan: Any, pinned: str) -> int:
     return found
 
 
-def record(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any], pinned: str
-           ) -> None:
+def record(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any], pinned: str) -> None:
     """Inside a trace: record ``plan`` as one ``kvgroups::store_pages`` / ``load_pages``."""
     flat = []
     for g, entry in enumerate(objects):
@@ -137,7 +153,8 @@ def record(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence[Any], pi
             raise UnsupportedConfigError(
                 f"objects[{g}]: expected one [num_chunks, nbytes] tensor per object group "
                 f"inside torch.compile, got {type(entry).__name__} (per-chunk buffers are "
-                "eager only)")
+                "eager only)"
+            )
         flat.append(entry)
     ids = [g.block_ids for g in plan.groups] if getattr(plan, "device_ids", False) else []
     skip = getattr(plan, "skip_tokens", None)
@@ -168,7 +185,8 @@ def host_plan(plan: Any) -> Any:
             if not 0 <= skip <= covered:
                 raise KVGroupsValueError(
                     f"skip_first_n_tokens: expected a value in [0, {covered}] (the tokens the "
-                    f"block ids cover), got {skip}")
+                    f"block ids cover), got {skip}"
+                )
             from kvgroups_core.transfer.plan import first_item_for_skip
 
             first = int(first_item_for_skip(g, skip))
@@ -181,7 +199,8 @@ def host_plan(plan: Any) -> Any:
                 raise KVGroupsIndexError(
                     f"block_ids[{engine_group}]: expected ids in [0, {g.num_blocks}) for "
                     f"kernel group {g.kernel_group_idx}, got {int(used[np.argmax(bad)])} "
-                    f"({int(bad.sum())} out of range)")
+                    f"({int(bad.sum())} out of range)"
+                )
         groups.append(g)
     out = replace(plan, groups=tuple(groups), device_ids=False)
     return replace(out, skip_tokens=None) if skip is not None else out
@@ -197,17 +216,25 @@ def _options(**kw: Any) -> dict:
 
 # What a nonstrict_trace function returns must be graphable on every torch we support: a
 # plain list of tensors (possibly empty). The polyfills rebuild the public return values.
-def _traced_store(manager: Any, kv_caches: Any, block_ids: Any, options: dict
-                  ) -> list[torch.Tensor]:
+def _traced_store(
+    manager: Any, kv_caches: Any, block_ids: Any, options: dict
+) -> list[torch.Tensor]:
     objects = options.get("objects")
     out = transfer.store(manager, kv_caches, block_ids, objects, **_call_kw(options))
     return [t for t in out] if objects is None else []
 
 
-def _traced_load(manager: Any, objects: Any, kv_caches: Any, block_ids: Any,
-                 options: dict) -> list[torch.Tensor]:
-    transfer.load(manager, objects, kv_caches, block_ids,
-                  skip_first_n_tokens=options.get("skip_first_n_tokens", 0), **_call_kw(options))
+def _traced_load(
+    manager: Any, objects: Any, kv_caches: Any, block_ids: Any, options: dict
+) -> list[torch.Tensor]:
+    transfer.load(
+        manager,
+        objects,
+        kv_caches,
+        block_ids,
+        skip_first_n_tokens=options.get("skip_first_n_tokens", 0),
+        **_call_kw(options),
+    )
     return []
 
 
@@ -230,34 +257,95 @@ def install() -> None:
     substitute = torch.compiler.substitute_in_graph
 
     @substitute(transfer.store, skip_signature_check=True)
-    def _store(manager, kv_caches, block_ids, objects=None, *, backend=None, layers=None,
-               max_ctas=None, path=None):
-        out = store_nt(manager, kv_caches, block_ids, _options(
-            objects=objects, backend=backend, layers=layers, max_ctas=max_ctas, path=path))
+    def _store(
+        manager,
+        kv_caches,
+        block_ids,
+        objects=None,
+        *,
+        backend=None,
+        layers=None,
+        max_ctas=None,
+        path=None,
+    ):
+        out = store_nt(
+            manager,
+            kv_caches,
+            block_ids,
+            _options(objects=objects, backend=backend, layers=layers, max_ctas=max_ctas, path=path),
+        )
         return out if objects is None else list(objects)
 
     @substitute(transfer.load, skip_signature_check=True)
-    def _load(manager, objects, kv_caches, block_ids, *, skip_first_n_tokens=0, backend=None,
-              layers=None, max_ctas=None, path=None):
+    def _load(
+        manager,
+        objects,
+        kv_caches,
+        block_ids,
+        *,
+        skip_first_n_tokens=0,
+        backend=None,
+        layers=None,
+        max_ctas=None,
+        path=None,
+    ):
         if not isinstance(objects, (list, tuple)):
             objects = [objects]
-        load_nt(manager, objects, kv_caches, block_ids, _options(
-            skip_first_n_tokens=skip_first_n_tokens, backend=backend, layers=layers,
-            max_ctas=max_ctas, path=path))
+        load_nt(
+            manager,
+            objects,
+            kv_caches,
+            block_ids,
+            _options(
+                skip_first_n_tokens=skip_first_n_tokens,
+                backend=backend,
+                layers=layers,
+                max_ctas=max_ctas,
+                path=path,
+            ),
+        )
         return kv_caches
 
     @substitute(transfer.prepared_store, skip_signature_check=True)
-    def _prepared_store(prepared, block_ids, objects=None, *, layers=None, max_ctas=None,
-                        path=None):
-        out = store_nt(prepared.manager, prepared.kv_caches, block_ids, _options(
-            objects=objects, backend=prepared.backend.name, layers=layers, max_ctas=max_ctas,
-            path=path))
+    def _prepared_store(
+        prepared, block_ids, objects=None, *, layers=None, max_ctas=None, path=None
+    ):
+        out = store_nt(
+            prepared.manager,
+            prepared.kv_caches,
+            block_ids,
+            _options(
+                objects=objects,
+                backend=prepared.backend.name,
+                layers=layers,
+                max_ctas=max_ctas,
+                path=path,
+            ),
+        )
         return out if objects is None else list(objects)
 
     @substitute(transfer.prepared_load, skip_signature_check=True)
-    def _prepared_load(prepared, objects, block_ids, *, skip_first_n_tokens=0, layers=None,
-                       max_ctas=None, path=None):
-        load_nt(prepared.manager, objects, prepared.kv_caches, block_ids, _options(
-            skip_first_n_tokens=skip_first_n_tokens, backend=prepared.backend.name,
-            layers=layers, max_ctas=max_ctas, path=path))
+    def _prepared_load(
+        prepared,
+        objects,
+        block_ids,
+        *,
+        skip_first_n_tokens=0,
+        layers=None,
+        max_ctas=None,
+        path=None,
+    ):
+        load_nt(
+            prepared.manager,
+            objects,
+            prepared.kv_caches,
+            block_ids,
+            _options(
+                skip_first_n_tokens=skip_first_n_tokens,
+                backend=prepared.backend.name,
+                layers=layers,
+                max_ctas=max_ctas,
+                path=path,
+            ),
+        )
         return prepared.kv_caches

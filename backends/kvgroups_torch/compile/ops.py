@@ -49,8 +49,13 @@ def lookup(handle: int) -> Any:
 
 
 @torch.library.custom_op("kvgroups::store_pages", mutates_args=("objects",))
-def store_pages(handle: int, caches: list[torch.Tensor], objects: list[torch.Tensor],
-                block_ids: list[torch.Tensor], skip: Optional[torch.Tensor] = None) -> None:
+def store_pages(
+    handle: int,
+    caches: list[torch.Tensor],
+    objects: list[torch.Tensor],
+    block_ids: list[torch.Tensor],
+    skip: Optional[torch.Tensor] = None,
+) -> None:
     """Gather the pages of runner ``handle`` from ``caches`` into ``objects``."""
     lookup(handle).execute(caches, objects, block_ids, skip)
 
@@ -61,8 +66,13 @@ def _store_pages_fake(handle, caches, objects, block_ids, skip=None) -> None:
 
 
 @torch.library.custom_op("kvgroups::load_pages", mutates_args=("caches",))
-def load_pages(handle: int, caches: list[torch.Tensor], objects: list[torch.Tensor],
-               block_ids: list[torch.Tensor], skip: Optional[torch.Tensor] = None) -> None:
+def load_pages(
+    handle: int,
+    caches: list[torch.Tensor],
+    objects: list[torch.Tensor],
+    block_ids: list[torch.Tensor],
+    skip: Optional[torch.Tensor] = None,
+) -> None:
     """Scatter the pages of runner ``handle`` from ``objects`` into ``caches``."""
     lookup(handle).execute(caches, objects, block_ids, skip)
 

@@ -45,8 +45,12 @@ class MemcpyAttributes(ctypes.Structure):
     """``CUmemcpyAttributes``: how the copies of one stretch of the batch are ordered and
     where their two sides live."""
 
-    _fields_ = [("srcAccessOrder", ctypes.c_int), ("srcLocHint", _MemLocation),
-                ("dstLocHint", _MemLocation), ("flags", ctypes.c_uint)]
+    _fields_ = [
+        ("srcAccessOrder", ctypes.c_int),
+        ("srcLocHint", _MemLocation),
+        ("dstLocHint", _MemLocation),
+        ("flags", ctypes.c_uint),
+    ]
 
 
 @functools.cache
@@ -61,7 +65,8 @@ def batch_function() -> tuple[Any, bool]:
     if version < 12080:
         raise UnsupportedConfigError(
             f"path: expected a CUDA driver >= 12.8 for 'copy_engine' (cuMemcpyBatchAsync), got "
-            f"{version // 1000}.{version % 1000 // 10}")
+            f"{version // 1000}.{version % 1000 // 10}"
+        )
     vp, size, ptr = ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_size_t)
     if version >= 13000 and hasattr(lib, "cuMemcpyBatchAsync_v2"):
         fn, with_fail = lib.cuMemcpyBatchAsync_v2, False
@@ -108,9 +113,13 @@ def _buffers() -> BatchBuffers:
     return found
 
 
-def enqueue(pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
-            host_sides: Sequence[bool], direction: str, device_index: int,
-            stream: int) -> int:
+def enqueue(
+    pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
+    host_sides: Sequence[bool],
+    direction: str,
+    device_index: int,
+    stream: int,
+) -> int:
     """One ``cuMemcpyBatchAsync`` of every copy in ``pieces`` on ``stream``.
 
     ``host_sides[k]`` says whether the object side of ``pieces[k]`` is pinned host memory
@@ -131,7 +140,7 @@ def enqueue(pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
             if not stretches or stretches[-1][1] != host_sides[k]:
                 stretches.append((at, host_sides[k]))
             for row in range(3):
-                arrays[row, at:at + n] = pieces[k][row]
+                arrays[row, at : at + n] = pieces[k][row]
             at += n
     for i, (start, host) in enumerate(stretches):
         cache = _MemLocation(_LOCATION_DEVICE, device_index)
@@ -141,8 +150,15 @@ def enqueue(pieces: Sequence[tuple[np.ndarray, np.ndarray, np.ndarray]],
         a.srcLocHint, a.dstLocHint = (cache, obj) if direction == "store" else (obj, cache)
         a.flags = _FLAGS
         buf.attr_index[i] = start
-    args = [arrays[0].ctypes.data, arrays[1].ctypes.data, arrays[2].ctypes.data, count,
-            ctypes.addressof(buf.attrs), ctypes.addressof(buf.attr_index), len(stretches)]
+    args = [
+        arrays[0].ctypes.data,
+        arrays[1].ctypes.data,
+        arrays[2].ctypes.data,
+        count,
+        ctypes.addressof(buf.attrs),
+        ctypes.addressof(buf.attr_index),
+        len(stretches),
+    ]
     if with_fail:
         args.append(ctypes.byref(buf.fail))
     submit(fn, args, stream or _STREAM_PER_THREAD, device_index, buf)
@@ -166,7 +182,8 @@ def submit(fn: Any, args: list, stream: int, device_index: int, buf: BatchBuffer
 
 
 def chunk_addresses(binding: Any) -> list[int]:
-    """Address of each chunk's object row of an object binding (``kvgroups_torch.cuda.objects.ObjectBinding``)."""
+    """Address of each chunk's object row of an object binding
+    (``kvgroups_torch.cuda.objects.ObjectBinding``)."""
     if binding.mode == P.OBJ_STRIDED:
         return [binding.base + c * binding.stride for c in range(binding.num_chunks)]
     return list(binding.addresses)
@@ -185,22 +202,28 @@ def _device_ids(plan: Any, block_ids: Sequence[Any] | None) -> bool:
     if getattr(plan, "device_ids", False) or getattr(plan, "skip_tokens", None) is not None:
         return True
     return block_ids is not None and any(
-        isinstance(b, torch.Tensor) and b.is_cuda for b in block_ids)
+        isinstance(b, torch.Tensor) and b.is_cuda for b in block_ids
+    )
 
 
 def refuse_device_ids(plan: Any, block_ids: Sequence[Any] | None = None) -> None:
     """The typed error of ``path="copy_engine"`` with device (or traced) ids or skip."""
     if _device_ids(plan, block_ids):
-        what = ("a device skip_first_n_tokens" if getattr(plan, "skip_tokens", None) is not None
-                else "device block_ids (CUDA or traced tensors)")
+        what = (
+            "a device skip_first_n_tokens"
+            if getattr(plan, "skip_tokens", None) is not None
+            else "device block_ids (CUDA or traced tensors)"
+        )
         raise KVGroupsValueError(
             "path: expected host block ids and a host skip_first_n_tokens for 'copy_engine' "
             f"(its copy list is computed on the host), got {what}; use path='kernel' or "
-            "'auto'")
+            "'auto'"
+        )
 
 
-def copy_groups(plan: Any, device_index: int, block_ids: Sequence[Any] | None = None,
-                on_host: Any = None) -> frozenset[int]:
+def copy_groups(
+    plan: Any, device_index: int, block_ids: Sequence[Any] | None = None, on_host: Any = None
+) -> frozenset[int]:
     """Indices of the groups of ``plan`` the copy engines move (the rest launch kernels).
 
     ``path="kernel"``: none. ``"copy_engine"``: all (device ids or a device skip are
@@ -225,8 +248,11 @@ def copy_groups(plan: Any, device_index: int, block_ids: Sequence[Any] | None = 
     chosen: set[int] = set()
     for g, members in by_object.items():
         placement = "pinned" if on_host is not None and on_host(g) else "device"
-        if all(table.choose(plan.direction, placement, plan.groups[i], plan.num_chunks)
-               == "copy_engine" for i in members):
+        if all(
+            table.choose(plan.direction, placement, plan.groups[i], plan.num_chunks)
+            == "copy_engine"
+            for i in members
+        ):
             chosen.update(members)
     if chosen and not available():
         return _NONE
@@ -244,19 +270,26 @@ def _checked_ids(ids: Any, group: Any, i: int) -> np.ndarray:
     if ids.ndim != 1 or ids.dtype.kind not in "iu" or ids.shape[0] < needed:
         raise KVGroupsValueError(
             f"block_ids[{i}]: expected a 1-D integer array of at least {needed} ids, got "
-            f"{ids.dtype} of shape {ids.shape}")
+            f"{ids.dtype} of shape {ids.shape}"
+        )
     ids = ids[:needed].astype(np.int64, copy=False)
     bad = (ids < 0) | (ids >= group.num_blocks)
     if bad.any():
         raise KVGroupsIndexError(
             f"block_ids[{i}]: expected ids in [0, {group.num_blocks}) for kernel group "
-            f"{group.kernel_group_idx}, got {int(ids[bad][0])}")
+            f"{group.kernel_group_idx}, got {int(ids[bad][0])}"
+        )
     return ids
 
 
-def build_copies(plan: Any, indices: frozenset[int], plane_addresses: Any,
-                 bindings: dict[int, Any], on_host: Any = None,
-                 block_ids: Sequence[Any] | None = None) -> tuple[list, list]:
+def build_copies(
+    plan: Any,
+    indices: frozenset[int],
+    plane_addresses: Any,
+    bindings: dict[int, Any],
+    on_host: Any = None,
+    block_ids: Sequence[Any] | None = None,
+) -> tuple[list, list]:
     """The copies of the groups ``indices`` of ``plan`` and, per group, whether its object
     side is pinned host memory (for :func:`enqueue`); ``plane_addresses(group)`` gives a
     group's plane base addresses, ``bindings[g]`` object group ``g``'s binding. Raises
@@ -271,8 +304,12 @@ def build_copies(plan: Any, indices: frozenset[int], plane_addresses: Any,
         chunks = chunk_addresses(bindings[g])
         if len(chunks) < group.num_chunks:
             raise KVGroupsValueError(
-                f"objects[{g}]: expected at least {group.num_chunks} chunks, got {len(chunks)}")
-        pieces.append(group_copies(group, plan.direction, plane_addresses(group),
-                                   chunks[:group.num_chunks], ids))
+                f"objects[{g}]: expected at least {group.num_chunks} chunks, got {len(chunks)}"
+            )
+        pieces.append(
+            group_copies(
+                group, plan.direction, plane_addresses(group), chunks[: group.num_chunks], ids
+            )
+        )
         host_sides.append(bool(on_host is not None and on_host(g)))
     return pieces, host_sides

@@ -59,7 +59,7 @@ class PathTable:
         self._memo: dict[tuple, str] = {}
 
     def choose_for(self, direction: str, placement: str, nbytes: int, chunks: int) -> str:
-        """"kernel" or "copy_engine": the faster at the nearest point (log scale)."""
+        """ "kernel" or "copy_engine": the faster at the nearest point (log scale)."""
         key = (direction, placement, nbytes, chunks)
         found = self._memo.get(key)
         if found is None:
@@ -67,8 +67,10 @@ class PathTable:
             for p in self.points:
                 if p.direction != direction or p.placement != placement:
                     continue
-                d = (math.log2(max(nbytes, 1) / p.copy_bytes) ** 2
-                     + math.log2(max(chunks, 1) / p.chunks) ** 2)
+                d = (
+                    math.log2(max(nbytes, 1) / p.copy_bytes) ** 2
+                    + math.log2(max(chunks, 1) / p.chunks) ** 2
+                )
                 if d < best:
                     best, found = d, p.faster
             if len(self._memo) > 4096:
@@ -81,13 +83,18 @@ class PathTable:
         return self.choose_for(direction, placement, copy_bytes(group), chunks)
 
     def to_json(self) -> dict:
-        return {"version": TABLE_VERSION, "gpu": self.gpu, "driver": self.driver,
-                "points": [p.__dict__ for p in self.points]}
+        return {
+            "version": TABLE_VERSION,
+            "gpu": self.gpu,
+            "driver": self.driver,
+            "points": [p.__dict__ for p in self.points],
+        }
 
     @classmethod
     def from_json(cls, data: dict) -> "PathTable":
-        return cls([Point(**p) for p in data["points"]], data.get("gpu", ""),
-                   int(data.get("driver", 0)))
+        return cls(
+            [Point(**p) for p in data["points"]], data.get("gpu", ""), int(data.get("driver", 0))
+        )
 
 
 def table_dir() -> Path:
@@ -162,12 +169,19 @@ def page_geometry(page_bytes: int) -> tuple[int, int]:
     return 16, page_bytes // (16 * row)
 
 
-def tune_copy_paths(device: Any = None, *, page_sizes: Sequence[int] = PAGE_SIZES,
-                    chunk_counts: Sequence[int] = CHUNK_COUNTS,
-                    placements: Sequence[str] = ("device", "pinned"),
-                    directions: Sequence[str] = ("store", "load"), layers: int = 8,
-                    max_bytes: int = 1 << 30, iters: int = 5, save: bool = True,
-                    on_point: Any = None) -> PathTable:
+def tune_copy_paths(
+    device: Any = None,
+    *,
+    page_sizes: Sequence[int] = PAGE_SIZES,
+    chunk_counts: Sequence[int] = CHUNK_COUNTS,
+    placements: Sequence[str] = ("device", "pinned"),
+    directions: Sequence[str] = ("store", "load"),
+    layers: int = 8,
+    max_bytes: int = 1 << 30,
+    iters: int = 5,
+    save: bool = True,
+    on_point: Any = None,
+) -> PathTable:
     """Measure the kernel against the copy engines on this GPU and cache the table.
 
     For every page size (a Llama-like bf16 NHD cache of ``layers`` layers whose head count
@@ -194,28 +208,34 @@ def tune_copy_paths(device: Any = None, *, page_sizes: Sequence[int] = PAGE_SIZE
     rng = np.random.default_rng(0)
     for page in page_sizes:
         bs, nh = page_geometry(page)
-        wanted = [c for c in chunk_counts
-                  if c * chunk_tokens * nh * 256 * 2 * layers <= max_bytes]
+        wanted = [c for c in chunk_counts if c * chunk_tokens * nh * 256 * 2 * layers <= max_bytes]
         if not wanted:
             continue
         blocks = max(wanted) * chunk_tokens // bs
         num_blocks = max(2 * blocks, 64)
-        caches = [torch.empty((2, num_blocks, bs, nh, 128), dtype=torch.bfloat16, device=dev)
-                  for _ in range(layers)]
-        manager = KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS] * layers,
-                                       lmcache_tokens_per_chunk=chunk_tokens)
+        caches = [
+            torch.empty((2, num_blocks, bs, nh, 128), dtype=torch.bfloat16, device=dev)
+            for _ in range(layers)
+        ]
+        manager = KVLayerGroupsManager(
+            caches, [F.NL_X_TWO_NB_BS_NH_HS] * layers, lmcache_tokens_per_chunk=chunk_tokens
+        )
         prep = kc.prepare(manager, caches)
         nbytes = kc.object_nbytes(manager, 0)
         for placement in placements:
-            big = torch.empty((max(wanted), nbytes), dtype=torch.uint8, device=dev,
-                              pin_memory=False) if placement == "device" else \
-                torch.empty((max(wanted), nbytes), dtype=torch.uint8, pin_memory=True)
+            big = (
+                torch.empty((max(wanted), nbytes), dtype=torch.uint8, device=dev, pin_memory=False)
+                if placement == "device"
+                else torch.empty((max(wanted), nbytes), dtype=torch.uint8, pin_memory=True)
+            )
             for chunks in wanted:
                 ids = rng.permutation(num_blocks)[: chunks * chunk_tokens // bs]
                 objects = [big[:chunks]]
                 for direction in directions:
-                    kernel, engine = (_median_ms(_call(prep, direction, ids, objects, path),
-                                                 iters) for path in ("kernel", "copy_engine"))
+                    kernel, engine = (
+                        _median_ms(_call(prep, direction, ids, objects, path), iters)
+                        for path in ("kernel", "copy_engine")
+                    )
                     point = Point(direction, placement, page, chunks, kernel, engine)
                     points.append(point)
                     if on_point is not None:

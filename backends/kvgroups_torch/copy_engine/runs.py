@@ -64,27 +64,39 @@ def _merge(dst: np.ndarray, src: np.ndarray, nbytes: int) -> tuple[np.ndarray, .
     return dst[starts], src[starts], sizes
 
 
-def _run_copies(group: Any, shape: Any, runs: Any, direction: str, planes: np.ndarray,
-                rows: np.ndarray, chunk_bases: np.ndarray) -> tuple[np.ndarray, ...]:
+def _run_copies(
+    group: Any,
+    shape: Any,
+    runs: Any,
+    direction: str,
+    planes: np.ndarray,
+    rows: np.ndarray,
+    chunk_bases: np.ndarray,
+) -> tuple[np.ndarray, ...]:
     """One copy per (plane, run) of whole pages: ``length`` pages that follow each other in
     the cache (blocks ``src ..``) and in the object (positions ``dst % kept ..``)."""
     chunk, pos = np.divmod(runs.dst, group.kept_per_chunk)
-    cache = (planes[:, None] + shape.runs[0].cache_offset
-             + (runs.src * shape.block_stride)[None, :])
-    obj = (chunk_bases[chunk] + shape.region_offset + pos * shape.page_obj_stride)[None, :] \
-        + (rows * shape.plane_obj_stride)[:, None]
+    cache = planes[:, None] + shape.runs[0].cache_offset + (runs.src * shape.block_stride)[None, :]
+    obj = (chunk_bases[chunk] + shape.region_offset + pos * shape.page_obj_stride)[None, :] + (
+        rows * shape.plane_obj_stride
+    )[:, None]
     sizes = np.broadcast_to(runs.length * shape.page_bytes, cache.shape)
     dst, src = (obj, cache) if direction == "store" else (cache, obj)
     if dst.size > MAX_COPIES:
         raise UnsupportedConfigError(
             f"path: expected at most {MAX_COPIES} copies per group for 'copy_engine', got "
-            f"{dst.size} (use path='kernel')")
+            f"{dst.size} (use path='kernel')"
+        )
     return dst.reshape(-1), src.reshape(-1), sizes.reshape(-1).copy()
 
 
-def group_copies(group: Any, direction: str, plane_bases: Sequence[int],
-                 chunk_bases: Sequence[int], block_ids: Any = None,
-                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def group_copies(
+    group: Any,
+    direction: str,
+    plane_bases: Sequence[int],
+    chunk_bases: Sequence[int],
+    block_ids: Any = None,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(dst, src, nbytes)`` int64 arrays of what ``group`` moves in ``direction``.
 
     Parameters
@@ -109,30 +121,41 @@ def group_copies(group: Any, direction: str, plane_bases: Sequence[int],
     planes = np.asarray(plane_bases, dtype=np.int64)
     rows = np.asarray([object_plane(p, i) for i, p in enumerate(group.planes)], dtype=np.int64)
     if shape.contiguous and shape.block_stride == shape.page_bytes == shape.page_obj_stride:
-        return _run_copies(group, shape, block_runs(group, block_ids=ids), direction, planes,
-                           rows, np.asarray(chunk_bases, dtype=np.int64))
+        return _run_copies(
+            group,
+            shape,
+            block_runs(group, block_ids=ids),
+            direction,
+            planes,
+            rows,
+            np.asarray(chunk_bases, dtype=np.int64),
+        )
     item = np.arange(start, total, dtype=np.int64)
     chunk, pos = np.divmod(item, group.kept_per_chunk)
     bpc, kept = group.blocks_per_chunk, group.kept_per_chunk
     block = np.asarray(ids, dtype=np.int64)[chunk * bpc + (bpc - kept) + pos]
     # Per (plane, item): the block's address in the cache and the page's in the object.
     cache_page = planes[:, None] + (block * shape.block_stride)[None, :]
-    obj_page = (np.asarray(chunk_bases, dtype=np.int64)[chunk] + shape.region_offset
-                + pos * shape.page_obj_stride)[None, :] + (rows * shape.plane_obj_stride)[:, None]
+    obj_page = (
+        np.asarray(chunk_bases, dtype=np.int64)[chunk]
+        + shape.region_offset
+        + pos * shape.page_obj_stride
+    )[None, :] + (rows * shape.plane_obj_stride)[:, None]
     count = planes.size * item.size * sum(shape.block_size * r.count for r in shape.runs)
     if count > MAX_COPIES * 8:
         raise UnsupportedConfigError(
             f"path: expected at most {MAX_COPIES * 8} pieces per group for 'copy_engine', got "
-            f"{count} (scattered pieces: use path='kernel')")
+            f"{count} (scattered pieces: use path='kernel')"
+        )
     dsts, srcs, sizes = [], [], []
     tokens = np.arange(shape.block_size, dtype=np.int64)
     for run in shape.runs:
         pieces = np.arange(run.count, dtype=np.int64)
         # [plane, item, token, piece], in object order within each plane.
-        cache_in = (run.cache_offset + tokens[:, None] * run.token_stride
-                    + pieces[None, :] * run.cache_step)
-        obj_in = (run.obj_offset + tokens[:, None] * shape.row_bytes
-                  + pieces[None, :] * run.obj_step)
+        cache_in = (
+            run.cache_offset + tokens[:, None] * run.token_stride + pieces[None, :] * run.cache_step
+        )
+        obj_in = run.obj_offset + tokens[:, None] * shape.row_bytes + pieces[None, :] * run.obj_step
         cache = (cache_page[:, :, None, None] + cache_in[None, None]).reshape(-1)
         obj = (obj_page[:, :, None, None] + obj_in[None, None]).reshape(-1)
         dst, src = (obj, cache) if direction == "store" else (cache, obj)
@@ -144,5 +167,6 @@ def group_copies(group: Any, direction: str, plane_bases: Sequence[int],
     if out[0].size > MAX_COPIES:
         raise UnsupportedConfigError(
             f"path: expected at most {MAX_COPIES} copies per group for 'copy_engine', got "
-            f"{out[0].size} (scattered pieces: use path='kernel')")
+            f"{out[0].size} (scattered pieces: use path='kernel')"
+        )
     return out

@@ -40,8 +40,16 @@ class DeviceTable:
     :meth:`readable_on` (or check ``stream in table.ready`` first, the hot path).
     """
 
-    __slots__ = ("tensor", "address", "home", "ready", "_written", "_complete", "_recorded",
-                 "_lock")
+    __slots__ = (
+        "tensor",
+        "address",
+        "home",
+        "ready",
+        "_written",
+        "_complete",
+        "_recorded",
+        "_lock",
+    )
 
     def __init__(self, tensor: torch.Tensor) -> None:
         """``tensor``: just written by work queued on the current stream."""
@@ -75,8 +83,9 @@ class DeviceTable:
                 # a capture the wait becomes an external event node of the graph; no
                 # stream is marked ready then (the next launch of the capture waits again,
                 # and so do eager launches after it).
-                driver.stream_wait_event(index, stream, self._written.cuda_event,
-                                         external=capturing)
+                driver.stream_wait_event(
+                    index, stream, self._written.cuda_event, external=capturing
+                )
             if self._complete or not capturing:
                 self.ready.add(stream)
 

@@ -11,7 +11,8 @@ On sm_90 and later the page-copy kernels are launched with programmatic stream s
 (``cuLaunchKernelEx``): the GPU may set a launch up while the kernel before it on the stream
 drains, which hides most of the idle time between back-to-back kernels (docs/PERFORMANCE.md
 has both measurements). Stream order stays exact because every such kernel's first
-instruction is ``griddepcontrol.wait`` (``kvgroups_cuda/kernels/page_copy.cu``): it returns only once the
+instruction is ``griddepcontrol.wait`` (``kvgroups_cuda/kernels/page_copy.cu``): it returns only
+once the
 kernel before it has finished and its writes are visible. Only kernels that wait may be
 launched this way (``programmatic=True``); ``KVGROUPS_PROGRAMMATIC_LAUNCH=0`` turns it off.
 """
@@ -70,17 +71,29 @@ def libcuda() -> ctypes.CDLL:
 class _LaunchAttribute(ctypes.Structure):
     """``CUlaunchAttribute``: an id, padding to 8 bytes, a 64-byte value union."""
 
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int),
-                ("value_rest", ctypes.c_char * 60)]
+    _fields_ = [
+        ("id", ctypes.c_int),
+        ("pad", ctypes.c_char * 4),
+        ("value", ctypes.c_int),
+        ("value_rest", ctypes.c_char * 60),
+    ]
 
 
 class _LaunchConfig(ctypes.Structure):
     """``CUlaunchConfig``."""
 
-    _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
-                ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
-                ("shared_bytes", ctypes.c_uint), ("stream", ctypes.c_void_p),
-                ("attrs", ctypes.c_void_p), ("num_attrs", ctypes.c_uint)]
+    _fields_ = [
+        ("grid_x", ctypes.c_uint),
+        ("grid_y", ctypes.c_uint),
+        ("grid_z", ctypes.c_uint),
+        ("block_x", ctypes.c_uint),
+        ("block_y", ctypes.c_uint),
+        ("block_z", ctypes.c_uint),
+        ("shared_bytes", ctypes.c_uint),
+        ("stream", ctypes.c_void_p),
+        ("attrs", ctypes.c_void_p),
+        ("num_attrs", ctypes.c_uint),
+    ]
 
 
 _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -106,8 +119,10 @@ def programmatic_launch(device_index: int) -> bool:
         return False
     dev, major = ctypes.c_int(), ctypes.c_int()
     check(lib.cuDeviceGet(ctypes.byref(dev), device_index), f"cuDeviceGet({device_index})")
-    check(lib.cuDeviceGetAttribute(ctypes.byref(major), _COMPUTE_CAPABILITY_MAJOR, dev),
-          "cuDeviceGetAttribute")
+    check(
+        lib.cuDeviceGetAttribute(ctypes.byref(major), _COMPUTE_CAPABILITY_MAJOR, dev),
+        "cuDeviceGetAttribute",
+    )
     return major.value >= 9
 
 
@@ -172,8 +187,7 @@ def stream_is_capturing(device_index: int, stream: int) -> bool:
     (an invalidated capture counts: nothing may be queued outside it either)."""
     status = ctypes.c_int()
     with _InContext(device_index):
-        check(libcuda().cuStreamIsCapturing(stream, ctypes.byref(status)),
-              "cuStreamIsCapturing")
+        check(libcuda().cuStreamIsCapturing(stream, ctypes.byref(status)), "cuStreamIsCapturing")
     return status.value != _CAPTURE_STATUS_NONE
 
 
@@ -197,12 +211,25 @@ class Launcher:
     :func:`programmatic_launch` allows it (never set it for a kernel that does not wait).
     """
 
-    __slots__ = ("_lib", "_ctx", "_current", "_current_ref", "_get_current", "_launch",
-                 "_args", "_args_address", "_config", "_config_address", "_attribute",
-                 "_written", "programmatic")
+    __slots__ = (
+        "_lib",
+        "_ctx",
+        "_current",
+        "_current_ref",
+        "_get_current",
+        "_launch",
+        "_args",
+        "_args_address",
+        "_config",
+        "_config_address",
+        "_attribute",
+        "_written",
+        "programmatic",
+    )
 
-    def __init__(self, device_index: int, params_address: int, *,
-                 programmatic: bool = False) -> None:
+    def __init__(
+        self, device_index: int, params_address: int, *, programmatic: bool = False
+    ) -> None:
         self._lib = lib = libcuda()
         self._ctx = primary_context(device_index)
         self._current = ctypes.c_void_p()
@@ -220,8 +247,7 @@ class Launcher:
         if hasattr(lib, "cuLaunchKernelEx"):
             self._config = _LaunchConfig(block_y=1, block_z=1, shared_bytes=0)
             if self.programmatic:
-                self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION,
-                                                   value=1)
+                self._attribute = _LaunchAttribute(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
                 self._config.attrs = ctypes.addressof(self._attribute)
                 self._config.num_attrs = 1
             self._config_address = ctypes.addressof(self._config)
@@ -229,12 +255,22 @@ class Launcher:
         else:
             self._launch = lib.cuLaunchKernel
 
-    def _enqueue(self, function: int, grid: tuple[int, int, int], threads: int,
-                 stream: int) -> int:
+    def _enqueue(self, function: int, grid: tuple[int, int, int], threads: int, stream: int) -> int:
         config = self._config
         if config is None:
-            return self._launch(function, grid[0], grid[1], grid[2], threads, 1, 1, 0, stream,
-                                self._args_address, None)
+            return self._launch(
+                function,
+                grid[0],
+                grid[1],
+                grid[2],
+                threads,
+                1,
+                1,
+                0,
+                stream,
+                self._args_address,
+                None,
+            )
         shape = (grid, threads, stream)
         if shape != self._written:
             config.grid_x, config.grid_y, config.grid_z = grid

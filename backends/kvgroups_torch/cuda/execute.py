@@ -1,7 +1,8 @@
 """The run loops: a plan's groups enqueued on the current stream.
 
 Every group of a :class:`~kvgroups_core.transfer.plan.TransferPlan`, either from scratch
-(:func:`execute_checked_plan`, or :func:`execute_plan` for a plan that bypassed the core's calls) or on the bound caches of a prepared transfer (:class:`DeviceCaches`), the
+(:func:`execute_checked_plan`, or :func:`execute_plan` for a plan that bypassed the core's calls)
+or on the bound caches of a prepared transfer (:class:`DeviceCaches`), the
 copy-engine groups batched beside the kernels.
 """
 
@@ -34,7 +35,8 @@ class DeviceCaches:
     """Launch state of one bound set of CUDA caches, for the repeated calls of a prepared
     transfer (``kvgroups_core.transfer.api.PreparedTransfer``).
 
-    :func:`execute_checked_plan` redoes per call what depends only on the caches: their addresses, the
+    :func:`execute_checked_plan` redoes per call what depends only on the caches: their addresses,
+    the
     device state, the :class:`GroupLaunch` lookups (hashing every cache address). Here those
     are kept from bind time; a call checks its objects with a few tensor attribute reads (the
     derived :class:`ObjectBinding` is memoised by value, never by tensor identity, so a freed
@@ -65,8 +67,12 @@ class DeviceCaches:
         rows, device, memo = plan.num_chunks, self.device, self._objects
         out = []
         for t, nbytes in zip(objects, sizes):
-            if type(t) is not torch.Tensor or t.dtype is not torch.uint8 or t.device != device \
-                    or t.shape != (rows, nbytes):
+            if (
+                type(t) is not torch.Tensor
+                or t.dtype is not torch.uint8
+                or t.device != device
+                or t.shape != (rows, nbytes)
+            ):
                 return None
             stride = t.stride()
             if stride[1] != 1 and nbytes > 1:
@@ -75,8 +81,9 @@ class DeviceCaches:
             binding = memo.get(key)
             if binding is None:
                 unit = widest_unit(key[:2] if rows > 1 else key[:1])
-                binding = ObjectBinding(P.OBJ_STRIDED, base=key[0], stride=key[1], unit=unit,
-                                        num_chunks=rows)
+                binding = ObjectBinding(
+                    P.OBJ_STRIDED, base=key[0], stride=key[1], unit=unit, num_chunks=rows
+                )
                 if len(memo) >= self._MAX_OBJECTS:
                     memo.clear()
                 memo[key] = binding
@@ -118,27 +125,38 @@ class DeviceCaches:
         launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
         direction, max_ctas = plan.direction, getattr(plan, "max_ctas", None)
-        if getattr(plan, "skip_tokens", None) is None and block_ids is None:  # the hot case, kept lean
+        if (
+            getattr(plan, "skip_tokens", None) is None and block_ids is None
+        ):  # the hot case, kept lean
             for launch, group in zip(launches, groups):
-                launch.launch(direction, group, bindings[group.object_group_idx], stream,
-                              max_ctas=max_ctas)
+                launch.launch(
+                    direction, group, bindings[group.object_group_idx], stream, max_ctas=max_ctas
+                )
             return
         skip, max_ctas = plan_options(plan, self.index)
         for i, group in enumerate(groups):
-            launches[i].launch(direction, group, bindings[group.object_group_idx], stream,
-                               None if block_ids is None else block_ids[i],
-                               skip=None if skip is None else group_skip(skip, group),
-                               max_ctas=max_ctas)
+            launches[i].launch(
+                direction,
+                group,
+                bindings[group.object_group_idx],
+                stream,
+                None if block_ids is None else block_ids[i],
+                skip=None if skip is None else group_skip(skip, group),
+                max_ctas=max_ctas,
+            )
 
-
-    def _execute_mixed(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None,
-                   engine: frozenset[int]) -> None:
+    def _execute_mixed(
+        self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None, engine: frozenset[int]
+    ) -> None:
         """Groups ``engine`` on the copy engines (one batch), the others as kernels."""
         addresses = self.addresses
         copies = copy_engine.build_copies(
-            plan, engine, lambda g: plane_addresses(g, addresses),
+            plan,
+            engine,
+            lambda g: plane_addresses(g, addresses),
             bindings if isinstance(bindings, dict) else dict(enumerate(bindings)),
-            block_ids=block_ids)
+            block_ids=block_ids,
+        )
         rest = [i for i in range(len(plan.groups)) if i not in engine]
         launches = {i: self.launch_for(plan.groups[i]) for i in rest}
         stream = current_stream(self.index)
@@ -146,27 +164,47 @@ class DeviceCaches:
         skip, max_ctas = plan_options(plan, self.index)
         for i in rest:
             group = plan.groups[i]
-            launches[i].launch(plan.direction, group, bindings[group.object_group_idx], stream,
-                               None if block_ids is None else block_ids[i],
-                               skip=None if skip is None else group_skip(skip, group),
-                               max_ctas=max_ctas)
+            launches[i].launch(
+                plan.direction,
+                group,
+                bindings[group.object_group_idx],
+                stream,
+                None if block_ids is None else block_ids[i],
+                skip=None if skip is None else group_skip(skip, group),
+                max_ctas=max_ctas,
+            )
 
 
-def execute_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
-             *, pinned: str = "direct", block_ids: Sequence[Any] | None = None,
-             bindings: dict[int, ObjectBinding] | None = None) -> None:
+def execute_plan(
+    plan: Any,
+    caches: Sequence[Any],
+    objects: Sequence[Any],
+    device_index: int,
+    *,
+    pinned: str = "direct",
+    block_ids: Sequence[Any] | None = None,
+    bindings: dict[int, ObjectBinding] | None = None,
+) -> None:
     """Enqueue every group of ``plan`` on the current stream of ``device_index``: the entry
     point for a plan that did not come through the core's calls (:class:`BoundPlan`, the
     compiled ops), so the objects are checked by the core's object rule first; then
     :func:`execute_checked_plan` (whose parameters these are)."""
     check_objects(plan, objects, shape_of)
-    execute_checked_plan(plan, caches, objects, device_index, pinned=pinned, block_ids=block_ids,
-                 bindings=bindings)
+    execute_checked_plan(
+        plan, caches, objects, device_index, pinned=pinned, block_ids=block_ids, bindings=bindings
+    )
 
 
-def execute_checked_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any], device_index: int,
-                 *, pinned: str = "direct", block_ids: Sequence[Any] | None = None,
-                 bindings: dict[int, ObjectBinding] | None = None) -> None:
+def execute_checked_plan(
+    plan: Any,
+    caches: Sequence[Any],
+    objects: Sequence[Any],
+    device_index: int,
+    *,
+    pinned: str = "direct",
+    block_ids: Sequence[Any] | None = None,
+    bindings: dict[int, ObjectBinding] | None = None,
+) -> None:
     """Enqueue every group of ``plan`` on the current stream of ``device_index``, its objects
     checked by the core (``TorchBackend.execute``) or by :func:`execute_plan`.
 
@@ -213,25 +251,41 @@ def execute_checked_plan(plan: Any, caches: Sequence[Any], objects: Sequence[Any
         g = group.object_group_idx
         if g not in bindings:
             entry = objects[g]
-            if pinned == "staged" and g not in direct and not (
-                    isinstance(entry, torch.Tensor) and entry.is_cuda):
+            if (
+                pinned == "staged"
+                and g not in direct
+                and not (isinstance(entry, torch.Tensor) and entry.is_cuda)
+            ):
                 spans = region_spans(plan, g)
                 entry = stage(entry, direction, device_index, spans, copies_after)
                 staged.append(entry)
             bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
     skip, max_ctas = plan_options(plan, device_index)
-    copies = copy_engine.build_copies(plan, engine, lambda g: plane_addresses(g, addresses),
-                                      bindings, on_host, block_ids) if engine else None
-    launches = [None if i in engine else group_launch(group, addresses, state)
-                for i, group in enumerate(plan.groups)]
+    copies = (
+        copy_engine.build_copies(
+            plan, engine, lambda g: plane_addresses(g, addresses), bindings, on_host, block_ids
+        )
+        if engine
+        else None
+    )
+    launches = [
+        None if i in engine else group_launch(group, addresses, state)
+        for i, group in enumerate(plan.groups)
+    ]
     if copies is not None:
         copy_engine.enqueue(*copies, direction, device_index, stream)
     for i, group in enumerate(plan.groups):
         if i in engine:
             continue
         ids = None if block_ids is None else block_ids[i]
-        launches[i].launch(direction, group, bindings[group.object_group_idx], stream, ids,
-                           skip=None if skip is None else group_skip(skip, group),
-                           max_ctas=max_ctas)
+        launches[i].launch(
+            direction,
+            group,
+            bindings[group.object_group_idx],
+            stream,
+            ids,
+            skip=None if skip is None else group_skip(skip, group),
+            max_ctas=max_ctas,
+        )
     for host, staging in copies_after:
         host.copy_(staging, non_blocking=True)

@@ -84,8 +84,9 @@ class GroupLaunch:
         self._ipc: dict[tuple[int, int, bool], tuple[int, int, int, int]] = {}
         self._steps: dict[tuple, tuple] = {}  # call shape -> what step() returns
 
-    def _variant(self, direction: str, vector: int,
-                 warp: bool = False) -> tuple[P.KvgParams, Launcher, int]:
+    def _variant(
+        self, direction: str, vector: int, warp: bool = False
+    ) -> tuple[P.KvgParams, Launcher, int]:
         found = self._variants.get((direction, vector, warp))
         if found is None:
             shape = self.shape
@@ -106,7 +107,11 @@ class GroupLaunch:
             for i, run in enumerate(shape.runs):
                 r = p.runs[i]
                 r.cache_offset, r.cache_step = run.cache_offset, run.cache_step
-                r.token_stride, r.obj_offset, r.obj_step = run.token_stride, run.obj_offset, run.obj_step
+                r.token_stride, r.obj_offset, r.obj_step = (
+                    run.token_stride,
+                    run.obj_offset,
+                    run.obj_step,
+                )
                 r.units_per_piece = run.nbytes // vector
                 r.units_per_token = run.count * r.units_per_piece
                 r.page_units = shape.block_size * r.units_per_token
@@ -117,8 +122,11 @@ class GroupLaunch:
             p.inline_view = np.ctypeslib.as_array(p.inline_ids)
             p.last_objects = p.last_step = None  # what launch() last wrote (see there)
             # Every page-copy entry point waits for the kernel before it (page_copy.cu).
-            found = (p, Launcher(self.device.index, ctypes.addressof(p), programmatic=True),
-                     function)
+            found = (
+                p,
+                Launcher(self.device.index, ctypes.addressof(p), programmatic=True),
+                function,
+            )
             self._variants[(direction, vector, warp)] = found
         return found
 
@@ -160,7 +168,8 @@ class GroupLaunch:
             return (None, None, None, None, needed, 0, 0, 0, 0)
         if needed > _INT32_MAX:
             raise KVGroupsValueError(
-                f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}")
+                f"block_ids: expected at most {_INT32_MAX} ids per group, got {needed}"
+            )
         vector = self._vectors.get(unit)
         if vector is None:
             vector = self._vectors[unit] = widest_unit([self.base_unit, unit])
@@ -168,14 +177,25 @@ class GroupLaunch:
         sizing = self._ipc.get((num_items, group.first_item, warp))
         if sizing is None:
             runs = len(self.shape.runs)
-            fit = geometry.warp_sizing(self.shape.page_bytes, num_items, self.num_planes,
-                                       P.WARP_UNROLL, P.WARPS_PER_CTA, group.first_item,
-                                       self.kept_per_chunk) if warp else None
+            fit = (
+                geometry.warp_sizing(
+                    self.shape.page_bytes,
+                    num_items,
+                    self.num_planes,
+                    P.WARP_UNROLL,
+                    P.WARPS_PER_CTA,
+                    group.first_item,
+                    self.kept_per_chunk,
+                )
+                if warp
+                else None
+            )
             if fit is not None:
                 (segs, work), ipc, tiles = fit, 0, 0
             else:
-                ipc = items_per_cta(self.shape.page_bytes, num_items, self.num_planes * runs,
-                                    self.device.num_sms)
+                ipc = items_per_cta(
+                    self.shape.page_bytes, num_items, self.num_planes * runs, self.device.num_sms
+                )
                 segs, tiles = 0, -(-num_items // ipc)
                 work = tiles * self.num_planes * runs
             sizing = self._ipc[(num_items, group.first_item, warp)] = (ipc, tiles, work, segs)
@@ -185,9 +205,17 @@ class GroupLaunch:
             p, launcher, function = self._variant(direction, vector, warp=segs > 0)
         return (p, launcher, function, grid, needed, num_items, ipc, tiles, segs)
 
-    def launch(self, direction: str, group: Any, objects: ObjectBinding, stream: int,
-               block_ids: Any = None, *, skip: "DeviceSkip | None" = None,
-               max_ctas: int | None = None) -> None:
+    def launch(
+        self,
+        direction: str,
+        group: Any,
+        objects: ObjectBinding,
+        stream: int,
+        block_ids: Any = None,
+        *,
+        skip: "DeviceSkip | None" = None,
+        max_ctas: int | None = None,
+    ) -> None:
         """Enqueue the group's copy on ``stream``.
 
         ``block_ids`` overrides ``group.block_ids``; ``skip`` is a load's device-side
@@ -267,8 +295,9 @@ class DeviceSkip:
     limit: int
 
 
-def device_skip(skip: torch.Tensor, mul: int, div: int, limit: int,
-                device_index: int) -> DeviceSkip:
+def device_skip(
+    skip: torch.Tensor, mul: int, div: int, limit: int, device_index: int
+) -> DeviceSkip:
     """Check a device skip's static facts (one int32/int64 element on the caches' GPU)."""
     if not on_device(skip, device_index):
         raise KVGroupsValueError(
@@ -291,16 +320,27 @@ def on_device(t: torch.Tensor, device_index: int) -> bool:
 def bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
     """Point ``p`` at the block ids: a CUDA tensor is read in place (graph capturable); host
     ids go inline into the parameters when they fit, else to the device."""
-    if type(ids) is np.ndarray and ids.ndim == 1 and ids.dtype.kind in "iu" \
-            and needed <= P.INLINE_IDS and needed <= ids.shape[0] and num_blocks <= _INT32_MAX:
+    if (
+        type(ids) is np.ndarray
+        and ids.ndim == 1
+        and ids.dtype.kind in "iu"
+        and needed <= P.INLINE_IDS
+        and needed <= ids.shape[0]
+        and num_blocks <= _INT32_MAX
+    ):
         # Host ids that fit inline, the common case: one casting copy into the parameters
         # (out-of-int32 values wrap and are still range-checked by the kernel).
         p.inline_view[:needed] = ids[:needed]
         p.ids_mode = P.IDS_INLINE32
         return None
-    if type(ids) is torch.Tensor and ids.is_cuda and ids.dtype in ID_DTYPES \
-            and ids.get_device() == device_index and ids.is_contiguous() \
-            and ids.numel() >= needed:
+    if (
+        type(ids) is torch.Tensor
+        and ids.is_cuda
+        and ids.dtype in ID_DTYPES
+        and ids.get_device() == device_index
+        and ids.is_contiguous()
+        and ids.numel() >= needed
+    ):
         # Device ids read in place (the common case, checks ordered cheapest first).
         p.ids = ids.data_ptr()
         p.ids_mode = P.IDS_DEVICE32 if ids.dtype is torch.int32 else P.IDS_DEVICE64
@@ -358,8 +398,16 @@ def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceSta
     Looked up by the identity of the plan's ``planes`` / ``runs`` tuples first (free when the
     core reuses them across plans), then by value (hashes every plane).
     """
-    scalars = (group.block_stride_bytes, group.num_blocks, group.row_bytes, group.block_size,
-               group.slots, group.region_offset, group.unit_bytes, device.index)
+    scalars = (
+        group.block_stride_bytes,
+        group.num_blocks,
+        group.row_bytes,
+        group.block_size,
+        group.slots,
+        group.region_offset,
+        group.unit_bytes,
+        device.index,
+    )
     ikey = (id(group.planes), id(group.runs), scalars, cache_addresses)
     hit = _by_identity.get(ikey)
     if hit is not None and hit[0] is group.planes and hit[1] is group.runs:

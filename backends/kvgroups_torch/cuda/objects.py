@@ -58,19 +58,22 @@ def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
         check_object_placement(entry, device_index, what)
         base, stride = entry.data_ptr(), entry.stride(0)
         unit = widest_unit([base, stride] if entry.shape[0] > 1 else [base])
-        return ObjectBinding(P.OBJ_STRIDED, base=base, stride=stride, unit=unit,
-                             num_chunks=entry.shape[0])
+        return ObjectBinding(
+            P.OBJ_STRIDED, base=base, stride=stride, unit=unit, num_chunks=entry.shape[0]
+        )
     addresses = []
     for c, t in enumerate(entry):
         check_object_placement(t, device_index, f"{what}[{c}]")
         addresses.append(t.data_ptr())
     unit = widest_unit(addresses)
     if len(addresses) <= P.INLINE_OBJS:
-        return ObjectBinding(P.OBJ_INLINE, addresses=tuple(addresses), unit=unit,
-                             num_chunks=len(addresses))
+        return ObjectBinding(
+            P.OBJ_INLINE, addresses=tuple(addresses), unit=unit, num_chunks=len(addresses)
+        )
     table = to_table(np.asarray(addresses, dtype=np.int64), device_index)
-    return ObjectBinding(P.OBJ_TABLE, table=table, addresses=tuple(addresses), unit=unit,
-                         num_chunks=len(addresses))
+    return ObjectBinding(
+        P.OBJ_TABLE, table=table, addresses=tuple(addresses), unit=unit, num_chunks=len(addresses)
+    )
 
 
 # Tables kept across calls (plane and object tables), readable from any stream.
@@ -114,8 +117,13 @@ def region_spans(plan: Any, object_group: int) -> list[tuple[int, int]]:
     return merged
 
 
-def stage(entry: Any, direction: str, device_index: int, spans: list[tuple[int, int]],
-           copies_after: list[tuple[torch.Tensor, torch.Tensor]]) -> Any:
+def stage(
+    entry: Any,
+    direction: str,
+    device_index: int,
+    spans: list[tuple[int, int]],
+    copies_after: list[tuple[torch.Tensor, torch.Tensor]],
+) -> Any:
     """Device stand-ins for pinned host objects: the touched regions are copied in before a
     load and out after a store, each copy one contiguous pinned range (asynchronous, and
     capturable in a CUDA graph)."""

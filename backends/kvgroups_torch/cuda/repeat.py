@@ -19,7 +19,8 @@ from .objects import ObjectBinding
 
 class PlanRepeater:
     """The launches of one plan on one :class:`DeviceCaches`, ready for the repeated calls of
-    a validated signature (``kvgroups_core.transfer.fast.call_memo``): a call writes its ids (and, when they
+    a validated signature (``kvgroups_core.transfer.fast.call_memo``): a call writes its ids (and,
+    when they
     differ from the last launch's, the objects and the item range) into each group's packed
     parameters and launches. Built after a call of ``plan`` passed every check; later calls
     bring ids of the same dtype, shape, device and contiguity as ``sample_ids`` and objects the
@@ -36,10 +37,15 @@ class PlanRepeater:
         self.fallback = fallback
         # Contiguous int32/int64 tensors on the GPU are read in place: only their address
         # changes between calls. Anything else (host ids) goes through bind_ids.
-        self.in_place = isinstance(sample_ids, torch.Tensor) and sample_ids.dtype in ID_DTYPES \
-            and on_device(sample_ids, self.index) and sample_ids.is_contiguous()
-        self.ids_mode = P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 \
-            else P.IDS_DEVICE64
+        self.in_place = (
+            isinstance(sample_ids, torch.Tensor)
+            and sample_ids.dtype in ID_DTYPES
+            and on_device(sample_ids, self.index)
+            and sample_ids.is_contiguous()
+        )
+        self.ids_mode = (
+            P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 else P.IDS_DEVICE64
+        )
         self._steps: dict[Any, list[tuple]] = {}  # object vector units -> launch list
         # The core's validated objects signature -> (bindings, launch list): a hit on the
         # signature of the last call's objects needs neither read again.
@@ -66,13 +72,26 @@ class PlanRepeater:
             step = launch.step(plan.direction, group, unit, plan.max_ctas)
             p, launcher, function, grid, needed, num_items = step[:6]
             if num_items:
-                out.append((launch, p, launcher, function, grid, step, group.first_item,
-                            group.object_group_idx, needed, launch.shape.num_blocks))
+                out.append(
+                    (
+                        launch,
+                        p,
+                        launcher,
+                        function,
+                        grid,
+                        step,
+                        group.first_item,
+                        group.object_group_idx,
+                        needed,
+                        launch.shape.num_blocks,
+                    )
+                )
         return out
 
     def __call__(self, ids: Any, objects: Sequence[Any], objects_key: Any = None) -> tuple:
         """Launch with ``ids`` on ``objects`` (the repeater protocol of
-        ``kvgroups_core.transfer.backend.BoundCaches.repeater``: ``(None, objects)``, nothing replaced).
+        ``kvgroups_core.transfer.backend.BoundCaches.repeater``: ``(None, objects)``, nothing
+        replaced).
         ``objects_key``: the core's validated signature of ``objects`` (address, dtype, shape
         and strides of each), so what was bound for it before is bound again."""
         found = self._by_objects.get(objects_key) if objects_key is not None else None

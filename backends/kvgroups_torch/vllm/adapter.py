@@ -73,8 +73,9 @@ SLIDING_SPECS = ("SlidingWindowSpec",)
 SLIDING_MLA_SPECS = ("SlidingWindowMLASpec",)
 CHUNKED_SPECS = ("ChunkedLocalAttentionSpec",)
 STATE_SPECS = ("MambaSpec",)
-KNOWN_SPECS = (FULL_SPECS + MLA_SPECS + SLIDING_SPECS + SLIDING_MLA_SPECS + CHUNKED_SPECS
-               + STATE_SPECS)
+KNOWN_SPECS = (
+    FULL_SPECS + MLA_SPECS + SLIDING_SPECS + SLIDING_MLA_SPECS + CHUNKED_SPECS + STATE_SPECS
+)
 #: Mamba backends whose spec ``shapes`` are (conv state, temporal state).
 CONV_TEMPORAL_TYPES = ("MAMBA1", "MAMBA2", "GDN_ATTN")
 
@@ -92,7 +93,9 @@ def _layout_of(value: Any) -> str | None:
         return None
     name = getattr(value, "name", value)
     if not isinstance(name, str):
-        raise KVGroupsTypeError(f"kv_cache_layout: expected 'NHD', 'HND' or a vLLM layout, got {value!r}")
+        raise KVGroupsTypeError(
+            f"kv_cache_layout: expected 'NHD', 'HND' or a vLLM layout, got {value!r}"
+        )
     name = name.upper()
     if name in _LAYOUT_ALIASES:
         return name
@@ -147,10 +150,12 @@ def _spec_int(spec: Any, attr: str, where: str, minimum: int) -> int:
     value = getattr(spec, attr, None)
     if isinstance(value, bool) or not isinstance(value, int):
         raise KVGroupsTypeError(
-            f"{where}: {type(spec).__name__}.{attr}: expected an int, got {value!r}")
+            f"{where}: {type(spec).__name__}.{attr}: expected an int, got {value!r}"
+        )
     if value < minimum:
         raise KVGroupsValueError(
-            f"{where}: {type(spec).__name__}.{attr}: expected an int >= {minimum}, got {value}")
+            f"{where}: {type(spec).__name__}.{attr}: expected an int >= {minimum}, got {value}"
+        )
     return value
 
 
@@ -248,20 +253,30 @@ def _state_formats(conv_layout: str) -> tuple[EngineKVFormat, EngineKVFormat]:
     return conv_format(conv_layout), EngineKVFormat.NL_X_NB_SH_SS
 
 
-def _spec_state_layers(kv_cache_config: Any, lspec: LayerSpec,
-                       conv_layout: str) -> list[tuple[TensorSpec, EngineKVFormat]]:
+def _spec_state_layers(
+    kv_cache_config: Any, lspec: LayerSpec, conv_layout: str
+) -> list[tuple[TensorSpec, EngineKVFormat]]:
     """The sub-state TensorSpecs of one MambaSpec layer, from the config alone."""
     spec = lspec.spec
     tensor = _layer_tensor(kv_cache_config, lspec)
-    num_blocks = (kv_cache_config.num_blocks_of(tensor)
-                  if hasattr(kv_cache_config, "num_blocks_of") else kv_cache_config.num_blocks)
+    num_blocks = (
+        kv_cache_config.num_blocks_of(tensor)
+        if hasattr(kv_cache_config, "num_blocks_of")
+        else kv_cache_config.num_blocks
+    )
     stride = int(tensor.block_stride)
     out = []
     for shape, dtype, fmt in zip(spec.shapes, spec.dtypes, _state_formats(conv_layout)):
         item = _itemsize(dtype)
         rest = _row_major(tuple(int(n) for n in shape))
-        out.append((TensorSpec((num_blocks, *shape), _dtype_name(dtype),
-                               strides=(stride // item, *rest)), fmt))
+        out.append(
+            (
+                TensorSpec(
+                    (num_blocks, *shape), _dtype_name(dtype), strides=(stride // item, *rest)
+                ),
+                fmt,
+            )
+        )
     return out
 
 
@@ -284,7 +299,8 @@ def _state_views(x: Any, lspec: LayerSpec, conv_layout: str) -> list[tuple[Any, 
     formats = _state_formats(conv_layout)
     if isinstance(x, (list, tuple)):
         if len(x) != len(spec.shapes) or any(
-                tuple(t.shape[1:]) != tuple(s) for t, s in zip(x, spec.shapes)):
+            tuple(t.shape[1:]) != tuple(s) for t, s in zip(x, spec.shapes)
+        ):
             raise KVGroupsValueError(
                 f"layer {lspec.name!r}: expected one tensor per MambaSpec shape "
                 f"{[tuple(s) for s in spec.shapes]}, got shapes {[tuple(t.shape) for t in x]}"
@@ -292,8 +308,13 @@ def _state_views(x: Any, lspec: LayerSpec, conv_layout: str) -> list[tuple[Any, 
         return list(zip(x, formats))
     content = int(spec.state_content_size_bytes)
     shape = tuple(x.shape)
-    if len(shape) != 4 or shape[1:] != (1, 1, content) or x.element_size() != 1 \
-            or x.stride(3) != 1 or (shape[0] > 1 and x.stride(0) < content):
+    if (
+        len(shape) != 4
+        or shape[1:] != (1, 1, content)
+        or x.element_size() != 1
+        or x.stride(3) != 1
+        or (shape[0] > 1 and x.stride(0) < content)
+    ):
         raise KVGroupsValueError(
             f"layer {lspec.name!r}: expected vLLM's unified MambaSpec page [num_blocks, 1, 1, "
             f"{content}] of 1-byte elements (the state of shapes "
@@ -302,10 +323,11 @@ def _state_views(x: Any, lspec: LayerSpec, conv_layout: str) -> list[tuple[Any, 
         )
     page = x[:, 0, 0, :]
     views = []
-    offsets = state_page_offsets(spec.shapes, [_dtype_name(d) for d in spec.dtypes],
-                                 f"layer {lspec.name!r}")
+    offsets = state_page_offsets(
+        spec.shapes, [_dtype_name(d) for d in spec.dtypes], f"layer {lspec.name!r}"
+    )
     for (offset, nbytes), sub, dtype, fmt in zip(offsets, spec.shapes, spec.dtypes, formats):
-        view = page[:, offset:offset + nbytes].view(dtype).view(shape[0], *sub)
+        view = page[:, offset : offset + nbytes].view(dtype).view(shape[0], *sub)
         views.append((view, fmt))
     return views
 
@@ -319,13 +341,18 @@ def _layer_tensor(kv_cache_config: Any, lspec: LayerSpec) -> Any:
     return tensors[0]
 
 
-def _spec_layer(kv_cache_config: Any, lspec: LayerSpec, layout: str) -> tuple[TensorSpec, EngineKVFormat]:
+def _spec_layer(
+    kv_cache_config: Any, lspec: LayerSpec, layout: str
+) -> tuple[TensorSpec, EngineKVFormat]:
     """The TensorSpec (and format) of one layer as the adapter would view vLLM's tensor,
     from the config alone: [B, H, N, C] HND, its [B, N, H, C] NHD view, or MLA [B, N, C]."""
     spec = lspec.spec
     tensor = _layer_tensor(kv_cache_config, lspec)
-    num_blocks = (kv_cache_config.num_blocks_of(tensor)
-                  if hasattr(kv_cache_config, "num_blocks_of") else kv_cache_config.num_blocks)
+    num_blocks = (
+        kv_cache_config.num_blocks_of(tensor)
+        if hasattr(kv_cache_config, "num_blocks_of")
+        else kv_cache_config.num_blocks
+    )
     item = _itemsize(spec.dtype)
     heads = int(spec.num_heads)
     rows = int(spec.num_states) if hasattr(spec, "num_states") else int(spec.block_size)
@@ -338,16 +365,28 @@ def _spec_layer(kv_cache_config: Any, lspec: LayerSpec, layout: str) -> tuple[Te
         )
     content, bstride, dtype = content_bytes // item, block_stride // item, _dtype_name(spec.dtype)
     if lspec.kind == "mla":
-        return (TensorSpec((num_blocks, rows, content), dtype, strides=(bstride, content, 1)),
-                EngineKVFormat.NL_X_NB_BS_HS)
+        return (
+            TensorSpec((num_blocks, rows, content), dtype, strides=(bstride, content, 1)),
+            EngineKVFormat.NL_X_NB_BS_HS,
+        )
     _check_content(lspec, content)
     if layout == "HND":
-        return (TensorSpec((num_blocks, heads, rows, content), dtype,
-                           strides=(bstride, rows * content, content, 1)),
-                EngineKVFormat.NL_X_NB_NH_BS_CS)
-    return (TensorSpec((num_blocks, rows, heads, content), dtype,
-                       strides=(bstride, heads * content, content, 1)),
-            EngineKVFormat.NL_X_NB_BS_NH_CS)
+        return (
+            TensorSpec(
+                (num_blocks, heads, rows, content),
+                dtype,
+                strides=(bstride, rows * content, content, 1),
+            ),
+            EngineKVFormat.NL_X_NB_NH_BS_CS,
+        )
+    return (
+        TensorSpec(
+            (num_blocks, rows, heads, content),
+            dtype,
+            strides=(bstride, heads * content, content, 1),
+        ),
+        EngineKVFormat.NL_X_NB_BS_NH_CS,
+    )
 
 
 def _check_content(lspec: LayerSpec, content: int) -> None:
@@ -375,7 +414,9 @@ def _is_heads_outer(x: Any) -> bool | None:
 _RANKS = {"attention": (4, 5), "mla": (3, 4)}
 
 
-def _as_kvgroups_layer(x: Any, lspec: LayerSpec, layout: str | None, hints: dict) -> tuple[Any, EngineKVFormat]:
+def _as_kvgroups_layer(
+    x: Any, lspec: LayerSpec, layout: str | None, hints: dict
+) -> tuple[Any, EngineKVFormat]:
     """One registered layer as (tensor or view, kvgroups format), checked against its spec:
     the worker must read each block as the scheduler plans it from the config alone."""
     x, fmt = _read_layer(x, lspec, layout, hints)
@@ -383,14 +424,17 @@ def _as_kvgroups_layer(x: Any, lspec: LayerSpec, layout: str | None, hints: dict
     return x, fmt
 
 
-def _read_layer(x: Any, lspec: LayerSpec, layout: str | None, hints: dict) -> tuple[Any, EngineKVFormat]:
+def _read_layer(
+    x: Any, lspec: LayerSpec, layout: str | None, hints: dict
+) -> tuple[Any, EngineKVFormat]:
     ndim = len(x.shape)
     if ndim not in _RANKS[lspec.kind]:
         spec_name = type(lspec.spec).__name__
         raise KVGroupsValueError(
             f"kv_caches[{lspec.name!r}]: expected a tensor of rank "
             f"{' or '.join(map(str, _RANKS[lspec.kind]))} for its {spec_name} (group "
-            f"{lspec.group_id}), got shape {tuple(x.shape)}")
+            f"{lspec.group_id}), got shape {tuple(x.shape)}"
+        )
     if ndim != 4:
         # Older vLLM: rank-5 FlashAttention/FlashInfer or rank-3 MLA tensors; the catalogue's
         # detection knows them (NHD unless told HND).
@@ -435,7 +479,8 @@ def _check_page(x: Any, fmt: EngineKVFormat, lspec: LayerSpec) -> None:
             f"kv_caches[{lspec.name!r}]: expected blocks of {want_rows} token rows and "
             f"{int(want_bytes)} bytes as its {type(spec).__name__} (group {lspec.group_id}) "
             f"says, got shape {tuple(x.shape)} read as {fmt.name}: {got_rows} rows of "
-            f"{got_bytes} bytes")
+            f"{got_bytes} bytes"
+        )
 
 
 @dataclass
@@ -481,8 +526,7 @@ class VllmKVLayout:
     def indices_of(self, layer_name: str) -> list[int]:
         """Every manager layer of a vLLM layer (one, or a recurrent layer's sub-states)."""
         first = self.index_of(layer_name)
-        return [i for i in range(first, len(self.layer_names))
-                if self.layer_names[i] == layer_name]
+        return [i for i in range(first, len(self.layer_names)) if self.layer_names[i] == layer_name]
 
     @property
     def chunk_size(self) -> int:
@@ -500,8 +544,9 @@ class VllmKVLayout:
                 f"got {layer_name!r}{extra}"
             ) from None
 
-    def block_ids(self, per_group: Any, num_chunks: int | None = None,
-                  first_chunk: int = 0) -> dict[int, list[int]]:
+    def block_ids(
+        self, per_group: Any, num_chunks: int | None = None, first_chunk: int = 0
+    ) -> dict[int, list[int]]:
         """vLLM's per-group block ids -> the ids ``store`` / ``load`` take.
 
         Parameters
@@ -526,8 +571,11 @@ class VllmKVLayout:
         if isinstance(per_group, Mapping):
             lookup = dict(per_group)
             for gid in lookup:
-                if isinstance(gid, bool) or not isinstance(gid, int) \
-                        or not 0 <= gid < self.num_vllm_groups:
+                if (
+                    isinstance(gid, bool)
+                    or not isinstance(gid, int)
+                    or not 0 <= gid < self.num_vllm_groups
+                ):
                     raise KVGroupsIndexError(
                         f"block_ids: expected vLLM KV cache group ids in [0, "
                         f"{self.num_vllm_groups}), got group {gid!r}"
@@ -541,7 +589,8 @@ class VllmKVLayout:
             lookup = dict(enumerate(per_group))
         else:
             raise KVGroupsTypeError(
-                f"block_ids: expected per-group lists (tuple or mapping), got {type(per_group).__name__}"
+                "block_ids: expected per-group lists (tuple or mapping), "
+                f"got {type(per_group).__name__}"
             )
         chunk = self.chunk_size
         out: dict[int, list[int]] = {}
@@ -573,7 +622,8 @@ def _chunk_arg(value: Any, what: str, *, allow_none: bool) -> int | None:
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise KVGroupsTypeError(
             f"{what}: expected a non-negative int{' or None' if allow_none else ''}, got "
-            f"{type(value).__name__} {value!r}")
+            f"{type(value).__name__} {value!r}"
+        )
     if value < 0:
         raise KVGroupsValueError(f"{what}: expected a non-negative int, got {int(value)}")
     return int(value)
@@ -585,9 +635,9 @@ def _group_ids(ids: Any, gid: int) -> list[int]:
     what = f"block_ids[{gid}]"
     if isinstance(ids, (str, bytes, Mapping)) or not hasattr(ids, "__len__"):
         raise KVGroupsTypeError(
-            f"{what}: expected a sequence of block ids, got {type(ids).__name__}")
-    return host_id_array(list(ids) if not isinstance(ids, np.ndarray) else ids,
-                         what).tolist()
+            f"{what}: expected a sequence of block ids, got {type(ids).__name__}"
+        )
+    return host_id_array(list(ids) if not isinstance(ids, np.ndarray) else ids, what).tolist()
 
 
 def from_kv_cache_config(
@@ -641,8 +691,9 @@ def from_kv_cache_config(
         raise KVGroupsValueError(f"chunk_size: expected a positive int, got {chunk_size!r}")
     layout = _layout_of(kv_cache_layout)
     specs = read_layer_specs(kv_cache_config, chunk_size)
-    state_layout = _conv_layout(conv_layout) if any(
-        ls.kind == "state" for ls in specs.values()) else "SD"
+    state_layout = (
+        _conv_layout(conv_layout) if any(ls.kind == "state" for ls in specs.values()) else "SD"
+    )
     num_groups = len(kv_cache_config.kv_cache_groups)
     excluded: dict[str, str] = {}
     for gid, group in enumerate(kv_cache_config.kv_cache_groups):
@@ -653,7 +704,9 @@ def from_kv_cache_config(
     names = sorted(specs, key=natural_key)
     tensors: dict[str, Any] = {}
     if kv_caches is None:
-        cfg_layout = layout or _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)) or "HND"
+        cfg_layout = (
+            layout or _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)) or "HND"
+        )
         for name in names:
             if specs[name].kind == "state":
                 tensors[name] = _spec_state_layers(kv_cache_config, specs[name], state_layout)
@@ -710,8 +763,10 @@ def from_kv_cache_config(
         if name not in tensors:
             continue
         if lspec.window_tokens == 0:
-            excluded[name] = (f"chunked-local group {lspec.group_id} needs no KV across a "
-                              f"{chunk_size}-token chunk boundary")
+            excluded[name] = (
+                f"chunked-local group {lspec.group_id} needs no KV across a "
+                f"{chunk_size}-token chunk boundary"
+            )
             continue
         if chunk_size % lspec.block_size:
             raise KVGroupsValueError(
@@ -719,8 +774,11 @@ def from_kv_cache_config(
                 f"{lspec.block_size}, got {chunk_size}"
             )
         if lspec.kind == "state":
-            parts = tensors[name] if kv_caches is None else _state_views(
-                tensors[name], lspec, state_layout)
+            parts = (
+                tensors[name]
+                if kv_caches is None
+                else _state_views(tensors[name], lspec, state_layout)
+            )
             state_groups[lspec.group_id] = int(getattr(lspec.spec, "num_speculative_blocks", 0))
             state_layers += range(len(caches), len(caches) + len(parts))
         elif kv_caches is None:
@@ -741,18 +799,30 @@ def from_kv_cache_config(
             gid = identity.engine_group_idx
             if gid == EXCLUDED_ENGINE_GROUP:
                 continue
-            infos.append(EngineGroupInfo(engine_group_id=gid, layer_indices=tuple(layers),
-                                         tokens_per_block=block_sizes[gid],
-                                         sw_size_tokens=windows[gid],
-                                         recurrent_state=gid in state_groups))
+            infos.append(
+                EngineGroupInfo(
+                    engine_group_id=gid,
+                    layer_indices=tuple(layers),
+                    tokens_per_block=block_sizes[gid],
+                    sw_size_tokens=windows[gid],
+                    recurrent_state=gid in state_groups,
+                )
+            )
         # vLLM's group order, not the kernel groups': the manager matches infos by layers.
         infos.sort(key=lambda i: (i.engine_group_id, i.layer_indices))
-    manager = KVLayerGroupsManager(caches, formats, infos, lmcache_tokens_per_chunk=chunk_size,
-                                   separate_object_groups=separate_object_groups,
-                                   tp_rank=tp_rank, tp_size=tp_size,
-                                   total_num_kv_heads=total_num_kv_heads if tp_size > 1 else None)
-    return VllmKVLayout(manager, caches, layer_names, excluded, block_sizes, num_groups,
-                        state_groups, state_layers)
+    manager = KVLayerGroupsManager(
+        caches,
+        formats,
+        infos,
+        lmcache_tokens_per_chunk=chunk_size,
+        separate_object_groups=separate_object_groups,
+        tp_rank=tp_rank,
+        tp_size=tp_size,
+        total_num_kv_heads=total_num_kv_heads if tp_size > 1 else None,
+    )
+    return VllmKVLayout(
+        manager, caches, layer_names, excluded, block_sizes, num_groups, state_groups, state_layers
+    )
 
 
 def _tensor_key(t: Any) -> tuple:
@@ -777,7 +847,11 @@ def manager_from_kv_cache_config(
 ) -> KVLayerGroupsManager:
     """The manager alone; see :func:`from_kv_cache_config` (its ``kv_caches`` attribute holds
     the tensors in manager layer order, which ``store`` / ``load`` need)."""
-    return from_kv_cache_config(kv_cache_config, kv_caches, kv_cache_layout=kv_cache_layout,
-                                chunk_size=chunk_size,
-                                separate_object_groups=separate_object_groups,
-                                conv_layout=conv_layout).manager
+    return from_kv_cache_config(
+        kv_cache_config,
+        kv_caches,
+        kv_cache_layout=kv_cache_layout,
+        chunk_size=chunk_size,
+        separate_object_groups=separate_object_groups,
+        conv_layout=conv_layout,
+    ).manager

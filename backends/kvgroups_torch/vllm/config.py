@@ -57,51 +57,57 @@ class ConfigKey:
         if self.kind is int:
             if isinstance(value, bool) or not isinstance(value, int):
                 raise KVGroupsTypeError(
-                    f"{what}: expected an int{self._bounds()}, got {type(value).__name__} "
-                    f"{value!r}")
+                    f"{what}: expected an int{self._bounds()}, got {type(value).__name__} {value!r}"
+                )
             self._check_bounds(value, what, value)
             return value
         if self.kind is float:
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or \
-                    value != value:
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value != value:
                 raise KVGroupsTypeError(
                     f"{what}: expected a number{self._bounds()}, got {type(value).__name__} "
-                    f"{value!r}")
+                    f"{value!r}"
+                )
             self._check_bounds(value, what, value)
             return float(value)
         if self.kind is bool:
             if not isinstance(value, bool):
                 raise KVGroupsTypeError(
-                    f"{what}: expected true or false, got {type(value).__name__} {value!r}")
+                    f"{what}: expected true or false, got {type(value).__name__} {value!r}"
+                )
             return value
         if self.kind is str:
             if not isinstance(value, str):
                 raise KVGroupsTypeError(
                     f"{what}: expected a string{self._choices()}, got {type(value).__name__} "
-                    f"{value!r}")
+                    f"{value!r}"
+                )
             if self.choices:
                 if value.lower() not in self.choices:
                     raise KVGroupsValueError(
-                        f"{what}: expected one of {list(self.choices)}, got {value!r}")
+                        f"{what}: expected one of {list(self.choices)}, got {value!r}"
+                    )
                 return value.lower()
             return value
         if self.kind is list:
             if not isinstance(value, (list, tuple)):
                 raise KVGroupsTypeError(
-                    f"{what}: expected a list, got {type(value).__name__} {value!r}")
+                    f"{what}: expected a list, got {type(value).__name__} {value!r}"
+                )
             item = self.item_kind
             for i, v in enumerate(value):
-                if item is not None and (not isinstance(v, item) or isinstance(v, bool)
-                                         and item is not bool):
+                if item is not None and (
+                    not isinstance(v, item) or isinstance(v, bool) and item is not bool
+                ):
                     raise KVGroupsTypeError(
-                        f"{what}[{i}]: expected a {item.__name__}, got {type(v).__name__} "
-                        f"{v!r}")
+                        f"{what}[{i}]: expected a {item.__name__}, got {type(v).__name__} {v!r}"
+                    )
             self._check_bounds(len(value), what, value, "entries")
             if self.choices:
                 bad = [v for v in value if str(v).upper() not in self.choices]
                 if bad:
                     raise KVGroupsValueError(
-                        f"{what}: expected entries among {list(self.choices)}, got {bad[0]!r}")
+                        f"{what}: expected entries among {list(self.choices)}, got {bad[0]!r}"
+                    )
             return list(value)
         raise TypeError(f"ConfigKey {self.name}: unsupported kind {self.kind}")  # table bug
 
@@ -128,34 +134,83 @@ class ConfigKey:
 
 #: The settings the connector reads. Add a row to add one.
 KEYS: tuple[ConfigKey, ...] = (
-    ConfigKey("chunk_size", int, 256, "tokens per cached chunk; a multiple of every KV cache "
-              "group's block size", minimum=1),
-    ConfigKey("capacity_chunks", int, None, "host cache size in chunks (instead of "
-              "capacity_bytes)", minimum=1, excludes=("capacity_bytes",)),
-    ConfigKey("capacity_bytes", int, DEFAULT_CAPACITY_BYTES, "host cache size in bytes, "
-              "rounded down to whole chunks (at least one chunk)", minimum=1,
-              excludes=("capacity_chunks",)),
-    ConfigKey("eviction", str, "lru", "what to drop when the host cache is full: the least "
-              "recently used chunk", choices=("lru",)),
-    ConfigKey("layerwise_loads", bool, True, "pipeline the loads with the forward: each "
-              "attention layer waits, on the GPU, for its own layer's load (false: every load "
-              "finishes before the forward)"),
+    ConfigKey(
+        "chunk_size",
+        int,
+        256,
+        "tokens per cached chunk; a multiple of every KV cache group's block size",
+        minimum=1,
+    ),
+    ConfigKey(
+        "capacity_chunks",
+        int,
+        None,
+        "host cache size in chunks (instead of capacity_bytes)",
+        minimum=1,
+        excludes=("capacity_bytes",),
+    ),
+    ConfigKey(
+        "capacity_bytes",
+        int,
+        DEFAULT_CAPACITY_BYTES,
+        "host cache size in bytes, rounded down to whole chunks (at least one chunk)",
+        minimum=1,
+        excludes=("capacity_chunks",),
+    ),
+    ConfigKey(
+        "eviction",
+        str,
+        "lru",
+        "what to drop when the host cache is full: the least recently used chunk",
+        choices=("lru",),
+    ),
+    ConfigKey(
+        "layerwise_loads",
+        bool,
+        True,
+        "pipeline the loads with the forward: each "
+        "attention layer waits, on the GPU, for its own layer's load (false: every load "
+        "finishes before the forward)",
+    ),
     # Disaggregated prefill/decode (docs/PD.md).
-    ConfigKey("transport", str, None, "move a request's objects between engines over this "
-              "transport; with kv_role 'kv_both' its presence switches P/D on (producers and "
-              "consumers use 'nixl' by default)", choices=("nixl",)),
-    ConfigKey("nixl_backends", list, ["UCX"], "NIXL backends to create", minimum=1,
-              item_kind=str),
-    ConfigKey("side_channel_host", str, "127.0.0.1", "where a producer's workers answer for "
-              "their NIXL metadata (bound and advertised in the request's params)"),
-    ConfigKey("side_channel_port", int, 5600, "a producer worker of TP rank r answers at this "
-              "port + r", minimum=1, maximum=65535),
-    ConfigKey("publish_ttl_s", float, 120.0, "seconds an unreleased publication stays pullable",
-              minimum=1),
-    ConfigKey("pull_timeout_s", float, 30.0, "deadline of one request's pull, in seconds",
-              minimum=0),
-    ConfigKey("staging_chunks", int, 64, "a consumer's staging slots (chunks in flight at "
-              "once)", minimum=1),
+    ConfigKey(
+        "transport",
+        str,
+        None,
+        "move a request's objects between engines over this "
+        "transport; with kv_role 'kv_both' its presence switches P/D on (producers and "
+        "consumers use 'nixl' by default)",
+        choices=("nixl",),
+    ),
+    ConfigKey("nixl_backends", list, ["UCX"], "NIXL backends to create", minimum=1, item_kind=str),
+    ConfigKey(
+        "side_channel_host",
+        str,
+        "127.0.0.1",
+        "where a producer's workers answer for "
+        "their NIXL metadata (bound and advertised in the request's params)",
+    ),
+    ConfigKey(
+        "side_channel_port",
+        int,
+        5600,
+        "a producer worker of TP rank r answers at this port + r",
+        minimum=1,
+        maximum=65535,
+    ),
+    ConfigKey(
+        "publish_ttl_s", float, 120.0, "seconds an unreleased publication stays pullable", minimum=1
+    ),
+    ConfigKey(
+        "pull_timeout_s", float, 30.0, "deadline of one request's pull, in seconds", minimum=0
+    ),
+    ConfigKey(
+        "staging_chunks",
+        int,
+        64,
+        "a consumer's staging slots (chunks in flight at once)",
+        minimum=1,
+    ),
 )
 
 #: ``kv_role`` -> None when the connector implements it, else why it is refused.
@@ -202,8 +257,9 @@ def check_role(role: Any) -> str:
     return role
 
 
-def parse_extra_config(extra: Any, role: Any = "kv_both",
-                       keys: tuple[ConfigKey, ...] = KEYS) -> ConnectorConfig:
+def parse_extra_config(
+    extra: Any, role: Any = "kv_both", keys: tuple[ConfigKey, ...] = KEYS
+) -> ConnectorConfig:
     """Check ``kv_connector_extra_config`` (a mapping, or None) and ``kv_role`` against the
     table; returns every key's value (given or default)."""
     role = check_role(role)
@@ -221,7 +277,8 @@ def parse_extra_config(extra: Any, role: Any = "kv_both",
             clash = [other for other in key.excludes if other in extra]
             if clash:
                 raise KVGroupsValueError(
-                    f"{WHERE}: expected {key.name!r} or {clash[0]!r}, got both")
+                    f"{WHERE}: expected {key.name!r} or {clash[0]!r}, got both"
+                )
             values[key.name] = key.check(extra[key.name])
         else:
             values[key.name] = key.default

@@ -78,6 +78,7 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
+
 @dataclass
 class TransferItem:
     """One request's chunks to move: block ids by vLLM group id, one slot per chunk.
@@ -130,19 +131,25 @@ def _capacity_chunks(config: ConnectorConfig, bytes_per_chunk: int) -> int:
         raise KVGroupsValueError(
             f"kv_connector_extra_config['capacity_bytes']: expected at least one chunk "
             f"({bytes_per_chunk} bytes for this model at chunk_size {config.chunk_size}), got "
-            f"{config.capacity_bytes}")
+            f"{config.capacity_bytes}"
+        )
     return max(1, chunks)
 
 
 class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     """Host-memory prefix cache of kvgroups memory objects (see the module docstring)."""
 
-    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
-                 kv_cache_config: KVCacheConfig | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        role: KVConnectorRole,
+        kv_cache_config: KVCacheConfig | None = None,
+    ) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = self._kv_transfer_config
-        config = parse_extra_config(transfer.kv_connector_extra_config,
-                                    getattr(transfer, "kv_role", "kv_both"))
+        config = parse_extra_config(
+            transfer.kv_connector_extra_config, getattr(transfer, "kv_role", "kv_both")
+        )
         self._config = config
         self._chunk = config.chunk_size
         self._layerwise_loads = config.layerwise_loads
@@ -155,10 +162,12 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._capacity = _capacity_chunks(config, sum(self._object_bytes))
         self._attn = manager.get_attn_desc() if manager.num_object_groups else None
         # Recurrent state: its object group(s) and vLLM groups (with their block sizes).
-        self._state_ogs = frozenset(g for g, o in enumerate(manager.object_groups)
-                                    if o.recurrent_state)
-        self._state_groups = {gid: self._plan_layout.group_block_sizes[gid]
-                              for gid in self._plan_layout.state_groups}
+        self._state_ogs = frozenset(
+            g for g, o in enumerate(manager.object_groups) if o.recurrent_state
+        )
+        self._state_groups = {
+            gid: self._plan_layout.group_block_sizes[gid] for gid in self._plan_layout.state_groups
+        }
         self._state_layers = list(self._plan_layout.state_layers)
         # scheduler side
         self._index = ChunkIndex(self._capacity)
@@ -172,10 +181,16 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._steps: StepTransfers | None = None
         self._counters = ConnectorCounters()
         self.stats = self._counters.totals  # running totals (stats.COUNTERS)
-        log.info("KVGroupsConnector (%s): capacity %d chunks of %d tokens, %d bytes per chunk "
-                 "in %d object group(s), %.1f MiB of host memory", role.name, self._capacity,
-                 self._chunk, sum(self._object_bytes), len(self._object_bytes),
-                 self._capacity * sum(self._object_bytes) / 2**20)
+        log.info(
+            "KVGroupsConnector (%s): capacity %d chunks of %d tokens, %d bytes per chunk "
+            "in %d object group(s), %.1f MiB of host memory",
+            role.name,
+            self._capacity,
+            self._chunk,
+            sum(self._object_bytes),
+            len(self._object_bytes),
+            self._capacity * sum(self._object_bytes) / 2**20,
+        )
         # Disaggregated prefill/decode (pd.py): kv_producer / kv_consumer, or kv_both with a
         # configured transport.
         kv_role = str(self._kv_transfer_config.kv_role)
@@ -183,11 +198,13 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._pd_worker: PDWorker | None = None
         if pd_enabled(kv_role, extra):
             if role == KVConnectorRole.SCHEDULER:
-                self._pd_sched = PDScheduler(vllm_config, kv_cache_config, kv_role, extra,
-                                             self._chunk)
+                self._pd_sched = PDScheduler(
+                    vllm_config, kv_cache_config, kv_role, extra, self._chunk
+                )
             else:
-                self._pd_worker = PDWorker(vllm_config, kv_cache_config, kv_role, extra,
-                                           self._chunk)
+                self._pd_worker = PDWorker(
+                    vllm_config, kv_cache_config, kv_role, extra, self._chunk
+                )
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -200,8 +217,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         # inputs); build_connector_meta reuses these for the request's saves.
         hashes = self._hash_cache.get(request.request_id)
         if hashes is None:
-            hashes = chunk_hashes(list(request.prompt_token_ids or []), self._chunk,
-                                  _salt(request))
+            hashes = chunk_hashes(list(request.prompt_token_ids or []), self._chunk, _salt(request))
             self._hash_cache[request.request_id] = hashes
         return hashes
 
@@ -210,11 +226,13 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if self._pd_sched is not None:
             self._pd_sched.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Request,
-                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
         if self._pd_sched is not None:
-            offer = self._pd_sched.matched_tokens(request, num_computed_tokens,
-                                                  self._hashes(request))
+            offer = self._pd_sched.matched_tokens(
+                request, num_computed_tokens, self._hashes(request)
+            )
             if offer is not None:
                 return offer
         prompt_len = len(request.prompt_token_ids or [])
@@ -233,10 +251,12 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._pending_hits[request.request_id] = (hit, num_computed_tokens)
         return new, False
 
-    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
-                                 num_external_tokens: int) -> None:
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
         if self._pd_sched is not None and self._pd_sched.after_alloc(
-                request, blocks, num_external_tokens, self._plan_layout):
+            request, blocks, num_external_tokens, self._plan_layout
+        ):
             return
         pending = self._pending_hits.pop(request.request_id, None)
         if num_external_tokens <= 0 or pending is None:
@@ -258,11 +278,21 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if any(s is None for s in slots):  # cannot happen: nothing evicts between the calls
             raise KVGroupsValueError(f"request {request.request_id}: hit chunks were evicted")
         self._index.touch(slots)
-        self._loads_to_send[request.request_id] = (hit, computed, slots,
-                                                   computed + num_external_tokens)
+        self._loads_to_send[request.request_id] = (
+            hit,
+            computed,
+            slots,
+            computed + num_external_tokens,
+        )
 
-    def _saves_for(self, req_id: str, state: _Request, computed_after: int,
-                   protected: set[int], snapshots: dict[int, dict[int, int]]) -> list[TransferItem]:
+    def _saves_for(
+        self,
+        req_id: str,
+        state: _Request,
+        computed_after: int,
+        protected: set[int],
+        snapshots: dict[int, dict[int, int]],
+    ) -> list[TransferItem]:
         done = min(computed_after, len(state.prompt)) // self._chunk
         todo = []
         items = []
@@ -274,20 +304,26 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             self._index.touch([slot])
             if self._index.absent(slot) & self._state_ogs and self._snapshot(c, snapshots):
                 # A chunk cached without its snapshot; this request has it: add it.
-                items.append(TransferItem(req_id, self._chunk_ids(state, [c], snapshots),
-                                          [slot], layers=self._state_layers))
+                items.append(
+                    TransferItem(
+                        req_id,
+                        self._chunk_ids(state, [c], snapshots),
+                        [slot],
+                        layers=self._state_layers,
+                    )
+                )
                 self._index.mark_present(slot, self._state_ogs)
         state.saved_chunks = max(state.saved_chunks, done)
         if not todo:
             return items
         slots = self._index.allocate(len(todo), protected)
-        todo = todo[:len(slots)]
+        todo = todo[: len(slots)]
         for c, s in zip(todo, slots):
             absent = () if self._snapshot(c, snapshots) else self._state_ogs
             self._index.insert(state.hashes[c], s, absent)
         # One store per run of consecutive slots: each writes into one view of the buffers.
         for pos, first, n in consecutive_runs(slots):
-            chunks = todo[pos:pos + n]
+            chunks = todo[pos : pos + n]
             ids = self._chunk_ids(state, chunks, snapshots)
             items.append(TransferItem(req_id, ids, list(range(first, first + n))))
         return items
@@ -300,8 +336,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         have = snapshots.get((chunk + 1) * self._chunk, {})
         return all(gid in have for gid in self._state_groups)
 
-    def _chunk_ids(self, state: _Request, chunks: list[int],
-                   snapshots: dict[int, dict[int, int]] | None = None) -> dict[int, list[int]]:
+    def _chunk_ids(
+        self, state: _Request, chunks: list[int], snapshots: dict[int, dict[int, int]] | None = None
+    ) -> dict[int, list[int]]:
         """Block ids of ``chunks``; a recurrent-state group's last id of a chunk is the block
         vLLM offered as that chunk's snapshot (its block table may have moved on)."""
         out: dict[int, list[int]] = {}
@@ -366,11 +403,13 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         for req_id, state, computed_after in touched:
             if pd is not None and not pd.saves:
                 continue
-            meta.saves.extend(self._saves_for(req_id, state, computed_after, protected,
-                                              snapshots.get(req_id, {})))
+            meta.saves.extend(
+                self._saves_for(req_id, state, computed_after, protected, snapshots.get(req_id, {}))
+            )
             if pd is not None:
-                item = pd.publish_item(req_id, state.hashes, self._index, len(state.prompt),
-                                       computed_after)
+                item = pd.publish_item(
+                    req_id, state.hashes, self._index, len(state.prompt), computed_after
+                )
                 if item is not None:
                     meta.pd_publishes.append(item)
         if pd is not None:
@@ -378,21 +417,35 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._counters.evictions(self._index.evictions)
         return meta
 
-    def _emit_load(self, meta: KVGroupsConnectorMetadata, req_id: str, state: _Request,
-                   protected: set[int], computed_after: int) -> None:
+    def _emit_load(
+        self,
+        meta: KVGroupsConnectorMetadata,
+        req_id: str,
+        state: _Request,
+        protected: set[int],
+        computed_after: int,
+    ) -> None:
         load = self._loads_to_send.pop(req_id, None)
         if load is None:
             return
         hit, computed, slots, taken = load
         ids = self._plan_layout.block_ids(state.block_ids, hit)
-        meta.loads.append(TransferItem(req_id, ids, slots, computed, taken,
-                                       state_block_ids=self._running_state_ids(
-                                           state, ids, computed_after)))
+        meta.loads.append(
+            TransferItem(
+                req_id,
+                ids,
+                slots,
+                computed,
+                taken,
+                state_block_ids=self._running_state_ids(state, ids, computed_after),
+            )
+        )
         protected.update(slots)
         state.saved_chunks = hit
 
-    def _running_state_ids(self, state: _Request, ids: dict[int, list[int]],
-                           computed_after: int) -> dict[int, list[int]] | None:
+    def _running_state_ids(
+        self, state: _Request, ids: dict[int, list[int]], computed_after: int
+    ) -> dict[int, list[int]] | None:
         """``ids`` with each state group's last id replaced by the request's running state
         block of this step (vLLM's align mode runs the step from block ``cdiv(tokens after
         the step, block_size) - 1`` and copies the hit's block there before loads run)."""
@@ -412,8 +465,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._forget(request.request_id)
         return False, params  # the objects live in the host pool: vLLM's blocks free at once
 
-    def request_finished_all_groups(self, request: Request,
-                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict | None]:
         return self.request_finished(request, [])
 
     def update_connector_output(self, connector_output: Any) -> None:
@@ -442,14 +496,22 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             )
         self._layout = layout
         self._store = HostChunkStore(layout.manager, layout.kv_caches, self._capacity)
-        self._steps = StepTransfers(self._store, layout.layer_index, self._chunk,
-                                    layerwise_loads=self._layerwise_loads,
-                                    state_layers=layout.state_layers)
-        log.info("KVGroupsConnector worker: %d host slots per object group (%s), %d kernel "
-                 "group(s), loads %s, saves %s", self._capacity,
-                 "pinned" if self._store.pinned else "pageable", layout.manager.num_kernel_groups,
-                 "layer by layer" if self._layerwise_loads else "before the forward",
-                 "layer by layer" if self._store.layerwise else "after the forward")
+        self._steps = StepTransfers(
+            self._store,
+            layout.layer_index,
+            self._chunk,
+            layerwise_loads=self._layerwise_loads,
+            state_layers=layout.state_layers,
+        )
+        log.info(
+            "KVGroupsConnector worker: %d host slots per object group (%s), %d kernel "
+            "group(s), loads %s, saves %s",
+            self._capacity,
+            "pinned" if self._store.pinned else "pageable",
+            layout.manager.num_kernel_groups,
+            "layer by layer" if self._layerwise_loads else "before the forward",
+            "layer by layer" if self._store.layerwise else "after the forward",
+        )
         if self._pd_worker is not None:
             self._pd_worker.register(kv_caches, self._store)
 
@@ -476,8 +538,9 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if self._steps is not None:
             self._steps.wait_layer(layer_name)  # a GPU-side wait: the host goes on
 
-    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
-                      **kwargs: Any) -> None:
+    def save_kv_layer(
+        self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any
+    ) -> None:
         meta = self._metadata()
         if meta is None or not meta.saves:
             return
@@ -519,13 +582,15 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         return None if stats.is_empty() else stats
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
-                                 ) -> KVGroupsConnectorStats:
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVGroupsConnectorStats:
         return KVGroupsConnectorStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict,
-                           labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]
-                           ) -> KVGroupsPromMetrics:
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVGroupsPromMetrics:
         return KVGroupsPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

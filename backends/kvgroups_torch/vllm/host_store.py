@@ -34,26 +34,31 @@ class HostChunkStore:
         and write directly).
     """
 
-    def __init__(self, manager: Any, kv_caches: list, capacity: int,
-                 pinned: bool | None = None) -> None:
+    def __init__(
+        self, manager: Any, kv_caches: list, capacity: int, pinned: bool | None = None
+    ) -> None:
         self.manager = manager
         self.kv_caches = kv_caches
         device = kv_caches[0].device if kv_caches else torch.device("cpu")
         self.pinned = device.type == "cuda" if pinned is None else bool(pinned)
         self.object_bytes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
-        self.pools = [torch.empty((capacity, n), dtype=torch.uint8, pin_memory=self.pinned)
-                      for n in self.object_bytes]
+        self.pools = [
+            torch.empty((capacity, n), dtype=torch.uint8, pin_memory=self.pinned)
+            for n in self.object_bytes
+        ]
         self.prepared = prepare(manager, kv_caches) if kv_caches else None
-        self.layerwise = (supports_layer_subsets() and self.prepared is not None
-                          and self._layer_saves_match())
+        self.layerwise = (
+            supports_layer_subsets() and self.prepared is not None and self._layer_saves_match()
+        )
 
     def _layer_saves_match(self) -> bool:
         """Saving layer by layer must give the whole-model save's bytes: checked once, on one
         chunk of block 0 (a read of the caches only), so a backend that does not place layer
         subsets by their object plane yet falls back to whole-model saves."""
-        ids = {g.engine_group_idx: [0] * (self.manager.lmcache_tokens_per_chunk
-                                          // g.tokens_per_block)
-               for g in self.manager.kernel_groups}
+        ids = {
+            g.engine_group_idx: [0] * (self.manager.lmcache_tokens_per_chunk // g.tokens_per_block)
+            for g in self.manager.kernel_groups
+        }
         try:
             whole = self.prepared.store(ids)
             parts = [torch.zeros_like(o) for o in whole]
@@ -69,17 +74,23 @@ class HostChunkStore:
         gathered copy (loads only: saves always go to consecutive slots)."""
         first = slots[0]
         if slots == list(range(first, first + len(slots))):
-            return [pool[first:first + len(slots)] for pool in self.pools]
+            return [pool[first : first + len(slots)] for pool in self.pools]
         if self.pinned and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # earlier stores into these rows
         index = torch.tensor(slots, dtype=torch.long)
         return [pool.index_select(0, index) for pool in self.pools]
 
-    def load(self, block_ids: Any, slots: list[int], skip_tokens: int = 0,
-             layers: list[int] | None = None) -> None:
+    def load(
+        self,
+        block_ids: Any,
+        slots: list[int],
+        skip_tokens: int = 0,
+        layers: list[int] | None = None,
+    ) -> None:
         """Chunks in ``slots`` -> the blocks ``block_ids`` (all layers, or ``layers``)."""
-        self.prepared.load(self.rows(slots), block_ids, skip_first_n_tokens=skip_tokens,
-                           layers=layers)
+        self.prepared.load(
+            self.rows(slots), block_ids, skip_first_n_tokens=skip_tokens, layers=layers
+        )
 
     def save(self, block_ids: Any, slots: list[int], layers: list[int] | None = None) -> None:
         """The blocks ``block_ids`` (all layers, or ``layers``) -> consecutive ``slots``."""

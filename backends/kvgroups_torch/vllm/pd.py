@@ -44,13 +44,13 @@ logger = kvgroups_logger("vllm")
 
 #: The ``kv_connector_extra_config`` keys of disaggregated prefill/decode, with defaults.
 PD_KEYS: dict[str, Any] = {
-    "transport": "nixl",            # the only transport for torch engines
-    "nixl_backends": ["UCX"],       # NIXL backends to create
+    "transport": "nixl",  # the only transport for torch engines
+    "nixl_backends": ["UCX"],  # NIXL backends to create
     "side_channel_host": "127.0.0.1",  # where producer workers answer (bind and advertise)
-    "side_channel_port": 5600,      # producer worker rank r answers at port + r
-    "publish_ttl_s": 120.0,         # an unreleased publication's lifetime
-    "pull_timeout_s": 30.0,         # deadline of one request's pull
-    "staging_chunks": 64,           # consumer staging slots (chunks in flight at once)
+    "side_channel_port": 5600,  # producer worker rank r answers at port + r
+    "publish_ttl_s": 120.0,  # an unreleased publication's lifetime
+    "pull_timeout_s": 30.0,  # deadline of one request's pull
+    "staging_chunks": 64,  # consumer staging slots (chunks in flight at once)
 }
 
 PRODUCER_ROLES = ("kv_producer", "kv_both")
@@ -61,7 +61,8 @@ PARAMS_KEY = "kvgroups"
 def pd_enabled(role: str, extra: Any) -> bool:
     """kv_producer / kv_consumer always; kv_both when ``transport`` is configured."""
     return role in ("kv_producer", "kv_consumer") or (
-        role == "kv_both" and extra.get("transport") is not None)
+        role == "kv_both" and extra.get("transport") is not None
+    )
 
 
 def pd_config(extra: Any) -> dict:
@@ -121,22 +122,26 @@ def _tp(vllm_config: Any) -> tuple[int, int | None]:
 
 
 def _endpoints(cfg: dict, tp_size: int) -> list[dict]:
-    return [{"host": cfg["side_channel_host"], "port": cfg["side_channel_port"] + r}
-            for r in range(tp_size)]
+    return [
+        {"host": cfg["side_channel_host"], "port": cfg["side_channel_port"] + r}
+        for r in range(tp_size)
+    ]
 
 
 class PDScheduler:
     """The scheduler side of both roles (see the module doc)."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, role: str, extra: dict,
-                 chunk: int) -> None:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, role: str, extra: dict, chunk: int
+    ) -> None:
         self.cfg = pd_config(extra)
         self.role = role
         self.chunk = chunk
         self.engine_id = vllm_config.kv_transfer_config.engine_id
         self.tp_size, heads = _tp(vllm_config)
-        layout = from_kv_cache_config(kv_cache_config, None, chunk_size=chunk,
-                                      tp_size=self.tp_size, total_num_kv_heads=heads)
+        layout = from_kv_cache_config(
+            kv_cache_config, None, chunk_size=chunk, tp_size=self.tp_size, total_num_kv_heads=heads
+        )
         self.manager = layout.manager
         self.fingerprint = self.manager.fingerprint(across_degrees=True)
         self._pins: dict[str, tuple[list[int], float]] = {}  # req -> (slots, expiry)
@@ -171,8 +176,9 @@ class PDScheduler:
         if self.producer and params and params.get("do_remote_decode"):
             self._to_publish.add(request.request_id)
 
-    def publish_item(self, request_id: str, hashes: list[bytes], index: Any, prompt_len: int,
-                     computed: int) -> PublishItem | None:
+    def publish_item(
+        self, request_id: str, hashes: list[bytes], index: Any, prompt_len: int, computed: int
+    ) -> PublishItem | None:
         """The publication of a do_remote_decode request once its whole chunks are saved
         (this step), or None."""
         if request_id not in self._to_publish:
@@ -184,12 +190,10 @@ class PDScheduler:
         n = next((i for i, s in enumerate(slots) if s is None), whole)
         if n == 0:
             return None
-        item = PublishItem(request_id, [int(s) for s in slots[:n]],
-                           [h.hex() for h in hashes[:n]])
+        item = PublishItem(request_id, [int(s) for s in slots[:n]], [h.hex() for h in hashes[:n]])
         self._to_publish.discard(request_id)
         self._published[request_id] = item
-        self._pins[request_id] = (item.slots,
-                                  time.monotonic() + self.cfg["publish_ttl_s"])
+        self._pins[request_id] = (item.slots, time.monotonic() + self.cfg["publish_ttl_s"])
         return item
 
     def finished_params(self, request: Any) -> dict | None:
@@ -205,17 +209,28 @@ class PDScheduler:
             self._pins.pop(request.request_id, None)  # aborted: nobody will pull it
             return None
         publication = {
-            "request_id": request.request_id, "transport": self.cfg["transport"],
-            "pool_id": "host", "slots": item.slots, "chunk_tokens": self.chunk,
-            "fingerprint": self.fingerprint, "tp_size": self.tp_size,
+            "request_id": request.request_id,
+            "transport": self.cfg["transport"],
+            "pool_id": "host",
+            "slots": item.slots,
+            "chunk_tokens": self.chunk,
+            "fingerprint": self.fingerprint,
+            "tp_size": self.tp_size,
             "object_layout": self.manager.object_layout,
-            "endpoints": _endpoints(self.cfg, self.tp_size), "chunk_hashes": item.hashes,
+            "endpoints": _endpoints(self.cfg, self.tp_size),
+            "chunk_hashes": item.hashes,
         }
-        return {"do_remote_prefill": True, "do_remote_decode": False,
-                "remote_engine_id": self.engine_id, "remote_request_id": request.request_id,
-                "remote_host": self.cfg["side_channel_host"],
-                "remote_port": self.cfg["side_channel_port"], "tp_size": self.tp_size,
-                "remote_block_ids": None, PARAMS_KEY: publication}
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request.request_id,
+            "remote_host": self.cfg["side_channel_host"],
+            "remote_port": self.cfg["side_channel_port"],
+            "tp_size": self.tp_size,
+            "remote_block_ids": None,
+            PARAMS_KEY: publication,
+        }
 
     def on_released(self, released: set[str]) -> None:
         for rid in released:
@@ -223,14 +238,19 @@ class PDScheduler:
 
     # --- consumer ---------------------------------------------------------------------
 
-    def matched_tokens(self, request: Any, num_computed: int, hashes: list[bytes]
-                       ) -> tuple[int, bool] | None:
+    def matched_tokens(
+        self, request: Any, num_computed: int, hashes: list[bytes]
+    ) -> tuple[int, bool] | None:
         """The asynchronous load a do_remote_prefill request offers, or None when this is
         not one (the connector's own prefix cache answers then). Refusals (another
         grouping, another prompt) return (0, False): the engine computes the prompt."""
         params = getattr(request, "kv_transfer_params", None)
-        if not self.consumer or not params or not params.get("do_remote_prefill") \
-                or PARAMS_KEY not in params:
+        if (
+            not self.consumer
+            or not params
+            or not params.get("do_remote_prefill")
+            or PARAMS_KEY not in params
+        ):
             return None
         from kvgroups_transport import Publication, check_publication
 
@@ -245,8 +265,10 @@ class PDScheduler:
         usable = min(pub.num_chunks, (prompt_len - 1) // self.chunk)
         mine = [h.hex() for h in hashes[:usable]]
         if list(pub.chunk_hashes[:usable]) != mine:
-            logger.warning("request %s: the published chunks are not this prompt's; computing "
-                           "it here", request.request_id)
+            logger.warning(
+                "request %s: the published chunks are not this prompt's; computing it here",
+                request.request_id,
+            )
             return 0, False
         new = usable * self.chunk - num_computed
         if new <= 0:
@@ -266,8 +288,11 @@ class PDScheduler:
         last = min(hit, -(-(computed + num_external) // self.chunk))
         first = computed // self.chunk
         ids = layout.block_ids(blocks.get_block_ids(), last - first, first)
-        self._pulls.append(PullItem(request.request_id, pub.to_dict(), first, last,
-                                    computed - first * self.chunk, ids))
+        self._pulls.append(
+            PullItem(
+                request.request_id, pub.to_dict(), first, last, computed - first * self.chunk, ids
+            )
+        )
         request.kv_transfer_params["do_remote_prefill"] = False  # one transfer per request
         return True
 
@@ -286,8 +311,9 @@ class PDWorker:
     """The worker side: a transport, the producer's pool registered with it, the consumer's
     staging (a :class:`~kvgroups_transport.Receiver`)."""
 
-    def __init__(self, vllm_config: Any, kv_cache_config: Any, role: str, extra: dict,
-                 chunk: int) -> None:
+    def __init__(
+        self, vllm_config: Any, kv_cache_config: Any, role: str, extra: dict, chunk: int
+    ) -> None:
         self.cfg = pd_config(extra)
         self.role = role
         self.chunk = chunk
@@ -300,8 +326,13 @@ class PDWorker:
         self._published: set[str] = set()
         self._jobs: dict[str, tuple[Any, PullItem]] = {}
         self._failed: dict[str, str] = {}
-        self.stats = {"pulled_chunks": 0, "pull_descriptors": 0, "pull_bytes": 0,
-                      "failed_pulls": 0, "published": 0}
+        self.stats = {
+            "pulled_chunks": 0,
+            "pull_descriptors": 0,
+            "pull_bytes": 0,
+            "failed_pulls": 0,
+            "published": 0,
+        }
 
     def register(self, kv_caches: dict, store: Any) -> None:
         """Bind to the worker's caches and host store (``HostChunkStore``)."""
@@ -310,23 +341,36 @@ class PDWorker:
 
         size, heads = _tp(self._vllm_config)
         rank = get_tensor_model_parallel_rank() if size > 1 else 0
-        self._manager = from_kv_cache_config(self._kv_cache_config, kv_caches,
-                                             chunk_size=self.chunk, tp_rank=rank, tp_size=size,
-                                             total_num_kv_heads=heads).manager
+        self._manager = from_kv_cache_config(
+            self._kv_cache_config,
+            kv_caches,
+            chunk_size=self.chunk,
+            tp_rank=rank,
+            tp_size=size,
+            total_num_kv_heads=heads,
+        ).manager
         self._store = store
         producer = self.role in PRODUCER_ROLES
         port = self.cfg["side_channel_port"] + rank if producer else 0
         self.transport = get_transport(
-            "nixl", name=f"vllm-{self.role}-{rank}", backends=self.cfg["nixl_backends"],
-            host=self.cfg["side_channel_host"], port=port,
-            publication_ttl_s=self.cfg["publish_ttl_s"])
+            "nixl",
+            name=f"vllm-{self.role}-{rank}",
+            backends=self.cfg["nixl_backends"],
+            host=self.cfg["side_channel_host"],
+            port=port,
+            publication_ttl_s=self.cfg["publish_ttl_s"],
+        )
         if producer:
             self.transport.register_pool("host", store.pools, store.object_bytes)
         if self.role in CONSUMER_ROLES:
             like = store.kv_caches[0] if store.kv_caches else None
-            self._receiver = Receiver(self._manager, self.transport,
-                                      capacity=self.cfg["staging_chunks"], like=like,
-                                      timeout_s=self.cfg["pull_timeout_s"])
+            self._receiver = Receiver(
+                self._manager,
+                self.transport,
+                capacity=self.cfg["staging_chunks"],
+                like=like,
+                timeout_s=self.cfg["pull_timeout_s"],
+            )
 
     # --- producer ---------------------------------------------------------------------
 
@@ -343,8 +387,15 @@ class PDWorker:
 
         size = self._manager.tp_size
         for item in items:
-            publish(self.transport, self._manager, item.req_id, _PoolView(self._store),
-                    item.slots, endpoints=_endpoints(self.cfg, size), chunk_hashes=item.hashes)
+            publish(
+                self.transport,
+                self._manager,
+                item.req_id,
+                _PoolView(self._store),
+                item.slots,
+                endpoints=_endpoints(self.cfg, size),
+                chunk_hashes=item.hashes,
+            )
             self._published.add(item.req_id)
             self.stats["published"] += 1
 
@@ -366,17 +417,23 @@ class PDWorker:
         for item in items:
             job = None
             try:
-                job = self._receiver.begin(Publication.from_dict(item.publication),
-                                           first_chunk=item.first_chunk,
-                                           num_chunks=item.num_chunks)
+                job = self._receiver.begin(
+                    Publication.from_dict(item.publication),
+                    first_chunk=item.first_chunk,
+                    num_chunks=item.num_chunks,
+                )
                 self._jobs[item.req_id] = (job, item)
                 self._receiver.pull(job)
             except (KVGroupsError, OSError) as exc:
                 self._fail(item.req_id, exc, job)
 
     def _fail(self, req_id: str, exc: BaseException, job: Any) -> None:
-        logger.warning("request %s: pull failed, the engine recomputes it (%s: %s)", req_id,
-                       type(exc).__name__, exc)
+        logger.warning(
+            "request %s: pull failed, the engine recomputes it (%s: %s)",
+            req_id,
+            type(exc).__name__,
+            exc,
+        )
         self._jobs.pop(req_id, None)
         if job is not None:
             try:
@@ -395,8 +452,9 @@ class PDWorker:
                 if not self._receiver.poll(job):
                     continue
                 objects = self._receiver.objects(job)
-                self._store.prepared.load(objects, item.block_ids,
-                                          skip_first_n_tokens=item.skip_tokens)
+                self._store.prepared.load(
+                    objects, item.block_ids, skip_first_n_tokens=item.skip_tokens
+                )
             except (KVGroupsError, OSError) as exc:
                 self._fail(req_id, exc, job)
                 continue

@@ -58,7 +58,7 @@ def slot_rows(pools: Sequence[torch.Tensor], slots: list[int]) -> list:
     on the host for earlier saves into those rows)."""
     first = slots[0]
     if slots == list(range(first, first + len(slots))):
-        return [pool[first:first + len(slots)] for pool in pools]
+        return [pool[first : first + len(slots)] for pool in pools]
     return [[pool[s] for s in slots] for pool in pools]
 
 
@@ -89,8 +89,14 @@ class StepTransfers:
         Manager layers holding recurrent state: vLLM calls no per-layer hook for them.
     """
 
-    def __init__(self, store: HostChunkStore, layer_index: dict[str, int], chunk_size: int,
-                 layerwise_loads: bool = True, state_layers: Sequence[int] = ()) -> None:
+    def __init__(
+        self,
+        store: HostChunkStore,
+        layer_index: dict[str, int],
+        chunk_size: int,
+        layerwise_loads: bool = True,
+        state_layers: Sequence[int] = (),
+    ) -> None:
         self.store = store
         self.layer_index = layer_index
         self.chunk_size = chunk_size
@@ -99,8 +105,9 @@ class StepTransfers:
         per_layer = prepared is not None and store.layerwise
         self.loads = None
         if per_layer and layerwise_loads:
-            hooked = [layer for layer in _grouped(prepared.manager)
-                      if layer not in set(self.state_layers)]
+            hooked = [
+                layer for layer in _grouped(prepared.manager) if layer not in set(self.state_layers)
+            ]
             self.loads = LayerwiseLoad(prepared, layers=hooked) if hooked else None
         self.saves = LayerwiseSave(prepared) if per_layer else None
         self._saved: dict[int, None] = {}  # layers saved by hooks this step, in order
@@ -118,14 +125,19 @@ class StepTransfers:
             if self.loads is not None and hooks_run and not self._recomputed(item):
                 pipelined.append((rows, item.block_ids, item.skip_tokens))
                 if self.state_layers:  # no hook waits for these: before the forward
-                    prepared.load(rows, item.block_ids, skip_first_n_tokens=item.skip_tokens,
-                                  layers=self.state_layers)
+                    prepared.load(
+                        rows,
+                        item.block_ids,
+                        skip_first_n_tokens=item.skip_tokens,
+                        layers=self.state_layers,
+                    )
             else:  # before the forward, on its stream
                 prepared.load(rows, item.block_ids, skip_first_n_tokens=item.skip_tokens)
             state_ids = getattr(item, "state_block_ids", None)
             if state_ids is not None:  # the snapshot again, into the running state block
-                prepared.load(rows, state_ids, skip_first_n_tokens=item.skip_tokens,
-                              layers=self.state_layers)
+                prepared.load(
+                    rows, state_ids, skip_first_n_tokens=item.skip_tokens, layers=self.state_layers
+                )
         if pipelined:
             self.loads.start_many(pipelined)
             self._waited = set()
@@ -161,8 +173,9 @@ class StepTransfers:
         if layer is None or layer not in self.saves.layers:
             return 0  # its KV is another layer's (sharing) or not cached
         mine = [item for item in items if _saves_layer(item, layer)]
-        self.saves.save_many(layer, [(item.block_ids, slot_rows(self.store.pools, item.slots))
-                                     for item in mine])
+        self.saves.save_many(
+            layer, [(item.block_ids, slot_rows(self.store.pools, item.slots)) for item in mine]
+        )
         self._saved[layer] = None
         return len(mine)
 
@@ -180,23 +193,33 @@ class StepTransfers:
                 # every load runs before the forward (this step may have read stale pages).
                 logger.warning(
                     "kvgroups: layers %s were never waited for (no wait_for_layer_load before "
-                    "their attention); loading before the forward from now on", missed)
+                    "their attention); loading before the forward from now on",
+                    missed,
+                )
                 self.loads = None
         calls = 0
         if saves:
-            missing = [] if self.saves is None else \
-                [layer for layer in self.saves.layers if layer not in self._saved]
+            missing = (
+                []
+                if self.saves is None
+                else [layer for layer in self.saves.layers if layer not in self._saved]
+            )
             if self.saves is None or not self._saved:
                 for item in saves:  # no hook ran (a FULL graph replay): one call per item
-                    self.store.save(item.block_ids, item.slots,
-                                    layers=getattr(item, "layers", None))
+                    self.store.save(
+                        item.block_ids, item.slots, layers=getattr(item, "layers", None)
+                    )
                     calls += 1
             else:  # the layers no hook saved (state layers among them)
                 for layer in missing:
                     mine = [item for item in saves if _saves_layer(item, layer)]
-                    self.saves.save_many(layer, [(item.block_ids,
-                                                  slot_rows(self.store.pools, item.slots))
-                                                 for item in mine])
+                    self.saves.save_many(
+                        layer,
+                        [
+                            (item.block_ids, slot_rows(self.store.pools, item.slots))
+                            for item in mine
+                        ],
+                    )
                     calls += len(mine)
         if self.saves is not None:
             self.saves.finish()

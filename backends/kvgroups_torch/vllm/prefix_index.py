@@ -35,7 +35,7 @@ def chunk_hashes(token_ids: Sequence[int], chunk: int, salt: bytes = b"") -> lis
     out = []
     for c in range(len(tokens) // chunk):
         h = hashlib.blake2b(prev, digest_size=16)
-        h.update(tokens[c * chunk:(c + 1) * chunk].tobytes())
+        h.update(tokens[c * chunk : (c + 1) * chunk].tobytes())
         prev = h.digest()
         out.append(prev)
     return out
@@ -51,8 +51,11 @@ class ChunkIndex:
     """
 
     def __init__(self, capacity_chunks: int) -> None:
-        if isinstance(capacity_chunks, bool) or not isinstance(capacity_chunks, int) \
-                or capacity_chunks <= 0:
+        if (
+            isinstance(capacity_chunks, bool)
+            or not isinstance(capacity_chunks, int)
+            or capacity_chunks <= 0
+        ):
             raise KVGroupsValueError(
                 f"capacity_chunks: expected a positive int, got {capacity_chunks!r}"
             )
@@ -121,8 +124,8 @@ class ChunkIndex:
             taken = self._free[:n]
             del self._free[:n]
         else:
-            taken = self._free[start:start + n]
-            del self._free[start:start + n]
+            taken = self._free[start : start + n]
+            del self._free[start : start + n]
         return taken
 
     def insert(self, h: bytes, slot: int, absent: Iterable[int] = ()) -> None:

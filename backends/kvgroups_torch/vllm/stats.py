@@ -67,8 +67,13 @@ class ConnectorCounters:
         self.add("lookup_chunks", chunks)
         self.add("hit_chunks", hits)
         self.add("miss_chunks", chunks - hits)
-        log.info("request %s: %d of %d prompt chunks in the host cache (%d missing)",
-                 req_id, hits, chunks, chunks - hits)
+        log.info(
+            "request %s: %d of %d prompt chunks in the host cache (%d missing)",
+            req_id,
+            hits,
+            chunks,
+            chunks - hits,
+        )
 
     def forget(self, req_id: str) -> None:
         self._looked_up.discard(req_id)
@@ -117,13 +122,20 @@ class KVGroupsConnectorStats(KVConnectorStats):
 class KVGroupsPromMetrics(KVConnectorPromMetrics):
     """One Prometheus counter per entry of :data:`COUNTERS`, per engine."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict, labelnames: list[str],
-                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+    def __init__(
+        self,
+        vllm_config: Any,
+        metric_types: dict,
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         self._counters = {
-            key: self._counter_cls(name=f"vllm:kvgroups_{key}_total", documentation=doc,
-                                   labelnames=labelnames)
-            for key, doc in COUNTERS.items()}
+            key: self._counter_cls(
+                name=f"vllm:kvgroups_{key}_total", documentation=doc, labelnames=labelnames
+            )
+            for key, doc in COUNTERS.items()
+        }
         self._children: dict[tuple[int, str], Any] = {}
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:

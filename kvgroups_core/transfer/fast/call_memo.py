@@ -6,7 +6,8 @@ the core's checks conclude about such a call depends on its *signature*, not on 
 so a call whose signature passed before needs none of that work again:
 
 - the plan signature ``(direction, ids, layers, skip, max_ctas)``, where ``ids`` is the host
-  ids' dtype and shape, or the backend's :meth:`~kvgroups_core.transfer.backend.Backend.device_ids_key`
+  ids' dtype and shape, or the backend's
+  :meth:`~kvgroups_core.transfer.backend.Backend.device_ids_key`
   of device ids (dtype, shape, device: a plan never depends on device id values), maps to the
   plan, the bound tensors its planes touch (with their fingerprints) and the backend's repeater
   of that plan (:meth:`~kvgroups_core.transfer.backend.BoundCaches.repeater`);
@@ -24,7 +25,8 @@ block. Anything else, and any doubt, is a miss: the call takes the full path
 (which raises the cold call's error, rebinds, or passes and records). Only calls that moved
 bytes in place (no new cache arrays) with plain objects and one engine group's flat ids are
 recorded; a rebind starts a new memo. One-shot calls use the memo of the binding they take
-back (``kvgroups_core.transfer.fast.reuse``): parking drops the memo's references to the tensors, not its
+back (``kvgroups_core.transfer.fast.reuse``): parking drops the memo's references to the tensors,
+not its
 signatures.
 """
 
@@ -41,8 +43,15 @@ _MAX_PLANS = 1024  # signatures: layers x directions x chunk counts x id dtypes
 _MAX_OBJECTS = 64  # object sets (an engine cycles through a few buffers)
 
 
-def call_key(ids_key: Any, direction: str, block_ids: Any, layers: Any, max_ctas: Any,
-             skip: Any, path: Any = None) -> tuple | None:
+def call_key(
+    ids_key: Any,
+    direction: str,
+    block_ids: Any,
+    layers: Any,
+    max_ctas: Any,
+    skip: Any,
+    path: Any = None,
+) -> tuple | None:
     """The plan signature of a call, or None when the call is not memoised (ids of another
     form, a device skip, arguments whose hash could confuse values: ``True == 1``)."""
     if type(block_ids) is np.ndarray:
@@ -73,8 +82,15 @@ class _Entry:
 
     __slots__ = ("scope", "checks", "slots", "positions", "keys", "run")
 
-    def __init__(self, scope: tuple, checks: tuple | None, slots: tuple,
-                 positions: tuple | None, keys: Any, run: Any) -> None:
+    def __init__(
+        self,
+        scope: tuple,
+        checks: tuple | None,
+        slots: tuple,
+        positions: tuple | None,
+        keys: Any,
+        run: Any,
+    ) -> None:
         self.scope = scope  # (direction, num_chunks): what the objects were validated for
         self.checks = checks  # host ids: (used ids, num_blocks) to check per call; else None
         self.slots = slots  # the bound tensor slots the plan's planes touch
@@ -107,12 +123,19 @@ class CallMemo:
     def release(self) -> None:
         """The binding let go of its tensors (a parked one-shot binding): drop the references
         and keep the signatures. After the binding takes its tensors back (the very same
-        objects: :mod:`kvgroups_core.transfer.fast.reuse`), a hit looks them up from the guard again and
+        objects: :mod:`kvgroups_core.transfer.fast.reuse`), a hit looks them up from the guard
+        again and
         compares their fingerprints with the recorded ones, as every hit does."""
         self._held = {}
 
-    def call(self, key: tuple, block_ids: Any, objects: Any, kv_caches: Any,
-             fingerprints_checked: bool = False) -> Any:
+    def call(
+        self,
+        key: tuple,
+        block_ids: Any,
+        objects: Any,
+        kv_caches: Any,
+        fingerprints_checked: bool = False,
+    ) -> Any:
         """Run a call of a recorded signature: the repeater's result, or None (a miss: nothing
         has moved, the caller takes the full path). ``fingerprints_checked``: the caller has
         just compared every bound tensor's fingerprint with the binding's (a one-shot call
@@ -144,8 +167,9 @@ class CallMemo:
         binding = self._binding
         if plan.num_chunks == 0 or plan.skip_tokens is not None or binding.flat_group is None:
             return
-        okey = self._objects_key(objects) \
-            if type(objects) is list or type(objects) is tuple else None
+        okey = (
+            self._objects_key(objects) if type(objects) is list or type(objects) is tuple else None
+        )
         if okey is None:
             return
         scope = (plan.direction, plan.num_chunks)
@@ -168,7 +192,12 @@ class CallMemo:
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
             self._held = {}
-        entry = self._plans[key] = _Entry(scope, checks, slots,
-                                          self._guard.positions_of(tensors), keys,
-                                          self._bound.repeater(plan, block_ids))
+        entry = self._plans[key] = _Entry(
+            scope,
+            checks,
+            slots,
+            self._guard.positions_of(tensors),
+            keys,
+            self._bound.repeater(plan, block_ids),
+        )
         self._held[entry] = tensors

@@ -11,7 +11,8 @@ checks included: its ids and objects are validated, and the bound caches' finger
 (torch: address, shape, strides, dtype, requires_grad; NumPy: address, shape, strides, dtype,
 writeable) are compared first, so a cache resized, reallocated or re-viewed in place is bound
 afresh (or refused as a first call is). A
-repeated signature takes the transfer's call memo (``kvgroups_core.transfer.fast.call_memo``), which keeps
+repeated signature takes the transfer's call memo (``kvgroups_core.transfer.fast.call_memo``),
+which keeps
 its signatures while parked and only lets go of the tensors.
 
 Parking holds no cache alive: the parked transfer lets go of every tensor
@@ -44,8 +45,9 @@ class _Park:
 
     __slots__ = ("prepared", "flat", "signature", "leaf_refs", "slot_refs", "taken")
 
-    def __init__(self, prepared: Any, flat: bool, signature: Any, leaf_refs: list,
-                 slot_refs: list | None) -> None:
+    def __init__(
+        self, prepared: Any, flat: bool, signature: Any, leaf_refs: list, slot_refs: list | None
+    ) -> None:
         self.prepared = prepared
         self.flat = flat  # kv_caches is a list of tensors: identity per entry says it all
         self.signature = signature  # otherwise: the containers' types and lengths
@@ -187,8 +189,7 @@ def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list, Any] | None:
         if signature != entry.signature:
             return None
     if by_id:
-        if [(id(x),) for x in leaves] != refs or not all(
-                type(x) is np.ndarray for x in leaves):
+        if [(id(x),) for x in leaves] != refs or not all(type(x) is np.ndarray for x in leaves):
             return None
         live = list(leaves)
     elif not all(map(operator.is_, leaves, live)):  # a dead reference is None: no leaf

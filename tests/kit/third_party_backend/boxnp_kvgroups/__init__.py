@@ -53,14 +53,20 @@ def _move_group(t: Any, store: bool, caches: list[np.ndarray], objects: Any) -> 
             block_base = plane.byte_offset + block * t.block_stride_bytes
             # The plane's place in the object region (not its index in t.planes: a plan for a
             # subset of layers keeps only some planes).
-            row_base = t.region_offset + (plane.object_plane * t.slots
-                                          + pos * t.block_size) * t.row_bytes
+            row_base = (
+                t.region_offset + (plane.object_plane * t.slots + pos * t.block_size) * t.row_bytes
+            )
             for run in t.runs:
                 piece = np.arange(run.count)[None, :, None]
                 u = np.arange(run.nbytes)[None, None, :]
                 tok = tokens[:, None, None]
-                at_cache = (block_base + run.cache_offset + piece * run.cache_step
-                            + tok * run.token_stride + u)
+                at_cache = (
+                    block_base
+                    + run.cache_offset
+                    + piece * run.cache_step
+                    + tok * run.token_stride
+                    + u
+                )
                 at_object = row_base + tok * t.row_bytes + run.obj_offset + piece * run.obj_step + u
                 if store:
                     obj[at_object] = cache[at_cache]
