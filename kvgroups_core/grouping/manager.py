@@ -26,6 +26,7 @@ from .attn_window import AttnWindowDesc
 from .engine_groups import (
     EXCLUDED_ENGINE_GROUP,
     EngineGroupInfo,
+    as_bool,
     as_int,
     get_engine_group_indices,
 )
@@ -229,10 +230,8 @@ class KVLayerGroupsManager:
                     f"engine_group_infos[{i}]: expected an EngineGroupInfo, got {info!r}"
                 )
         self._lmcache_tokens_per_chunk = chunk
-        self._separate_object_groups = bool(separate_object_groups)
-        if not isinstance(full_sw_kv, bool):
-            raise KVGroupsTypeError(f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}")
-        self._full_sw_kv = full_sw_kv
+        self._separate_object_groups = as_bool(separate_object_groups, "separate_object_groups")
+        self._full_sw_kv = as_bool(full_sw_kv, "full_sw_kv")
         # Set when a transfer first binds this manager (mark_in_use); from then on nothing
         # about its layout may change (enable_full_sw_kv refuses).
         self._in_use = False
@@ -473,8 +472,7 @@ class KVLayerGroupsManager:
         sliding-window groups is stored, so a chunk is reusable at any position, and
         :meth:`get_attn_desc` reports full attention for every group. ``self`` is unchanged
         (transfers prepared with it keep its layout)."""
-        if not isinstance(enabled, bool):
-            raise KVGroupsTypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+        enabled = as_bool(enabled, "enabled")
         new = copy.copy(self)  # the group lists are never mutated, so sharing them is safe
         new._full_sw_kv = enabled
         new._in_use = False
