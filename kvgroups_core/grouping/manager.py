@@ -593,3 +593,38 @@ class KVLayerGroupsManager:
             stacklevel=2,
         )
         return self._group(kernel_group_idx).calculate_slots(self._lmcache_tokens_per_chunk)
+
+
+def check_manager(manager: Any, what: str = "manager") -> KVLayerGroupsManager:
+    """``manager`` if it is a :class:`KVLayerGroupsManager`, else a typed error naming
+    ``what`` (for helpers that take a manager and would otherwise fail on an attribute)."""
+    if not isinstance(manager, KVLayerGroupsManager):
+        raise KVGroupsTypeError(
+            f"{what}: expected a KVLayerGroupsManager, got {type(manager).__name__} {manager!r}"
+        )
+    return manager
+
+
+def check_managers(managers: Any) -> list:
+    """The managers of one TP group, in rank order and agreeing (for merging)."""
+    if not isinstance(managers, (list, tuple)) or not managers:
+        raise KVGroupsTypeError(
+            f"managers: expected a non-empty list with one manager per rank, got {managers!r}"
+        )
+    for r, m in enumerate(managers):
+        check_manager(m, f"managers[{r}]")
+    size = managers[0].tp_size
+    if len(managers) != size:
+        raise KVGroupsValueError(
+            f"managers: expected {size} managers (tp_size of managers[0]), got {len(managers)}"
+        )
+    expected = managers[0].fingerprint()
+    for r, m in enumerate(managers):
+        if m.tp_rank != r:
+            raise KVGroupsValueError(f"managers[{r}].tp_rank: expected {r}, got {m.tp_rank}")
+        if m.fingerprint() != expected:
+            raise KVGroupsValueError(
+                f"managers[{r}]: expected the grouping of managers[0] (fingerprint "
+                f"{expected[:12]}), got fingerprint {m.fingerprint()[:12]}"
+            )
+    return list(managers)
