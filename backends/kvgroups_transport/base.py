@@ -27,6 +27,9 @@ from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
+import numpy as np
+
+from kvgroups_core import OBJECT_LAYOUTS
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 
 from .errors import TransferTimeoutError
@@ -127,6 +130,13 @@ class Publication:
     ``manager.fingerprint(across_degrees=True)``; ``tp_size`` and ``object_layout`` say how
     the writer's objects are laid out; ``chunk_hashes`` (optional) identify the chunks'
     tokens, so a reader can check they are its prompt's.
+
+    A publication comes from another process, so :meth:`from_dict` checks every field's type
+    and range (nothing is coerced: ``"1"``, ``1.0`` and ``True`` are not the int 1) and
+    raises a typed error naming the field: strings for the ids, fingerprint and layout
+    (``"canonical"`` or ``"tp_native"``), int slots in ``[0, 2**63)``, ``chunk_tokens >=
+    1``, ``tp_size >= 1`` with one ``{"host": str, "port": int}`` endpoint per writer rank,
+    and no chunk hashes or one string per chunk.
     """
 
     request_id: str
@@ -154,23 +164,102 @@ class Publication:
     def from_dict(cls, d: Any) -> "Publication":
         if not isinstance(d, dict):
             raise KVGroupsTypeError(f"publication: expected a dict, got {type(d).__name__}")
-        try:
-            return cls(
-                request_id=str(d["request_id"]),
-                transport=str(d["transport"]),
-                pool_id=str(d["pool_id"]),
-                slots=tuple(int(s) for s in d["slots"]),
-                chunk_tokens=int(d["chunk_tokens"]),
-                fingerprint=str(d["fingerprint"]),
-                tp_size=int(d["tp_size"]),
-                object_layout=str(d["object_layout"]),
-                endpoints=tuple(dict(e) for e in d["endpoints"]),
-                chunk_hashes=tuple(str(h) for h in d.get("chunk_hashes", ())),
-            )
-        except KeyError as exc:
+        missing = [k for k in _PUBLICATION_KEYS if k not in d]
+        if missing:
             raise KVGroupsValueError(
-                f"publication: expected the key {exc.args[0]!r}, got keys {sorted(d)}"
-            ) from None
+                f"publication: expected the key {missing[0]!r}, got keys {sorted(map(str, d))}"
+            )
+        slots = tuple(
+            checked_int(s, f"publication.slots[{i}]", 0, _INT64_LIMIT)
+            for i, s in enumerate(_sequence(d["slots"], "publication.slots"))
+        )
+        tp_size = checked_int(d["tp_size"], "publication.tp_size", 1)
+        endpoints = _sequence(d["endpoints"], "publication.endpoints")
+        if len(endpoints) != tp_size:
+            raise KVGroupsValueError(
+                f"publication.endpoints: expected one endpoint per writer rank (tp_size "
+                f"{tp_size}), got {len(endpoints)}"
+            )
+        hashes = _sequence(d.get("chunk_hashes", ()), "publication.chunk_hashes")
+        if len(hashes) not in (0, len(slots)):
+            raise KVGroupsValueError(
+                f"publication.chunk_hashes: expected none or one per chunk ({len(slots)}), got "
+                f"{len(hashes)}"
+            )
+        layout = _string(d["object_layout"], "publication.object_layout")
+        if layout not in OBJECT_LAYOUTS:
+            raise KVGroupsValueError(
+                f"publication.object_layout: expected one of {list(OBJECT_LAYOUTS)}, got {layout!r}"
+            )
+        return cls(
+            request_id=_string(d["request_id"], "publication.request_id"),
+            transport=_string(d["transport"], "publication.transport"),
+            pool_id=_string(d["pool_id"], "publication.pool_id"),
+            slots=slots,
+            chunk_tokens=checked_int(d["chunk_tokens"], "publication.chunk_tokens", 1),
+            fingerprint=_string(d["fingerprint"], "publication.fingerprint"),
+            tp_size=tp_size,
+            object_layout=layout,
+            endpoints=tuple(
+                _endpoint(e, f"publication.endpoints[{r}]") for r, e in enumerate(endpoints)
+            ),
+            chunk_hashes=tuple(
+                _string(h, f"publication.chunk_hashes[{i}]") for i, h in enumerate(hashes)
+            ),
+        )
+
+
+_PUBLICATION_KEYS = (
+    "request_id",
+    "transport",
+    "pool_id",
+    "slots",
+    "chunk_tokens",
+    "fingerprint",
+    "tp_size",
+    "object_layout",
+    "endpoints",
+)
+_INT64_LIMIT = 2**63
+
+
+def checked_int(value: Any, what: str, low: int, high: int | None = None) -> int:
+    """``value`` if it is an int in ``[low, high)`` (Python or NumPy; bools, floats and
+    strings refused, not coerced), else a typed error naming ``what``."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, (int, np.integer)):
+        raise KVGroupsTypeError(f"{what}: expected an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < low or (high is not None and value >= high):
+        expected = f">= {low}" if high is None else f"in [{low}, {high})"
+        raise KVGroupsValueError(f"{what}: expected an int {expected}, got {value}")
+    return value
+
+
+def _sequence(value: Any, what: str) -> list | tuple:
+    if not isinstance(value, (list, tuple)):
+        raise KVGroupsTypeError(f"{what}: expected a list, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _string(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise KVGroupsTypeError(f"{what}: expected a str, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _endpoint(value: Any, what: str) -> dict:
+    """A writer rank's side channel: ``{"host": str, "port": int}`` (other keys kept)."""
+    if not isinstance(value, dict):
+        raise KVGroupsTypeError(
+            f"{what}: expected a dict with 'host' and 'port', got {type(value).__name__} {value!r}"
+        )
+    for key in ("host", "port"):
+        if key not in value:
+            raise KVGroupsValueError(f"{what}: expected the key {key!r}, got keys {sorted(value)}")
+    if not _string(value["host"], f"{what}.host"):
+        raise KVGroupsValueError(f"{what}.host: expected a host name, got ''")
+    checked_int(value["port"], f"{what}.port", 0, 65536)
+    return dict(value)
 
 
 @dataclass

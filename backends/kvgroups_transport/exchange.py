@@ -23,6 +23,7 @@ pull raises there and the staging slots are dropped.
 
 from __future__ import annotations
 
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any, Sequence
@@ -31,8 +32,10 @@ import numpy as np
 
 from kvgroups_core import ReadPlan, assemble, object_nbytes, plan_reads
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
+from kvgroups_core.grouping.manager import check_manager
+from kvgroups_core.transfer.planner import check_layer_indices
 
-from .base import Publication, TransferHandle, Transport
+from .base import Publication, TransferHandle, Transport, checked_int
 from .errors import FingerprintMismatchError
 from .plan import chunks_to_read, pull_copies
 
@@ -141,7 +144,11 @@ def check_publication(manager: Any, publication: Publication, reader: str = "thi
     """The writer's grouping must be the reader's (any TP degree): FingerprintMismatchError
     naming both sides otherwise."""
     mine = manager.fingerprint(across_degrees=True)
-    if publication.fingerprint != mine:
+    # The fingerprint covers the chunk size; a chunk_tokens that disagrees with it is a
+    # publication that contradicts itself.
+    if publication.fingerprint != mine or publication.chunk_tokens != (
+        manager.lmcache_tokens_per_chunk
+    ):
         e = publication.endpoints[0] if publication.endpoints else {}
         raise FingerprintMismatchError(
             f"publication.fingerprint: expected the grouping of {reader} (fingerprint "
@@ -191,12 +198,17 @@ class Receiver:
     manager : the reading rank's manager.
     transport : Transport
     capacity : int
-        Staging slots (chunks in flight at once, over all requests).
+        Staging slots (chunks in flight at once, over all requests), in ``[1,
+        MAX_STAGING_SLOTS]``.
     like : array, optional
         Staging buffers are allocated like it (framework and device; default NumPy).
     timeout_s : float
-        Deadline of every pull.
+        Deadline of every pull, in seconds (> 0).
     """
+
+    #: The most staging slots a receiver takes: chunks in flight at once, far beyond what an
+    #: engine keeps in flight (a bigger ``capacity`` is a mistake, not a need).
+    MAX_STAGING_SLOTS = 1 << 20
 
     def __init__(
         self,
@@ -207,14 +219,35 @@ class Receiver:
         timeout_s: float = 30.0,
         name: str = "staging",
     ) -> None:
-        self.manager = manager
+        self.manager = check_manager(manager)
+        if not isinstance(transport, Transport):
+            raise KVGroupsTypeError(
+                f"transport: expected a Transport (get_transport(...)), got "
+                f"{type(transport).__name__}"
+            )
         self.transport = transport
-        self.capacity = int(capacity)
+        self.capacity = checked_int(capacity, "capacity", 1, self.MAX_STAGING_SLOTS + 1)
+        if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(
+            timeout_s, (int, float, np.integer, np.floating)
+        ):
+            raise KVGroupsTypeError(
+                f"timeout_s: expected a number of seconds, got {type(timeout_s).__name__} "
+                f"{timeout_s!r}"
+            )
+        if not (math.isfinite(timeout_s) and timeout_s > 0):
+            raise KVGroupsValueError(
+                f"timeout_s: expected a finite number of seconds > 0, got {timeout_s!r}"
+            )
         self.timeout_s = float(timeout_s)
+        if not isinstance(name, str):
+            raise KVGroupsTypeError(f"name: expected a str, got {type(name).__name__}")
         self._like = like
         self._name = name
         self._pools: dict[tuple, list[ObjectPool]] = {}
         self._free = list(range(self.capacity))
+        self._layers = frozenset(
+            layer for g in self.manager.kernel_groups for layer in g.layer_indices
+        )
 
     def begin(
         self, publication: Publication, *, first_chunk: int = 0, num_chunks: int | None = None
@@ -226,15 +259,13 @@ class Receiver:
             raise KVGroupsTypeError(
                 f"publication: expected a Publication, got {type(publication).__name__}"
             )
+        n = publication.num_chunks
+        if num_chunks is not None:
+            n = checked_int(num_chunks, "num_chunks", 0, publication.num_chunks + 1)
+        first_chunk = checked_int(first_chunk, "first_chunk", 0)
         check_publication(self.manager, publication)
         reads = plan_reads(self.manager, publication.tp_size, publication.object_layout)
         arrays = getattr(self.transport, "produces_arrays", False)
-        n = publication.num_chunks if num_chunks is None else int(num_chunks)
-        if not 0 <= n <= publication.num_chunks:
-            raise KVGroupsValueError(
-                f"num_chunks: expected at most the {publication.num_chunks} published chunks, "
-                f"got {n}"
-            )
         chunks = chunks_to_read(self.manager, n, first_chunk)
         if arrays:  # the transport hands out new arrays: no staging slots
             return PullJob(publication, reads, first_chunk, n, chunks, {}, [])
@@ -257,9 +288,18 @@ class Receiver:
             sizes = [o.src_nbytes for o in reads.objects]
             pools = []
             for i in range(len(reads.src_ranks)):
-                pool = ObjectPool.allocate(
-                    f"{self._name}-tp{key[0]}-{key[1]}-{i}", sizes, self.capacity, like=self._like
-                )
+                try:
+                    pool = ObjectPool.allocate(
+                        f"{self._name}-tp{key[0]}-{key[1]}-{i}",
+                        sizes,
+                        self.capacity,
+                        like=self._like,
+                    )
+                except MemoryError:
+                    raise KVGroupsValueError(
+                        f"capacity: expected staging slots that fit in memory, got "
+                        f"{self.capacity} slots of {sum(sizes)} bytes per writer rank"
+                    ) from None
                 self.transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
                 pools.append(pool)
             self._pools[key] = pools
@@ -284,6 +324,11 @@ class Receiver:
     def pull(self, job: PullJob, *, layers: Sequence[int] | None = None) -> None:
         """Post the job's transfers (one per writer rank it reads from); ``layers``: only
         those layers' rows (layer streaming; call once per layer set as they are ready)."""
+        if not isinstance(job, PullJob):
+            raise KVGroupsTypeError(
+                f"job: expected a PullJob (from Receiver.begin), got {type(job).__name__}"
+            )
+        layers = check_layer_indices(layers, self._layers)
         pub = job.publication
         if getattr(self.transport, "produces_arrays", False):
             return self._pull_arrays(job, layers)

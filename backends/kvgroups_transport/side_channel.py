@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
-from .base import Publication, Transport
+from .base import Publication, Transport, checked_int
 from .errors import (
     PeerUnavailableError,
     PublicationReleasedError,
@@ -189,7 +189,14 @@ def ask(host: str, port: int, msg: dict, timeout: float) -> dict:
         ) from None
     if not data.endswith(b"\n"):
         raise PeerUnavailableError(f"side channel {where}: the writer closed the connection")
-    reply = json.loads(data)
+    try:
+        reply = json.loads(data)
+    except ValueError:  # not a side channel (an endpoint from a bad publication)
+        reply = None
+    if not isinstance(reply, dict):
+        raise PeerUnavailableError(
+            f"side channel {where}: expected a JSON object answer, got {data[:80]!r}"
+        )
     if "error" in reply:
         raise PeerUnavailableError(f"side channel {where}: {reply['error']}")
     return reply
@@ -231,7 +238,7 @@ class SideChannelTransport(Transport):
     ) -> Publication:
         from kvgroups_core.errors import KVGroupsValueError
 
-        slots = tuple(int(s) for s in slots)
+        slots = tuple(checked_int(s, f"slots[{i}]", -(2**63)) for i, s in enumerate(slots))
         bad = [s for s in slots if not 0 <= s < capacity]
         if bad:
             raise KVGroupsValueError(f"slots: expected slots in [0, {capacity}), got {bad}")

@@ -11,10 +11,11 @@ stride stepping over any padding the engine adds to its pages.
 from __future__ import annotations
 
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
-from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.tensors.descriptors import TensorDesc
 from kvgroups_core.tensors.dtypes import DType, as_dtype
 
@@ -130,6 +131,23 @@ def state_layer_fields(
     )
 
 
+def _shape_dims(shape: Any, what: str) -> tuple[int, ...]:
+    """``shape`` as a tuple of non-negative ints, else a typed error naming ``what``."""
+    if isinstance(shape, (str, bytes)) or not isinstance(shape, Sequence):
+        raise KVGroupsTypeError(f"{what}: expected a shape (a sequence of ints), got {shape!r}")
+    dims = []
+    for d in shape:
+        try:
+            if isinstance(d, bool):
+                raise TypeError
+            dims.append(operator.index(d))
+        except TypeError:
+            raise KVGroupsTypeError(f"{what}: expected int dimensions, got {shape!r}") from None
+    if any(d < 0 for d in dims):
+        raise KVGroupsValueError(f"{what}: expected non-negative dimensions, got {shape!r}")
+    return tuple(dims)
+
+
 def state_page_offsets(
     shapes: Sequence[Sequence[int]], dtypes: Sequence[Any], what: str = "state page"
 ) -> list[tuple[int, int]]:
@@ -137,8 +155,12 @@ def state_page_offsets(
     vLLM lays out a ``MambaSpec`` page: its ``shapes`` in its ``dtypes``, in order).
 
     Raises KVGroupsValueError when a sub-state does not start on a multiple of its element
-    size (it could not be viewed in its dtype).
+    size (it could not be viewed in its dtype), KVGroupsTypeError when ``shapes`` is not a
+    sequence of int shapes or ``dtypes`` not a sequence.
     """
+    for name, value in (("shapes", shapes), ("dtypes", dtypes)):
+        if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+            raise KVGroupsTypeError(f"{what}: {name}: expected a sequence, got {value!r}")
     if len(shapes) != len(dtypes):
         raise KVGroupsValueError(
             f"{what}: expected one dtype per shape, got {len(shapes)} shapes and "
@@ -146,13 +168,14 @@ def state_page_offsets(
         )
     out, offset = [], 0
     for i, (shape, dt) in enumerate(zip(shapes, dtypes)):
+        dims = _shape_dims(shape, f"{what}: shapes[{i}]")
         dtype: DType = as_dtype(dt)
         if offset % dtype.itemsize:
             raise KVGroupsValueError(
-                f"{what}: sub-state {i} ({dtype.name} {tuple(shape)}) starts at byte {offset}, "
+                f"{what}: sub-state {i} ({dtype.name} {dims}) starts at byte {offset}, "
                 f"not a multiple of its {dtype.itemsize}-byte elements"
             )
-        nbytes = math.prod(shape) * dtype.itemsize
+        nbytes = math.prod(dims) * dtype.itemsize
         out.append((offset, nbytes))
         offset += nbytes
     return out

@@ -95,7 +95,10 @@ class AttnWindowDesc:
         have = np.zeros((num_chunks + 1, num_groups), dtype=np.int64)
         np.cumsum(ok, axis=0, out=have[1:])
         lengths = np.arange(num_chunks + 1, dtype=np.int64)[:, None]
-        windows = np.asarray(self.num_chunks_in_sw, dtype=np.int64)[None, :]
+        # A window longer than the prefix is full attention; clamping keeps any window an
+        # int64 (a window of 10**20 chunks is valid, it just covers every prefix).
+        clamped = [min(w, num_chunks) for w in self.num_chunks_in_sw]
+        windows = np.asarray(clamped, dtype=np.int64).reshape(1, num_groups)
         start = np.where(windows < 0, 0, np.maximum(lengths - windows, 0))
         got = have - np.take_along_axis(have, start, axis=0)
         return np.all(got == lengths - start, axis=1)

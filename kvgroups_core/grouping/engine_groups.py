@@ -36,6 +36,14 @@ def as_int(value: Any, what: str) -> int:
         raise KVGroupsTypeError(f"{what}: expected an int, got {value!r}") from None
 
 
+def as_bool(value: Any, what: str) -> bool:
+    """``value`` if it is a bool, else a TypeError naming ``what``: a flag given as an int or
+    an array is a bug (``bool(array)`` would raise, ``bool(2)`` would quietly mean True)."""
+    if not isinstance(value, bool):
+        raise KVGroupsTypeError(f"{what}: expected a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
 @dataclass(frozen=True)
 class EngineGroupInfo:
     """What the engine says about one kernel group's layers.
@@ -100,7 +108,9 @@ class EngineGroupInfo:
         object.__setattr__(self, "layer_indices", layers)
         object.__setattr__(self, "tokens_per_block", tpb)
         object.__setattr__(self, "sw_size_tokens", sw)
-        object.__setattr__(self, "recurrent_state", bool(self.recurrent_state))
+        object.__setattr__(
+            self, "recurrent_state", as_bool(self.recurrent_state, "recurrent_state")
+        )
         projections = check_conv_projections(self.conv_projections)
         if projections and not self.recurrent_state:
             raise KVGroupsValueError(
@@ -257,7 +267,23 @@ def slice_block_ids_per_group(
     KVGroupsValueError
         A bound does not align to a group's tokens per block ("does not align"), a tokens per
         block is not positive, or the range is reversed or negative.
+    KVGroupsTypeError
+        ``allocated`` is not a mapping of int keys to sequences of int ids, or a bound or a
+        tokens per block is not an int.
     """
+    if not isinstance(allocated, Mapping):
+        raise KVGroupsTypeError(
+            f"allocated: expected a mapping engine group id -> block ids, got {allocated!r}"
+        )
+    for key in allocated:
+        as_int(key, "allocated: engine group id key")
+    if isinstance(tokens_per_block_per_group, (str, bytes)) or not isinstance(
+        tokens_per_block_per_group, (Sequence, np.ndarray)
+    ):
+        raise KVGroupsTypeError(
+            "tokens_per_block_per_group: expected a sequence of ints, got "
+            f"{tokens_per_block_per_group!r}"
+        )
     start = as_int(start_tok, "start_tok")
     end = as_int(end_tok, "end_tok")
     if start < 0 or end < start:
@@ -277,5 +303,12 @@ def slice_block_ids_per_group(
                 f"tokens_per_block {tpb}"
             )
         ids = allocated.get(gid, ())
-        out.append([int(b) for b in ids[start // tpb : end // tpb]])
+        if isinstance(ids, (str, bytes)) or not isinstance(ids, (Sequence, np.ndarray)):
+            raise KVGroupsTypeError(
+                f"allocated[{gid}]: expected a sequence of block ids, got {type(ids).__name__} "
+                f"{ids!r}"
+            )
+        lo = start // tpb
+        part = ids[lo : end // tpb]
+        out.append([as_int(b, f"allocated[{gid}][{lo + i}]") for i, b in enumerate(part)])
     return out

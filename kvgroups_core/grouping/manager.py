@@ -26,6 +26,7 @@ from .attn_window import AttnWindowDesc
 from .engine_groups import (
     EXCLUDED_ENGINE_GROUP,
     EngineGroupInfo,
+    as_bool,
     as_int,
     get_engine_group_indices,
 )
@@ -229,10 +230,8 @@ class KVLayerGroupsManager:
                     f"engine_group_infos[{i}]: expected an EngineGroupInfo, got {info!r}"
                 )
         self._lmcache_tokens_per_chunk = chunk
-        self._separate_object_groups = bool(separate_object_groups)
-        if not isinstance(full_sw_kv, bool):
-            raise KVGroupsTypeError(f"full_sw_kv: expected a bool, got {type(full_sw_kv).__name__}")
-        self._full_sw_kv = full_sw_kv
+        self._separate_object_groups = as_bool(separate_object_groups, "separate_object_groups")
+        self._full_sw_kv = as_bool(full_sw_kv, "full_sw_kv")
         # Set when a transfer first binds this manager (mark_in_use); from then on nothing
         # about its layout may change (enable_full_sw_kv refuses).
         self._in_use = False
@@ -473,8 +472,7 @@ class KVLayerGroupsManager:
         sliding-window groups is stored, so a chunk is reusable at any position, and
         :meth:`get_attn_desc` reports full attention for every group. ``self`` is unchanged
         (transfers prepared with it keep its layout)."""
-        if not isinstance(enabled, bool):
-            raise KVGroupsTypeError(f"enabled: expected a bool, got {type(enabled).__name__}")
+        enabled = as_bool(enabled, "enabled")
         new = copy.copy(self)  # the group lists are never mutated, so sharing them is safe
         new._full_sw_kv = enabled
         new._in_use = False
@@ -595,3 +593,38 @@ class KVLayerGroupsManager:
             stacklevel=2,
         )
         return self._group(kernel_group_idx).calculate_slots(self._lmcache_tokens_per_chunk)
+
+
+def check_manager(manager: Any, what: str = "manager") -> KVLayerGroupsManager:
+    """``manager`` if it is a :class:`KVLayerGroupsManager`, else a typed error naming
+    ``what`` (for helpers that take a manager and would otherwise fail on an attribute)."""
+    if not isinstance(manager, KVLayerGroupsManager):
+        raise KVGroupsTypeError(
+            f"{what}: expected a KVLayerGroupsManager, got {type(manager).__name__} {manager!r}"
+        )
+    return manager
+
+
+def check_managers(managers: Any) -> list:
+    """The managers of one TP group, in rank order and agreeing (for merging)."""
+    if not isinstance(managers, (list, tuple)) or not managers:
+        raise KVGroupsTypeError(
+            f"managers: expected a non-empty list with one manager per rank, got {managers!r}"
+        )
+    for r, m in enumerate(managers):
+        check_manager(m, f"managers[{r}]")
+    size = managers[0].tp_size
+    if len(managers) != size:
+        raise KVGroupsValueError(
+            f"managers: expected {size} managers (tp_size of managers[0]), got {len(managers)}"
+        )
+    expected = managers[0].fingerprint()
+    for r, m in enumerate(managers):
+        if m.tp_rank != r:
+            raise KVGroupsValueError(f"managers[{r}].tp_rank: expected {r}, got {m.tp_rank}")
+        if m.fingerprint() != expected:
+            raise KVGroupsValueError(
+                f"managers[{r}]: expected the grouping of managers[0] (fingerprint "
+                f"{expected[:12]}), got fingerprint {m.fingerprint()[:12]}"
+            )
+    return list(managers)

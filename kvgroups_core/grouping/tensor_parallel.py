@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError, UnsupportedConfigError
+from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 from kvgroups_core.formats.catalogue import EngineKVFormat
 
 from .engine_groups import as_int
@@ -343,26 +343,3 @@ def fingerprint(manager: Any, *, across_degrees: bool = False) -> str:
         _describe(manager, across_degrees=across_degrees), sort_keys=True, separators=(",", ":")
     )
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def check_managers(managers: Any) -> list:
-    """The managers of one TP group, in rank order and agreeing (for merging)."""
-    if not isinstance(managers, (list, tuple)) or not managers:
-        raise KVGroupsTypeError(
-            f"managers: expected a non-empty list with one manager per rank, got {managers!r}"
-        )
-    size = managers[0].tp_size
-    if len(managers) != size:
-        raise KVGroupsValueError(
-            f"managers: expected {size} managers (tp_size of managers[0]), got {len(managers)}"
-        )
-    expected = managers[0].fingerprint()
-    for r, m in enumerate(managers):
-        if m.tp_rank != r:
-            raise KVGroupsValueError(f"managers[{r}].tp_rank: expected {r}, got {m.tp_rank}")
-        if m.fingerprint() != expected:
-            raise KVGroupsValueError(
-                f"managers[{r}]: expected the grouping of managers[0] (fingerprint "
-                f"{expected[:12]}), got fingerprint {m.fingerprint()[:12]}"
-            )
-    return list(managers)

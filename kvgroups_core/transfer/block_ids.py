@@ -55,7 +55,8 @@ def _bad_element(values: Any, what: str) -> Exception:
 
 def host_id_array(ids: Any, what: str) -> np.ndarray:
     """``ids`` (a host sequence or array) as a 1-D int64 array, refusing bools, floats,
-    values outside int64 and uint64 values that would wrap (reported as given)."""
+    values outside int64, uint64 values that would wrap (reported as given) and masked
+    arrays (whose mask ``np.asarray`` would drop)."""
     if isinstance(ids, (list, tuple, range)):
         if not isinstance(ids, range):
             kinds = set(map(type, ids))
@@ -70,6 +71,12 @@ def host_id_array(ids: Any, what: str) -> np.ndarray:
         if arr.size and arr.dtype.kind not in "iu" and arr.ndim == 1:
             raise _bad_element(ids, what)  # floats, or ints beyond int64 (object / float64)
     else:
+        if type(ids) is not np.ndarray and isinstance(ids, np.ma.MaskedArray):
+            # np.asarray drops the mask, so masked-out entries would become real block ids.
+            raise KVGroupsTypeError(
+                f"{what}: expected a plain array of block ids, got a masked array "
+                f"{describe_value(ids)} (pass ids.compressed() to drop the masked entries)"
+            )
         try:
             arr = np.asarray(ids)
         except Exception as exc:  # noqa: BLE001 - a framework's own refusal, typed here

@@ -25,7 +25,9 @@ from typing import Any
 
 import numpy as np
 
-from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+
+from .block_ids import describe_value, host_id_array
 
 
 @dataclass(frozen=True, eq=False)
@@ -59,6 +61,13 @@ class BlockRuns:
         return np.repeat(self.src, self.length) + k, np.repeat(self.dst, self.length) + k
 
 
+def _ids(x: Any, what: str) -> np.ndarray:
+    # block_runs passes int64 arrays already; anything else is checked like block ids.
+    if type(x) is np.ndarray and x.dtype == np.int64 and x.ndim == 1:
+        return x
+    return host_id_array(x, what)
+
+
 def coalesce_runs(src: Any, dst: Any, breaks: Any = None) -> BlockRuns:
     """The runs of ``(src[i], dst[i])`` pairs where both advance by exactly one.
 
@@ -72,8 +81,7 @@ def coalesce_runs(src: Any, dst: Any, breaks: Any = None) -> BlockRuns:
     -------
     BlockRuns, in input order; ``total`` equals the input length.
     """
-    a = np.asarray(src, dtype=np.int64).reshape(-1)
-    b = np.asarray(dst, dtype=np.int64).reshape(-1)
+    a, b = _ids(src, "src"), _ids(dst, "dst")
     if a.shape != b.shape:
         raise KVGroupsValueError(f"dst: expected as many entries as src ({a.size}), got {b.size}")
     n = a.size
@@ -83,7 +91,11 @@ def coalesce_runs(src: Any, dst: Any, breaks: Any = None) -> BlockRuns:
     start = np.ones(n, dtype=bool)
     start[1:] = (a[1:] != a[:-1] + 1) | (b[1:] != b[:-1] + 1)
     if breaks is not None:
-        brk = np.asarray(breaks, dtype=bool).reshape(-1)
+        brk = np.asarray(breaks) if isinstance(breaks, (list, tuple, np.ndarray)) else None
+        if brk is None or brk.dtype != np.bool_ or brk.ndim != 1:
+            raise KVGroupsTypeError(
+                f"breaks: expected a 1-D bool sequence, got {describe_value(breaks)}"
+            )
         if brk.shape != a.shape:
             raise KVGroupsValueError(f"breaks: expected {n} entries (one per pair), got {brk.size}")
         start |= brk

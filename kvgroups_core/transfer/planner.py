@@ -8,7 +8,7 @@ moves no byte.
 from __future__ import annotations
 
 import operator
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -419,14 +419,15 @@ def _skip_arg(skip: Any, ids_spec: IdsSpec | None) -> tuple[Any, bool]:
 
 def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
     """``layers=`` as a sorted tuple of distinct grouped layer indices (None: all)."""
+    return check_layer_indices(layers, binding.layer_planes)
+
+
+def check_layer_indices(layers: Any, known: Collection[int]) -> tuple[int, ...] | None:
+    """``layers`` as a sorted tuple of distinct indices among ``known`` (a manager's grouped
+    layers), None for None."""
     if layers is None:
         return None
-    if (
-        type(layers) is list
-        and len(layers) == 1
-        and type(layers[0]) is int
-        and layers[0] in binding.layer_planes
-    ):
+    if type(layers) is list and len(layers) == 1 and type(layers[0]) is int and layers[0] in known:
         return (layers[0],)  # the layer-wise hot path: one known layer per call
     if (
         isinstance(layers, (str, bytes, Mapping))
@@ -451,7 +452,6 @@ def check_layers(binding: Binding, layers: Any) -> tuple[int, ...] | None:
         out.append(int(layer))
     if not out:
         raise KVGroupsValueError("layers: expected at least one layer index, got none")
-    known = binding.layer_planes
     unknown = [x for x in out if x not in known]
     if unknown:
         raise KVGroupsIndexError(

@@ -20,12 +20,9 @@ from typing import Any
 
 from kvgroups_core.errors import KVGroupsError, KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.grouping.engine_groups import as_int
+from kvgroups_core.grouping.manager import check_manager, check_managers
 from kvgroups_core.grouping.state_tp import merge_conv, split_conv
-from kvgroups_core.grouping.tensor_parallel import (
-    TP_NATIVE,
-    canonical_region_nbytes,
-    check_managers,
-)
+from kvgroups_core.grouping.tensor_parallel import TP_NATIVE, canonical_region_nbytes
 
 from .objects import object_nbytes, object_regions
 
@@ -154,7 +151,7 @@ def merge_shards(managers: Any, objects_per_rank: Any, *, check_replicas: bool =
         their owner rank's copy.
     """
     if isinstance(managers, (list, tuple)) and len(managers) == 1:
-        ref = managers[0]
+        ref = check_manager(managers[0], "managers[0]")
         objs = _check_list(objects_per_rank, 1, "objects_per_rank")[0]
         objs = _check_list(objs, ref.num_object_groups, "objects_per_rank[0]")
         if ref.tp_size > 1:
@@ -381,6 +378,7 @@ def _convertible_shard(manager: Any, kernel_group_idx: int) -> Any:
 
 def canonical_nbytes(manager: Any, object_group_idx: int) -> int:
     """Bytes of one chunk's canonical (whole-model) object of ``object_group_idx``."""
+    check_manager(manager)
     regions = object_regions(manager, object_group_idx)
     for r in regions:
         _convertible_shard(manager, r.kernel_group_idx)
@@ -411,6 +409,7 @@ def split_canonical(manager: Any, objects: Any, *, shards: int = 1) -> list:
         layout: the whole TP-native object, the same for every rank of the group (each rank's
         load reads its own byte ranges), so one conversion serves the whole group.
     """
+    manager = check_manager(manager)
     s = as_int(shards, "shards")  # before comparing: True == 1
     objects = _check_list(objects, manager.num_object_groups, "objects")
     try:
@@ -510,7 +509,7 @@ def rank_byte_ranges(manager: Any, object_group_idx: int) -> list[tuple[int, int
     see this rank's share; the ranges of the ranks of a TP group tile the object, replicas of
     a replicated group sharing theirs.
     """
-    if manager.object_layout != TP_NATIVE:
+    if check_manager(manager).object_layout != TP_NATIVE:
         raise KVGroupsValueError(
             f"manager.object_layout: expected {TP_NATIVE!r} for TP-native byte ranges, got "
             f"{manager.object_layout!r}"

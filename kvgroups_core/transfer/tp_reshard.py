@@ -34,6 +34,7 @@ from typing import Any, Mapping
 
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.grouping.engine_groups import as_int
+from kvgroups_core.grouping.manager import check_manager
 from kvgroups_core.grouping.tensor_parallel import OBJECT_LAYOUTS, shard_groups
 from kvgroups_core.transfer.objects import object_nbytes, object_regions
 
@@ -47,13 +48,20 @@ class DegreeView:
     regions of a writer at any degree come from the same code that lays out every object.
     """
 
-    def __init__(self, manager: Any, tp_size: int, tp_rank: int, object_layout: str) -> None:
+    def __init__(
+        self,
+        manager: Any,
+        tp_size: int,
+        tp_rank: int,
+        object_layout: str,
+        size_name: str = "tp_size",
+    ) -> None:
         self._manager = manager
         self.tp_size, self.tp_rank, self.object_layout = tp_size, tp_rank, object_layout
         groups, totals = [], {}
         for k, group in enumerate(manager.kernel_groups):
             total = manager.tp_shard(k).total_heads
-            heads = _heads_at(k, total, tp_size, group)
+            heads = _heads_at(k, total, tp_size, group, size_name)
             groups.append(replace(group, shape_desc=replace(group.shape_desc, nh=heads)))
             for layer in group.layer_indices:
                 totals[layer] = total
@@ -96,7 +104,7 @@ def _has_head_axis(group: Any) -> bool:
     return fmt is not None and "NH" in fmt.facts.axes
 
 
-def _heads_at(k: int, total: int, size: int, group: Any) -> int:
+def _heads_at(k: int, total: int, size: int, group: Any, size_name: str) -> int:
     """A rank's head count of kernel group ``k`` at degree ``size`` (typed error if none)."""
     if not _has_head_axis(group):
         return group.shape_desc.nh
@@ -105,19 +113,26 @@ def _heads_at(k: int, total: int, size: int, group: Any) -> int:
     if total < size and size % total == 0:
         return 1
     raise KVGroupsValueError(
-        f"tp_size: expected a degree that divides kernel group {k}'s {total} KV heads or is a "
-        f"multiple of them, got {size}"
+        f"{size_name}: expected a degree that divides kernel group {k}'s {total} KV heads or "
+        f"is a multiple of them, got {size}"
     )
 
 
 def degree_view(
-    manager: Any, tp_size: Any, tp_rank: Any = 0, object_layout: str | None = None
+    manager: Any,
+    tp_size: Any,
+    tp_rank: Any = 0,
+    object_layout: str | None = None,
+    *,
+    size_name: str = "tp_size",
 ) -> DegreeView:
     """``manager``'s grouping at TP degree ``tp_size``, rank ``tp_rank`` (default: rank 0),
-    in ``object_layout`` (default: the manager's own)."""
-    size, rank = as_int(tp_size, "tp_size"), as_int(tp_rank, "tp_rank")
+    in ``object_layout`` (default: the manager's own). ``size_name`` is how errors name
+    ``tp_size`` (the argument of the caller that passed it on)."""
+    manager = check_manager(manager)
+    size, rank = as_int(tp_size, size_name), as_int(tp_rank, "tp_rank")
     if size < 1:
-        raise KVGroupsValueError(f"tp_size: expected a rank count >= 1, got {size}")
+        raise KVGroupsValueError(f"{size_name}: expected a rank count >= 1, got {size}")
     if not 0 <= rank < size:
         raise KVGroupsValueError(f"tp_rank: expected a rank in [0, {size}), got {rank}")
     layout = manager.object_layout if object_layout is None else object_layout
@@ -125,7 +140,7 @@ def degree_view(
         raise KVGroupsValueError(
             f"object_layout: expected one of {list(OBJECT_LAYOUTS)}, got {layout!r}"
         )
-    return DegreeView(manager, size, rank, layout)
+    return DegreeView(manager, size, rank, layout, size_name)
 
 
 # --- plans ----------------------------------------------------------------------------------
@@ -236,11 +251,21 @@ def _region_by_group(regions: list) -> dict[int, Any]:
     return {r.kernel_group_idx: r for r in regions}
 
 
-def _choose(candidates: list[int], used: set[int], preferred: int) -> int:
-    for r in candidates:
-        if r in used:
-            return r
-    return preferred if preferred in candidates else candidates[0]
+def _choose(holders: range, used: set[int], preferred: int) -> int:
+    """The source rank to read a head from: one already read from (fewest source ranks),
+    else the reader's counterpart, else the first holder."""
+    reused = [r for r in used if r in holders]
+    if reused:
+        return min(reused)
+    return preferred if preferred in holders else holders.start
+
+
+def _holders(shard: Any, head: int) -> range:
+    """The source ranks holding ``head`` of a group whose rank-0 shard is ``shard``: the
+    ``replicas`` ranks of the head set containing it (every rank's shard has rank 0's
+    ``rank_heads`` and ``replicas``, see :class:`TPShard`)."""
+    first = head // shard.rank_heads * shard.replicas
+    return range(first, first + shard.replicas)
 
 
 def plan_reads(manager: Any, src_tp_size: Any, src_object_layout: str = "canonical") -> ReadPlan:
@@ -266,12 +291,23 @@ def plan_reads(manager: Any, src_tp_size: Any, src_object_layout: str = "canonic
     KVGroupsValueError
         ``src_tp_size`` does not fit a group's heads, or an unknown layout.
     """
-    p = as_int(src_tp_size, "src_tp_size")
-    views = [degree_view(manager, p, r, src_object_layout) for r in range(p)]
+    view0 = degree_view(manager, src_tp_size, 0, src_object_layout, size_name="src_tp_size")
+    p, layout = view0.tp_size, view0.object_layout
+    # Views and regions only of the source ranks read from, so the cost does not grow with
+    # p (a publication's tp_size comes from another process).
+    views = {0: view0}
+    regions_of: dict[tuple[int, int], dict[int, Any]] = {}
+
+    def source_regions(r: int, og: int) -> dict[int, Any]:
+        if r not in views:
+            views[r] = DegreeView(manager, p, r, layout, "src_tp_size")
+        if (r, og) not in regions_of:
+            regions_of[r, og] = _region_by_group(object_regions(views[r], og))
+        return regions_of[r, og]
+
     preferred = manager.tp_rank * p // manager.tp_size
     objects = []
     for og in range(manager.num_object_groups):
-        src_regions = [_region_by_group(object_regions(v, og)) for v in views]
         used: set[int] = set()
         spans: dict[int, list[tuple[int, int]]] = {}
         regions = []
@@ -283,18 +319,18 @@ def plan_reads(manager: Any, src_tp_size: Any, src_object_layout: str = "canonic
             lo, hi = dst.head_start, dst.head_start + dst.rank_heads
             pieces = []
             while lo < hi:
-                holders = [
-                    r
-                    for r in range(p)
-                    if views[r].tp_shard(k).head_start
-                    <= lo
-                    < views[r].tp_shard(k).head_start + views[r].tp_shard(k).rank_heads
-                ]
+                holders = _holders(view0.tp_shard(k), lo)
+                if holders.stop > p:  # the reader counts more heads than p writers hold
+                    raise KVGroupsValueError(
+                        f"src_tp_size: expected writers holding head {lo} of kernel group {k}, "
+                        f"got {p} writer ranks holding heads [0, "
+                        f"{view0.tp_shard(k).num_parts * view0.tp_shard(k).rank_heads})"
+                    )
                 r = _choose(holders, used, preferred)
                 used.add(r)
+                part = source_regions(r, og)[k]
                 src = views[r].tp_shard(k)
                 end = min(hi, src.head_start + src.rank_heads)
-                part = src_regions[r][k]
                 pieces.append(
                     Piece(
                         src_rank=r,
@@ -318,7 +354,7 @@ def plan_reads(manager: Any, src_tp_size: Any, src_object_layout: str = "canonic
                     pieces=tuple(pieces),
                 )
             )
-        src_nbytes = object_nbytes(views[0], og)
+        src_nbytes = object_nbytes(view0, og)
         dst_nbytes = object_nbytes(manager, og)
         ranges = {r: coalesce(s) for r, s in sorted(spans.items())}
         objects.append(
@@ -331,7 +367,7 @@ def plan_reads(manager: Any, src_tp_size: Any, src_object_layout: str = "canonic
                 identity_rank=_identity(regions, src_nbytes, dst_nbytes),
             )
         )
-    return ReadPlan(src_tp_size=p, src_object_layout=views[0].object_layout, objects=tuple(objects))
+    return ReadPlan(src_tp_size=p, src_object_layout=layout, objects=tuple(objects))
 
 
 def _identity(regions: list[RegionReads], src_nbytes: int, dst_nbytes: int) -> int | None:
@@ -389,6 +425,15 @@ def assemble(reads: ObjectReads, staged: Mapping[int, Any]) -> Any:
         staged arrays' framework and device (TP-native destinations: zero outside this
         rank's ranges).
     """
+    if not isinstance(reads, ObjectReads):
+        raise KVGroupsTypeError(
+            f"reads: expected an ObjectReads (an entry of ReadPlan.objects), got "
+            f"{type(reads).__name__} {reads!r}"
+        )
+    if not isinstance(staged, Mapping):
+        raise KVGroupsTypeError(
+            f"staged: expected a mapping source rank -> array, got {type(staged).__name__}"
+        )
     chunks: Any = None  # the staged arrays' first dimension (the framework's integer)
     for r in reads.ranges:
         if r not in staged:

@@ -114,3 +114,13 @@ def test_hit_rejects_a_wrong_rank():
 def test_hit_rejects_float_arrays():
     with pytest.raises(KVGroupsTypeError, match="boolean"):
         AttnWindowDesc([-1]).hit_chunks(np.ones((3, 1)))
+
+
+def test_windows_longer_than_any_int64_serve_like_full_attention():
+    present = _present(6, {0, 1, 2, 4, 5}, {0, 1, 2, 3, 4, 5})
+    huge = AttnWindowDesc([10**20, 2**63 + 5])
+    assert huge.hit_chunks(present) == AttnWindowDesc([-1, -1]).hit_chunks(present) == 3
+    np.testing.assert_array_equal(
+        huge.servable(present), AttnWindowDesc([-1, -1]).servable(present)
+    )
+    assert AttnWindowDesc([10**20]).hit_chunks(np.ones((6, 1), bool)) == 6

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kvgroups_core import BlockRuns, KVLayerGroupsManager, block_runs, coalesce_runs
-from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.formats.catalogue import EngineKVFormat as F
 from kvgroups_core.transfer.planner import bind, plan_call
 
@@ -56,6 +56,23 @@ def test_mismatched_lengths_are_refused():
         coalesce_runs([1, 2], [1])
     with pytest.raises(KVGroupsValueError, match="breaks: expected 2 entries"):
         coalesce_runs([1, 2], [1, 2], [True])
+
+
+@pytest.mark.parametrize(
+    "src, dst, breaks, error, text",
+    [
+        (None, [0, 1, 2], None, KVGroupsTypeError, "src: expected a 1-D sequence of ints"),
+        ([2**70], [0], None, KVGroupsIndexError, "src: expected block ids that fit int64"),
+        ([0, 1], [0, 1.5], None, KVGroupsTypeError, "dst: expected integer block ids"),
+        ([0, 1], np.arange(2.0), None, KVGroupsTypeError, "dst: expected a 1-D sequence"),
+        ([0, 1], [0, 1], "ab", KVGroupsTypeError, "breaks: expected a 1-D bool sequence"),
+        ([0, 1], [0, 1], [0, 1], KVGroupsTypeError, "breaks: expected a 1-D bool sequence"),
+    ],
+)
+def test_malformed_arguments_are_refused_by_name(src, dst, breaks, error, text):
+    with pytest.raises(error) as info:
+        coalesce_runs(src, dst, breaks)
+    assert text in str(info.value)
 
 
 def _plan(ids, direction="store", skip=0, window=None):

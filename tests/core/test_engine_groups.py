@@ -188,3 +188,27 @@ def test_slice_block_ids_per_group_rejects_a_reversed_range():
 def test_slice_block_ids_per_group_rejects_non_integer_bounds():
     with pytest.raises(KVGroupsTypeError, match="end_tok"):
         slice_block_ids_per_group({0: [1, 2]}, [16], 0, 16.0)
+
+
+@pytest.mark.parametrize("flag", [np.array([1, 2]), 1, None, np.True_])
+def test_engine_group_info_takes_recurrent_state_only_as_a_bool(flag):
+    with pytest.raises(KVGroupsTypeError, match="recurrent_state: expected a bool"):
+        EngineGroupInfo(engine_group_id=0, layer_indices=[0], recurrent_state=flag)
+
+
+@pytest.mark.parametrize(
+    "allocated, tpb, end, text",
+    [
+        ({True: 5}, [4, 4], 0, "engine group id key"),  # True would look up group 1
+        ({1: "abc"}, [4, 4], 16, "allocated[1]: expected a sequence of block ids"),
+        ({0: 5}, [4], 4, "allocated[0]"),
+        ({0: [1, 2.5]}, [4], 8, "allocated[0][1]"),
+        ({0: [1, True]}, [4], 8, "allocated[0][1]"),
+        ([[1, 2]], [4], 8, "allocated: expected a mapping"),
+        ({0: [1, 2]}, None, 8, "tokens_per_block_per_group: expected a sequence"),
+    ],
+)
+def test_slice_block_ids_per_group_names_a_malformed_argument(allocated, tpb, end, text):
+    with pytest.raises(KVGroupsTypeError) as info:
+        slice_block_ids_per_group(allocated, tpb, 0, end)
+    assert text in str(info.value)

@@ -642,6 +642,13 @@ BAD_FLAT_IDS = [
     ({0.0: list(range(8))}, kc.KVGroupsTypeError, "float"),
     ([list(range(8)), list(range(8))], kc.KVGroupsValueError, "at most 1 id lists"),
     ([list(range(8)), []], kc.KVGroupsValueError, "at most 1 id lists"),
+    # np.asarray drops a mask: masked-out entries must not become real block ids
+    (
+        np.ma.masked_array([7, 1, 2, 3, 4, 5, 6, 0], mask=[1] + [0] * 7),
+        kc.KVGroupsTypeError,
+        "masked",
+    ),
+    ({0: np.ma.masked_array(np.arange(8), mask=False)}, kc.KVGroupsTypeError, "masked"),
 ]
 
 

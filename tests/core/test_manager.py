@@ -305,6 +305,12 @@ def test_separation_off_gives_one_full_attention_object_group():
     assert m.get_subchunk_sw_size_tokens(2) == 64
 
 
+@pytest.mark.parametrize("flag", [np.array([1, 2]), 0, None, "no"])
+def test_separate_object_groups_is_taken_only_as_a_bool(flag):
+    with pytest.raises(KVGroupsTypeError, match="separate_object_groups: expected a bool"):
+        KVLayerGroupsManager([kv_layer()], NHD, separate_object_groups=flag)
+
+
 def test_object_groups_bucket_by_window_in_chunks_ordered_by_first_kernel_group():
     caches = [kv_layer(4), kv_layer(8), kv_layer(16), kv_layer(32), kv_layer(64)]
     infos = [

@@ -19,6 +19,8 @@ from kvgroups_conformance.state_caches import (
 )
 from kvgroups_core import (
     EngineGroupInfo,
+    KVGroupsTypeError,
+    KVGroupsValueError,
     KVLayerGroupsManager,
     TensorSpec,
     detect_format,
@@ -199,6 +201,23 @@ def test_page_offsets_place_sub_states_back_to_back():
     ]
     with pytest.raises(ValueError, match="not a multiple"):
         state_page_offsets([(3,), (2,)], ["bfloat16", "float32"])
+
+
+@pytest.mark.parametrize(
+    "shapes, dtypes, error, text",
+    [
+        ([(4, 8)], None, KVGroupsTypeError, "dtypes: expected a sequence"),
+        ("ab", ["float16", "float32"], KVGroupsTypeError, "shapes: expected a sequence"),
+        ([4, 8], ["float16", "float32"], KVGroupsTypeError, "shapes[0]: expected a shape"),
+        ([(4, "8")], ["float16"], KVGroupsTypeError, "shapes[0]: expected int dimensions"),
+        ([(4, 1.0)], ["float16"], KVGroupsTypeError, "shapes[0]: expected int dimensions"),
+        ([(4, -8)], ["float16"], KVGroupsValueError, "shapes[0]: expected non-negative"),
+    ],
+)
+def test_page_offsets_name_a_malformed_argument(shapes, dtypes, error, text):
+    with pytest.raises(error) as info:
+        state_page_offsets(shapes, dtypes)
+    assert text in str(info.value)
 
 
 # --- refusals -----------------------------------------------------------------------------

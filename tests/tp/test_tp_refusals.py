@@ -79,3 +79,21 @@ def test_total_num_kv_heads_is_checked_before_the_caches(heads, match, caches):
     with pytest.raises(kc.KVGroupsError, match=match) as info:
         kc.KVLayerGroupsManager(structure, formats, tp_size=2, total_num_kv_heads=heads)
     assert isinstance(info.value, (TypeError, ValueError))
+
+
+def test_helpers_refuse_what_is_not_a_manager_by_name():
+    managers = _rank_managers()
+    m = kc.KVLayerGroupsManager(_specs(), F.NL_X_TWO_NB_BS_NH_HS)
+    per_rank = [[np.zeros((1, kc.object_nbytes(r, 0)), np.uint8)] for r in managers]
+    canonical = [np.zeros((1, kc.object_nbytes(m, 0)), np.uint8)]
+    for call, name in [
+        (lambda: kc.merge_shards([1, 2], per_rank), "managers[0]"),
+        (lambda: kc.merge_shards([managers[0], None], per_rank), "managers[1]"),
+        (lambda: kc.merge_shards([None], [canonical]), "managers[0]"),
+        (lambda: kc.split_canonical(None, canonical), "manager"),
+        (lambda: kc.canonical_nbytes("m", 0), "manager"),
+        (lambda: kc.rank_byte_ranges(None, 0), "manager"),
+    ]:
+        with pytest.raises(kc.KVGroupsTypeError) as info:
+            call()
+        assert str(info.value).startswith(f"{name}: expected a KVLayerGroupsManager")

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from kvgroups_core import (
+    KVGroupsTypeError,
     KVGroupsValueError,
     load,
     object_nbytes,
@@ -17,6 +18,7 @@ from kvgroups_core import (
     split_canonical,
     store,
 )
+from kvgroups_core.transfer import tp_reshard
 from kvgroups_core.transfer.tp_reshard import assemble, coalesce, degree_view, plan_reads
 from tests.support.tp_models import (
     MODELS,
@@ -206,6 +208,64 @@ def test_a_degree_that_does_not_fit_the_heads_is_refused():
         degree_view(m, 2, 0, "rows")
     with pytest.raises(KVGroupsValueError, match="tp_rank"):
         degree_view(m, 2, 2)
+
+
+@pytest.mark.parametrize("p", [0, -1])
+def test_a_source_degree_below_one_is_refused_by_name(p):
+    model = MODELS["mha-nhd"]
+    m = manager(model, make_model_caches(model, np.random.default_rng(0)))
+    with pytest.raises(KVGroupsValueError, match="src_tp_size: expected a rank count >= 1"):
+        plan_reads(m, p)
+
+
+@pytest.mark.parametrize("p", [True, 2.0, "2", None])
+def test_a_source_degree_that_is_not_an_int_is_refused_by_name(p):
+    model = MODELS["mha-nhd"]
+    m = manager(model, make_model_caches(model, np.random.default_rng(0)))
+    with pytest.raises(KVGroupsTypeError, match="src_tp_size: expected an int"):
+        plan_reads(m, p)
+
+
+def test_plan_reads_of_many_replicated_writers_reads_only_the_ranks_it_needs(monkeypatch):
+    # A publication's tp_size comes from another process: a huge degree (every head
+    # replicated 2**58 times) must plan as fast as a small one, not build a view per rank.
+    views = []
+    init = tp_reshard.DegreeView.__init__
+
+    def counted(self, *args, **kwargs):
+        views.append(args[2])  # the rank
+        assert len(views) <= 16, "plan_reads builds a view per writer rank"
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(tp_reshard.DegreeView, "__init__", counted)
+    model = MODELS["mha-nhd"]  # 8 heads
+    full = make_model_caches(model, np.random.default_rng(0))
+    dst = manager(model, shard_caches(model, full, 1, 2), 1, 2)  # heads 4..7
+    big = 2**61
+    plan = plan_reads(dst, big)
+    replicas = big // 8
+    assert plan.src_tp_size == big
+    # The reader's counterpart (rank big / 2 holds head 4) for its first head, and one
+    # replica of each following head: the first one, as plan_reads(dst, 16) picks.
+    assert plan.src_ranks == (4 * replicas, 5 * replicas, 6 * replicas, 7 * replicas)
+    small = plan_reads(dst, 16)
+    assert small.src_ranks == (8, 10, 12, 14)
+    (a,), (b,) = plan.objects, small.objects
+    assert (a.src_nbytes, a.dst_nbytes, a.identity_rank) == (b.src_nbytes, b.dst_nbytes, None)
+    assert list(a.ranges.values()) == list(b.ranges.values())
+    assert sorted(set(views)) == sorted({0, *plan.src_ranks, *small.src_ranks})
+
+
+def test_assemble_refuses_what_is_not_a_plan_or_a_mapping():
+    model = MODELS["mha-nhd"]
+    m = manager(model, make_model_caches(model, np.random.default_rng(0)))
+    (reads,) = plan_reads(m, 1).objects
+    with pytest.raises(KVGroupsTypeError, match="reads: expected an ObjectReads"):
+        assemble(None, {})
+    with pytest.raises(KVGroupsTypeError, match="reads: expected an ObjectReads"):
+        assemble(plan_reads(m, 1), {})
+    with pytest.raises(KVGroupsTypeError, match="staged: expected a mapping"):
+        assemble(reads, [np.zeros((1, reads.src_nbytes), np.uint8)])
 
 
 def test_assemble_refuses_missing_or_misshapen_staging():
