@@ -12,6 +12,7 @@ from dataclasses import replace
 from typing import Any, Sequence, cast
 
 from kvgroups_core.errors import KVGroupsError
+from kvgroups_core.grouping.manager import check_manager
 from kvgroups_core.tensors.arrays import backend_for_tensors
 from kvgroups_core.tensors.descriptors import TensorDesc, TensorSpec
 
@@ -59,7 +60,7 @@ class PreparedTransfer:
     def __init__(
         self, manager: Any, kv_caches: Any, *, backend: "str | Backend | None" = None
     ) -> None:
-        self.manager = manager
+        self.manager = check_manager(manager)
         self.kv_caches = kv_caches
         # The registry holds transfer backends; ArrayBackend is the part of them it reads.
         self.backend: Backend = (
@@ -403,6 +404,7 @@ def _one_shot(
             if prepared.reallocated() is None:  # take() compared the identities
                 return prepared, entry
             # Changed in place: bound afresh below, refused (if so) as a first call is.
+    check_manager(manager)  # before the caches are read (a parked call had a manager)
     found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)
     return PreparedTransfer(manager, kv_caches, backend=cast(Backend, found)), None
 

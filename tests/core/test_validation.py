@@ -206,3 +206,20 @@ def test_jax_arrays_on_another_device_or_deleted_are_refused():
     )
     assert result.returncode == 0, (result.stdout, result.stderr[-3000:])
     assert "refused" in result.stdout
+
+
+@pytest.mark.parametrize("manager", [None, "manager", object()])
+@pytest.mark.parametrize("call", ["store", "load", "prepare"])
+def test_a_public_call_without_a_manager_is_refused_naming_it(call, manager):
+    caches = [np.arange(2 * 4 * 4 * 4, dtype=np.float32).reshape(2, 4, 4, 1, 4)]
+    before = caches[0].copy()
+    objects = [np.zeros((1, 128), np.uint8)]
+    run = {
+        "store": lambda: kc.store(manager, caches, [0, 1], objects),
+        "load": lambda: kc.load(manager, objects, caches, [0, 1]),
+        "prepare": lambda: kc.prepare(manager, caches),
+    }[call]
+    with pytest.raises(kc.KVGroupsTypeError, match="manager: expected a KVLayerGroupsManager"):
+        run()
+    np.testing.assert_array_equal(caches[0], before)
+    assert not objects[0].any()
