@@ -38,6 +38,8 @@ _BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}
 
 _TORCH_OF: dict[str, torch.dtype] = {name: dt for dt, name in DTYPE_NAMES.items()}
 
+_STRIDED = torch.strided
+
 
 def dtype_of(t: torch.Tensor) -> DType:
     """The :class:`DType` of a torch tensor (``torch.float8_e4m3fn`` -> ``float8_e4m3fn``)."""
@@ -47,6 +49,16 @@ def dtype_of(t: torch.Tensor) -> DType:
             f"tensor dtype: expected one of {sorted(DTYPE_NAMES.values())}, got {t.dtype}"
         )
     return DTYPE_MAP[name]
+
+
+def check_plain(x: torch.Tensor, what: str) -> None:
+    """Refuse a tensor whose memory is not its values laid out by its strides: sparse, mkldnn
+    and nested tensors (no strided buffer: DLPack and ``data_ptr`` fail)."""
+    if x.layout is not _STRIDED or x.is_nested:
+        got = f"a nested tensor (layout {x.layout})" if x.is_nested else f"layout {x.layout}"
+        raise KVGroupsTypeError(
+            f"{what}: expected a dense tensor (layout torch.strided), got {got}"
+        )
 
 
 def shape_of(x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
@@ -84,6 +96,7 @@ def describe_tensor(x: torch.Tensor) -> TensorDesc:
     if not isinstance(x, torch.Tensor):
         raise KVGroupsTypeError(f"tensor: expected a torch.Tensor, got {type(x).__name__}")
     dtype = dtype_of(x)
+    check_plain(x, "tensor")
     if is_abstract_tensor(x):
         spec = TensorSpec(
             tuple(int(n) for n in x.shape),

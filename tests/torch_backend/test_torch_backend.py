@@ -146,3 +146,35 @@ def test_pageable_host_objects_are_rejected_before_any_byte_moves():
     with pytest.raises(KVGroupsValueError, match="pinned"):
         TorchBackend().execute(case.plan, caches, [objects])
     np.testing.assert_array_equal(objects.numpy(), case.objects)
+
+
+# --- tensors whose memory is not their values ------------------------------------------------
+
+_SHAPE = (2, 16, 4, 2, 4)
+_IDS = [0, 1, 2, 3]
+
+
+def _plain_setup():
+    base = torch.arange(np.prod(_SHAPE), dtype=torch.float32).reshape(_SHAPE) + 1
+    fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    caches = [base.clone(), base.clone() * 2]
+    manager = kc.KVLayerGroupsManager(caches, fmts, lmcache_tokens_per_chunk=8)
+    return manager, caches
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_sparse_and_nested_caches_are_refused_naming_the_cache():
+    manager, caches = _plain_setup()
+    fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    rows = [torch.zeros(_SHAPE[1:]) for _ in range(2)]
+    for bad in (
+        torch.zeros(_SHAPE).to_sparse(),
+        torch.nested.nested_tensor(rows),
+        torch.nested.nested_tensor(rows, layout=torch.jagged),
+    ):
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches\[1\]: expected a dense"):
+            kc.KVLayerGroupsManager([caches[0], bad], fmts, lmcache_tokens_per_chunk=8)
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches: expected a dense"):
+            kc.detect_format(bad)
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches\[1\].*expected a dense"):
+            kc.store(manager, [caches[0], bad], _IDS)
