@@ -53,11 +53,19 @@ def dtype_of(t: torch.Tensor) -> DType:
 
 def check_plain(x: torch.Tensor, what: str) -> None:
     """Refuse a tensor whose memory is not its values laid out by its strides: sparse, mkldnn
-    and nested tensors (no strided buffer: DLPack and ``data_ptr`` fail)."""
+    and nested tensors (no strided buffer: DLPack and ``data_ptr`` fail) and negative-bit views
+    (torch negates lazily, so their bytes are the unnegated values: moving them would move the
+    wrong numbers, silently). Conjugate views, the same for complex numbers, need no test:
+    only complex tensors have them, and no transfer takes a complex dtype."""
     if x.layout is not _STRIDED or x.is_nested:
         got = f"a nested tensor (layout {x.layout})" if x.is_nested else f"layout {x.layout}"
         raise KVGroupsTypeError(
             f"{what}: expected a dense tensor (layout torch.strided), got {got}"
+        )
+    if x.is_neg():
+        raise KVGroupsTypeError(
+            f"{what}: expected a tensor whose memory holds its values, got a negative-bit view "
+            "(is_neg() is True); pass tensor.resolve_neg()"
         )
 
 
@@ -95,7 +103,7 @@ def describe_tensor(x: torch.Tensor) -> TensorDesc:
     """
     if not isinstance(x, torch.Tensor):
         raise KVGroupsTypeError(f"tensor: expected a torch.Tensor, got {type(x).__name__}")
-    dtype = dtype_of(x)
+    dtype = dtype_of(x)  # first: complex tensors (the only conjugate views) are refused here
     check_plain(x, "tensor")
     if is_abstract_tensor(x):
         spec = TensorSpec(

@@ -178,3 +178,31 @@ def test_sparse_and_nested_caches_are_refused_naming_the_cache():
             kc.detect_format(bad)
         with pytest.raises(KVGroupsTypeError, match=r"^kv_caches\[1\].*expected a dense"):
             kc.store(manager, [caches[0], bad], _IDS)
+
+
+def test_negative_bit_view_caches_are_refused_not_moved_as_raw_storage():
+    # A negative-bit view's storage holds the unnegated values: moving its bytes would store
+    # (or load) numbers of the wrong sign without an error.
+    manager, caches = _plain_setup()
+    neg = caches[1]._neg_view()
+    fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    stored = kc.store(manager, caches, _IDS)
+    kept = caches[1].clone()
+    calls = {
+        "manager": lambda: kc.KVLayerGroupsManager(
+            [caches[0], neg], fmts, lmcache_tokens_per_chunk=8
+        ),
+        "store": lambda: kc.store(manager, [caches[0], neg], _IDS),
+        "load": lambda: kc.load(manager, stored, [caches[0], neg], [4, 5, 6, 7]),
+        "prepare": lambda: kc.prepare(manager, [caches[0], neg]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches\[1\].*negative-bit view") as e:
+            call()
+        assert "resolve_neg()" in str(e.value), name
+    assert torch.equal(caches[1], kept)  # the refused load wrote nothing
+    # Resolved, the same values move.
+    resolved = kc.store(manager, [caches[0], neg.resolve_neg()], _IDS)
+    assert not torch.equal(resolved[0], stored[0])
+    kc.load(manager, resolved, [caches[0], caches[1]], [8, 9, 10, 11])
+    assert torch.equal(caches[1][:, 8:12], -kept[:, 0:4])
