@@ -71,9 +71,13 @@ def check_plain(x: torch.Tensor, what: str) -> None:
 
 def shape_of(x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """``(dtype name, shape, element strides)`` of a tensor: what the core's object rule reads
-    (``kvgroups_core.transfer.objects.check_objects``); other values are refused, typed."""
+    (``kvgroups_core.transfer.objects.check_objects``, which names the object in a refusal);
+    other values, and tensors whose memory is not their values (:func:`check_plain`), are
+    refused, typed."""
     if not isinstance(x, torch.Tensor):
         raise KVGroupsTypeError(f"objects: expected torch.Tensor objects, got {type(x).__name__}")
+    if x.layout is not _STRIDED or x.is_nested or x.is_neg():
+        check_plain(x, "objects")
     return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape), x.stride()
 
 

@@ -206,3 +206,51 @@ def test_negative_bit_view_caches_are_refused_not_moved_as_raw_storage():
     assert not torch.equal(resolved[0], stored[0])
     kc.load(manager, resolved, [caches[0], caches[1]], [8, 9, 10, 11])
     assert torch.equal(caches[1][:, 8:12], -kept[:, 0:4])
+
+
+def _not_plain_objects(nbytes):
+    """uint8 [2, nbytes] objects torch cannot hand over as plain strided memory."""
+    rows = torch.full((2, nbytes), 7, dtype=torch.uint8)
+    return {
+        "sparse": lambda: rows.to_sparse(),
+        "sparse_csr": lambda: rows.to_sparse_csr(),
+        "nested": lambda: torch.nested.nested_tensor(list(rows), layout=torch.jagged),
+        "neg_view": lambda: rows.clone()._neg_view(),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("kind", ["sparse", "sparse_csr", "nested", "neg_view"])
+def test_objects_without_plain_strided_memory_are_refused_naming_them(kind):
+    manager, caches = _plain_setup()
+    before = [c.clone() for c in caches]
+    prepared = kc.prepare(manager, caches)
+    make = _not_plain_objects(kc.object_nbytes(manager, 0))[kind]
+    calls = {
+        "load": lambda o: kc.load(manager, [o], caches, _IDS),
+        "store": lambda o: kc.store(manager, caches, _IDS, [o]),
+        "prepared.load": lambda o: prepared.load([o], _IDS),
+        "prepared.store": lambda o: prepared.store(_IDS, [o]),
+    }
+    for name, call in calls.items():
+        obj = make()
+        with pytest.raises(KVGroupsTypeError, match=r"^objects\[0\]: expected a") as err:
+            call(obj)
+        if kind == "neg_view":
+            assert "resolve_neg()" in str(err.value), name
+            assert torch.equal(obj._neg_view(), torch.full_like(obj, 7)), name  # storage kept
+        else:
+            assert "layout" in str(err.value), name
+        for got, want in zip(caches, before):  # a refused load wrote nothing
+            assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("kind", ["sparse", "neg_view"])
+def test_bound_plan_refuses_objects_without_plain_memory_naming_them(kind):
+    case = make_case("nhd", "float16", "store", np.random.default_rng(9))
+    caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
+    obj = torch.from_numpy(case.objects.copy())
+    obj = obj.to_sparse() if kind == "sparse" else obj._neg_view()
+    with pytest.raises(KVGroupsTypeError, match=r"^objects\[0\]: expected a"):
+        BoundPlan(case.plan, caches, [obj])
