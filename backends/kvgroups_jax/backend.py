@@ -124,8 +124,9 @@ class JaxBackend(Backend):
         return None
 
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
-        """Live arrays, all on one device (several CPU devices are distinct devices), or all
-        sharded over one mesh (checked by :func:`~kvgroups_jax.sharded.shard_layout`)."""
+        """Live arrays in device memory, all on one device (several CPU devices are distinct
+        devices), or all sharded over one mesh (checked by
+        :func:`~kvgroups_jax.sharded.shard_layout`)."""
         devices: dict[Any, int] = {}
         sharded = False
         for i, c in enumerate(caches):
@@ -133,6 +134,15 @@ class JaxBackend(Backend):
             if not _concrete(x):
                 continue
             self.memory_of(x, f"kv_caches (bound array {i})")
+            kind = memory_kind_of(x)
+            if kind not in (None, "device"):
+                # The programs gather from the caches with index arrays in device memory, which
+                # XLA refuses across memory spaces; only objects move to and from host memory.
+                raise UnsupportedConfigError(
+                    f"kv_caches (bound array {i}): expected an array in device memory "
+                    f"(memory_kind 'device'), got memory_kind {kind!r} (objects may be in "
+                    "pinned_host memory, caches may not)"
+                )
             sharded = sharded or len(x.sharding.device_set) > 1
             for dev in x.devices():
                 devices.setdefault(dev, i)
