@@ -93,16 +93,17 @@ class JaxBackend(Backend):
         return describe_array(x)
 
     def shape_of(self, x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        # The per-call object check: a uint8 JAX array (always row-major) without building a
-        # descriptor; anything else as the base class reads it (same names in messages).
+        # The per-call object check: a JAX array (always row-major) read without building a
+        # descriptor, so an object of another dtype (bool, which no cache may have) is named
+        # by the object rule as not uint8; anything else as the base class reads it.
         if type(x) is NewObject:
             return "uint8", x.shape, (x.shape[1], 1)
-        if _concrete(x) and x.dtype == _UINT8:
+        if _concrete(x):
             shape = x.shape
             strides = [1] * len(shape)
             for i in range(len(shape) - 1, 0, -1):
                 strides[i - 1] = strides[i] * max(shape[i], 1)
-            return "uint8", shape, tuple(strides)
+            return "uint8" if x.dtype == _UINT8 else x.dtype.name, shape, tuple(strides)
         return super().shape_of(x)
 
     def bind_caches(self, caches: Sequence[TensorDesc]) -> BoundCaches:
