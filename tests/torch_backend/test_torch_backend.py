@@ -152,10 +152,11 @@ def test_pageable_host_objects_are_rejected_before_any_byte_moves():
 
 _SHAPE = (2, 16, 4, 2, 4)
 _IDS = [0, 1, 2, 3]
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")]
 
 
-def _plain_setup():
-    base = torch.arange(np.prod(_SHAPE), dtype=torch.float32).reshape(_SHAPE) + 1
+def _plain_setup(device="cpu"):
+    base = torch.arange(np.prod(_SHAPE), dtype=torch.float32, device=device).reshape(_SHAPE) + 1
     fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
     caches = [base.clone(), base.clone() * 2]
     manager = kc.KVLayerGroupsManager(caches, fmts, lmcache_tokens_per_chunk=8)
@@ -208,9 +209,9 @@ def test_negative_bit_view_caches_are_refused_not_moved_as_raw_storage():
     assert torch.equal(caches[1][:, 8:12], -kept[:, 0:4])
 
 
-def _not_plain_objects(nbytes):
+def _not_plain_objects(nbytes, device):
     """uint8 [2, nbytes] objects torch cannot hand over as plain strided memory."""
-    rows = torch.full((2, nbytes), 7, dtype=torch.uint8)
+    rows = torch.full((2, nbytes), 7, dtype=torch.uint8, device=device)
     return {
         "sparse": lambda: rows.to_sparse(),
         "sparse_csr": lambda: rows.to_sparse_csr(),
@@ -222,11 +223,12 @@ def _not_plain_objects(nbytes):
 @pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("kind", ["sparse", "sparse_csr", "nested", "neg_view"])
-def test_objects_without_plain_strided_memory_are_refused_naming_them(kind):
-    manager, caches = _plain_setup()
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
+def test_objects_without_plain_strided_memory_are_refused_naming_them(kind, device):
+    manager, caches = _plain_setup(device)
     before = [c.clone() for c in caches]
     prepared = kc.prepare(manager, caches)
-    make = _not_plain_objects(kc.object_nbytes(manager, 0))[kind]
+    make = _not_plain_objects(kc.object_nbytes(manager, 0), device)[kind]
     calls = {
         "load": lambda o: kc.load(manager, [o], caches, _IDS),
         "store": lambda o: kc.store(manager, caches, _IDS, [o]),
