@@ -93,16 +93,17 @@ class JaxBackend(Backend):
         return describe_array(x)
 
     def shape_of(self, x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        # The per-call object check: a uint8 JAX array (always row-major) without building a
-        # descriptor; anything else as the base class reads it (same names in messages).
+        # The per-call object check: a JAX array (always row-major) read without building a
+        # descriptor, so an object of another dtype (bool, which no cache may have) is named
+        # by the object rule as not uint8; anything else as the base class reads it.
         if type(x) is NewObject:
             return "uint8", x.shape, (x.shape[1], 1)
-        if _concrete(x) and x.dtype == _UINT8:
+        if _concrete(x):
             shape = x.shape
             strides = [1] * len(shape)
             for i in range(len(shape) - 1, 0, -1):
                 strides[i - 1] = strides[i] * max(shape[i], 1)
-            return "uint8", shape, tuple(strides)
+            return "uint8" if x.dtype == _UINT8 else x.dtype.name, shape, tuple(strides)
         return super().shape_of(x)
 
     def bind_caches(self, caches: Sequence[TensorDesc]) -> BoundCaches:
@@ -124,8 +125,9 @@ class JaxBackend(Backend):
         return None
 
     def validate_caches(self, caches: Sequence[TensorDesc]) -> None:
-        """Live arrays, all on one device (several CPU devices are distinct devices), or all
-        sharded over one mesh (checked by :func:`~kvgroups_jax.sharded.shard_layout`)."""
+        """Live arrays in device memory, all on one device (several CPU devices are distinct
+        devices), or all sharded over one mesh (checked by
+        :func:`~kvgroups_jax.sharded.shard_layout`)."""
         devices: dict[Any, int] = {}
         sharded = False
         for i, c in enumerate(caches):
@@ -133,6 +135,15 @@ class JaxBackend(Backend):
             if not _concrete(x):
                 continue
             self.memory_of(x, f"kv_caches (bound array {i})")
+            kind = memory_kind_of(x)
+            if kind not in (None, "device"):
+                # The programs gather from the caches with index arrays in device memory, which
+                # XLA refuses across memory spaces; only objects move to and from host memory.
+                raise UnsupportedConfigError(
+                    f"kv_caches (bound array {i}): expected an array in device memory "
+                    f"(memory_kind 'device'), got memory_kind {kind!r} (objects may be in "
+                    "pinned_host memory, caches may not)"
+                )
             sharded = sharded or len(x.sharding.device_set) > 1
             for dev in x.devices():
                 devices.setdefault(dev, i)

@@ -60,6 +60,15 @@ def describe_array(x: Any) -> TensorDesc:
             f"tensor: expected a jax.Array, a tracer or a ShapeDtypeStruct, got {type(x).__name__}"
         )
     spec_dtype = as_dtype(x.dtype)
+    if spec_dtype.name == "bool":
+        # Every lowering moves same-width unsigned views (views.py) and XLA has no bitcast of
+        # bool. A convert to uint8 is bit-exact but not a view: the kernels would read a
+        # converted copy of the whole cache, and a load would no longer update the donated
+        # buffer in place.
+        raise KVGroupsTypeError(
+            "tensor: expected a JAX array of a dtype with a bitcast to uint8 (XLA has none for "
+            "bool), got bool; hold such data as uint8 (0 / 1) instead"
+        )
     concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     if concrete and not x.is_deleted() and len(x.devices()) == 1:  # deleted: shape only
         device = next(iter(x.devices()))

@@ -20,7 +20,7 @@ from .cuda import device as cuda_device
 from .cuda import execute as cuda_execute
 from .cuda import objects as cuda_objects
 from .cuda import repeat as cuda_repeat
-from .describe import DTYPE_NAMES, describe_tensor, dtype_of, torch_dtype
+from .describe import DTYPE_NAMES, check_plain, describe_tensor, shape_of, torch_dtype
 from .fingerprints import fingerprints, same_fingerprints
 from .objects import allocate_objects
 
@@ -109,8 +109,7 @@ class TorchBackend(Backend):
         return describe_tensor(x)
 
     def shape_of(self, x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
-        t = tensor_of(x, "tensor")
-        return dtype_of(t).name, tuple(t.shape), t.stride()
+        return shape_of(tensor_of(x, "objects"))
 
     def execute(
         self, plan: Any, caches: Sequence[TensorDesc], objects: Sequence[Any]
@@ -158,10 +157,12 @@ class TorchBackend(Backend):
 
     def memory_of(self, x: Any, what: str = "tensor") -> Memory | None:
         """Where a tensor's bytes are (``kvgroups_core.transfer.checks``); tensors a transfer cannot
-        use (meta, autograd) are refused here, before any byte moves."""
+        use (meta, autograd, not plain strided memory) are refused here, before any byte moves."""
         if not isinstance(x, torch.Tensor):
             return None
-        if x.requires_grad or x.is_meta:
+        # One gate for the refusals (about 0.2 us per object of a call the core has not
+        # memoised): the first read of an object, before data_ptr() fails on a sparse one.
+        if x.requires_grad or x.is_meta or x.layout is not _STRIDED or x.is_nested or x.is_neg():
             _check_usable(x, what)
         if type(x) is not torch.Tensor and torch._subclasses.fake_tensor.is_fake(x):
             return None  # torch.compile's fakes: no memory to judge (planning only)
@@ -317,6 +318,7 @@ class TorchBackend(Backend):
 
 
 _DATA_PTR = torch.Tensor.data_ptr
+_STRIDED = torch.strided
 _IS_FUNCTIONAL = torch._is_functional_tensor
 
 
@@ -345,6 +347,7 @@ def _check_host_ids(ids: torch.Tensor) -> None:
 
 
 def _check_usable(t: torch.Tensor, what: str) -> None:
+    check_plain(t, what)
     if t.device.type == "meta":
         raise KVGroupsValueError(f"{what}: expected a tensor with memory, got a meta tensor")
     if t.requires_grad:

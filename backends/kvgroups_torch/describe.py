@@ -38,6 +38,8 @@ _BYTE_VIEW = {torch.float8_e4m3fn, torch.float8_e5m2, torch.bool}
 
 _TORCH_OF: dict[str, torch.dtype] = {name: dt for dt, name in DTYPE_NAMES.items()}
 
+_STRIDED = torch.strided
+
 
 def dtype_of(t: torch.Tensor) -> DType:
     """The :class:`DType` of a torch tensor (``torch.float8_e4m3fn`` -> ``float8_e4m3fn``)."""
@@ -49,11 +51,33 @@ def dtype_of(t: torch.Tensor) -> DType:
     return DTYPE_MAP[name]
 
 
+def check_plain(x: torch.Tensor, what: str) -> None:
+    """Refuse a tensor whose memory is not its values laid out by its strides: sparse, mkldnn
+    and nested tensors (no strided buffer: DLPack and ``data_ptr`` fail) and negative-bit views
+    (torch negates lazily, so their bytes are the unnegated values: moving them would move the
+    wrong numbers, silently). Conjugate views, the same for complex numbers, need no test:
+    only complex tensors have them, and no transfer takes a complex dtype."""
+    if x.layout is not _STRIDED or x.is_nested:
+        got = f"a nested tensor (layout {x.layout})" if x.is_nested else f"layout {x.layout}"
+        raise KVGroupsTypeError(
+            f"{what}: expected a dense tensor (layout torch.strided), got {got}"
+        )
+    if x.is_neg():
+        raise KVGroupsTypeError(
+            f"{what}: expected a tensor whose memory holds its values, got a negative-bit view "
+            "(is_neg() is True); pass tensor.resolve_neg()"
+        )
+
+
 def shape_of(x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
     """``(dtype name, shape, element strides)`` of a tensor: what the core's object rule reads
-    (``kvgroups_core.transfer.objects.check_objects``); other values are refused, typed."""
+    (``kvgroups_core.transfer.objects.check_objects``, which names the object in a refusal);
+    other values, and tensors whose memory is not their values (:func:`check_plain`), are
+    refused, typed."""
     if not isinstance(x, torch.Tensor):
         raise KVGroupsTypeError(f"objects: expected torch.Tensor objects, got {type(x).__name__}")
+    if x.layout is not _STRIDED or x.is_nested or x.is_neg():
+        check_plain(x, "objects")
     return DTYPE_NAMES.get(x.dtype, str(x.dtype)), tuple(x.shape), x.stride()
 
 
@@ -83,7 +107,8 @@ def describe_tensor(x: torch.Tensor) -> TensorDesc:
     """
     if not isinstance(x, torch.Tensor):
         raise KVGroupsTypeError(f"tensor: expected a torch.Tensor, got {type(x).__name__}")
-    dtype = dtype_of(x)
+    dtype = dtype_of(x)  # first: complex tensors (the only conjugate views) are refused here
+    check_plain(x, "tensor")
     if is_abstract_tensor(x):
         spec = TensorSpec(
             tuple(int(n) for n in x.shape),

@@ -244,18 +244,29 @@ def backend_for_object(x: Any) -> ArrayBackend | None:
     return None if name is None else get_backend(name)
 
 
-def backend_for_tensors(tensors: Sequence[Any], explicit: str | None = None) -> ArrayBackend:
+def backend_for_tensors(
+    tensors: Sequence[Any],
+    explicit: str | None = None,
+    name_of: Callable[[int], str] | None = None,
+) -> ArrayBackend:
     """Pick the backend for one call: ``explicit`` if given, else the single framework the
-    tensors belong to. Two frameworks in one call -> TypeError naming both."""
+    tensors belong to. Two frameworks in one call -> TypeError naming both; ``name_of(i)``
+    (called only then) names ``tensors[i]`` as the caller's argument (``"objects[0]"``)."""
     if explicit is not None:
         return get_backend(explicit)
-    names: dict[str, str] = {}
-    for x in tensors:
+    names: dict[str, tuple[str, int]] = {}
+    for i, x in enumerate(tensors):
         name = framework_of(x)
         if name is not None and name not in names:
-            names[name] = type(x).__qualname__
+            names[name] = (type(x).__qualname__, i)
     if len(names) > 1:
-        listed = " and ".join(f"{n} ({t})" for n, t in names.items())
+        if name_of is not None:
+            (first, (t0, i0)), (other, (t1, i1)) = list(names.items())[:2]
+            raise KVGroupsTypeError(
+                f"{name_of(i1)}: expected a {first} array (one framework per call: "
+                f"{name_of(i0)} is {first} ({t0})), got {other} ({t1}); pass backend= to choose"
+            )
+        listed = " and ".join(f"{n} ({t})" for n, (t, _) in names.items())
         raise KVGroupsTypeError(
             f"tensors: expected one framework per call, got {listed}; pass backend= to choose"
         )

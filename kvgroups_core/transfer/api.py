@@ -395,7 +395,9 @@ def _one_shot(
         # The leaves are the ones that passed this check before (one framework): the first
         # stands for them all against the objects.
         try:
-            found = backend_for_tensors(leaves[:1] + _leaves(objects), backend)
+            found = backend_for_tensors(
+                leaves[:1] + _leaves(objects), backend, lambda i: _call_name(i, 1, objects)
+            )
         except KVGroupsError:  # objects of another framework: refused, the park stays
             reuse.put_back(manager, entry)
             raise
@@ -405,8 +407,28 @@ def _one_shot(
                 return prepared, entry
             # Changed in place: bound afresh below, refused (if so) as a first call is.
     check_manager(manager)  # before the caches are read (a parked call had a manager)
-    found = backend_for_tensors(_leaves(kv_caches) + _leaves(objects), backend)
+    cache_leaves = _leaves(kv_caches)
+    found = backend_for_tensors(
+        cache_leaves + _leaves(objects),
+        backend,
+        lambda i: _call_name(i, len(cache_leaves), objects),
+    )
     return PreparedTransfer(manager, kv_caches, backend=cast(Backend, found)), None
+
+
+def _call_name(i: int, num_caches: int, objects: Any) -> str:
+    """The argument a one-shot call's tensor ``i`` came from (its caches' leaves, then its
+    objects' in :func:`_leaves` order), for a refusal of two frameworks in one call."""
+    if i < num_caches:
+        return "kv_caches"
+    names: list[str] = []
+    for g, entry in enumerate(objects or ()):
+        if isinstance(entry, (list, tuple)):
+            names.extend(f"objects[{g}][{c}]" for c, x in enumerate(entry) if x is not None)
+        elif entry is not None:
+            names.append(f"objects[{g}]")
+    i -= num_caches
+    return names[i] if i < len(names) else "objects"
 
 
 def _park_after_refusal(

@@ -13,7 +13,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.errors import (
+    KVGroupsError,
+    KVGroupsIndexError,
+    KVGroupsTypeError,
+    KVGroupsValueError,
+)
 from kvgroups_core.grouping.tensor_parallel import (
     CANONICAL,
     TP_NATIVE,
@@ -164,13 +169,19 @@ def check_objects(
                     f"objects[{og}]: expected {plan.num_chunks} per-chunk buffers, got {len(obj)}"
                 )
             for c, buf in enumerate(obj):
-                _check_buffer(shape_of(buf), (nbytes,), f"objects[{og}][{c}]")
+                _check_buffer(shape_of, buf, (nbytes,), f"objects[{og}][{c}]")
         else:
-            _check_buffer(shape_of(obj), (plan.num_chunks, nbytes), f"objects[{og}]")
+            _check_buffer(shape_of, obj, (plan.num_chunks, nbytes), f"objects[{og}]")
 
 
-def _check_buffer(found: tuple, shape: tuple[int, ...], what: str) -> None:
-    dtype, got_shape, strides = found
+def _check_buffer(shape_of: Any, x: Any, shape: tuple[int, ...], what: str) -> None:
+    try:
+        dtype, got_shape, strides = shape_of(x)
+    except KVGroupsError as exc:  # the backend refused the array itself: name which one
+        text = str(exc)
+        for generic in ("objects: ", "tensor: "):
+            text = text.removeprefix(generic)
+        raise type(exc)(f"{what}: {text}") from None
     if dtype != "uint8" or tuple(got_shape) != shape:
         raise KVGroupsValueError(
             f"{what}: expected uint8 {list(shape)}, got {dtype} {list(got_shape)}"

@@ -181,6 +181,14 @@ class NumpyBackend(Backend):
     def describe(self, x: Any) -> TensorDesc:
         return describe_numpy(x)
 
+    def shape_of(self, x: Any) -> tuple[str, tuple[int, ...], tuple[int, ...]]:
+        # Read, not described: the object rule names an object of any other dtype (object,
+        # complex, ...) as not uint8, which describing would refuse without naming it.
+        if not isinstance(x, np.ndarray):
+            return super().shape_of(x)
+        itemsize = x.dtype.itemsize or 1
+        return x.dtype.name, x.shape, tuple(s // itemsize for s in x.strides)
+
     def allocate_objects(
         self, plan: TransferPlan, like: TensorDesc, placement: str | None = None
     ) -> list:

@@ -71,6 +71,48 @@ def test_objects_of_two_object_groups_sharing_bytes_are_refused():
     kc.store(manager, caches, ids, apart)  # the same call with memory apart works
 
 
+def test_objects_of_another_framework_or_dtype_are_refused_naming_them():
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("kvgroups_torch")
+    caches = _caches()
+    manager = kc.KVLayerGroupsManager(
+        caches, F.NL_X_TWO_NB_BS_NH_HS, lmcache_tokens_per_chunk=CHUNK
+    )
+    nbytes = kc.object_nbytes(manager, 0)
+    good = np.full((2, nbytes), 7, np.uint8)
+    as_torch = torch.from_numpy(good.copy())
+    boxed = np.empty(1, dtype=object)  # a NumPy array holding the object, not the object
+    boxed[0] = good.copy()
+    before = [c.copy() for c in caches]
+    ids = np.arange(4)
+    other = r"^objects\[0\]: expected a numpy array .*kv_caches is numpy.*got torch \(Tensor\)"
+    for call, match in (
+        (lambda: kc.load(manager, [as_torch], caches, ids), other),
+        (lambda: kc.store(manager, caches, ids, [as_torch]), other),
+        (
+            lambda: kc.load(manager, boxed, caches, ids),
+            rf"^objects\[0\]: expected uint8 \[2, {nbytes}\], got object \[1\]",
+        ),
+        (
+            lambda: kc.store(manager, caches, ids, boxed),
+            r"^objects\[0\]: expected uint8 .*got object",
+        ),
+    ):
+        with pytest.raises(kc.KVGroupsError, match=match) as info:
+            call()
+        assert isinstance(info.value, (TypeError, ValueError))
+    kc.store(manager, caches, ids)  # a binding kept for the next one-shot call: named there too
+    with pytest.raises(kc.KVGroupsTypeError, match=other):
+        kc.load(manager, [as_torch], caches, ids)
+    # Per-chunk buffers: the one of the other framework is named.
+    chunks = [[good[0].copy(), torch.from_numpy(good[1].copy())]]
+    with pytest.raises(kc.KVGroupsTypeError, match=r"^objects\[0\]\[1\]: expected a numpy"):
+        kc.store(manager, caches, ids, chunks)
+    assert (as_torch.numpy() == 7).all() and (boxed[0] == 7).all() and (chunks[0][0] == 7).all()
+    for c, b in zip(caches, before):
+        np.testing.assert_array_equal(c.view(np.uint16), b.view(np.uint16))
+
+
 @pytest.mark.parametrize("bad", ["(2,4,4,2,8):float16:1", None, {}, [1], [None], 3])
 def test_format_shape_spec_takes_only_a_list_of_groups(bad):
     with pytest.raises(kc.KVGroupsTypeError, match="groups"):

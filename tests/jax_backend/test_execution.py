@@ -74,6 +74,39 @@ def test_describe_concrete_and_abstract_arrays():
     assert seen[0].is_abstract and seen[0].spec.shape == (5,)
 
 
+def test_bool_arrays_are_refused_when_described_and_as_objects():
+    # XLA has no bitcast of bool, which every lowering's byte view needs; a convert would
+    # copy the whole cache per call. Refused when a cache is described, nothing donated.
+    import kvgroups_core as kc
+    from kvgroups_core.errors import KVGroupsTypeError
+
+    fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    shape, ids = (2, 16, 4, 2, 4), np.arange(4)
+    bools = [jnp.ones(shape, bool), jnp.zeros(shape, bool)]
+    refused = r"^kv_caches\[0\].*expected a JAX array of a dtype with a bitcast to uint8.*got bool"
+    with pytest.raises(KVGroupsTypeError, match=refused):
+        kc.KVLayerGroupsManager(bools, fmts, lmcache_tokens_per_chunk=8)
+    with pytest.raises(KVGroupsTypeError, match="got bool"):
+        describe_array(jax.ShapeDtypeStruct(shape, jnp.bool_))
+    as_bytes = [jnp.ones(shape, jnp.uint8), jnp.zeros(shape, jnp.uint8)]
+    manager = kc.KVLayerGroupsManager(as_bytes, fmts, lmcache_tokens_per_chunk=8)
+    objects = kc.store(manager, as_bytes, ids)
+    for call in (
+        lambda: kc.store(manager, bools, ids),
+        lambda: kc.load(manager, objects, bools, ids),
+        lambda: kc.prepare(manager, bools),
+    ):
+        with pytest.raises(KVGroupsTypeError, match=refused):
+            call()
+    assert not any(b.is_deleted() for b in bools)
+    assert bool(bools[0].all()) and not bool(bools[1].any())
+    # A bool object is named by the object rule as not uint8, before the caches are donated.
+    flags = [objects[0].astype(bool)]
+    with pytest.raises(KVGroupsValueError, match=r"^objects\[0\]: expected uint8 .*got bool"):
+        kc.load(manager, flags, as_bytes, ids)
+    assert not any(c.is_deleted() for c in as_bytes)
+
+
 def test_planning_works_on_traced_values_under_jit():
     arrays, g = make_group("nhd", "float32")
     plan = make_plan("store", [g], arrays, [_nbytes(g)])

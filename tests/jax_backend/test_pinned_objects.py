@@ -92,3 +92,34 @@ def test_whole_store_does_not_copy_the_old_pinned_bytes_in(monkeypatch):
     assert copied == []
     store(manager, caches, ids, [_pinned(jnp.zeros(s, jnp.uint8)) for s in shapes], layers=[0])
     assert len(copied) == len(shapes)  # a layer subset keeps the other bytes: copied in
+
+
+@pytest.mark.parametrize("kind", ["pinned_host", "unpinned_host"])
+def test_caches_in_host_memory_are_refused_before_anything_moves(kind):
+    # Objects may live in host memory; caches may not: the programs gather from them with
+    # device-memory indices, which XLA refuses across memory spaces.
+    from kvgroups_core.errors import UnsupportedConfigError
+
+    host, caches, manager = _engine(3, layers=2)
+    objects = store(manager, caches, np.arange(2))
+    device = jax.devices()[0]
+    if kind not in {m.kind for m in device.addressable_memories()}:
+        pytest.skip(f"no {kind} memory on {device}")
+    in_host = [
+        jax.device_put(c, jax.sharding.SingleDeviceSharding(device, memory_kind=kind))
+        for c in caches
+    ]
+    expected = (
+        r"^kv_caches \(bound array 0\): expected an array in device memory "
+        rf".*got memory_kind '{kind}'"
+    )
+    for call in (
+        lambda: store(manager, in_host, np.arange(2)),
+        lambda: load(manager, objects, in_host, np.arange(2, 4)),
+        lambda: prepare(manager, in_host),
+    ):
+        with pytest.raises(UnsupportedConfigError, match=expected):
+            call()
+    for c, h in zip(in_host, host):  # nothing donated, nothing written
+        assert not c.is_deleted()
+        np.testing.assert_array_equal(np.asarray(c).view(np.uint16), h.view(np.uint16))

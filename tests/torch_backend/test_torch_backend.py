@@ -146,3 +146,113 @@ def test_pageable_host_objects_are_rejected_before_any_byte_moves():
     with pytest.raises(KVGroupsValueError, match="pinned"):
         TorchBackend().execute(case.plan, caches, [objects])
     np.testing.assert_array_equal(objects.numpy(), case.objects)
+
+
+# --- tensors whose memory is not their values ------------------------------------------------
+
+_SHAPE = (2, 16, 4, 2, 4)
+_IDS = [0, 1, 2, 3]
+_GPU = [pytest.mark.gpu, pytest.mark.skipif(not HAS_CUDA, reason="no CUDA GPU")]
+
+
+def _plain_setup(device="cpu"):
+    base = torch.arange(np.prod(_SHAPE), dtype=torch.float32, device=device).reshape(_SHAPE) + 1
+    fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    caches = [base.clone(), base.clone() * 2]
+    manager = kc.KVLayerGroupsManager(caches, fmts, lmcache_tokens_per_chunk=8)
+    return manager, caches
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+def test_sparse_and_nested_caches_are_refused_naming_the_cache():
+    manager, caches = _plain_setup()
+    fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    rows = [torch.zeros(_SHAPE[1:]) for _ in range(2)]
+    for bad in (
+        torch.zeros(_SHAPE).to_sparse(),
+        torch.nested.nested_tensor(rows),
+        torch.nested.nested_tensor(rows, layout=torch.jagged),
+    ):
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches\[1\]: expected a dense"):
+            kc.KVLayerGroupsManager([caches[0], bad], fmts, lmcache_tokens_per_chunk=8)
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches: expected a dense"):
+            kc.detect_format(bad)
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches\[1\].*expected a dense"):
+            kc.store(manager, [caches[0], bad], _IDS)
+
+
+def test_negative_bit_view_caches_are_refused_not_moved_as_raw_storage():
+    # A negative-bit view's storage holds the unnegated values: moving its bytes would store
+    # (or load) numbers of the wrong sign without an error.
+    manager, caches = _plain_setup()
+    neg = caches[1]._neg_view()
+    fmts = [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2
+    stored = kc.store(manager, caches, _IDS)
+    kept = caches[1].clone()
+    calls = {
+        "manager": lambda: kc.KVLayerGroupsManager(
+            [caches[0], neg], fmts, lmcache_tokens_per_chunk=8
+        ),
+        "store": lambda: kc.store(manager, [caches[0], neg], _IDS),
+        "load": lambda: kc.load(manager, stored, [caches[0], neg], [4, 5, 6, 7]),
+        "prepare": lambda: kc.prepare(manager, [caches[0], neg]),
+    }
+    for name, call in calls.items():
+        with pytest.raises(KVGroupsTypeError, match=r"^kv_caches\[1\].*negative-bit view") as e:
+            call()
+        assert "resolve_neg()" in str(e.value), name
+    assert torch.equal(caches[1], kept)  # the refused load wrote nothing
+    # Resolved, the same values move.
+    resolved = kc.store(manager, [caches[0], neg.resolve_neg()], _IDS)
+    assert not torch.equal(resolved[0], stored[0])
+    kc.load(manager, resolved, [caches[0], caches[1]], [8, 9, 10, 11])
+    assert torch.equal(caches[1][:, 8:12], -kept[:, 0:4])
+
+
+def _not_plain_objects(nbytes, device):
+    """uint8 [2, nbytes] objects torch cannot hand over as plain strided memory."""
+    rows = torch.full((2, nbytes), 7, dtype=torch.uint8, device=device)
+    return {
+        "sparse": lambda: rows.to_sparse(),
+        "sparse_csr": lambda: rows.to_sparse_csr(),
+        "nested": lambda: torch.nested.nested_tensor(list(rows), layout=torch.jagged),
+        "neg_view": lambda: rows.clone()._neg_view(),
+    }
+
+
+@pytest.mark.filterwarnings("ignore:The PyTorch API of nested tensors")
+@pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
+@pytest.mark.parametrize("kind", ["sparse", "sparse_csr", "nested", "neg_view"])
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=_GPU)])
+def test_objects_without_plain_strided_memory_are_refused_naming_them(kind, device):
+    manager, caches = _plain_setup(device)
+    before = [c.clone() for c in caches]
+    prepared = kc.prepare(manager, caches)
+    make = _not_plain_objects(kc.object_nbytes(manager, 0), device)[kind]
+    calls = {
+        "load": lambda o: kc.load(manager, [o], caches, _IDS),
+        "store": lambda o: kc.store(manager, caches, _IDS, [o]),
+        "prepared.load": lambda o: prepared.load([o], _IDS),
+        "prepared.store": lambda o: prepared.store(_IDS, [o]),
+    }
+    for name, call in calls.items():
+        obj = make()
+        with pytest.raises(KVGroupsTypeError, match=r"^objects\[0\]: expected a") as err:
+            call(obj)
+        if kind == "neg_view":
+            assert "resolve_neg()" in str(err.value), name
+            assert torch.equal(obj._neg_view(), torch.full_like(obj, 7)), name  # storage kept
+        else:
+            assert "layout" in str(err.value), name
+        for got, want in zip(caches, before):  # a refused load wrote nothing
+            assert torch.equal(got, want), name
+
+
+@pytest.mark.parametrize("kind", ["sparse", "neg_view"])
+def test_bound_plan_refuses_objects_without_plain_memory_naming_them(kind):
+    case = make_case("nhd", "float16", "store", np.random.default_rng(9))
+    caches = [as_tensor(c, case.dtype, "cpu") for c in case.caches]
+    obj = torch.from_numpy(case.objects.copy())
+    obj = obj.to_sparse() if kind == "sparse" else obj._neg_view()
+    with pytest.raises(KVGroupsTypeError, match=r"^objects\[0\]: expected a"):
+        BoundPlan(case.plan, caches, [obj])
