@@ -18,21 +18,22 @@ NUM_BLOCKS = 64
 CHUNKS = 4
 
 
-class Recording:
-    """A prepared transfer that records every call LayerwiseLoad / LayerwiseSave make on it:
-    ``(direction, layers, id of the first object tensor)``, in call order."""
+class Recording(kc.PreparedTransfer):
+    """A prepared transfer (on ``prep``'s manager and caches) that records every transfer
+    LayerwiseLoad / LayerwiseSave make on it: ``(direction, layers, id of the first object
+    tensor)``, in call order (checks that move nothing are not recorded)."""
 
     def __init__(self, prep):
-        self.prep, self.manager, self.kv_caches = prep, prep.manager, prep.kv_caches
+        super().__init__(prep.manager, prep.kv_caches, backend=prep.backend)
         self.calls = []
 
     def load(self, objects, block_ids, **kw):
         self.calls.append(("load", tuple(kw["layers"]), id(objects[0])))
-        return self.prep.load(objects, block_ids, **kw)
+        return super().load(objects, block_ids, **kw)
 
-    def store(self, block_ids, objects, **kw):
+    def store(self, block_ids, objects=None, **kw):
         self.calls.append(("store", tuple(kw["layers"]), id(objects[0])))
-        return self.prep.store(block_ids, objects, **kw)
+        return super().store(block_ids, objects, **kw)
 
 
 def expected_load_order(layers, objects_list, per_launch=1):
