@@ -32,7 +32,8 @@ On CPU there are no streams: :meth:`LayerwiseLoad.start` records the loads and
 :meth:`~LayerwiseLoad.wait` runs them, in issue order, up to the waited layer's, so a layer's
 bytes appear exactly where the GPU guarantees them (a missing wait shows as wrong bytes on
 the CPU too, not as a race on the GPU only); saves run when called. The calls made on the
-prepared transfer are the same, in the same order, on both devices.
+prepared transfer are the same, in the same order, on both devices; a start refuses a bad
+transfer on both before issuing anything (its checks run on the host, ahead of the queue).
 """
 
 from __future__ import annotations
@@ -242,6 +243,7 @@ class LayerwiseLoad:
         self._side = side = _SideStream(prepared, stream, max_ctas, path)
         order = _select_layers(prepared, layers)
         self.layers = tuple(order)
+        self._layer_list = list(order)  # layers= of start's checks
         self._steps = [
             order[i : i + layers_per_launch] for i in range(0, len(order), layers_per_launch)
         ]
@@ -275,11 +277,24 @@ class LayerwiseLoad:
     def start_many(self, transfers: Sequence[tuple]) -> None:
         """Several loads (``(objects, block_ids[, skip_first_n_tokens])`` each, e.g. one per
         request) queued layer by layer: every transfer's layer ``l`` before layer ``l + 1``,
-        one event per layer step covering them all."""
+        one event per layer step covering them all. Each transfer is checked whole first
+        (``prepared.check_load``), so a refused one raises here, on every device, before any
+        byte of any of them moves."""
         transfers = [self._transfer(t, i) for i, t in enumerate(_transfer_list(transfers))]
         if not transfers:
             return
         side = self._side
+        # Once per transfer and start, on the host: one prepared call's checks, beside the
+        # layer steps' calls it precedes (each of those checks again, as any call does).
+        for objects, block_ids, skip in transfers:
+            side.prepared.check_load(
+                objects,
+                block_ids,
+                skip_first_n_tokens=skip,
+                layers=self._layer_list,
+                max_ctas=side.max_ctas,
+                path=side.path,
+            )
         if not side.cuda:
             self._pending.extend((k, transfers) for k in range(len(self._steps)))
             return
@@ -294,7 +309,7 @@ class LayerwiseLoad:
         stream.wait_stream(side.current())  # after the engine's writes queued so far
         with torch.cuda.stream(stream):
             for k, step in enumerate(self._steps):
-                self._run_step(step, transfers)  # a refused call (the first) moved nothing
+                self._run_step(step, transfers)
                 self._events[k].record(stream)
                 side.note_issue(capturing)
         if not capturing:

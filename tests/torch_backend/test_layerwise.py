@@ -24,7 +24,11 @@ from tests.support.torch_engine_cases import (
     reference_load,
     reference_store,
 )
-from tests.support.torch_layerwise_cases import Recording, Step
+from tests.support.torch_layerwise_cases import (
+    Recording,
+    Step,
+    check_start_many_refuses_before_any_byte_moves,
+)
 
 MODELS = ["llama3-8b", "gpt-oss-20b"]  # one engine group; two, one of them with a window
 LAYERS = 4
@@ -229,17 +233,23 @@ def test_bad_arguments_are_refused_with_typed_errors():
         LayerwiseLoad(kc.prepare(manager, [c.numpy() for c in caches]))
 
 
-def test_a_refused_load_raises_at_the_first_call_and_moves_nothing():
+def test_a_refused_load_raises_at_start_and_moves_nothing():
     manager, caches = model_caches("llama3-8b", layers=LAYERS, seed=25)
     objects = random_objects(manager, 1, seed=26)
     before = cache_bytes(caches)
     loads = LayerwiseLoad(kc.prepare(manager, caches))
     bad = np.full(manager.calculate_num_blocks(0, manager.lmcache_tokens_per_chunk), 48)
-    loads.start(objects, bad)
     with pytest.raises(KVGroupsIndexError, match=r"block_ids"):
-        loads.wait(0)  # CPU: the calls run at the wait; the first is refused
+        loads.start(objects, bad)  # as on the GPU: refused by start, nothing left pending
+    assert not loads.pending
+    loads.finish()
     for got, b in zip(cache_bytes(caches), before):
         np.testing.assert_array_equal(got, b)
+
+
+def test_start_many_refuses_a_bad_transfer_before_any_transfer_moves_a_byte():
+    # tests/torch_backend/test_layerwise_gpu.py runs the same check on CUDA.
+    check_start_many_refuses_before_any_byte_moves("cpu")
 
 
 def test_arguments_of_the_wrong_type_are_refused_with_typed_errors_naming_them():
