@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvgroups_core import (
     EXCLUDED_ENGINE_GROUP,
@@ -736,7 +737,7 @@ def from_kv_cache_config(
         # one group, an equal view is KV sharing (a layer reading another's cache): move once.
         grouped_ptrs: dict[tuple, str] = {}
         for name in names:
-            t = kv_caches[name]
+            t = _registered(name, kv_caches[name], specs[name])
             key = _tensor_key(t)
             owner = grouped_ptrs.get((specs[name].group_id, key))
             if owner is not None:
@@ -829,6 +830,27 @@ def from_kv_cache_config(
     return VllmKVLayout(
         manager, caches, layer_names, excluded, block_sizes, num_groups, state_groups, state_layers
     )
+
+
+def _registered(name: str, value: Any, lspec: LayerSpec) -> Any:
+    """A grouped layer's entry of ``kv_caches``: a torch tensor (a list of them, one per
+    sub-state, only for a recurrent layer of older vLLM)."""
+    state = lspec.kind == "state"
+    items = value if state and isinstance(value, (list, tuple)) and value else [value]
+    if not all(isinstance(t, torch.Tensor) for t in items):
+        kind = (
+            "a torch tensor (or a list of them, one per MambaSpec shape)"
+            if state
+            else ("a torch tensor")
+        )
+        got = type(value).__name__
+        if isinstance(value, (list, tuple)):
+            got += f" of {[type(t).__name__ for t in value]}"
+        raise KVGroupsTypeError(
+            f"kv_caches[{name!r}]: expected {kind} for its {type(lspec.spec).__name__} (group "
+            f"{lspec.group_id}), got {got}"
+        )
+    return value
 
 
 def _tensor_key(t: Any) -> tuple:
