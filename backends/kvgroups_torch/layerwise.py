@@ -32,21 +32,26 @@ On CPU there are no streams: :meth:`LayerwiseLoad.start` records the loads and
 :meth:`~LayerwiseLoad.wait` runs them, in issue order, up to the waited layer's, so a layer's
 bytes appear exactly where the GPU guarantees them (a missing wait shows as wrong bytes on
 the CPU too, not as a race on the GPU only); saves run when called. The calls made on the
-prepared transfer are the same, in the same order, on both devices.
+prepared transfer are the same, in the same order, on both devices; a start refuses a bad
+transfer on both before issuing anything (its checks run on the host, ahead of the queue).
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
+from kvgroups_core import PreparedTransfer
 from kvgroups_core.errors import (
     KVGroupsIndexError,
     KVGroupsTypeError,
     KVGroupsValueError,
     UnsupportedConfigError,
 )
+from kvgroups_core.transfer.planner import check_layers
 
 
 def _first_tensor(structure: Any) -> torch.Tensor:
@@ -64,31 +69,40 @@ def _grouped_layers(manager: Any) -> list[int]:
     return sorted({layer for g in manager.kernel_groups for layer in g.layer_indices})
 
 
-def _select_layers(manager: Any, layers: Sequence[int] | None) -> list[int]:
-    grouped = _grouped_layers(manager)
+def _select_layers(prepared: PreparedTransfer, layers: Sequence[int] | None) -> list[int]:
+    """``layers`` in the caller's order (the order loads are queued), checked by the prepared
+    calls' own rule (``layers=`` of ``prepared.load``)."""
     if layers is None:
-        return grouped
-    out = []
-    for layer in layers:
-        if type(layer) is not int:
-            raise KVGroupsTypeError(
-                f"layers: expected int layer indices, got {type(layer).__name__} {layer!r}"
-            )
-        if layer not in grouped:
-            raise KVGroupsIndexError(
-                f"layers: expected indices of the manager's grouped layers {grouped}, got {layer}"
-            )
-        if layer in out:
-            raise KVGroupsValueError(f"layers: expected distinct layer indices, got {list(layers)}")
-        out.append(layer)
-    if not out:
-        raise KVGroupsValueError("layers: expected at least one layer index, got none")
-    return out
+        return _grouped_layers(prepared.manager)
+    if isinstance(layers, Iterator):
+        layers = list(layers)  # read once, for the check and the order
+    check_layers(prepared.binding, layers)
+    return [int(layer) for layer in layers]
 
 
-def _check_positive(name: str, value: Any) -> None:
-    if value is not None and (type(value) is not int or value < 1):
-        raise KVGroupsValueError(f"{name}: expected a positive int or None, got {value!r}")
+def _layer_arg(layer: Any) -> int:
+    """One layer index by the rule of ``layers=`` (an int or NumPy integer, not a bool)."""
+    if type(layer) is int:
+        return layer
+    if isinstance(layer, (bool, np.bool_)) or not isinstance(layer, np.integer):
+        raise KVGroupsTypeError(f"layer: expected an int layer index, got {layer!r}")
+    return int(layer)
+
+
+def _check_positive(name: str, value: Any, *, optional: bool) -> None:
+    if value is None and optional:
+        return
+    if type(value) is not int or value < 1:
+        expected = "a positive int or None" if optional else "a positive int"
+        raise KVGroupsValueError(f"{name}: expected {expected}, got {value!r}")
+
+
+def _transfer_list(transfers: Any) -> Sequence[Any]:
+    if not isinstance(transfers, (list, tuple)):
+        raise KVGroupsTypeError(
+            f"transfers: expected a list of transfer tuples, got {type(transfers).__name__}"
+        )
+    return transfers
 
 
 def _capturing(cuda: bool) -> bool:
@@ -122,13 +136,18 @@ class _SideStream:
     """The device, side stream and capture bookkeeping shared by loads and saves."""
 
     def __init__(self, prepared: Any, stream: Any, max_ctas: int | None, path: str | None) -> None:
+        if not isinstance(prepared, PreparedTransfer):
+            raise KVGroupsTypeError(
+                "prepared: expected a PreparedTransfer (kvgroups_core.prepare(manager, "
+                f"kv_caches)), got {type(prepared).__name__}"
+            )
         first = _first_tensor(prepared.kv_caches)
         if first is None:
             raise KVGroupsTypeError(
                 "prepared: expected a transfer prepared on torch tensors, got caches of "
                 f"{type(prepared.kv_caches).__name__}"
             )
-        _check_positive("max_ctas", max_ctas)
+        _check_positive("max_ctas", max_ctas, optional=True)
         self.prepared = prepared
         self.device = first.device
         self.cuda = self.device.type == "cuda"
@@ -220,10 +239,11 @@ class LayerwiseLoad:
         path: str | None = None,
         graph_waits: bool = False,
     ) -> None:
-        _check_positive("layers_per_launch", layers_per_launch)
+        _check_positive("layers_per_launch", layers_per_launch, optional=False)
         self._side = side = _SideStream(prepared, stream, max_ctas, path)
-        order = _select_layers(prepared.manager, layers)
+        order = _select_layers(prepared, layers)
         self.layers = tuple(order)
+        self._layer_list = list(order)  # layers= of start's checks
         self._steps = [
             order[i : i + layers_per_launch] for i in range(0, len(order), layers_per_launch)
         ]
@@ -257,11 +277,24 @@ class LayerwiseLoad:
     def start_many(self, transfers: Sequence[tuple]) -> None:
         """Several loads (``(objects, block_ids[, skip_first_n_tokens])`` each, e.g. one per
         request) queued layer by layer: every transfer's layer ``l`` before layer ``l + 1``,
-        one event per layer step covering them all."""
-        transfers = [self._transfer(t, i) for i, t in enumerate(transfers)]
+        one event per layer step covering them all. Each transfer is checked whole first
+        (``prepared.check_load``), so a refused one raises here, on every device, before any
+        byte of any of them moves."""
+        transfers = [self._transfer(t, i) for i, t in enumerate(_transfer_list(transfers))]
         if not transfers:
             return
         side = self._side
+        # Once per transfer and start, on the host: one prepared call's checks, beside the
+        # layer steps' calls it precedes (each of those checks again, as any call does).
+        for objects, block_ids, skip in transfers:
+            side.prepared.check_load(
+                objects,
+                block_ids,
+                skip_first_n_tokens=skip,
+                layers=self._layer_list,
+                max_ctas=side.max_ctas,
+                path=side.path,
+            )
         if not side.cuda:
             self._pending.extend((k, transfers) for k in range(len(self._steps)))
             return
@@ -276,7 +309,7 @@ class LayerwiseLoad:
         stream.wait_stream(side.current())  # after the engine's writes queued so far
         with torch.cuda.stream(stream):
             for k, step in enumerate(self._steps):
-                self._run_step(step, transfers)  # a refused call (the first) moved nothing
+                self._run_step(step, transfers)
                 self._events[k].record(stream)
                 side.note_issue(capturing)
         if not capturing:
@@ -286,7 +319,7 @@ class LayerwiseLoad:
     def wait(self, layer: int) -> None:
         """Work queued on the current stream after this call runs once ``layer``'s load is
         done (a GPU-side wait; on CPU the pending loads up to that layer's run now)."""
-        k = self._step_of.get(layer)
+        k = self._step_of.get(layer if type(layer) is int else _layer_arg(layer))
         if k is None:
             raise KVGroupsIndexError(
                 f"layer: expected one of the loaded layers {list(self.layers)}, got {layer!r}"
@@ -403,7 +436,7 @@ class LayerwiseSave:
     def mark(self, layer: int) -> None:
         """``graph_marks=True``: record that ``layer``'s KV is written, on the current stream
         (in a capture: an external event record node of the graph)."""
-        self._check_layer(layer)
+        layer = self._check_layer(layer)
         if not self.graph_marks:
             raise UnsupportedConfigError(
                 "mark: expected a LayerwiseSave built with graph_marks=True, got one without "
@@ -421,8 +454,8 @@ class LayerwiseSave:
 
     def save_many(self, layer: int, transfers: Sequence[tuple]) -> None:
         """Several stores (``(block_ids, objects)`` each) of one layer."""
-        self._check_layer(layer)
-        transfers = [self._transfer(t, i) for i, t in enumerate(transfers)]
+        layer = self._check_layer(layer)
+        transfers = [self._transfer(t, i) for i, t in enumerate(_transfer_list(transfers))]
         if not transfers:
             return
         side = self._side
@@ -463,12 +496,14 @@ class LayerwiseSave:
             side.current().wait_stream(side.stream)
         side.issued = False
 
-    def _check_layer(self, layer: int) -> None:
-        if layer not in self.layers:
+    def _check_layer(self, layer: Any) -> int:
+        index = _layer_arg(layer)
+        if index not in self.layers:
             raise KVGroupsIndexError(
                 f"layer: expected one of the manager's grouped layers {list(self.layers)}, got "
                 f"{layer!r}"
             )
+        return index
 
     def _transfer(self, t: Any, i: int) -> tuple:
         if not isinstance(t, (list, tuple)) or len(t) != 2:

@@ -21,6 +21,7 @@ from .checks import CacheGuard, check_call_memory, copy_structure
 from .fast import reuse
 from .fast.call_memo import CallMemo, call_key
 from .objects import check_objects
+from .plan import Direction
 from .planner import Binding, bind, plan_call
 
 
@@ -132,6 +133,41 @@ class PreparedTransfer:
             path=path,
         )
 
+    def check_load(
+        self,
+        objects: Any,
+        block_ids: Any,
+        *,
+        skip_first_n_tokens: Any = 0,
+        layers: Any = None,
+        max_ctas: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        """Every check :meth:`load` makes of these arguments (the same refusal, first error
+        first), moving no byte: for a caller that issues several transfers and must refuse a
+        bad one before any of them moves (a layer-wise step's loads)."""
+        with self._lock:
+            self._check_current()
+            plan = _plan(self, "load", block_ids, skip_first_n_tokens, layers, max_ctas, path)
+            _check_call_objects(self, plan, objects)
+
+    def check_store(
+        self,
+        block_ids: Any,
+        objects: Any = None,
+        *,
+        layers: Any = None,
+        max_ctas: int | None = None,
+        path: str | None = None,
+    ) -> None:
+        """Every check :meth:`store` makes of these arguments, moving no byte (see
+        :meth:`check_load`)."""
+        with self._lock:
+            self._check_current()
+            plan = _plan(self, "store", block_ids, 0, layers, max_ctas, path)
+            if objects is not None:  # None: the call allocates them
+                _check_call_objects(self, plan, objects)
+
     def _nothing_to_move(self, plan: Any, objects: Any) -> list:
         """Zero chunks: the objects are checked like any others (``[0, nbytes]``) and no
         backend runs, so every backend behaves the same (nothing moved, nothing donated)."""
@@ -237,6 +273,38 @@ class PreparedTransfer:
         return self._guard.reallocated()
 
 
+def _plan(
+    prepared: PreparedTransfer,
+    direction: Direction,
+    block_ids: Any,
+    skip_first_n_tokens: Any,
+    layers: Any,
+    max_ctas: int | None,
+    path: str | None,
+) -> Any:
+    """The plan of one prepared call, its per-call inputs validated (planner.plan_call)."""
+    return plan_call(
+        prepared._plans,
+        block_ids,
+        direction,
+        skip_first_n_tokens=skip_first_n_tokens,
+        to_host=prepared._to_host,
+        ids_spec=prepared._ids_spec,
+        layers=layers,
+        max_ctas=max_ctas,
+        path=path,
+        paths=prepared.backend.transfer_paths,
+    )
+
+
+def _check_call_objects(prepared: PreparedTransfer, plan: Any, objects: Any) -> None:
+    """The object checks a prepared call makes before its backend runs, in its order: memory
+    (check_call_memory), then the object rule and the backend's (BoundCaches.execute)."""
+    check_call_memory(prepared._guard, plan, objects)
+    check_objects(plan, objects, prepared.backend.shape_of)
+    prepared.backend.validate_objects(plan, prepared._bound.caches, objects)
+
+
 # The prepared calls' bodies are module functions (the methods above delegate): a runtime's
 # compiler can then substitute them by identity (kvgroups_torch.compile.dynamo does, for Dynamo).
 def prepared_store(
@@ -270,17 +338,7 @@ def _store_locked(
     key: tuple | None = None,
     path: str | None = None,
 ) -> list:
-    plan = plan_call(
-        prepared._plans,
-        block_ids,
-        "store",
-        to_host=prepared._to_host,
-        ids_spec=prepared._ids_spec,
-        layers=layers,
-        max_ctas=max_ctas,
-        path=path,
-        paths=prepared.backend.transfer_paths,
-    )
+    plan = _plan(prepared, "store", block_ids, 0, layers, max_ctas, path)
     if objects is None:
         if plan.num_chunks == 0:  # real, empty arrays: no backend program runs
             return prepared._empty_objects(plan)
@@ -330,18 +388,7 @@ def _load_locked(
     key: tuple | None = None,
     path: str | None = None,
 ) -> Any:
-    plan = plan_call(
-        prepared._plans,
-        block_ids,
-        "load",
-        skip_first_n_tokens=skip_first_n_tokens,
-        to_host=prepared._to_host,
-        ids_spec=prepared._ids_spec,
-        layers=layers,
-        max_ctas=max_ctas,
-        path=path,
-        paths=prepared.backend.transfer_paths,
-    )
+    plan = _plan(prepared, "load", block_ids, skip_first_n_tokens, layers, max_ctas, path)
     check_call_memory(prepared._guard, plan, objects)
     if plan.num_chunks == 0:
         prepared._nothing_to_move(plan, objects)

@@ -4,7 +4,8 @@ backends.
 A prepared transfer remembers the signatures of calls that passed every check; these tests
 show that a warm memo moves the same bytes as a cold call, that it never lets through a call
 a cold transfer refuses (same typed error, same message, nothing written), and that a
-layer-subset call is judged by the tensors it touches.
+layer-subset call is judged by the tensors it touches. The prepared transfer's check calls
+(``check_load`` / ``check_store``) refuse what the calls refuse, moving nothing.
 """
 
 from __future__ import annotations
@@ -250,6 +251,36 @@ def test_a_warm_memo_refuses_what_a_cold_call_refuses(kind, case, planned, monke
     _cold(monkeypatch)
     cold = _refusal(bad)
     assert warm == cold
+    for a, b in zip(s.snapshot(), before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "kind,case", [(kind, case) for kind in ("numpy", "torch") for case in sorted(_bad_cases(kind))]
+)
+def test_check_calls_refuse_what_the_calls_refuse_and_move_nothing(kind, case):
+    # check_load / check_store: a caller issuing several transfers (kvgroups_torch's
+    # LayerwiseLoad) refuses a bad one with them before any of the transfers moves a byte.
+    s = _State(kind)
+    s.prepared.store(s.ids, s.objects, layers=[3])  # warm, as the engine's calls are
+    s.prepared.load(s.objects, s.ids)
+    bad = _bad_cases(kind)[case](s)
+    before = s.snapshot()
+    s.prepared.store, s.prepared.load = s.prepared.check_store, s.prepared.check_load
+    checked = _refusal(bad)
+    for a, b in zip(s.snapshot(), before):
+        np.testing.assert_array_equal(a, b)
+    del s.prepared.store, s.prepared.load  # the calls themselves again
+    assert _refusal(bad) == checked
+
+
+@pytest.mark.parametrize("kind", ["numpy", "torch"])
+def test_check_calls_pass_good_calls_and_move_nothing(kind):
+    s = _State(kind)
+    before = s.snapshot()
+    assert s.prepared.check_load(s.objects, s.ids, skip_first_n_tokens=4, layers=[2, 5]) is None
+    assert s.prepared.check_store(s.ids, s.objects, layers=[3], max_ctas=2) is None
+    assert s.prepared.check_store(s.ids) is None  # objects the call would allocate
     for a, b in zip(s.snapshot(), before):
         np.testing.assert_array_equal(a, b)
 

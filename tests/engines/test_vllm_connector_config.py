@@ -18,20 +18,28 @@ hypothesis = pytest.importorskip("hypothesis")
 pytest.importorskip("torch")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-from kvgroups_torch.vllm.config import KEYS, ConfigKey, keys_table, parse_extra_config  # noqa: E402
+from kvgroups_torch.vllm.config import (  # noqa: E402
+    KEYS,
+    MAX_CAPACITY_BYTES,
+    MAX_CHUNKS,
+    ConfigKey,
+    host_capacity_chunks,
+    keys_table,
+    parse_extra_config,
+)
 
 import kvgroups_core as kc  # noqa: E402
 
 GOOD = {
     "chunk_size": [256, 512, 1],
-    "capacity_chunks": [1, 64, 10**6],
-    "capacity_bytes": [1, 8 << 30],
+    "capacity_chunks": [1, 64, 10**6, MAX_CHUNKS],
+    "capacity_bytes": [1, 8 << 30, MAX_CAPACITY_BYTES],
     "eviction": ["lru", "LRU"],
 }
 BAD = {
     "chunk_size": [0, -256, 2.5, "256", True, None],
-    "capacity_chunks": [2.7, "lots", 0, -1, False, [4]],
-    "capacity_bytes": [0, -1, 1.5, "1GiB", None],
+    "capacity_chunks": [2.7, "lots", 0, -1, False, [4], MAX_CHUNKS + 1, 2**62, 10**30],
+    "capacity_bytes": [0, -1, 1.5, "1GiB", None, MAX_CAPACITY_BYTES + 1, 10**30],
     "eviction": ["fifo", 1, None, ""],
 }
 TYPOS = {
@@ -93,7 +101,7 @@ def test_the_issues_cases():
     for extra, match in [
         ({"capacity_chunk": 8}, "did you mean 'capacity_chunks'"),
         ({"foo": 1}, "unknown key 'foo'"),
-        ({"capacity_bytes": 0}, r"'capacity_bytes'\]: expected an int >= 1"),
+        ({"capacity_bytes": 0}, r"'capacity_bytes'\]: expected an int in \[1, "),
         ({"capacity_bytes": -1}, "capacity_bytes"),
         ({"capacity_chunks": 2.7}, r"'capacity_chunks'\]: expected an int"),
         ({"capacity_chunks": "lots"}, "capacity_chunks.*'lots'"),
@@ -101,6 +109,45 @@ def test_the_issues_cases():
     ]:
         with pytest.raises(kc.KVGroupsError, match=match):
             parse_extra_config(extra)
+
+
+def test_capacities_are_bounded_where_they_are_parsed():
+    # 2**62 slots used to pass, and the connector's index then failed at engine start
+    # (MemoryError; OverflowError for 10**30) with nothing naming the setting.
+    for extra, match in [
+        (
+            {"capacity_chunks": 2**62},
+            rf"'capacity_chunks'\]: expected an int in \[1, {MAX_CHUNKS}\]",
+        ),
+        ({"capacity_chunks": 10**30}, r"'capacity_chunks'\].*got 10000"),
+        (
+            {"capacity_bytes": 10**30},
+            rf"'capacity_bytes'\]: expected an int in \[1, {MAX_CAPACITY_BYTES}\]",
+        ),
+        ({"staging_chunks": 2**40}, r"'staging_chunks'\]: expected an int in"),
+    ]:
+        with pytest.raises(kc.KVGroupsValueError, match=match):
+            parse_extra_config(extra)
+    assert parse_extra_config({"capacity_chunks": MAX_CHUNKS}).capacity_chunks == MAX_CHUNKS
+
+
+def test_the_host_cache_slots_from_capacity_bytes_are_bounded_at_start():
+    chunk = 4096  # bytes per chunk of some model
+    assert host_capacity_chunks(parse_extra_config({"capacity_chunks": 7}), chunk) == 7
+    assert host_capacity_chunks(parse_extra_config({"capacity_bytes": 3 * chunk + 1}), chunk) == 3
+    assert host_capacity_chunks(parse_extra_config({}), chunk) == (1 << 30) // chunk
+    for nbytes in (chunk - 1, (MAX_CHUNKS + 1) * chunk):
+        with pytest.raises(kc.KVGroupsValueError, match=r"'capacity_bytes'\]: expected between"):
+            host_capacity_chunks(parse_extra_config({"capacity_bytes": nbytes}), chunk)
+    assert host_capacity_chunks(parse_extra_config({}), 1) == MAX_CHUNKS  # the default, clamped
+
+
+@pytest.mark.parametrize("role", [["kv_both"], {}, ("kv_both",), 1, b"kv_both"])
+def test_a_kv_role_that_is_not_a_string_is_refused_by_name(role):
+    with pytest.raises(
+        kc.KVGroupsTypeError, match=f"kv_role: expected one of .*got {type(role).__name__}"
+    ):
+        parse_extra_config({}, role)
 
 
 @pytest.mark.parametrize("role", ["kv_both", "kv_producer", "kv_consumer"])

@@ -1,10 +1,12 @@
 """Helpers of the LayerwiseLoad / LayerwiseSave tests (CPU and GPU)."""
 
 import numpy as np
+import pytest
 import torch
-from kvgroups_torch import check_errors
+from kvgroups_torch import LayerwiseLoad, check_errors
 
 import kvgroups_core as kc
+from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
 from tests.support.torch_engine_cases import (
     cache_bytes,
     ids_for,
@@ -18,21 +20,22 @@ NUM_BLOCKS = 64
 CHUNKS = 4
 
 
-class Recording:
-    """A prepared transfer that records every call LayerwiseLoad / LayerwiseSave make on it:
-    ``(direction, layers, id of the first object tensor)``, in call order."""
+class Recording(kc.PreparedTransfer):
+    """A prepared transfer (on ``prep``'s manager and caches) that records every transfer
+    LayerwiseLoad / LayerwiseSave make on it: ``(direction, layers, id of the first object
+    tensor)``, in call order (checks that move nothing are not recorded)."""
 
     def __init__(self, prep):
-        self.prep, self.manager, self.kv_caches = prep, prep.manager, prep.kv_caches
+        super().__init__(prep.manager, prep.kv_caches, backend=prep.backend)
         self.calls = []
 
     def load(self, objects, block_ids, **kw):
         self.calls.append(("load", tuple(kw["layers"]), id(objects[0])))
-        return self.prep.load(objects, block_ids, **kw)
+        return super().load(objects, block_ids, **kw)
 
-    def store(self, block_ids, objects, **kw):
+    def store(self, block_ids, objects=None, **kw):
         self.calls.append(("store", tuple(kw["layers"]), id(objects[0])))
-        return self.prep.store(block_ids, objects, **kw)
+        return super().store(block_ids, objects, **kw)
 
 
 def expected_load_order(layers, objects_list, per_launch=1):
@@ -143,3 +146,55 @@ class Step:
             for layer, (s, p) in enumerate(zip(self.seen, pages))
             if not torch.equal(s.cpu().view(torch.uint8), p.view(torch.uint8))
         ]
+
+
+def refused_transfers(step: "Step") -> list:
+    """``(label, bad transfer, error class, pattern)``: loads of ``step`` (one engine group)
+    that the prepared call refuses on its host checks, on any device: an id out of range
+    (host ids), a chunk short in the objects, a bool skip, NumPy objects."""
+    host = np.asarray(step.host_ids).copy()
+    host[-1] = NUM_BLOCKS + 35
+    return [
+        ("id out of range", (step.objects, host), KVGroupsIndexError, r"block_ids\[\d+\]"),
+        (
+            "short objects",
+            ([o[:-1] for o in step.objects], step.ids),
+            KVGroupsValueError,
+            "objects",
+        ),
+        ("bool skip", (step.objects, step.ids, True), KVGroupsTypeError, "skip_first_n_tokens"),
+        (
+            "numpy objects",
+            ([o.cpu().numpy() for o in step.objects], step.ids),
+            KVGroupsTypeError,
+            "objects",
+        ),
+    ]
+
+
+def check_start_many_refuses_before_any_byte_moves(device: str) -> None:
+    """``start_many([good, bad])`` (and ``[bad, good]``) raises the bad transfer's typed refusal
+    from the call itself, having queued no load (no call on the prepared transfer, nothing
+    pending, every cache byte as before, also after finish()); the next good start loads."""
+    step = Step(device, "device", seed=41, layers=4)
+    step.new_objects(42)
+    for label, bad, error, pattern in refused_transfers(step):
+        for transfers in ([(step.objects, step.ids), bad], [bad, (step.objects, step.ids)]):
+            rec = Recording(step.prep)
+            loads = LayerwiseLoad(rec)
+            with pytest.raises(error, match=pattern):
+                loads.start_many(transfers)
+            assert not loads.pending, label
+            loads.finish()
+            step.sync()
+            assert rec.calls == [], label
+            for layer, (got, old) in enumerate(zip(cache_bytes(step.caches), step.old)):
+                np.testing.assert_array_equal(got, cache_bytes([old])[0], f"{label}: {layer}")
+    rec = Recording(step.prep)
+    loads = LayerwiseLoad(rec)
+    loads.start(step.objects, step.ids)
+    for layer in range(len(step.caches)):
+        loads.wait(layer)
+        step.compute(layer)
+    loads.finish()
+    step.check()

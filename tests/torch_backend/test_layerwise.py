@@ -24,7 +24,11 @@ from tests.support.torch_engine_cases import (
     reference_load,
     reference_store,
 )
-from tests.support.torch_layerwise_cases import Recording, Step
+from tests.support.torch_layerwise_cases import (
+    Recording,
+    Step,
+    check_start_many_refuses_before_any_byte_moves,
+)
 
 MODELS = ["llama3-8b", "gpt-oss-20b"]  # one engine group; two, one of them with a window
 LAYERS = 4
@@ -201,7 +205,7 @@ def test_bad_arguments_are_refused_with_typed_errors():
         LayerwiseLoad(prep, layers_per_launch=0)
     with pytest.raises(KVGroupsValueError, match="max_ctas: expected a positive int"):
         LayerwiseLoad(prep, max_ctas=0)
-    with pytest.raises(KVGroupsIndexError, match=r"layers: expected indices .* got 9"):
+    with pytest.raises(KVGroupsIndexError, match=r"layers: expected indices .* got \[9\]"):
         LayerwiseLoad(prep, layers=[0, 9])
     with pytest.raises(KVGroupsValueError, match="layers: expected distinct"):
         LayerwiseLoad(prep, layers=[1, 1])
@@ -229,17 +233,127 @@ def test_bad_arguments_are_refused_with_typed_errors():
         LayerwiseLoad(kc.prepare(manager, [c.numpy() for c in caches]))
 
 
-def test_a_refused_load_raises_at_the_first_call_and_moves_nothing():
+def test_a_refused_load_raises_at_start_and_moves_nothing():
     manager, caches = model_caches("llama3-8b", layers=LAYERS, seed=25)
     objects = random_objects(manager, 1, seed=26)
     before = cache_bytes(caches)
     loads = LayerwiseLoad(kc.prepare(manager, caches))
     bad = np.full(manager.calculate_num_blocks(0, manager.lmcache_tokens_per_chunk), 48)
-    loads.start(objects, bad)
     with pytest.raises(KVGroupsIndexError, match=r"block_ids"):
-        loads.wait(0)  # CPU: the calls run at the wait; the first is refused
+        loads.start(objects, bad)  # as on the GPU: refused by start, nothing left pending
+    assert not loads.pending
+    loads.finish()
     for got, b in zip(cache_bytes(caches), before):
         np.testing.assert_array_equal(got, b)
+
+
+def test_start_many_refuses_a_bad_transfer_before_any_transfer_moves_a_byte():
+    # tests/torch_backend/test_layerwise_gpu.py runs the same check on CUDA.
+    check_start_many_refuses_before_any_byte_moves("cpu")
+
+
+def test_arguments_of_the_wrong_type_are_refused_with_typed_errors_naming_them():
+    manager, caches = model_caches("llama3-8b", layers=LAYERS, seed=29)
+    prep = kc.prepare(manager, caches)
+    ids = ids_for(manager, np.random.default_rng(30), 1)
+    objects = random_objects(manager, 1, seed=31)
+    before = cache_bytes(caches)
+    refused = [
+        (
+            lambda: LayerwiseLoad(prep, layers_per_launch=None),
+            KVGroupsValueError,
+            "layers_per_launch: expected a positive int, got None",
+        ),
+        (
+            lambda: LayerwiseLoad(prep, layers_per_launch=True),
+            KVGroupsValueError,
+            "layers_per_launch",
+        ),
+        (lambda: LayerwiseLoad(prep, max_ctas=2.0), KVGroupsValueError, "max_ctas"),
+        (lambda: LayerwiseLoad(prep, layers=0), KVGroupsTypeError, "layers: expected a sequence"),
+        (
+            lambda: LayerwiseLoad(prep, layers="01"),
+            KVGroupsTypeError,
+            "layers: expected a sequence",
+        ),
+        (lambda: LayerwiseLoad(prep, layers=[True]), KVGroupsTypeError, "layers: expected int"),
+        (lambda: LayerwiseLoad(prep, layers=[0.0]), KVGroupsTypeError, "layers: expected int"),
+        (
+            lambda: LayerwiseLoad(prep, layers=[]),
+            KVGroupsValueError,
+            "layers: expected at least one",
+        ),
+        (
+            lambda: LayerwiseLoad(None),
+            KVGroupsTypeError,
+            "prepared: expected a PreparedTransfer.*got NoneType",
+        ),
+        (
+            lambda: LayerwiseLoad(manager),
+            KVGroupsTypeError,
+            "prepared: expected a PreparedTransfer.*KVLayerGroupsManager",
+        ),
+        (
+            lambda: LayerwiseSave(manager),
+            KVGroupsTypeError,
+            "prepared: expected a PreparedTransfer",
+        ),
+        (
+            lambda: LayerwiseLoad(prep).start_many(None),
+            KVGroupsTypeError,
+            "transfers: expected a list.*NoneType",
+        ),
+        (
+            lambda: LayerwiseLoad(prep).start_many((objects, ids)),
+            KVGroupsTypeError,
+            r"transfers\[0\]",
+        ),
+        (
+            lambda: LayerwiseSave(prep).save_many(0, None),
+            KVGroupsTypeError,
+            "transfers: expected a list.*NoneType",
+        ),
+        (
+            lambda: LayerwiseLoad(prep).wait(True),
+            KVGroupsTypeError,
+            "layer: expected an int layer index, got True",
+        ),
+        (
+            lambda: LayerwiseLoad(prep).wait(0.0),
+            KVGroupsTypeError,
+            "layer: expected an int layer index, got 0.0",
+        ),
+        (lambda: LayerwiseLoad(prep).wait(None), KVGroupsTypeError, "layer: expected an int"),
+        (
+            lambda: LayerwiseSave(prep).save(True, ids, objects),
+            KVGroupsTypeError,
+            "layer: expected an int",
+        ),
+        (
+            lambda: LayerwiseSave(prep).save([0], ids, objects),
+            KVGroupsTypeError,
+            "layer: expected an int",
+        ),
+        (
+            lambda: LayerwiseSave(prep, graph_marks=True).mark(1.0),
+            KVGroupsTypeError,
+            "layer: expected an int",
+        ),
+    ]
+    for call, error, pattern in refused:
+        with pytest.raises(error, match=pattern):
+            call()
+    # NumPy integers are layer indices, as for layers= of the prepared calls.
+    loads = LayerwiseLoad(prep, layers=np.array([1, 0]))
+    assert loads.layers == (1, 0) and all(type(x) is int for x in loads.layers)
+    loads.start(objects, ids)
+    loads.wait(np.int64(1))
+    loads.finish()
+    want = reference_load(
+        manager, objects, [torch.from_numpy(b) for b in before], ids, layers=[0, 1]
+    )
+    for got, w in zip(cache_bytes(caches), want):  # layers 0 and 1 loaded, the rest as before
+        np.testing.assert_array_equal(got, w)
 
 
 @pytest.mark.parametrize("name", MODELS)

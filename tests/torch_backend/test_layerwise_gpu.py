@@ -18,7 +18,14 @@ from kvgroups_torch import LayerwiseLoad, LayerwiseSave
 from kvgroups_core.errors import UnsupportedConfigError
 from tests.support.cuda_marks import needs_cuda
 from tests.support.torch_engine_cases import reference_store
-from tests.support.torch_layerwise_cases import LAYERS, Recording, Step, delay, expected_load_order
+from tests.support.torch_layerwise_cases import (
+    LAYERS,
+    Recording,
+    Step,
+    check_start_many_refuses_before_any_byte_moves,
+    delay,
+    expected_load_order,
+)
 
 pytestmark = needs_cuda
 
@@ -241,3 +248,9 @@ def test_mixing_an_eager_start_with_captured_waits_is_refused_with_the_fix():
         with torch.cuda.graph(torch.cuda.CUDAGraph()):
             step.compute(0)
             waits.start(step.objects, step.ids)
+
+
+def test_start_many_refuses_a_bad_transfer_before_any_transfer_moves_a_byte_on_the_gpu():
+    # The CPU test's check (tests/torch_backend/test_layerwise.py) on CUDA caches and device
+    # ids: the refusal is start_many's own, before it queues anything on the side stream.
+    check_start_many_refuses_before_any_byte_moves("cuda")

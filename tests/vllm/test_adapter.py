@@ -208,6 +208,31 @@ def test_nhd_layout_is_read_from_the_strides_and_checked_against_the_argument():
     assert block_bytes(dst[name(1)], 6) == block_bytes(src[name(1)], 3)
 
 
+@pytest.mark.parametrize("blocks_outer", [False, True])
+@pytest.mark.parametrize("vllm_layout", ["LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC"])
+def test_one_kv_head_layers_get_the_schedulers_format_in_every_vllm_layout(
+    vllm_layout, blocks_outer
+):
+    # With one KV head (or one token a block) the strides allow both block interiors; the
+    # worker takes the one the scheduler plans from the declared layout, so both managers
+    # (and the fingerprints a prefill and a decode engine compare) are the same.
+    groups = [([0, 2], full(heads=1)), ([1, 3], sliding(heads=1))]
+    cfg = config(groups, layout=vllm_layout, blocks_outer=blocks_outer)
+    worker = from_kv_cache_config(cfg, caches(cfg)).manager
+    scheduler = manager_from_kv_cache_config(cfg)
+    heads_outer = vllm_layout.index("H") < vllm_layout.index("N")
+    want = EngineKVFormat.NL_X_NB_NH_BS_CS if heads_outer else EngineKVFormat.NL_X_NB_BS_NH_CS
+    assert [g.engine_kv_format for g in worker.kernel_groups] == [want, want]
+    assert [g.engine_kv_format for g in scheduler.kernel_groups] == [want, want]
+    assert worker.fingerprint(across_degrees=True) == scheduler.fingerprint(across_degrees=True)
+    assert worker.fingerprint() == scheduler.fingerprint()
+    sizes = [object_nbytes(worker, g) for g in range(worker.num_object_groups)]
+    assert sizes == [object_nbytes(scheduler, g) for g in range(scheduler.num_object_groups)]
+    src, dst, before, _ = roundtrip(cfg, ([3, 5], [7, 9]), ([6, 0], [2, 11]))
+    for layer, (b_src, b_dst) in ((0, (3, 6)), (2, (5, 0)), (1, (9, 11)), (3, (9, 11))):
+        assert block_bytes(dst[name(layer)], b_dst) == block_bytes(src[name(layer)], b_src)
+
+
 def test_padded_pages_and_blocks_outer_placement_move_only_the_pages():
     padded = full(page_size_padded=full().page_size_bytes + 512)
     for cfg in (config([([0, 1], padded)]), config([([0, 1, 2], full())], blocks_outer=True)):

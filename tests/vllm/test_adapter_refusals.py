@@ -33,7 +33,17 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
 )
 
 import kvgroups_core as kc  # noqa: E402
-from tests.vllm.vllm_configs import BS, DT, NB, caches, config, full, name  # noqa: E402
+from tests.vllm.vllm_configs import (  # noqa: E402
+    BS,
+    DT,
+    NB,
+    caches,
+    config,
+    full,
+    gdn,
+    name,
+    sliding,
+)
 
 SPEC = dict(num_kv_heads=2, head_size=64, dtype=DT)
 
@@ -117,3 +127,25 @@ def test_a_tensor_whose_blocks_are_not_the_specs_pages_is_refused():
     kv[name(1)] = torch.zeros((NB, 4, BS, 128), dtype=DT)
     with pytest.raises(kc.KVGroupsValueError, match=r"model.layers.1.*65536 bytes.*131072 bytes"):
         from_kv_cache_config(cfg, kv)
+
+
+def test_a_registered_value_that_is_not_a_tensor_is_refused_naming_the_layer():
+    # A list was read as a tensor ("'list' object has no attribute 'shape'"); a list of
+    # tensors is an older vLLM's recurrent layer only (one tensor per MambaSpec shape).
+    cfg = config([([0, 2], full()), ([1], sliding(128)), ([3], gdn())])
+    kv = caches(cfg)
+    for layer, value, got in [
+        (0, [kv[name(0)]], r"list of \['Tensor'\]"),
+        (0, kv[name(0)].view(torch.int16).numpy(), "ndarray"),
+        (0, None, "NoneType"),
+        (3, [kv[name(3)].numpy()], r"list of \['ndarray'\]"),
+        (3, [], r"list of \[\]"),
+        (3, "state", "str"),
+    ]:
+        bad = {**kv, name(layer): value}
+        with pytest.raises(
+            kc.KVGroupsTypeError,
+            match=rf"kv_caches\['{name(layer)}'\]: expected a torch tensor.*{got}",
+        ):
+            from_kv_cache_config(cfg, bad)
+    assert from_kv_cache_config(cfg, kv).manager.num_kernel_groups == 4  # 2 attention, 2 state

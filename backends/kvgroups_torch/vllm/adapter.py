@@ -44,6 +44,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
 from kvgroups_core import (
     EXCLUDED_ENGINE_GROUP,
@@ -415,18 +416,22 @@ _RANKS = {"attention": (4, 5), "mla": (3, 4)}
 
 
 def _as_kvgroups_layer(
-    x: Any, lspec: LayerSpec, layout: str | None, hints: dict
+    x: Any, lspec: LayerSpec, layout: str | None, declared: str, hints: dict
 ) -> tuple[Any, EngineKVFormat]:
     """One registered layer as (tensor or view, kvgroups format), checked against its spec:
     the worker must read each block as the scheduler plans it from the config alone."""
-    x, fmt = _read_layer(x, lspec, layout, hints)
+    x, fmt = _read_layer(x, lspec, layout, declared, hints)
     _check_page(x, fmt, lspec)
     return x, fmt
 
 
 def _read_layer(
-    x: Any, lspec: LayerSpec, layout: str | None, hints: dict
+    x: Any, lspec: LayerSpec, layout: str | None, declared: str, hints: dict
 ) -> tuple[Any, EngineKVFormat]:
+    """``layout``: the caller's explicit one (checked against the strides); ``declared``:
+    the layout the scheduler plans with (explicit, else the config's, else HND), which
+    decides when the strides cannot (one head or one token per block: both orders are the
+    same bytes, but the two formats have different fingerprints)."""
     ndim = len(x.shape)
     if ndim not in _RANKS[lspec.kind]:
         spec_name = type(lspec.spec).__name__
@@ -455,7 +460,7 @@ def _read_layer(
             f"strides {tuple(x.stride())} ({'HND' if outer else 'NHD'} in memory)"
         )
     if outer is None:
-        outer = layout != "NHD" if layout is not None else True
+        outer = declared == "HND"
     if outer:
         return x, EngineKVFormat.NL_X_NB_NH_BS_CS
     return x.permute(0, 2, 1, 3), EngineKVFormat.NL_X_NB_BS_NH_CS
@@ -663,8 +668,10 @@ def from_kv_cache_config(
         group must share a grouped layer's tensor. None: plan from the config alone
         (TensorSpecs with the config's strides; the scheduler process does this).
     kv_cache_layout : 'NHD', 'HND', a vLLM ``KVCacheLayout`` or its name, optional
-        The block interior order. Default: read from the tensors' strides (or the config's
-        ``kv_cache_layout`` without tensors). Given explicitly, it must agree with the strides.
+        The block interior order. Default: read from the tensors' strides, and the config's
+        ``kv_cache_layout`` where they allow both (one KV head or one token per block) or
+        without tensors, so the workers' managers are the scheduler's. Given explicitly, it
+        must agree with the strides.
     chunk_size : int, default 256
         Tokens per cache chunk (a multiple of every group's block size).
     separate_object_groups : bool, default True
@@ -702,16 +709,16 @@ def from_kv_cache_config(
                 excluded[name] = f"group {gid} has enable_kv_transfer=False"
 
     names = sorted(specs, key=natural_key)
+    # The block interior order the scheduler plans with (no tensors); the worker reads it
+    # from the strides and takes this one where they allow both (one head or token a block).
+    declared = layout or _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)) or "HND"
     tensors: dict[str, Any] = {}
     if kv_caches is None:
-        cfg_layout = (
-            layout or _layout_of(getattr(kv_cache_config, "kv_cache_layout", None)) or "HND"
-        )
         for name in names:
             if specs[name].kind == "state":
                 tensors[name] = _spec_state_layers(kv_cache_config, specs[name], state_layout)
             else:
-                tensors[name] = _spec_layer(kv_cache_config, specs[name], cfg_layout)
+                tensors[name] = _spec_layer(kv_cache_config, specs[name], declared)
     else:
         if not isinstance(kv_caches, Mapping):
             raise KVGroupsTypeError(
@@ -730,7 +737,7 @@ def from_kv_cache_config(
         # one group, an equal view is KV sharing (a layer reading another's cache): move once.
         grouped_ptrs: dict[tuple, str] = {}
         for name in names:
-            t = kv_caches[name]
+            t = _registered(name, kv_caches[name], specs[name])
             key = _tensor_key(t)
             owner = grouped_ptrs.get((specs[name].group_id, key))
             if owner is not None:
@@ -784,7 +791,7 @@ def from_kv_cache_config(
         elif kv_caches is None:
             parts = [tensors[name]]
         else:
-            parts = [_as_kvgroups_layer(tensors[name], lspec, layout, {})]
+            parts = [_as_kvgroups_layer(tensors[name], lspec, layout, declared, {})]
         for x, fmt in parts:
             layer_names.append(name)
             caches.append(x)
@@ -823,6 +830,27 @@ def from_kv_cache_config(
     return VllmKVLayout(
         manager, caches, layer_names, excluded, block_sizes, num_groups, state_groups, state_layers
     )
+
+
+def _registered(name: str, value: Any, lspec: LayerSpec) -> Any:
+    """A grouped layer's entry of ``kv_caches``: a torch tensor (a list of them, one per
+    sub-state, only for a recurrent layer of older vLLM)."""
+    state = lspec.kind == "state"
+    items = value if state and isinstance(value, (list, tuple)) and value else [value]
+    if not all(isinstance(t, torch.Tensor) for t in items):
+        kind = (
+            "a torch tensor (or a list of them, one per MambaSpec shape)"
+            if state
+            else ("a torch tensor")
+        )
+        got = type(value).__name__
+        if isinstance(value, (list, tuple)):
+            got += f" of {[type(t).__name__ for t in value]}"
+        raise KVGroupsTypeError(
+            f"kv_caches[{name!r}]: expected {kind} for its {type(lspec.spec).__name__} (group "
+            f"{lspec.group_id}), got {got}"
+        )
+    return value
 
 
 def _tensor_key(t: Any) -> tuple:

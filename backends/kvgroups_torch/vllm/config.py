@@ -27,6 +27,19 @@ WHERE = "kv_connector_extra_config"
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
+#: The most chunk slots a host cache (``capacity_chunks``, or ``capacity_bytes`` in chunks) or
+#: a consumer's staging (``staging_chunks``) may have. Every slot costs its index memory at
+#: start, before any chunk is held (a free-list entry: a pointer and an int, about 36 bytes),
+#: and a held chunk a hash entry and an LRU entry besides (a few hundred bytes), on top of its
+#: object bytes in host memory. 2**24 slots hold 4.3e9 tokens at the default chunk size, more
+#: than any host's memory for a real model's KV; a bigger count would make the index alone
+#: allocate gigabytes (or fail to: 2**62 slots) when the engine starts.
+MAX_CHUNKS = 1 << 24
+
+#: The most bytes ``capacity_bytes`` may name: 2**47 (128 TiB), the user address space of a
+#: 48-bit virtual address (x86-64, ARM64), beyond what a host can allocate.
+MAX_CAPACITY_BYTES = 1 << 47
+
 
 @dataclass(frozen=True)
 class ConfigKey:
@@ -147,14 +160,17 @@ KEYS: tuple[ConfigKey, ...] = (
         None,
         "host cache size in chunks (instead of capacity_bytes)",
         minimum=1,
+        maximum=MAX_CHUNKS,
         excludes=("capacity_bytes",),
     ),
     ConfigKey(
         "capacity_bytes",
         int,
         DEFAULT_CAPACITY_BYTES,
-        "host cache size in bytes, rounded down to whole chunks (at least one chunk)",
+        "host cache size in bytes, rounded down to whole chunks (at least one chunk, at most "
+        f"{MAX_CHUNKS})",
         minimum=1,
+        maximum=MAX_CAPACITY_BYTES,
         excludes=("capacity_chunks",),
     ),
     ConfigKey(
@@ -210,6 +226,7 @@ KEYS: tuple[ConfigKey, ...] = (
         64,
         "a consumer's staging slots (chunks in flight at once)",
         minimum=1,
+        maximum=MAX_CHUNKS,
     ),
 )
 
@@ -249,6 +266,10 @@ def check_role(role: Any) -> str:
     """``kv_role`` as the connector runs it, or a typed error naming ``kv_role``."""
     if role is None:
         return "kv_both"
+    if not isinstance(role, str):
+        raise KVGroupsTypeError(
+            f"kv_role: expected one of {sorted(ROLES)}, got {type(role).__name__} {role!r}"
+        )
     if role not in ROLES:
         raise KVGroupsValueError(f"kv_role: expected one of {sorted(ROLES)}, got {role!r}")
     why = ROLES[role]
@@ -283,6 +304,22 @@ def parse_extra_config(
         else:
             values[key.name] = key.default
     return ConnectorConfig(values, frozenset(extra), role)
+
+
+def host_capacity_chunks(config: ConnectorConfig, bytes_per_chunk: int) -> int:
+    """The host cache's slots: ``capacity_chunks``, or ``capacity_bytes`` in whole chunks of
+    ``bytes_per_chunk`` (the model's), within [1, MAX_CHUNKS]; given bytes outside that
+    are refused naming ``capacity_bytes``, the default ones are clamped to it."""
+    if config.capacity_chunks is not None:
+        return config.capacity_chunks
+    chunks = config.capacity_bytes // max(bytes_per_chunk, 1)
+    if "capacity_bytes" in config.given and not 1 <= chunks <= MAX_CHUNKS:
+        raise KVGroupsValueError(
+            f"{WHERE}['capacity_bytes']: expected between one chunk and {MAX_CHUNKS} chunks "
+            f"({bytes_per_chunk} bytes each for this model at chunk_size {config.chunk_size}), "
+            f"got {config.capacity_bytes} ({chunks} chunks)"
+        )
+    return min(max(1, chunks), MAX_CHUNKS)
 
 
 def _unknown(name: Any, by_name: dict[str, ConfigKey]) -> str:

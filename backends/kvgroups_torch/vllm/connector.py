@@ -63,7 +63,7 @@ from kvgroups_core import object_nbytes
 from kvgroups_core.errors import KVGroupsValueError
 
 from .adapter import VllmKVLayout, from_kv_cache_config
-from .config import ConnectorConfig, parse_extra_config
+from .config import host_capacity_chunks, parse_extra_config
 from .host_store import HostChunkStore
 from .pd import PDScheduler, PDWorker, PDWorkerMeta, pd_enabled
 from .pipeline import StepTransfers, hooks_will_run
@@ -123,19 +123,6 @@ def _salt(request: Any) -> bytes:
     return "\0".join(parts).encode()
 
 
-def _capacity_chunks(config: ConnectorConfig, bytes_per_chunk: int) -> int:
-    if config.capacity_chunks is not None:
-        return config.capacity_chunks
-    chunks = config.capacity_bytes // max(bytes_per_chunk, 1)
-    if chunks < 1 and "capacity_bytes" in config.given:
-        raise KVGroupsValueError(
-            f"kv_connector_extra_config['capacity_bytes']: expected at least one chunk "
-            f"({bytes_per_chunk} bytes for this model at chunk_size {config.chunk_size}), got "
-            f"{config.capacity_bytes}"
-        )
-    return max(1, chunks)
-
-
 class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     """Host-memory prefix cache of kvgroups memory objects (see the module docstring)."""
 
@@ -159,7 +146,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._plan_layout = from_kv_cache_config(kv_cache_config, None, chunk_size=self._chunk)
         manager = self._plan_layout.manager
         self._object_bytes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
-        self._capacity = _capacity_chunks(config, sum(self._object_bytes))
+        self._capacity = host_capacity_chunks(config, sum(self._object_bytes))
         self._attn = manager.get_attn_desc() if manager.num_object_groups else None
         # Recurrent state: its object group(s) and vLLM groups (with their block sizes).
         self._state_ogs = frozenset(
