@@ -459,6 +459,14 @@ class LayerwiseSave:
         if not transfers:
             return
         side = self._side
+        if len(transfers) > 1:
+            # Each store checks its own arguments; with several, a bad one found after a good
+            # one has filled its objects would leave a partial step: check them all first
+            # (host work per transfer, the cost of one store's checks).
+            for block_ids, objects in transfers:
+                side.prepared.check_store(
+                    block_ids, objects, layers=[layer], max_ctas=side.max_ctas, path=side.path
+                )
         if not side.cuda:
             self._run(layer, transfers)
             return

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 import torch
-from kvgroups_torch import LayerwiseLoad, check_errors
+from kvgroups_torch import LayerwiseLoad, LayerwiseSave, check_errors
 
 import kvgroups_core as kc
 from kvgroups_core.errors import KVGroupsIndexError, KVGroupsTypeError, KVGroupsValueError
@@ -198,3 +198,35 @@ def check_start_many_refuses_before_any_byte_moves(device: str) -> None:
         step.compute(layer)
     loads.finish()
     step.check()
+
+
+def check_save_many_refuses_before_any_byte_moves(device: str) -> None:
+    """``save_many(layer, [good, bad])`` (and ``[bad, good]``) raises the bad store's typed
+    refusal having issued no store: the good transfer's objects keep every byte."""
+    step = Step(device, "device", seed=43, layers=4)
+    step.new_objects(44)
+    fresh = [torch.zeros_like(o) for o in step.objects]
+    host = np.asarray(step.host_ids).copy()
+    host[-1] = NUM_BLOCKS + 35
+    refused = [
+        ("id out of range", (host, fresh), KVGroupsIndexError, r"block_ids\[\d+\]"),
+        ("short objects", (step.ids, [o[:-1] for o in fresh]), KVGroupsValueError, "objects"),
+        (
+            "numpy objects",
+            (step.ids, [o.cpu().numpy() for o in fresh]),
+            KVGroupsTypeError,
+            "objects",
+        ),
+    ]
+    for label, bad, error, pattern in refused:
+        for transfers in ([(step.ids, step.objects), bad], [bad, (step.ids, step.objects)]):
+            before = [o.clone() for o in step.objects]
+            rec = Recording(step.prep)
+            saves = LayerwiseSave(rec)
+            with pytest.raises(error, match=pattern):
+                saves.save_many(0, transfers)
+            saves.finish()
+            step.sync()
+            assert rec.calls == [], label
+            for got, old in zip(step.objects, before):
+                assert torch.equal(got, old), label

@@ -27,6 +27,7 @@ from tests.support.torch_engine_cases import (
 from tests.support.torch_layerwise_cases import (
     Recording,
     Step,
+    check_save_many_refuses_before_any_byte_moves,
     check_start_many_refuses_before_any_byte_moves,
 )
 
@@ -250,6 +251,11 @@ def test_a_refused_load_raises_at_start_and_moves_nothing():
 def test_start_many_refuses_a_bad_transfer_before_any_transfer_moves_a_byte():
     # tests/torch_backend/test_layerwise_gpu.py runs the same check on CUDA.
     check_start_many_refuses_before_any_byte_moves("cpu")
+
+
+def test_save_many_refuses_a_bad_transfer_before_any_store_moves_a_byte():
+    # tests/torch_backend/test_layerwise_gpu.py runs the same check on CUDA.
+    check_save_many_refuses_before_any_byte_moves("cpu")
 
 
 def test_arguments_of_the_wrong_type_are_refused_with_typed_errors_naming_them():

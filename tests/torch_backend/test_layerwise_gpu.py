@@ -22,6 +22,7 @@ from tests.support.torch_layerwise_cases import (
     LAYERS,
     Recording,
     Step,
+    check_save_many_refuses_before_any_byte_moves,
     check_start_many_refuses_before_any_byte_moves,
     delay,
     expected_load_order,
@@ -254,3 +255,7 @@ def test_start_many_refuses_a_bad_transfer_before_any_transfer_moves_a_byte_on_t
     # The CPU test's check (tests/torch_backend/test_layerwise.py) on CUDA caches and device
     # ids: the refusal is start_many's own, before it queues anything on the side stream.
     check_start_many_refuses_before_any_byte_moves("cuda")
+
+
+def test_save_many_refuses_a_bad_transfer_before_any_store_moves_a_byte_on_the_gpu():
+    check_save_many_refuses_before_any_byte_moves("cuda")
