@@ -94,14 +94,34 @@ class PoolInfo:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict) -> "PoolInfo":
+    def from_dict(cls, d: Any) -> "PoolInfo":
+        """A peer's pool from its JSON form (another process's word: every field checked,
+        nothing converted)."""
+        if not isinstance(d, dict):
+            raise KVGroupsTypeError(f"pool: expected a dict, got {type(d).__name__}")
+        missing = [k for k in ("pool_id", "bases", "object_nbytes", "capacity") if k not in d]
+        if missing:
+            raise KVGroupsValueError(
+                f"pool: expected the key {missing[0]!r}, got keys {sorted(map(str, d))}"
+            )
+        bases = _sequence(d["bases"], "pool.bases")
+        sizes = _sequence(d["object_nbytes"], "pool.object_nbytes")
+        if len(bases) != len(sizes):
+            raise KVGroupsValueError(
+                f"pool.bases: expected one base per object group ({len(sizes)}), got {len(bases)}"
+            )
         return cls(
-            pool_id=str(d["pool_id"]),
-            bases=tuple(int(x) for x in d["bases"]),
-            object_nbytes=tuple(int(x) for x in d["object_nbytes"]),
-            capacity=int(d["capacity"]),
-            device=str(d.get("device", "cpu")),
-            device_id=int(d.get("device_id", 0)),
+            pool_id=_string(d["pool_id"], "pool.pool_id"),
+            bases=tuple(
+                checked_int(b, f"pool.bases[{g}]", 0, _INT64_LIMIT) for g, b in enumerate(bases)
+            ),
+            object_nbytes=tuple(
+                checked_int(n, f"pool.object_nbytes[{g}]", 0, _INT64_LIMIT)
+                for g, n in enumerate(sizes)
+            ),
+            capacity=checked_int(d["capacity"], "pool.capacity", 0, _INT64_LIMIT),
+            device=_string(d.get("device", "cpu"), "pool.device"),
+            device_id=checked_int(d.get("device_id", 0), "pool.device_id", 0, 1 << 16),
         )
 
 

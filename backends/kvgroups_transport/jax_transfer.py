@@ -60,6 +60,8 @@ class JaxTransferTransport(SideChannelTransport):
         Where pulled arrays land and whose client serves transfers (default: the first).
     """
 
+    hello_keys = ("address",)
+
     name = "jax_transfer"
     produces_arrays = True  # pulls return new arrays instead of filling registered slots
 

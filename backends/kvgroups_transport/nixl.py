@@ -24,7 +24,7 @@ import numpy as np
 
 from kvgroups_core.errors import KVGroupsValueError, UnsupportedConfigError
 
-from .base import Copy, PoolInfo, Publication, TransferHandle, memory_region
+from .base import Copy, PoolInfo, Publication, TransferHandle, checked_int, memory_region
 from .errors import (
     PeerUnavailableError,
     PublicationReleasedError,
@@ -79,6 +79,8 @@ class NixlTransport(SideChannelTransport):
     publication_ttl_s : seconds a publication stays pullable unless released.
     side_channel_timeout_s : deadline of each side-channel question.
     """
+
+    hello_keys = ("agent", "metadata", "epoch", "pools")
 
     name = "nixl"
 
@@ -226,11 +228,19 @@ class NixlTransport(SideChannelTransport):
                 self._agent.remove_remote_agent(hello["agent"])
             except Exception:  # noqa: BLE001 - not loaded before: nothing to remove
                 pass
-            self._agent.add_remote_agent(base64.b64decode(hello["metadata"]))
+            pools = [PoolInfo.from_dict(p) for p in _hello_list(hello["pools"], rank)]
+            try:
+                metadata = base64.b64decode(hello["metadata"], validate=True)
+            except (TypeError, ValueError) as exc:
+                raise TransportError(
+                    f"writer rank {rank}: expected base64 agent metadata in its hello, got "
+                    f"{type(hello['metadata']).__name__}"
+                ) from exc
+            self._agent.add_remote_agent(metadata)
             peer = _Peer(
-                hello["agent"],
-                int(hello["epoch"]),
-                {p["pool_id"]: PoolInfo.from_dict(p) for p in hello["pools"]},
+                str(hello["agent"]),
+                checked_int(hello["epoch"], f"writer rank {rank}: hello.epoch", 0),
+                {p.pool_id: p for p in pools},
             )
             self._peers[key] = peer
         return peer
@@ -358,3 +368,11 @@ def _translate(exc: Exception, peer: str) -> TransportError:
     if "Disconnect" in name or "NotFound" in name or "NotAllowed" in name:
         return PeerUnavailableError(f"transfer from {peer}: the writer is gone ({name})")
     return TransportError(f"transfer from {peer}: NIXL failed ({name}: {exc})")
+
+
+def _hello_list(pools: Any, rank: int) -> list:
+    if not isinstance(pools, list):
+        raise TransportError(
+            f"writer rank {rank}: expected a list of pools in its hello, got {type(pools).__name__}"
+        )
+    return pools

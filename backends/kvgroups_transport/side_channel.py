@@ -206,6 +206,9 @@ class SideChannelTransport(Transport):
     """What every transport with a side channel shares: the writer's publication table and
     server, and the reader's questions (status, layers ready, release)."""
 
+    # The keys a writer's hello carries for this transport (a peer's word: checked on arrival).
+    hello_keys: tuple[str, ...] = ()
+
     def _start_side_channel(
         self, host: str, port: int, publication_ttl_s: float, side_channel_timeout_s: float
     ) -> None:
@@ -285,10 +288,15 @@ class SideChannelTransport(Transport):
     def _hello_of(self, publication: Publication, rank: int) -> dict:
         e = publication.endpoints[rank]
         hello = ask(e["host"], e["port"], {"op": "hello"}, self.timeout_s)
-        if hello.get("transport") != self.name:
+        where = f"writer rank {rank} at {e['host']}:{e['port']}"
+        if not isinstance(hello, dict) or hello.get("transport") != self.name:
+            got = hello.get("transport") if isinstance(hello, dict) else hello
+            raise TransportError(f"{where}: expected a {self.name!r} transport, got {got!r}")
+        missing = [k for k in self.hello_keys if k not in hello]
+        if missing:
             raise TransportError(
-                f"writer rank {rank} at {e['host']}:{e['port']}: expected a {self.name!r} "
-                f"transport, got {hello.get('transport')!r}"
+                f"{where}: expected a hello with {list(self.hello_keys)}, got keys "
+                f"{sorted(map(str, hello))}"
             )
         return hello
 

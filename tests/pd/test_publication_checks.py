@@ -277,3 +277,51 @@ def test_an_endpoint_that_is_no_side_channel_is_a_peer_error():
         server.shutdown()
         server.server_close()
         thread.join()
+
+
+GOOD_POOL = {"pool_id": "p", "bases": [4096], "object_nbytes": [512], "capacity": 8}
+
+
+@pytest.mark.parametrize(
+    "change, error, name",
+    [
+        ({"bases": 4096}, KVGroupsTypeError, "pool.bases"),
+        ({"bases": [4096.0]}, KVGroupsTypeError, r"pool.bases\[0\]"),
+        ({"bases": [1, 2]}, KVGroupsValueError, "pool.bases"),
+        ({"object_nbytes": ["512"]}, KVGroupsTypeError, r"pool.object_nbytes\[0\]"),
+        ({"capacity": -1}, KVGroupsValueError, "pool.capacity"),
+        ({"capacity": True}, KVGroupsTypeError, "pool.capacity"),
+        ({"pool_id": 5}, KVGroupsTypeError, "pool.pool_id"),
+        ({"device_id": "0"}, KVGroupsTypeError, "pool.device_id"),
+        ({"capacity": None}, KVGroupsTypeError, "pool.capacity"),
+    ],
+)
+def test_a_peers_pool_is_checked_field_by_field(change, error, name):
+    assert PoolInfo.from_dict(GOOD_POOL) == PoolInfo(
+        pool_id="p", bases=(4096,), object_nbytes=(512,), capacity=8
+    )
+    with pytest.raises(error, match=f"^{name}: expected"):
+        PoolInfo.from_dict({**GOOD_POOL, **change})
+    with pytest.raises(KVGroupsValueError, match="^pool: expected the key 'capacity'"):
+        PoolInfo.from_dict({k: v for k, v in GOOD_POOL.items() if k != "capacity"})
+    with pytest.raises(KVGroupsTypeError, match="^pool: expected a dict"):
+        PoolInfo.from_dict([GOOD_POOL])
+
+
+def test_a_hello_without_the_transports_keys_is_a_transport_error(monkeypatch):
+    from kvgroups_transport import TransportError
+    from kvgroups_transport import side_channel
+
+    class Peer(side_channel.SideChannelTransport, RecordingTransport):
+        name = "nixl"
+        hello_keys = ("agent", "metadata")
+        timeout_s = 1.0
+
+    publication = Publication.from_dict(good(reader_manager()))
+    answers = iter([{"transport": "nixl", "agent": "a"}, ["nixl"], {"transport": "other"}])
+    monkeypatch.setattr(side_channel, "ask", lambda *args: next(answers))
+    with pytest.raises(TransportError, match=r"expected a hello with \['agent', 'metadata'\]"):
+        Peer()._hello_of(publication, 0)
+    for _ in range(2):
+        with pytest.raises(TransportError, match="expected a 'nixl' transport"):
+            Peer()._hello_of(publication, 0)
