@@ -150,7 +150,30 @@ def test_prepared_calls_on_sharded_caches_stay_bound_across_loads():
     np.testing.assert_array_equal(a[[0, 3, 7, 4]], host[0].view(np.uint16)[[1, 5, 2, 6]])
 
 
-def test_shard_map_with_a_per_shard_manager_uses_the_same_calls():
+@pytest.fixture
+def pallas_interpret():
+    """The Pallas (Triton) kernels in interpret mode, registered for one test."""
+    from kvgroups_jax import JaxBackend
+
+    from kvgroups_core.tensors.arrays import register_backend, unregister_backend
+
+    register_backend("jax-pallas-interpret", JaxBackend(lowering="interpret"))
+    yield "jax-pallas-interpret"
+    unregister_backend("jax-pallas-interpret")
+
+
+@pytest.mark.parametrize("kernels", ["default", "pallas-interpret", "tpu-interpret"])
+@pytest.mark.parametrize("check_vma", [True, False])
+def test_shard_map_with_a_per_shard_manager_uses_the_same_calls(kernels, check_vma, request):
+    # shard_map checks by default that each output says which mesh axes it varies over
+    # (check_vma): the Pallas kernels' outputs vary over their operands' axes.
+    backend = {
+        "default": None,
+        "pallas-interpret": "pallas_interpret",
+        "tpu-interpret": "jax-tpu-interpret",
+    }[kernels]
+    if backend == "pallas_interpret":
+        backend = request.getfixturevalue("pallas_interpret")
     mesh = _mesh()
     spec = P(None, None, "model", None, None)
     host = _host(5)
@@ -160,12 +183,17 @@ def test_shard_map_with_a_per_shard_manager_uses_the_same_calls():
     ids = np.array([1, 5, 2, 6])
 
     def step(caches):
-        objs = store(manager, caches, ids)
-        return objs, load(manager, objs, caches, np.array([0, 3, 7, 4]))
+        objs = store(manager, caches, ids, backend=backend)
+        return objs, load(manager, objs, caches, np.array([0, 3, 7, 4]), backend=backend)
 
-    objs, new = jax.jit(
-        jax.shard_map(step, mesh=mesh, in_specs=(spec,), out_specs=(P(None, "model"), spec))
-    )(caches)
+    mapped = jax.shard_map(
+        step,
+        mesh=mesh,
+        in_specs=(spec,),
+        out_specs=(P(None, "model"), spec),
+        check_vma=check_vma,
+    )
+    objs, new = jax.jit(mapped)(caches)
     nbytes = objs[0].shape[1] // 4
     got = np.asarray(objs[0])
     for r in range(4):

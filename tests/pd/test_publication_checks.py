@@ -309,8 +309,7 @@ def test_a_peers_pool_is_checked_field_by_field(change, error, name):
 
 
 def test_a_hello_without_the_transports_keys_is_a_transport_error(monkeypatch):
-    from kvgroups_transport import TransportError
-    from kvgroups_transport import side_channel
+    from kvgroups_transport import TransportError, side_channel
 
     class Peer(side_channel.SideChannelTransport, RecordingTransport):
         name = "nixl"

@@ -29,6 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from kvgroups_jax.geometry import GroupGeometry
 
+from .manual_axes import joined_manual_axes, out_struct
 from .tpu_windows import DmaPlan, Family, plan_dmas, window
 
 
@@ -136,17 +137,6 @@ def _interpret_params(interpret):
     return interpret or False
 
 
-def _joined_manual_axes(*arrays):
-    """The manual-axis type varying over every axis any of ``arrays`` varies over (None outside
-    ``shard_map``, where outputs carry none)."""
-    types = [getattr(jax.typeof(a), "manual_axis_type", None) for a in arrays]
-    types = [t for t in types if t is not None]
-    if not types:
-        return None
-    varying = frozenset().union(*(t.varying for t in types))
-    return types[0].update(varying=varying)
-
-
 def _dma_copy(direction, geom, grid_items, table, obj, caches, *, interpret, count_dmas):
     plan = plan_dmas(geom)
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
@@ -156,17 +146,17 @@ def _dma_copy(direction, geom, grid_items, table, obj, caches, *, interpret, cou
     views = tuple(c.reshape(v.shape) for c, v in zip(caches, plan.cache_views))
     # Inside shard_map with check_vma, every output must say over which mesh axes it varies:
     # as every operand together (a page moves between the shards' own arrays).
-    mat = _joined_manual_axes(table, *views, *(() if fresh else (obj,)))
+    mat = joined_manual_axes(table, *views, obj)
     if direction == "store":
-        out_shape = [jax.ShapeDtypeStruct(obj_shape, obj.dtype, manual_axis_type=mat)]
+        out_shape = [out_struct(obj_shape, obj.dtype, mat)]
         out_specs = [any_spec]
         aliases = {} if fresh else {1: 0}  # operand 0 is the run table
     else:
-        out_shape = [jax.ShapeDtypeStruct(v.shape, v.dtype, manual_axis_type=mat) for v in views]
+        out_shape = [out_struct(v.shape, v.dtype, mat) for v in views]
         out_specs = [any_spec] * len(views)
         aliases = {2 + k: k for k in range(len(views))}
     if count_dmas:
-        out_shape.append(jax.ShapeDtypeStruct((1,), jnp.int32, manual_axis_type=mat))
+        out_shape.append(out_struct((1,), jnp.int32, mat))
         out_specs.append(pl.BlockSpec(memory_space=pltpu.SMEM))
     operands = () if fresh else (obj.reshape(obj_shape),)
     operands += views

@@ -25,6 +25,7 @@ from jax.experimental.pallas import triton as pltriton
 
 from kvgroups_jax.geometry import Box, GroupGeometry, chunk_order
 
+from .manual_axes import joined_manual_axes, out_struct
 from .tuning import DEFAULT_TUNING, LoweringTuning
 
 
@@ -272,12 +273,13 @@ def _pallas_copy(
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     num_ops = len(caches)
     fresh = isinstance(obj, jax.ShapeDtypeStruct)  # store into a new output (no zero-fill)
+    axes = joined_manual_axes(meta, ids, obj, *caches)  # inside shard_map (check_vma)
     if direction == "store":
-        out_shape = jax.ShapeDtypeStruct(obj.shape, obj.dtype)
+        out_shape = out_struct(obj.shape, obj.dtype, axes)
         out_specs = any_spec
         aliases = {} if fresh else {2: 0}
     else:
-        out_shape = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
+        out_shape = tuple(out_struct(c.shape, c.dtype, axes) for c in caches)
         out_specs = tuple(any_spec for _ in caches)
         aliases = {3 + k: k for k in range(num_ops)}
     grid = (grid_items, geom.num_planes)
@@ -306,12 +308,13 @@ def _pallas_copy_small(
     any_spec = pl.BlockSpec(memory_space=pl.ANY)
     num_ops = len(caches)
     fresh = isinstance(obj, jax.ShapeDtypeStruct)
-    flat = jax.ShapeDtypeStruct((math.prod(obj.shape),), obj.dtype)
+    axes = joined_manual_axes(meta, ids, obj, *caches)  # inside shard_map (check_vma)
+    flat = out_struct((math.prod(obj.shape),), obj.dtype, axes)
     if direction == "store":
         out_shape, out_specs = flat, any_spec
         aliases = {} if fresh else {2: 0}
     else:
-        out_shape = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
+        out_shape = tuple(out_struct(c.shape, c.dtype, axes) for c in caches)
         out_specs = tuple(any_spec for _ in caches)
         aliases = {3 + k: k for k in range(num_ops)}
     grid = (grid_items // ipp, geom.num_planes)
