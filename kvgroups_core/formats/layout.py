@@ -329,13 +329,40 @@ def _jax_heads_view(d: TensorDesc, what: str) -> TensorDesc:
     return d.view(spec)
 
 
+def _kind(x: Any) -> str:
+    """What an entry of a cache structure is, in a message ("a tensor" for a described one)."""
+    return "a tensor" if isinstance(x, TensorDesc) else type(x).__name__
+
+
 def num_layers_of(kv_caches: Any, fmt: EngineKVFormat) -> int:
-    """Layers in a structure of one format."""
+    """Layers in a structure of one format (the structure checked against the format's)."""
     structure = fmt.facts.structure
     if structure == CROSS_LAYER:
-        tensor = kv_caches[0] if isinstance(kv_caches, (list, tuple)) else kv_caches
-        return describe(tensor).spec.shape[fmt.facts.axes.index("NL")]
+        tensor = kv_caches
+        if isinstance(kv_caches, (list, tuple)):
+            if len(kv_caches) != 1:
+                raise KVGroupsValueError(
+                    f"kv_caches: expected the one cross-layer tensor of {fmt.name} (or a list "
+                    f"holding it), got a list of {len(kv_caches)}"
+                )
+            tensor = kv_caches[0]
+        return _as_desc(tensor, "kv_caches").spec.shape[fmt.facts.axes.index("NL")]
+    if not isinstance(kv_caches, (list, tuple)):
+        expected = "[K list, V list]" if structure == KV_LIST else "a list with one entry per layer"
+        raise KVGroupsTypeError(
+            f"kv_caches: expected {expected} for {fmt.name}, got {_kind(kv_caches)}"
+        )
     if structure == KV_LIST:
+        if len(kv_caches) != 2 or not all(isinstance(x, (list, tuple)) for x in kv_caches):
+            raise KVGroupsValueError(
+                f"kv_caches: expected [K list, V list] for {fmt.name}, got "
+                f"[{', '.join(map(_kind, kv_caches))}]"
+            )
+        if len(kv_caches[0]) != len(kv_caches[1]):
+            raise KVGroupsValueError(
+                f"kv_caches: expected K and V lists of one length for {fmt.name}, got "
+                f"{len(kv_caches[0])} K and {len(kv_caches[1])} V tensors"
+            )
         return len(kv_caches[0])
     return len(kv_caches)
 

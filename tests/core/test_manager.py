@@ -443,3 +443,27 @@ def test_construction_of_a_1024_layer_mixed_model_is_fast():
         KVLayerGroupsManager(caches, formats, infos)
         times.append(time.perf_counter() - start)
     assert statistics.median(times) < 0.050
+
+
+_LAYER = np.zeros((2, 16, 4, 2, 4), np.float16)  # one layer of NL_X_TWO_NB_BS_NH_HS
+_K = np.zeros((16, 4, 2, 4), np.float16)  # one layer's K of TWO_X_NL_X_NB_BS_NH_HS
+
+
+@pytest.mark.parametrize(
+    "kv_caches, fmt, error, message",
+    [
+        (_LAYER, F.NL_X_TWO_NB_BS_NH_HS, KVGroupsTypeError, "expected a list with one entry"),
+        (_LAYER, F.NL_X_TWO_X_NB_BS_NH_HS, KVGroupsTypeError, "expected a list with one entry"),
+        (_K, F.TWO_X_NL_X_NB_BS_NH_HS, KVGroupsTypeError, r"expected \[K list, V list\]"),
+        ([_K, _K], F.TWO_X_NL_X_NB_BS_NH_HS, KVGroupsValueError, r"got \[a tensor, a tensor\]"),
+        ([[_K, _K], [_K]], F.TWO_X_NL_X_NB_BS_NH_HS, KVGroupsValueError, "2 K and 1 V"),
+        ([[_K], [_K, _K]], F.TWO_X_NL_X_NB_BS_NH_HS, KVGroupsValueError, "1 K and 2 V"),
+        ([[_K], []], F.TWO_X_NL_X_NB_BS_NH_HS, KVGroupsValueError, "1 K and 0 V"),
+    ],
+)
+def test_a_structure_that_is_not_the_formats_is_refused_naming_kv_caches(
+    kv_caches, fmt, error, message
+):
+    # The V list longer than the K list was accepted and its extra layers ignored.
+    with pytest.raises(error, match=f"^kv_caches: .*{message}"):
+        KVLayerGroupsManager(kv_caches, fmt, lmcache_tokens_per_chunk=8)
