@@ -142,6 +142,28 @@ def test_the_host_cache_slots_from_capacity_bytes_are_bounded_at_start():
     assert host_capacity_chunks(parse_extra_config({}), 1) == MAX_CHUNKS  # the default, clamped
 
 
+def test_capacity_chunks_are_bounded_in_bytes_as_capacity_bytes_is():
+    # 2**24 chunks of a 70B-class model's 16 MiB: 256 TiB, refused as capacity_bytes would be.
+    chunk = 16 << 20
+    fits = MAX_CAPACITY_BYTES // chunk
+    assert host_capacity_chunks(parse_extra_config({"capacity_chunks": fits}), chunk) == fits
+    with pytest.raises(kc.KVGroupsValueError, match=r"'capacity_chunks'\]: expected at most"):
+        host_capacity_chunks(parse_extra_config({"capacity_chunks": fits + 1}), chunk)
+
+
+def test_a_host_cache_the_allocator_refuses_is_a_typed_error_naming_capacity():
+    import torch
+    from kvgroups_torch.vllm.host_store import HostChunkStore
+
+    caches = [torch.zeros(2, 4, 16, 2, 8, dtype=torch.float16) for _ in range(2)]
+    manager = kc.KVLayerGroupsManager(
+        caches, [kc.EngineKVFormat.NL_X_TWO_NB_BS_NH_HS] * 2, lmcache_tokens_per_chunk=16
+    )
+    chunk = sum(kc.object_nbytes(manager, g) for g in range(manager.num_object_groups))
+    with pytest.raises(kc.KVGroupsValueError, match="^capacity: expected a host cache this"):
+        HostChunkStore(manager, caches, (1 << 52) // chunk, pinned=False)  # 4 PiB
+
+
 @pytest.mark.parametrize("role", [["kv_both"], {}, ("kv_both",), 1, b"kv_both"])
 def test_a_kv_role_that_is_not_a_string_is_refused_by_name(role):
     with pytest.raises(

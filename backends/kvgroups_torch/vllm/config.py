@@ -311,6 +311,14 @@ def host_capacity_chunks(config: ConnectorConfig, bytes_per_chunk: int) -> int:
     ``bytes_per_chunk`` (the model's), within [1, MAX_CHUNKS]; given bytes outside that
     are refused naming ``capacity_bytes``, the default ones are clamped to it."""
     if config.capacity_chunks is not None:
+        total = config.capacity_chunks * bytes_per_chunk
+        if total > MAX_CAPACITY_BYTES:
+            raise KVGroupsValueError(
+                f"{WHERE}['capacity_chunks']: expected at most {MAX_CAPACITY_BYTES} bytes of "
+                f"host cache ({MAX_CAPACITY_BYTES // max(bytes_per_chunk, 1)} chunks of "
+                f"{bytes_per_chunk} bytes for this model at chunk_size {config.chunk_size}), "
+                f"got {config.capacity_chunks} chunks ({total} bytes)"
+            )
         return config.capacity_chunks
     chunks = config.capacity_bytes // max(bytes_per_chunk, 1)
     if "capacity_bytes" in config.given and not 1 <= chunks <= MAX_CHUNKS:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from kvgroups_core import object_nbytes, prepare
+from kvgroups_core.errors import KVGroupsValueError
 from kvgroups_core.transfer.api import PreparedTransfer
 
 
@@ -42,10 +43,17 @@ class HostChunkStore:
         device = kv_caches[0].device if kv_caches else torch.device("cpu")
         self.pinned = device.type == "cuda" if pinned is None else bool(pinned)
         self.object_bytes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
-        self.pools = [
-            torch.empty((capacity, n), dtype=torch.uint8, pin_memory=self.pinned)
-            for n in self.object_bytes
-        ]
+        try:
+            self.pools = [
+                torch.empty((capacity, n), dtype=torch.uint8, pin_memory=self.pinned)
+                for n in self.object_bytes
+            ]
+        except (RuntimeError, MemoryError) as exc:  # the allocator's own refusal
+            raise KVGroupsValueError(
+                f"capacity: expected a host cache this machine can allocate, got {capacity} "
+                f"chunks of {sum(self.object_bytes)} bytes "
+                f"({'pinned' if self.pinned else 'pageable'}): {exc}"
+            ) from exc
         self.prepared = prepare(manager, kv_caches) if kv_caches else None
         self.layerwise = (
             supports_layer_subsets() and self.prepared is not None and self._layer_saves_match()
