@@ -275,11 +275,13 @@ def _endpoint(value: Any, what: str) -> dict:
         )
     for key in ("host", "port"):
         if key not in value:
-            raise KVGroupsValueError(f"{what}: expected the key {key!r}, got keys {sorted(value)}")
+            raise KVGroupsValueError(
+                f"{what}: expected the key {key!r}, got keys {sorted(map(repr, value))}"
+            )
     if not _string(value["host"], f"{what}.host"):
         raise KVGroupsValueError(f"{what}.host: expected a host name, got ''")
-    checked_int(value["port"], f"{what}.port", 0, 65536)
-    return dict(value)
+    # A plain int (a NumPy one would not survive to_dict's JSON).
+    return {**value, "port": checked_int(value["port"], f"{what}.port", 0, 65536)}
 
 
 @dataclass

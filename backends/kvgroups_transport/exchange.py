@@ -234,11 +234,15 @@ class Receiver:
                 f"timeout_s: expected a number of seconds, got {type(timeout_s).__name__} "
                 f"{timeout_s!r}"
             )
-        if not (math.isfinite(timeout_s) and timeout_s > 0):
+        try:
+            seconds = float(timeout_s)
+        except OverflowError:  # an int past the float range
+            seconds = math.inf
+        if not (math.isfinite(seconds) and seconds > 0):
             raise KVGroupsValueError(
                 f"timeout_s: expected a finite number of seconds > 0, got {timeout_s!r}"
             )
-        self.timeout_s = float(timeout_s)
+        self.timeout_s = seconds
         if not isinstance(name, str):
             raise KVGroupsTypeError(f"name: expected a str, got {type(name).__name__}")
         self._like = like

@@ -248,10 +248,12 @@ def backend_for_tensors(
     tensors: Sequence[Any],
     explicit: str | None = None,
     name_of: Callable[[int], str] | None = None,
+    what: str = "tensors",
 ) -> ArrayBackend:
     """Pick the backend for one call: ``explicit`` if given, else the single framework the
     tensors belong to. Two frameworks in one call -> TypeError naming both; ``name_of(i)``
-    (called only then) names ``tensors[i]`` as the caller's argument (``"objects[0]"``)."""
+    (called only then) names ``tensors[i]`` as the caller's argument (``"objects[0]"``);
+    ``what`` names the tensors as a whole when none belongs to a framework."""
     if explicit is not None:
         return get_backend(explicit)
     names: dict[str, tuple[str, int]] = {}
@@ -271,9 +273,10 @@ def backend_for_tensors(
             f"tensors: expected one framework per call, got {listed}; pass backend= to choose"
         )
     if not names:
+        kinds = ", ".join(sorted({type(x).__name__ for x in tensors})) or "no arrays"
         raise BackendNotFoundError(
-            "tensors: expected framework arrays to infer the backend, got only descriptors; "
-            "pass backend="
+            f"{what}: expected arrays of a framework (NumPy, torch, JAX ...) to infer the "
+            f"backend from, got {kinds}; pass backend= for descriptors"
         )
     return get_backend(next(iter(names)))
 

@@ -67,7 +67,7 @@ class PreparedTransfer:
         self.backend: Backend = (
             backend
             if isinstance(backend, Backend)
-            else cast(Backend, backend_for_tensors(_leaves(kv_caches), backend))
+            else cast(Backend, backend_for_tensors(_leaves(kv_caches), backend, what="kv_caches"))
         )
         self._to_host = self.backend.to_host_ids  # one bound method, not one per call
         # Backends without device ids (the default hook) skip the per-call probe.
@@ -459,6 +459,7 @@ def _one_shot(
         cache_leaves + _leaves(objects),
         backend,
         lambda i: _call_name(i, len(cache_leaves), objects),
+        what="kv_caches",
     )
     return PreparedTransfer(manager, kv_caches, backend=cast(Backend, found)), None
 

@@ -68,6 +68,13 @@ def _ids(x: Any, what: str) -> np.ndarray:
     return host_id_array(x, what)
 
 
+def _steps(ids: np.ndarray) -> np.ndarray:
+    """``ids[i + 1] - ids[i]``, with a wrapped (overflowed) difference never equal to 1."""
+    with np.errstate(over="ignore"):
+        step = ids[1:] - ids[:-1]
+    return np.where(ids[1:] > ids[:-1], step, 0)
+
+
 def coalesce_runs(src: Any, dst: Any, breaks: Any = None) -> BlockRuns:
     """The runs of ``(src[i], dst[i])`` pairs where both advance by exactly one.
 
@@ -89,7 +96,9 @@ def coalesce_runs(src: Any, dst: Any, breaks: Any = None) -> BlockRuns:
         empty = np.zeros(0, dtype=np.int64)
         return BlockRuns(empty, empty, empty)
     start = np.ones(n, dtype=bool)
-    start[1:] = (a[1:] != a[:-1] + 1) | (b[1:] != b[:-1] + 1)
+    # Compared as differences so that int64's largest id and its smallest (a wrap of a + 1)
+    # never count as consecutive.
+    start[1:] = (_steps(a) != 1) | (_steps(b) != 1)
     if breaks is not None:
         brk = np.asarray(breaks) if isinstance(breaks, (list, tuple, np.ndarray)) else None
         if brk is None or brk.dtype != np.bool_ or brk.ndim != 1:

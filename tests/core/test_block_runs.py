@@ -122,3 +122,12 @@ def test_out_of_range_ids_are_dropped_and_end_their_run():
     ids = np.array([4, 5, 99, 7, -1, 9, 10, 11])
     runs = block_runs(group, block_ids=ids, num_blocks=64)
     assert as_list(runs) == [(4, 0, 2), (7, 3, 1), (9, 5, 3)]
+
+
+def test_ids_at_the_ends_of_int64_never_join_one_run():
+    # int64's largest id plus one wraps to its smallest: two runs, not one.
+    top, bottom = np.iinfo(np.int64).max, np.iinfo(np.int64).min
+    for src, dst in (([top, bottom], [0, 1]), ([5, 6], [top, bottom])):
+        runs = coalesce_runs(src, dst)
+        assert runs.length.tolist() == [1, 1]
+        assert runs.src.tolist() == src and runs.dst.tolist() == dst

@@ -265,3 +265,15 @@ def test_a_public_call_without_a_manager_is_refused_naming_it(call, manager):
         run()
     np.testing.assert_array_equal(caches[0], before)
     assert not objects[0].any()
+
+
+@pytest.mark.parametrize("kv_caches", [None, [], 5])
+def test_caches_without_a_framework_are_refused_naming_kv_caches(kv_caches):
+    caches = [np.zeros((2, 8, 2, 1, 4), np.float32)]
+    manager = kc.KVLayerGroupsManager(caches, [F.NL_X_TWO_NB_BS_NH_HS], lmcache_tokens_per_chunk=4)
+    for call in (
+        lambda: kc.prepare(manager, kv_caches),
+        lambda: kc.store(manager, kv_caches, [0, 1]),
+    ):
+        with pytest.raises(kc.BackendNotFoundError, match="^kv_caches: expected arrays of a"):
+            call()

@@ -177,6 +177,7 @@ def test_well_formed_publications_are_read_as_given():
         ({"capacity": 4, "timeout_s": -1.0}, KVGroupsValueError, "timeout_s"),
         ({"capacity": 4, "timeout_s": float("nan")}, KVGroupsValueError, "timeout_s"),
         ({"capacity": 4, "timeout_s": float("inf")}, KVGroupsValueError, "timeout_s"),
+        ({"capacity": 4, "timeout_s": 10**400}, KVGroupsValueError, "timeout_s"),
         ({"capacity": 4, "name": 3}, KVGroupsTypeError, "name"),
     ],
 )
@@ -324,3 +325,14 @@ def test_a_hello_without_the_transports_keys_is_a_transport_error(monkeypatch):
     for _ in range(2):
         with pytest.raises(TransportError, match="expected a 'nixl' transport"):
             Peer()._hello_of(publication, 0)
+
+
+def test_endpoints_with_odd_keys_are_refused_and_ports_come_back_as_plain_ints():
+    for endpoint, missing in (({"host": "h", 1: 2}, "port"), ({"port": 1, (1,): 2}, "host")):
+        with pytest.raises(
+            KVGroupsValueError, match=f"endpoints\\[0\\]: expected the key '{missing}'"
+        ):
+            Publication.from_dict(good(endpoints=[endpoint]))
+    pub = Publication.from_dict(good(endpoints=[{"host": "h", "port": np.int64(5600)}]))
+    assert type(pub.endpoints[0]["port"]) is int
+    assert json.loads(json.dumps(pub.to_dict()))["endpoints"] == [{"host": "h", "port": 5600}]
