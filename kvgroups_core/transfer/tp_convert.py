@@ -19,7 +19,7 @@ import sys
 from typing import Any
 
 from kvgroups_core.errors import KVGroupsError, KVGroupsTypeError, KVGroupsValueError
-from kvgroups_core.grouping.engine_groups import as_int
+from kvgroups_core.grouping.engine_groups import as_bool, as_int
 from kvgroups_core.grouping.manager import check_manager, check_managers
 from kvgroups_core.grouping.state_tp import merge_conv, split_conv
 from kvgroups_core.grouping.tensor_parallel import TP_NATIVE, canonical_region_nbytes
@@ -150,6 +150,7 @@ def merge_shards(managers: Any, objects_per_rank: Any, *, check_replicas: bool =
         framework and device, new arrays (never views of the inputs). Replicated groups take
         their owner rank's copy.
     """
+    as_bool(check_replicas, "check_replicas")
     if isinstance(managers, (list, tuple)) and len(managers) == 1:
         ref = check_manager(managers[0], "managers[0]")
         objs = _check_list(objects_per_rank, 1, "objects_per_rank")[0]

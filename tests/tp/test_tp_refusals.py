@@ -97,3 +97,11 @@ def test_helpers_refuse_what_is_not_a_manager_by_name():
         with pytest.raises(kc.KVGroupsTypeError) as info:
             call()
         assert str(info.value).startswith(f"{name}: expected a KVLayerGroupsManager")
+
+
+@pytest.mark.parametrize("flag", ["yes", 1, np.True_, None])
+def test_check_replicas_must_be_a_bool(flag):
+    managers = _rank_managers()
+    per_rank = [[np.zeros((1, kc.object_nbytes(r, 0)), np.uint8)] for r in managers]
+    with pytest.raises(kc.KVGroupsTypeError, match="^check_replicas: expected a bool"):
+        kc.merge_shards(managers, per_rank, check_replicas=flag)
