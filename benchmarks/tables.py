@@ -285,7 +285,7 @@ def paths() -> str:
 
 
 def connector() -> str:
-    """PERFORMANCE: KVGroupsConnector's save and load into pinned host slots."""
+    """PERFORMANCE: KVGroupsConnector's save and load into pinned host entries."""
     rs = records("vllm_connector_h200.jsonl")
     chunks = sorted({r["chunks"] for r in rs})
     return table(

@@ -135,7 +135,7 @@ def _num_chunks(binding: "Binding", ids: BlockIds) -> int:
 class Binding:
     """A manager bound to one set of cache tensors: everything about a transfer that does not
     depend on the block ids, computed once. ``templates`` are the per-group transfers with
-    empty ids; ``tensors`` the backing tensors (the plan's ``tensor_slot`` indexes them).
+    empty ids; ``tensors`` the backing tensors (the plan's ``tensor_index`` indexes them).
 
     ``flat_group`` is the engine group id when there is only one (flat ids allowed), else
     None; ``uniform_bpc`` the blocks per chunk every group shares (0 if they differ);
@@ -191,7 +191,7 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
         nl = len(layouts)
         planes = tuple(
             PlaneRef(
-                tensor_slot=tensor_index[_tensor_key(lay.planes[kv][0])],
+                tensor_index=tensor_index[_tensor_key(lay.planes[kv][0])],
                 byte_offset=lay.planes[kv][1],
                 object_plane=kv * nl + pos,
             )
@@ -570,7 +570,7 @@ def build_plan(
     ids_spec: IdsSpec | None = None,
     layers: Any = None,
 ) -> tuple[TransferPlan, list[TensorDesc]]:
-    """Validate a call and return its plan plus the backing tensors in slot order."""
+    """Validate a call and return its plan plus the backing tensors in tensor_index order."""
     binding = bind(manager, kv_caches)
     plan = plan_call(
         binding,

@@ -161,10 +161,10 @@ class TorchKit:
         if path == "index":
             tensors = wl.extra.get("tensors")
             if tensors is None:
-                tensors = wl.extra["tensors"] = [tensor_of(s, "slot") for s in wl.slots]
+                tensors = wl.extra["tensors"] = [tensor_of(t, "tensor") for t in wl.tensors]
             cpu_path.execute_plan(plan, tensors, wl.objects[r])
         else:
-            self._kernels[path].execute(plan, wl.slots, wl.objects[r])
+            self._kernels[path].execute(plan, wl.tensors, wl.objects[r])
 
     # --- public calls (kvgroups_tools.bench_public) ----------------------------------------
     def public_calls(self) -> tuple[str, ...]:

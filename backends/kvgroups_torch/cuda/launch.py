@@ -418,12 +418,12 @@ def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceSta
         if launch is None:
             plane_addresses = []
             for i, plane in enumerate(group.planes):
-                if not 0 <= plane.tensor_slot < len(cache_addresses):
+                if not 0 <= plane.tensor_index < len(cache_addresses):
                     raise KVGroupsIndexError(
-                        f"planes[{i}].tensor_slot: expected 0..{len(cache_addresses) - 1}, got "
-                        f"{plane.tensor_slot}"
+                        f"planes[{i}].tensor_index: expected 0..{len(cache_addresses) - 1}, got "
+                        f"{plane.tensor_index}"
                     )
-                plane_addresses.append(cache_addresses[plane.tensor_slot] + plane.byte_offset)
+                plane_addresses.append(cache_addresses[plane.tensor_index] + plane.byte_offset)
             launch = GroupLaunch(group, plane_addresses, device)
             _remember(_by_value, vkey, launch)
         _remember(_by_identity, ikey, (group.planes, group.runs, launch))
@@ -439,7 +439,7 @@ def cache_addresses_of(caches: Sequence[Any]) -> tuple[int, ...]:
 
 def plane_addresses(group: Any, cache_addresses: Sequence[int]) -> list[int]:
     """Address of block 0 of each plane of ``group``."""
-    return [cache_addresses[p.tensor_slot] + p.byte_offset for p in group.planes]
+    return [cache_addresses[p.tensor_index] + p.byte_offset for p in group.planes]
 
 
 def plan_options(plan: Any, device_index: int) -> tuple[DeviceSkip | None, int | None]:
