@@ -17,7 +17,7 @@ import torch
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.transfer.objects import check_objects
 
-from . import cpu as cpu_path
+from . import cpu as cpu_copy
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
 from .compile import ops
 from .cuda import execute as cuda_execute
@@ -144,4 +144,4 @@ class BoundPlan:
         else:
             if objects is not self.objects:
                 check_objects(self.plan, objects, shape_of)
-            cpu_path.execute_plan(self.plan, caches, objects, block_ids=ids)
+            cpu_copy.execute_plan(self.plan, caches, objects, block_ids=ids)

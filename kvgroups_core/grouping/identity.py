@@ -290,14 +290,14 @@ def group_by_identity(
     return list(buckets.items())
 
 
-def describe_tree(x: Any, path: str = "kv_caches") -> Any:
+def describe_tree(x: Any, where: str = "kv_caches") -> Any:
     """The same structure with every tensor described once (descriptors pass through, and
     ``None`` placeholders, which only excluded layers may use, stay ``None``). A leaf that is
     no tensor is refused naming its place in the structure (``kv_caches[3][1]``)."""
     if isinstance(x, (list, tuple)):
-        items = [describe_tree(item, f"{path}[{i}]") for i, item in enumerate(x)]
+        items = [describe_tree(item, f"{where}[{i}]") for i, item in enumerate(x)]
         return tuple(items) if isinstance(x, tuple) else items
-    return None if x is None else describe_named(x, path)
+    return None if x is None else describe_named(x, where)
 
 
 def layouts_and_identities(

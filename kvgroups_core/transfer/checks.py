@@ -99,16 +99,16 @@ def _snapshot(structure: Any) -> Any:
     return structure
 
 
-def _first_change(structure: Any, snap: Any, path: str = "kv_caches") -> str | None:
+def _first_change(structure: Any, snap: Any, where: str = "kv_caches") -> str | None:
     if isinstance(snap, tuple):
         if not isinstance(structure, (list, tuple)) or len(structure) != len(snap):
-            return f"{path} changed length or type"
+            return f"{where} changed length or type"
         for i, (x, s) in enumerate(zip(structure, snap)):
-            found = _first_change(x, s, f"{path}[{i}]")
+            found = _first_change(x, s, f"{where}[{i}]")
             if found:
                 return found
         return None
-    return None if structure is snap else f"{path} was replaced by another tensor"
+    return None if structure is snap else f"{where} was replaced by another tensor"
 
 
 def _numpy_memory(x: np.ndarray) -> Memory:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from kvgroups_torch import cpu as cpu_path
+from kvgroups_torch import cpu as cpu_copy
 from kvgroups_torch.backend import TorchBackend, tensor_of
 from kvgroups_torch.describe import torch_dtype
 
@@ -162,7 +162,7 @@ class TorchKit:
             tensors = wl.extra.get("tensors")
             if tensors is None:
                 tensors = wl.extra["tensors"] = [tensor_of(t, "tensor") for t in wl.tensors]
-            cpu_path.execute_plan(plan, tensors, wl.objects[r])
+            cpu_copy.execute_plan(plan, tensors, wl.objects[r])
         else:
             self._kernels[path].execute(plan, wl.tensors, wl.objects[r])
 
