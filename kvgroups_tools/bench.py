@@ -1,6 +1,6 @@
 """Transfer benchmarks: the bandwidth of every page-copy path next to measured ceilings.
 
-The engine is framework-free. It builds managers and plans (plain core data) for the points
+The runner is framework-free. It builds managers and plans (plain core data) for the points
 of a :class:`~kvgroups_tools.bench_matrix.Matrix` and drives each runtime through a *bench
 kit*: a small module per backend (``kvgroups_tools.bench_kits.numpy_kit``, ``torch_kit``,
 ``jax_kit``), imported by name only when asked

@@ -1,4 +1,4 @@
-"""The public calls a user makes, as timed callables for the benchmark engine.
+"""The public calls a user makes, as timed callables for the benchmark runner.
 
 Each measured case is one of :data:`CALLS` with block ids kept on the host (NumPy) or on the
 device (the runtime's own arrays), through ``kvgroups_core.store`` / ``load`` / ``prepare``:

@@ -56,7 +56,7 @@ def _pattern(shape: tuple[int, int], value: int | None, seed: Any) -> jax.Array:
 
 
 class JaxKit:
-    """The JAX runtime for the benchmark engine, on one GPU or the CPU."""
+    """The JAX runtime for the benchmark runner, on one GPU or the CPU."""
 
     backend = "jax"
     baseline = "xla"

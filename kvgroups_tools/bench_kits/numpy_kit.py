@@ -62,7 +62,7 @@ def run_take(plan: Any, tensors: list, objects: list) -> None:
 
 
 class NumpyKit:
-    """The NumPy runtime for the benchmark engine (see :mod:`kvgroups_tools.bench`)."""
+    """The NumPy runtime for the benchmark runner (see :mod:`kvgroups_tools.bench`)."""
 
     backend = "numpy"
     device = "cpu"

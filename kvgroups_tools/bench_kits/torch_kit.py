@@ -52,7 +52,7 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 class TorchKit:
-    """The PyTorch runtime for the benchmark engine, on one CUDA device or the CPU."""
+    """The PyTorch runtime for the benchmark runner, on one CUDA device or the CPU."""
 
     backend = "torch"
     baseline = "index"

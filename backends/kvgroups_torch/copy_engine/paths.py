@@ -232,11 +232,11 @@ def tune_copy_paths(
                 ids = rng.permutation(num_blocks)[: chunks * chunk_tokens // bs]
                 objects = [big[:chunks]]
                 for direction in directions:
-                    kernel, engine = (
+                    kernel_ms, copy_engine_ms = (
                         _median_ms(_call(prep, direction, ids, objects, path), iters)
                         for path in ("kernel", "copy_engine")
                     )
-                    point = Point(direction, placement, page, chunks, kernel, engine)
+                    point = Point(direction, placement, page, chunks, kernel_ms, copy_engine_ms)
                     points.append(point)
                     if on_point is not None:
                         on_point(point)

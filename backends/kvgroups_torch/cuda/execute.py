@@ -118,9 +118,9 @@ class DeviceCaches:
         object group ``g``); ``block_ids`` as for :func:`execute_checked_plan`."""
         groups = plan.groups
         if getattr(plan, "path", "kernel") != "kernel":
-            engine = copy_engine.copy_groups(plan, self.index, block_ids)
-            if engine:
-                self._execute_mixed(plan, bindings, block_ids, engine)
+            copy_engine_groups = copy_engine.copy_groups(plan, self.index, block_ids)
+            if copy_engine_groups:
+                self._execute_mixed(plan, bindings, block_ids, copy_engine_groups)
                 return
         launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
@@ -146,18 +146,22 @@ class DeviceCaches:
             )
 
     def _execute_mixed(
-        self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None, engine: frozenset[int]
+        self,
+        plan: Any,
+        bindings: Any,
+        block_ids: Sequence[Any] | None,
+        copy_engine_groups: frozenset[int],
     ) -> None:
-        """Groups ``engine`` on the copy engines (one batch), the others as kernels."""
+        """Groups ``copy_engine_groups`` on the copy engines (one batch), the others as kernels."""
         addresses = self.addresses
         copies = copy_engine.build_copies(
             plan,
-            engine,
+            copy_engine_groups,
             lambda g: plane_addresses(g, addresses),
             bindings if isinstance(bindings, dict) else dict(enumerate(bindings)),
             block_ids=block_ids,
         )
-        rest = [i for i in range(len(plan.groups)) if i not in engine]
+        rest = [i for i in range(len(plan.groups)) if i not in copy_engine_groups]
         launches = {i: self.launch_for(plan.groups[i]) for i in rest}
         stream = current_stream(self.index)
         copy_engine.enqueue(*copies, plan.direction, self.index, stream)
@@ -244,8 +248,8 @@ def execute_checked_plan(
         return copy_engine.object_on_host(objects[g])
 
     # The copy engines reach pinned objects themselves: their object groups are not staged.
-    engine = copy_engine.copy_groups(plan, device_index, block_ids, on_host)
-    direct = {plan.groups[i].object_group_idx for i in engine}
+    copy_engine_groups = copy_engine.copy_groups(plan, device_index, block_ids, on_host)
+    direct = {plan.groups[i].object_group_idx for i in copy_engine_groups}
     # Bind (and check) every object before the first launch: a rejected call moves nothing.
     for group in plan.groups:
         g = group.object_group_idx
@@ -263,19 +267,24 @@ def execute_checked_plan(
     skip, max_ctas = plan_options(plan, device_index)
     copies = (
         copy_engine.build_copies(
-            plan, engine, lambda g: plane_addresses(g, addresses), bindings, on_host, block_ids
+            plan,
+            copy_engine_groups,
+            lambda g: plane_addresses(g, addresses),
+            bindings,
+            on_host,
+            block_ids,
         )
-        if engine
+        if copy_engine_groups
         else None
     )
     launches = [
-        None if i in engine else group_launch(group, addresses, state)
+        None if i in copy_engine_groups else group_launch(group, addresses, state)
         for i, group in enumerate(plan.groups)
     ]
     if copies is not None:
         copy_engine.enqueue(*copies, direction, device_index, stream)
     for i, group in enumerate(plan.groups):
-        if i in engine:
+        if i in copy_engine_groups:
             continue
         ids = None if block_ids is None else block_ids[i]
         launches[i].launch(
