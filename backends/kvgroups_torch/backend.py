@@ -381,9 +381,9 @@ class TorchBoundCaches(BoundCaches):
     def execute(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         fast = self.device_caches
         if fast is not None:
-            bindings = fast.bind_device_objects(plan, objects)
-            if bindings is not None:
-                fast.execute(plan, bindings)
+            addresses = fast.device_object_addresses(plan, objects)
+            if addresses is not None:
+                fast.execute(plan, addresses)
                 return None, list(objects)
         return super().execute(plan, objects)
 

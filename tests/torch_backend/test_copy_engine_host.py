@@ -147,7 +147,7 @@ def test_prepared_device_caches_run_copy_engine_groups(batches):
     caches = [torch.from_numpy(c.copy()) for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
     bound = cuda_execute.DeviceCaches(caches, 0)
-    bound.execute(case.plan, [cuda_objects.bind_objects(objects, 0, "objects[0]")])
+    bound.execute(case.plan, [cuda_objects.object_addresses(objects, 0, "objects[0]")])
     np.testing.assert_array_equal(objects.numpy(), oracle(case)[1])
     assert batches[1] and not batches[0]
 

@@ -31,7 +31,7 @@ from kvgroups_core.formats.segments import widest_unit
 
 from .device import DeviceState, forget_devices
 from .driver import Launcher
-from .objects import ObjectBinding, object_plane, to_device, to_table
+from .objects import ObjectAddresses, object_plane, to_device, to_table
 
 _INT32_MAX = 2**31 - 1
 
@@ -138,7 +138,7 @@ class GroupLaunch:
         if all(stream in table.ready for table in self.tables):
             self.ready.add(stream)
 
-    def prepare(self, direction: str, objects: ObjectBinding) -> None:
+    def prepare(self, direction: str, objects: ObjectAddresses) -> None:
         """Build the packed parameters (and load the kernel) a launch with ``objects`` uses."""
         with self.lock:
             vector = widest_unit([self.base_unit, objects.unit])
@@ -209,7 +209,7 @@ class GroupLaunch:
         self,
         direction: str,
         group: Any,
-        objects: ObjectBinding,
+        objects: ObjectAddresses,
         stream: int,
         block_ids: Any = None,
         *,
@@ -240,10 +240,10 @@ class GroupLaunch:
         if objects.table is not None:
             objects.table.readable_on(stream)
         with self.lock:
-            keepalive = bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
+            keepalive = write_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
             # Fields equal to the last launch's are not written again (ctypes writes are
-            # the bulk of a launch's host time): the bindings are memoised by value, so the
-            # same object buffer comes back as the same binding; every write to ``p`` goes
+            # the bulk of a launch's host time): the object addresses are memoised by value, so the
+            # same object buffer comes back as the same ObjectAddresses; every write to ``p`` goes
             # through here, under the lock.
             if p.last_objects is not objects:
                 write_objects(p, objects)
@@ -259,13 +259,13 @@ class GroupLaunch:
         del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
 
 
-def write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
+def write_objects(p: P.KvgParams, objects: ObjectAddresses) -> None:
     """Point ``p`` at ``objects`` (under the launch state's lock)."""
     p.obj_mode = mode = objects.mode
     if mode == P.OBJ_STRIDED:
         p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
     elif mode == P.OBJ_INLINE:
-        p.inline_objs[: len(objects.addresses)] = objects.addresses
+        p.inline_objs[: len(objects.chunk_addresses)] = objects.chunk_addresses
     else:
         p.obj_table = objects.table.address
     p.last_objects = objects
@@ -317,7 +317,7 @@ def on_device(t: torch.Tensor, device_index: int) -> bool:
     return t.is_cuda and t.get_device() == device_index
 
 
-def bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
+def write_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
     """Point ``p`` at the block ids: a CUDA tensor is read in place (graph capturable); host
     ids go inline into the parameters when they fit, else to the device."""
     if (
