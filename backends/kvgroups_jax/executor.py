@@ -13,7 +13,7 @@ the same ``planes`` / ``runs`` / ``tensor_specs`` objects), so the static progra
 a cheap key of those identities plus a few ints and built once (:func:`program_for`); the
 program hashes in O(1) and one plan shape always yields the same program object, so JAX's
 static-argument check is an identity test. The per-call ``(first_item, num_items)`` arrays live
-on the device, cached by value. What is left per call is the ids array and JAX's dispatch.
+on the device, memoised by value. What is left per call is the ids array and JAX's dispatch.
 """
 
 from __future__ import annotations
@@ -284,7 +284,7 @@ def _home(arrays) -> tuple[str, object]:
     return jax.default_backend(), None
 
 
-# --- the per-plan-shape cache ---------------------------------------------------------------
+# --- the per-plan-shape memo ---------------------------------------------------------------
 
 #: Every GroupTransfer field the geometry and program read, besides planes, runs and the ids.
 _GROUP_STATIC = operator.attrgetter(
@@ -301,7 +301,7 @@ _GROUP_STATIC = operator.attrgetter(
     "kept_per_chunk",
 )
 _MAX_PROGRAMS = 512
-# key -> (program, the objects whose id() is in the key: held so no id is reused while cached)
+# key -> (program, the objects whose id() is in the key: held so no id is reused while remembered)
 _PROGRAMS: dict[tuple, tuple[_Program, tuple]] = {}
 _MAX_METAS = 4096
 _METAS: dict[tuple, jax.Array] = {}
@@ -318,7 +318,7 @@ def program_for(
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
-    (hashing those by value costs more than the rest of a call) and the cache entry holds the
+    (hashing those by value costs more than the rest of a call) and the memo entry holds the
     objects themselves, so an id in a live key always names the same object. Plans from one
     binding share those objects; hand-built plans just miss and build (then JAX's jit cache
     still finds the value-equal program: no new compilation).
@@ -401,7 +401,7 @@ def _on_device(ids) -> bool:
 
 
 def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
-    """``[first_item, num_items]`` int32: NumPy without a placement, else a cached device array
+    """``[first_item, num_items]`` int32: NumPy without a placement, else a memoised device array
     (a handful of values recur: no host-to-device copy per call)."""
     num_items = max(num_items, 0)
     if placement is None:

@@ -327,8 +327,8 @@ def layouts_and_identities(
             continue
         tensors, index = layer_tensors(kv_caches, fmt, layer)
         key = (fmt, index, *[t.spec for t in tensors])
-        cached = templates.get(key)
-        if cached is None:
+        template = templates.get(key)
+        if template is None:
             layout = layer_layout(kv_caches, fmt, layer)
             # Which of the layer's tensors backs each plane (by identity: the structure was
             # described once, so layer_layout saw these very descriptors).
@@ -345,7 +345,7 @@ def layouts_and_identities(
                 }
                 templates[key] = (fields, indices, by_group)
         else:
-            fields, indices, by_group = cached
+            fields, indices, by_group = template
             planes = tuple([(tensors[index], offset) for index, offset in indices])
             layout = LayerLayout(**fields, planes=planes)
         identity = by_group.get(gid)

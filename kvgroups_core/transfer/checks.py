@@ -413,7 +413,7 @@ def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
 
 # --- read-only host memory ----------------------------------------------------------------
 
-_MAPS_CACHE: dict[tuple[int, int], bool] = {}
+_MAPS_MEMO: dict[tuple[int, int], bool] = {}
 
 
 def host_range_writable(mem: Memory) -> bool:
@@ -421,7 +421,7 @@ def host_range_writable(mem: Memory) -> bool:
     elsewhere assumed writable). A framework cannot always tell: a torch tensor made from a
     read-only mapping writes (and crashes) like any other."""
     key = (mem.address, mem.extent)
-    hit = _MAPS_CACHE.get(key)
+    hit = _MAPS_MEMO.get(key)
     if hit is not None:
         return hit
     try:
@@ -445,11 +445,11 @@ def host_range_writable(mem: Memory) -> bool:
         covered = hi
         if covered >= end:
             break
-    if len(_MAPS_CACHE) > 1024:
-        _MAPS_CACHE.clear()
+    if len(_MAPS_MEMO) > 1024:
+        _MAPS_MEMO.clear()
     if not ok:
-        return False  # not cached: the mapping may become writable
-    _MAPS_CACHE[key] = True
+        return False  # not remembered: the mapping may become writable
+    _MAPS_MEMO[key] = True
     return True
 
 

@@ -189,7 +189,7 @@ class TransferPlan:
     def from_fields(cls, fields: dict) -> "TransferPlan":
         """The plan holding ``fields`` (every field, values as ``__init__`` leaves them; the
         dict is taken over), built without ``__init__``: how the planner assembles a call's
-        plan from its cached shape."""
+        plan from its remembered shape."""
         return _filled(cls, fields)
 
     def with_block_ids(self, block_ids: Any) -> "TransferPlan":

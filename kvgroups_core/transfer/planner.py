@@ -97,7 +97,7 @@ def bind_caches(
 
 
 def _tensor_key(desc: TensorDesc) -> tuple:
-    # Identity within one bind only (never cached across calls or traces).
+    # Identity within one bind only (never remembered across calls or traces).
     return (id(desc.obj) if desc.obj is not None else id(desc), desc.spec, desc.byte_offset)
 
 
@@ -486,8 +486,8 @@ def plan_call(
     of the backend's ``paths``) as :attr:`TransferPlan.path`.
 
     This is the per-call host path of a prepared transfer, so the work that depends only on
-    ``(direction, num_chunks, skip_first_n_tokens, layers)`` is cached on the binding, and plan
-    objects are made from those cached fields by the plan classes' per-call constructors
+    ``(direction, num_chunks, skip_first_n_tokens, layers)`` is memoised on the binding, and plan
+    objects are made from those memoised fields by the plan classes' per-call constructors
     (:meth:`GroupTransfer.from_shape`, :meth:`TransferPlan.from_fields`).
     """
     if direction != "store" and direction != "load":

@@ -2,7 +2,7 @@
 
 One launch per :class:`~kvgroups_core.transfer.plan.GroupTransfer`. What depends only on the group's
 geometry and the caches' addresses (the plane pointer table on the device, the packed
-``KvgParams`` per vector width, the kernel handle) is built once and cached; a call then only
+``KvgParams`` per vector width, the kernel handle) is built once and memoised; a call then only
 writes the block ids, the object addresses and the item range into the packed parameters and
 launches the kernel on PyTorch's current stream (``driver.Launcher``). Nothing here synchronises.
 """
@@ -37,10 +37,10 @@ _INT32_MAX = 2**31 - 1
 
 
 def reset_caches() -> None:
-    """Forget loaded kernels and cached launch state (tests that change
+    """Forget loaded kernels and memoised launch state (tests that change
     ``geometry.WARP_MIN_PAGE_BYTES`` use this)."""
     forget_devices()
-    with _cache_lock:
+    with _memo_lock:
         _by_identity.clear()
         _by_value.clear()
 
@@ -380,20 +380,20 @@ def write_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_ind
 
 
 ID_DTYPES = (torch.int32, torch.int64)
-_CACHE_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
+_MEMO_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
 _by_identity: OrderedDict[tuple, tuple[Any, Any, GroupLaunch]] = OrderedDict()
 _by_value: OrderedDict[tuple, GroupLaunch] = OrderedDict()
-_cache_lock = threading.Lock()
+_memo_lock = threading.Lock()
 
 
-def _remember(cache: OrderedDict, key: tuple, value: Any) -> None:
-    cache[key] = value
-    if len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
+def _remember(memo: OrderedDict, key: tuple, value: Any) -> None:
+    memo[key] = value
+    if len(memo) > _MEMO_SIZE:
+        memo.popitem(last=False)
 
 
 def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceState) -> GroupLaunch:
-    """The cached :class:`GroupLaunch` of ``group`` on these cache addresses.
+    """The memoised :class:`GroupLaunch` of ``group`` on these cache addresses.
 
     Looked up by the identity of the plan's ``planes`` / ``runs`` tuples first (free when the
     core reuses them across plans), then by value (hashes every plane).
@@ -413,7 +413,7 @@ def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceSta
     if hit is not None and hit[0] is group.planes and hit[1] is group.runs:
         return hit[2]
     vkey = (group.planes, group.runs, scalars, cache_addresses)
-    with _cache_lock:
+    with _memo_lock:
         launch = _by_value.get(vkey)
         if launch is None:
             plane_addresses = []

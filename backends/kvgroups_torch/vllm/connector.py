@@ -160,7 +160,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._index = ChunkIndex(self._capacity)
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[int, int]] = {}
-        self._hash_cache: dict[str, list[bytes]] = {}
+        self._hash_memo: dict[str, list[bytes]] = {}
         self._loads_to_send: dict[str, tuple[int, int, list[int], int]] = {}
         # worker side
         self._layout: VllmKVLayout | None = None
@@ -202,10 +202,10 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     def _hashes(self, request: Request) -> list[bytes]:
         # Hashed once from the Request (it carries the cache salt, LoRA and multimodal
         # inputs); build_connector_meta reuses these for the request's saves.
-        hashes = self._hash_cache.get(request.request_id)
+        hashes = self._hash_memo.get(request.request_id)
         if hashes is None:
             hashes = chunk_hashes(list(request.prompt_token_ids or []), self._chunk, _salt(request))
-            self._hash_cache[request.request_id] = hashes
+            self._hash_memo[request.request_id] = hashes
         return hashes
 
     def on_new_request(self, request: Request) -> None:
@@ -361,10 +361,10 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         touched: list[tuple[str, _Request, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or [])
-            hashes = self._hash_cache.get(new.req_id)
+            hashes = self._hash_memo.get(new.req_id)
             if hashes is None:
                 hashes = chunk_hashes(prompt, self._chunk, _salt(new))
-                self._hash_cache[new.req_id] = hashes
+                self._hash_memo[new.req_id] = hashes
             state = _Request(prompt, hashes, [list(ids) for ids in new.block_ids])
             self._requests[new.req_id] = state
             after = new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -464,7 +464,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
-        self._hash_cache.pop(req_id, None)
+        self._hash_memo.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
         self._loads_to_send.pop(req_id, None)
         self._counters.forget(req_id)
