@@ -4,13 +4,13 @@ the same run's copy, and time to the first layer of a layer-streamed pull.
 A writer process (this script with ``--writer``) holds vLLM-shaped caches (one
 ``[blocks, tokens, heads, K|V]`` view per layer, block 16, bf16) and a pool of memory objects,
 both on the GPU (NIXL ``VRAM``) or, with ``--tiny``, in host memory (``DRAM``). It stores each
-request's chunks into pool slots and publishes them. This process is the reader: it pulls
+request's chunks into pool entries and publishes them. This process is the reader: it pulls
 with the public reader (``kvgroups_transport.Receiver``) and loads into its own caches. Models:
 ``llama`` (full attention) and ``hybrid`` (every other layer a 1024-token sliding window in its
 own engine group, so its objects move only the last chunks). Per chunk count it reports
 
-- ``pull``: ``Receiver.begin/pull/wait`` of every chunk into staging slots (consecutive on
-  both sides), and ``pull_scattered`` (writer slots not consecutive); ``pull_partial``: the
+- ``pull``: ``Receiver.begin/pull/wait`` of every chunk into staging entries (consecutive on
+  both sides), and ``pull_scattered`` (writer entries not consecutive); ``pull_partial``: the
   reader already holds all but the last chunk;
 - ``pull_load``: the same plus ``load`` into the caches;
 - ``first_layer``: pull and load of layer 0 only (its byte ranges), against ``pull_load``:
@@ -135,15 +135,15 @@ def writer(args: argparse.Namespace) -> None:
         for n in s["chunks"]:
             ids = block_ids(manager, n, blocks, seed=n)
             store(manager, caches, ids, pool.writable_rows(range(n)))
-            scattered = list(range(2 * n - 2, -1, -2))  # descending, every other slot
-            for c, slot in enumerate(scattered):
+            scattered = list(range(2 * n - 2, -1, -2))  # descending, every other entry
+            for c, entry in enumerate(scattered):
                 one = {g: i[c * CHUNK // BS : (c + 1) * CHUNK // BS] for g, i in ids.items()}
-                store(manager, caches, one, pool.writable_rows([slot]))
+                store(manager, caches, one, pool.writable_rows([entry]))
             if caches[0].is_cuda:
                 torch.cuda.synchronize()
-            for kind, slots in (("consecutive", list(range(n))), ("scattered", scattered)):
+            for kind, entries in (("consecutive", list(range(n))), ("scattered", scattered)):
                 pubs[f"{model}-{kind}-{n}"] = publish(
-                    transport, manager, f"{model}/{kind}/{n}", pool, slots
+                    transport, manager, f"{model}/{kind}/{n}", pool, entries
                 ).to_dict()
     (out / "ready.json").write_text(json.dumps(pubs))
     while not (out / "stop").exists():

@@ -1,5 +1,5 @@
 """KVGroupsConnector's save and load path on vLLM-shaped caches, through the connector's own
-calls (``kvgroups_torch.vllm.HostChunkStore``: the prepared store/load into slot
+calls (``kvgroups_torch.vllm.HostChunkStore``: the prepared store/load into entry
 buffers in host memory, pinned on CUDA).
 
 The caches are what vLLM >= 0.32 registers on a GPU for a Llama-3-8B-like model: 32 layers,
@@ -123,17 +123,17 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for n in chunks:
         ids = {0: torch.randperm(blocks, generator=gen)[: n * per_chunk].tolist()}
-        slots = list(range(n))
+        entries = list(range(n))
         nbytes = n * sum(store.object_bytes)
         calls = {
-            "store": ("store", lambda ids=ids, slots=slots: store.save(ids, slots)),
-            "load": ("load", lambda ids=ids, slots=slots: store.load(ids, slots)),
+            "store": ("store", lambda ids=ids, entries=entries: store.save(ids, entries)),
+            "load": ("load", lambda ids=ids, entries=entries: store.load(ids, entries)),
         }
         if store.layerwise:
             calls["layerwise"] = (
                 "store",
-                lambda ids=ids, slots=slots: [
-                    store.save_layer(ids, slots, layer) for layer in range(layers)
+                lambda ids=ids, entries=entries: [
+                    store.save_layer(ids, entries, layer) for layer in range(layers)
                 ],
             )
         for call, (direction, fn) in calls.items():

@@ -16,10 +16,10 @@ from typing import IO, Any, Callable
 
 
 class JsonLines:
-    """One JSON object per line on stdout, and appended to ``path`` when one is given."""
+    """One JSON object per line on stdout, and appended to ``out_file`` when one is given."""
 
-    def __init__(self, path: Path | str | None = None) -> None:
-        self.out: IO[str] | None = open(path, "a") if path else None
+    def __init__(self, out_file: Path | str | None = None) -> None:
+        self.out: IO[str] | None = open(out_file, "a") if out_file else None
 
     def __call__(self, record: dict[str, Any]) -> None:
         line = json.dumps(record)

@@ -285,7 +285,7 @@ def paths() -> str:
 
 
 def connector() -> str:
-    """PERFORMANCE: KVGroupsConnector's save and load into pinned host slots."""
+    """PERFORMANCE: KVGroupsConnector's save and load into pinned host entries."""
     rs = records("vllm_connector_h200.jsonl")
     chunks = sorted({r["chunks"] for r in rs})
     return table(
@@ -341,7 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     names = args.names or list(TABLES)
     if args.check:
-        text = "\n".join(path.read_text() for path in args.check)
+        text = "\n".join(file.read_text() for file in args.check)
         stale = [name for name in names if TABLES[name]() not in text]
         for name in stale:
             print(

@@ -185,8 +185,8 @@ def pytest_terminal_summary(terminalreporter: Any, exitstatus: int, config: pyte
         if row["outcome"] == "skipped":
             tr.write_line(f"SKIPPED {row['case']} (a certified run skips nothing)")
     tr.write_line(result["verdict"])
-    path = config.getoption("kvgroups_report")
-    if path:
-        with open(path, "w", encoding="utf-8") as f:
+    report_file = config.getoption("kvgroups_report")
+    if report_file:
+        with open(report_file, "w", encoding="utf-8") as f:
             json.dump({**result, "cases": state.rows}, f, indent=1)
-        tr.write_line(f"report written to {path}")
+        tr.write_line(f"report written to {report_file}")

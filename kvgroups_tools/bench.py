@@ -1,6 +1,6 @@
 """Transfer benchmarks: the bandwidth of every page-copy path next to measured ceilings.
 
-The engine is framework-free. It builds managers and plans (plain core data) for the points
+The runner is framework-free. It builds managers and plans (plain core data) for the points
 of a :class:`~kvgroups_tools.bench_matrix.Matrix` and drives each runtime through a *bench
 kit*: a small module per backend (``kvgroups_tools.bench_kits.numpy_kit``, ``torch_kit``,
 ``jax_kit``), imported by name only when asked
@@ -88,21 +88,21 @@ class Timing:
 
 @dataclass
 class Workload:
-    """What a kit's calls act on: backing tensors in plan slot order and the objects (one list
-    per rotation, one array per object group). Kits replace entries (JAX donation)."""
+    """What a kit's calls act on: backing tensors in plan tensor_index order and the objects
+    (one list per rotation, one array per object group). Kits replace entries (JAX donation)."""
 
-    slots: list
+    tensors: list
     objects: list = field(default_factory=list)
     extra: dict = field(default_factory=dict)
     caches: list | None = None  # the caches as a user holds them (public calls); flat list
-    positions: list = field(default_factory=list)  # caches[i] is slots[positions[i]]
+    positions: list = field(default_factory=list)  # caches[i] is tensors[positions[i]]
 
     def sync_caches(self) -> None:
-        """After an internal JAX load replaced slots: the user-side list follows."""
+        """After an internal JAX load replaced tensors: the user-side list follows."""
         if self.caches is not None:
             for i, p in enumerate(self.positions):
-                if not isinstance(self.slots[p], TensorDesc):
-                    self.caches[i] = self.slots[p]
+                if not isinstance(self.tensors[p], TensorDesc):
+                    self.caches[i] = self.tensors[p]
 
 
 def map_specs(structure: Any, fn: Callable[[TensorSpec, int], Any], _n: list | None = None) -> Any:
@@ -217,16 +217,16 @@ def shape_info(shape: Shape, manager: KVLayerGroupsManager) -> dict:
     }
 
 
-def user_caches(caches: Any, slots: Sequence[Any]) -> tuple[list | None, list]:
-    """The flat cache list public calls take and each entry's slot; (None, []) for nested
+def user_caches(caches: Any, tensors: Sequence[Any]) -> tuple[list | None, list]:
+    """The flat cache list public calls take and each entry's tensor index; (None, []) for nested
     structures (public calls are then refused)."""
     if not isinstance(caches, list):
         return None, []
-    slot_of = {}
-    for k, d in enumerate(slots):
-        slot_of.setdefault(id(d), k)
-        slot_of.setdefault(id(getattr(d, "obj", d)), k)
-    positions = [slot_of.get(id(x)) for x in caches]
+    index_of = {}
+    for k, d in enumerate(tensors):
+        index_of.setdefault(id(d), k)
+        index_of.setdefault(id(getattr(d, "obj", d)), k)
+    positions = [index_of.get(id(x)) for x in caches]
     return (None, []) if None in positions else (list(caches), positions)
 
 
@@ -471,7 +471,7 @@ class BenchRun:
         except Exception as exc:  # noqa: BLE001 - reported; the other shapes still run
             self.emit({"record": "error", **where, "stage": "build caches", **_error(exc)})
             return
-        wl = Workload(slots=list(binding.tensors))
+        wl = Workload(tensors=list(binding.tensors))
         wl.caches, wl.positions = user_caches(caches, binding.tensors)
         del caches
         for point in points:

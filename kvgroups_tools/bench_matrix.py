@@ -1,7 +1,7 @@
 """Case matrices for ``kvgroups bench``: which shapes, chunk counts and placements are measured.
 
 A :class:`Matrix` is an ordered list of :class:`Point` s (a cache shape, a chunk count, where the
-objects live) plus the manager-construction sweep. The engine (:mod:`kvgroups_tools.bench`)
+objects live) plus the manager-construction sweep. The runner (:mod:`kvgroups_tools.bench`)
 measures the points in order, keeping one set of caches per shape, so each shape's points sit
 together and the most important points come first (a time budget then cuts the least useful).
 
@@ -36,7 +36,7 @@ from .catalog import CacheModel, get_model
 class Shape:
     """A cache geometry: a catalogue model with a layer count, or a shape spec string.
 
-    ``label`` names it in the records; for a spec, its NB is a minimum (the engine raises it
+    ``label`` names it in the records; for a spec, its NB is a minimum (the runner raises it
     to what the chunk counts need).
     """
 
@@ -320,9 +320,9 @@ def _leaves(structure: object) -> list:
 
 def memory_needed(matrix: Matrix) -> tuple[int, str]:
     """``(bytes, the shape and chunk count)`` of the matrix's largest allocation, from
-    descriptors alone: a shape's caches (at the block count the engine gives them) plus, for
+    descriptors alone: a shape's caches (at the block count the runner gives them) plus, for
     its largest point, the objects of one rotation and the ceiling's and the check's copies
-    of as many bytes (the engine measures one shape at a time and frees it after)."""
+    of as many bytes (the runner measures one shape at a time and frees it after)."""
     from kvgroups_core.grouping.manager import KVLayerGroupsManager
     from kvgroups_core.transfer.objects import object_nbytes
 

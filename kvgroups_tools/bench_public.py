@@ -1,4 +1,4 @@
-"""The public calls a user makes, as timed callables for the benchmark engine.
+"""The public calls a user makes, as timed callables for the benchmark runner.
 
 Each measured case is one of :data:`CALLS` with block ids kept on the host (NumPy) or on the
 device (the runtime's own arrays), through ``kvgroups_core.store`` / ``load`` / ``prepare``:
@@ -59,11 +59,11 @@ class Case:
 
 def adopt(wl: Any, new_caches: Any) -> None:
     """Put a load's results in place (JAX returns new arrays; torch the same tensors), keeping
-    the slot-ordered list the engine's internal paths use in step."""
+    the tensor_index-ordered list the engine's internal paths use in step."""
     new = list(new_caches)
     for i, (old, x) in enumerate(zip(wl.caches, new)):
         if x is not old:
-            wl.slots[wl.positions[i]] = x
+            wl.tensors[wl.positions[i]] = x
     wl.caches = new
 
 

@@ -111,16 +111,16 @@ def build_matrix(args: argparse.Namespace) -> bench_matrix.Matrix:
     return replace(matrix, **changes)
 
 
-def read_records(paths: list[Path], option: str = "summarize") -> list[dict]:
-    """The JSON records of ``paths``; a file that is missing or not JSON lines is a typed
+def read_records(files: list[Path], option: str = "summarize") -> list[dict]:
+    """The JSON records of ``files``; a file that is missing or not JSON lines is a typed
     error naming the option and the file."""
     records = []
-    for path in paths:
+    for file in files:
         try:
-            text = path.read_text()
+            text = file.read_text()
         except OSError as exc:
             raise KVGroupsValueError(
-                f"{option}: expected a readable JSON-lines file, got {str(path)!r} "
+                f"{option}: expected a readable JSON-lines file, got {str(file)!r} "
                 f"({exc.strerror or type(exc).__name__})"
             ) from None
         for number, line in enumerate(text.splitlines(), 1):
@@ -130,13 +130,13 @@ def read_records(paths: list[Path], option: str = "summarize") -> list[dict]:
                 record = json.loads(line)
             except json.JSONDecodeError as exc:
                 raise KVGroupsValueError(
-                    f"{option}: expected one JSON object per line, got {str(path)!r} line "
+                    f"{option}: expected one JSON object per line, got {str(file)!r} line "
                     f"{number}: {exc.msg}"
                 ) from None
             if not isinstance(record, dict) or "record" not in record:
                 raise KVGroupsValueError(
                     f"{option}: expected bench records (objects with a 'record' field), got "
-                    f"{str(path)!r} line {number}: {line[:60]!r}"
+                    f"{str(file)!r} line {number}: {line[:60]!r}"
                 )
             records.append(record)
     return records

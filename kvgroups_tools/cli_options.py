@@ -173,10 +173,10 @@ shape_spec.__name__ = "shape spec"
 
 def out_file(text: str) -> Path:
     """A file to write in a directory that exists (nothing is created on the way)."""
-    path = Path(text)
-    if path.is_dir():
+    file = Path(text)
+    if file.is_dir():
         raise argparse.ArgumentTypeError(f"expected a file path, got the directory {text!r}")
-    parent = path.parent if str(path.parent) else Path(".")
+    parent = file.parent if str(file.parent) else Path(".")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(
             f"expected a file in an existing directory, got {text!r} ({str(parent)!r} does "
@@ -184,7 +184,7 @@ def out_file(text: str) -> Path:
         )
     if not os.access(parent, os.W_OK):
         raise argparse.ArgumentTypeError(f"expected a writable directory, got {text!r}")
-    return path
+    return file
 
 
 out_file.__name__ = "file path"

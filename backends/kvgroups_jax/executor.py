@@ -13,7 +13,7 @@ the same ``planes`` / ``runs`` / ``tensor_specs`` objects), so the static progra
 a cheap key of those identities plus a few ints and built once (:func:`program_for`); the
 program hashes in O(1) and one plan shape always yields the same program object, so JAX's
 static-argument check is an identity test. The per-call ``(first_item, num_items)`` arrays live
-on the device, cached by value. What is left per call is the ids array and JAX's dispatch.
+on the device, memoised by value. What is left per call is the ids array and JAX's dispatch.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ def trace_count() -> int:
 class _Program:
     """The jit key: everything static about one plan execution.
 
-    ``id_slots[g]`` picks group ``g``'s ids among the call's id arrays (groups of one engine
+    ``id_indices[g]`` picks group ``g``'s ids among the call's id arrays (groups of one engine
     group share one array: one host-to-device copy). JAX hashes and compares the static
     argument on every call; nested frozen dataclasses would re-hash every box each time, so the
     hash is computed once and equality tries identity first.
@@ -62,7 +62,7 @@ class _Program:
     object_groups: tuple[int, ...]
     grid_items: tuple[int, ...]
     num_warps: int
-    id_slots: tuple[int, ...] = ()
+    id_indices: tuple[int, ...] = ()
     #: Per object group: ``(num_chunks, nbytes)`` when a store creates it (objects=None),
     #: else None.
     fresh: tuple = ()
@@ -85,7 +85,7 @@ class _Program:
             self.object_groups,
             self.grid_items,
             self.num_warps,
-            self.id_slots,
+            self.id_indices,
             self.fresh,
             self.device_ids,
             self.kernel_groups,
@@ -138,13 +138,13 @@ def program_body(program: _Program, caches, objects, metas, idss):
         lowering = program.lowerings[g]
         og = program.object_groups[g]
         unit = geom.unit
-        views = tuple(flat_view(caches[s], unit) for s in geom.operand_slots)
+        views = tuple(flat_view(caches[s], unit) for s in geom.operand_indices)
         if og in pending:  # the first group to write a new object creates it
             rows, nbytes = pending.pop(og)
             obj = jax.ShapeDtypeStruct((rows, nbytes // unit), UINT_OF_WIDTH[unit])
         else:
             obj = object_view(objects[og], unit)
-        ids = idss[program.id_slots[g]] if program.id_slots else idss[g]
+        ids = idss[program.id_indices[g]] if program.id_indices else idss[g]
         if program.device_ids and program.device_ids[g]:
             # Reported under checkify only (no effect on plain jit: see id_checks).
             ids = check_block_ids(
@@ -172,7 +172,7 @@ def program_body(program: _Program, caches, objects, metas, idss):
         if program.direction == "store":
             objects[og] = object_unview(out, unit)
         else:
-            for s, view in zip(geom.operand_slots, out):
+            for s, view in zip(geom.operand_indices, out):
                 caches[s] = unflat_view(view, caches[s].shape, caches[s].dtype, unit)
     for og, shape in pending.items():  # no group of this call writes it (a layer subset)
         objects[og] = jnp.zeros(shape, jnp.uint8)
@@ -284,7 +284,7 @@ def _home(arrays) -> tuple[str, object]:
     return jax.default_backend(), None
 
 
-# --- the per-plan-shape cache ---------------------------------------------------------------
+# --- the per-plan-shape memo ---------------------------------------------------------------
 
 #: Every GroupTransfer field the geometry and program read, besides planes, runs and the ids.
 _GROUP_STATIC = operator.attrgetter(
@@ -301,7 +301,7 @@ _GROUP_STATIC = operator.attrgetter(
     "kept_per_chunk",
 )
 _MAX_PROGRAMS = 512
-# key -> (program, the objects whose id() is in the key: held so no id is reused while cached)
+# key -> (program, the objects whose id() is in the key: held so no id is reused while remembered)
 _PROGRAMS: dict[tuple, tuple[_Program, tuple]] = {}
 _MAX_METAS = 4096
 _METAS: dict[tuple, jax.Array] = {}
@@ -318,7 +318,7 @@ def program_for(
     """The interned :class:`_Program` of ``plan``'s shape, built on first sight.
 
     The key holds ``id()`` s of ``plan.tensor_specs`` and of each group's ``planes`` / ``runs``
-    (hashing those by value costs more than the rest of a call) and the cache entry holds the
+    (hashing those by value costs more than the rest of a call) and the memo entry holds the
     objects themselves, so an id in a live key always names the same object. Plans from one
     binding share those objects; hand-built plans just miss and build (then JAX's jit cache
     still finds the value-equal program: no new compilation).
@@ -339,14 +339,14 @@ def program_for(
     for g in plan.groups:
         if type(g.planes) is not tuple or type(g.runs) is not tuple:
             return _build_static(plan, lowering, platform, num_warps, fresh, tuning)
-        slot = seen.setdefault(id(g.block_ids), len(seen))
+        id_index = seen.setdefault(id(g.block_ids), len(seen))
         key.append(
             (
                 id(g.planes),
                 id(g.runs),
                 _GROUP_STATIC(g),
                 bucket(g.num_items),
-                slot,
+                id_index,
                 _on_device(g.block_ids),
             )
         )
@@ -370,7 +370,7 @@ def _build_static(
     fresh: tuple = (),
     tuning: LoweringTuning = DEFAULT_TUNING,
 ) -> _Program:
-    geoms, lowerings, ogs, grids, id_slots = [], [], [], [], []
+    geoms, lowerings, ogs, grids, id_indices = [], [], [], [], []
     seen: dict[int, int] = {}
     for group in plan.groups:
         geom = group_geometry(group, plan.tensor_specs, plan.object_nbytes[group.object_group_idx])
@@ -378,7 +378,7 @@ def _build_static(
         lowerings.append(resolve_lowering(lowering, geom, platform))
         ogs.append(group.object_group_idx)
         grids.append(bucket(group.num_items))
-        id_slots.append(seen.setdefault(id(group.block_ids), len(seen)))
+        id_indices.append(seen.setdefault(id(group.block_ids), len(seen)))
     return _Program(
         plan.direction,
         tuple(geoms),
@@ -386,7 +386,7 @@ def _build_static(
         tuple(ogs),
         tuple(grids),
         num_warps,
-        tuple(id_slots),
+        tuple(id_indices),
         fresh,
         tuple(_on_device(g.block_ids) for g in plan.groups),
         tuple(g.kernel_group_idx for g in plan.groups),
@@ -401,7 +401,7 @@ def _on_device(ids) -> bool:
 
 
 def _meta(first_item: int, num_items: int, placement) -> jax.Array | np.ndarray:
-    """``[first_item, num_items]`` int32: NumPy without a placement, else a cached device array
+    """``[first_item, num_items]`` int32: NumPy without a placement, else a memoised device array
     (a handful of values recur: no host-to-device copy per call)."""
     num_items = max(num_items, 0)
     if placement is None:
@@ -536,7 +536,7 @@ def build_program(
     tuning: LoweringTuning = DEFAULT_TUNING,
 ):
     """The static :class:`_Program` of ``plan`` plus its runtime ``(metas, ids)`` arrays (NumPy;
-    ``ids`` holds one array per distinct ids object, see ``_Program.id_slots``)."""
+    ``ids`` holds one array per distinct ids object, see ``_Program.id_indices``)."""
     fresh = fresh_shapes(plan, objects) if objects is not None else ()
     return (program_for(plan, lowering, platform, num_warps, fresh, tuning),) + runtime_args(
         plan, None

@@ -31,7 +31,7 @@ _IMPORTED: dict[int, tuple[Any, int]] = {}
 class InPlaceWriteLostError(KVGroupsError, RuntimeError):
     """A load into foreign memory landed in a copy that the owner cannot see.
 
-    ``caches`` holds the new JAX arrays (with the loaded bytes) in slot order.
+    ``caches`` holds the new JAX arrays (with the loaded bytes) in tensor_index order.
     """
 
     def __init__(self, message: str, caches: list | None = None):
@@ -83,8 +83,8 @@ def _owner_alive(ptr: int) -> bool:
     return owner() is not None if isinstance(owner, weakref.ref) else True
 
 
-def block_extents(plan, slot: int) -> list[tuple[int, int]]:
-    """``(byte_start, byte_stop)`` of every block the load wrote in tensor ``slot``."""
+def block_extents(plan, index: int) -> list[tuple[int, int]]:
+    """``(byte_start, byte_stop)`` of every block the load wrote in tensor ``index``."""
     spans = []
     for group in plan.groups:
         lo = min(r.cache_offset for r in group.runs)
@@ -97,7 +97,7 @@ def block_extents(plan, slot: int) -> list[tuple[int, int]]:
         )
         _, _, block_ids = group.items()
         for plane in group.planes:
-            if plane.tensor_slot != slot:
+            if plane.tensor_index != index:
                 continue
             for b in np.asarray(block_ids, dtype=np.int64):
                 start = plane.byte_offset + int(b) * group.block_stride_bytes
@@ -111,7 +111,7 @@ def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None
     ``before`` are the input buffer pointers (0 for abstract values, which are skipped).
     """
     lost, copied = [], []
-    for slot, (ptr, x, y) in enumerate(zip(before, inputs, outputs)):
+    for index, (ptr, x, y) in enumerate(zip(before, inputs, outputs)):
         if not ptr or not isinstance(y, jax.Array) or isinstance(y, jax.core.Tracer):
             continue
         new_ptr = y.unsafe_buffer_pointer()
@@ -121,10 +121,10 @@ def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None
             if new_ptr == owner_ptr:
                 continue
             if not on_cpu:
-                lost.append(slot)
+                lost.append(index)
                 continue
             y.block_until_ready()
-            for start, stop in block_extents(plan, slot):
+            for start, stop in block_extents(plan, index):
                 ctypes.memmove(owner_ptr + start, new_ptr + start, stop - start)
             continue
         if not x.is_deleted():
@@ -132,9 +132,9 @@ def check_in_place(plan, before: list[int], inputs: list, outputs: list) -> None
         if new_ptr == ptr:
             continue
         if on_cpu:
-            copied.append(slot)
+            copied.append(index)
         else:
-            lost.append(slot)
+            lost.append(index)
     if copied:
         warnings.warn(
             f"caches {copied}: the load wrote new buffers, not the donated ones (the CPU client "

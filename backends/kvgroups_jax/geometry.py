@@ -50,13 +50,13 @@ class Box:
 class GroupGeometry:
     """The static description of one kernel group's transfer (all sizes in elements).
 
-    ``operand_slots`` are the plan's tensor slots this group reads or writes, in kernel operand
+    ``operand_indices`` are the plan's tensor indices this group reads or writes, in kernel operand
     order (one operand per backing array: no stacking copies); ``plane_operands[p]`` and
     ``plane_offsets[p]`` say where plane ``p`` starts.
     """
 
     unit: int
-    operand_slots: tuple[int, ...]
+    operand_indices: tuple[int, ...]
     operand_sizes: tuple[int, ...]
     plane_operands: tuple[int, ...]
     plane_offsets: tuple[int, ...]
@@ -200,22 +200,22 @@ def choose_unit(group, tensor_specs, object_nbytes: int) -> int:
         ]
     for plane in group.planes:
         values.append(plane.byte_offset)
-        values.append(tensor_specs[plane.tensor_slot].nbytes)
+        values.append(tensor_specs[plane.tensor_index].nbytes)
     return widest_unit(values, limit=max(int(group.itemsize), 1))
 
 
 def group_geometry(
     group, tensor_specs, object_nbytes: int, max_elems: int = MAX_BOX_ELEMS
 ) -> GroupGeometry:
-    """The :class:`GroupGeometry` of a ``GroupTransfer`` (``tensor_specs`` in slot order)."""
+    """The :class:`GroupGeometry` of a ``GroupTransfer`` (``tensor_specs`` by tensor_index)."""
     unit = choose_unit(group, tensor_specs, object_nbytes)
-    slots: list[int] = []
+    indices: list[int] = []
     plane_operands = []
     for plane in group.planes:
-        if plane.tensor_slot not in slots:
-            slots.append(plane.tensor_slot)
-        plane_operands.append(slots.index(plane.tensor_slot))
-    sizes = tuple(tensor_specs[s].nbytes // unit for s in slots)
+        if plane.tensor_index not in indices:
+            indices.append(plane.tensor_index)
+        plane_operands.append(indices.index(plane.tensor_index))
+    sizes = tuple(tensor_specs[i].nbytes // unit for i in indices)
     row = group.row_bytes // unit
     boxes: list[Box] = []
     segments: list[Segment] = []
@@ -232,7 +232,7 @@ def group_geometry(
         segments.append(Segment(tuple(merged), run.cache_offset // unit, run.obj_offset // unit))
     geom = GroupGeometry(
         unit=unit,
-        operand_slots=tuple(slots),
+        operand_indices=tuple(indices),
         operand_sizes=sizes,
         plane_operands=tuple(plane_operands),
         plane_offsets=tuple(p.byte_offset // unit for p in group.planes),
@@ -248,7 +248,7 @@ def group_geometry(
         boxes=tuple(boxes),
         object_planes=tuple(getattr(p, "object_plane", i) for i, p in enumerate(group.planes)),
         segments=tuple(segments),
-        operand_shapes=tuple(_unit_shape(tensor_specs[s], unit) for s in slots),
+        operand_shapes=tuple(_unit_shape(tensor_specs[i], unit) for i in indices),
     )
     return geom
 

@@ -273,7 +273,7 @@ def localize(plan, binding) -> Any:
     for g in plan.groups:
         t = binding.templates[g.kernel_group_idx]
         index = [getattr(p, "object_plane", i) for i, p in enumerate(g.planes)]
-        # The template's own tuple when every plane moves: the executor's program cache keys
+        # The template's own tuple when every plane moves: the executor's program memo keys
         # on its identity.
         planes = (
             t.planes if index == list(range(len(t.planes))) else tuple(t.planes[i] for i in index)

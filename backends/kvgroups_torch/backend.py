@@ -13,7 +13,7 @@ from kvgroups_core.tensors.dtypes import as_dtype
 from kvgroups_core.transfer.backend import Backend, BoundCaches
 from kvgroups_core.transfer.checks import Memory
 
-from . import cpu as cpu_path
+from . import cpu as cpu_copy
 from .compile import dynamo as compiled
 from .copy_engine import batch as copy_engine
 from .cuda import device as cuda_device
@@ -135,7 +135,7 @@ class TorchBackend(Backend):
                 plan, caches, objects, device.index, pinned=self.pinned
             )
         elif device.type == "cpu":
-            cpu_path.execute_plan(compiled.host_plan(plan), tensors, objects)
+            cpu_copy.execute_plan(compiled.host_plan(plan), tensors, objects)
         else:
             raise UnsupportedConfigError(f"caches: expected CPU or CUDA tensors, got {device}")
         return None, list(given)
@@ -381,9 +381,9 @@ class TorchBoundCaches(BoundCaches):
     def execute(self, plan: Any, objects: Sequence[Any]) -> tuple[list | None, list]:
         fast = self.device_caches
         if fast is not None:
-            bindings = fast.bind_device_objects(plan, objects)
-            if bindings is not None:
-                fast.execute(plan, bindings)
+            addresses = fast.device_object_addresses(plan, objects)
+            if addresses is not None:
+                fast.execute(plan, addresses)
                 return None, list(objects)
         return super().execute(plan, objects)
 

@@ -1,7 +1,7 @@
 """A plan bound to its tensors ahead of time: for ``torch.compile`` and CUDA graphs.
 
 :class:`BoundPlan` does all host work once (kernel compile/load, plane pointer tables
-on the device, object bindings, packed launch parameters), so :meth:`BoundPlan.run` is
+on the device, object addresses, packed launch parameters), so :meth:`BoundPlan.run` is
 one kernel launch per kernel group. With block ids given as CUDA tensors it reads them
 on the device, which makes it capturable with ``torch.cuda.graph``: update the id tensors in
 place and replay.
@@ -17,7 +17,7 @@ import torch
 from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
 from kvgroups_core.transfer.objects import check_objects
 
-from . import cpu as cpu_path
+from . import cpu as cpu_copy
 from .backend import DEFAULT_PINNED_MODE, cache_device, tensor_of
 from .compile import ops
 from .cuda import execute as cuda_execute
@@ -49,25 +49,25 @@ class BoundPlan:
         pinned: str = DEFAULT_PINNED_MODE,
     ) -> None:
         self.plan = plan
-        # The core's object rule at binding; then this class's own limit: one tensor (or
+        # The core's object rule at addresses; then this class's own limit: one tensor (or
         # DLPack producer) per object group, no per-chunk buffers.
         check_objects(plan, objects, lambda x: shape_of(tensor_of(x, "objects")))
         self.caches = [tensor_of(c, f"caches[{i}]") for i, c in enumerate(caches)]
         self.objects = [tensor_of(o, f"objects[{i}]") for i, o in enumerate(objects)]
         self.device = cache_device(self.caches)
         self.pinned = pinned
-        self._bindings: dict[int, cuda_objects.ObjectBinding] | None = None
+        self._addresses: dict[int, cuda_objects.ObjectAddresses] | None = None
         self._device_caches: cuda_execute.DeviceCaches | None = None
         if self.device.type == "cuda":
             index = self.device.index
             self._device_caches = cuda_execute.DeviceCaches(self.caches, index)  # loads kernels
-            self._bindings = {
-                g: cuda_objects.bind_objects(o, index, f"objects[{g}]")
+            self._addresses = {
+                g: cuda_objects.object_addresses(o, index, f"objects[{g}]")
                 for g, o in enumerate(self.objects)
             }
             for group in plan.groups:  # pointer tables and packed parameters, now
-                binding = self._bindings[group.object_group_idx]
-                self._device_caches.launch_for(group).prepare(plan.direction, binding)
+                addresses = self._addresses[group.object_group_idx]
+                self._device_caches.launch_for(group).prepare(plan.direction, addresses)
             # Staged pinned objects need their copies every call: only execute_plan does those.
             self._direct = pinned == "direct" or all(o.is_cuda for o in self.objects)
         self.handle = ops.register(self)
@@ -126,7 +126,7 @@ class BoundPlan:
         if self.device.type == "cuda":
             if caches is self.caches and objects is self.objects and self._direct:
                 # Eager :meth:`run`: everything but the ids was bound at construction.
-                self._device_caches.execute(self.plan, self._bindings, ids)
+                self._device_caches.execute(self.plan, self._addresses, ids)
                 return
             same = len(objects) == len(self.objects) and all(
                 a is b for a, b in zip(objects, self.objects)
@@ -139,9 +139,9 @@ class BoundPlan:
                 self.device.index,
                 pinned=self.pinned,
                 block_ids=ids,
-                bindings=self._bindings if same else None,
+                addresses=self._addresses if same else None,
             )
         else:
             if objects is not self.objects:
                 check_objects(self.plan, objects, shape_of)
-            cpu_path.execute_plan(self.plan, caches, objects, block_ids=ids)
+            cpu_copy.execute_plan(self.plan, caches, objects, block_ids=ids)

@@ -53,8 +53,8 @@ def _check_storages(plan: Any, caches: Sequence[torch.Tensor], objects: Sequence
     bound (``untyped_storage().resize_``, which keeps the data pointer on the CPU) would fail
     only at the first plane beyond the new end, after earlier groups had moved their bytes."""
     named: list[tuple[str, torch.Tensor]] = []
-    slots = {p.tensor_slot for g in plan.groups if g.num_items > 0 for p in g.planes}
-    named += [(f"caches[{s}]", caches[s]) for s in sorted(slots)]
+    indices = {p.tensor_index for g in plan.groups if g.num_items > 0 for p in g.planes}
+    named += [(f"caches[{i}]", caches[i]) for i in sorted(indices)]
     for og, entry in enumerate(objects):
         if isinstance(entry, torch.Tensor):
             named.append((f"objects[{og}]", entry))
@@ -132,7 +132,7 @@ def _unit(group: Any, caches: Sequence[torch.Tensor], buffers: list) -> int:
             run.token_stride,
         ]
     for plane in group.planes:
-        values += [plane.byte_offset, byte_offset_in_storage(caches[plane.tensor_slot])]
+        values += [plane.byte_offset, byte_offset_in_storage(caches[plane.tensor_index])]
     for buf, stride in buffers:
         values += [byte_offset_in_storage(buf), stride]
     return widest_unit(values, limit=8)
@@ -186,7 +186,7 @@ def execute_plan(
         og = group.object_group_idx
         buffers = _object_buffers(objects[og], group.num_chunks, f"objects[{og}]")
         e = _unit(group, caches, buffers)
-        device = caches[group.planes[0].tensor_slot].device
+        device = caches[group.planes[0].tensor_index].device
         ids = _item_ids(group, None if block_ids is None else block_ids[i], device)
         spans = _spans(group, len(buffers))
         obj_flats = [
@@ -197,15 +197,15 @@ def execute_plan(
         bs, row, kept = group.block_size, group.row_bytes // e, group.kept_per_chunk
         for plane in group.planes:
             p = plane.object_plane  # the plane's rows in the region (a layer subset skips some)
-            slot = plane.tensor_slot
-            if slot not in flats:
-                flats[slot] = storage_view(caches[slot], e)
-            start = (byte_offset_in_storage(caches[slot]) + plane.byte_offset) // e
+            index = plane.tensor_index
+            if index not in flats:
+                flats[index] = storage_view(caches[index], e)
+            start = (byte_offset_in_storage(caches[index]) + plane.byte_offset) // e
             for run in group.runs:
                 piece = run.nbytes // e
                 # [num_blocks, block_size, count, piece]
                 cache = torch.as_strided(
-                    flats[slot],
+                    flats[index],
                     (group.num_blocks, bs, run.count, piece),
                     (group.block_stride_bytes // e, run.token_stride // e, run.cache_step // e, 1),
                     start + run.cache_offset // e,

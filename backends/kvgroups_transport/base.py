@@ -1,23 +1,23 @@
 """The transport interface: memory objects moved between engines (prefill -> decode).
 
 Framework- and transport-free. A transport moves bytes between *pools*: per object group one
-buffer of ``capacity`` slots, slot ``s`` holding one chunk's object at ``base + s *
+buffer of ``capacity`` entries, entry ``s`` holding one chunk's object at ``base + s *
 object_nbytes`` (the layout of ``[capacity, object_nbytes]`` uint8 arrays). The life of a
 request:
 
 1. Both sides register their pools once (:meth:`Transport.register_pool`).
-2. The writer stores a request's chunks into slots and publishes them
-   (:meth:`Transport.publish`): a :class:`Publication`, plain JSON-able data naming the slots,
+2. The writer stores a request's chunks into entries and publishes them
+   (:meth:`Transport.publish`): a :class:`Publication`, plain JSON-able data naming the entries,
    the grouping's fingerprint (``manager.fingerprint(across_degrees=True)``), the writer's TP
    degree and object layout, and where each writer rank answers (its side channel).
 3. The reader checks the fingerprint (before any byte moves), plans which bytes it needs
-   (:mod:`kvgroups_transport.plan`) and pulls them into its own slots
+   (:mod:`kvgroups_transport.plan`) and pulls them into its own entries
    (:meth:`Transport.pull`; :meth:`Transport.push` is the writer-initiated mirror), then waits
    (:meth:`Transport.wait`) and only then loads them into its caches.
 4. The reader releases the request (:meth:`Transport.release_remote`); the writer may reuse
-   the slots. A publication also expires after the transport's ``publication_ttl_s``.
+   the entries. A publication also expires after the transport's ``publication_ttl_s``.
 
-A :class:`Copy` is one descriptor: a byte range of one slot run on each side.
+A :class:`Copy` is one descriptor: a byte range of one entry run on each side.
 """
 
 from __future__ import annotations
@@ -127,15 +127,15 @@ class PoolInfo:
 
 @dataclass(frozen=True, kw_only=True)
 class Copy:
-    """One descriptor: ``nbytes`` bytes from offset ``remote_offset`` of remote slot
-    ``remote_slot`` to offset ``local_offset`` of local slot ``local_slot`` (a pull; a push
+    """One descriptor: ``nbytes`` bytes from offset ``remote_offset`` of remote entry
+    ``remote_entry`` to offset ``local_offset`` of local entry ``local_entry`` (a pull; a push
     reverses the direction), in object group ``object_group``'s buffers. ``nbytes`` may run
-    over several consecutive slots on both sides (a coalesced run of chunks)."""
+    over several consecutive entries on both sides (a coalesced run of chunks)."""
 
     object_group: int
-    remote_slot: int
+    remote_entry: int
     remote_offset: int
-    local_slot: int
+    local_entry: int
     local_offset: int
     nbytes: int
 
@@ -144,7 +144,7 @@ class Copy:
 class Publication:
     """A request's objects as their writer publishes them (JSON-able: :meth:`to_dict`).
 
-    ``slots[c]`` is the writer's pool slot of the request's chunk ``c`` (the same slot on
+    ``entries[c]`` is the writer's pool entry of the request's chunk ``c`` (the same entry on
     every writer rank); ``endpoints[r]`` is where writer rank ``r`` answers (its side
     channel: ``{"host": ..., "port": ...}``). ``fingerprint`` is the writer's
     ``manager.fingerprint(across_degrees=True)``; ``tp_size`` and ``object_layout`` say how
@@ -154,7 +154,7 @@ class Publication:
     A publication comes from another process, so :meth:`from_dict` checks every field's type
     and range (nothing is coerced: ``"1"``, ``1.0`` and ``True`` are not the int 1) and
     raises a typed error naming the field: strings for the ids, fingerprint and layout
-    (``"canonical"`` or ``"tp_native"``), int slots in ``[0, 2**63)``, ``chunk_tokens >=
+    (``"canonical"`` or ``"tp_native"``), int entries in ``[0, 2**63)``, ``chunk_tokens >=
     1``, ``tp_size >= 1`` with one ``{"host": str, "port": int}`` endpoint per writer rank,
     and no chunk hashes or one string per chunk.
     """
@@ -162,7 +162,7 @@ class Publication:
     request_id: str
     transport: str
     pool_id: str
-    slots: tuple[int, ...]
+    entries: tuple[int, ...]
     chunk_tokens: int
     fingerprint: str
     tp_size: int
@@ -172,11 +172,11 @@ class Publication:
 
     @property
     def num_chunks(self) -> int:
-        return len(self.slots)
+        return len(self.entries)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["slots"], d["endpoints"] = list(self.slots), [dict(e) for e in self.endpoints]
+        d["entries"], d["endpoints"] = list(self.entries), [dict(e) for e in self.endpoints]
         d["chunk_hashes"] = list(self.chunk_hashes)
         return d
 
@@ -189,9 +189,9 @@ class Publication:
             raise KVGroupsValueError(
                 f"publication: expected the key {missing[0]!r}, got keys {sorted(map(str, d))}"
             )
-        slots = tuple(
-            checked_int(s, f"publication.slots[{i}]", 0, _INT64_LIMIT)
-            for i, s in enumerate(_sequence(d["slots"], "publication.slots"))
+        entries = tuple(
+            checked_int(s, f"publication.entries[{i}]", 0, _INT64_LIMIT)
+            for i, s in enumerate(_sequence(d["entries"], "publication.entries"))
         )
         tp_size = checked_int(d["tp_size"], "publication.tp_size", 1)
         endpoints = _sequence(d["endpoints"], "publication.endpoints")
@@ -201,9 +201,9 @@ class Publication:
                 f"{tp_size}), got {len(endpoints)}"
             )
         hashes = _sequence(d.get("chunk_hashes", ()), "publication.chunk_hashes")
-        if len(hashes) not in (0, len(slots)):
+        if len(hashes) not in (0, len(entries)):
             raise KVGroupsValueError(
-                f"publication.chunk_hashes: expected none or one per chunk ({len(slots)}), got "
+                f"publication.chunk_hashes: expected none or one per chunk ({len(entries)}), got "
                 f"{len(hashes)}"
             )
         layout = _string(d["object_layout"], "publication.object_layout")
@@ -215,7 +215,7 @@ class Publication:
             request_id=_string(d["request_id"], "publication.request_id"),
             transport=_string(d["transport"], "publication.transport"),
             pool_id=_string(d["pool_id"], "publication.pool_id"),
-            slots=slots,
+            entries=entries,
             chunk_tokens=checked_int(d["chunk_tokens"], "publication.chunk_tokens", 1),
             fingerprint=_string(d["fingerprint"], "publication.fingerprint"),
             tp_size=tp_size,
@@ -233,7 +233,7 @@ _PUBLICATION_KEYS = (
     "request_id",
     "transport",
     "pool_id",
-    "slots",
+    "entries",
     "chunk_tokens",
     "fingerprint",
     "tp_size",
@@ -343,7 +343,7 @@ class Transport(ABC):
         self,
         request_id: str,
         pool_id: str,
-        slots: Sequence[int],
+        entries: Sequence[int],
         *,
         chunk_tokens: int,
         fingerprint: str,
@@ -353,7 +353,7 @@ class Transport(ABC):
         chunk_hashes: Sequence[str] = (),
         layers_ready: int | None = None,
     ) -> Publication:
-        """Offer a request's chunks (in ``slots`` of ``pool_id``) to readers until released or
+        """Offer a request's chunks (in ``entries`` of ``pool_id``) to readers until released or
         expired. ``layers_ready``: for layer-streamed publications, how many layers (manager
         layer order) are written so far (None: all of them; see :meth:`mark_ready`)."""
 
@@ -364,7 +364,7 @@ class Transport(ABC):
 
     @abstractmethod
     def release(self, request_id: str) -> None:
-        """Writer side: stop offering a request (its slots may be reused)."""
+        """Writer side: stop offering a request (its entries may be reused)."""
 
     @abstractmethod
     def release_remote(self, publication: Publication, reader: int = 0, readers: int = 1) -> None:
@@ -419,8 +419,8 @@ class Transport(ABC):
         *,
         timeout: float = 30.0,
     ) -> TransferHandle:
-        """Write ``copies`` from local pool ``pool_id`` into the slots a reader published
-        (``publication`` is the reader's offer of empty slots)."""
+        """Write ``copies`` from local pool ``pool_id`` into the entries a reader published
+        (``publication`` is the reader's offer of empty entries)."""
         return self._post("WRITE", publication, rank, pool_id, copies, timeout)
 
     def _post(
@@ -494,7 +494,7 @@ class Transport(ABC):
             self._abandon(handle)
 
     def uncancelled(self) -> int:
-        """Abandoned transfers the transport could not cancel yet (their destination slots
+        """Abandoned transfers the transport could not cancel yet (their destination entries
         may still be written: do not reuse them while this is non-zero)."""
         return 0
 

@@ -30,7 +30,7 @@ class TransferTimeoutError(TransportError, TimeoutError):
 
 class PublicationReleasedError(TransportError, LookupError):
     """The publisher no longer holds the request's objects (released, expired or unknown), so
-    their slots may hold other bytes."""
+    their entries may hold other bytes."""
 
 
 class FingerprintMismatchError(KVGroupsValueError):

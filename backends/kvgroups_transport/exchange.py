@@ -6,19 +6,19 @@ Writer::
 
     pool = ObjectPool.allocate("prefill", object_sizes(manager), capacity, like=caches[0])
     transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
-    store(manager, caches, ids, pool.writable_rows(slots))    # the engine's own store
-    pub = publish(transport, manager, "req-1", pool, slots)   # -> pub.to_dict() to the reader
+    store(manager, caches, ids, pool.writable_rows(entries))    # the engine's own store
+    pub = publish(transport, manager, "req-1", pool, entries)   # -> pub.to_dict() to the reader
 
 Reader::
 
     rx = Receiver(manager, transport, capacity=64, like=caches[0])
     job = rx.begin(Publication.from_dict(d), first_chunk=k)   # fingerprints checked here
-    rx.pull(job); rx.wait(job)                                # into staging slots only
+    rx.pull(job); rx.wait(job)                                # into staging entries only
     load(manager, rx.objects(job), caches, ids_of_chunks_k_to_n)
     rx.end(job)                                               # staging freed, writer released
 
 Nothing reaches the caches before :meth:`Receiver.wait` returned: a failed or timed-out
-pull raises there and the staging slots are dropped.
+pull raises there and the staging entries are dropped.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ def object_sizes(manager: Any) -> list[int]:
 
 
 class ObjectPool:
-    """``capacity`` slots per object group: one uint8 ``[capacity, object_nbytes]`` array per
+    """``capacity`` entries per object group: one uint8 ``[capacity, object_nbytes]`` array per
     group (torch or NumPy; JAX arrays are immutable and use the JAX transport's own pools)."""
 
     def __init__(self, pool_id: str, buffers: Sequence[Any]) -> None:
@@ -92,26 +92,26 @@ class ObjectPool:
             f"{type(like).__name__} (JAX caches move with the 'jax_transfer' transport)"
         )
 
-    def writable_rows(self, slots: Sequence[int]) -> list:
-        """Every object group's rows of consecutive ``slots`` as views, for a store to fill
-        in place (non-consecutive slots: KVGroupsValueError; store each run on its own)."""
-        slots = [int(s) for s in slots]
-        if slots and slots != list(range(slots[0], slots[0] + len(slots))):
+    def writable_rows(self, entries: Sequence[int]) -> list:
+        """Every object group's rows of consecutive ``entries`` as views, for a store to fill
+        in place (non-consecutive entries: KVGroupsValueError; store each run on its own)."""
+        entries = [int(s) for s in entries]
+        if entries and entries != list(range(entries[0], entries[0] + len(entries))):
             raise KVGroupsValueError(
-                f"slots: expected consecutive slots for a store into the pool, got {slots}"
+                f"entries: expected consecutive entries for a store into the pool, got {entries}"
             )
-        return self.rows(slots)
+        return self.rows(entries)
 
-    def rows(self, slots: Sequence[int]) -> list:
-        """Every object group's rows of ``slots``: views when consecutive, else gathered
+    def rows(self, entries: Sequence[int]) -> list:
+        """Every object group's rows of ``entries``: views when consecutive, else gathered
         copies (for reading only: use :meth:`writable_rows` to store)."""
-        slots = [int(s) for s in slots]
-        if not slots:
+        entries = [int(s) for s in entries]
+        if not entries:
             return [b[0:0] for b in self.buffers]
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
-            return [b[first : first + len(slots)] for b in self.buffers]
-        return [b[slots] for b in self.buffers]
+        first = entries[0]
+        if entries == list(range(first, first + len(entries))):
+            return [b[first : first + len(entries)] for b in self.buffers]
+        return [b[entries] for b in self.buffers]
 
 
 def publish(
@@ -119,17 +119,17 @@ def publish(
     manager: Any,
     request_id: str,
     pool: ObjectPool,
-    slots: Sequence[int],
+    entries: Sequence[int],
     *,
     endpoints: Sequence[dict] | None = None,
     chunk_hashes: Sequence[str] = (),
     layers_ready: int | None = None,
 ) -> Publication:
-    """Publish a request's chunks, stored by ``manager``'s rank into ``slots`` of ``pool``."""
+    """Publish a request's chunks, stored by ``manager``'s rank into ``entries`` of ``pool``."""
     return transport.publish(
         request_id,
         pool.pool_id,
-        slots,
+        entries,
         chunk_tokens=manager.lmcache_tokens_per_chunk,
         fingerprint=manager.fingerprint(across_degrees=True),
         tp_size=manager.tp_size,
@@ -170,7 +170,7 @@ class PullJob:
     last_chunk: int  # chunks [first_chunk, last_chunk) of the publication move
     chunks: list[list[int]]  # per object group, request chunk indices to move
     pools: dict[int, str]  # source rank -> staging pool id
-    slots: list[int]  # staging slot of request chunk first_chunk + i
+    entries: list[int]  # staging entry of request chunk first_chunk + i
     handles: list[TransferHandle] = field(default_factory=list)
 
     @property
@@ -198,17 +198,17 @@ class Receiver:
     manager : the reading rank's manager.
     transport : Transport
     capacity : int
-        Staging slots (chunks in flight at once, over all requests), in ``[1,
-        MAX_STAGING_SLOTS]``.
+        Staging entries (chunks in flight at once, over all requests), in ``[1,
+        MAX_STAGING_ENTRIES]``.
     like : array, optional
         Staging buffers are allocated like it (framework and device; default NumPy).
     timeout_s : float
         Deadline of every pull, in seconds (> 0).
     """
 
-    #: The most staging slots a receiver takes: chunks in flight at once, far beyond what an
+    #: The most staging entries a receiver takes: chunks in flight at once, far beyond what an
     #: engine keeps in flight (a bigger ``capacity`` is a mistake, not a need).
-    MAX_STAGING_SLOTS = 1 << 20
+    MAX_STAGING_ENTRIES = 1 << 20
 
     def __init__(
         self,
@@ -226,7 +226,7 @@ class Receiver:
                 f"{type(transport).__name__}"
             )
         self.transport = transport
-        self.capacity = checked_int(capacity, "capacity", 1, self.MAX_STAGING_SLOTS + 1)
+        self.capacity = checked_int(capacity, "capacity", 1, self.MAX_STAGING_ENTRIES + 1)
         if isinstance(timeout_s, (bool, np.bool_)) or not isinstance(
             timeout_s, (int, float, np.integer, np.floating)
         ):
@@ -257,7 +257,7 @@ class Receiver:
         self, publication: Publication, *, first_chunk: int = 0, num_chunks: int | None = None
     ) -> PullJob:
         """Plan a pull of chunks ``[first_chunk, num_chunks)`` (default: every published
-        chunk) and reserve staging slots for them. Checks the fingerprint first: a mismatch
+        chunk) and reserve staging entries for them. Checks the fingerprint first: a mismatch
         raises before anything is reserved."""
         if not isinstance(publication, Publication):
             raise KVGroupsTypeError(
@@ -271,10 +271,10 @@ class Receiver:
         reads = plan_reads(self.manager, publication.tp_size, publication.object_layout)
         arrays = getattr(self.transport, "produces_arrays", False)
         chunks = chunks_to_read(self.manager, n, first_chunk)
-        if arrays:  # the transport hands out new arrays: no staging slots
+        if arrays:  # the transport hands out new arrays: no staging entries
             return PullJob(publication, reads, first_chunk, n, chunks, {}, [])
         pools = self._staging(reads)
-        slots = self._take(n - first_chunk)
+        entries = self._take(n - first_chunk)
         return PullJob(
             publication,
             reads,
@@ -282,7 +282,7 @@ class Receiver:
             n,
             chunks,
             {r: pools[i].pool_id for i, r in enumerate(reads.src_ranks)},
-            slots,
+            entries,
         )
 
     def _staging(self, reads: ReadPlan) -> list[ObjectPool]:
@@ -301,8 +301,8 @@ class Receiver:
                     )
                 except MemoryError:
                     raise KVGroupsValueError(
-                        f"capacity: expected staging slots that fit in memory, got "
-                        f"{self.capacity} slots of {sum(sizes)} bytes per writer rank"
+                        f"capacity: expected staging entries that fit in memory, got "
+                        f"{self.capacity} entries of {sum(sizes)} bytes per writer rank"
                     ) from None
                 self.transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
                 pools.append(pool)
@@ -313,7 +313,7 @@ class Receiver:
         if n > len(self._free):
             raise UnsupportedConfigError(
                 f"staging: expected room for {n} chunks, got {len(self._free)} free of "
-                f"{self.capacity} staging slots"
+                f"{self.capacity} staging entries"
             )
         self._free.sort()
         for i in range(len(self._free) - n + 1):  # a run keeps descriptors merged
@@ -341,8 +341,8 @@ class Receiver:
             for reads, chunks in zip(job.reads.objects, job.chunks):
                 if r not in reads.ranges or not chunks:
                     continue
-                remote = [pub.slots[c] for c in chunks]
-                local = [job.slots[c - job.first_chunk] for c in chunks]
+                remote = [pub.entries[c] for c in chunks]
+                local = [job.entries[c - job.first_chunk] for c in chunks]
                 copies.extend(pull_copies(reads, r, remote, local, layers))
             job.handles.append(
                 self.transport.pull(pub, r, job.pools[r], copies, timeout=self.timeout_s)
@@ -419,17 +419,17 @@ class Receiver:
         by_id = {p.pool_id: p for p in pools}
         out = []
         for og, reads in enumerate(job.reads.objects):
-            staged = {r: by_id[job.pools[r]].rows(job.slots)[og] for r in reads.ranges}
+            staged = {r: by_id[job.pools[r]].rows(job.entries)[og] for r in reads.ranges}
             out.append(assemble(reads, staged))
         return out
 
     def end(self, job: PullJob, *, release_remote: bool = True) -> None:
-        """Give the staging slots back and (default) tell the writers they may reuse theirs."""
+        """Give the staging entries back and (default) tell the writers they may reuse theirs."""
         for h in job.handles:
             self.transport.cancel(h)
         if not self.transport.uncancelled():  # else a late write may still land there
-            self._free.extend(job.slots)
-        job.slots = []
+            self._free.extend(job.entries)
+        job.entries = []
         if release_remote:
             self.transport.release_remote(
                 job.publication, self.manager.tp_rank, self.manager.tp_size

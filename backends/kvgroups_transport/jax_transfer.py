@@ -63,7 +63,7 @@ class JaxTransferTransport(SideChannelTransport):
     hello_keys = ("address",)
 
     name = "jax_transfer"
-    produces_arrays = True  # pulls return new arrays instead of filling registered slots
+    produces_arrays = True  # pulls return new arrays instead of filling registered entries
 
     def __init__(
         self,
@@ -128,7 +128,7 @@ class JaxTransferTransport(SideChannelTransport):
         self,
         request_id: str,
         pool_id: str,
-        slots: Sequence[int],
+        entries: Sequence[int],
         *,
         chunk_tokens: int,
         fingerprint: str,
@@ -154,7 +154,7 @@ class JaxTransferTransport(SideChannelTransport):
         pub = self._offer(
             request_id,
             pool_id,
-            slots,
+            entries,
             info.capacity,
             chunk_tokens=chunk_tokens,
             fingerprint=fingerprint,
@@ -165,9 +165,9 @@ class JaxTransferTransport(SideChannelTransport):
             layers_ready=None,
         )
         expires = datetime.datetime.now() + datetime.timedelta(seconds=self.publication_ttl_s)
-        for chunk, slot in enumerate(pub.slots):
+        for chunk, entry in enumerate(pub.entries):
             for og, buf in enumerate(buffers):
-                row = buf[slot]
+                row = buf[entry]
                 for reader in range(int(readers)):
                     self._server.await_pull(
                         transfer_id(pub.request_id, chunk, og, reader), [row], timeout=expires

@@ -185,7 +185,7 @@ class NixlTransport(SideChannelTransport):
         self,
         request_id: str,
         pool_id: str,
-        slots: Sequence[int],
+        entries: Sequence[int],
         *,
         chunk_tokens: int,
         fingerprint: str,
@@ -203,7 +203,7 @@ class NixlTransport(SideChannelTransport):
         return self._offer(
             request_id,
             pool_id,
-            slots,
+            entries,
             pool.info.capacity,
             chunk_tokens=chunk_tokens,
             fingerprint=fingerprint,
@@ -348,15 +348,17 @@ def _descriptors(pool: PoolInfo, copies: Sequence[Copy], side: str) -> np.ndarra
     """An ``[n, 3]`` int64 array (address, length, device id), bounds checked."""
     out = np.empty((len(copies), 3), dtype=np.int64)
     for i, c in enumerate(copies):
-        slot, offset = (
-            (c.local_slot, c.local_offset) if side == "local" else (c.remote_slot, c.remote_offset)
+        entry, offset = (
+            (c.local_entry, c.local_offset)
+            if side == "local"
+            else (c.remote_entry, c.remote_offset)
         )
         n = pool.object_nbytes[c.object_group]
-        start = slot * n + offset
-        if slot < 0 or offset < 0 or start + c.nbytes > pool.capacity * n:
+        start = entry * n + offset
+        if entry < 0 or offset < 0 or start + c.nbytes > pool.capacity * n:
             raise KVGroupsValueError(
                 f"copies[{i}]: expected bytes inside {side} pool {pool.pool_id!r} "
-                f"({pool.capacity} slots of {n} bytes), got slot {slot} offset {offset} "
+                f"({pool.capacity} entries of {n} bytes), got entry {entry} offset {offset} "
                 f"length {c.nbytes}"
             )
         out[i] = (pool.bases[c.object_group] + start, c.nbytes, pool.device_id)

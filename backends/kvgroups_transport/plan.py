@@ -6,7 +6,7 @@
   never moved.
 - :func:`pull_copies`: the descriptors of one writer rank's share (a
   :class:`~kvgroups_core.tp_reshard.ObjectReads`): one per (chunk, object group) when the
-  reader needs whole objects, merged into one per run of chunks whose slots are consecutive
+  reader needs whole objects, merged into one per run of chunks whose entries are consecutive
   on both sides; one per (chunk, byte range) otherwise (heterogeneous TP, layer streaming).
 - :func:`layer_byte_ranges`: which bytes of an object are "layer ``i``".
 - :func:`nixl_connector_descriptors`: what vLLM's NixlConnector posts for the same request,
@@ -41,7 +41,7 @@ def chunks_to_read(manager: Any, num_chunks: int, first_chunk: int = 0) -> list[
 
 
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
-    """``(remote_slot, local_slot, length)`` of each run consecutive on both sides."""
+    """``(remote_entry, local_entry, length)`` of each run consecutive on both sides."""
     runs: list[list[int]] = []
     for remote, local in pairs:
         if runs and remote == runs[-1][0] + runs[-1][2] and local == runs[-1][1] + runs[-1][2]:
@@ -54,32 +54,32 @@ def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
 def pull_copies(
     reads: ObjectReads,
     src_rank: int,
-    remote_slots: Sequence[int],
-    local_slots: Sequence[int],
+    remote_entries: Sequence[int],
+    local_entries: Sequence[int],
     layers: Sequence[int] | None = None,
 ) -> list[Copy]:
     """The descriptors moving writer rank ``src_rank``'s share of one object group.
 
-    ``remote_slots[i]`` / ``local_slots[i]``: the writer's and the reader's slot of the i-th
+    ``remote_entries[i]`` / ``local_entries[i]``: the writer's and the reader's entry of the i-th
     chunk to move. ``layers``: move only those layers' rows (layer streaming).
     """
-    if len(remote_slots) != len(local_slots):
+    if len(remote_entries) != len(local_entries):
         raise KVGroupsValueError(
-            f"local_slots: expected one per remote slot ({len(remote_slots)}), got "
-            f"{len(local_slots)}"
+            f"local_entries: expected one per remote entry ({len(remote_entries)}), got "
+            f"{len(local_entries)}"
         )
     ranges = (
         reads.ranges.get(src_rank, ()) if layers is None else reads.layer_ranges(src_rank, layers)
     )
     og = reads.object_group_idx
-    pairs = list(zip((int(s) for s in remote_slots), (int(s) for s in local_slots)))
+    pairs = list(zip((int(s) for s in remote_entries), (int(s) for s in local_entries)))
     if ranges == ((0, reads.src_nbytes),):
         return [
             Copy(
                 object_group=og,
-                remote_slot=r,
+                remote_entry=r,
                 remote_offset=0,
-                local_slot=loc,
+                local_entry=loc,
                 local_offset=0,
                 nbytes=n * reads.src_nbytes,
             )
@@ -88,9 +88,9 @@ def pull_copies(
     return [
         Copy(
             object_group=og,
-            remote_slot=r,
+            remote_entry=r,
             remote_offset=o,
-            local_slot=loc,
+            local_entry=loc,
             local_offset=o,
             nbytes=n,
         )

@@ -4,13 +4,13 @@ Readers ask it three things, one JSON line each way, one connection per question
 
 - ``{"op": "hello"}``: the transport's own connection data (NIXL agent metadata, a JAX
   transfer server's address) and the registered pools (:class:`PoolInfo`);
-- ``{"op": "status", "request": id, "slots": [...]}``: whether the request is still
-  published with those slots, and how many layers are ready (layer streaming);
+- ``{"op": "status", "request": id, "entries": [...]}``: whether the request is still
+  published with those entries, and how many layers are ready (layer streaming);
 - ``{"op": "release", "request": id, "reader": r, "readers": d}``: reader rank ``r`` of a
   TP group of ``d`` is done; the publication goes once all ``d`` have said so.
 
 A publication the reader never releases expires after ``ttl_s``; a released, expired or
-unknown one answers ``"released"``, so a reader never trusts slots that may hold other bytes.
+unknown one answers ``"released"``, so a reader never trusts entries that may hold other bytes.
 Every client call has a timeout: a peer that is gone raises :class:`PeerUnavailableError`, one that
 does not answer :class:`TransferTimeoutError`.
 """
@@ -37,9 +37,9 @@ _MAX_LINE = 64 << 20
 
 
 @dataclass
-class _Entry:
+class _Record:
     pool_id: str
-    slots: tuple[int, ...]
+    entries: tuple[int, ...]
     layers_ready: int | None
     expires: float
     released_by: set[int] = field(default_factory=set)
@@ -51,33 +51,33 @@ class PublicationTable:
     def __init__(self, ttl_s: float) -> None:
         self.ttl_s = float(ttl_s)
         self._lock = threading.Lock()
-        self._live: dict[str, _Entry] = {}
+        self._live: dict[str, _Record] = {}
 
     def add(
-        self, request_id: str, pool_id: str, slots: tuple[int, ...], layers_ready: int | None
+        self, request_id: str, pool_id: str, entries: tuple[int, ...], layers_ready: int | None
     ) -> None:
         with self._lock:
-            self._live[request_id] = _Entry(
-                pool_id, slots, layers_ready, time.monotonic() + self.ttl_s
+            self._live[request_id] = _Record(
+                pool_id, entries, layers_ready, time.monotonic() + self.ttl_s
             )
 
     def mark_ready(self, request_id: str, layers_ready: int | None) -> None:
         with self._lock:
-            entry = self._live.get(request_id)
-            if entry is None:
+            record = self._live.get(request_id)
+            if record is None:
                 raise PublicationReleasedError(f"request {request_id!r}: not published here")
-            entry.layers_ready = layers_ready
+            record.layers_ready = layers_ready
 
     def release(self, request_id: str, reader: int | None = None, readers: int = 1) -> bool:
         """Drop a publication: at once (``reader`` None: the writer itself), or once each of
         the ``readers`` ranks of the reading TP group has released it."""
         with self._lock:
-            entry = self._live.get(request_id)
-            if entry is None:
+            record = self._live.get(request_id)
+            if record is None:
                 return False
             if reader is not None:
-                entry.released_by.add(int(reader))
-                if len(entry.released_by) < int(readers):
+                record.released_by.add(int(reader))
+                if len(record.released_by) < int(readers):
                     return False
             del self._live[request_id]
             return True
@@ -99,16 +99,16 @@ class PublicationTable:
             for rid in [r for r, e in self._live.items() if e.expires < now]:
                 del self._live[rid]
 
-    def status(self, request_id: str, slots: Any) -> dict:
+    def status(self, request_id: str, entries: Any) -> dict:
         self._expire()
         with self._lock:
-            entry = self._live.get(request_id)
-            if entry is None or (slots is not None and tuple(slots) != entry.slots):
+            record = self._live.get(request_id)
+            if record is None or (entries is not None and tuple(entries) != record.entries):
                 return {"state": "released"}
             return {
                 "state": "published",
-                "layers_ready": entry.layers_ready,
-                "pool_id": entry.pool_id,
+                "layers_ready": record.layers_ready,
+                "pool_id": record.pool_id,
             }
 
 
@@ -151,7 +151,7 @@ class SideChannel:
         if op == "hello":
             return self._hello()
         if op == "status":
-            return self.table.status(str(msg["request"]), msg.get("slots"))
+            return self.table.status(str(msg["request"]), msg.get("entries"))
         if op == "release":
             return {
                 "released": self.table.release(
@@ -228,7 +228,7 @@ class SideChannelTransport(Transport):
         self,
         request_id: str,
         pool_id: str,
-        slots: Sequence[int],
+        entries: Sequence[int],
         capacity: int,
         *,
         chunk_tokens: int,
@@ -241,16 +241,16 @@ class SideChannelTransport(Transport):
     ) -> Publication:
         from kvgroups_core.errors import KVGroupsValueError
 
-        slots = tuple(checked_int(s, f"slots[{i}]", -(2**63)) for i, s in enumerate(slots))
-        bad = [s for s in slots if not 0 <= s < capacity]
+        entries = tuple(checked_int(s, f"entries[{i}]", -(2**63)) for i, s in enumerate(entries))
+        bad = [s for s in entries if not 0 <= s < capacity]
         if bad:
-            raise KVGroupsValueError(f"slots: expected slots in [0, {capacity}), got {bad}")
-        self._table.add(str(request_id), pool_id, slots, layers_ready)
+            raise KVGroupsValueError(f"entries: expected entries in [0, {capacity}), got {bad}")
+        self._table.add(str(request_id), pool_id, entries, layers_ready)
         return Publication(
             request_id=str(request_id),
             transport=self.name,
             pool_id=pool_id,
-            slots=slots,
+            entries=entries,
             chunk_tokens=int(chunk_tokens),
             fingerprint=str(fingerprint),
             tp_size=int(tp_size),
@@ -274,14 +274,18 @@ class SideChannelTransport(Transport):
         reply = ask(
             e["host"],
             e["port"],
-            {"op": "status", "request": publication.request_id, "slots": list(publication.slots)},
+            {
+                "op": "status",
+                "request": publication.request_id,
+                "entries": list(publication.entries),
+            },
             self.timeout_s,
         )
         if reply.get("state") != "published":
             raise PublicationReleasedError(
                 f"request {publication.request_id!r}: writer rank {rank} at "
                 f"{e['host']}:{e['port']} no longer publishes it (released, expired or never "
-                f"published with these slots)"
+                f"published with these entries)"
             )
         return reply
 

@@ -290,14 +290,14 @@ def group_by_identity(
     return list(buckets.items())
 
 
-def describe_tree(x: Any, path: str = "kv_caches") -> Any:
+def describe_tree(x: Any, where: str = "kv_caches") -> Any:
     """The same structure with every tensor described once (descriptors pass through, and
     ``None`` placeholders, which only excluded layers may use, stay ``None``). A leaf that is
     no tensor is refused naming its place in the structure (``kv_caches[3][1]``)."""
     if isinstance(x, (list, tuple)):
-        items = [describe_tree(item, f"{path}[{i}]") for i, item in enumerate(x)]
+        items = [describe_tree(item, f"{where}[{i}]") for i, item in enumerate(x)]
         return tuple(items) if isinstance(x, tuple) else items
-    return None if x is None else describe_named(x, path)
+    return None if x is None else describe_named(x, where)
 
 
 def layouts_and_identities(
@@ -309,7 +309,7 @@ def layouts_and_identities(
     cross-layer tensor), so layers sharing them reuse one computed layout with their own plane
     tensors swapped in: a 1,024-layer model lays out a handful of layers, not 1,024.
     """
-    # key -> (the template's fields except planes, [(tensor slot, byte offset)] per plane,
+    # key -> (the template's fields except planes, [(tensor index, byte offset)] per plane,
     # {engine group: identity}); one dict lookup per layer.
     templates: dict[tuple, tuple[dict[str, Any], list[tuple[int, int]], dict]] = {}
     flat = {fmt: not fmt.is_cross_layer and fmt.groupable for fmt in set(formats)}
@@ -327,26 +327,26 @@ def layouts_and_identities(
             continue
         tensors, index = layer_tensors(kv_caches, fmt, layer)
         key = (fmt, index, *[t.spec for t in tensors])
-        cached = templates.get(key)
-        if cached is None:
+        template = templates.get(key)
+        if template is None:
             layout = layer_layout(kv_caches, fmt, layer)
             # Which of the layer's tensors backs each plane (by identity: the structure was
             # described once, so layer_layout saw these very descriptors).
-            slots = [
+            indices = [
                 (next((i for i, t in enumerate(tensors) if t is tensor), -1), offset)
                 for tensor, offset in layout.planes
             ]
             by_group: dict[int, KernelGroupIdentity] = {}
-            if all(slot >= 0 for slot, _ in slots):
+            if all(index >= 0 for index, _ in indices):
                 fields = {
                     f.name: getattr(layout, f.name)
                     for f in dataclasses.fields(layout)
                     if f.name != "planes"
                 }
-                templates[key] = (fields, slots, by_group)
+                templates[key] = (fields, indices, by_group)
         else:
-            fields, slots, by_group = cached
-            planes = tuple([(tensors[slot], offset) for slot, offset in slots])
+            fields, indices, by_group = template
+            planes = tuple([(tensors[index], offset) for index, offset in indices])
             layout = LayerLayout(**fields, planes=planes)
         identity = by_group.get(gid)
         if identity is None:

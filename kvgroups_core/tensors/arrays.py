@@ -2,7 +2,7 @@
 
 A framework is recognised the einops / array-api-compat way: only if its module is already in
 ``sys.modules`` (the user imported it, so it costs nothing) is its array class looked up and
-``issubclass`` checked; the answer is cached per type. The backend package itself is imported
+``issubclass`` checked; the answer is memoised per type. The backend package itself is imported
 only then, on first use.
 
 Built-in entries (loaded lazily):
@@ -72,7 +72,7 @@ class _Entry:
                     ) from exc
             if self.array_types is None:
                 self.array_types = tuple(getattr(loader, "array_types", ()))
-                _TYPE_CACHE.clear()
+                _TYPE_MEMO.clear()
             if isinstance(loader, ArrayBackend):
                 self.instance = loader
             else:
@@ -87,7 +87,7 @@ class _Entry:
 
 
 _ENTRIES: dict[str, _Entry] = {}
-_TYPE_CACHE: dict[type, str | None] = {}
+_TYPE_MEMO: dict[type, str | None] = {}
 _ENTRY_POINTS_LOADED = False
 
 
@@ -111,13 +111,13 @@ def register_backend(
             f"name: backend {name!r} is already registered (pass replace=True to override)"
         )
     _ENTRIES[name] = _Entry(name, loader, tuple(array_types))
-    _TYPE_CACHE.clear()
+    _TYPE_MEMO.clear()
 
 
 def unregister_backend(name: str) -> None:
     """Remove a backend (tests use this to clean up)."""
     _ENTRIES.pop(name, None)
-    _TYPE_CACHE.clear()
+    _TYPE_MEMO.clear()
 
 
 def registered_backends() -> list[str]:
@@ -174,7 +174,7 @@ def _load_entry_points() -> None:
         # Registered by name, imported on first use: naming or listing backends (a command
         # line's checks) must not import every installed framework.
         _ENTRIES[ep.name] = _Entry(ep.name, ep.value, None)
-    _TYPE_CACHE.clear()
+    _TYPE_MEMO.clear()
 
 
 def _resolve_entry_points(x: Any) -> str | None:
@@ -221,8 +221,8 @@ def framework_of(x: Any) -> str | None:
     if isinstance(x, TensorSpec):
         return None
     t = type(x)
-    if t in _TYPE_CACHE:
-        return _TYPE_CACHE[t]
+    if t in _TYPE_MEMO:
+        return _TYPE_MEMO[t]
     _load_entry_points()
     found = None
     for entry in _ENTRIES.values():
@@ -235,7 +235,7 @@ def framework_of(x: Any) -> str | None:
             break
     if found is None and (hasattr(x, "__dlpack__") or hasattr(x, "shape")):
         found = _resolve_entry_points(x)
-    _TYPE_CACHE[t] = found
+    _TYPE_MEMO[t] = found
     return found
 
 

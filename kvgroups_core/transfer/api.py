@@ -84,7 +84,7 @@ class PreparedTransfer:
         self._plans: Binding  # the binding without its descriptors: all planning reads
         self._described: Binding | None  # the binding of the current caches, made when read
         self._bound: BoundCaches
-        self._objs: list  # the bound tensors in slot order (what kv_caches holds now)
+        self._objs: list  # the bound tensors in tensor_index order (what kv_caches holds now)
         self._guard: CacheGuard  # notices replaced or reallocated caches (stale layouts)
         self._memo: CallMemo  # validated call signatures of this binding (call_memo.py)
         # One call at a time: a JAX load replaces the bound caches with its results, and two
@@ -237,7 +237,7 @@ class PreparedTransfer:
 
     @property
     def bound_tensors(self) -> list | None:
-        """The bound tensors in slot order (what :attr:`kv_caches` holds now; None while
+        """The bound tensors in tensor_index order (what :attr:`kv_caches` holds now; None while
         released)."""
         return self._objs
 
@@ -261,7 +261,7 @@ class PreparedTransfer:
     def restore_caches(self, kv_caches: Any, objs: list, source: Any) -> None:
         """Take back the caches :meth:`release_caches` let go of: ``kv_caches`` is the
         engine's structure, ``source`` the private copy of it whose leaves matched the
-        released ones, ``objs`` its bound tensors in slot order. The next call compares
+        released ones, ``objs`` its bound tensors in tensor_index order. The next call compares
         their fingerprints (:meth:`reallocated`) before trusting the binding."""
         self.kv_caches, self._objs = kv_caches, objs
         self._bound.restore(objs)
@@ -410,7 +410,7 @@ def _adopt_load_results(prepared: PreparedTransfer, new_caches: Any) -> Any:
         new_by_id = {id(x): new for x, new in zip(prepared._objs, new_caches)}
         prepared.kv_caches = _replace_leaves(prepared.kv_caches, new_by_id)
     if prepared._bound.adopt_results(new_caches):
-        # Same layouts slot for slot: the plans stay valid; the descriptors (which would
+        # Same layouts one for one: the plans stay valid; the descriptors (which would
         # keep the replaced arrays alive) are dropped and remade only if read.
         prepared._objs = list(new_caches)
         prepared._described = None

@@ -40,7 +40,7 @@ class Backend(ArrayBackend, abc.ABC):
         ``caches`` are the backing tensors in ``plan.tensor_specs`` order; ``objects`` one
         entry per object group (a ``[num_chunks, object_nbytes]`` uint8 array, or a list of
         ``num_chunks`` 1-D uint8 buffers). Everything was validated by the core. Returns the
-        new cache arrays in slot order (``None`` when written in place) and the objects
+        new cache arrays in tensor_index order (``None`` when written in place) and the objects
         (new arrays for immutable runtimes, the same ones otherwise).
         """
 
@@ -52,7 +52,7 @@ class Backend(ArrayBackend, abc.ABC):
         device of ``like`` (or ``placement``: e.g. ``"pinned"`` for pinned host memory)."""
 
     def bind_caches(self, caches: Sequence[TensorDesc]) -> "BoundCaches":
-        """Validate the backing tensors of one binding (slot order) and return what runs the
+        """Validate the backing tensors of one binding (tensor_index order) and return what runs the
         per-call work on them (:class:`BoundCaches`). Backends whose calls repeat host work
         that depends only on the caches (devices, addresses, launch state) return a subclass
         that keeps it."""
@@ -152,7 +152,7 @@ class BoundCaches:
 
     @property
     def caches(self) -> list:
-        """The bound descriptors, in slot order. After :meth:`restore` they are made again
+        """The bound descriptors, in tensor_index order. After :meth:`restore` they are made again
         when first read (a one-shot call served by a repeater never reads them)."""
         found = self._caches
         if found is None:
@@ -179,7 +179,7 @@ class BoundCaches:
         return True
 
     def restore(self, tensors: Sequence[Any]) -> None:
-        """Take back the tensors :meth:`release` let go of (the same objects, slot order)."""
+        """Take back the tensors :meth:`release` let go of (the same objects, same order)."""
         self._taken = list(tensors)
 
     def _release_caches(self) -> None:
@@ -230,7 +230,7 @@ class BoundCaches:
     def adopt_results(self, new_caches: Sequence[Any]) -> bool:
         """After :meth:`execute` returned new arrays for the bound caches (runtimes that do not
         write in place, like JAX): take them as the bound caches and return True when they
-        match the old ones slot for slot (shape, dtype, device), so the caller's binding stays
+        match the old ones one for one (shape, dtype, device), so the caller's binding stays
         valid; False (this default) makes the caller bind them from scratch."""
         return False
 

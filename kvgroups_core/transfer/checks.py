@@ -99,16 +99,16 @@ def _snapshot(structure: Any) -> Any:
     return structure
 
 
-def _first_change(structure: Any, snap: Any, path: str = "kv_caches") -> str | None:
+def _first_change(structure: Any, snap: Any, where: str = "kv_caches") -> str | None:
     if isinstance(snap, tuple):
         if not isinstance(structure, (list, tuple)) or len(structure) != len(snap):
-            return f"{path} changed length or type"
+            return f"{where} changed length or type"
         for i, (x, s) in enumerate(zip(structure, snap)):
-            found = _first_change(x, s, f"{path}[{i}]")
+            found = _first_change(x, s, f"{where}[{i}]")
             if found:
                 return found
         return None
-    return None if structure is snap else f"{path} was replaced by another tensor"
+    return None if structure is snap else f"{where} was replaced by another tensor"
 
 
 def _numpy_memory(x: np.ndarray) -> Memory:
@@ -190,39 +190,39 @@ class CacheGuard:
     (:func:`copy_structure`), the very one the binding was made from: :attr:`source`.
     """
 
-    def __init__(self, backend: Any, kv_caches: Any, slots: Sequence[TensorDesc]) -> None:
+    def __init__(self, backend: Any, kv_caches: Any, tensors: Sequence[TensorDesc]) -> None:
         self._keys_of = _keys_function(backend)
         self._keys_match = _match_function(backend, self._keys_of)
         self.objects_memo: Any = None  # the last passing call's objects (check_call_memory)
         self.backend = backend
-        self.reset(kv_caches, [d.obj for d in slots], slots)
+        self.reset(kv_caches, [d.obj for d in tensors], tensors)
 
     def reset(
-        self, kv_caches: Any, objs: Sequence[Any], slots: Sequence[TensorDesc] | None = None
+        self, kv_caches: Any, objs: Sequence[Any], tensors: Sequence[TensorDesc] | None = None
     ) -> None:
-        """Take ``kv_caches`` (bound tensors ``objs`` in slot order) as the current state."""
+        """Take ``kv_caches`` (bound tensors ``objs`` by tensor_index) as the current state."""
         self.objects_memo = None
         self._flat = type(kv_caches) is list and not any(
             isinstance(x, (list, tuple)) for x in kv_caches
         )
         self.source = kv_caches  # the structure the binding was made from
         self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
-        if slots is not None:
+        if tensors is not None:
             concrete = [
-                (i, d.obj) for i, d in enumerate(slots) if d.obj is not None and not d.is_abstract
+                (i, d.obj) for i, d in enumerate(tensors) if d.obj is not None and not d.is_abstract
             ]
         else:
             concrete = list(enumerate(objs))
         self._concrete = [x for _, x in concrete]
-        self._slot_index = [i for i, _ in concrete]
-        self._where: dict[int, int] | None = None  # slot -> position in _concrete (watch)
+        self._tensor_indices = [i for i, _ in concrete]
+        self._where: dict[int, int] | None = None  # tensor index -> position in _concrete (watch)
         keys_of = self._keys_of
         self._keys = keys_of(self._concrete) if keys_of is not None else None
         self._memory: list[tuple[int, int]] | None = None  # cache byte ranges, sorted
         self._writable: bool | None = None
 
     def adopt(self, kv_caches: Any, objs: Sequence[Any]) -> None:
-        """After a load returned new arrays for the bound ones (JAX), slot for slot: the cheap
+        """After a load returned new arrays for the bound ones (JAX), one for one: the cheap
         form of :meth:`reset` (same structure, same layouts)."""
         if self._flat and type(kv_caches) is list:
             self._snap = self.source = list(kv_caches)
@@ -231,7 +231,7 @@ class CacheGuard:
             self.source = copy_structure(kv_caches)
             self._snap = _snapshot(self.source)
         self._concrete = list(objs)
-        self._slot_index = list(range(len(self._concrete)))
+        self._tensor_indices = list(range(len(self._concrete)))
         self._where = None
         if self._keys is not None:  # then _keys_of is set (see reset)
             self._keys = self._keys_of(self._concrete)  # type: ignore[misc]
@@ -244,13 +244,13 @@ class CacheGuard:
         self._snap = self._concrete = self.source = None  # type: ignore[assignment]
 
     def restore(self, kv_caches: Any, objs: Sequence[Any]) -> None:
-        """Take back the same structure and tensors (``objs`` in slot order) after
+        """Take back the same structure and tensors (``objs`` in tensor_index order) after
         :meth:`release`: :meth:`changed` then compares the fingerprints taken before.
         ``kv_caches`` is the caller's private copy whose leaves were compared with the
         released ones (:func:`kvgroups_core.transfer.fast.reuse.take`)."""
         self.source = kv_caches
         self._snap = list(kv_caches) if self._flat else _snapshot(kv_caches)
-        self._concrete = [objs[i] for i in self._slot_index]
+        self._concrete = [objs[i] for i in self._tensor_indices]
 
     def changed(self, kv_caches: Any) -> str | None:
         if self._flat:
@@ -277,7 +277,7 @@ class CacheGuard:
         now = self._keys_of(self._concrete)  # type: ignore[misc]
         n = next((i for i, (a, b) in enumerate(zip(keys, now)) if a != b), 0)
         return (
-            f"the bound tensor of slot {self._slot_index[n]} was resized or reallocated, "
+            f"the bound tensor at index {self._tensor_indices[n]} was resized or reallocated, "
             f"or changed in place ({_describe_change(keys[n], now[n])})"
         )
 
@@ -318,14 +318,14 @@ class CacheGuard:
                 return False
         return True
 
-    def watch(self, slots: Sequence[int]) -> tuple[list, Any]:
-        """``(tensors, keys)``: the concrete bound tensors of these slots and their current
-        fingerprints (``keys`` None when the runtime has none); a call touching only these
-        slots is current while ``keys_match(tensors, keys)`` and :meth:`same_entries`."""
+    def watch(self, indices: Sequence[int]) -> tuple[list, Any]:
+        """``(tensors, keys)``: the concrete bound tensors at these tensor indices and their
+        current fingerprints (``keys`` None when the runtime has none); a call touching only
+        these tensors is current while ``keys_match(tensors, keys)`` and :meth:`same_entries`."""
         where = self._where
         if where is None:
-            where = self._where = {slot: n for n, slot in enumerate(self._slot_index)}
-        tensors = [self._concrete[where[s]] for s in slots if s in where]
+            where = self._where = {index: n for n, index in enumerate(self._tensor_indices)}
+        tensors = [self._concrete[where[i]] for i in indices if i in where]
         keys = self._keys_of(tensors) if self._keys_of is not None and tensors else None
         return tensors, keys
 
@@ -341,7 +341,7 @@ class CacheGuard:
         """Raise the backend's typed error for a bound array no call may use any more (a
         deleted or donated JAX array): how a runtime's own dispatch error is explained."""
         for n, x in enumerate(self._concrete):
-            memory_of(self.backend, x, f"kv_caches (bound array {self._slot_index[n]})")
+            memory_of(self.backend, x, f"kv_caches (bound array {self._tensor_indices[n]})")
 
     # Memory facts of the caches, read once per binding on first need.
     def cache_ranges(self) -> list[tuple[int, int]]:
@@ -413,7 +413,7 @@ def _overlaps(ranges: list[tuple[int, int]], start: int, end: int) -> bool:
 
 # --- read-only host memory ----------------------------------------------------------------
 
-_MAPS_CACHE: dict[tuple[int, int], bool] = {}
+_MAPS_MEMO: dict[tuple[int, int], bool] = {}
 
 
 def host_range_writable(mem: Memory) -> bool:
@@ -421,7 +421,7 @@ def host_range_writable(mem: Memory) -> bool:
     elsewhere assumed writable). A framework cannot always tell: a torch tensor made from a
     read-only mapping writes (and crashes) like any other."""
     key = (mem.address, mem.extent)
-    hit = _MAPS_CACHE.get(key)
+    hit = _MAPS_MEMO.get(key)
     if hit is not None:
         return hit
     try:
@@ -445,11 +445,11 @@ def host_range_writable(mem: Memory) -> bool:
         covered = hi
         if covered >= end:
             break
-    if len(_MAPS_CACHE) > 1024:
-        _MAPS_CACHE.clear()
+    if len(_MAPS_MEMO) > 1024:
+        _MAPS_MEMO.clear()
     if not ok:
-        return False  # not cached: the mapping may become writable
-    _MAPS_CACHE[key] = True
+        return False  # not remembered: the mapping may become writable
+    _MAPS_MEMO[key] = True
     return True
 
 

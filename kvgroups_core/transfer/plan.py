@@ -7,6 +7,7 @@ the plan plus the backing tensors in ``plan.tensor_specs`` order and move the by
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Literal
 
@@ -21,7 +22,7 @@ Direction = Literal["store", "load"]
 class PlaneRef:
     """Where one plane of a kernel group starts in the caches and in the objects.
 
-    ``tensor_slot`` indexes the plan's backing tensors; ``byte_offset`` is counted from that
+    ``tensor_index`` indexes the plan's backing tensors; ``byte_offset`` is counted from that
     tensor's first element (``data_ptr + byte_offset`` of its descriptor) to block 0 of the
     plane. ``object_plane`` is the plane's index ``p = kv * nl + l`` inside its kernel group's
     object region: the object side of a plane is always computed from it (a layer-subset plan
@@ -29,9 +30,19 @@ class PlaneRef:
     Left at -1 (hand-made plans), :class:`GroupTransfer` sets it to the plane's position.
     """
 
-    tensor_slot: int
+    tensor_index: int
     byte_offset: int
     object_plane: int = -1
+
+    @property
+    def tensor_slot(self) -> int:
+        """Deprecated: the old name of :attr:`tensor_index` (a slot is a token position)."""
+        warnings.warn(
+            "PlaneRef.tensor_slot is deprecated: use PlaneRef.tensor_index",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return self.tensor_index
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -157,7 +168,7 @@ class TransferPlan:
     num_chunks: int
     object_nbytes: tuple[int, ...]
     groups: tuple[GroupTransfer, ...]
-    tensor_specs: tuple  # tuple[TensorSpec, ...]: the backing tensors, in slot order
+    tensor_specs: tuple  # tuple[TensorSpec, ...]: the backing tensors, in tensor_index order
     # True when every group's ``block_ids`` is the caller's device (or traced) array: only
     # static facts were checked; the backend drops and reports out-of-range ids.
     device_ids: bool = False
@@ -178,7 +189,7 @@ class TransferPlan:
     def from_fields(cls, fields: dict) -> "TransferPlan":
         """The plan holding ``fields`` (every field, values as ``__init__`` leaves them; the
         dict is taken over), built without ``__init__``: how the planner assembles a call's
-        plan from its cached shape."""
+        plan from its remembered shape."""
         return _filled(cls, fields)
 
     def with_block_ids(self, block_ids: Any) -> "TransferPlan":

@@ -97,7 +97,7 @@ def bind_caches(
 
 
 def _tensor_key(desc: TensorDesc) -> tuple:
-    # Identity within one bind only (never cached across calls or traces).
+    # Identity within one bind only (never remembered across calls or traces).
     return (id(desc.obj) if desc.obj is not None else id(desc), desc.spec, desc.byte_offset)
 
 
@@ -135,7 +135,7 @@ def _num_chunks(binding: "Binding", ids: BlockIds) -> int:
 class Binding:
     """A manager bound to one set of cache tensors: everything about a transfer that does not
     depend on the block ids, computed once. ``templates`` are the per-group transfers with
-    empty ids; ``tensors`` the backing tensors (the plan's ``tensor_slot`` indexes them).
+    empty ids; ``tensors`` the backing tensors (the plan's ``tensor_index`` indexes them).
 
     ``flat_group`` is the engine group id when there is only one (flat ids allowed), else
     None; ``uniform_bpc`` the blocks per chunk every group shares (0 if they differ);
@@ -191,7 +191,7 @@ def bind(manager: Any, kv_caches: Any) -> Binding:
         nl = len(layouts)
         planes = tuple(
             PlaneRef(
-                tensor_slot=tensor_index[_tensor_key(lay.planes[kv][0])],
+                tensor_index=tensor_index[_tensor_key(lay.planes[kv][0])],
                 byte_offset=lay.planes[kv][1],
                 object_plane=kv * nl + pos,
             )
@@ -486,8 +486,8 @@ def plan_call(
     of the backend's ``paths``) as :attr:`TransferPlan.path`.
 
     This is the per-call host path of a prepared transfer, so the work that depends only on
-    ``(direction, num_chunks, skip_first_n_tokens, layers)`` is cached on the binding, and plan
-    objects are made from those cached fields by the plan classes' per-call constructors
+    ``(direction, num_chunks, skip_first_n_tokens, layers)`` is memoised on the binding, and plan
+    objects are made from those memoised fields by the plan classes' per-call constructors
     (:meth:`GroupTransfer.from_shape`, :meth:`TransferPlan.from_fields`).
     """
     if direction != "store" and direction != "load":
@@ -570,7 +570,7 @@ def build_plan(
     ids_spec: IdsSpec | None = None,
     layers: Any = None,
 ) -> tuple[TransferPlan, list[TensorDesc]]:
-    """Validate a call and return its plan plus the backing tensors in slot order."""
+    """Validate a call and return its plan plus the backing tensors in tensor_index order."""
     binding = bind(manager, kv_caches)
     plan = plan_call(
         binding,

@@ -56,7 +56,7 @@ def execute_group(
     first_item: int | None = None,
     keep: np.ndarray | None = None,
 ) -> None:
-    """Move the bytes of one kernel group between ``caches`` (1-D byte views, by slot) and
+    """Move the bytes of one kernel group between ``caches`` (1-D byte views, by tensor_index) and
     ``objects`` (the object group's ``[num_chunks, nbytes]`` array or per-chunk list).
 
     ``first_item`` overrides the group's (a device skip resolved on the host); ``keep``, a
@@ -71,7 +71,7 @@ def execute_group(
         obj = _object_rows(objects, int(chunk))
         for plane in t.planes:
             p = plane.object_plane  # the plane's rows in the region, whatever subset moves
-            cache = caches[plane.tensor_slot]
+            cache = caches[plane.tensor_index]
             block_start = plane.byte_offset + bid * t.block_stride_bytes
             row_start = (
                 t.region_offset
@@ -128,7 +128,7 @@ def execute_plan(
     *,
     drop_out_of_range: bool = False,
 ) -> set[int]:
-    """Run ``plan`` on NumPy ``caches`` (arrays or TensorDescs in slot order) and NumPy
+    """Run ``plan`` on NumPy ``caches`` (arrays or TensorDescs in tensor_index order) and NumPy
     ``objects``, the reference of what every backend does with the same plan.
 
     A device plan (``plan.device_ids`` / ``plan.skip_tokens``) is resolved on the host: the

@@ -56,7 +56,7 @@ def _pattern(shape: tuple[int, int], value: int | None, seed: Any) -> jax.Array:
 
 
 class JaxKit:
-    """The JAX runtime for the benchmark engine, on one GPU or the CPU."""
+    """The JAX runtime for the benchmark runner, on one GPU or the CPU."""
 
     backend = "jax"
     baseline = "xla"
@@ -161,14 +161,14 @@ class JaxKit:
 
     def run(self, path: str, plan: Any, wl: Workload, r: int) -> Any:
         if wl.extra.get("placement") == "pinned":  # the backend stages pinned objects
-            caches, objects = self._backends[path].execute(plan, wl.slots, wl.objects[r])
+            caches, objects = self._backends[path].execute(plan, wl.tensors, wl.objects[r])
         else:  # the executor itself, as the torch kit calls TorchBackend.execute
             if "arrays" not in wl.extra:
-                wl.slots = [getattr(x, "obj", x) for x in wl.slots]  # TensorDescs -> arrays
+                wl.tensors = [getattr(x, "obj", x) for x in wl.tensors]  # TensorDescs -> arrays
                 wl.extra["arrays"] = True
-            caches, objects = execute_plan(plan, wl.slots, wl.objects[r], lowering=LOWERING[path])
+            caches, objects = execute_plan(plan, wl.tensors, wl.objects[r], lowering=LOWERING[path])
         if plan.direction == "load":
-            wl.slots = list(caches)  # donated: the old arrays are gone
+            wl.tensors = list(caches)  # donated: the old arrays are gone
             return caches
         wl.objects[r] = list(objects)
         return objects
@@ -248,7 +248,7 @@ class JaxKit:
         return [np.array(jax.device_get(o), copy=True) for o in wl.objects[r]]
 
     def _sync(self, wl: Workload) -> None:
-        leaves = jax.tree_util.tree_leaves((wl.slots, wl.objects))
+        leaves = jax.tree_util.tree_leaves((wl.tensors, wl.objects))
         jax.block_until_ready([x for x in leaves if isinstance(x, jax.Array)])
 
     def release(self) -> None:

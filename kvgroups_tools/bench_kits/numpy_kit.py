@@ -23,14 +23,14 @@ from kvgroups_tools.bench import SCRATCH_FILL, Timing, Workload, map_specs, wall
 from kvgroups_tools.bench_public import Refused
 
 
-def run_take(plan: Any, slots: list, objects: list) -> None:
+def run_take(plan: Any, tensors: list, objects: list) -> None:
     """Execute ``plan`` with fancy indexing over strided byte views (in place).
 
-    ``slots`` are the plan's backing tensors (TensorDescs of NumPy memory); ``objects`` one
+    ``tensors`` are the plan's backing tensors (TensorDescs of NumPy memory); ``objects`` one
     contiguous ``[num_chunks, nbytes]`` uint8 array per object group.
     """
     store = plan.direction == "store"
-    views = [byte_view(d, writable=not store) for d in slots]
+    views = [byte_view(d, writable=not store) for d in tensors]
     for g in plan.groups:
         if g.num_items <= 0:
             continue
@@ -38,7 +38,7 @@ def run_take(plan: Any, slots: list, objects: list) -> None:
         obj = objects[g.object_group_idx]
         flat, row_stride = obj.reshape(-1), obj.strides[0]
         for p, plane in enumerate(g.planes):
-            base = views[plane.tensor_slot]
+            base = views[plane.tensor_index]
             for run in g.runs:
                 # [num_blocks, block_size, count, nbytes] of plane p
                 cache = as_strided(
@@ -62,7 +62,7 @@ def run_take(plan: Any, slots: list, objects: list) -> None:
 
 
 class NumpyKit:
-    """The NumPy runtime for the benchmark engine (see :mod:`kvgroups_tools.bench`)."""
+    """The NumPy runtime for the benchmark runner (see :mod:`kvgroups_tools.bench`)."""
 
     backend = "numpy"
     device = "cpu"
@@ -124,9 +124,9 @@ class NumpyKit:
 
     def run(self, path: str, plan: Any, wl: Workload, r: int) -> None:
         if path == "take":
-            run_take(plan, wl.slots, wl.objects[r])
+            run_take(plan, wl.tensors, wl.objects[r])
         else:
-            self.be.execute(plan, wl.slots, wl.objects[r])
+            self.be.execute(plan, wl.tensors, wl.objects[r])
 
     # --- public calls (kvgroups_tools.bench_public) ----------------------------------------
     def public_calls(self) -> tuple[str, ...]:

@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from kvgroups_torch import cpu as cpu_path
+from kvgroups_torch import cpu as cpu_copy
 from kvgroups_torch.backend import TorchBackend, tensor_of
 from kvgroups_torch.describe import torch_dtype
 
@@ -52,7 +52,7 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 
 
 class TorchKit:
-    """The PyTorch runtime for the benchmark engine, on one CUDA device or the CPU."""
+    """The PyTorch runtime for the benchmark runner, on one CUDA device or the CPU."""
 
     backend = "torch"
     baseline = "index"
@@ -161,10 +161,10 @@ class TorchKit:
         if path == "index":
             tensors = wl.extra.get("tensors")
             if tensors is None:
-                tensors = wl.extra["tensors"] = [tensor_of(s, "slot") for s in wl.slots]
-            cpu_path.execute_plan(plan, tensors, wl.objects[r])
+                tensors = wl.extra["tensors"] = [tensor_of(t, "tensor") for t in wl.tensors]
+            cpu_copy.execute_plan(plan, tensors, wl.objects[r])
         else:
-            self._kernels[path].execute(plan, wl.slots, wl.objects[r])
+            self._kernels[path].execute(plan, wl.tensors, wl.objects[r])
 
     # --- public calls (kvgroups_tools.bench_public) ----------------------------------------
     def public_calls(self) -> tuple[str, ...]:

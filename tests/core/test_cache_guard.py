@@ -12,8 +12,8 @@ class _NoKeys:  # a backend without fingerprints: identity checks only
 
 
 def _guard(structure, bound):
-    slots = [describe_numpy(x) for x in bound]
-    return CacheGuard(_NoKeys(), structure, slots)
+    tensors = [describe_numpy(x) for x in bound]
+    return CacheGuard(_NoKeys(), structure, tensors)
 
 
 def test_a_flat_list_is_checked_at_the_positions_holding_the_touched_tensors():

@@ -344,7 +344,7 @@ def test_a_layer_of_the_wrong_shape_refuses_only_the_calls_that_touch_it(kind, p
     snapshot = [s.arrays.bytes(x) for x in s.caches[:5] + s.caches[6:] + s.objects]
     with pytest.raises(
         kc.KVGroupsValueError,
-        match="kv_caches changed since the transfer was prepared.*slot 5.*binding them again",
+        match="kv_caches changed since the transfer was prepared.*index 5.*binding them again",
     ):
         s.prepared.store(s.ids, s.objects, layers=[5])
     for x, b in zip(s.caches[:5] + s.caches[6:] + s.objects, snapshot):

@@ -66,3 +66,15 @@ def test_every_error_class_of_the_library_ends_in_error():
     ]
     assert len(classes) >= 10
     assert [c.__name__ for c in classes if not c.__name__.endswith("Error")] == []
+
+
+def test_the_old_plane_field_name_reads_the_tensor_index_with_a_warning():
+    from kvgroups_core import PlaneRef
+
+    plane = PlaneRef(tensor_index=3, byte_offset=128)
+    with pytest.warns(DeprecationWarning, match="tensor_slot is deprecated: use .*tensor_index"):
+        assert plane.tensor_slot == 3
+    with pytest.raises(AttributeError):
+        plane.tensor_slot = 4  # read-only: the field is tensor_index
+    with pytest.raises(TypeError):
+        PlaneRef(tensor_slot=3, byte_offset=0)  # the constructor takes the new name only

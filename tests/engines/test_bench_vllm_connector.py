@@ -20,18 +20,18 @@ def vllm_caches(layers: int, blocks: int, bs: int, heads: int, head: int) -> lis
     return [t.permute(0, 2, 1, 3) for t in logical]
 
 
-def test_host_chunk_store_round_trips_blocks_through_any_slots():
+def test_host_chunk_store_round_trips_blocks_through_any_entries():
     caches = vllm_caches(layers=3, blocks=40, bs=16, heads=2, head=64)
     info = EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1, 2), tokens_per_block=16)
     m = KVLayerGroupsManager(caches, EngineKVFormat.NL_X_NB_BS_NH_CS, [info])
     store = HostChunkStore(m, caches, capacity=6)
     src = list(range(0, 32))  # two chunks of 16 blocks
-    store.save({0: src[:16]}, [4])  # chunk 0 -> slot 4
-    store.save({0: src[16:]}, [1])  # chunk 1 -> slot 1
+    store.save({0: src[:16]}, [4])  # chunk 0 -> entry 4
+    store.save({0: src[16:]}, [1])  # chunk 1 -> entry 1
     want = [c[:32].clone() for c in caches]
     before = [c.clone() for c in caches]
     dst = list(range(8, 40))
-    store.load({0: dst}, [4, 1])  # non-consecutive slots: the gathered path
+    store.load({0: dst}, [4, 1])  # non-consecutive entries: the gathered path
     for c, w, b in zip(caches, want, before):
         assert torch.equal(c[8:40], w)
         assert torch.equal(c[:8], b[:8])  # untouched

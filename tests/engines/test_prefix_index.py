@@ -1,4 +1,4 @@
-"""The connector's scheduler-side index: chained chunk hashes, LRU slots, protected loads."""
+"""The connector's scheduler-side index: chained chunk hashes, LRU entries, protected loads."""
 
 from __future__ import annotations
 
@@ -37,16 +37,16 @@ def test_lookup_has_no_side_effect_and_lru_evicts_the_oldest_unprotected():
     assert idx.evictions == 1
 
 
-def test_allocation_evicts_oldest_first_and_takes_consecutive_slots_where_it_can():
+def test_allocation_evicts_oldest_first_and_takes_consecutive_entries_where_it_can():
     idx = ChunkIndex(6)
     h = [bytes([i]) * 16 for i in range(7)]
     assert idx.allocate(2) == [0, 1] and idx.allocate(3) == [2, 3, 4]
     for i in range(5):
         idx.insert(h[i], i)
-    assert idx.allocate(2) == [0, 5]  # one free slot: the oldest chunk (0) makes room
+    assert idx.allocate(2) == [0, 5]  # one free entry: the oldest chunk (0) makes room
     idx.insert(h[5], 0)
     idx.insert(h[6], 5)
-    idx.touch([1, 2])  # oldest first now: slots 3, 4, 0, 5, 1, 2
+    idx.touch([1, 2])  # oldest first now: entries 3, 4, 0, 5, 1, 2
     assert idx.allocate(2) == [3, 4] and idx.evictions == 3
     assert h[3] not in idx and h[4] not in idx and h[1] in idx and h[5] in idx
     assert consecutive_runs([4, 5, 6, 1, 2]) == [(0, 4, 3), (3, 1, 2)]
@@ -86,7 +86,7 @@ def test_a_chunk_cached_without_its_state_snapshot_is_a_miss_at_its_length():
     assert idx.absent(idx.lookup([hs[0]])[0]) == {state}
 
 
-def test_evicting_a_slot_forgets_what_it_lacked():
+def test_evicting_an_entry_forgets_what_it_lacked():
     idx = ChunkIndex(1)
     (s,) = idx.allocate(1)
     idx.insert(b"a" * 16, s, absent=(0,))

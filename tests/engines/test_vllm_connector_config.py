@@ -112,7 +112,7 @@ def test_the_issues_cases():
 
 
 def test_capacities_are_bounded_where_they_are_parsed():
-    # 2**62 slots used to pass, and the connector's index then failed at engine start
+    # 2**62 entries used to pass, and the connector's index then failed at engine start
     # (MemoryError; OverflowError for 10**30) with nothing naming the setting.
     for extra, match in [
         (
@@ -131,7 +131,7 @@ def test_capacities_are_bounded_where_they_are_parsed():
     assert parse_extra_config({"capacity_chunks": MAX_CHUNKS}).capacity_chunks == MAX_CHUNKS
 
 
-def test_the_host_cache_slots_from_capacity_bytes_are_bounded_at_start():
+def test_the_host_cache_entries_from_capacity_bytes_are_bounded_at_start():
     chunk = 4096  # bytes per chunk of some model
     assert host_capacity_chunks(parse_extra_config({"capacity_chunks": 7}), chunk) == 7
     assert host_capacity_chunks(parse_extra_config({"capacity_bytes": 3 * chunk + 1}), chunk) == 3

@@ -110,13 +110,13 @@ def _run_emulated(direction, g, arrays, *, meta=None, ids=None, fresh=False):
         "meta": [meta],
         "ids": [ids],
         "obj": [obj],
-        "cache": [caches[s] for s in geom.operand_slots],
+        "cache": [caches[s] for s in geom.operand_indices],
     }
     operands = [given[k].pop(0) for k in spec.operand_kinds]
     out_obj = obj if not fresh else np.zeros_like(obj)
     made = {
         "obj": [out_obj],
-        "cache": [caches[s] for s in geom.operand_slots],
+        "cache": [caches[s] for s in geom.operand_indices],
         "err": [np.zeros(64, np.uint8)],
     }
     results = [made[k].pop(0) for k in spec.result_kinds]

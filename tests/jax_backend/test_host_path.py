@@ -66,7 +66,7 @@ def test_groups_reading_one_id_array_share_one_runtime_array():
     g2 = dataclasses.replace(g, kernel_group_idx=1, region_offset=_nbytes(g))
     plan = make_plan("store", [g, g2], arrays, [2 * _nbytes(g)])
     program, metas, idss = executor.build_program(plan, "xla", "cpu")
-    assert program.id_slots == (0, 0) and len(idss) == 1 and len(metas) == 2
+    assert program.id_indices == (0, 0) and len(idss) == 1 and len(metas) == 2
     objs = [jnp.zeros((plan.num_chunks, 2 * _nbytes(g)), jnp.uint8)]
     _, out = execute_plan(plan, [jnp.asarray(a) for a in arrays], objs, lowering="xla")
     half = np.asarray(out[0]).reshape(plan.num_chunks, 2, -1)

@@ -43,7 +43,7 @@ def test_two_groups_share_one_object_at_their_region_offsets(lowering):
     a1, g1 = make_group("nhd", "bfloat16", nh=2, hs=8)
     n1 = _object_nbytes(g1)
     a2, g2 = make_group(
-        "indexer", "uint8", region_offset=n1, slot_base=len(a1), seed=4, ids=g1.block_ids
+        "indexer", "uint8", region_offset=n1, index_base=len(a1), seed=4, ids=g1.block_ids
     )
     total = n1 + _object_nbytes(g2)
     for direction in ("store", "load"):

@@ -48,7 +48,7 @@ def run_interpreted(direction, g, arrays, seed=7):
 
     @functools.partial(jax.jit, donate_argnums=(0,) if direction == "load" else (1,))
     def run(caches, obj, meta, ids):
-        views = tuple(flat_view(caches[s], geom.unit) for s in geom.operand_slots)
+        views = tuple(flat_view(caches[s], geom.unit) for s in geom.operand_indices)
         out = pallas_mosaic.copy_group(
             direction,
             geom,
@@ -63,7 +63,7 @@ def run_interpreted(direction, g, arrays, seed=7):
             return object_unview(out, geom.unit)
         return tuple(
             unflat_view(v, caches[s].shape, caches[s].dtype, geom.unit)
-            for s, v in zip(geom.operand_slots, out)
+            for s, v in zip(geom.operand_indices, out)
         )
 
     out = run(tuple(jax.numpy.asarray(a) for a in arrays), jax.numpy.asarray(obj), meta, ids)
@@ -148,7 +148,7 @@ def _mosaic(direction, g, arrays, obj, ids, fresh=False):
 
     @jax.jit
     def run(caches, obj, ids):
-        views = tuple(flat_view(caches[s], geom.unit) for s in geom.operand_slots)
+        views = tuple(flat_view(caches[s], geom.unit) for s in geom.operand_indices)
         target = (
             jax.ShapeDtypeStruct((obj.shape[0], obj.shape[1] // geom.unit), views[0].dtype)
             if fresh
@@ -161,7 +161,7 @@ def _mosaic(direction, g, arrays, obj, ids, fresh=False):
             return object_unview(out, geom.unit)
         return tuple(
             unflat_view(v, caches[s].shape, caches[s].dtype, geom.unit)
-            for s, v in zip(geom.operand_slots, out)
+            for s, v in zip(geom.operand_indices, out)
         )
 
     return run(

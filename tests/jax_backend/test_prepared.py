@@ -69,10 +69,10 @@ def test_prepared_loads_stay_bound_and_match_numpy_call_for_call():
         assert prepared._plans is plans_binding  # not rebound
         assert prepared._bound._sharding is not None and prepared._bound._owned  # fast path
     # The binding read after loads describes the current arrays.
-    slots = prepared.binding.tensors
+    tensors = prepared.binding.tensors
     current = {id(c): c for c in prepared.kv_caches}
-    assert len(slots) == len(current) and all(id(d.obj) in current for d in slots)
-    assert all(d.data_ptr == d.obj.unsafe_buffer_pointer() for d in slots)
+    assert len(tensors) == len(current) and all(id(d.obj) in current for d in tensors)
+    assert all(d.data_ptr == d.obj.unsafe_buffer_pointer() for d in tensors)
 
 
 def test_bad_objects_after_loads_raise_and_donate_nothing():

@@ -33,7 +33,7 @@ def replay(direction, group, arrays, nbytes, seed=0):
     want_obj = obj.copy()
     execute_group(group, direction == "store", want_caches, want_obj)
     caches = [a.copy().view(np.uint8).reshape(-1).view(UINT[u]) for a in arrays]
-    views = [caches[s].reshape(v.shape) for s, v in zip(geom.operand_slots, dmas.cache_views)]
+    views = [caches[s].reshape(v.shape) for s, v in zip(geom.operand_indices, dmas.cache_views)]
     o = obj.copy().view(UINT[u]).reshape((group.num_chunks,) + dmas.obj_view.shape)
     runs = block_runs(group)
     issued = 0

@@ -9,7 +9,7 @@ prefill rank 0 with every rank's endpoint); results to ``DIR/ROLE-RANK.json``.
 
 What runs:
 
-- per model of MODELS, prefill stores 3 chunks into pool slots and publishes; each
+- per model of MODELS, prefill stores 3 chunks into pool entries and publishes; each
   decode rank pulls what its heads need, loads its shard, and compares with the TP=1 load of
   the canonical objects (its heads; every other block untouched). Then a partial pull (the
   reader already holds chunk 0) and, on equal degrees, a layer-streamed pull (prefill stores
@@ -140,12 +140,12 @@ def prefill(rank: int, world: int, out: Path, transport_name: str, readers: int)
             check_same_grouping(m)
         pool = ObjectPool.allocate(f"pool-{name}", object_sizes(m), 8, like=leaves(shard)[0])
         transport.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
-        slots = [5, 6, 7]  # consecutive: one descriptor per object group
-        store(m, shard, ids, pool.writable_rows(slots))
+        entries = [5, 6, 7]  # consecutive: one descriptor per object group
+        store(m, shard, ids, pool.writable_rows(entries))
         settle()
         endpoints = gather(transport.endpoint(), world)
-        pub = publish(transport, m, f"{name}/whole", pool, slots, endpoints=endpoints)
-        partial = publish(transport, m, f"{name}/partial", pool, slots, endpoints=endpoints)
+        pub = publish(transport, m, f"{name}/whole", pool, entries, endpoints=endpoints)
+        partial = publish(transport, m, f"{name}/partial", pool, entries, endpoints=endpoints)
         if rank == 0:
             write_json(out / f"pub-{name}-whole.json", pub.to_dict())
             write_json(out / f"pub-{name}-partial.json", partial.to_dict())
@@ -158,11 +158,11 @@ def prefill(rank: int, world: int, out: Path, transport_name: str, readers: int)
             if rank == 0:
                 write_json(out / f"pub-{name}-stream.json", streamed.to_dict())
             stream.append((name, m, shard, ids, pool, other))
-    for name, m, shard, ids, pool, slots in stream:
+    for name, m, shard, ids, pool, entries in stream:
         wait_for(out / f"subscribed-{name}")
         layers = sorted(i for g in m.kernel_groups for i in g.layer_indices)
         for i, layer in enumerate(layers):
-            store(m, shard, ids, pool.writable_rows(slots), layers=[layer])
+            store(m, shard, ids, pool.writable_rows(entries), layers=[layer])
             settle()
             transport.mark_ready(f"{name}/stream", i + 1)
             time.sleep(0.2)
@@ -319,7 +319,7 @@ def failures_reader(out: Path, transport) -> dict:
             ):
                 if isinstance(exc, c):
                     error = (c.__name__, str(exc))
-        if job is not None and job.slots:
+        if job is not None and job.entries:
             rx.end(job, release_remote=False)
         result[what] = {
             "error": error,

@@ -1,6 +1,6 @@
 """benchmarks/bench_pd.py runs tiny on CPU (two processes over NIXL) and reports the
 descriptor counts as a measured property: one per object group for a run of consecutive
-chunks, one per (chunk, object group) for scattered slots, a partial pull moving only the
+chunks, one per (chunk, object group) for scattered entries, a partial pull moving only the
 chunks the reader lacks, and vLLM NixlConnector's count for the same request beside them."""
 
 from __future__ import annotations

@@ -32,7 +32,7 @@ def test_one_to_one_loads_bit_exact_for_every_object_group_kind(runs, model):
 
 def test_one_descriptor_per_object_group_for_a_run_of_chunks(runs):
     (result,) = runs[(1, 1)]["decode"]
-    # Consecutive slots on both sides: each object group's chunks move as one descriptor.
+    # Consecutive entries on both sides: each object group's chunks move as one descriptor.
     assert result["mha-nhd"]["descriptors"] == 1
     assert result["hybrid-full-sw-gqa2"]["descriptors"] == 2  # full and sliding-window objects
     assert result["hybrid-full-sw-gqa2"]["chunks"] == [3, 1]  # the window needs its last chunk

@@ -71,7 +71,7 @@ def good(manager=None, **changes) -> dict:
         "request_id": "r",
         "transport": "nixl",
         "pool_id": "p",
-        "slots": [2, 3, 4],
+        "entries": [2, 3, 4],
         "chunk_tokens": CHUNK,
         "fingerprint": (manager or reader_manager()).fingerprint(across_degrees=True),
         "tp_size": 1,
@@ -84,14 +84,14 @@ def good(manager=None, **changes) -> dict:
 
 
 BAD_FIELDS = [
-    ("slots", ["a"], KVGroupsTypeError, "publication.slots[0]"),
-    ("slots", None, KVGroupsTypeError, "publication.slots"),
-    ("slots", {"a": 1}, KVGroupsTypeError, "publication.slots"),
-    ("slots", [2, 3.0, 4], KVGroupsTypeError, "publication.slots[1]"),
-    ("slots", [2.9, 3.9, 4.9], KVGroupsTypeError, "publication.slots[0]"),
-    ("slots", [True, 3, 4], KVGroupsTypeError, "publication.slots[0]"),
-    ("slots", [-1, 3, 4], KVGroupsValueError, "publication.slots[0]"),
-    ("slots", [2, 3, 2**64], KVGroupsValueError, "publication.slots[2]"),
+    ("entries", ["a"], KVGroupsTypeError, "publication.entries[0]"),
+    ("entries", None, KVGroupsTypeError, "publication.entries"),
+    ("entries", {"a": 1}, KVGroupsTypeError, "publication.entries"),
+    ("entries", [2, 3.0, 4], KVGroupsTypeError, "publication.entries[1]"),
+    ("entries", [2.9, 3.9, 4.9], KVGroupsTypeError, "publication.entries[0]"),
+    ("entries", [True, 3, 4], KVGroupsTypeError, "publication.entries[0]"),
+    ("entries", [-1, 3, 4], KVGroupsValueError, "publication.entries[0]"),
+    ("entries", [2, 3, 2**64], KVGroupsValueError, "publication.entries[2]"),
     ("tp_size", None, KVGroupsTypeError, "publication.tp_size"),
     ("tp_size", 1.9, KVGroupsTypeError, "publication.tp_size"),
     ("tp_size", "1", KVGroupsTypeError, "publication.tp_size"),
@@ -153,12 +153,12 @@ def test_well_formed_publications_are_read_as_given():
         extra="ignored",
     )
     pub = Publication.from_dict(d)
-    assert pub.slots == (2, 3, 4) and pub.tp_size == 2 and pub.chunk_hashes == ("aa", "bb", "cc")
+    assert pub.entries == (2, 3, 4) and pub.tp_size == 2 and pub.chunk_hashes == ("aa", "bb", "cc")
     assert pub.endpoints[1] == {"host": "b", "port": 65535, "agent": "x"}
     assert Publication.from_dict(json.loads(json.dumps(pub.to_dict()))) == pub
-    assert Publication.from_dict(good(slots=np.array([1, 2]).tolist())).slots == (1, 2)
-    with pytest.raises(KVGroupsValueError, match="'slots'"):
-        Publication.from_dict({k: v for k, v in d.items() if k != "slots"})
+    assert Publication.from_dict(good(entries=np.array([1, 2]).tolist())).entries == (1, 2)
+    with pytest.raises(KVGroupsValueError, match="'entries'"):
+        Publication.from_dict({k: v for k, v in d.items() if k != "entries"})
 
 
 @pytest.mark.parametrize(

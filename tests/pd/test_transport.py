@@ -68,17 +68,17 @@ def world(seed=0, chunks=3):
 _pools = iter(range(10_000))
 
 
-def written(writer, full, ids, slots, request="req", **kw):
+def written(writer, full, ids, entries, request="req", **kw):
     m = manager(MODEL, full)
     pool = ObjectPool.allocate(f"w{next(_pools)}", object_sizes(m), 8)
     writer.register_pool(pool.pool_id, pool.buffers, pool.object_nbytes)
-    for start in range(0, len(slots)):  # one chunk per store: slots need not be consecutive
+    for start in range(0, len(entries)):  # one chunk per store: entries need not be consecutive
         one = {
-            g: i[start * len(i) // len(slots) : (start + 1) * len(i) // len(slots)]
+            g: i[start * len(i) // len(entries) : (start + 1) * len(i) // len(entries)]
             for g, i in ids.items()
         }
-        store(m, full, one, pool.writable_rows([slots[start]]), backend="numpy")
-    return m, pool, publish(writer, m, f"{request}-{pool.pool_id}", pool, slots, **kw)
+        store(m, full, one, pool.writable_rows([entries[start]]), backend="numpy")
+    return m, pool, publish(writer, m, f"{request}-{pool.pool_id}", pool, entries, **kw)
 
 
 def pull_and_load(reader, pub, before, ids, first_chunk=0, **kw):
@@ -99,7 +99,7 @@ def same(a, b):
     return all(np.array_equal(x.view(np.uint8), y.view(np.uint8)) for x, y in zip(a, b))
 
 
-def test_consecutive_slots_move_as_one_descriptor_per_object_group(agents):
+def test_consecutive_entries_move_as_one_descriptor_per_object_group(agents):
     writer, reader = agents
     full, before, ids = world()
     _, _, pub = written(writer, full, ids, [3, 4, 5])
@@ -115,7 +115,7 @@ def pub_sizes(pub):
     return object_sizes(m)
 
 
-def test_scattered_slots_move_one_descriptor_per_chunk_and_object_group(agents):
+def test_scattered_entries_move_one_descriptor_per_chunk_and_object_group(agents):
     writer, reader = agents
     full, before, ids = world(1)
     _, _, pub = written(writer, full, ids, [6, 1, 3])
@@ -211,7 +211,7 @@ def test_a_released_or_expired_publication_is_not_pulled(agents):
         # Slots other than the published ones are not served either.
         _, _, pub = written(short, full, ids, [0, 1, 2])
         with pytest.raises(PublicationReleasedError):
-            pull_and_load(reader, replace(pub, slots=(1, 2, 3)), before, ids)
+            pull_and_load(reader, replace(pub, entries=(1, 2, 3)), before, ids)
     finally:
         short.close()
 
@@ -235,9 +235,9 @@ def test_copies_outside_a_pool_are_refused_before_posting(agents):
     reader.register_pool(staging.pool_id, staging.buffers, staging.object_nbytes)
     bad = Copy(
         object_group=0,
-        remote_slot=7,
+        remote_entry=7,
         remote_offset=0,
-        local_slot=1,
+        local_entry=1,
         local_offset=1,
         nbytes=pool.object_nbytes[0],
     )
@@ -245,7 +245,7 @@ def test_copies_outside_a_pool_are_refused_before_posting(agents):
         reader.pull(pub, 0, staging.pool_id, [bad])
 
 
-def test_a_push_writes_into_slots_the_reader_offered(agents):
+def test_a_push_writes_into_entries_the_reader_offered(agents):
     writer, reader = agents
     full, before, ids = world(8)
     m, pool, _ = written(writer, full, ids, [4, 5, 6])
@@ -256,9 +256,9 @@ def test_a_push_writes_into_slots_the_reader_offered(agents):
     copies = [
         Copy(
             object_group=0,
-            remote_slot=1,
+            remote_entry=1,
             remote_offset=0,
-            local_slot=4,
+            local_entry=4,
             local_offset=0,
             nbytes=3 * pool.object_nbytes[0],
         )
@@ -273,8 +273,8 @@ def test_publications_round_trip_through_json(agents):
     full, _, ids = world(9)
     _, _, pub = written(writer, full, ids, [0, 1, 2], chunk_hashes=["aa", "bb", "cc"])
     assert Publication.from_dict(json.loads(json.dumps(pub.to_dict()))) == pub
-    with pytest.raises(KVGroupsValueError, match="'slots'"):
-        Publication.from_dict({k: v for k, v in pub.to_dict().items() if k != "slots"})
+    with pytest.raises(KVGroupsValueError, match="'entries'"):
+        Publication.from_dict({k: v for k, v in pub.to_dict().items() if k != "entries"})
 
 
 def test_memory_regions_of_numpy_and_torch_arrays():

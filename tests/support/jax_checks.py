@@ -14,7 +14,7 @@ from tests.support.jax_layouts import make_plan
 
 def reference_transfer(direction, group, caches, objects, object_nbytes) -> None:
     """The NumPy oracle (kvgroups_core.transfer.reference) on flat uint8 buffers: ``caches`` one per
-    slot, ``objects`` ``[num_chunks * object_nbytes]`` of the group's object group."""
+    tensor, ``objects`` ``[num_chunks * object_nbytes]`` of the group's object group."""
     if group.num_items:
         execute_group(group, direction == "store", caches, objects.reshape(-1, object_nbytes))
 
@@ -51,7 +51,7 @@ def run_and_check(
     optrs = [o.unsafe_buffer_pointer() for o in jobjs]
     new_c, new_o = execute_plan(plan, caches, jobjs, lowering=lowering, tuning=tuning)
     for k, (c, e) in enumerate(zip(new_c, exp_c)):
-        np.testing.assert_array_equal(as_bytes(c), e, err_msg=f"cache slot {k}")
+        np.testing.assert_array_equal(as_bytes(c), e, err_msg=f"cache tensor {k}")
     for k, (o, e) in enumerate(zip(new_o, exp_o)):
         np.testing.assert_array_equal(as_bytes(o), e, err_msg=f"object group {k}")
     return caches, jobjs, new_c, new_o, ptrs, optrs

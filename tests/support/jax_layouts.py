@@ -132,7 +132,7 @@ def make_group(
     nh=2,
     hs=8,
     seed=0,
-    slot_base=0,
+    index_base=0,
 ):
     """One GroupTransfer (and its arrays) of ``layout``; ids are random distinct blocks."""
     arrays, planes, stride, runs, row, dt = build(
@@ -142,7 +142,7 @@ def make_group(
     rng = np.random.default_rng(seed + 1)
     if ids is None:
         ids = rng.permutation(nb)[: num_chunks * bpc].astype(np.int64)
-    plane_refs = tuple(PlaneRef(tensor_slot=slot_base + s, byte_offset=o) for s, o in planes)
+    plane_refs = tuple(PlaneRef(tensor_index=index_base + s, byte_offset=o) for s, o in planes)
     values = [stride, row] + [o for _, o in planes]
     for r in runs:
         values += list(r.as_tuple()[1:])

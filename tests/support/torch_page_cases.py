@@ -38,7 +38,7 @@ LAYOUTS = (
 
 @dataclass
 class Geometry:
-    slot_nbytes: list[int]
+    tensor_nbytes: list[int]
     planes: tuple[PlaneRef, ...]
     runs: tuple[SegmentRun, ...]
     block_stride: int
@@ -58,12 +58,12 @@ def run(count, nbytes, obj_offset, obj_step, cache_offset, cache_step, token_str
 
 
 def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int) -> Geometry:
-    """Backing tensors (bytes per slot), planes p = kv * nl + l, runs and block stride."""
+    """Backing tensors (bytes per tensor), planes p = kv * nl + l, runs and block stride."""
     row = nh * hs * e
     page = bs * row
     if layout == "nhd":  # list[NL] of [2, NB, BS, NH, HS]
         planes = [
-            PlaneRef(tensor_slot=layer, byte_offset=kv * nb * page)
+            PlaneRef(tensor_index=layer, byte_offset=kv * nb * page)
             for kv in range(2)
             for layer in range(nl)
         ]
@@ -73,7 +73,7 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
     if layout == "nhd_padded":  # list[NL] of [NB, 2, BS, NH, HS], blocks padded by 3 elements
         stride = 2 * page + 3 * e
         planes = [
-            PlaneRef(tensor_slot=layer, byte_offset=kv * page)
+            PlaneRef(tensor_index=layer, byte_offset=kv * page)
             for kv in range(2)
             for layer in range(nl)
         ]
@@ -82,7 +82,7 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
         )
     if layout == "hnd":  # list[NL] of [2, NB, NH, BS, HS]
         planes = [
-            PlaneRef(tensor_slot=layer, byte_offset=kv * nb * page)
+            PlaneRef(tensor_index=layer, byte_offset=kv * nb * page)
             for kv in range(2)
             for layer in range(nl)
         ]
@@ -95,7 +95,7 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
         )
     if layout == "interleaved":  # list[NL] of [NB, BS, NH, 2, HS]: V plane base + HS*e
         planes = [
-            PlaneRef(tensor_slot=layer, byte_offset=kv * hs * e)
+            PlaneRef(tensor_index=layer, byte_offset=kv * hs * e)
             for kv in range(2)
             for layer in range(nl)
         ]
@@ -108,7 +108,7 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
         )
     if layout == "heads_outer":  # K list + V list of [NH, NB, BS, HS]
         planes = [
-            PlaneRef(tensor_slot=kv * nl + layer, byte_offset=0)
+            PlaneRef(tensor_index=kv * nl + layer, byte_offset=0)
             for kv in range(2)
             for layer in range(nl)
         ]
@@ -121,7 +121,7 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
         )
     if layout == "cross_layer":  # one [NB, NL, 2, BS, NH, HS]
         planes = [
-            PlaneRef(tensor_slot=0, byte_offset=(layer * 2 + kv) * page)
+            PlaneRef(tensor_index=0, byte_offset=(layer * 2 + kv) * page)
             for kv in range(2)
             for layer in range(nl)
         ]
@@ -130,12 +130,12 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
         )
     if layout == "mla":  # list[NL] of [NB, BS, HS], one plane per layer
         row = hs * e
-        planes = [PlaneRef(tensor_slot=layer, byte_offset=0) for layer in range(nl)]
+        planes = [PlaneRef(tensor_index=layer, byte_offset=0) for layer in range(nl)]
         return Geometry(
             [nb * bs * row] * nl, tuple(planes), (run(1, row, 0, 0, 0, 0, row),), bs * row, row
         )
     if layout == "indexer":  # list[NL] of uint8 [NB, BS, 132]: values block, then scales
-        planes = [PlaneRef(tensor_slot=layer, byte_offset=0) for layer in range(nl)]
+        planes = [PlaneRef(tensor_index=layer, byte_offset=0) for layer in range(nl)]
         runs = (run(1, 128, 0, 0, 0, 0, 128), run(1, 4, 128, 0, bs * 128, 0, 4))
         return Geometry([nb * bs * 132] * nl, tuple(planes), runs, bs * 132, 132)
     raise ValueError(layout)
@@ -144,7 +144,7 @@ def geometry(layout: str, *, nl: int, nb: int, bs: int, nh: int, hs: int, e: int
 @dataclass
 class Case:
     plan: TransferPlan
-    caches: list[np.ndarray]  # uint8 bytes per slot
+    caches: list[np.ndarray]  # uint8 bytes per backing tensor
     objects: np.ndarray  # uint8 [num_chunks, nbytes]
     dtype: str
 
@@ -205,7 +205,7 @@ def make_case(
         groups=(group,),
         tensor_specs=(),
     )
-    caches = [rng.integers(0, 256, n, dtype=np.uint8) for n in g.slot_nbytes]
+    caches = [rng.integers(0, 256, n, dtype=np.uint8) for n in g.tensor_nbytes]
     objects = rng.integers(0, 256, (num_chunks, nbytes), dtype=np.uint8)
     return Case(plan, caches, objects, "uint8" if layout == "indexer" else dtype)
 
@@ -225,7 +225,7 @@ def oracle(case: Case, ids=None) -> tuple[list[np.ndarray], np.ndarray]:
             if not 0 <= b < t.num_blocks:
                 continue
             for p, plane in enumerate(t.planes):
-                cache = caches[plane.tensor_slot]
+                cache = caches[plane.tensor_index]
                 for r in t.runs:
                     for tok in range(t.block_size):
                         for k in range(r.count):

@@ -107,7 +107,7 @@ def test_a_cpu_tensor_is_refused_as_device_ids():
     small = bench_matrix.Shape("small-pages", model="small-pages", layers=2).build(8)
     kit = bench.load_kit("torch-cpu")
     caches = kit.make_caches(small.kv_caches, 0)
-    wl = bench.Workload(slots=list(caches), caches=list(caches))
+    wl = bench.Workload(tensors=list(caches), caches=list(caches))
     case = bench_public.Case(None, wl, [np.arange(16)], None, "store", 2, 1)
     with pytest.raises(bench_public.Refused, match="host ids"):
         bench_public.check_device_ids(case, torch.arange(16))

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 from kvgroups_torch.vllm.host_store import HostChunkStore
-from kvgroups_torch.vllm.pipeline import StepTransfers, hooks_will_run, slot_rows
+from kvgroups_torch.vllm.pipeline import StepTransfers, entry_rows, hooks_will_run
 
 from tests.support.torch_engine_cases import (
     cache_bytes,
@@ -38,12 +38,12 @@ def _setup(name="llama3-8b", seed=0, capacity=8, layerwise_loads=True):
     return manager, caches, store, steps
 
 
-def _item(ids, slots, skip=0, taken=None):
-    return SimpleNamespace(block_ids=ids, slots=slots, skip_tokens=skip, taken_tokens=taken)
+def _item(ids, entries, skip=0, taken=None):
+    return SimpleNamespace(block_ids=ids, entries=entries, skip_tokens=skip, taken_tokens=taken)
 
 
-def _want(manager, store, caches, ids, slots, skip=0):
-    rows = [pool[slots] for pool in store.pools]
+def _want(manager, store, caches, ids, entries, skip=0):
+    rows = [pool[entries] for pool in store.pools]
     return reference_load(manager, rows, caches, ids, skip=skip)
 
 
@@ -57,22 +57,22 @@ def test_hooks_run_in_eager_and_piecewise_steps_not_in_full_graph_replays():
     assert not hooks_will_run(None)
 
 
-def test_slot_rows_are_views_never_copies():
+def test_entry_rows_are_views_never_copies():
     pools = [torch.arange(40, dtype=torch.uint8).view(8, 5)]
-    rows = slot_rows(pools, [2, 3, 4])
+    rows = entry_rows(pools, [2, 3, 4])
     assert rows[0].data_ptr() == pools[0][2].data_ptr() and rows[0].shape == (3, 5)
-    rows = slot_rows(pools, [5, 1])
+    rows = entry_rows(pools, [5, 1])
     assert [r.data_ptr() for r in rows[0]] == [pools[0][5].data_ptr(), pools[0][1].data_ptr()]
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
-@pytest.mark.parametrize("slots", [[2, 3], [6, 1]])
-def test_pipelined_loads_land_layer_by_layer_at_each_wait(name, slots):
+@pytest.mark.parametrize("entries", [[2, 3], [6, 1]])
+def test_pipelined_loads_land_layer_by_layer_at_each_wait(name, entries):
     manager, caches, store, steps = _setup(name, seed=2)
     ids = ids_for(manager, np.random.default_rng(3), 2)
     before = cache_bytes(caches)
-    want = _want(manager, store, caches, ids, slots, skip=64)
-    steps.start_loads([_item(ids, slots, skip=64, taken=2 * CHUNK)], hooks_run=True)
+    want = _want(manager, store, caches, ids, entries, skip=64)
+    steps.start_loads([_item(ids, entries, skip=64, taken=2 * CHUNK)], hooks_run=True)
     for layer in range(LAYERS):
         steps.wait_layer(f"model.layers.{layer}.attn")
         for other, (got, w, b) in enumerate(zip(cache_bytes(caches), want, before)):

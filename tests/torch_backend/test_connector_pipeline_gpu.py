@@ -1,5 +1,5 @@
 """KVGroupsConnector's step transfers (kvgroups_torch.vllm.pipeline) on a GPU, without vLLM:
-pinned slot buffers, vLLM-style host ids, the loads queued per layer on a side stream held
+pinned pool buffers, vLLM-style host ids, the loads queued per layer on a side stream held
 back by a sleep, each layer's reads after its wait_layer seeing its loaded pages; per-layer
 saves of what each layer wrote; the FULL-graph path loading before the forward; no host
 sync on the pipelined path."""
@@ -9,7 +9,7 @@ import pytest
 import torch
 from kvgroups_torch import check_errors
 from kvgroups_torch.vllm.host_store import HostChunkStore
-from kvgroups_torch.vllm.pipeline import StepTransfers, slot_rows
+from kvgroups_torch.vllm.pipeline import StepTransfers, entry_rows
 
 from tests.support.cuda_marks import needs_cuda
 from tests.support.torch_engine_cases import (
@@ -40,13 +40,13 @@ def _setup(name, seed):
 
 
 class Item:
-    def __init__(self, ids, slots, taken):
+    def __init__(self, ids, entries, taken):
         self.block_ids = (
             {g: list(map(int, v)) for g, v in ids.items()}
             if isinstance(ids, dict)
             else list(map(int, ids))
         )
-        self.slots, self.skip_tokens, self.taken_tokens = slots, 0, taken
+        self.entries, self.skip_tokens, self.taken_tokens = entries, 0, taken
 
 
 def _layer_ids(manager, ids, layer):
@@ -64,10 +64,10 @@ def _forward(manager, caches, steps, ids, waits=True):
     return seen
 
 
-def _check(manager, caches, store, ids, slots, seen, before):
+def _check(manager, caches, store, ids, entries, seen, before):
     torch.cuda.synchronize()
     check_errors()
-    want = reference_load(manager, [pool[slots] for pool in store.pools], before, ids)
+    want = reference_load(manager, [pool[entries] for pool in store.pools], before, ids)
     for layer, (w, c) in enumerate(zip(want, caches)):
         loaded = torch.from_numpy(w).view(c.dtype).view(c.shape)
         expect = loaded.index_select(1, _layer_ids(manager, ids, layer).cpu())
@@ -79,8 +79,8 @@ def _check(manager, caches, store, ids, slots, seen, before):
 
 
 @pytest.mark.parametrize("name", ["llama3-8b", "gpt-oss-20b"])
-@pytest.mark.parametrize("slots", [[2, 3], [6, 1]])
-def test_pipelined_loads_reach_each_layer_at_its_wait(name, slots):
+@pytest.mark.parametrize("entries", [[2, 3], [6, 1]])
+def test_pipelined_loads_reach_each_layer_at_its_wait(name, entries):
     manager, caches, store, steps = _setup(name, seed=1)
     ids = ids_for(manager, np.random.default_rng(2), 2, num_blocks=96)
     before = [c.clone() for c in caches]
@@ -88,10 +88,10 @@ def test_pipelined_loads_reach_each_layer_at_its_wait(name, slots):
         for c, b in zip(caches, before):
             c.copy_(b)
         delay(steps.loads.stream, DELAY)
-        steps.start_loads([Item(ids, slots, 2 * CHUNK)], hooks_run=True)
+        steps.start_loads([Item(ids, entries, 2 * CHUNK)], hooks_run=True)
         seen = _forward(manager, caches, steps, ids)
         steps.finish_step([])
-        _check(manager, caches, store, ids, slots, seen, before)
+        _check(manager, caches, store, ids, entries, seen, before)
 
 
 def test_the_pipelined_path_never_syncs_the_host():
@@ -150,8 +150,8 @@ def test_saves_store_what_each_layer_wrote(hooks):
             np.testing.assert_array_equal(pool[2:4].numpy(), w)
 
 
-def test_slot_rows_of_pinned_pools_stay_pinned_views():
+def test_entry_rows_of_pinned_pools_stay_pinned_views():
     pool = torch.empty((4, 64), dtype=torch.uint8, pin_memory=True)
-    rows = slot_rows([pool], [3, 0])[0]
+    rows = entry_rows([pool], [3, 0])[0]
     assert all(r.is_pinned() for r in rows)
     assert [r.data_ptr() for r in rows] == [pool[3].data_ptr(), pool[0].data_ptr()]

@@ -147,7 +147,7 @@ def test_prepared_device_caches_run_copy_engine_groups(batches):
     caches = [torch.from_numpy(c.copy()) for c in case.caches]
     objects = torch.from_numpy(case.objects.copy())
     bound = cuda_execute.DeviceCaches(caches, 0)
-    bound.execute(case.plan, [cuda_objects.bind_objects(objects, 0, "objects[0]")])
+    bound.execute(case.plan, [cuda_objects.object_addresses(objects, 0, "objects[0]")])
     np.testing.assert_array_equal(objects.numpy(), oracle(case)[1])
     assert batches[1] and not batches[0]
 
@@ -230,9 +230,9 @@ def test_table_choice_is_the_nearest_point_on_a_log_scale():
 def test_tables_are_read_from_the_cache_folder_unless_switched_off(tmp_path, monkeypatch):
     monkeypatch.setenv(copy_paths.ENV_DIR, str(tmp_path))
     monkeypatch.setattr(copy_paths, "_gpu_and_driver", lambda index: ("NVIDIA H200", 13000))
-    path = copy_paths.table_path("NVIDIA H200", 13000)
-    assert path == tmp_path / "copy_paths-nvidia-h200-13000.json"
-    path.write_text(json.dumps(_table(64).to_json()))
+    file = copy_paths.table_file("NVIDIA H200", 13000)
+    assert file == tmp_path / "copy_paths-nvidia-h200-13000.json"
+    file.write_text(json.dumps(_table(64).to_json()))
     copy_paths.forget_tables()
     try:
         assert copy_paths.table_for(0).points == _table(64).points
@@ -241,7 +241,7 @@ def test_tables_are_read_from_the_cache_folder_unless_switched_off(tmp_path, mon
         assert copy_paths.table_for(0) is None
         copy_paths.forget_tables()
         monkeypatch.delenv(copy_paths.ENV_SWITCH)
-        path.write_text("{not json")
+        file.write_text("{not json")
         assert copy_paths.table_for(0) is None  # a damaged table is no table
     finally:
         copy_paths.forget_tables()

@@ -50,7 +50,7 @@ def run_plan_with_copies(plan, caches, objects):
             buffers.append(obj[c])
     count = 0
     for group in plan.groups:
-        planes = [fake(p.tensor_slot) + p.byte_offset for p in group.planes]
+        planes = [fake(p.tensor_index) + p.byte_offset for p in group.planes]
         chunks = [fake(rows[group.object_group_idx, c]) for c in range(group.num_chunks)]
         copies = group_copies(group, plan.direction, planes, chunks)
         count += copies[0].size

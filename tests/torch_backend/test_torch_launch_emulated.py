@@ -353,7 +353,7 @@ def test_emulated_out_of_range_ids_move_nothing_and_flag(emulated):
 
 
 # The prepared path (kvgroups_core.transfer.api.prepare) through cuda_execute.DeviceCaches, with CPU
-# tensors standing in for the GPU's: its object checks, bindings and launches are the ones a
+# tensors standing in for the GPU's: its object checks, object addresses and launches are the ones a
 # CUDA call runs, and the emulated kernel moves the bytes.
 
 

@@ -3,7 +3,7 @@ import zlib
 import numpy as np
 import pytest
 import torch
-from kvgroups_torch import cpu as cpu_path
+from kvgroups_torch import cpu as cpu_copy
 from kvgroups_torch.cuda import execute as cuda_execute
 
 from kvgroups_core.tensors.descriptors import describe_numpy
@@ -30,7 +30,7 @@ IMPLS = [
 
 def _execute(impl, plan, caches, objects):
     if impl in ("cpu", "cuda-indexing"):
-        cpu_path.execute_plan(plan, caches, objects)
+        cpu_copy.execute_plan(plan, caches, objects)
     else:
         pinned = "staged" if impl == "cuda-staged" else "direct"
         cuda_execute.execute_plan(plan, caches, objects, caches[0].device.index, pinned=pinned)

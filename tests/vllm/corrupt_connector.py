@@ -14,10 +14,10 @@ class CorruptingConnector(KVGroupsConnector):
         if self.has_connector_metadata():
             gen = torch.Generator().manual_seed(7)
             for item in self._get_connector_metadata().loads:
-                index = torch.tensor(item.slots, dtype=torch.long)
+                index = torch.tensor(item.entries, dtype=torch.long)
                 for pool in self._pools:
                     noise = torch.randint(
-                        0, 256, (len(item.slots), pool.shape[1]), dtype=torch.uint8, generator=gen
+                        0, 256, (len(item.entries), pool.shape[1]), dtype=torch.uint8, generator=gen
                     )
                     pool.index_copy_(0, index, noise)
         super().start_load_kv(forward_context, **kwargs)

@@ -14,5 +14,5 @@ class NoStateLoadConnector(KVGroupsConnector):
         state = set(self._layout.state_layers)
         attention = [i for i in range(len(self._layout.kv_caches)) if i not in state]
         for item in self._get_connector_metadata().loads:
-            self._store.load(item.block_ids, item.slots, item.skip_tokens, layers=attention)
-            self.stats["loaded_chunks"] += len(item.slots)
+            self._store.load(item.block_ids, item.entries, item.skip_tokens, layers=attention)
+            self.stats["loaded_chunks"] += len(item.entries)

@@ -21,7 +21,7 @@ class ScrambledTargetConnector(KVGroupsConnector):
             for item in meta.loads:
                 noise = [
                     torch.randint(
-                        0, 256, (len(item.slots), pool.shape[1]), dtype=torch.uint8, generator=gen
+                        0, 256, (len(item.entries), pool.shape[1]), dtype=torch.uint8, generator=gen
                     )
                     for pool in self._pools
                 ]

@@ -88,8 +88,8 @@ def test_the_producer_hands_out_nixl_connector_params_with_a_publication(pair):
     for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"):
         assert key in params
     publication = params["kvgroups"]
-    assert len(publication["slots"]) == 700 // CHUNK  # the prompt's whole chunks
-    assert len(publication["chunk_hashes"]) == len(publication["slots"])
+    assert len(publication["entries"]) == 700 // CHUNK  # the prompt's whole chunks
+    assert len(publication["chunk_hashes"]) == len(publication["entries"])
 
 
 def test_the_consumer_equals_the_single_engine_and_reports_the_pulled_prefix(pair):

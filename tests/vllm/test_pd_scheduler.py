@@ -67,8 +67,8 @@ PROMPT = list(range(1, 701))  # 700 tokens: two whole chunks
 def published(setup, producer, rid="p1", status="FINISHED_LENGTH_CAPPED"):
     index = setup.ChunkIndex(16)
     hashes = setup.chunk_hashes(PROMPT, CHUNK)
-    for h, slot in zip(hashes, index.allocate(2)):
-        index.insert(h, slot)
+    for h, entry in zip(hashes, index.allocate(2)):
+        index.insert(h, entry)
     req = request(rid, PROMPT, {"do_remote_decode": True}, status)
     producer.on_new_request(req)
     assert producer.publish_item(rid, hashes, index, len(PROMPT), 300) is None  # chunk 1 pending
@@ -79,18 +79,18 @@ def published(setup, producer, rid="p1", status="FINISHED_LENGTH_CAPPED"):
 def test_the_producer_publishes_once_every_whole_chunk_is_saved_and_pins_it(setup):
     producer = sched(setup, "kv_producer")
     req, item, hashes = published(setup, producer)
-    assert item.slots == [0, 1] and item.hashes == [h.hex() for h in hashes]
-    assert producer.pinned_slots() == {0, 1}
+    assert item.entries == [0, 1] and item.hashes == [h.hex() for h in hashes]
+    assert producer.pinned_entries() == {0, 1}
     params = producer.finished_params(req)
     for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "tp_size"):
         assert key in params
     assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
     pub = params["kvgroups"]
-    assert pub["slots"] == [0, 1] and pub["chunk_tokens"] == CHUNK
+    assert pub["entries"] == [0, 1] and pub["chunk_tokens"] == CHUNK
     assert pub["endpoints"] == [{"host": "127.0.0.1", "port": 5600}]
-    assert producer.pinned_slots() == {0, 1}  # until the reader releases it
+    assert producer.pinned_entries() == {0, 1}  # until the reader releases it
     producer.on_released({"p1"})
-    assert producer.pinned_slots() == set()
+    assert producer.pinned_entries() == set()
 
 
 def test_requests_without_do_remote_decode_publish_nothing(setup):
@@ -106,15 +106,15 @@ def test_an_aborted_prefill_hands_out_no_params_and_unpins(setup):
     producer = sched(setup, "kv_producer")
     req, _, _ = published(setup, producer, "p2", status="FINISHED_ABORTED")
     assert producer.finished_params(req) is None
-    assert producer.pinned_slots() == set()
+    assert producer.pinned_entries() == set()
 
 
 def test_pins_expire_after_the_publication_lifetime(setup):
     producer = sched(setup, "kv_producer", publish_ttl_s=0.05)
     published(setup, producer, "p3")
-    assert producer.pinned_slots() == {0, 1}
+    assert producer.pinned_entries() == {0, 1}
     time.sleep(0.1)
-    assert producer.pinned_slots() == set()
+    assert producer.pinned_entries() == set()
 
 
 def consumer_case(setup, params, prompt=PROMPT, computed=0, **kw):

@@ -4,7 +4,7 @@ one engine start serving the four prompts of run_engine.py with vLLM's stat logg
 A prompt's whole chunks before its last token are looked up: first (700 tokens: 2 chunks,
 none cached), repeat (the same 2, found), shared (900 tokens, the first 600 of them first's:
 3 chunks, 2 found), unrelated (2 chunks, none found): 9 looked up, 4 hits, 5 misses; 4 chunks
-loaded; saved first's 2, shared's third and unrelated's 2; nothing evicted from 64 slots."""
+loaded; saved first's 2, shared's third and unrelated's 2; nothing evicted from 64 entries."""
 
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def test_the_counters_reach_vllms_prometheus_metrics(stats_run):
 def test_the_connector_logs_its_capacity_lookups_and_vllm_logs_its_counters(stats_run):
     _, log = stats_run
     assert "KVGroupsConnector (SCHEDULER): capacity 64 chunks of 256 tokens" in log
-    assert "KVGroupsConnector worker: 64 host slots per object group" in log
+    assert "KVGroupsConnector worker: 64 host entries per object group" in log
     assert "2 of 2 prompt chunks in the host cache (0 missing)" in log  # repeat
     assert "0 of 2 prompt chunks in the host cache (2 missing)" in log  # first, unrelated
     assert "2 of 3 prompt chunks in the host cache (1 missing)" in log  # shared

@@ -349,7 +349,7 @@ def launch_spec(
     reason = geometry_unsupported(geom)
     if reason:
         raise UnsupportedConfigError(reason)
-    caches = ("cache",) * len(geom.operand_slots)
+    caches = ("cache",) * len(geom.operand_indices)
     if direction == "store":
         operands = ("meta", "ids") + (() if fresh else ("obj",)) + caches
         results = ("obj", "err")
@@ -400,8 +400,10 @@ def copy_group(
     """Move one kernel group's pages (arguments and results as
     :func:`kvgroups_jax.lowerings.triton.copy_group`). Traceable; the caller jits and donates the
     written operands (caches on load, objects on store), which the results reuse."""
-    if len(caches) != len(geom.operand_slots):
-        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
+    if len(caches) != len(geom.operand_indices):
+        raise ValueError(
+            f"caches: expected {len(geom.operand_indices)} operands, got {len(caches)}"
+        )
     reason = runtime_unavailable()
     if reason:
         raise UnsupportedConfigError(f"lowering 'cuda': {reason}")

@@ -133,7 +133,7 @@ def _tma_body(
     # load: the object, then the cache Refs. Scratch: smem [buffers, rows, 256] and as many
     # TMA barriers.
 
-    num_ops = len(geom.operand_slots)
+    num_ops = len(geom.operand_indices)
     if direction == "store":
         caches, (obj,) = refs[:num_ops], refs[num_ops : num_ops + 1]
     else:
@@ -200,7 +200,7 @@ def _copy_spans(
     """Copy one item's block-plane span through shared memory, in ``copies`` pieces."""
     from jax.experimental.pallas import mosaic_gpu as plgpu
 
-    num_ops = len(geom.operand_slots)
+    num_ops = len(geom.operand_indices)
     nbuf = smem.shape[0]
     for op in range(num_ops):
         planes = [p for p, o in enumerate(geom.plane_operands) if o == op]
@@ -359,8 +359,10 @@ def copy_group(
     """
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
-    if len(caches) != len(geom.operand_slots):
-        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
+    if len(caches) != len(geom.operand_indices):
+        raise ValueError(
+            f"caches: expected {len(geom.operand_indices)} operands, got {len(caches)}"
+        )
     mosaic_pieces(geom)  # raises UnsupportedConfigError before tracing anything
     n_chunks, elems = obj.shape
     shape3 = (n_chunks, elems // TMA_DIM, TMA_DIM)

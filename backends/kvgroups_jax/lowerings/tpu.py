@@ -213,8 +213,10 @@ def copy_group(
     """
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
-    if len(caches) != len(geom.operand_slots):
-        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
+    if len(caches) != len(geom.operand_indices):
+        raise ValueError(
+            f"caches: expected {len(geom.operand_indices)} operands, got {len(caches)}"
+        )
     table = run_table(jnp.asarray(meta, jnp.int32), jnp.asarray(ids, jnp.int32), geom, grid_items)
     fresh = isinstance(obj, jax.ShapeDtypeStruct)
 

@@ -71,7 +71,7 @@ def _copy_kernel(
     # then (unless ``fresh``) obj_ref: [num_chunks, object_elems]; cache inputs [size_k] per
     # operand, then outputs (store: the object [num_chunks, object_elems]; load: the caches).
     # ``fresh``: a store whose object is a new output (not an aliased input).
-    num_ops = len(geom.operand_slots)
+    num_ops = len(geom.operand_indices)
     obj_ref = None if fresh else refs[0]
     refs = refs if fresh else refs[1:]
     cache_in, outs = refs[:num_ops], refs[num_ops:]
@@ -168,7 +168,7 @@ def _small_kernel(
     # As _copy_kernel, but program i moves items [i * ipp, (i + 1) * ipp): their ids are one
     # vector gather, every box is one [ipp, *box] op when all of them move, and the object is
     # one flat [num_chunks * object_elems] array (an item's chunk is a vector).
-    num_ops = len(geom.operand_slots)
+    num_ops = len(geom.operand_indices)
     obj_ref = None if fresh else refs[0]
     refs = refs if fresh else refs[1:]
     cache_in, outs = refs[:num_ops], refs[num_ops:]
@@ -363,7 +363,7 @@ def copy_group(
         only) a ``jax.ShapeDtypeStruct`` of it: the kernel then returns a new object whose
         bytes outside the moved pages are undefined (the executor passes one only when the
         call writes every byte).
-    caches : flat unsigned views ``[size_k]``, one per ``geom.operand_slots`` entry.
+    caches : flat unsigned views ``[size_k]``, one per ``geom.operand_indices`` entry.
 
     Returns
     -------
@@ -372,8 +372,10 @@ def copy_group(
     """
     if direction not in ("store", "load"):
         raise ValueError(f"direction: expected 'store' or 'load', got {direction!r}")
-    if len(caches) != len(geom.operand_slots):
-        raise ValueError(f"caches: expected {len(geom.operand_slots)} operands, got {len(caches)}")
+    if len(caches) != len(geom.operand_indices):
+        raise ValueError(
+            f"caches: expected {len(geom.operand_indices)} operands, got {len(caches)}"
+        )
     out = _pallas_copy(
         direction,
         geom,

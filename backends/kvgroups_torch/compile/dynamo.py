@@ -9,7 +9,7 @@ from abstract descriptors (no data pointers; the ids and a device skip stay fake
 the plan), and the backend, instead of launching, records one custom op
 (:mod:`kvgroups_torch.compile.ops`) whose handle names a plan *template*: the plan with its per-call
 tensors taken out. At run time the op's implementation puts the real id and skip tensors back
-and runs the plan (CUDA: the page-copy kernels, ids read on the device; CPU: ``cpu_path``,
+and runs the plan (CUDA: the page-copy kernels, ids read on the device; CPU: ``cpu_copy``,
 with eager typed errors). A new chunk count is a new id shape, hence a new trace; new ids of
 the same shape reuse the graph.
 
@@ -84,7 +84,7 @@ class PlanTemplate:
         block_ids: Sequence[torch.Tensor],
         skip: Any,
     ) -> None:
-        from kvgroups_torch import cpu as cpu_path
+        from kvgroups_torch import cpu as cpu_copy
         from kvgroups_torch.cuda import execute as cuda_execute
 
         plan = self.plan
@@ -104,7 +104,7 @@ class PlanTemplate:
         if device.type == "cuda":
             cuda_execute.execute_plan(plan, caches, objects, device.index, pinned=self.pinned)
         else:
-            cpu_path.execute_plan(host_plan(plan), caches, objects)
+            cpu_copy.execute_plan(host_plan(plan), caches, objects)
 
 
 _templates: dict[tuple, int] = {}

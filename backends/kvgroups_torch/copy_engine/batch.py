@@ -181,12 +181,12 @@ def submit(fn: Any, args: list, stream: int, device_index: int, buf: BatchBuffer
             lib.cuCtxSetCurrent(previous)
 
 
-def chunk_addresses(binding: Any) -> list[int]:
-    """Address of each chunk's object row of an object binding
-    (``kvgroups_torch.cuda.objects.ObjectBinding``)."""
-    if binding.mode == P.OBJ_STRIDED:
-        return [binding.base + c * binding.stride for c in range(binding.num_chunks)]
-    return list(binding.addresses)
+def chunk_addresses(addresses: Any) -> list[int]:
+    """Address of each chunk's object row of one object group's
+    ``kvgroups_torch.cuda.objects.ObjectAddresses``."""
+    if addresses.mode == P.OBJ_STRIDED:
+        return [addresses.base + c * addresses.stride for c in range(addresses.num_chunks)]
+    return list(addresses.chunk_addresses)
 
 
 def object_on_host(entry: Any) -> bool:
@@ -286,13 +286,13 @@ def build_copies(
     plan: Any,
     indices: frozenset[int],
     plane_addresses: Any,
-    bindings: dict[int, Any],
+    addresses: dict[int, Any],
     on_host: Any = None,
     block_ids: Sequence[Any] | None = None,
 ) -> tuple[list, list]:
     """The copies of the groups ``indices`` of ``plan`` and, per group, whether its object
     side is pinned host memory (for :func:`enqueue`); ``plane_addresses(group)`` gives a
-    group's plane base addresses, ``bindings[g]`` object group ``g``'s binding. Raises
+    group's plane base addresses, ``addresses[g]`` object group ``g``'s ObjectAddresses. Raises
     before anything is enqueued."""
     pieces, host_sides = [], []
     for i in sorted(indices):
@@ -301,7 +301,7 @@ def build_copies(
         if block_ids is not None:
             ids = _checked_ids(block_ids[i], group, i)
         g = group.object_group_idx
-        chunks = chunk_addresses(bindings[g])
+        chunks = chunk_addresses(addresses[g])
         if len(chunks) < group.num_chunks:
             raise KVGroupsValueError(
                 f"objects[{g}]: expected at least {group.num_chunks} chunks, got {len(chunks)}"

@@ -106,7 +106,7 @@ def table_dir() -> Path:
     return Path(xdg) / "kvgroups"
 
 
-def table_path(gpu: str, driver: int) -> Path:
+def table_file(gpu: str, driver: int) -> Path:
     slug = re.sub(r"[^A-Za-z0-9]+", "-", gpu).strip("-").lower() or "gpu"
     return table_dir() / f"copy_paths-{slug}-{driver}.json"
 
@@ -141,7 +141,7 @@ def _read(device_index: int) -> PathTable | None:
     except Exception:  # no usable GPU or driver (CPU emulation): no table, the kernel
         return None
     try:
-        data = json.loads(table_path(gpu, driver).read_text())
+        data = json.loads(table_file(gpu, driver).read_text())
     except (OSError, ValueError):
         return None
     if data.get("version") != TABLE_VERSION:
@@ -189,7 +189,7 @@ def tune_copy_paths(
     moving more than ``max_bytes`` are left out), direction and object placement, the same
     prepared call with host ids runs with ``path="kernel"`` and ``path="copy_engine"``
     (medians of ``iters`` CUDA-event timings). With ``save`` the table is written to
-    :func:`table_path` and used by ``"auto"`` from now on in this process. ``on_point(point)``
+    :func:`table_file` and used by ``"auto"`` from now on in this process. ``on_point(point)``
     is called after each measurement (benchmarks print them). Takes a minute or two with the
     defaults.
     """
@@ -232,11 +232,11 @@ def tune_copy_paths(
                 ids = rng.permutation(num_blocks)[: chunks * chunk_tokens // bs]
                 objects = [big[:chunks]]
                 for direction in directions:
-                    kernel, engine = (
+                    kernel_ms, copy_engine_ms = (
                         _median_ms(_call(prep, direction, ids, objects, path), iters)
                         for path in ("kernel", "copy_engine")
                     )
-                    point = Point(direction, placement, page, chunks, kernel, engine)
+                    point = Point(direction, placement, page, chunks, kernel_ms, copy_engine_ms)
                     points.append(point)
                     if on_point is not None:
                         on_point(point)
@@ -245,11 +245,11 @@ def tune_copy_paths(
     gpu, driver = _gpu_and_driver(index)
     table = PathTable(points, gpu, driver)
     if save:
-        path = table_path(gpu, driver)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        file = table_file(gpu, driver)
+        file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = file.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(table.to_json(), indent=1))
-        tmp.replace(path)
+        tmp.replace(file)
         set_table(index, table)
     return table
 

@@ -28,7 +28,7 @@ from .launch import (
     plan_options,
     plane_addresses,
 )
-from .objects import ObjectBinding, bind_objects, region_spans, stage
+from .objects import ObjectAddresses, object_addresses, region_spans, stage
 
 
 class DeviceCaches:
@@ -39,7 +39,7 @@ class DeviceCaches:
     the
     device state, the :class:`GroupLaunch` lookups (hashing every cache address). Here those
     are kept from bind time; a call checks its objects with a few tensor attribute reads (the
-    derived :class:`ObjectBinding` is memoised by value, never by tensor identity, so a freed
+    derived :class:`ObjectAddresses` is memoised by value, never by tensor identity, so a freed
     and reused buffer is simply re-checked) and launches.
     """
 
@@ -50,17 +50,17 @@ class DeviceCaches:
         self.index = device_index
         self.device = torch.device("cuda", device_index)
         self.state = device_state(device_index)
-        self.addresses = cache_addresses_of(caches)
+        self.cache_addresses = cache_addresses_of(caches)
         self._launches: dict[int, tuple[Any, Any, GroupLaunch]] = {}
-        self._objects: dict[tuple[int, int, int], ObjectBinding] = {}
+        self._objects: dict[tuple[int, int, int], ObjectAddresses] = {}
 
-    def bind_device_objects(self, plan: Any, objects: Any) -> list[ObjectBinding] | None:
-        """One binding per object group when every object is a uint8 ``[num_chunks, nbytes]``
-        tensor with contiguous rows on this GPU (the hot case, recognised rather than checked:
-        it is what the core's ``check_objects`` and :meth:`TorchBackend.validate_objects`
-        accept there). None for anything else (pinned host, per-chunk buffers, a wrong shape
-        ...): the caller then runs those checks, which raise the precise errors, and the
-        generic path."""
+    def device_object_addresses(self, plan: Any, objects: Any) -> list[ObjectAddresses] | None:
+        """One ObjectAddresses per object group when every object is a uint8
+        ``[num_chunks, nbytes]`` tensor with contiguous rows on this GPU (the hot case,
+        recognised rather than checked: it is what the core's ``check_objects`` and
+        :meth:`TorchBackend.validate_objects` accept there). None for anything else (pinned
+        host, per-chunk buffers, a wrong shape ...): the caller then runs those checks, which
+        raise the precise errors, and the generic path."""
         sizes = plan.object_nbytes
         if type(objects) not in (list, tuple) or len(objects) != len(sizes):
             return None
@@ -78,28 +78,30 @@ class DeviceCaches:
             if stride[1] != 1 and nbytes > 1:
                 return None
             key = (t.data_ptr(), stride[0], rows)
-            binding = memo.get(key)
-            if binding is None:
+            found = memo.get(key)
+            if found is None:
                 unit = widest_unit(key[:2] if rows > 1 else key[:1])
-                binding = ObjectBinding(
+                found = ObjectAddresses(
                     P.OBJ_STRIDED, base=key[0], stride=key[1], unit=unit, num_chunks=rows
                 )
                 if len(memo) >= self._MAX_OBJECTS:
                     memo.clear()
-                memo[key] = binding
-            out.append(binding)
+                memo[key] = found
+            out.append(found)
         return out
 
-    def device_bindings(self, objects: Sequence[Any], rows: int) -> list[ObjectBinding] | None:
-        """The bindings :meth:`bind_device_objects` made for these objects, looked up by
+    def known_object_addresses(
+        self, objects: Sequence[Any], rows: int
+    ) -> list[ObjectAddresses] | None:
+        """The ObjectAddresses :meth:`device_object_addresses` made for these objects, looked up by
         address and row stride alone: for objects the core validated for this call's shape.
-        None when one was never bound here (pinned host objects, or the memo was cleared)."""
+        None when one was never seen here (pinned host objects, or the memo was cleared)."""
         memo, out = self._objects, []
         for t in objects:
-            binding = memo.get((t.data_ptr(), t.stride()[0], rows))
-            if binding is None:
+            found = memo.get((t.data_ptr(), t.stride()[0], rows))
+            if found is None:
                 return None
-            out.append(binding)
+            out.append(found)
         return out
 
     def launch_for(self, group: Any) -> GroupLaunch:
@@ -107,20 +109,20 @@ class DeviceCaches:
         ``runs`` (shared by every plan of one binding)."""
         hit = self._launches.get(id(group.planes))
         if hit is None or hit[0] is not group.planes or hit[1] is not group.runs:
-            hit = (group.planes, group.runs, group_launch(group, self.addresses, self.state))
+            hit = (group.planes, group.runs, group_launch(group, self.cache_addresses, self.state))
             if len(self._launches) >= self._MAX_LAUNCHES:
                 self._launches.clear()  # plans of many shapes (layer subsets, skips) came by
             self._launches[id(group.planes)] = hit
         return hit[2]
 
-    def execute(self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None = None) -> None:
-        """Enqueue every group of ``plan`` with objects already bound (``bindings[g]`` for
+    def execute(self, plan: Any, addresses: Any, block_ids: Sequence[Any] | None = None) -> None:
+        """Enqueue every group of ``plan`` with objects already addressed (``addresses[g]`` for
         object group ``g``); ``block_ids`` as for :func:`execute_checked_plan`."""
         groups = plan.groups
         if getattr(plan, "path", "kernel") != "kernel":
-            engine = copy_engine.copy_groups(plan, self.index, block_ids)
-            if engine:
-                self._execute_mixed(plan, bindings, block_ids, engine)
+            copy_engine_groups = copy_engine.copy_groups(plan, self.index, block_ids)
+            if copy_engine_groups:
+                self._execute_mixed(plan, addresses, block_ids, copy_engine_groups)
                 return
         launches = [self.launch_for(group) for group in groups]  # may raise: none ran
         stream = current_stream(self.index)
@@ -130,7 +132,7 @@ class DeviceCaches:
         ):  # the hot case, kept lean
             for launch, group in zip(launches, groups):
                 launch.launch(
-                    direction, group, bindings[group.object_group_idx], stream, max_ctas=max_ctas
+                    direction, group, addresses[group.object_group_idx], stream, max_ctas=max_ctas
                 )
             return
         skip, max_ctas = plan_options(plan, self.index)
@@ -138,7 +140,7 @@ class DeviceCaches:
             launches[i].launch(
                 direction,
                 group,
-                bindings[group.object_group_idx],
+                addresses[group.object_group_idx],
                 stream,
                 None if block_ids is None else block_ids[i],
                 skip=None if skip is None else group_skip(skip, group),
@@ -146,18 +148,22 @@ class DeviceCaches:
             )
 
     def _execute_mixed(
-        self, plan: Any, bindings: Any, block_ids: Sequence[Any] | None, engine: frozenset[int]
+        self,
+        plan: Any,
+        addresses: Any,
+        block_ids: Sequence[Any] | None,
+        copy_engine_groups: frozenset[int],
     ) -> None:
-        """Groups ``engine`` on the copy engines (one batch), the others as kernels."""
-        addresses = self.addresses
+        """Groups ``copy_engine_groups`` on the copy engines (one batch), the others as kernels."""
+        cache_addresses = self.cache_addresses
         copies = copy_engine.build_copies(
             plan,
-            engine,
-            lambda g: plane_addresses(g, addresses),
-            bindings if isinstance(bindings, dict) else dict(enumerate(bindings)),
+            copy_engine_groups,
+            lambda g: plane_addresses(g, cache_addresses),
+            addresses if isinstance(addresses, dict) else dict(enumerate(addresses)),
             block_ids=block_ids,
         )
-        rest = [i for i in range(len(plan.groups)) if i not in engine]
+        rest = [i for i in range(len(plan.groups)) if i not in copy_engine_groups]
         launches = {i: self.launch_for(plan.groups[i]) for i in rest}
         stream = current_stream(self.index)
         copy_engine.enqueue(*copies, plan.direction, self.index, stream)
@@ -167,7 +173,7 @@ class DeviceCaches:
             launches[i].launch(
                 plan.direction,
                 group,
-                bindings[group.object_group_idx],
+                addresses[group.object_group_idx],
                 stream,
                 None if block_ids is None else block_ids[i],
                 skip=None if skip is None else group_skip(skip, group),
@@ -183,7 +189,7 @@ def execute_plan(
     *,
     pinned: str = "direct",
     block_ids: Sequence[Any] | None = None,
-    bindings: dict[int, ObjectBinding] | None = None,
+    addresses: dict[int, ObjectAddresses] | None = None,
 ) -> None:
     """Enqueue every group of ``plan`` on the current stream of ``device_index``: the entry
     point for a plan that did not come through the core's calls (:class:`BoundPlan`, the
@@ -191,7 +197,7 @@ def execute_plan(
     :func:`execute_checked_plan` (whose parameters these are)."""
     check_objects(plan, objects, shape_of)
     execute_checked_plan(
-        plan, caches, objects, device_index, pinned=pinned, block_ids=block_ids, bindings=bindings
+        plan, caches, objects, device_index, pinned=pinned, block_ids=block_ids, addresses=addresses
     )
 
 
@@ -203,7 +209,7 @@ def execute_checked_plan(
     *,
     pinned: str = "direct",
     block_ids: Sequence[Any] | None = None,
-    bindings: dict[int, ObjectBinding] | None = None,
+    addresses: dict[int, ObjectAddresses] | None = None,
 ) -> None:
     """Enqueue every group of ``plan`` on the current stream of ``device_index``, its objects
     checked by the core (``TorchBackend.execute``) or by :func:`execute_plan`.
@@ -223,17 +229,17 @@ def execute_checked_plan(
     block_ids : sequence, optional
         One block-id array per group of ``plan`` replacing ``group.block_ids`` (CUDA int32 /
         int64 tensors are read in place by the kernel: nothing to copy, graph capturable).
-    bindings : dict, optional
-        Object bindings prepared ahead (by :class:`~kvgroups_torch.bound_plan.BoundPlan`),
+    addresses : dict, optional
+        Object addresses prepared ahead (by :class:`~kvgroups_torch.bound_plan.BoundPlan`),
         keyed by object group.
     """
     if pinned not in ("direct", "staged"):
         raise KVGroupsValueError(f"pinned: expected 'direct' or 'staged', got {pinned!r}")
     state = device_state(device_index)
     stream = current_stream(device_index)
-    addresses = cache_addresses_of(caches)
+    cache_addresses = cache_addresses_of(caches)
     direction = plan.direction
-    bindings = {} if bindings is None or pinned == "staged" else dict(bindings)
+    addresses = {} if addresses is None or pinned == "staged" else dict(addresses)
     copies_after: list[tuple[torch.Tensor, torch.Tensor]] = []
     # Staging buffers live until every launch is enqueued: one freed earlier goes back to the
     # caching allocator, which hands it to the next object group's staging at once (same size,
@@ -244,12 +250,12 @@ def execute_checked_plan(
         return copy_engine.object_on_host(objects[g])
 
     # The copy engines reach pinned objects themselves: their object groups are not staged.
-    engine = copy_engine.copy_groups(plan, device_index, block_ids, on_host)
-    direct = {plan.groups[i].object_group_idx for i in engine}
-    # Bind (and check) every object before the first launch: a rejected call moves nothing.
+    copy_engine_groups = copy_engine.copy_groups(plan, device_index, block_ids, on_host)
+    direct = {plan.groups[i].object_group_idx for i in copy_engine_groups}
+    # Address (and check) every object before the first launch: a rejected call moves nothing.
     for group in plan.groups:
         g = group.object_group_idx
-        if g not in bindings:
+        if g not in addresses:
             entry = objects[g]
             if (
                 pinned == "staged"
@@ -259,29 +265,34 @@ def execute_checked_plan(
                 spans = region_spans(plan, g)
                 entry = stage(entry, direction, device_index, spans, copies_after)
                 staged.append(entry)
-            bindings[g] = bind_objects(entry, device_index, f"objects[{g}]")
+            addresses[g] = object_addresses(entry, device_index, f"objects[{g}]")
     skip, max_ctas = plan_options(plan, device_index)
     copies = (
         copy_engine.build_copies(
-            plan, engine, lambda g: plane_addresses(g, addresses), bindings, on_host, block_ids
+            plan,
+            copy_engine_groups,
+            lambda g: plane_addresses(g, cache_addresses),
+            addresses,
+            on_host,
+            block_ids,
         )
-        if engine
+        if copy_engine_groups
         else None
     )
     launches = [
-        None if i in engine else group_launch(group, addresses, state)
+        None if i in copy_engine_groups else group_launch(group, cache_addresses, state)
         for i, group in enumerate(plan.groups)
     ]
     if copies is not None:
         copy_engine.enqueue(*copies, direction, device_index, stream)
     for i, group in enumerate(plan.groups):
-        if i in engine:
+        if i in copy_engine_groups:
             continue
         ids = None if block_ids is None else block_ids[i]
         launches[i].launch(
             direction,
             group,
-            bindings[group.object_group_idx],
+            addresses[group.object_group_idx],
             stream,
             ids,
             skip=None if skip is None else group_skip(skip, group),

@@ -2,7 +2,7 @@
 
 One launch per :class:`~kvgroups_core.transfer.plan.GroupTransfer`. What depends only on the group's
 geometry and the caches' addresses (the plane pointer table on the device, the packed
-``KvgParams`` per vector width, the kernel handle) is built once and cached; a call then only
+``KvgParams`` per vector width, the kernel handle) is built once and memoised; a call then only
 writes the block ids, the object addresses and the item range into the packed parameters and
 launches the kernel on PyTorch's current stream (``driver.Launcher``). Nothing here synchronises.
 """
@@ -31,16 +31,16 @@ from kvgroups_core.formats.segments import widest_unit
 
 from .device import DeviceState, forget_devices
 from .driver import Launcher
-from .objects import ObjectBinding, object_plane, to_device, to_table
+from .objects import ObjectAddresses, object_plane, to_device, to_table
 
 _INT32_MAX = 2**31 - 1
 
 
 def reset_caches() -> None:
-    """Forget loaded kernels and cached launch state (tests that change
+    """Forget loaded kernels and memoised launch state (tests that change
     ``geometry.WARP_MIN_PAGE_BYTES`` use this)."""
     forget_devices()
-    with _cache_lock:
+    with _memo_lock:
         _by_identity.clear()
         _by_value.clear()
 
@@ -138,7 +138,7 @@ class GroupLaunch:
         if all(stream in table.ready for table in self.tables):
             self.ready.add(stream)
 
-    def prepare(self, direction: str, objects: ObjectBinding) -> None:
+    def prepare(self, direction: str, objects: ObjectAddresses) -> None:
         """Build the packed parameters (and load the kernel) a launch with ``objects`` uses."""
         with self.lock:
             vector = widest_unit([self.base_unit, objects.unit])
@@ -209,7 +209,7 @@ class GroupLaunch:
         self,
         direction: str,
         group: Any,
-        objects: ObjectBinding,
+        objects: ObjectAddresses,
         stream: int,
         block_ids: Any = None,
         *,
@@ -240,10 +240,10 @@ class GroupLaunch:
         if objects.table is not None:
             objects.table.readable_on(stream)
         with self.lock:
-            keepalive = bind_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
+            keepalive = write_ids(p, ids, needed, self.shape.num_blocks, self.device.index)
             # Fields equal to the last launch's are not written again (ctypes writes are
-            # the bulk of a launch's host time): the bindings are memoised by value, so the
-            # same object buffer comes back as the same binding; every write to ``p`` goes
+            # the bulk of a launch's host time): the object addresses are memoised by value, so the
+            # same object buffer comes back as the same ObjectAddresses; every write to ``p`` goes
             # through here, under the lock.
             if p.last_objects is not objects:
                 write_objects(p, objects)
@@ -259,13 +259,13 @@ class GroupLaunch:
         del keepalive  # device copies of ids / tables are stream-ordered: safe to free now
 
 
-def write_objects(p: P.KvgParams, objects: ObjectBinding) -> None:
+def write_objects(p: P.KvgParams, objects: ObjectAddresses) -> None:
     """Point ``p`` at ``objects`` (under the launch state's lock)."""
     p.obj_mode = mode = objects.mode
     if mode == P.OBJ_STRIDED:
         p.obj_base, p.obj_chunk_stride = objects.base, objects.stride
     elif mode == P.OBJ_INLINE:
-        p.inline_objs[: len(objects.addresses)] = objects.addresses
+        p.inline_objs[: len(objects.chunk_addresses)] = objects.chunk_addresses
     else:
         p.obj_table = objects.table.address
     p.last_objects = objects
@@ -317,7 +317,7 @@ def on_device(t: torch.Tensor, device_index: int) -> bool:
     return t.is_cuda and t.get_device() == device_index
 
 
-def bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
+def write_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_index: int):
     """Point ``p`` at the block ids: a CUDA tensor is read in place (graph capturable); host
     ids go inline into the parameters when they fit, else to the device."""
     if (
@@ -380,20 +380,20 @@ def bind_ids(p: P.KvgParams, ids: Any, needed: int, num_blocks: int, device_inde
 
 
 ID_DTYPES = (torch.int32, torch.int64)
-_CACHE_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
+_MEMO_SIZE = 1024  # layer-wise calls: one launch state per layer subset and group
 _by_identity: OrderedDict[tuple, tuple[Any, Any, GroupLaunch]] = OrderedDict()
 _by_value: OrderedDict[tuple, GroupLaunch] = OrderedDict()
-_cache_lock = threading.Lock()
+_memo_lock = threading.Lock()
 
 
-def _remember(cache: OrderedDict, key: tuple, value: Any) -> None:
-    cache[key] = value
-    if len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
+def _remember(memo: OrderedDict, key: tuple, value: Any) -> None:
+    memo[key] = value
+    if len(memo) > _MEMO_SIZE:
+        memo.popitem(last=False)
 
 
 def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceState) -> GroupLaunch:
-    """The cached :class:`GroupLaunch` of ``group`` on these cache addresses.
+    """The memoised :class:`GroupLaunch` of ``group`` on these cache addresses.
 
     Looked up by the identity of the plan's ``planes`` / ``runs`` tuples first (free when the
     core reuses them across plans), then by value (hashes every plane).
@@ -413,17 +413,17 @@ def group_launch(group: Any, cache_addresses: tuple[int, ...], device: DeviceSta
     if hit is not None and hit[0] is group.planes and hit[1] is group.runs:
         return hit[2]
     vkey = (group.planes, group.runs, scalars, cache_addresses)
-    with _cache_lock:
+    with _memo_lock:
         launch = _by_value.get(vkey)
         if launch is None:
             plane_addresses = []
             for i, plane in enumerate(group.planes):
-                if not 0 <= plane.tensor_slot < len(cache_addresses):
+                if not 0 <= plane.tensor_index < len(cache_addresses):
                     raise KVGroupsIndexError(
-                        f"planes[{i}].tensor_slot: expected 0..{len(cache_addresses) - 1}, got "
-                        f"{plane.tensor_slot}"
+                        f"planes[{i}].tensor_index: expected 0..{len(cache_addresses) - 1}, got "
+                        f"{plane.tensor_index}"
                     )
-                plane_addresses.append(cache_addresses[plane.tensor_slot] + plane.byte_offset)
+                plane_addresses.append(cache_addresses[plane.tensor_index] + plane.byte_offset)
             launch = GroupLaunch(group, plane_addresses, device)
             _remember(_by_value, vkey, launch)
         _remember(_by_identity, ikey, (group.planes, group.runs, launch))
@@ -439,7 +439,7 @@ def cache_addresses_of(caches: Sequence[Any]) -> tuple[int, ...]:
 
 def plane_addresses(group: Any, cache_addresses: Sequence[int]) -> list[int]:
     """Address of block 0 of each plane of ``group``."""
-    return [cache_addresses[p.tensor_slot] + p.byte_offset for p in group.planes]
+    return [cache_addresses[p.tensor_index] + p.byte_offset for p in group.planes]
 
 
 def plan_options(plan: Any, device_index: int) -> tuple[DeviceSkip | None, int | None]:

@@ -20,13 +20,13 @@ from . import device_tables
 
 
 @dataclass
-class ObjectBinding:
+class ObjectAddresses:
     """Where the chunks of one object group live for one call."""
 
     mode: int
     base: int = 0
     stride: int = 0
-    addresses: tuple[int, ...] = ()
+    chunk_addresses: tuple[int, ...] = ()
     table: Any = None  # OBJ_TABLE: a device_tables.DeviceTable of the chunk addresses
     unit: int = 16
     num_chunks: int = 0
@@ -50,7 +50,7 @@ def check_object_placement(t: torch.Tensor, device_index: int, what: str) -> Non
         )
 
 
-def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
+def object_addresses(entry: Any, device_index: int, what: str) -> ObjectAddresses:
     """Object addressing of one object group, checked by the core's ``check_objects``: a
     ``[num_chunks, nbytes]`` uint8 tensor, or a sequence of ``num_chunks`` 1-D uint8
     tensors, anywhere on the device or in pinned host memory."""
@@ -58,7 +58,7 @@ def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
         check_object_placement(entry, device_index, what)
         base, stride = entry.data_ptr(), entry.stride(0)
         unit = widest_unit([base, stride] if entry.shape[0] > 1 else [base])
-        return ObjectBinding(
+        return ObjectAddresses(
             P.OBJ_STRIDED, base=base, stride=stride, unit=unit, num_chunks=entry.shape[0]
         )
     addresses = []
@@ -67,12 +67,16 @@ def bind_objects(entry: Any, device_index: int, what: str) -> ObjectBinding:
         addresses.append(t.data_ptr())
     unit = widest_unit(addresses)
     if len(addresses) <= P.INLINE_OBJS:
-        return ObjectBinding(
-            P.OBJ_INLINE, addresses=tuple(addresses), unit=unit, num_chunks=len(addresses)
+        return ObjectAddresses(
+            P.OBJ_INLINE, chunk_addresses=tuple(addresses), unit=unit, num_chunks=len(addresses)
         )
     table = to_table(np.asarray(addresses, dtype=np.int64), device_index)
-    return ObjectBinding(
-        P.OBJ_TABLE, table=table, addresses=tuple(addresses), unit=unit, num_chunks=len(addresses)
+    return ObjectAddresses(
+        P.OBJ_TABLE,
+        table=table,
+        chunk_addresses=tuple(addresses),
+        unit=unit,
+        num_chunks=len(addresses),
     )
 
 

@@ -13,8 +13,8 @@ from kvgroups_cuda import params as P
 
 from .device import current_stream
 from .execute import DeviceCaches
-from .launch import ID_DTYPES, bind_ids, on_device, write_objects, write_step
-from .objects import ObjectBinding
+from .launch import ID_DTYPES, on_device, write_ids, write_objects, write_step
+from .objects import ObjectAddresses
 
 
 class PlanRepeater:
@@ -36,7 +36,7 @@ class PlanRepeater:
         self.index = fast.index
         self.fallback = fallback
         # Contiguous int32/int64 tensors on the GPU are read in place: only their address
-        # changes between calls. Anything else (host ids) goes through bind_ids.
+        # changes between calls. Anything else (host ids) goes through write_ids.
         self.in_place = (
             isinstance(sample_ids, torch.Tensor)
             and sample_ids.dtype in ID_DTYPES
@@ -47,28 +47,28 @@ class PlanRepeater:
             P.IDS_DEVICE32 if getattr(sample_ids, "dtype", None) is torch.int32 else P.IDS_DEVICE64
         )
         self._steps: dict[Any, list[tuple]] = {}  # object vector units -> launch list
-        # The core's validated objects signature -> (bindings, launch list): a hit on the
+        # The core's validated objects signature -> (object addresses, launch list): a hit on the
         # signature of the last call's objects needs neither read again.
-        self._by_objects: dict[Any, tuple[list[ObjectBinding], list[tuple]]] = {}
+        self._by_objects: dict[Any, tuple[list[ObjectAddresses], list[tuple]]] = {}
 
-    def _bind(self, objects: Sequence[Any]) -> tuple[list, list[tuple]] | None:
-        """The device bindings of ``objects`` and the launch list for their alignment; None
-        when they are not device objects bound before (pinned host memory)."""
-        bindings = self.fast.device_bindings(objects, self.rows)
-        if bindings is None:
+    def _addresses_and_steps(self, objects: Sequence[Any]) -> tuple[list, list[tuple]] | None:
+        """The device addresses of ``objects`` and the launch list for their alignment; None
+        when they are not device objects seen before (pinned host memory)."""
+        addresses = self.fast.known_object_addresses(objects, self.rows)
+        if addresses is None:
             return None
-        units = bindings[0].unit if len(bindings) == 1 else tuple([b.unit for b in bindings])
+        units = addresses[0].unit if len(addresses) == 1 else tuple([b.unit for b in addresses])
         steps = self._steps.get(units)
         if steps is None:
-            steps = self._steps[units] = self._launch_list(bindings)
-        return bindings, steps
+            steps = self._steps[units] = self._launch_list(addresses)
+        return addresses, steps
 
-    def _launch_list(self, bindings: list[ObjectBinding]) -> list[tuple]:
+    def _launch_list(self, addresses: list[ObjectAddresses]) -> list[tuple]:
         plan, fast = self.plan, self.fast
         out = []
         for group in plan.groups:
             launch = fast.launch_for(group)
-            unit = bindings[group.object_group_idx].unit
+            unit = addresses[group.object_group_idx].unit
             step = launch.step(plan.direction, group, unit, plan.max_ctas)
             p, launcher, function, grid, needed, num_items = step[:6]
             if num_items:
@@ -93,22 +93,22 @@ class PlanRepeater:
         ``kvgroups_core.transfer.backend.BoundCaches.repeater``: ``(None, objects)``, nothing
         replaced).
         ``objects_key``: the core's validated signature of ``objects`` (address, dtype, shape
-        and strides of each), so what was bound for it before is bound again."""
+        and strides of each), so what was addressed for it before is used again."""
         found = self._by_objects.get(objects_key) if objects_key is not None else None
         if found is None:
-            found = self._bind(objects)
+            found = self._addresses_and_steps(objects)
             if found is None:
                 return self.fallback(ids, objects)
             if objects_key is not None:
                 if len(self._by_objects) >= self._MAX_OBJECTS:
                     self._by_objects.clear()
                 self._by_objects[objects_key] = found
-        bindings, steps = found
+        addresses, steps = found
         stream = current_stream(self.index)
         if self.in_place:
             address, mode = ids.data_ptr(), self.ids_mode
         for launch, p, launcher, function, grid, step, first_item, og, needed, nb in steps:
-            objs = bindings[og]
+            objs = addresses[og]
             if stream not in launch.ready:
                 launch.readable_on(stream)
             with launch.lock:
@@ -117,7 +117,7 @@ class PlanRepeater:
                     p.ids_mode = mode
                     keepalive = None
                 else:
-                    keepalive = bind_ids(p, ids, needed, nb, self.index)
+                    keepalive = write_ids(p, ids, needed, nb, self.index)
                 if p.last_objects is not objs:
                     write_objects(p, objs)
                 if p.last_step is not step:

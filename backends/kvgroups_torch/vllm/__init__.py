@@ -6,7 +6,7 @@
 - ``KVGroupsConnector``: a ``KVConnectorBase_V1`` (hybrid-aware) keeping a prefix cache of
   memory objects in host memory. Select it with ``KVTransferConfig(kv_connector=
   "KVGroupsConnector", kv_connector_module_path="kvgroups_torch.vllm", kv_role="kv_both")``.
-- :class:`HostChunkStore`: the connector's worker side without vLLM (slot buffers in host
+- :class:`HostChunkStore`: the connector's worker side without vLLM (pool buffers in host
   memory filled and read by prepared calls), public so that benchmarks measure its calls.
 
 The adapter imports no vLLM module (it reads vLLM's objects by their attributes), so it loads

@@ -27,13 +27,13 @@ WHERE = "kv_connector_extra_config"
 
 DEFAULT_CAPACITY_BYTES = 1 << 30
 
-#: The most chunk slots a host cache (``capacity_chunks``, or ``capacity_bytes`` in chunks) or
-#: a consumer's staging (``staging_chunks``) may have. Every slot costs its index memory at
+#: The most chunk entries a host cache (``capacity_chunks``, or ``capacity_bytes`` in chunks) or
+#: a consumer's staging (``staging_chunks``) may have. Every entry costs its index memory at
 #: start, before any chunk is held (a free-list entry: a pointer and an int, about 36 bytes),
 #: and a held chunk a hash entry and an LRU entry besides (a few hundred bytes), on top of its
-#: object bytes in host memory. 2**24 slots hold 4.3e9 tokens at the default chunk size, more
+#: object bytes in host memory. 2**24 entries hold 4.3e9 tokens at the default chunk size, more
 #: than any host's memory for a real model's KV; a bigger count would make the index alone
-#: allocate gigabytes (or fail to: 2**62 slots) when the engine starts.
+#: allocate gigabytes (or fail to: 2**62 entries) when the engine starts.
 MAX_CHUNKS = 1 << 24
 
 #: The most bytes ``capacity_bytes`` may name: 2**47 (128 TiB), the user address space of a
@@ -224,7 +224,7 @@ KEYS: tuple[ConfigKey, ...] = (
         "staging_chunks",
         int,
         64,
-        "a consumer's staging slots (chunks in flight at once)",
+        "a consumer's staging entries (chunks in flight at once)",
         minimum=1,
         maximum=MAX_CHUNKS,
     ),
@@ -307,7 +307,7 @@ def parse_extra_config(
 
 
 def host_capacity_chunks(config: ConnectorConfig, bytes_per_chunk: int) -> int:
-    """The host cache's slots: ``capacity_chunks``, or ``capacity_bytes`` in whole chunks of
+    """The host cache's entries: ``capacity_chunks``, or ``capacity_bytes`` in whole chunks of
     ``bytes_per_chunk`` (the model's), within [1, MAX_CHUNKS]; given bytes outside that
     are refused naming ``capacity_bytes``, the default ones are clamped to it."""
     if config.capacity_chunks is not None:

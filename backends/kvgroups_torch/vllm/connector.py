@@ -22,10 +22,10 @@ How a step runs:
   ``AttnWindowDesc.hit_chunks`` of the manager built from the config alone (full-attention
   groups need every chunk of the prefix, sliding-window groups only the last ones), cut so at
   least one prompt token is left to compute. ``build_connector_meta`` turns the step's
-  scheduled requests into loads (the hit's slots, the request's block ids) and saves (every
-  prompt chunk completed in this step and not cached yet, to slots it allocates, evicting LRU).
+  scheduled requests into loads (the hit's entries, the request's block ids) and saves (every
+  prompt chunk completed in this step and not cached yet, to entries it allocates, evicting LRU).
 - Worker: ``register_kv_caches`` builds the same manager from the registered tensors,
-  binds it once (``prepare``) and allocates one slot buffer per object group
+  binds it once (``prepare``) and allocates one pool buffer per object group
   (``[capacity, object_nbytes]`` uint8, pinned on CUDA). The step's transfers are pipelined
   with the forward (:mod:`.pipeline`): ``start_load_kv`` queues every hit's load layer by layer
   on a side stream and ``wait_for_layer_load`` makes the forward wait, on the GPU, for its own
@@ -81,7 +81,7 @@ if TYPE_CHECKING:
 
 @dataclass
 class TransferItem:
-    """One request's chunks to move: block ids by vLLM group id, one slot per chunk.
+    """One request's chunks to move: block ids by vLLM group id, one entry per chunk.
 
     A load also carries the tokens vLLM counts as present after it (``taken_tokens``).
     ``layers``: only these manager layers (a snapshot added to a cached chunk); None: all.
@@ -90,7 +90,7 @@ class TransferItem:
 
     req_id: str
     block_ids: dict[int, list[int]]
-    slots: list[int]
+    entries: list[int]
     skip_tokens: int = 0
     taken_tokens: int | None = None
     layers: list[int] | None = None
@@ -160,7 +160,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         self._index = ChunkIndex(self._capacity)
         self._requests: dict[str, _Request] = {}
         self._pending_hits: dict[str, tuple[int, int]] = {}
-        self._hash_cache: dict[str, list[bytes]] = {}
+        self._hash_memo: dict[str, list[bytes]] = {}
         self._loads_to_send: dict[str, tuple[int, int, list[int], int]] = {}
         # worker side
         self._layout: VllmKVLayout | None = None
@@ -202,10 +202,10 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     def _hashes(self, request: Request) -> list[bytes]:
         # Hashed once from the Request (it carries the cache salt, LoRA and multimodal
         # inputs); build_connector_meta reuses these for the request's saves.
-        hashes = self._hash_cache.get(request.request_id)
+        hashes = self._hash_memo.get(request.request_id)
         if hashes is None:
             hashes = chunk_hashes(list(request.prompt_token_ids or []), self._chunk, _salt(request))
-            self._hash_cache[request.request_id] = hashes
+            self._hash_memo[request.request_id] = hashes
         return hashes
 
     def on_new_request(self, request: Request) -> None:
@@ -261,14 +261,14 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         # vLLM may take fewer tokens than offered: load the chunks covering what it took
         # (tokens of a partly taken chunk are recomputed over identical values).
         hit = min(hit, -(-taken // self._chunk))
-        slots = self._index.lookup(self._hashes(request)[:hit])
-        if any(s is None for s in slots):  # cannot happen: nothing evicts between the calls
+        entries = self._index.lookup(self._hashes(request)[:hit])
+        if any(s is None for s in entries):  # cannot happen: nothing evicts between the calls
             raise KVGroupsValueError(f"request {request.request_id}: hit chunks were evicted")
-        self._index.touch(slots)
+        self._index.touch(entries)
         self._loads_to_send[request.request_id] = (
             hit,
             computed,
-            slots,
+            entries,
             computed + num_external_tokens,
         )
 
@@ -284,32 +284,32 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         todo = []
         items = []
         for c in range(state.saved_chunks, done):
-            slot = self._index.lookup([state.hashes[c]])[0]
-            if slot is None:
+            entry = self._index.lookup([state.hashes[c]])[0]
+            if entry is None:
                 todo.append(c)
                 continue
-            self._index.touch([slot])
-            if self._index.absent(slot) & self._state_ogs and self._snapshot(c, snapshots):
+            self._index.touch([entry])
+            if self._index.absent(entry) & self._state_ogs and self._snapshot(c, snapshots):
                 # A chunk cached without its snapshot; this request has it: add it.
                 items.append(
                     TransferItem(
                         req_id,
                         self._chunk_ids(state, [c], snapshots),
-                        [slot],
+                        [entry],
                         layers=self._state_layers,
                     )
                 )
-                self._index.mark_present(slot, self._state_ogs)
+                self._index.mark_present(entry, self._state_ogs)
         state.saved_chunks = max(state.saved_chunks, done)
         if not todo:
             return items
-        slots = self._index.allocate(len(todo), protected)
-        todo = todo[: len(slots)]
-        for c, s in zip(todo, slots):
+        entries = self._index.allocate(len(todo), protected)
+        todo = todo[: len(entries)]
+        for c, s in zip(todo, entries):
             absent = () if self._snapshot(c, snapshots) else self._state_ogs
             self._index.insert(state.hashes[c], s, absent)
-        # One store per run of consecutive slots: each writes into one view of the buffers.
-        for pos, first, n in consecutive_runs(slots):
+        # One store per run of consecutive entries: each writes into one view of the buffers.
+        for pos, first, n in consecutive_runs(entries):
             chunks = todo[pos : pos + n]
             ids = self._chunk_ids(state, chunks, snapshots)
             items.append(TransferItem(req_id, ids, list(range(first, first + n))))
@@ -346,8 +346,8 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         block_state = getattr(scheduler_output, "kv_connector_block_state", None)
         offers = getattr(block_state, "boundary_state_offloads", None) or {}
         out: dict[str, dict[int, dict[int, int]]] = {}
-        for req_id, entries in offers.items():
-            for gid, block_id, boundary in entries:
+        for req_id, offered in offers.items():
+            for gid, block_id, boundary in offered:
                 if gid in self._state_groups and boundary % self._chunk == 0:
                     out.setdefault(req_id, {}).setdefault(int(boundary), {})[gid] = int(block_id)
         return out
@@ -355,16 +355,16 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = KVGroupsConnectorMetadata()
         pd = self._pd_sched
-        protected: set[int] = pd.pinned_slots() if pd is not None else set()
+        protected: set[int] = pd.pinned_entries() if pd is not None else set()
         scheduled = scheduler_output.num_scheduled_tokens
         snapshots = self._snapshots(scheduler_output) if self._state_groups else {}
         touched: list[tuple[str, _Request, int]] = []
         for new in scheduler_output.scheduled_new_reqs:
             prompt = list(new.prompt_token_ids or [])
-            hashes = self._hash_cache.get(new.req_id)
+            hashes = self._hash_memo.get(new.req_id)
             if hashes is None:
                 hashes = chunk_hashes(prompt, self._chunk, _salt(new))
-                self._hash_cache[new.req_id] = hashes
+                self._hash_memo[new.req_id] = hashes
             state = _Request(prompt, hashes, [list(ids) for ids in new.block_ids])
             self._requests[new.req_id] = state
             after = new.num_computed_tokens + scheduled.get(new.req_id, 0)
@@ -415,19 +415,19 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         load = self._loads_to_send.pop(req_id, None)
         if load is None:
             return
-        hit, computed, slots, taken = load
+        hit, computed, entries, taken = load
         ids = self._plan_layout.block_ids(state.block_ids, hit)
         meta.loads.append(
             TransferItem(
                 req_id,
                 ids,
-                slots,
+                entries,
                 computed,
                 taken,
                 state_block_ids=self._running_state_ids(state, ids, computed_after),
             )
         )
-        protected.update(slots)
+        protected.update(entries)
         state.saved_chunks = hit
 
     def _running_state_ids(
@@ -464,7 +464,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
 
     def _forget(self, req_id: str) -> None:
         self._requests.pop(req_id, None)
-        self._hash_cache.pop(req_id, None)
+        self._hash_memo.pop(req_id, None)
         self._pending_hits.pop(req_id, None)
         self._loads_to_send.pop(req_id, None)
         self._counters.forget(req_id)
@@ -491,7 +491,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             state_layers=layout.state_layers,
         )
         log.info(
-            "KVGroupsConnector worker: %d host slots per object group (%s), %d kernel "
+            "KVGroupsConnector worker: %d host entries per object group (%s), %d kernel "
             "group(s), loads %s, saves %s",
             self._capacity,
             "pinned" if self._store.pinned else "pageable",
@@ -516,7 +516,7 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
         if meta is not None and meta.loads:
             self._steps.start_loads(meta.loads, hooks_will_run(forward_context))
             for item in meta.loads:
-                self._counters.add("loaded_chunks", len(item.slots))
+                self._counters.add("loaded_chunks", len(item.entries))
                 self._counters.add("load_calls")
         if self._pd_worker is not None and meta is not None:
             self._pd_worker.start_pulls(meta.pd_pulls)  # land in staging, loaded when done
@@ -539,10 +539,10 @@ class KVGroupsConnector(KVConnectorBase_V1, SupportsHMA):
             return
         saves = meta.saves if meta is not None else []
         # Later work on the forward's stream (next step's writes into these blocks, loads
-        # from these slots) runs after this step's transfers; the host does not wait.
+        # from these entries) runs after this step's transfers; the host does not wait.
         self._counters.add("store_calls", self._steps.finish_step(saves))
         for item in saves:
-            self._counters.add("saved_chunks", len(item.slots))
+            self._counters.add("saved_chunks", len(item.entries))
         if self._pd_worker is not None and meta is not None:
             self._pd_worker.publish(meta.pd_publishes)
 

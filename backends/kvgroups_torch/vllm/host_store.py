@@ -1,4 +1,4 @@
-"""The worker side of KVGroupsConnector without vLLM: slot buffers in host memory and the
+"""The worker side of KVGroupsConnector without vLLM: pool buffers in host memory and the
 kvgroups calls that fill and read them. The connector and the benchmark
 (benchmarks/bench_vllm_connector.py) both go through this class, so the benchmark measures the
 connector's own calls."""
@@ -21,7 +21,7 @@ def supports_layer_subsets() -> bool:
 
 
 class HostChunkStore:
-    """``capacity`` chunk slots per object group, bound once to the engine's caches.
+    """``capacity`` chunk entries per object group, bound once to the engine's caches.
 
     Parameters
     ----------
@@ -29,7 +29,7 @@ class HostChunkStore:
         The manager and the caches in its layer order (``VllmKVLayout.manager`` /
         ``.kv_caches``).
     capacity : int
-        Slots (chunks) of every object group's buffer, ``[capacity, object_nbytes]`` uint8.
+        Entries (chunks) of every object group's buffer, ``[capacity, object_nbytes]`` uint8.
     pinned : bool, optional
         Page-locked buffers (default: when the caches are on CUDA, which the kernels then read
         and write directly).
@@ -77,33 +77,33 @@ class HostChunkStore:
             return False
         return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(whole, parts))
 
-    def rows(self, slots: list[int]) -> list[torch.Tensor]:
-        """Each object group's rows for ``slots``: a view when they are consecutive, else a
-        gathered copy (loads only: saves always go to consecutive slots)."""
-        first = slots[0]
-        if slots == list(range(first, first + len(slots))):
-            return [pool[first : first + len(slots)] for pool in self.pools]
+    def rows(self, entries: list[int]) -> list[torch.Tensor]:
+        """Each object group's rows for ``entries``: a view when they are consecutive, else a
+        gathered copy (loads only: saves always go to consecutive entries)."""
+        first = entries[0]
+        if entries == list(range(first, first + len(entries))):
+            return [pool[first : first + len(entries)] for pool in self.pools]
         if self.pinned and torch.cuda.is_available():
             torch.cuda.current_stream().synchronize()  # earlier stores into these rows
-        index = torch.tensor(slots, dtype=torch.long)
+        index = torch.tensor(entries, dtype=torch.long)
         return [pool.index_select(0, index) for pool in self.pools]
 
     def load(
         self,
         block_ids: Any,
-        slots: list[int],
+        entries: list[int],
         skip_tokens: int = 0,
         layers: list[int] | None = None,
     ) -> None:
-        """Chunks in ``slots`` -> the blocks ``block_ids`` (all layers, or ``layers``)."""
+        """Chunks in ``entries`` -> the blocks ``block_ids`` (all layers, or ``layers``)."""
         self.prepared.load(
-            self.rows(slots), block_ids, skip_first_n_tokens=skip_tokens, layers=layers
+            self.rows(entries), block_ids, skip_first_n_tokens=skip_tokens, layers=layers
         )
 
-    def save(self, block_ids: Any, slots: list[int], layers: list[int] | None = None) -> None:
-        """The blocks ``block_ids`` (all layers, or ``layers``) -> consecutive ``slots``."""
-        self.prepared.store(block_ids, self.rows(slots), layers=layers)
+    def save(self, block_ids: Any, entries: list[int], layers: list[int] | None = None) -> None:
+        """The blocks ``block_ids`` (all layers, or ``layers``) -> consecutive ``entries``."""
+        self.prepared.store(block_ids, self.rows(entries), layers=layers)
 
-    def save_layer(self, block_ids: Any, slots: list[int], layer: int) -> None:
-        """One layer's pages -> its regions of the chunks in ``slots`` (needs layer subsets)."""
-        self.prepared.store(block_ids, self.rows(slots), layers=[layer])
+    def save_layer(self, block_ids: Any, entries: list[int], layer: int) -> None:
+        """One layer's pages -> its regions of the chunks in ``entries`` (needs layer subsets)."""
+        self.prepared.store(block_ids, self.rows(entries), layers=[layer])

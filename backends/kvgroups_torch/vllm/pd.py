@@ -8,20 +8,20 @@ proxies work unchanged:
    "do_remote_decode": True}`` (and ``max_tokens=1``).
 2. The producer saves the prompt's whole chunks into its host pool as it always does (the
    connector's prefix cache), and in the step where the last of them is saved its workers
-   publish those slots (:meth:`PDWorker.publish`); the scheduler pins them.
+   publish those entries (:meth:`PDWorker.publish`); the scheduler pins them.
    ``request_finished`` returns the params the decode request carries: NixlConnector's keys
    (``do_remote_prefill=True``, ``remote_engine_id``, ``remote_request_id``,
    ``remote_host``, ``remote_port``, ``tp_size``) and ``"kvgroups"``, the
-   :class:`~kvgroups_transport.Publication` (slots, chunk hashes, the grouping's
+   :class:`~kvgroups_transport.Publication` (entries, chunk hashes, the grouping's
    fingerprint). vLLM's blocks are freed at once: the objects live in the pool.
 3. The decode engine's scheduler checks the publication against its own grouping and prompt
    (fingerprint, chunk hashes) and offers the whole chunks it lacks as an asynchronous load;
-   its workers pull them into staging slots over the transport (NIXL), and only once a pull
+   its workers pull them into staging entries over the transport (NIXL), and only once a pull
    has landed is it loaded into the caches. A pull that fails (writer gone, timed out,
    released, refused) is reported in ``failed_recving``: with vLLM's
    ``kv_load_failure_policy="recompute"`` the decode engine computes the prompt itself.
 4. The consumer releases the publication; the producer's workers report it (worker
-   metadata) and the scheduler unpins the slots. Unreleased publications expire after
+   metadata) and the scheduler unpins the entries. Unreleased publications expire after
    ``publish_ttl_s``.
 
 Keys of ``kv_connector_extra_config`` added here (:data:`PD_KEYS`).
@@ -50,7 +50,7 @@ PD_KEYS: dict[str, Any] = {
     "side_channel_port": 5600,  # producer worker rank r answers at port + r
     "publish_ttl_s": 120.0,  # an unreleased publication's lifetime
     "pull_timeout_s": 30.0,  # deadline of one request's pull
-    "staging_chunks": 64,  # consumer staging slots (chunks in flight at once)
+    "staging_chunks": 64,  # consumer staging entries (chunks in flight at once)
 }
 
 PRODUCER_ROLES = ("kv_producer", "kv_both")
@@ -83,10 +83,10 @@ def pd_config(extra: Any) -> dict:
 
 @dataclass
 class PublishItem:
-    """Producer: request ``req_id``'s chunks are in ``slots`` (chunk order)."""
+    """Producer: request ``req_id``'s chunks are in ``entries`` (chunk order)."""
 
     req_id: str
-    slots: list[int]
+    entries: list[int]
     hashes: list[str]
 
 
@@ -144,7 +144,7 @@ class PDScheduler:
         )
         self.manager = layout.manager
         self.fingerprint = self.manager.fingerprint(across_degrees=True)
-        self._pins: dict[str, tuple[list[int], float]] = {}  # req -> (slots, expiry)
+        self._pins: dict[str, tuple[list[int], float]] = {}  # req -> (entries, expiry)
         self._to_publish: set[str] = set()
         self._published: dict[str, PublishItem] = {}
         self._pending: dict[str, tuple[Any, int, int]] = {}  # req -> (pub, hit, computed)
@@ -163,11 +163,11 @@ class PDScheduler:
         """Whether the connector saves prompt chunks (a pure consumer does not)."""
         return self.role != "kv_consumer"
 
-    def pinned_slots(self) -> set[int]:
+    def pinned_entries(self) -> set[int]:
         now = time.monotonic()
         for rid in [r for r, (_, exp) in self._pins.items() if exp < now]:
             del self._pins[rid]
-        return {s for slots, _ in self._pins.values() for s in slots}
+        return {s for entries, _ in self._pins.values() for s in entries}
 
     # --- producer ---------------------------------------------------------------------
 
@@ -186,14 +186,14 @@ class PDScheduler:
         whole = prompt_len // self.chunk
         if whole == 0 or min(computed, prompt_len) // self.chunk < whole:
             return None
-        slots = index.lookup(hashes[:whole])
-        n = next((i for i, s in enumerate(slots) if s is None), whole)
+        entries = index.lookup(hashes[:whole])
+        n = next((i for i, s in enumerate(entries) if s is None), whole)
         if n == 0:
             return None
-        item = PublishItem(request_id, [int(s) for s in slots[:n]], [h.hex() for h in hashes[:n]])
+        item = PublishItem(request_id, [int(s) for s in entries[:n]], [h.hex() for h in hashes[:n]])
         self._to_publish.discard(request_id)
         self._published[request_id] = item
-        self._pins[request_id] = (item.slots, time.monotonic() + self.cfg["publish_ttl_s"])
+        self._pins[request_id] = (item.entries, time.monotonic() + self.cfg["publish_ttl_s"])
         return item
 
     def finished_params(self, request: Any) -> dict | None:
@@ -212,7 +212,7 @@ class PDScheduler:
             "request_id": request.request_id,
             "transport": self.cfg["transport"],
             "pool_id": "host",
-            "slots": item.slots,
+            "entries": item.entries,
             "chunk_tokens": self.chunk,
             "fingerprint": self.fingerprint,
             "tp_size": self.tp_size,
@@ -375,7 +375,7 @@ class PDWorker:
     # --- producer ---------------------------------------------------------------------
 
     def publish(self, items: list[PublishItem]) -> None:
-        """After this step's saves: offer the requests' slots to readers."""
+        """After this step's saves: offer the requests' entries to readers."""
         if not items or self.transport is None:
             return
         caches = self._store.kv_caches
@@ -392,7 +392,7 @@ class PDWorker:
                 self._manager,
                 item.req_id,
                 _PoolView(self._store),
-                item.slots,
+                item.entries,
                 endpoints=_endpoints(self.cfg, size),
                 chunk_hashes=item.hashes,
             )

@@ -52,14 +52,14 @@ def hooks_will_run(forward_context: Any) -> bool:
     return getattr(mode, "name", mode) != "FULL"
 
 
-def slot_rows(pools: Sequence[torch.Tensor], slots: list[int]) -> list:
-    """Each object group's rows for ``slots``: one view for consecutive slots, else one view
+def entry_rows(pools: Sequence[torch.Tensor], entries: list[int]) -> list:
+    """Each object group's rows for ``entries``: one view for consecutive entries, else one view
     per chunk (objects as per-chunk lists), never a gathered copy (which would have to wait
     on the host for earlier saves into those rows)."""
-    first = slots[0]
-    if slots == list(range(first, first + len(slots))):
-        return [pool[first : first + len(slots)] for pool in pools]
-    return [[pool[s] for s in slots] for pool in pools]
+    first = entries[0]
+    if entries == list(range(first, first + len(entries))):
+        return [pool[first : first + len(entries)] for pool in pools]
+    return [[pool[s] for s in entries] for pool in pools]
 
 
 def _grouped(manager: Any) -> list[int]:
@@ -78,7 +78,7 @@ class StepTransfers:
     Parameters
     ----------
     store : HostChunkStore
-        The slot buffers and the prepared transfer.
+        The pool buffers and the prepared transfer.
     layer_index : dict of str to int
         vLLM layer name -> manager layer index (``VllmKVLayout.layer_index``).
     chunk_size : int
@@ -116,12 +116,12 @@ class StepTransfers:
     # ---------------------------------------------------------------- loads
 
     def start_loads(self, items: Sequence[Any], hooks_run: bool) -> None:
-        """Queue the step's loads (``items``: objects with ``block_ids``, ``slots``,
+        """Queue the step's loads (``items``: objects with ``block_ids``, ``entries``,
         ``skip_tokens`` and ``taken_tokens``)."""
         pipelined = []
         prepared = self.store.prepared
         for item in items:
-            rows = slot_rows(self.store.pools, item.slots)
+            rows = entry_rows(self.store.pools, item.entries)
             if self.loads is not None and hooks_run and not self._recomputed(item):
                 pipelined.append((rows, item.block_ids, item.skip_tokens))
                 if self.state_layers:  # no hook waits for these: before the forward
@@ -146,7 +146,7 @@ class StepTransfers:
         """The load writes blocks this step also computes: vLLM took fewer tokens than the
         chunks loaded (unknown counts as taken in full: the scheduler always sends it)."""
         taken = getattr(item, "taken_tokens", None)
-        return taken is not None and taken < len(item.slots) * self.chunk_size
+        return taken is not None and taken < len(item.entries) * self.chunk_size
 
     def wait_layer(self, layer_name: str) -> None:
         """Before ``layer_name``'s attention: its load is done (on the forward's stream)."""
@@ -174,7 +174,7 @@ class StepTransfers:
             return 0  # its KV is another layer's (sharing) or not cached
         mine = [item for item in items if _saves_layer(item, layer)]
         self.saves.save_many(
-            layer, [(item.block_ids, slot_rows(self.store.pools, item.slots)) for item in mine]
+            layer, [(item.block_ids, entry_rows(self.store.pools, item.entries)) for item in mine]
         )
         self._saved[layer] = None
         return len(mine)
@@ -207,7 +207,7 @@ class StepTransfers:
             if self.saves is None or not self._saved:
                 for item in saves:  # no hook ran (a FULL graph replay): one call per item
                     self.store.save(
-                        item.block_ids, item.slots, layers=getattr(item, "layers", None)
+                        item.block_ids, item.entries, layers=getattr(item, "layers", None)
                     )
                     calls += 1
             else:  # the layers no hook saved (state layers among them)
@@ -216,7 +216,7 @@ class StepTransfers:
                     self.saves.save_many(
                         layer,
                         [
-                            (item.block_ids, slot_rows(self.store.pools, item.slots))
+                            (item.block_ids, entry_rows(self.store.pools, item.entries))
                             for item in mine
                         ],
                     )

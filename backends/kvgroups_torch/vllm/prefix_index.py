@@ -1,11 +1,11 @@
-"""The scheduler's record of what the host cache holds: chunk hash -> slot, LRU eviction.
+"""The scheduler's record of what the host cache holds: chunk hash -> entry, LRU eviction.
 
 vLLM runs the scheduler and the workers in different processes, and only the scheduler may
 decide what a step loads. So the scheduler owns the index: it looks hits up, chooses the
-slot every save goes to (evicting the least recently used chunk when the cache is full) and
-sends those slots to the workers in the step's metadata. Workers keep nothing but the slot
+entry every save goes to (evicting the least recently used chunk when the cache is full) and
+sends those entries to the workers in the step's metadata. Workers keep nothing but the entry
 buffers, so the two sides cannot disagree. A worker runs a step's loads before its saves, and
-steps in order, so a slot chosen in step N holds its chunk for every load of step N+1 on.
+steps in order, so an entry chosen in step N holds its chunk for every load of step N+1 on.
 
 Framework-free (plain Python and NumPy).
 """
@@ -42,11 +42,11 @@ def chunk_hashes(token_ids: Sequence[int], chunk: int, salt: bytes = b"") -> lis
 
 
 class ChunkIndex:
-    """A fixed number of slots, each holding one chunk (every object group of it, except
+    """A fixed number of entries, each holding one chunk (every object group of it, except
     those recorded as absent: a recurrent-state snapshot the engine did not keep).
 
     ``lookup`` is side-effect free (vLLM may ask the same question twice); ``touch`` marks a
-    use; ``allocate`` hands out free slots, evicting least recently used ones, never a slot
+    use; ``allocate`` hands out free entries, evicting least recently used ones, never an entry
     in ``protected`` (those a load of the current step reads).
     """
 
@@ -60,60 +60,60 @@ class ChunkIndex:
                 f"capacity_chunks: expected a positive int, got {capacity_chunks!r}"
             )
         self.capacity = capacity_chunks
-        self._slot_of: dict[bytes, int] = {}
+        self._entry_of: dict[bytes, int] = {}
         self._lru: OrderedDict[int, bytes] = OrderedDict()  # oldest first
         self._free: list[int] = list(range(capacity_chunks))  # kept sorted
-        self._absent: dict[int, frozenset[int]] = {}  # slot -> object groups it lacks
+        self._absent: dict[int, frozenset[int]] = {}  # entry -> object groups it lacks
         self.evictions = 0
 
     def __len__(self) -> int:
-        return len(self._slot_of)
+        return len(self._entry_of)
 
     def __contains__(self, h: bytes) -> bool:
-        return h in self._slot_of
+        return h in self._entry_of
 
     def lookup(self, hashes: Iterable[bytes]) -> list[int | None]:
         """Slot of each hash, None where absent (no recency change)."""
-        return [self._slot_of.get(h) for h in hashes]
+        return [self._entry_of.get(h) for h in hashes]
 
     def present(self, hashes: Sequence[bytes], num_object_groups: int) -> np.ndarray:
         """``[len(hashes), num_object_groups]`` booleans for ``AttnWindowDesc.hit_chunks``:
         a cached chunk has every object group but those recorded absent."""
         out = np.zeros((len(hashes), max(num_object_groups, 1)), dtype=bool)
         for i, h in enumerate(hashes):
-            slot = self._slot_of.get(h)
-            if slot is not None:
+            entry = self._entry_of.get(h)
+            if entry is not None:
                 out[i] = True
-                for g in self._absent.get(slot, ()):
+                for g in self._absent.get(entry, ()):
                     out[i, g] = False
         return out
 
-    def absent(self, slot: int) -> frozenset[int]:
-        """The object groups ``slot`` does not hold."""
-        return self._absent.get(slot, frozenset())
+    def absent(self, entry: int) -> frozenset[int]:
+        """The object groups ``entry`` does not hold."""
+        return self._absent.get(entry, frozenset())
 
-    def mark_present(self, slot: int, groups: Iterable[int]) -> None:
-        """``groups`` of ``slot`` now hold their bytes (a snapshot stored later)."""
-        left = self._absent.get(slot, frozenset()) - set(groups)
+    def mark_present(self, entry: int, groups: Iterable[int]) -> None:
+        """``groups`` of ``entry`` now hold their bytes (a snapshot stored later)."""
+        left = self._absent.get(entry, frozenset()) - set(groups)
         if left:
-            self._absent[slot] = left
+            self._absent[entry] = left
         else:
-            self._absent.pop(slot, None)
+            self._absent.pop(entry, None)
 
-    def touch(self, slots: Iterable[int]) -> None:
-        for s in slots:
+    def touch(self, entries: Iterable[int]) -> None:
+        for s in entries:
             if s in self._lru:
                 self._lru.move_to_end(s)
 
     def allocate(self, n: int, protected: set[int] = frozenset()) -> list[int]:
-        """Up to ``n`` slots (fewer only when every other slot is protected), consecutive
+        """Up to ``n`` entries (fewer only when every other entry is protected), consecutive
         where the free list allows (fewer, longer transfers)."""
         while len(self._free) < n:
             victim = next((s for s in self._lru if s not in protected), None)
             if victim is None:
                 break
             h = self._lru.pop(victim)
-            del self._slot_of[h]
+            del self._entry_of[h]
             self._absent.pop(victim, None)
             self._free.append(victim)
             self.evictions += 1
@@ -128,43 +128,43 @@ class ChunkIndex:
             del self._free[start : start + n]
         return taken
 
-    def insert(self, h: bytes, slot: int, absent: Iterable[int] = ()) -> None:
-        """Record that ``slot`` now holds the chunk ``h`` (most recently used), without the
+    def insert(self, h: bytes, entry: int, absent: Iterable[int] = ()) -> None:
+        """Record that ``entry`` now holds the chunk ``h`` (most recently used), without the
         object groups in ``absent``."""
-        old = self._slot_of.get(h)
-        if old is not None and old != slot:
-            raise KVGroupsValueError(f"chunk already cached in slot {old}, got slot {slot}")
-        self._slot_of[h] = slot
-        self._lru[slot] = h
-        self._lru.move_to_end(slot)
+        old = self._entry_of.get(h)
+        if old is not None and old != entry:
+            raise KVGroupsValueError(f"chunk already cached in entry {old}, got entry {entry}")
+        self._entry_of[h] = entry
+        self._lru[entry] = h
+        self._lru.move_to_end(entry)
         missing = frozenset(absent)
         if missing:
-            self._absent[slot] = missing
+            self._absent[entry] = missing
         else:
-            self._absent.pop(slot, None)
+            self._absent.pop(entry, None)
 
 
-def _first_run(sorted_slots: list[int], n: int) -> int | None:
-    """Index of the first run of ``n`` consecutive slot numbers, or None."""
+def _first_run(sorted_entries: list[int], n: int) -> int | None:
+    """Index of the first run of ``n`` consecutive entry numbers, or None."""
     if n == 0:
         return 0
     run_start = 0
-    for i in range(len(sorted_slots)):
-        if i > 0 and sorted_slots[i] != sorted_slots[i - 1] + 1:
+    for i in range(len(sorted_entries)):
+        if i > 0 and sorted_entries[i] != sorted_entries[i - 1] + 1:
             run_start = i
         if i - run_start + 1 >= n:
             return i - n + 1
     return None
 
 
-def consecutive_runs(slots: Sequence[int]) -> list[tuple[int, int, int]]:
-    """``(position, first_slot, length)`` of each maximal run of consecutive slots."""
+def consecutive_runs(entries: Sequence[int]) -> list[tuple[int, int, int]]:
+    """``(position, first_entry, length)`` of each maximal run of consecutive entries."""
     runs = []
     i = 0
-    while i < len(slots):
+    while i < len(entries):
         j = i + 1
-        while j < len(slots) and slots[j] == slots[j - 1] + 1:
+        while j < len(entries) and entries[j] == entries[j - 1] + 1:
             j += 1
-        runs.append((i, slots[i], j - i))
+        runs.append((i, entries[i], j - i))
         i = j
     return runs

@@ -6,7 +6,7 @@ Counted in chunks (the connector's unit of caching):
   ``hit_chunks`` (found in the host cache and offered to vLLM), ``miss_chunks`` (not found),
   ``evicted_chunks`` (least recently used chunks dropped to make room for saves);
 - worker side: ``loaded_chunks`` / ``saved_chunks`` (moved between the engine's blocks and the
-  host slots) and the ``load_calls`` / ``store_calls`` that moved them.
+  host entries) and the ``load_calls`` / ``store_calls`` that moved them.
 
 vLLM collects them through the connector's hooks: each process's connector hands over what it
 counted since the last call (``get_kv_connector_stats``), the scheduler adds the two sides

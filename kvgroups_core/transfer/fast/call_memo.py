@@ -80,20 +80,20 @@ def call_key(
 class _Entry:
     """One validated plan signature."""
 
-    __slots__ = ("scope", "checks", "slots", "positions", "keys", "run")
+    __slots__ = ("scope", "checks", "indices", "positions", "keys", "run")
 
     def __init__(
         self,
         scope: tuple,
         checks: tuple | None,
-        slots: tuple,
+        indices: tuple,
         positions: tuple | None,
         keys: Any,
         run: Any,
     ) -> None:
         self.scope = scope  # (direction, num_chunks): what the objects were validated for
         self.checks = checks  # host ids: (used ids, num_blocks) to check per call; else None
-        self.slots = slots  # the bound tensor slots the plan's planes touch
+        self.indices = indices  # the tensor indices of the bound tensors the plan's planes touch
         self.positions = positions  # where a flat structure holds them (None: check it whole)
         self.keys = keys  # their fingerprints when recorded (None: no fingerprints)
         self.run = run  # BoundCaches.repeater(plan, ...)
@@ -110,7 +110,7 @@ class CallMemo:
         self._objects_key = getattr(backend, "objects_key", None) or numpy_objects_key
         self._plans: dict[tuple, _Entry] = {}
         self._objects: dict[tuple, bool] = {}
-        # The bound tensors of each entry's slots, by entry (an identity hash): the only
+        # The bound tensors each entry touches, by entry (an identity hash): the only
         # references the memo holds to caches, dropped in one step when the binding lets go
         # of its tensors (a parked one-shot binding, once per one-shot call).
         self._held: dict[_Entry, list] = {}
@@ -146,7 +146,7 @@ class CallMemo:
         if entry.keys is not None and not fingerprints_checked:
             tensors = self._held.get(entry)
             if tensors is None:
-                tensors = self._held[entry] = self._guard.watch(entry.slots)[0]
+                tensors = self._held[entry] = self._guard.watch(entry.indices)[0]
             # entry.keys is recorded only by a guard with fingerprints: keys_match is set
             if not self._keys_match(tensors, entry.keys):  # type: ignore[misc]
                 return None  # a touched tensor was reallocated: the full path rebinds or raises
@@ -187,15 +187,15 @@ class CallMemo:
             if checks is None:
                 return
             block_ids = block_ids.astype(np.int64, copy=False)
-        slots = tuple(sorted({p.tensor_slot for g in plan.groups for p in g.planes}))
-        tensors, keys = self._guard.watch(slots)
+        indices = tuple(sorted({p.tensor_index for g in plan.groups for p in g.planes}))
+        tensors, keys = self._guard.watch(indices)
         if len(self._plans) >= _MAX_PLANS:
             self._plans.clear()
             self._held = {}
         entry = self._plans[key] = _Entry(
             scope,
             checks,
-            slots,
+            indices,
             self._guard.positions_of(tensors),
             keys,
             self._bound.repeater(plan, block_ids),

@@ -52,7 +52,7 @@ class _Park:
         self.flat = flat  # kv_caches is a list of tensors: identity per entry says it all
         self.signature = signature  # otherwise: the containers' types and lengths
         self.leaf_refs = leaf_refs
-        self.slot_refs = slot_refs  # None: the leaves are the bound tensors, in slot order
+        self.slot_refs = slot_refs  # None: the leaves are the bound tensors, in tensor_index order
         # While a call uses the park: the structure and slot list it was restored with
         # (parking again after a call that kept both reuses the references).
         self.taken: tuple | None = None
@@ -159,7 +159,7 @@ def _put(manager: Any, entry: _Park) -> None:
 
 def take(manager: Any, kv_caches: Any) -> tuple[_Park, list, list, Any] | None:
     """The manager's park when ``kv_caches`` are the caches it last moved: ``(park, the
-    structure's leaves, the bound tensors in slot order, the copy of the structure those
+    structure's leaves, the bound tensors in tensor_index order, the copy of the structure those
     leaves were read from)``, its transfer still released (the caller checks the call's
     backend, then calls :func:`restore` with that copy). None otherwise; the park is taken
     out either way, so no other thread uses it meanwhile."""

@@ -49,7 +49,7 @@ def _move_group(t: Any, store: bool, caches: list[np.ndarray], objects: Any) -> 
     for chunk, pos, block in zip(chunks.tolist(), positions.tolist(), ids.tolist()):
         obj = _chunk_bytes(objects, chunk)
         for plane in t.planes:
-            cache = caches[plane.tensor_slot]
+            cache = caches[plane.tensor_index]
             block_base = plane.byte_offset + block * t.block_stride_bytes
             # The plane's place in the object region (not its index in t.planes: a plan for a
             # subset of layers keeps only some planes).
