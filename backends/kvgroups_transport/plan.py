@@ -18,15 +18,19 @@ from __future__ import annotations
 from typing import Any, Sequence
 
 from kvgroups_core import object_regions
-from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.grouping.manager import check_manager
 from kvgroups_core.transfer.tp_reshard import ObjectReads, coalesce
 
-from .base import Copy
+from .base import Copy, checked_int
 
 
 def chunks_to_read(manager: Any, num_chunks: int, first_chunk: int = 0) -> list[list[int]]:
     """Per object group, the chunks in ``[first_chunk, num_chunks)`` a load of the request's
     chunks reads (``first_chunk``: the chunks the reader already holds)."""
+    manager = check_manager(manager)
+    num_chunks = checked_int(num_chunks, "num_chunks", 0, 1 << 31)
+    first_chunk = checked_int(first_chunk, "first_chunk", 0)
     if not 0 <= first_chunk <= num_chunks:
         raise KVGroupsValueError(
             f"first_chunk: expected 0 <= first_chunk <= num_chunks ({num_chunks}), got "
@@ -38,6 +42,13 @@ def chunks_to_read(manager: Any, num_chunks: int, first_chunk: int = 0) -> list[
         start = max(first_chunk, num_chunks - window) if window >= 1 else first_chunk
         out.append(list(range(start, num_chunks)))
     return out
+
+
+def _entries(values: Any, what: str) -> list[int]:
+    """Pool entries as plain ints >= 0 (floats, strings and bools refused, not coerced)."""
+    if not isinstance(values, (list, tuple, range)):
+        raise KVGroupsTypeError(f"{what}: expected a list of ints, got {type(values).__name__}")
+    return [checked_int(v, f"{what}[{i}]", 0, 1 << 62) for i, v in enumerate(values)]
 
 
 def _runs(pairs: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
@@ -63,6 +74,8 @@ def pull_copies(
     ``remote_entries[i]`` / ``local_entries[i]``: the writer's and the reader's entry of the i-th
     chunk to move. ``layers``: move only those layers' rows (layer streaming).
     """
+    remote_entries = _entries(remote_entries, "remote_entries")
+    local_entries = _entries(local_entries, "local_entries")
     if len(remote_entries) != len(local_entries):
         raise KVGroupsValueError(
             f"local_entries: expected one per remote entry ({len(remote_entries)}), got "
@@ -72,7 +85,7 @@ def pull_copies(
         reads.ranges.get(src_rank, ()) if layers is None else reads.layer_ranges(src_rank, layers)
     )
     og = reads.object_group_idx
-    pairs = list(zip((int(s) for s in remote_entries), (int(s) for s in local_entries)))
+    pairs = list(zip(remote_entries, local_entries))
     if ranges == ((0, reads.src_nbytes),):
         return [
             Copy(

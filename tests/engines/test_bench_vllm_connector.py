@@ -9,6 +9,7 @@ torch = pytest.importorskip("torch")
 
 from kvgroups_torch.vllm.host_store import HostChunkStore, supports_layer_subsets  # noqa: E402
 
+import kvgroups_core as kc  # noqa: E402
 from kvgroups_core import EngineGroupInfo, EngineKVFormat, KVLayerGroupsManager  # noqa: E402
 
 
@@ -78,3 +79,60 @@ def store_call(m, caches, ids, layers=None):
     from kvgroups_core import store
 
     return store(m, caches, ids, layers=layers) if layers else store(m, caches, ids)
+
+
+def _small_store(capacity: int = 4) -> tuple:
+    caches = vllm_caches(layers=2, blocks=40, bs=16, heads=2, head=64)
+    info = EngineGroupInfo(engine_group_id=0, layer_indices=(0, 1), tokens_per_block=16)
+    m = KVLayerGroupsManager(caches, EngineKVFormat.NL_X_NB_BS_NH_CS, [info])
+    return m, caches, HostChunkStore(m, caches, capacity=capacity)
+
+
+@pytest.mark.parametrize("entries", [[3, 1], [1, 1], [2, 0]])
+def test_a_save_into_entries_that_are_not_consecutive_is_refused_not_lost(entries):
+    # A save writes through a view of consecutive pool rows; any other entries were gathered
+    # into a copy that the store filled and dropped: the call returned, the pool kept nothing.
+    _, _, store = _small_store()
+    before = [p.clone() for p in store.pools]
+    ids = {0: list(range(32))}
+    for call in (lambda: store.save(ids, entries), lambda: store.save_layer(ids, entries, 0)):
+        with pytest.raises(kc.KVGroupsValueError, match="^entries: expected consecutive"):
+            call()
+    assert all(torch.equal(p, b) for p, b in zip(store.pools, before))
+
+
+@pytest.mark.parametrize(
+    "kw, error, name",
+    [
+        ({"capacity": "4"}, kc.KVGroupsTypeError, "capacity"),
+        ({"capacity": 1.5}, kc.KVGroupsTypeError, "capacity"),
+        ({"capacity": True}, kc.KVGroupsTypeError, "capacity"),
+        ({"capacity": 0}, kc.KVGroupsValueError, "capacity"),
+        ({"capacity": 2**70}, kc.KVGroupsValueError, "capacity"),
+        ({"capacity": 4, "pinned": "no"}, kc.KVGroupsTypeError, "pinned"),
+        ({"manager": None, "capacity": 4}, kc.KVGroupsTypeError, "manager"),
+    ],
+)
+def test_the_store_checks_its_arguments_by_name(kw, error, name):
+    m, caches, _ = _small_store()
+    kw = {"manager": m, **kw}
+    with pytest.raises(error, match=f"^{name}: expected"):
+        HostChunkStore(kw.pop("manager"), caches, **kw)
+
+
+@pytest.mark.parametrize(
+    "entries, error, name",
+    [
+        ([], kc.KVGroupsTypeError, "entries"),
+        (None, kc.KVGroupsTypeError, "entries"),
+        ([1.5, 2], kc.KVGroupsTypeError, r"entries\[0\]"),
+        ([3, 9], kc.KVGroupsValueError, r"entries\[1\]"),
+        ([-1, 0], kc.KVGroupsValueError, r"entries\[0\]"),
+    ],
+)
+def test_entries_are_checked_by_name_before_any_byte_moves(entries, error, name):
+    _, caches, store = _small_store()
+    before = [c.clone() for c in caches]
+    with pytest.raises(error, match=f"^{name}: expected"):
+        store.load({0: list(range(8, 40))}, entries)
+    assert all(torch.equal(c, b) for c, b in zip(caches, before))

@@ -322,3 +322,40 @@ def test_importing_the_interface_loads_no_framework_and_no_transport():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+@pytest.mark.parametrize(
+    "remote, local, error, name",
+    [
+        ([1.9, 2.9], [0, 1], "KVGroupsTypeError", r"remote_entries\[0\]"),
+        (["2", "3"], [0, 1], "KVGroupsTypeError", r"remote_entries\[0\]"),
+        ([2, 3], [-1, 0], "KVGroupsValueError", r"local_entries\[0\]"),
+        (None, [0, 1], "KVGroupsTypeError", "remote_entries"),
+        ([2, True], [0, 1], "KVGroupsTypeError", r"remote_entries\[1\]"),
+    ],
+)
+def test_pull_copies_take_entries_as_ints_only(remote, local, error, name):
+    # 1.9 went through int() and read entry 1: another chunk's bytes, silently.
+    from kvgroups_transport import pull_copies
+
+    import kvgroups_core as kc
+
+    m = manager(MODEL, make_model_caches(MODEL, np.random.default_rng(0)))
+    reads = kc.plan_reads(m, 1).objects[0]
+    assert pull_copies(reads, 0, [2, 3], [0, 1])[0].remote_entry == 2
+    with pytest.raises(getattr(kc, error), match=f"^{name}: expected"):
+        pull_copies(reads, 0, remote, local)
+
+
+def test_chunks_to_read_checks_its_counts_by_name():
+    import kvgroups_core as kc
+
+    m = manager(MODEL, make_model_caches(MODEL, np.random.default_rng(0)))
+    for args, error, name in [
+        ((m, 2.5), kc.KVGroupsTypeError, "num_chunks"),
+        ((m, 2**70), kc.KVGroupsValueError, "num_chunks"),
+        ((m, 3, "1"), kc.KVGroupsTypeError, "first_chunk"),
+        ((None, 3), kc.KVGroupsTypeError, "manager"),
+    ]:
+        with pytest.raises(error, match=f"^{name}: expected"):
+            chunks_to_read(*args)

@@ -11,8 +11,12 @@ from typing import Any
 import torch
 
 from kvgroups_core import object_nbytes, prepare
-from kvgroups_core.errors import KVGroupsValueError
+from kvgroups_core.errors import KVGroupsTypeError, KVGroupsValueError
+from kvgroups_core.grouping.engine_groups import as_bool, as_int
+from kvgroups_core.grouping.manager import check_manager
 from kvgroups_core.transfer.api import PreparedTransfer
+
+from .config import MAX_CHUNKS
 
 
 def supports_layer_subsets() -> bool:
@@ -38,10 +42,16 @@ class HostChunkStore:
     def __init__(
         self, manager: Any, kv_caches: list, capacity: int, pinned: bool | None = None
     ) -> None:
-        self.manager = manager
+        self.manager = check_manager(manager)
+        capacity = as_int(capacity, "capacity")
+        if not 1 <= capacity <= MAX_CHUNKS:  # the connector's own bound
+            raise KVGroupsValueError(
+                f"capacity: expected between 1 and {MAX_CHUNKS} entries, got {capacity}"
+            )
+        self.capacity = capacity
         self.kv_caches = kv_caches
         device = kv_caches[0].device if kv_caches else torch.device("cpu")
-        self.pinned = device.type == "cuda" if pinned is None else bool(pinned)
+        self.pinned = device.type == "cuda" if pinned is None else as_bool(pinned, "pinned")
         self.object_bytes = [object_nbytes(manager, g) for g in range(manager.num_object_groups)]
         try:
             self.pools = [
@@ -77,9 +87,27 @@ class HostChunkStore:
             return False
         return all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(whole, parts))
 
+    def _entries(self, entries: Any, consecutive: bool) -> list[int]:
+        """``entries`` checked: a non-empty list of ints in ``[0, capacity)``; consecutive
+        ones for a save (it writes through a view of the pool; a gathered copy would be lost)."""
+        if not isinstance(entries, (list, tuple, range)) or len(entries) == 0:
+            raise KVGroupsTypeError(
+                f"entries: expected a non-empty list of pool entries, got {entries!r}"
+            )
+        out = [as_int(e, f"entries[{i}]") for i, e in enumerate(entries)]
+        for i, e in enumerate(out):
+            if not 0 <= e < self.capacity:
+                raise KVGroupsValueError(
+                    f"entries[{i}]: expected an entry in [0, {self.capacity}), got {e}"
+                )
+        if consecutive and out != list(range(out[0], out[0] + len(out))):
+            raise KVGroupsValueError(f"entries: expected consecutive entries for a save, got {out}")
+        return out
+
     def rows(self, entries: list[int]) -> list[torch.Tensor]:
         """Each object group's rows for ``entries``: a view when they are consecutive, else a
         gathered copy (loads only: saves always go to consecutive entries)."""
+        entries = self._entries(entries, consecutive=False)
         first = entries[0]
         if entries == list(range(first, first + len(entries))):
             return [pool[first : first + len(entries)] for pool in self.pools]
@@ -102,8 +130,8 @@ class HostChunkStore:
 
     def save(self, block_ids: Any, entries: list[int], layers: list[int] | None = None) -> None:
         """The blocks ``block_ids`` (all layers, or ``layers``) -> consecutive ``entries``."""
-        self.prepared.store(block_ids, self.rows(entries), layers=layers)
+        self.prepared.store(block_ids, self.rows(self._entries(entries, True)), layers=layers)
 
     def save_layer(self, block_ids: Any, entries: list[int], layer: int) -> None:
         """One layer's pages -> its regions of the chunks in ``entries`` (needs layer subsets)."""
-        self.prepared.store(block_ids, self.rows(entries), layers=[layer])
+        self.prepared.store(block_ids, self.rows(self._entries(entries, True)), layers=[layer])
